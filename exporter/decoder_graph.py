@@ -1,0 +1,251 @@
+"""Builds the paged-KV decoder graph for the Llama family straight from the weights.
+
+One step runs a batch of sequences whose new tokens are flattened to `num_tokens`; projections and
+MLPs work on the flat tokens (no padding waste), attention on a padded [batch, query_len] view.
+Past K/V is read only through block tables, so blocks can be shared between sequences; the graph
+returns this step's K/V and the runtime writes it into its blocks. See docs/ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from exporter.onnx_builder import FLOAT, INT64, MS_DOMAIN, GraphBuilder
+from runtime import contract as C
+
+
+@dataclass
+class DecoderSpec:
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_positions: int
+    rope_cos: np.ndarray  # [max_positions, head_dim // 2]
+    rope_sin: np.ndarray
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+
+
+@dataclass
+class LoraSlots:
+    """Shape of the LoRA inputs of the LoRA graph variant."""
+
+    targets: tuple[str, ...] = C.LORA_TARGETS
+    extra: dict = field(default_factory=dict)
+
+
+def _proj_features(spec: DecoderSpec) -> dict[str, tuple[int, int]]:
+    h, d = spec.hidden_size, spec.head_dim
+    return {
+        "q_proj": (h, spec.num_heads * d), "k_proj": (h, spec.num_kv_heads * d),
+        "v_proj": (h, spec.num_kv_heads * d), "o_proj": (spec.num_heads * d, h),
+        "gate_proj": (h, spec.intermediate_size), "up_proj": (h, spec.intermediate_size),
+        "down_proj": (spec.intermediate_size, h),
+    }
+
+
+def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraSlots | None = None,
+                  weight_dtype: type = np.float32, tied_gemm: bool = False):
+    """Return an onnx.ModelProto. `weights` uses Hugging Face names, float32, [out, in] layout.
+
+    weight_dtype=np.float16 stores matmul weights as fp16 behind a Cast (ORT folds it at load).
+    tied_gemm=True reads the LM head from the embedding table (Gemm transB) instead of a copy.
+    """
+    b = GraphBuilder(f"ruvllm_{spec.architecture}_decoder")
+    nl, hq, hkv, d = spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    group = hq // hkv
+    h = spec.hidden_size
+
+    def matmul_weight(name: str, w_out_in: np.ndarray) -> str:
+        wt = np.ascontiguousarray(w_out_in.T)
+        if weight_dtype == np.float32:
+            return b.weight(name, wt.astype(np.float32))
+        stored = b.weight(name, wt.astype(weight_dtype))
+        return b.op("Cast", [stored], to=FLOAT, name=f"{name}/cast")
+
+    # ---- inputs ----
+    input_ids = b.input(C.INPUT_IDS, INT64, ["num_tokens"])
+    position_ids = b.input(C.POSITION_IDS, INT64, ["num_tokens"])
+    query_index = b.input(C.QUERY_INDEX, INT64, ["batch", "query_len"])
+    flat_index = b.input(C.FLAT_INDEX, INT64, ["num_tokens"])
+    block_tables = b.input(C.BLOCK_TABLES, INT64, ["batch", "max_blocks"])
+    logits_index = b.input(C.LOGITS_INDEX, INT64, ["num_logits"])
+    temperature = b.input(C.TEMPERATURE, FLOAT, ["num_logits"])
+    rep_pen = b.input(C.REPETITION_PENALTY, FLOAT, ["num_logits"])
+    pres_pen = b.input(C.PRESENCE_PENALTY, FLOAT, ["num_logits"])
+    freq_pen = b.input(C.FREQUENCY_PENALTY, FLOAT, ["num_logits"])
+    sparse_ids = b.input(C.SPARSE_IDS, INT64, ["num_logits", "num_sparse"])
+    sparse_counts = b.input(C.SPARSE_COUNTS, FLOAT, ["num_logits", "num_sparse"])
+    sparse_bias = b.input(C.SPARSE_BIAS, FLOAT, ["num_logits", "num_sparse"])
+    top_k = b.input(C.TOP_K, INT64, [1])
+    pool_shape = ["num_blocks", "block_size", hkv, d]
+    past = [(b.input(C.past_key(i), FLOAT, pool_shape), b.input(C.past_value(i), FLOAT, pool_shape))
+            for i in range(nl)]
+    features = _proj_features(spec)
+    lora_in = {}
+    lora_w = None
+    if lora is not None:
+        lora_weights = b.input(C.LORA_WEIGHTS, FLOAT, ["num_tokens", "num_adapters"])
+        for t in lora.targets:
+            fin, fout = features[t]
+            lora_in[t] = (b.input(C.lora_a(t), FLOAT, [nl, "num_adapters", fin, "rank"]),
+                          b.input(C.lora_b(t), FLOAT, [nl, "num_adapters", "rank", fout]))
+        # [num_adapters, num_tokens, 1]: per-token mixing weight of each adapter
+        lora_w = b.op("Unsqueeze", [b.op("Transpose", [lora_weights], perm=[1, 0]), b.const([2])])
+
+    def lora_delta(layer: int, target: str, x: str) -> str | None:
+        if target not in lora_in:
+            return None
+        a_all, b_all = lora_in[target]
+        a_l = b.op("Gather", [a_all, b.const(layer)], axis=0)  # [A, in, r]
+        b_l = b.op("Gather", [b_all, b.const(layer)], axis=0)  # [A, r, out]
+        xb = b.op("MatMul", [b.op("MatMul", [x, a_l]), b_l])  # [A, N, out]
+        return b.op("ReduceSum", [b.op("Mul", [xb, lora_w]), b.const([0])], keepdims=0)
+
+    def with_lora(layer: int, target: str, x: str, y: str) -> str:
+        delta = lora_delta(layer, target, x)
+        return y if delta is None else b.op("Add", [y, delta])
+
+    # ---- per-step shared values ----
+    query_len = b.op("Gather", [b.op("Shape", [query_index]), b.const(1)], axis=0)  # scalar
+    max_blocks = b.op("Gather", [b.op("Shape", [block_tables]), b.const(1)], axis=0)
+    block_size = b.op("Gather", [b.op("Shape", [past[0][0]]), b.const(1)], axis=0)
+    total_len = b.op("Mul", [max_blocks, block_size])
+    key_pos = b.op("Range", [b.const(0), total_len, b.const(1)])  # [T]
+    q_pos = b.op("Gather", [position_ids, query_index], axis=0)  # [B, S]
+    q_pos3 = b.op("Unsqueeze", [q_pos, b.const([2])])  # [B, S, 1]
+    allowed = b.op("LessOrEqual", [key_pos, q_pos3])  # [B, S, T]
+    if spec.sliding_window:
+        lower = b.op("Sub", [q_pos3, b.const(spec.sliding_window)])
+        allowed = b.op("And", [allowed, b.op("Greater", [key_pos, lower])])
+    neg = b.const(np.finfo(np.float32).min, np.float32)
+    mask = b.op("Where", [allowed, b.const(0.0, np.float32), neg])
+    mask = b.op("Unsqueeze", [mask, b.const([1])])  # [B, 1, S, T]
+    if group > 1:
+        mask = b.op("Tile", [mask, b.const([1, 1, group, 1])])  # [B, 1, G*S, T], g-major
+    # where each new token's K/V goes inside the gathered [B, T, ...] context: (row, position)
+    row = b.op("Div", [flat_index, query_len])
+    scatter_idx = b.op("Concat", [b.op("Unsqueeze", [row, b.const([1])]),
+                                  b.op("Unsqueeze", [position_ids, b.const([1])])], axis=1)
+    # rotary tables for this step's positions: x*cos + rotate_half(x)*sin
+    half = d // 2
+    cos_half = b.op("Gather", [b.weight("rope.cos", spec.rope_cos.astype(np.float32)), position_ids], axis=0)
+    sin_half = b.op("Gather", [b.weight("rope.sin", spec.rope_sin.astype(np.float32)), position_ids], axis=0)
+    cos = b.op("Unsqueeze", [b.op("Concat", [cos_half, cos_half], axis=1), b.const([1])])  # [N, 1, D]
+    sin = b.op("Unsqueeze", [b.op("Concat", [b.op("Neg", [sin_half]), sin_half], axis=1), b.const([1])])
+
+    def rotary(x: str) -> str:
+        x1 = b.op("Slice", [x, b.const([0]), b.const([half]), b.const([2])])
+        x2 = b.op("Slice", [x, b.const([half]), b.const([d]), b.const([2])])
+        rotated = b.op("Concat", [x2, x1], axis=2)
+        return b.op("Add", [b.op("Mul", [x, cos]), b.op("Mul", [rotated, sin])])
+
+    scale = b.const(1.0 / np.sqrt(d), np.float32)
+
+    # ---- embeddings ----
+    embed = weights["model.embed_tokens.weight"]
+    if weight_dtype == np.float32:
+        embed_name = b.weight("model.embed_tokens.weight", embed.astype(np.float32))
+        x = b.op("Gather", [embed_name, input_ids], axis=0)
+    else:  # fp16 table, cast only the gathered rows
+        embed_name = b.weight("model.embed_tokens.weight", embed.astype(np.float16))
+        x = b.op("Cast", [b.op("Gather", [embed_name, input_ids], axis=0)], to=FLOAT)
+
+    residual = x
+    hidden = b.op("SimplifiedLayerNormalization",
+                  [x, b.weight("layers.0.input_layernorm", weights["model.layers.0.input_layernorm.weight"])],
+                  axis=-1, epsilon=spec.rms_norm_eps, stash_type=1)
+
+    for i in range(nl):
+        p = f"model.layers.{i}."
+        # -- attention --
+        wqkv = np.concatenate([weights[p + f"self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")], 0)
+        qkv = b.op("MatMul", [hidden, matmul_weight(f"layers.{i}.qkv_proj", wqkv)])
+        if spec.attention_bias:
+            bias = np.concatenate([weights[p + f"self_attn.{n}.bias"] for n in ("q_proj", "k_proj", "v_proj")])
+            qkv = b.op("Add", [qkv, b.weight(f"layers.{i}.qkv_bias", bias.astype(np.float32))])
+        q, k, v = b.op("Split", [qkv, b.const([hq * d, hkv * d, hkv * d])], n_out=3, axis=1)
+        q = with_lora(i, "q_proj", hidden, q)
+        k = with_lora(i, "k_proj", hidden, k)
+        v = with_lora(i, "v_proj", hidden, v)
+        q = rotary(b.op("Reshape", [q, b.const([-1, hq, d])]))
+        k = rotary(b.op("Reshape", [k, b.const([-1, hkv, d])]))
+        v = b.op("Reshape", [v, b.const([-1, hkv, d])])
+        b.output(k, C.present_key(i), FLOAT, ["num_tokens", hkv, d])
+        b.output(v, C.present_value(i), FLOAT, ["num_tokens", hkv, d])
+        k, v = C.present_key(i), C.present_value(i)
+        ctx = []
+        for pool, new in ((past[i][0], k), (past[i][1], v)):
+            gathered = b.op("Gather", [pool, block_tables], axis=0)  # [B, MB, bs, Hkv, D]
+            gathered = b.op("Reshape", [gathered, b.const([0, -1, hkv, d])])  # [B, T, Hkv, D]
+            ctx.append(b.op("ScatterND", [gathered, scatter_idx, new]))
+        k_t = b.op("Transpose", [ctx[0]], perm=[0, 2, 3, 1])  # [B, Hkv, D, T]
+        v_t = b.op("Transpose", [ctx[1]], perm=[0, 2, 1, 3])  # [B, Hkv, T, D]
+        qp = b.op("Gather", [b.op("Mul", [q, scale]), query_index], axis=0)  # [B, S, Hq, D]
+        qp = b.op("Reshape", [qp, b.const([0, 0, hkv, group, d])])
+        qp = b.op("Transpose", [qp], perm=[0, 2, 3, 1, 4])  # [B, Hkv, G, S, D]
+        qp = b.op("Reshape", [qp, b.const([0, 0, -1, d])])  # [B, Hkv, G*S, D]
+        scores = b.op("Add", [b.op("MatMul", [qp, k_t]), mask])
+        probs = b.op("Softmax", [scores], axis=-1)
+        attn = b.op("MatMul", [probs, v_t])  # [B, Hkv, G*S, D]
+        attn = b.op("Reshape", [attn, b.const([0, 0, group, -1, d])])
+        attn = b.op("Transpose", [attn], perm=[0, 3, 1, 2, 4])  # [B, S, Hkv, G, D]
+        attn = b.op("Reshape", [attn, b.const([-1, hq * d])])
+        attn = b.op("Gather", [attn, flat_index], axis=0)  # [N, Hq*D]
+        o = b.op("MatMul", [attn, matmul_weight(f"layers.{i}.o_proj", weights[p + "self_attn.o_proj.weight"])])
+        o = with_lora(i, "o_proj", attn, o)
+        post_ln = b.weight(f"layers.{i}.post_attention_layernorm", weights[p + "post_attention_layernorm.weight"])
+        hidden, _, _, residual = b.op("SkipSimplifiedLayerNormalization", [o, residual, post_ln], n_out=4,
+                                      domain=MS_DOMAIN, epsilon=spec.rms_norm_eps)
+        # -- MLP --
+        wgu = np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]], 0)
+        gu = b.op("MatMul", [hidden, matmul_weight(f"layers.{i}.gate_up_proj", wgu)])
+        gate, up = b.op("Split", [gu, b.const([spec.intermediate_size] * 2)], n_out=2, axis=1)
+        gate = with_lora(i, "gate_proj", hidden, gate)
+        up = with_lora(i, "up_proj", hidden, up)
+        act = b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate])]), up])
+        down = b.op("MatMul", [act, matmul_weight(f"layers.{i}.down_proj", weights[p + "mlp.down_proj.weight"])])
+        down = with_lora(i, "down_proj", act, down)
+        if i + 1 < nl:
+            ln_name, ln = f"layers.{i + 1}.input_layernorm", weights[f"model.layers.{i + 1}.input_layernorm.weight"]
+        else:
+            ln_name, ln = "model.norm", weights["model.norm.weight"]
+        hidden, _, _, residual = b.op("SkipSimplifiedLayerNormalization", [down, residual, b.weight(ln_name, ln)],
+                                      n_out=4, domain=MS_DOMAIN, epsilon=spec.rms_norm_eps)
+
+    # ---- logits only where wanted, then in-graph processing and top-K ----
+    last = b.op("Gather", [hidden, logits_index], axis=0)  # [R, H]
+    if tied_gemm and spec.tie_word_embeddings and weight_dtype == np.float32:
+        logits = b.op("Gemm", [last, embed_name], transB=1)
+    else:
+        head = weights.get("lm_head.weight", embed) if not spec.tie_word_embeddings else embed
+        logits = b.op("MatMul", [last, matmul_weight("lm_head", head)], name="lm_head/MatMul")
+    b.output(logits, C.LOGITS, FLOAT, ["num_logits", spec.vocab_size])
+    logits = C.LOGITS
+
+    col = b.const([1])
+    picked = b.op("GatherElements", [logits, sparse_ids], axis=1)  # [R, P]
+    seen = b.op("Greater", [sparse_counts, b.const(0.0, np.float32)])
+    rep = b.op("Unsqueeze", [rep_pen, col])
+    penalized = b.op("Where", [b.op("Greater", [picked, b.const(0.0, np.float32)]),
+                               b.op("Div", [picked, rep]), b.op("Mul", [picked, rep])])
+    picked = b.op("Where", [seen, penalized, picked])
+    picked = b.op("Sub", [picked, b.op("Mul", [b.op("Unsqueeze", [pres_pen, col]), b.op("Cast", [seen], to=FLOAT)])])
+    picked = b.op("Sub", [picked, b.op("Mul", [b.op("Unsqueeze", [freq_pen, col]), sparse_counts])])
+    picked = b.op("Add", [picked, sparse_bias])
+    processed = b.op("ScatterElements", [logits, sparse_ids, picked], axis=1)
+    processed = b.op("Div", [processed, b.op("Unsqueeze", [temperature, col])])
+    lse = b.op("ReduceLogSumExp", [processed, col], keepdims=1)
+    values, ids = b.op("TopK", [processed, top_k], n_out=2, axis=1, largest=1, sorted=1)
+    b.output(b.op("Sub", [values, lse]), C.TOPK_LOGPROBS, FLOAT, ["num_logits", "top_k"])
+    b.output(ids, C.TOPK_IDS, INT64, ["num_logits", "top_k"])
+    return b.model()

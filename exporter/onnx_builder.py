@@ -1,0 +1,67 @@
+"""A small helper for writing ONNX graphs node by node, with unique names and cached constants."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 21
+IR_VERSION = 10  # onnxruntime 1.31 and onnxruntime-web read IR <= 10 with opset 21
+MS_DOMAIN = "com.microsoft"
+
+
+class GraphBuilder:
+    """Accumulates nodes, initializers and I/O; names every intermediate value uniquely."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.outputs: list[onnx.ValueInfoProto] = []
+        self._count = 0
+        self._consts: dict[tuple, str] = {}
+
+    def _fresh(self, hint: str) -> str:
+        self._count += 1
+        return f"{hint}_{self._count}"
+
+    def input(self, name: str, elem_type: int, shape: list) -> str:
+        self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+        return name
+
+    def output(self, value: str, name: str, elem_type: int, shape: list) -> None:
+        if value != name:
+            self.op("Identity", [value], name=name, out=name)
+        self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def const(self, values, dtype=np.int64) -> str:
+        arr = np.asarray(values, dtype=dtype)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self._consts:
+            self._consts[key] = self.weight(self._fresh("const"), arr)
+        return self._consts[key]
+
+    def op(self, op_type: str, inputs: list[str], n_out: int = 1, name: str | None = None,
+           out: str | list[str] | None = None, domain: str | None = None, **attrs):
+        node_name = name or self._fresh(op_type)
+        if out is None:
+            outs = [f"{node_name}/out{i}" for i in range(n_out)]
+        else:
+            outs = [out] if isinstance(out, str) else list(out)
+        self.nodes.append(helper.make_node(op_type, inputs, outs, name=node_name, domain=domain, **attrs))
+        return outs[0] if len(outs) == 1 else outs
+
+    def model(self) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
+        opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
+        return helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name="ruvllm-exporter")
+
+
+FLOAT = TensorProto.FLOAT
+INT64 = TensorProto.INT64

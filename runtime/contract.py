@@ -1,0 +1,65 @@
+"""The exporter -> runtime contract: package format version and graph I/O names.
+
+The runtime owns this module; the exporter imports it, so both sides agree by construction.
+docs/ARCHITECTURE.md documents every name here with its shape and meaning.
+"""
+
+FORMAT_NAME = "ruvllm-package"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+# Architectures whose decoder graph the exporter builds (Hugging Face `model_type` values).
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+# --- graph inputs: the step's tokens, flattened over the batch ---
+INPUT_IDS = "input_ids"  # int64 [num_tokens]
+POSITION_IDS = "position_ids"  # int64 [num_tokens]
+QUERY_INDEX = "query_index"  # int64 [batch, query_len]: flat token index of each padded query slot
+FLAT_INDEX = "flat_index"  # int64 [num_tokens]: b * query_len + s of each flat token
+BLOCK_TABLES = "block_tables"  # int64 [batch, max_blocks]
+LOGITS_INDEX = "logits_index"  # int64 [num_logits]: flat tokens whose next-token logits are wanted
+
+# --- graph inputs: in-graph logits processing, one row per logits_index entry ---
+TEMPERATURE = "temperature"  # float [num_logits]
+REPETITION_PENALTY = "repetition_penalty"  # float [num_logits]
+PRESENCE_PENALTY = "presence_penalty"  # float [num_logits]
+FREQUENCY_PENALTY = "frequency_penalty"  # float [num_logits]
+SPARSE_IDS = "sparse_token_ids"  # int64 [num_logits, num_sparse]
+SPARSE_COUNTS = "sparse_token_counts"  # float [num_logits, num_sparse]: times generated so far
+SPARSE_BIAS = "sparse_logit_bias"  # float [num_logits, num_sparse]
+TOP_K = "top_k"  # int64 [1]: how many candidates to return
+
+# --- graph inputs: LoRA (only in the LoRA graph variant) ---
+LORA_WEIGHTS = "lora_weights"  # float [num_tokens, num_adapters]: per-token mixing weights
+
+
+def past_key(layer: int) -> str:
+    return f"past.{layer}.key"  # float [num_blocks, block_size, kv_heads, head_dim]
+
+
+def past_value(layer: int) -> str:
+    return f"past.{layer}.value"
+
+
+def present_key(layer: int) -> str:
+    return f"present.{layer}.key"  # float [num_tokens, kv_heads, head_dim]: this step's keys (rotated)
+
+
+def present_value(layer: int) -> str:
+    return f"present.{layer}.value"
+
+
+def lora_a(target: str) -> str:
+    return f"lora.{target}.A"  # float [num_layers, num_adapters, in_features, rank]
+
+
+def lora_b(target: str) -> str:
+    return f"lora.{target}.B"  # float [num_layers, num_adapters, rank, out_features], scale folded in
+
+
+# --- graph outputs ---
+LOGITS = "logits"  # float [num_logits, vocab]: raw logits, before any processing
+TOPK_LOGPROBS = "topk_logprobs"  # float [num_logits, top_k]: log-softmax of the processed logits
+TOPK_IDS = "topk_ids"  # int64 [num_logits, top_k]
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
