@@ -54,10 +54,11 @@ def _proj_features(spec: DecoderSpec) -> dict[str, tuple[int, int]]:
 
 
 def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraSlots | None = None,
-                  weight_dtype: type = np.float32, tied_gemm: bool = False):
+                  weight_dtype: type = np.float32, embed_dtype: type = np.float32, tied_gemm: bool = False):
     """Return an onnx.ModelProto. `weights` uses Hugging Face names, float32, [out, in] layout.
 
-    weight_dtype=np.float16 stores matmul weights as fp16 behind a Cast (ORT folds it at load).
+    weight_dtype=np.float16 stores matmul weights as fp16 behind a Cast (ORT folds it at load);
+    embed_dtype=np.float16 stores the embedding table as fp16 and casts only the gathered rows.
     tied_gemm=True reads the LM head from the embedding table (Gemm transB) instead of a copy.
     """
     b = GraphBuilder(f"ruvllm_{spec.architecture}_decoder")
@@ -153,7 +154,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
 
     # ---- embeddings ----
     embed = weights["model.embed_tokens.weight"]
-    if weight_dtype == np.float32:
+    if embed_dtype == np.float32:
         embed_name = b.weight("model.embed_tokens.weight", embed.astype(np.float32))
         x = b.op("Gather", [embed_name, input_ids], axis=0)
     else:  # fp16 table, cast only the gathered rows
@@ -224,7 +225,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
 
     # ---- logits only where wanted, then in-graph processing and top-K ----
     last = b.op("Gather", [hidden, logits_index], axis=0)  # [R, H]
-    if tied_gemm and spec.tie_word_embeddings and weight_dtype == np.float32:
+    if tied_gemm and spec.tie_word_embeddings and embed_dtype == np.float32:
         logits = b.op("Gemm", [last, embed_name], transB=1)
     else:
         head = weights.get("lm_head.weight", embed) if not spec.tie_word_embeddings else embed

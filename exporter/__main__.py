@@ -1,0 +1,79 @@
+"""`python -m exporter convert|inspect`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from runtime.errors import RuvLLMError
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m exporter", description="Export Hugging Face models to RuvLLM packages")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("convert", help="export a hub id, local folder, .gguf file or alias to a model package")
+    c.add_argument("source")
+    c.add_argument("-o", "--output", required=True, help="package folder to write")
+    c.add_argument("--quant", default="fp32", choices=["fp32", "fp16", "int8", "int4"])
+    c.add_argument("--block-size", type=int, default=32, help="quantization block size (int8/int4)")
+    c.add_argument("--kv-block-size", type=int, default=16, help="default KV-cache block size in tokens")
+    c.add_argument("--target", default="cpu", choices=["cpu", "wasm", "webgpu", "cuda"])
+    c.add_argument("--max-context", type=int, default=None, help="cap the context length (rotary table size)")
+    c.add_argument("--no-lora", action="store_true", help="skip the LoRA graph variant")
+    c.add_argument("--quiet", action="store_true")
+    i = sub.add_parser("inspect", help="summarize a package: manifest and graph inputs/outputs")
+    i.add_argument("package")
+    i.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "convert":
+            from exporter.convert import ConvertOptions, convert
+
+            opts = ConvertOptions(quant=args.quant, block_size=args.block_size, kv_block_size=args.kv_block_size,
+                                  target=args.target, lora=not args.no_lora, max_context=args.max_context,
+                                  progress=not args.quiet)
+            out = convert(args.source, args.output, opts)
+            print(f"wrote {out}")
+        else:
+            inspect_package(args.package, args.json)
+    except RuvLLMError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def inspect_package(path: str, as_json: bool) -> None:
+    from runtime.package import load_package
+
+    pkg = load_package(path)
+    m = pkg.manifest
+    if as_json:
+        print(json.dumps(m, indent=2))
+        return
+    cfg = m["config"]
+    print(f"{pkg.name}  ({m['architecture']}, {cfg['num_parameters'] / 1e6:.1f}M parameters, "
+          f"{m['quantization']['weights']}, target {m['target']})")
+    print(f"  layers {cfg['num_layers']}, hidden {cfg['hidden_size']}, heads {cfg['num_heads']}/{cfg['num_kv_heads']} "
+          f"x {cfg['head_dim']}, vocab {cfg['vocab_size']}, context {cfg['max_positions']}")
+    print(f"  KV: paged, block size {m['kv_cache']['block_size']}; LoRA: "
+          f"{', '.join(m['lora']['targets']) if m.get('lora') else 'no'}")
+    print(f"  source: {m['provenance']['source']}  (exporter {m['provenance']['exporter_version']})")
+    print("  inputs:")
+    for inp in m["io"]["inputs"]:
+        if inp["name"].startswith("past.") and not inp["name"].startswith("past.0."):
+            continue
+        print(f"    {inp['name']:<24} {inp['shape']}")
+    print(f"    (past.N.key / past.N.value for N < {cfg['num_layers']})")
+    print("  outputs: " + ", ".join(o for o in m["io"]["outputs"] if not o.startswith("present.") or o.startswith("present.0.")))
+    print("  files:")
+    for name, f in m["files"].items():
+        print(f"    {name:<24} {int(f['size']) / 1e6:9.1f} MB")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The export pipeline: source -> graphs -> quantization -> a validated model package."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from exporter import __version__
+from exporter.decoder_graph import LoraSlots, build_decoder
+from exporter.external_data import save_with_shared_data
+from exporter.hf_model import check_architecture, decoder_spec, float_weights
+from exporter.quantize import QUANTS, quantize_weights
+from exporter.sources import gguf_add_bos, load_config, load_model_and_tokenizer, resolve, source_fingerprint
+from runtime import contract as C
+from runtime.errors import RuvLLMError
+from runtime.package import file_digest, load_package
+
+TARGETS = ("cpu", "wasm", "webgpu", "cuda")
+GRAPH_FILE, LORA_GRAPH_FILE, DATA_FILE = "model.onnx", "model_lora.onnx", "model.onnx.data"
+
+
+@dataclass
+class ConvertOptions:
+    quant: str = "fp32"
+    block_size: int = 32  # quantization block (int4/int8)
+    kv_block_size: int = 16
+    target: str = "cpu"
+    lora: bool = True
+    max_context: int | None = None
+    progress: bool = True
+
+
+def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None = None) -> Path:
+    opts = opts or ConvertOptions()
+    if opts.quant not in QUANTS:
+        raise RuvLLMError(f"unknown --quant {opts.quant!r}; choose one of {', '.join(QUANTS)}")
+    if opts.target not in TARGETS:
+        raise RuvLLMError(f"unknown --target {opts.target!r}; choose one of {', '.join(TARGETS)}")
+    out = Path(out_dir)
+    source = resolve(source_name)
+    check_architecture(load_config(source))  # fail fast, before loading any weights
+    steps = ["load", "graph", "quantize", "write"]
+    bar = _progress(len(steps), opts.progress)
+    started = time.time()
+
+    bar.set_description("loading model")
+    model, tok = load_model_and_tokenizer(source)
+    bar.update()
+
+    bar.set_description("building graphs")
+    spec = decoder_spec(model, opts.max_context)
+    weights = float_weights(model)
+    gen_cfg = model.generation_config.to_dict() if model.generation_config is not None else {}
+    del model
+    quantized = opts.quant in ("int8", "int4")
+    weight_dtype = np.float16 if opts.quant == "fp16" else np.float32
+    embed_dtype = np.float32 if opts.quant == "fp32" else np.float16
+    graphs = {GRAPH_FILE: build_decoder(spec, weights, None, weight_dtype, embed_dtype, tied_gemm=True)}
+    lora = LoraSlots() if opts.lora else None
+    if lora:
+        graphs[LORA_GRAPH_FILE] = build_decoder(spec, weights, lora, weight_dtype, embed_dtype, tied_gemm=True)
+    del weights
+    bar.update()
+
+    bar.set_description(f"quantizing ({opts.quant})")
+    if quantized:
+        graphs = {name: quantize_weights(g, opts.quant, opts.block_size) for name, g in graphs.items()}
+    bar.update()
+
+    bar.set_description("writing package")
+    tmp = Path(tempfile.mkdtemp(prefix=".ruvllm-export-", dir=out.parent if out.parent.exists() else None))
+    try:
+        save_with_shared_data(graphs, tmp, DATA_FILE)
+        tokenizer_meta = _write_tokenizer(tok, tmp, source)
+        (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2, default=str))
+        manifest = _manifest(source, spec, opts, tokenizer_meta, gen_cfg, graphs, started)
+        manifest["files"] = {f.name: {"size": f.stat().st_size, "sha256": file_digest(f)}
+                             for f in sorted(tmp.iterdir()) if f.name != C.MANIFEST}
+        (tmp / C.MANIFEST).write_text(json.dumps(manifest, indent=2))
+        load_package(tmp, verify_hashes=False)  # what we wrote must pass the runtime's own checks
+        if out.exists():
+            shutil.rmtree(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.chmod(0o755)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    bar.update()
+    bar.close()
+    return out
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress is a courtesy
+        enabled = False
+    if not enabled:
+        class _Quiet:
+            def set_description(self, *_):
+                pass
+
+            def update(self, *_):
+                pass
+
+            def close(self):
+                pass
+        return _Quiet()
+    return tqdm(total=total, unit="step", bar_format="{desc:<24} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
+
+
+def _write_tokenizer(tok, out: Path, source) -> dict:
+    with tempfile.TemporaryDirectory() as td:
+        tok.save_pretrained(td)
+        src = Path(td) / "tokenizer.json"
+        if not src.exists():
+            raise RuvLLMError(f"{source.id}: the tokenizer has no tokenizer.json (only fast tokenizers are supported)")
+        shutil.copy(src, out / "tokenizer.json")
+    template = getattr(tok, "chat_template", None)
+    if isinstance(template, str) and template:
+        (out / "chat_template.jinja").write_text(template)
+    # Does plain encoding add a BOS? A GGUF's own flag wins over transformers' conversion (DESIGN §7).
+    plain = tok("a", add_special_tokens=False).input_ids
+    with_special = tok("a").input_ids
+    add_bos = tok.bos_token_id is not None and len(with_special) > len(plain) and with_special[0] == tok.bos_token_id
+    if source.kind == "gguf":
+        flag = gguf_add_bos(source.path)
+        if flag is not None:
+            add_bos = flag
+    return {
+        "file": "tokenizer.json",
+        "chat_template": "chat_template.jinja" if (out / "chat_template.jinja").exists() else None,
+        "add_bos_token": bool(add_bos),
+        "bos_token": tok.bos_token, "eos_token": tok.eos_token, "unk_token": tok.unk_token,
+        "pad_token": tok.pad_token,
+        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+    }
+
+
+def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict, graphs: dict, started: float) -> dict:
+    eos = set()
+    for value in (gen_cfg.get("eos_token_id"), tok_meta.get("eos_token_id")):
+        if isinstance(value, int):
+            eos.add(value)
+        elif isinstance(value, list):
+            eos.update(v for v in value if isinstance(v, int))
+    first = graphs[GRAPH_FILE]
+    io = {
+        "inputs": [{"name": i.name, "dtype": i.type.tensor_type.elem_type,
+                    "shape": [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]}
+                   for i in first.graph.input],
+        "outputs": [o.name for o in first.graph.output],
+    }
+    quant = {"fp32": {"weights": "fp32", "embeddings": "fp32", "lm_head": "tied" if spec.tie_word_embeddings else "fp32"},
+             "fp16": {"weights": "fp16", "embeddings": "fp16", "lm_head": "fp16"},
+             "int8": {"weights": "int8", "embeddings": "fp16", "lm_head": "int8"},
+             "int4": {"weights": "int4", "embeddings": "fp16", "lm_head": "int8"}}[opts.quant]
+    if opts.quant in ("int8", "int4"):
+        quant.update(method="rtn", block_size=opts.block_size, symmetric=False, accuracy_level=4,
+                     op="com.microsoft.MatMulNBits")
+    n_params = _count_params(spec)
+    return {
+        "format": C.FORMAT_NAME,
+        "format_version": C.FORMAT_VERSION,
+        "name": Path(source.path).stem if source.kind == "gguf" else source.id.rstrip("/").split("/")[-1],
+        "architecture": spec.architecture,
+        "config": {
+            "num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "num_heads": spec.num_heads,
+            "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+            "intermediate_size": spec.intermediate_size, "vocab_size": spec.vocab_size,
+            "max_positions": spec.max_positions, "rms_norm_eps": spec.rms_norm_eps,
+            "sliding_window": spec.sliding_window, "tie_word_embeddings": spec.tie_word_embeddings,
+            "num_parameters": n_params,
+        },
+        "graphs": {
+            "decoder": {"file": GRAPH_FILE, "lora": False},
+            **({"decoder_lora": {"file": LORA_GRAPH_FILE, "lora": True}} if LORA_GRAPH_FILE in graphs else {}),
+        },
+        "io": io,
+        "kv_cache": {"layout": "paged", "block_size": opts.kv_block_size, "dtype": "float32",
+                     "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
+        "quantization": quant,
+        "lora": {"targets": list(C.LORA_TARGETS), "graph": LORA_GRAPH_FILE} if LORA_GRAPH_FILE in graphs else None,
+        "target": opts.target,
+        "tokenizer": tok_meta,
+        "chat_template": tok_meta.pop("chat_template"),
+        "special_tokens": {"eos_token_ids": sorted(eos), "bos_token_id": tok_meta.get("bos_token_id")},
+        "generation_config": "generation_config.json",
+        "provenance": {
+            "source": source.id, "source_kind": source.kind, "source_sha256": source_fingerprint(source),
+            "exporter_version": __version__, "export_seconds": round(time.time() - started, 1),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
+    }
+
+
+def _count_params(spec) -> int:
+    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    attn = h * (spec.num_heads * d) * 2 + h * (spec.num_kv_heads * d) * 2
+    per_layer = attn + 3 * h * i + 2 * h
+    head = 0 if spec.tie_word_embeddings else spec.vocab_size * h
+    return spec.num_layers * per_layer + spec.vocab_size * h + head + h

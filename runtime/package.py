@@ -1,0 +1,123 @@
+"""Reads and validates a model package before anything is loaded from it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime import contract as C
+from runtime.errors import PackageError
+
+REQUIRED_KEYS = ("format", "format_version", "architecture", "config", "graphs", "io", "kv_cache",
+                 "tokenizer", "files")
+
+
+@dataclass
+class ModelPackage:
+    path: Path
+    manifest: dict
+
+    @property
+    def config(self) -> dict:
+        return self.manifest["config"]
+
+    @property
+    def name(self) -> str:
+        return self.manifest.get("name") or self.path.name
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def graph_path(self) -> Path:
+        return self.file(self.manifest["graphs"]["decoder"]["file"])
+
+    @property
+    def lora_graph_path(self) -> Path | None:
+        g = self.manifest["graphs"].get("decoder_lora")
+        return self.file(g["file"]) if g else None
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.manifest.get("special_tokens", {}).get("eos_token_ids", []))
+
+    @property
+    def chat_template(self) -> str | None:
+        name = self.manifest.get("chat_template")
+        return self.file(name).read_text(encoding="utf-8") if name else None
+
+    def size_bytes(self) -> int:
+        return sum(int(f["size"]) for f in self.manifest["files"].values())
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def expected_inputs(num_layers: int, lora: bool = False) -> list[str]:
+    names = [C.INPUT_IDS, C.POSITION_IDS, C.QUERY_INDEX, C.FLAT_INDEX, C.BLOCK_TABLES, C.LOGITS_INDEX,
+             C.TEMPERATURE, C.REPETITION_PENALTY, C.PRESENCE_PENALTY, C.FREQUENCY_PENALTY, C.SPARSE_IDS,
+             C.SPARSE_COUNTS, C.SPARSE_BIAS, C.TOP_K]
+    for i in range(num_layers):
+        names += [C.past_key(i), C.past_value(i)]
+    if lora:
+        names.append(C.LORA_WEIGHTS)
+    return names
+
+
+def expected_outputs(num_layers: int) -> list[str]:
+    names = []
+    for i in range(num_layers):
+        names += [C.present_key(i), C.present_value(i)]
+    return names + [C.LOGITS, C.TOPK_LOGPROBS, C.TOPK_IDS]
+
+
+def load_package(path: str | Path, verify_hashes: bool = False) -> ModelPackage:
+    """Validate format, version, files (sizes; sha256 on request) and the declared graph I/O."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise PackageError(f"{path}: no such model package (path does not exist)")
+    if not p.is_dir():
+        raise PackageError(f"{path}: a model package is a folder with a {C.MANIFEST}")
+    mpath = p / C.MANIFEST
+    if not mpath.exists():
+        raise PackageError(f"{path}: not a RuvLLM model package (no {C.MANIFEST})")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise PackageError(f"{path}: corrupt {C.MANIFEST}: {err}") from err
+    if not isinstance(manifest, dict) or manifest.get("format") != C.FORMAT_NAME:
+        raise PackageError(f"{path}: not a RuvLLM model package (manifest format is "
+                           f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    version = manifest.get("format_version")
+    if version != C.FORMAT_VERSION:
+        raise PackageError(f"{path}: package format version {version} is not supported "
+                           f"(this runtime reads version {C.FORMAT_VERSION}); re-export it")
+    missing = [k for k in REQUIRED_KEYS if k not in manifest]
+    if missing:
+        raise PackageError(f"{path}: corrupt manifest, missing {', '.join(missing)}")
+    for name, meta in manifest["files"].items():
+        f = p / name
+        if not f.exists():
+            raise PackageError(f"{path}: corrupt package, file {name} is missing")
+        if f.stat().st_size != int(meta["size"]):
+            raise PackageError(f"{path}: corrupt package, {name} has {f.stat().st_size} bytes, "
+                               f"manifest says {meta['size']}")
+        if verify_hashes and file_digest(f) != meta["sha256"]:
+            raise PackageError(f"{path}: corrupt package, sha256 of {name} does not match the manifest")
+    for g in manifest["graphs"].values():
+        if g["file"] not in manifest["files"]:
+            raise PackageError(f"{path}: corrupt manifest, graph {g['file']} is not listed in files")
+    n = manifest["config"].get("num_layers")
+    declared = [i["name"] for i in manifest["io"].get("inputs", [])]
+    if declared != expected_inputs(n):
+        raise PackageError(f"{path}: graph inputs do not follow the I/O contract of format {C.FORMAT_VERSION}")
+    if manifest["io"].get("outputs") != expected_outputs(n):
+        raise PackageError(f"{path}: graph outputs do not follow the I/O contract of format {C.FORMAT_VERSION}")
+    return ModelPackage(p, manifest)

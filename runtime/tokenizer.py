@@ -1,0 +1,107 @@
+"""Tokenizer facade: the `tokenizers` library when importable, else the pure-Python BPE.
+
+Encoding never applies tokenizer.json's post-processor; BOS is added by the manifest's
+`add_bos_token` flag, so both implementations (and GGUF-sourced packages) agree.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+
+from runtime.bpe import CHAR_TO_BYTE, PureBPE
+from runtime.errors import PackageError
+
+
+class Tokenizer:
+    def __init__(self, spec: dict, meta: dict | None = None, prefer_library: bool = True) -> None:
+        meta = meta or {}
+        self.meta = meta
+        self._lib = None
+        if prefer_library:
+            try:
+                from tokenizers import Tokenizer as LibTokenizer
+
+                self._lib = LibTokenizer.from_str(json.dumps(spec))
+            except ImportError:
+                self._lib = None
+        self._pure = None if self._lib is not None else PureBPE(spec)
+        self.id_to_token: dict[int, str] = {i: t for t, i in spec["model"]["vocab"].items()}
+        self.special_ids: set[int] = set()
+        for t in spec.get("added_tokens") or []:
+            self.id_to_token[t["id"]] = t["content"]
+            if t.get("special"):
+                self.special_ids.add(t["id"])
+        self.added_ids = {t["id"] for t in spec.get("added_tokens") or []}
+        dec = spec.get("decoder") or {}
+        steps = dec.get("decoders", []) if dec.get("type") == "Sequence" else [dec]
+        self.byte_level = any(s.get("type") == "ByteLevel" for s in steps)
+        self.vocab_size = max(self.id_to_token) + 1 if self.id_to_token else 0
+        self.bos_token_id = meta.get("bos_token_id")
+        self.add_bos = bool(meta.get("add_bos_token"))
+        self._bytes_cache: dict[int, bytes] = {}
+
+    @classmethod
+    def from_file(cls, path: str | Path, meta: dict | None = None, prefer_library: bool = True) -> Tokenizer:
+        try:
+            spec = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as err:
+            raise PackageError(f"cannot read tokenizer {path}: {err}") from err
+        return cls(spec, meta, prefer_library)
+
+    @property
+    def backend(self) -> str:
+        return "tokenizers" if self._lib is not None else "pure-python"
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        if self._lib is not None:
+            ids = self._lib.encode(text, add_special_tokens=False).ids
+        else:
+            ids = self._pure.encode(text)
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id] + ids
+        return ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (empty for special tokens), for incremental decoding."""
+        cached = self._bytes_cache.get(token_id)
+        if cached is not None:
+            return cached
+        tok = self.id_to_token.get(token_id, "")
+        if token_id in self.added_ids:
+            out = b"" if token_id in self.special_ids else tok.encode("utf-8")
+        elif self.byte_level:
+            out = bytes(CHAR_TO_BYTE[c] for c in tok if c in CHAR_TO_BYTE)
+        elif len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+            out = bytes([int(tok[3:5], 16)])
+        else:
+            out = tok.replace("\u2581", " ").encode("utf-8")
+        self._bytes_cache[token_id] = out
+        return out
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._lib is not None:
+            return self._lib.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        parts = []
+        for i in ids:
+            if i in self.special_ids and not skip_special_tokens:
+                parts.append(self.id_to_token[i].encode("utf-8"))
+            else:
+                parts.append(self.token_bytes(i))
+        return b"".join(parts).decode("utf-8", errors="replace")
+
+
+class IncrementalDecoder:
+    """Turns a stream of token ids into text deltas that never split a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tok = tokenizer
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token_id: int) -> str:
+        return self._utf8.decode(self.tok.token_bytes(token_id))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)
