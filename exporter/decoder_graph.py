@@ -85,6 +85,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
     pres_pen = b.input(C.PRESENCE_PENALTY, FLOAT, ["num_logits"])
     freq_pen = b.input(C.FREQUENCY_PENALTY, FLOAT, ["num_logits"])
     sparse_ids = b.input(C.SPARSE_IDS, INT64, ["num_logits", "num_sparse"])
+    sparse_seen = b.input(C.SPARSE_SEEN, FLOAT, ["num_logits", "num_sparse"])
     sparse_counts = b.input(C.SPARSE_COUNTS, FLOAT, ["num_logits", "num_sparse"])
     sparse_bias = b.input(C.SPARSE_BIAS, FLOAT, ["num_logits", "num_sparse"])
     top_k = b.input(C.TOP_K, INT64, [1])
@@ -235,12 +236,12 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
 
     col = b.const([1])
     picked = b.op("GatherElements", [logits, sparse_ids], axis=1)  # [R, P]
-    seen = b.op("Greater", [sparse_counts, b.const(0.0, np.float32)])
+    zero = b.const(0.0, np.float32)
     rep = b.op("Unsqueeze", [rep_pen, col])
-    penalized = b.op("Where", [b.op("Greater", [picked, b.const(0.0, np.float32)]),
-                               b.op("Div", [picked, rep]), b.op("Mul", [picked, rep])])
-    picked = b.op("Where", [seen, penalized, picked])
-    picked = b.op("Sub", [picked, b.op("Mul", [b.op("Unsqueeze", [pres_pen, col]), b.op("Cast", [seen], to=FLOAT)])])
+    penalized = b.op("Where", [b.op("Greater", [picked, zero]), b.op("Div", [picked, rep]), b.op("Mul", [picked, rep])])
+    picked = b.op("Where", [b.op("Greater", [sparse_seen, zero]), penalized, picked])
+    generated = b.op("Cast", [b.op("Greater", [sparse_counts, zero])], to=FLOAT)
+    picked = b.op("Sub", [picked, b.op("Mul", [b.op("Unsqueeze", [pres_pen, col]), generated])])
     picked = b.op("Sub", [picked, b.op("Mul", [b.op("Unsqueeze", [freq_pen, col]), sparse_counts])])
     picked = b.op("Add", [picked, sparse_bias])
     processed = b.op("ScatterElements", [logits, sparse_ids, picked], axis=1)

@@ -25,6 +25,7 @@ REPETITION_PENALTY = "repetition_penalty"  # float [num_logits]
 PRESENCE_PENALTY = "presence_penalty"  # float [num_logits]
 FREQUENCY_PENALTY = "frequency_penalty"  # float [num_logits]
 SPARSE_IDS = "sparse_token_ids"  # int64 [num_logits, num_sparse]
+SPARSE_SEEN = "sparse_token_seen"  # float [num_logits, num_sparse]: 1 if in prompt or output (repetition)
 SPARSE_COUNTS = "sparse_token_counts"  # float [num_logits, num_sparse]: times generated so far
 SPARSE_BIAS = "sparse_logit_bias"  # float [num_logits, num_sparse]
 TOP_K = "top_k"  # int64 [1]: how many candidates to return

@@ -63,7 +63,7 @@ def file_digest(path: Path) -> str:
 def expected_inputs(num_layers: int, lora: bool = False) -> list[str]:
     names = [C.INPUT_IDS, C.POSITION_IDS, C.QUERY_INDEX, C.FLAT_INDEX, C.BLOCK_TABLES, C.LOGITS_INDEX,
              C.TEMPERATURE, C.REPETITION_PENALTY, C.PRESENCE_PENALTY, C.FREQUENCY_PENALTY, C.SPARSE_IDS,
-             C.SPARSE_COUNTS, C.SPARSE_BIAS, C.TOP_K]
+             C.SPARSE_SEEN, C.SPARSE_COUNTS, C.SPARSE_BIAS, C.TOP_K]
     for i in range(num_layers):
         names += [C.past_key(i), C.past_value(i)]
     if lora:

@@ -1,0 +1,311 @@
+"""The engine: requests in, token deltas out, many sequences batched per step on paged KV.
+
+Pure standard library; the backend (native onnxruntime, or onnxruntime-web in the page) does
+the tensor work. Scheduling is FCFS with a per-step token budget: running sequences first
+(decodes, then unfinished prompt chunks), then waiting ones admitted while KV blocks last.
+When the pool runs out, the newest running sequence is preempted and later recomputed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.chat_template import ChatTemplate
+from runtime.errors import RequestError
+from runtime.kv_blocks import BlockAllocator
+from runtime.package import ModelPackage, load_package
+from runtime.sampling import SamplingParams, choose, make_rng
+from runtime.step_batch import Chunk, PenaltyState, build_step
+from runtime.stop import StopChecker
+from runtime.tokenizer import IncrementalDecoder, Tokenizer
+
+DEFAULT_KV_MEMORY = 512 * 1024 * 1024
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    delta: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class Sequence:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float
+    tokens: list[int] = field(default_factory=list)  # prompt + generated
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    slot: int = -1
+    finish_reason: str | None = None
+    decoder: IncrementalDecoder | None = None
+    stopper: StopChecker | None = None
+    penalties: PenaltyState | None = None
+    rng: object = None
+    first_token_time: float | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+
+
+class Engine:
+    def __init__(self, package: ModelPackage, backend, *, num_blocks: int | None = None,
+                 kv_memory: int | None = None, block_size: int | None = None, max_num_seqs: int = 64,
+                 max_batch_tokens: int = 512, tokenizer: Tokenizer | None = None) -> None:
+        self.pkg = package
+        self.backend = backend
+        cfg = package.config
+        self.max_context = int(cfg["max_positions"])
+        self.vocab_size = int(cfg["vocab_size"])
+        self.block_size = block_size or int(package.manifest["kv_cache"]["block_size"])
+        if num_blocks is None:
+            per_block = self.block_size * backend.kv_bytes_per_token(cfg)
+            ceiling = max_num_seqs * -(-self.max_context // self.block_size)
+            num_blocks = max(1, min((kv_memory or DEFAULT_KV_MEMORY) // per_block, ceiling))
+        self.allocator = BlockAllocator(num_blocks, self.block_size)
+        self.max_num_seqs = max_num_seqs
+        self.max_batch_tokens = max(1, max_batch_tokens)
+        self.max_blocks_per_seq = -(-self.max_context // self.block_size)
+        backend.allocate(num_blocks, self.block_size, max_num_seqs, self.max_blocks_per_seq)
+        self.tokenizer = tokenizer or Tokenizer.from_file(package.file(package.manifest["tokenizer"]["file"]),
+                                                          package.manifest["tokenizer"])
+        tmpl = package.chat_template
+        meta = package.manifest["tokenizer"]
+        self.chat_template = ChatTemplate(tmpl, meta.get("bos_token"), meta.get("eos_token")) if tmpl else None
+        self.eos_ids = set(package.eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+
+    @classmethod
+    def from_package(cls, path, device: str = "cpu", threads: int | None = None, **kwargs) -> Engine:
+        from runtime.backends.native import NativeBackend
+
+        pkg = load_package(path)
+        return cls(pkg, NativeBackend(pkg, device=device, threads=threads), **kwargs)
+
+    # ---- requests ----
+    def encode_prompt(self, prompt=None, messages: list[dict] | None = None) -> list[int]:
+        if messages is not None:
+            if self.chat_template is None:
+                raise RequestError("this model package has no chat template")
+            text = self.chat_template.render(messages, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_bos=False)
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary")
+            return list(prompt)
+        raise RequestError("a request needs a prompt (text or token ids) or chat messages")
+
+    def add_request(self, prompt=None, params: SamplingParams | None = None, *, messages: list[dict] | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate(self.vocab_size)
+        ids = self.encode_prompt(prompt, messages)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.max_context:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_context} tokens")
+        if self.allocator.blocks_for(len(ids) + 1) > self.allocator.num_blocks:
+            raise RequestError(f"the prompt has {len(ids)} tokens, more than the KV cache holds "
+                               f"({self.allocator.num_blocks * self.block_size} tokens)")
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.seqs:
+            raise RequestError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, ids, params, time.monotonic(), tokens=list(ids))
+        seq.decoder = IncrementalDecoder(self.tokenizer)
+        seq.stopper = StopChecker(params.stop, params.include_stop_str_in_output)
+        seq.rng = make_rng(params.seed)
+        if params.penalized:
+            seq.penalties = PenaltyState()
+            seq.penalties.add_prompt(ids)
+            seq.penalties.add_bias(params.logit_bias)
+        self.seqs[rid] = seq
+        self.waiting.append(seq)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return False
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- KV bookkeeping ----
+    def _release(self, seq: Sequence) -> None:
+        for b in seq.blocks:
+            self.allocator.release(b)
+        seq.blocks = []
+        seq.num_computed = 0
+        if seq.slot >= 0:
+            self._free_slots.append(seq.slot)
+            seq.slot = -1
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        self._release(seq)
+        self.seqs.pop(seq.id, None)
+
+    def _grow(self, seq: Sequence, upto_tokens: int) -> bool:
+        need = self.allocator.blocks_for(upto_tokens) - len(seq.blocks)
+        if need > self.allocator.num_free:
+            return False
+        for _ in range(need):
+            block = self.allocator.allocate()
+            self.backend.set_block(seq.slot, len(seq.blocks), block)
+            seq.blocks.append(block)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's KV; it will recompute prompt + generated tokens later."""
+        self.running.remove(seq)
+        self._release(seq)
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    # ---- scheduling ----
+    def _schedule(self) -> list[tuple[Sequence, int]]:
+        budget = self.max_batch_tokens
+        plan: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq not in self.running:  # preempted below to make room
+                continue
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            while not self._grow(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            plan.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            if self.allocator.blocks_for(seq.num_computed + n) - len(seq.blocks) > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            seq.slot = self._free_slots.pop()
+            self._grow(seq, seq.num_computed + n)
+            self.running.append(seq)
+            plan.append((seq, n))
+            budget -= n
+        return plan
+
+    def step(self) -> list[RequestOutput]:
+        plan = self._schedule()
+        if not plan:
+            return []
+        bs = self.block_size
+        chunks = []
+        for seq, n in plan:
+            start = seq.num_computed
+            p = seq.params
+            chunks.append(Chunk(
+                slot=seq.slot, tokens=seq.tokens[start:start + n], start=start, num_blocks=len(seq.blocks),
+                kv_slots=[seq.blocks[t // bs] * bs + t % bs for t in range(start, start + n)],
+                want_logits=start + n == len(seq.tokens),
+                temperature=1.0 if p.greedy else p.temperature,
+                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty, penalties=seq.penalties,
+                top_k=p.candidates(self.vocab_size)))
+        result = self.backend.run(build_step(chunks))
+        self.stats.steps += 1
+        outputs: list[RequestOutput] = []
+        row = 0
+        now = time.monotonic()
+        for (seq, n), chunk in zip(plan, chunks):
+            seq.num_computed += n
+            if seq.num_generated == 0:
+                self.stats.prompt_tokens += n
+            if not chunk.want_logits:
+                continue
+            ids, lps = result.topk_ids[row], result.topk_logprobs[row]
+            row += 1
+            outputs.append(self._accept(seq, ids, lps, now))
+        return outputs
+
+    def _accept(self, seq: Sequence, ids: list[int], lps: list[float], now: float) -> RequestOutput:
+        p = seq.params
+        token = choose(ids, lps, p, seq.rng)
+        seq.tokens.append(token)
+        self.stats.generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if seq.penalties is not None:
+            seq.penalties.add_generated(token)
+        logprobs = []
+        if p.logprobs is not None:
+            lp = dict(zip(ids, lps)).get(token, float("-inf"))
+            logprobs.append(TokenLogprob(token, lp, list(zip(ids, lps))[: p.logprobs]))
+        reason, by_string = None, False
+        if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason, text = "stop", ""
+        else:
+            text, by_string = seq.stopper.feed(seq.decoder.add(token))
+            reason = "stop" if by_string else None
+        if reason is None and (seq.num_generated >= p.max_tokens or len(seq.tokens) >= self.max_context):
+            reason = "length"
+        if reason is not None:
+            if not by_string:  # release text held back for a stop string that never came
+                tail, hit = seq.stopper.feed(seq.decoder.flush())
+                text += tail if hit else tail + seq.stopper.flush()
+            self._finish(seq, reason)
+        return RequestOutput(seq.id, text, [token], reason is not None, reason, len(seq.prompt_ids),
+                             seq.num_generated, logprobs)
+
+    # ---- convenience ----
+    def generate(self, prompt=None, params: SamplingParams | None = None, *, messages=None):
+        """Run one request to completion, yielding its outputs (other queued requests run too)."""
+        rid = self.add_request(prompt, params, messages=messages)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+            if rid not in self.seqs:
+                return

@@ -1,0 +1,135 @@
+"""Turns one step's scheduled chunks into the graph's flat inputs, as plain Python lists.
+
+Everything here is O(tokens in the step): block tables live in the backend and change only when
+a block is added, and penalty state is kept incrementally per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PenaltyState:
+    """Token ids a sequence has seen, with generation counts, kept in insertion order."""
+
+    ids: list[int] = field(default_factory=list)
+    seen: list[float] = field(default_factory=list)
+    counts: list[float] = field(default_factory=list)
+    bias: list[float] = field(default_factory=list)
+    index: dict[int, int] = field(default_factory=dict)
+
+    def _slot(self, token: int) -> int:
+        i = self.index.get(token)
+        if i is None:
+            i = self.index[token] = len(self.ids)
+            self.ids.append(token)
+            self.seen.append(0.0)
+            self.counts.append(0.0)
+            self.bias.append(0.0)
+        return i
+
+    def add_prompt(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.seen[self._slot(t)] = 1.0
+
+    def add_generated(self, token: int) -> None:
+        i = self._slot(token)
+        self.seen[i] = 1.0
+        self.counts[i] += 1.0
+
+    def add_bias(self, bias: dict[int, float]) -> None:
+        for t, v in bias.items():
+            self.bias[self._slot(int(t))] = float(v)
+
+
+@dataclass
+class Chunk:
+    """One sequence's share of a step."""
+
+    slot: int  # row of the backend's block-table array
+    tokens: list[int]
+    start: int  # position of tokens[0]
+    num_blocks: int  # blocks the sequence holds after this step
+    kv_slots: list[int]  # pool slot (block * block_size + offset) of each new token
+    want_logits: bool
+    temperature: float = 1.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalties: PenaltyState | None = None
+    top_k: int = 1
+    adapter_weights: list[float] | None = None
+
+
+@dataclass
+class StepBatch:
+    input_ids: list[int]
+    position_ids: list[int]
+    query_index: list[list[int]]
+    flat_index: list[int]
+    slots: list[int]
+    max_blocks: int
+    kv_slots: list[int]
+    logits_index: list[int]
+    temperature: list[float]
+    repetition_penalty: list[float]
+    presence_penalty: list[float]
+    frequency_penalty: list[float]
+    sparse_ids: list[list[int]]
+    sparse_seen: list[list[float]]
+    sparse_counts: list[list[float]]
+    sparse_bias: list[list[float]]
+    top_k: int
+    want_full_logits: bool = False
+
+
+def build_step(chunks: list[Chunk], want_full_logits: bool = False) -> StepBatch:
+    query_len = max(len(c.tokens) for c in chunks)
+    ids: list[int] = []
+    pos: list[int] = []
+    flat: list[int] = []
+    qidx: list[list[int]] = []
+    kv: list[int] = []
+    logits_index: list[int] = []
+    rows: list[Chunk] = []
+    for b, c in enumerate(chunks):
+        base = len(ids)
+        n = len(c.tokens)
+        ids.extend(c.tokens)
+        pos.extend(range(c.start, c.start + n))
+        flat.extend(range(b * query_len, b * query_len + n))
+        last = base + n - 1
+        qidx.append(list(range(base, base + n)) + [last] * (query_len - n))
+        kv.extend(c.kv_slots)
+        if c.want_logits:
+            logits_index.append(last)
+            rows.append(c)
+    width = max([len(r.penalties.ids) for r in rows if r.penalties] + [1])
+    sp_ids, sp_seen, sp_counts, sp_bias = [], [], [], []
+    for r in rows:
+        p = r.penalties
+        if p is None or not p.ids:
+            sp_ids.append([0] * width)
+            zeros = [0.0] * width
+            sp_seen.append(zeros)
+            sp_counts.append(zeros)
+            sp_bias.append(zeros)
+            continue
+        pad = width - len(p.ids)  # pad by repeating the first entry: a duplicate scatter writes the same value
+        sp_ids.append(p.ids + [p.ids[0]] * pad)
+        sp_seen.append(p.seen + [p.seen[0]] * pad)
+        sp_counts.append(p.counts + [p.counts[0]] * pad)
+        sp_bias.append(p.bias + [p.bias[0]] * pad)
+    return StepBatch(
+        input_ids=ids, position_ids=pos, query_index=qidx, flat_index=flat,
+        slots=[c.slot for c in chunks], max_blocks=max(c.num_blocks for c in chunks), kv_slots=kv,
+        logits_index=logits_index,
+        temperature=[r.temperature for r in rows],
+        repetition_penalty=[r.repetition_penalty for r in rows],
+        presence_penalty=[r.presence_penalty for r in rows],
+        frequency_penalty=[r.frequency_penalty for r in rows],
+        sparse_ids=sp_ids, sparse_seen=sp_seen, sparse_counts=sp_counts, sparse_bias=sp_bias,
+        top_k=max([r.top_k for r in rows] + [1]),
+        want_full_logits=want_full_logits,
+    )
