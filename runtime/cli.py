@@ -1,0 +1,328 @@
+"""`ruvllm` (= `python -m runtime`): generate, chat, list, info, download, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from runtime.aliases import ALIASES, DEFAULT_ALIAS, cache_dir, cached_package_dir
+from runtime.errors import RuvLLMError
+from runtime.sampling import SamplingParams
+
+DEFAULT_QUANT = {"cpu": "int4", "cuda": "int4", "coreml": "int4", "auto": "int4"}
+
+
+# ---- resolving a package argument ----
+def resolve_package(arg: str | None, quant: str = "int4", quiet: bool = False) -> Path:
+    """A package folder as given, or an alias / hub id exported once into the cache."""
+    if arg is None:
+        arg = DEFAULT_ALIAS
+    p = Path(arg).expanduser()
+    if p.exists() or arg.startswith((".", "/", "~")):
+        return p  # load_package says what is wrong with it
+    parts = arg.split("/")
+    if arg in ALIASES or (len(parts) == 2 and all(parts)):
+        target = cached_package_dir(arg, quant)
+        if not (target / "manifest.json").exists():
+            export_into_cache(arg, quant, target, quiet)
+        return target
+    return p
+
+
+def export_into_cache(source: str, quant: str, target: Path, quiet: bool = False) -> None:
+    if not quiet:
+        print(f"exporting {source} ({quant}) into {target} (once) ...", file=sys.stderr)
+    cmd = [sys.executable, "-m", "exporter", "convert", source, "-o", str(target), "--quant", quant]
+    if quiet:
+        cmd.append("--quiet")
+    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE, text=True)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        if lines:
+            raise RuvLLMError(lines[-1][len("error: "):])
+        if "No module named exporter" in proc.stderr or "No module named 'exporter'" in proc.stderr:
+            raise RuvLLMError("exporting needs the exporter: pip install 'ruvllm[export]'")
+        raise RuvLLMError(f"export of {source} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+
+
+def make_engine(args, **kwargs):
+    try:
+        from runtime.engine import Engine
+        pkg = resolve_package(getattr(args, "package", None), quiet=getattr(args, "json", False))
+        return Engine.from_package(pkg, device=args.device, threads=getattr(args, "threads", None), **kwargs)
+    except ImportError as err:
+        raise RuvLLMError(f"the native backend needs numpy and onnxruntime ({err.name} is missing): "
+                          "pip install 'ruvllm[native]'") from err
+
+
+def sampling_from(args) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=list(args.stop or []),
+    )
+
+
+# ---- commands ----
+def cmd_generate(args) -> int:
+    if args.prompt is None:  # one positional given: it is the prompt
+        args.package, args.prompt = None, args.package
+    engine = make_engine(args)
+    params = sampling_from(args)
+    kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    started = time.perf_counter()
+    first = None
+    text, ids, last = [], [], None
+    for out in engine.generate(params=params, **kwargs):
+        if first is None:
+            first = time.perf_counter()
+        text.append(out.delta)
+        ids.extend(out.token_ids)
+        last = out
+        if not args.json:
+            sys.stdout.write(out.delta)
+            sys.stdout.flush()
+    end = time.perf_counter()
+    if args.json:
+        n = last.completion_tokens if last else 0
+        print(json.dumps({
+            "text": "".join(text), "token_ids": ids, "prompt_tokens": last.prompt_tokens if last else 0,
+            "completion_tokens": n, "finish_reason": last.finish_reason if last else None,
+            "ttft_ms": round((first - started) * 1000, 1) if first else None,
+            "decode_tokens_per_s": round((n - 1) / (end - first), 1) if first and n > 1 and end > first else None,
+        }))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+CHAT_HELP = """commands:
+  /help            this help
+  /clear           forget the conversation
+  /system PROMPT   set the system prompt (and clear)
+  /temp VALUE      set the temperature
+  /quit, /exit     leave"""
+
+
+def cmd_chat(args) -> int:
+    engine = make_engine(args)
+    params = sampling_from(args)
+    system = args.system
+    history: list[dict] = []
+    interactive = sys.stdin.isatty()
+    print(f"ruvllm chat: {engine.pkg.name} ({engine.pkg.manifest['quantization']['weights']}). /help for commands.")
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        except KeyboardInterrupt:
+            print()
+            break
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            cmd, _, rest = line.partition(" ")
+            if cmd in ("/quit", "/exit"):
+                break
+            if cmd == "/help":
+                print(CHAT_HELP)
+            elif cmd == "/clear":
+                history = []
+                print("(conversation cleared)")
+            elif cmd == "/system":
+                system = rest.strip() or None
+                history = []
+                print(f"(system prompt {'set' if system else 'removed'}; conversation cleared)")
+            elif cmd == "/temp":
+                try:
+                    value = float(rest)
+                    SamplingParams(temperature=value).validate()
+                    params.temperature = value
+                    print(f"(temperature {value})")
+                except (ValueError, RuvLLMError):
+                    print("usage: /temp VALUE (a number between 0 and 100)")
+            else:
+                print(f"unknown command {cmd}; /help lists them")
+            continue
+        history.append({"role": "user", "content": line})
+        messages = ([{"role": "system", "content": system}] if system else []) + history
+        reply = []
+        try:
+            for out in engine.generate(params=SamplingParams(**vars(params)), messages=messages):
+                reply.append(out.delta)
+                sys.stdout.write(out.delta)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pass
+        except RuvLLMError as err:
+            history.pop()
+            print(f"error: {err}")
+            continue
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def cmd_list(args) -> int:
+    root = cache_dir() / "packages"
+    rows = []
+    if root.exists():
+        for d in sorted(root.iterdir()):
+            m = d / "manifest.json"
+            if not m.exists():
+                continue
+            try:
+                man = json.loads(m.read_text())
+                size = sum(int(f["size"]) for f in man["files"].values())
+                rows.append((d, man, size))
+            except (json.JSONDecodeError, KeyError, ValueError):
+                rows.append((d, None, 0))
+    if not rows:
+        print(f"no packages in {root} (ruvllm download ALIAS adds one)")
+        return 0
+    for d, man, size in rows:
+        if man is None:
+            print(f"{d.name:<40} (corrupt manifest)")
+        elif args.long:
+            print(f"{d.name:<40} {size / 1e6:8.1f} MB  {man['architecture']:<8} {man['quantization']['weights']:<5} "
+                  f"{man['provenance']['source']}  {d}")
+        else:
+            print(f"{d.name:<40} {size / 1e6:8.1f} MB")
+    return 0
+
+
+def cmd_info(args) -> int:
+    from runtime.package import load_package
+
+    pkg = load_package(resolve_package(args.package))
+    m = pkg.manifest
+    cfg = m["config"]
+    info = {
+        "name": pkg.name, "path": str(pkg.path), "architecture": m["architecture"],
+        "parameters": cfg["num_parameters"], "quantization": m["quantization"], "target": m["target"],
+        "context_length": cfg["max_positions"], "vocab_size": cfg["vocab_size"],
+        "layers": cfg["num_layers"], "hidden_size": cfg["hidden_size"],
+        "attention_heads": cfg["num_heads"], "kv_heads": cfg["num_kv_heads"],
+        "features": {
+            "paged_kv": True, "kv_block_size": m["kv_cache"]["block_size"], "prefix_sharing": True,
+            "in_graph_logits_processing": True, "lora": bool(m.get("lora")),
+            "lora_targets": (m.get("lora") or {}).get("targets", []), "chat_template": bool(m.get("chat_template")),
+        },
+        "files": {k: v["size"] for k, v in m["files"].items()},
+        "size_bytes": pkg.size_bytes(), "source": m["provenance"]["source"],
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{info['name']}  [{pkg.path}]")
+    print(f"  architecture   {info['architecture']}, {cfg['num_parameters'] / 1e6:.1f}M parameters")
+    print(f"  shape          {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, heads {cfg['num_heads']}"
+          f" (kv {cfg['num_kv_heads']}), vocab {cfg['vocab_size']}, context {cfg['max_positions']}")
+    q = m["quantization"]
+    print(f"  quantization   weights {q['weights']}, embeddings {q['embeddings']}, lm_head {q['lm_head']}"
+          + (f", block {q['block_size']}" if "block_size" in q else ""))
+    print(f"  target         {m['target']}")
+    f = info["features"]
+    print(f"  features       paged KV (block {f['kv_block_size']}), prefix sharing, in-graph sampling,"
+          f" LoRA {'(' + ', '.join(f['lora_targets']) + ')' if f['lora'] else 'no'},"
+          f" chat template {'yes' if f['chat_template'] else 'no'}")
+    print(f"  source         {info['source']}")
+    print(f"  files          " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in info["files"].items()))
+    return 0
+
+
+def cmd_download(args) -> int:
+    target = cached_package_dir(args.source, args.quant, args.target)
+    if (target / "manifest.json").exists() and not args.force:
+        print(f"{args.source} ({args.quant}) is already in the cache: {target}")
+        return 0
+    export_into_cache(args.source, args.quant, target)
+    print(f"{args.source} ({args.quant}) -> {target}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from runtime.bench import run_bench
+
+    engine = make_engine(args, max_num_seqs=max([1] + [int(c) for c in args.concurrency.split(",")]))
+    result = run_bench(engine, args)
+    print(json.dumps(result, indent=None if args.json else 2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ruvllm", description="Run language models on ONNX Runtime")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def sampling_args(p, temperature: float) -> None:
+        p.add_argument("--max-tokens", type=int, default=256)
+        p.add_argument("--temperature", type=float, default=temperature)
+        p.add_argument("--top-k", type=int, default=0)
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--min-p", type=float, default=0.0)
+        p.add_argument("--repetition-penalty", type=float, default=1.0)
+        p.add_argument("--seed", type=int, default=None)
+        p.add_argument("--stop", action="append", help="stop string (repeatable)")
+        p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
+        p.add_argument("--threads", type=int, default=None)
+
+    g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    g.add_argument("package", nargs="?", help="package folder or alias (default: the embedded SmolLM2-135M)")
+    g.add_argument("prompt", nargs="?")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    sampling_args(g, 0.7)
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat")
+    c.add_argument("package", nargs="?")
+    c.add_argument("--system", default=None)
+    sampling_args(c, 0.7)
+    c.set_defaults(func=cmd_chat)
+
+    ls = sub.add_parser("list", help="packages in the cache")
+    ls.add_argument("--long", action="store_true")
+    ls.set_defaults(func=cmd_list)
+
+    i = sub.add_parser("info", help="describe a package")
+    i.add_argument("package", nargs="?")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=cmd_info)
+
+    d = sub.add_parser("download", help="export an alias or hub id into the cache")
+    d.add_argument("source", help=f"alias ({', '.join(sorted(ALIASES))}) or hub id org/name")
+    d.add_argument("--quant", default="int4", choices=["fp32", "fp16", "int8", "int4"])
+    d.add_argument("--target", default="cpu", choices=["cpu", "wasm", "webgpu", "cuda"])
+    d.add_argument("--force", action="store_true")
+    d.set_defaults(func=cmd_download)
+
+    b = sub.add_parser("bench", help="measure TTFT, prefill and decode speed; prints JSON")
+    b.add_argument("package", nargs="?")
+    b.add_argument("--json", action="store_true", help="one line of JSON")
+    b.add_argument("--decode-tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--concurrency", default="1", help="comma-separated stream counts, e.g. 1,4,16")
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
+    b.add_argument("--threads", type=int, default=None)
+    b.set_defaults(func=cmd_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except RuvLLMError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        return 0
+    except KeyboardInterrupt:
+        return 130
