@@ -64,7 +64,6 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
     b = GraphBuilder(f"ruvllm_{spec.architecture}_decoder")
     nl, hq, hkv, d = spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim
     group = hq // hkv
-    h = spec.hidden_size
 
     def matmul_weight(name: str, w_out_in: np.ndarray) -> str:
         wt = np.ascontiguousarray(w_out_in.T)

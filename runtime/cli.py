@@ -233,7 +233,7 @@ def cmd_info(args) -> int:
           f" LoRA {'(' + ', '.join(f['lora_targets']) + ')' if f['lora'] else 'no'},"
           f" chat template {'yes' if f['chat_template'] else 'no'}")
     print(f"  source         {info['source']}")
-    print(f"  files          " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in info["files"].items()))
+    print("  files          " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in info["files"].items()))
     return 0
 
 

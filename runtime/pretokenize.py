@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import sys
 import unicodedata
-from functools import lru_cache
+from functools import cache, lru_cache
 
 # GPT-2's pattern: what ByteLevel(use_regex=True) splits with.
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -18,7 +18,7 @@ GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s
 WHITE_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _category_ranges(prefix: str) -> str:
     """A character-class body (no brackets) for every code point whose category starts with prefix."""
     parts: list[str] = []
@@ -37,8 +37,8 @@ def _category_ranges(prefix: str) -> str:
 
 
 def _range(a: int, b: int) -> str:
-    esc = lambda c: "\\U%08x" % c  # noqa: E731
-    return esc(a) if a == b else f"{esc(a)}-{esc(b)}"
+    lo, hi = f"\\U{a:08x}", f"\\U{b:08x}"
+    return lo if a == b else f"{lo}-{hi}"
 
 
 _CLASSES = {"L": lambda: _category_ranges("L"), "N": lambda: _category_ranges("N")}

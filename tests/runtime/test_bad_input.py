@@ -1,0 +1,93 @@
+"""Each bad input gets a one-line error, a non-zero exit and no traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import run_cli
+
+
+def assert_one_line_error(proc, *fragments: str) -> None:
+    assert proc.returncode != 0
+    err = proc.stderr.strip()
+    assert "Traceback" not in err, err[-2000:]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert lines and lines[-1].startswith("error: "), err[-2000:]
+    assert len([ln for ln in lines if ln.startswith("error:")]) == 1
+    for f in fragments:
+        assert f in lines[-1], lines[-1]
+
+
+def test_missing_package_path():
+    assert_one_line_error(run_cli("generate", "/nonexistent/pkg", "hi"), "no such model package")
+
+
+def test_missing_export_source(tmp_path):
+    proc = run_cli("convert", "/nonexistent/model", "-o", str(tmp_path / "out"), module="exporter")
+    assert_one_line_error(proc, "no such file or directory")
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(folder)
+    proc = run_cli("convert", str(folder), "-o", str(tmp_path / "out"), module="exporter")
+    assert_one_line_error(proc, "unsupported architecture 'gpt2'", "llama", "mistral", "qwen2")
+    assert not (tmp_path / "out").exists()
+
+
+def test_hub_id_while_offline(tmp_path):
+    proc = run_cli("convert", "some-org/some-model", "-o", str(tmp_path / "out"), module="exporter",
+                   env={"HF_HUB_OFFLINE": "1"})
+    assert_one_line_error(proc, "cannot download 'some-org/some-model'")
+
+
+def test_folder_from_another_tool(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "something-else"}))
+    assert_one_line_error(run_cli("generate", str(tmp_path), "hi"), "not a RuvLLM model package")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_one_line_error(run_cli("info", str(empty)), "no manifest.json")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "manifest", "version", "graph"])
+def test_corrupt_package(tmp_path, tiny_package, damage):
+    pkg = tmp_path / "pkg"
+    shutil.copytree(tiny_package("llama"), pkg)
+    if damage == "truncate":
+        data = pkg / "model.onnx.data"
+        data.write_bytes(data.read_bytes()[:1000])
+        expect = "corrupt package"
+    elif damage == "manifest":
+        (pkg / "manifest.json").write_text("{not json")
+        expect = "corrupt manifest.json"
+    elif damage == "version":
+        m = json.loads((pkg / "manifest.json").read_text())
+        m["format_version"] = 99
+        (pkg / "manifest.json").write_text(json.dumps(m))
+        expect = "format version 99 is not supported"
+    else:  # same size, garbage content: only onnxruntime can tell
+        g = pkg / "model.onnx"
+        g.write_bytes(b"\x07" * g.stat().st_size)
+        expect = "cannot load model.onnx"
+    assert_one_line_error(run_cli("generate", str(pkg), "hi", "--max-tokens", "2"), expect)
+
+
+def test_device_without_provider(tiny_package):
+    proc = run_cli("generate", str(tiny_package("llama")), "hi", "--device", "cuda")
+    assert_one_line_error(proc, "device 'cuda' needs CUDAExecutionProvider")
+
+
+def test_prompt_longer_than_context(tiny_package):
+    long_prompt = "word " * 400  # the tiny models have a 256-token context
+    proc = run_cli("generate", str(tiny_package("llama")), long_prompt, "--max-tokens", "2")
+    assert_one_line_error(proc, "context is 256 tokens")
+
+
+def test_bad_sampling_value(tiny_package):
+    proc = run_cli("generate", str(tiny_package("llama")), "hi", "--top-p", "1.5")
+    assert_one_line_error(proc, "invalid top_p")

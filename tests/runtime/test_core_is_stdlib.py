@@ -1,0 +1,49 @@
+"""The runtime core imports and works with numpy, onnxruntime, tokenizers and torch absent (as in Pyodide)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from tests.conftest import ROOT
+
+BLOCKER = textwrap.dedent("""
+    import importlib.abc, sys
+    BLOCKED = {"numpy", "onnxruntime", "tokenizers", "torch", "transformers", "onnx", "regex"}
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ImportError(f"blocked: {name}", name=name)
+            return None
+    sys.meta_path.insert(0, Block())
+""")
+
+
+def test_core_modules_import_without_native_libraries(smol_tokenizer_dir):
+    code = BLOCKER + textwrap.dedent(f"""
+        import runtime.engine, runtime.tokenizer, runtime.sampling, runtime.stop, runtime.package
+        import runtime.kv_blocks, runtime.step_batch, runtime.chat_template, runtime.contract, runtime.cli
+        from runtime.tokenizer import Tokenizer
+        tok = Tokenizer.from_file({str(smol_tokenizer_dir / "tokenizer.json")!r})
+        assert tok.backend == "pure-python", tok.backend
+        ids = tok.encode("Hello, world! 123")
+        assert tok.decode(ids) == "Hello, world! 123"
+        for name in ("numpy", "onnxruntime", "tokenizers"):
+            assert name not in sys.modules, name
+        print("ok", ids)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok")
+
+
+def test_native_backend_reports_missing_onnxruntime(tiny_package):
+    code = BLOCKER + textwrap.dedent(f"""
+        from runtime.cli import main
+        sys.exit(main(["generate", {str(tiny_package("llama"))!r}, "hi", "--max-tokens", "2"]))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: the native backend needs numpy and onnxruntime")
+    assert "Traceback" not in proc.stderr
