@@ -88,7 +88,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
     sparse_counts = b.input(C.SPARSE_COUNTS, FLOAT, ["num_logits", "num_sparse"])
     sparse_bias = b.input(C.SPARSE_BIAS, FLOAT, ["num_logits", "num_sparse"])
     top_k = b.input(C.TOP_K, INT64, [1])
-    pool_shape = ["num_blocks", "block_size", hkv, d]
+    pool_shape = [hkv, "num_blocks", "block_size", d]
     past = [(b.input(C.past_key(i), FLOAT, pool_shape), b.input(C.past_value(i), FLOAT, pool_shape))
             for i in range(nl)]
     features = _proj_features(spec)
@@ -110,7 +110,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         a_l = b.op("Gather", [a_all, b.const(layer)], axis=0)  # [A, in, r]
         b_l = b.op("Gather", [b_all, b.const(layer)], axis=0)  # [A, r, out]
         xb = b.op("MatMul", [b.op("MatMul", [x, a_l]), b_l])  # [A, N, out]
-        return b.op("ReduceSum", [b.op("Mul", [xb, lora_w]), b.const([0])], keepdims=0)
+        return b.op("ReduceSum", [b.op("Mul", [xb, lora_w]), b.const([0])], keepdims=1)  # [1, N, out]
 
     def with_lora(layer: int, target: str, x: str, y: str) -> str:
         delta = lora_delta(layer, target, x)
@@ -119,7 +119,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
     # ---- per-step shared values ----
     query_len = b.op("Gather", [b.op("Shape", [query_index]), b.const(1)], axis=0)  # scalar
     max_blocks = b.op("Gather", [b.op("Shape", [block_tables]), b.const(1)], axis=0)
-    block_size = b.op("Gather", [b.op("Shape", [past[0][0]]), b.const(1)], axis=0)
+    block_size = b.op("Gather", [b.op("Shape", [past[0][0]]), b.const(2)], axis=0)
     total_len = b.op("Mul", [max_blocks, block_size])
     key_pos = b.op("Range", [b.const(0), total_len, b.const(1)])  # [T]
     q_pos = b.op("Gather", [position_ids, query_index], axis=0)  # [B, S]
@@ -129,37 +129,38 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         lower = b.op("Sub", [q_pos3, b.const(spec.sliding_window)])
         allowed = b.op("And", [allowed, b.op("Greater", [key_pos, lower])])
     neg = b.const(np.finfo(np.float32).min, np.float32)
-    mask = b.op("Where", [allowed, b.const(0.0, np.float32), neg])
-    mask = b.op("Unsqueeze", [mask, b.const([1])])  # [B, 1, S, T]
+    mask = b.op("Where", [allowed, b.const(0.0, np.float32), neg])  # [B, S, T]
     if group > 1:
-        mask = b.op("Tile", [mask, b.const([1, 1, group, 1])])  # [B, 1, G*S, T], g-major
-    # where each new token's K/V goes inside the gathered [B, T, ...] context: (row, position)
+        mask = b.op("Tile", [mask, b.const([1, group, 1])])  # [B, G*S, T], g-major like the queries
+    # where this step's K/V go in the gathered [Hkv, B, T, D] context: (head, row, position) per token
     row = b.op("Div", [flat_index, query_len])
-    scatter_idx = b.op("Concat", [b.op("Unsqueeze", [row, b.const([1])]),
-                                  b.op("Unsqueeze", [position_ids, b.const([1])])], axis=1)
-    # rotary tables for this step's positions: x*cos + rotate_half(x)*sin
-    half = d // 2
-    cos_half = b.op("Gather", [b.weight("rope.cos", spec.rope_cos.astype(np.float32)), position_ids], axis=0)
-    sin_half = b.op("Gather", [b.weight("rope.sin", spec.rope_sin.astype(np.float32)), position_ids], axis=0)
-    cos = b.op("Unsqueeze", [b.op("Concat", [cos_half, cos_half], axis=1), b.const([1])])  # [N, 1, D]
-    sin = b.op("Unsqueeze", [b.op("Concat", [b.op("Neg", [sin_half]), sin_half], axis=1), b.const([1])])
+    row_pos = b.op("Concat", [b.op("Unsqueeze", [row, b.const([1])]),
+                              b.op("Unsqueeze", [position_ids, b.const([1])])], axis=1)  # [N, 2]
+    heads = b.op("Unsqueeze", [b.op("Range", [b.const(0), b.const(hkv), b.const(1)]), b.const([1, 2])])
+    heads = b.op("Expand", [heads, b.op("Concat", [b.const([hkv]), b.op("Shape", [flat_index]), b.const([1])],
+                                                   axis=0)])  # [Hkv, N, 1]
+    row_pos = b.op("Expand", [b.op("Unsqueeze", [row_pos, b.const([0])]),
+                              b.op("Concat", [b.const([hkv]), b.op("Shape", [row_pos])], axis=0)])
+    scatter_idx = b.op("Concat", [heads, row_pos], axis=2)  # [Hkv, N, 3]
+    pos_2d = b.op("Unsqueeze", [position_ids, b.const([0])])  # [1, N] for RotaryEmbedding
+    flat_2d = b.op("Unsqueeze", [flat_index, b.const([0])])  # [1, N]
+    q_shape = b.op("Concat", [b.op("Shape", [query_index]), b.const([hkv, group, d])], axis=0)
+    cos_cache = b.weight("rope.cos", spec.rope_cos.astype(np.float32))
+    sin_cache = b.weight("rope.sin", spec.rope_sin.astype(np.float32))
 
-    def rotary(x: str) -> str:
-        x1 = b.op("Slice", [x, b.const([0]), b.const([half]), b.const([2])])
-        x2 = b.op("Slice", [x, b.const([half]), b.const([d]), b.const([2])])
-        rotated = b.op("Concat", [x2, x1], axis=2)
-        return b.op("Add", [b.op("Mul", [x, cos]), b.op("Mul", [rotated, sin])])
+    def rotary(x: str, num_heads: int) -> str:  # x: [1, N, heads * D]
+        return b.op("RotaryEmbedding", [x, pos_2d, cos_cache, sin_cache], domain=MS_DOMAIN,
+                    interleaved=0, num_heads=num_heads)
 
-    scale = b.const(1.0 / np.sqrt(d), np.float32)
-
-    # ---- embeddings ----
+    # ---- embeddings: the residual stream is [1, N, hidden] ----
     embed = weights["model.embed_tokens.weight"]
+    ids_2d = b.op("Unsqueeze", [input_ids, b.const([0])])
     if embed_dtype == np.float32:
         embed_name = b.weight("model.embed_tokens.weight", embed.astype(np.float32))
-        x = b.op("Gather", [embed_name, input_ids], axis=0)
+        x = b.op("Gather", [embed_name, ids_2d], axis=0)
     else:  # fp16 table, cast only the gathered rows
         embed_name = b.weight("model.embed_tokens.weight", embed.astype(np.float16))
-        x = b.op("Cast", [b.op("Gather", [embed_name, input_ids], axis=0)], to=FLOAT)
+        x = b.op("Cast", [b.op("Gather", [embed_name, ids_2d], axis=0)], to=FLOAT)
 
     residual = x
     hidden = b.op("SimplifiedLayerNormalization",
@@ -174,34 +175,29 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         if spec.attention_bias:
             bias = np.concatenate([weights[p + f"self_attn.{n}.bias"] for n in ("q_proj", "k_proj", "v_proj")])
             qkv = b.op("Add", [qkv, b.weight(f"layers.{i}.qkv_bias", bias.astype(np.float32))])
-        q, k, v = b.op("Split", [qkv, b.const([hq * d, hkv * d, hkv * d])], n_out=3, axis=1)
-        q = with_lora(i, "q_proj", hidden, q)
-        k = with_lora(i, "k_proj", hidden, k)
+        q, k, v = b.op("Split", [qkv, b.const([hq * d, hkv * d, hkv * d])], n_out=3, axis=2)
+        q = rotary(with_lora(i, "q_proj", hidden, q), hq)
+        k = rotary(with_lora(i, "k_proj", hidden, k), hkv)
         v = with_lora(i, "v_proj", hidden, v)
-        q = rotary(b.op("Reshape", [q, b.const([-1, hq, d])]))
-        k = rotary(b.op("Reshape", [k, b.const([-1, hkv, d])]))
-        v = b.op("Reshape", [v, b.const([-1, hkv, d])])
-        b.output(k, C.present_key(i), FLOAT, ["num_tokens", hkv, d])
-        b.output(v, C.present_value(i), FLOAT, ["num_tokens", hkv, d])
-        k, v = C.present_key(i), C.present_value(i)
         ctx = []
-        for pool, new in ((past[i][0], k), (past[i][1], v)):
-            gathered = b.op("Gather", [pool, block_tables], axis=0)  # [B, MB, bs, Hkv, D]
-            gathered = b.op("Reshape", [gathered, b.const([0, -1, hkv, d])])  # [B, T, Hkv, D]
-            ctx.append(b.op("ScatterND", [gathered, scatter_idx, new]))
-        k_t = b.op("Transpose", [ctx[0]], perm=[0, 2, 3, 1])  # [B, Hkv, D, T]
-        v_t = b.op("Transpose", [ctx[1]], perm=[0, 2, 1, 3])  # [B, Hkv, T, D]
-        qp = b.op("Gather", [b.op("Mul", [q, scale]), query_index], axis=0)  # [B, S, Hq, D]
-        qp = b.op("Reshape", [qp, b.const([0, 0, hkv, group, d])])
-        qp = b.op("Transpose", [qp], perm=[0, 2, 3, 1, 4])  # [B, Hkv, G, S, D]
-        qp = b.op("Reshape", [qp, b.const([0, 0, -1, d])])  # [B, Hkv, G*S, D]
-        scores = b.op("Add", [b.op("MatMul", [qp, k_t]), mask])
-        probs = b.op("Softmax", [scores], axis=-1)
-        attn = b.op("MatMul", [probs, v_t])  # [B, Hkv, G*S, D]
+        for pool, new, out_name in ((past[i][0], k, C.present_key(i)), (past[i][1], v, C.present_value(i))):
+            heads_first = b.op("Transpose", [b.op("Reshape", [new, b.const([-1, hkv, d])])], perm=[1, 0, 2],
+                               out=out_name)  # [Hkv, N, D]: a graph output the runtime writes into its blocks
+            b.output(out_name, FLOAT, [hkv, "num_tokens", d])
+            gathered = b.op("Gather", [pool, block_tables], axis=1)  # [Hkv, B, MB, bs, D]
+            gathered = b.op("Reshape", [gathered, b.const([hkv, 0, -1, d])])  # [Hkv, B, T, D]
+            ctx.append(b.op("ScatterND", [gathered, scatter_idx, heads_first]))
+        qp = b.op("Gather", [q, query_index], axis=1)  # [1, B, S, Hq*D]
+        qp = b.op("Reshape", [qp, q_shape])  # [B, S, Hkv, G, D]
+        qp = b.op("Transpose", [qp], perm=[2, 0, 3, 1, 4])  # [Hkv, B, G, S, D]
+        qp = b.op("Reshape", [qp, b.const([0, 0, -1, d])])  # [Hkv, B, G*S, D]
+        scores = b.op("FusedMatMul", [qp, ctx[0]], domain=MS_DOMAIN, transB=1, alpha=float(1.0 / np.sqrt(d)))
+        probs = b.op("Softmax", [b.op("Add", [scores, mask])], axis=-1)  # [Hkv, B, G*S, T]
+        attn = b.op("MatMul", [probs, ctx[1]])  # [Hkv, B, G*S, D]
         attn = b.op("Reshape", [attn, b.const([0, 0, group, -1, d])])
-        attn = b.op("Transpose", [attn], perm=[0, 3, 1, 2, 4])  # [B, S, Hkv, G, D]
+        attn = b.op("Transpose", [attn], perm=[1, 3, 0, 2, 4])  # [B, S, Hkv, G, D]
         attn = b.op("Reshape", [attn, b.const([-1, hq * d])])
-        attn = b.op("Gather", [attn, flat_index], axis=0)  # [N, Hq*D]
+        attn = b.op("Gather", [attn, flat_2d], axis=0)  # [1, N, Hq*D]
         o = b.op("MatMul", [attn, matmul_weight(f"layers.{i}.o_proj", weights[p + "self_attn.o_proj.weight"])])
         o = with_lora(i, "o_proj", attn, o)
         post_ln = b.weight(f"layers.{i}.post_attention_layernorm", weights[p + "post_attention_layernorm.weight"])
@@ -210,7 +206,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         # -- MLP --
         wgu = np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]], 0)
         gu = b.op("MatMul", [hidden, matmul_weight(f"layers.{i}.gate_up_proj", wgu)])
-        gate, up = b.op("Split", [gu, b.const([spec.intermediate_size] * 2)], n_out=2, axis=1)
+        gate, up = b.op("Split", [gu, b.const([spec.intermediate_size] * 2)], n_out=2, axis=2)
         gate = with_lora(i, "gate_proj", hidden, gate)
         up = with_lora(i, "up_proj", hidden, up)
         act = b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate])]), up])
@@ -224,13 +220,13 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
                                       n_out=4, domain=MS_DOMAIN, epsilon=spec.rms_norm_eps)
 
     # ---- logits only where wanted, then in-graph processing and top-K ----
-    last = b.op("Gather", [hidden, logits_index], axis=0)  # [R, H]
+    last = b.op("Gather", [b.op("Squeeze", [hidden, b.const([0])]), logits_index], axis=0)  # [R, H]
     if tied_gemm and spec.tie_word_embeddings and embed_dtype == np.float32:
-        logits = b.op("Gemm", [last, embed_name], transB=1)
+        b.op("Gemm", [last, embed_name], transB=1, out=C.LOGITS)
     else:
         head = weights.get("lm_head.weight", embed) if not spec.tie_word_embeddings else embed
-        logits = b.op("MatMul", [last, matmul_weight("lm_head", head)], name="lm_head/MatMul")
-    b.output(logits, C.LOGITS, FLOAT, ["num_logits", spec.vocab_size])
+        b.op("MatMul", [last, matmul_weight("lm_head", head)], name="lm_head/MatMul", out=C.LOGITS)
+    b.output(C.LOGITS, FLOAT, ["num_logits", spec.vocab_size])
     logits = C.LOGITS
 
     col = b.const([1])
@@ -245,8 +241,9 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
     picked = b.op("Add", [picked, sparse_bias])
     processed = b.op("ScatterElements", [logits, sparse_ids, picked], axis=1)
     processed = b.op("Div", [processed, b.op("Unsqueeze", [temperature, col])])
-    lse = b.op("ReduceLogSumExp", [processed, col], keepdims=1)
-    values, ids = b.op("TopK", [processed, top_k], n_out=2, axis=1, largest=1, sorted=1)
-    b.output(b.op("Sub", [values, lse]), C.TOPK_LOGPROBS, FLOAT, ["num_logits", "top_k"])
-    b.output(ids, C.TOPK_IDS, INT64, ["num_logits", "top_k"])
+    logprobs = b.op("LogSoftmax", [processed], axis=1)
+    b.op("TopK", [logprobs, top_k], axis=1, largest=1, sorted=1, out=[C.TOPK_LOGPROBS, C.TOPK_IDS])
+    b.output(C.TOPK_LOGPROBS, FLOAT, ["num_logits", "top_k"])
+    b.output(C.TOPK_IDS, INT64, ["num_logits", "top_k"])
     return b.model()
+

@@ -31,9 +31,8 @@ class GraphBuilder:
         self.inputs.append(helper.make_tensor_value_info(name, elem_type, shape))
         return name
 
-    def output(self, value: str, name: str, elem_type: int, shape: list) -> None:
-        if value != name:
-            self.op("Identity", [value], name=name, out=name)
+    def output(self, name: str, elem_type: int, shape: list) -> None:
+        """Declare a graph output; the node producing it must write to this exact name (op(..., out=name))."""
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
 
     def weight(self, name: str, array: np.ndarray) -> str:

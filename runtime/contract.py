@@ -35,7 +35,7 @@ LORA_WEIGHTS = "lora_weights"  # float [num_tokens, num_adapters]: per-token mix
 
 
 def past_key(layer: int) -> str:
-    return f"past.{layer}.key"  # float [num_blocks, block_size, kv_heads, head_dim]
+    return f"past.{layer}.key"  # float [kv_heads, num_blocks, block_size, head_dim]
 
 
 def past_value(layer: int) -> str:
@@ -43,7 +43,7 @@ def past_value(layer: int) -> str:
 
 
 def present_key(layer: int) -> str:
-    return f"present.{layer}.key"  # float [num_tokens, kv_heads, head_dim]: this step's keys (rotated)
+    return f"present.{layer}.key"  # float [kv_heads, num_tokens, head_dim]: this step's keys (rotated)
 
 
 def present_value(layer: int) -> str:

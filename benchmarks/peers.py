@@ -1,0 +1,163 @@
+"""Single-stream decode / TTFT of RuvLLM and its peers on SmolLM2-135M, same prompt, same machine, one run.
+
+Peers: onnxruntime-genai (its int4 model builder's output) and llama.cpp (llama-cpp-python, the
+Q4_1 GGUF). Run: python benchmarks/peers.py [--ruvllm PKG] [--tokens 128] [--repeats 3]
+Needs: pip install onnxruntime-genai llama-cpp-python (not project dependencies). Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one long paragraph."}]
+WORK = Path(os.environ.get("RUVLLM_BENCH_DIR", Path.home() / ".cache" / "ruvllm" / "bench"))
+
+
+def gguf_path() -> Path:
+    from runtime.aliases import embedded_gguf_path
+
+    return embedded_gguf_path()
+
+
+def hf_folder() -> Path:
+    """SmolLM2 dequantized from the GGUF into a plain HF folder (what the genai builder reads)."""
+    out = WORK / "smollm2-hf"
+    if not (out / "config.json").exists():
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        g = gguf_path()
+        loaded = AutoModelForCausalLM.from_pretrained(g.parent, gguf_file=g.name)
+        cfg = loaded.config
+        if hasattr(cfg, "quantization_config"):  # a GGUF-loaded model refuses to save; copy its weights out
+            del cfg.quantization_config
+        plain = AutoModelForCausalLM.from_config(cfg)
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(out)
+        AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name).save_pretrained(out)
+    return out
+
+
+def chat_prompt_ids() -> list[int]:
+    from transformers import AutoTokenizer
+
+    enc = AutoTokenizer.from_pretrained(hf_folder()).apply_chat_template(PROMPT, add_generation_prompt=True)
+    return list(enc["input_ids"] if hasattr(enc, "keys") else enc)
+
+
+def genai_model(threads: int) -> Path:
+    out = WORK / "genai-int4"
+    if not (out / "genai_config.json").exists():
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder()),
+                        "-o", str(out), "-p", "int4", "-e", "cpu", "-c", str(WORK / "genai-cache")], check=True)
+    return out
+
+
+def bench_genai(tokens: int, repeats: int, threads: int) -> dict:
+    import numpy as np
+    import onnxruntime_genai as og
+
+    path = genai_model(threads)
+    cfg = og.Config(str(path))
+    model = og.Model(cfg)
+    tok = og.Tokenizer(model)
+    prompt_ids = chat_prompt_ids()
+    runs = []
+    for _ in range(repeats + 1):
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt_ids) + tokens, do_sample=False, min_length=len(prompt_ids) + tokens)
+        gen = og.Generator(model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(np.array(prompt_ids, dtype=np.int32))
+        gen.generate_next_token()
+        first = time.perf_counter()
+        n = 1
+        while not gen.is_done() and n < tokens:
+            gen.generate_next_token()
+            n += 1
+        end = time.perf_counter()
+        runs.append({"ttft": first - t0, "tps": (n - 1) / (end - first)})
+    del tok
+    runs = runs[1:]
+    return {"engine": "onnxruntime-genai int4", "ttft_ms": round(1000 * statistics.median(r["ttft"] for r in runs), 1),
+            "decode_tps": round(statistics.median(r["tps"] for r in runs), 1)}
+
+
+def bench_llamacpp(tokens: int, repeats: int, threads: int) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(gguf_path()), n_threads=threads, n_ctx=2048, verbose=False)
+    prompt_ids = chat_prompt_ids()
+    runs = []
+    for _ in range(repeats + 1):
+        llm.reset()
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        for _tok in llm.generate(prompt_ids, temp=0.0, top_k=1, reset=True):
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+            if n >= tokens:
+                break
+        end = time.perf_counter()
+        runs.append({"ttft": first - t0, "tps": (n - 1) / (end - first)})
+    runs = runs[1:]
+    return {"engine": "llama.cpp Q4_1", "ttft_ms": round(1000 * statistics.median(r["ttft"] for r in runs), 1),
+            "decode_tps": round(statistics.median(r["tps"] for r in runs), 1)}
+
+
+def bench_ruvllm(pkg: str | None, tokens: int, repeats: int, threads: int) -> dict:
+    from runtime.cli import resolve_package
+    from runtime.engine import Engine
+    from runtime.sampling import SamplingParams
+
+    engine = Engine.from_package(resolve_package(pkg), threads=threads)
+    runs = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        for out in engine.generate(params=SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+                                   messages=PROMPT):
+            n = out.completion_tokens
+            if first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        runs.append({"ttft": first - t0, "tps": (n - 1) / (end - first)})
+    runs = runs[1:]
+    return {"engine": f"ruvllm {engine.pkg.manifest['quantization']['weights']}",
+            "ttft_ms": round(1000 * statistics.median(r["ttft"] for r in runs), 1),
+            "decode_tps": round(statistics.median(r["tps"] for r in runs), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ruvllm", default=None, help="package (default: the cached embedded int4 model)")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--only", default="ruvllm,genai,llamacpp")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    WORK.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in args.only.split(","):
+        fn = {"ruvllm": lambda: bench_ruvllm(args.ruvllm, args.tokens, args.repeats, args.threads),
+              "genai": lambda: bench_genai(args.tokens, args.repeats, args.threads),
+              "llamacpp": lambda: bench_llamacpp(args.tokens, args.repeats, args.threads)}[name]
+        try:
+            results.append(fn())
+        except ImportError as err:
+            results.append({"engine": name, "error": f"not installed: {err.name}"})
+    print(json.dumps({"threads": args.threads, "decode_tokens": args.tokens, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
