@@ -126,6 +126,22 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int):
     return f"ruvllm {engine.pkg.manifest['quantization']['weights']}", once
 
 
+def worker(name: str, args) -> None:
+    """Load one engine, then time one run per line read from stdin (a JSON line back per run)."""
+    loaders = {"ruvllm": lambda: load_ruvllm(args.ruvllm, args.tokens, args.threads),
+               "genai": lambda: load_genai(args.tokens, args.threads),
+               "llamacpp": lambda: load_llamacpp(args.tokens, args.threads)}
+    try:
+        label, once = loaders[name]()
+        once()  # warm-up
+    except ImportError as err:
+        print(json.dumps({"error": f"not installed: {err.name}"}), flush=True)
+        return
+    print(json.dumps({"label": label}), flush=True)
+    for _ in sys.stdin:
+        print(json.dumps(once()), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ruvllm", default=None, help="package (default: the cached embedded int4 model)")
@@ -133,30 +149,42 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--only", default="ruvllm,genai,llamacpp")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     WORK.mkdir(parents=True, exist_ok=True)
-    loaders = {"ruvllm": lambda: load_ruvllm(args.ruvllm, args.tokens, args.threads),
-               "genai": lambda: load_genai(args.tokens, args.threads),
-               "llamacpp": lambda: load_llamacpp(args.tokens, args.threads)}
-    engines, results = [], []
+    if args.worker:
+        return worker(args.worker, args)
+    # One process per engine, so no engine's idle thread pool spins on a core while another is timed.
+    base = [sys.executable, __file__, "--tokens", str(args.tokens), "--threads", str(args.threads)]
+    if args.ruvllm:
+        base += ["--ruvllm", args.ruvllm]
+    procs, results = {}, []
     for name in args.only.split(","):
-        try:
-            engines.append(loaders[name]())
-        except ImportError as err:
-            results.append({"engine": name, "error": f"not installed: {err.name}"})
-    runs: dict[str, list[dict]] = {label: [] for label, _ in engines}
-    for _ in engines:  # warm-up
-        _[1]()
-    for _ in range(args.repeats):  # interleaved rounds: the host's noise hits every engine alike
-        for label, once in engines:
-            runs[label].append(once())
+        proc = subprocess.Popen(base + ["--worker", name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        first = json.loads(proc.stdout.readline())
+        if "error" in first:
+            results.append({"engine": name, **first})
+            proc.wait()
+            continue
+        procs[first["label"]] = proc
+    runs: dict[str, list[dict]] = {label: [] for label in procs}
+    for _ in range(args.repeats):  # interleaved rounds: slow phases of the host hit every engine alike
+        for label, proc in procs.items():
+            time.sleep(0.3)
+            proc.stdin.write("run\n")
+            proc.stdin.flush()
+            runs[label].append(json.loads(proc.stdout.readline()))
+    for proc in procs.values():
+        proc.stdin.close()
+        proc.wait()
     for label, rs in runs.items():
         results.append({"engine": label,
                         "decode_tps_median": round(statistics.median(r["tps"] for r in rs), 1),
                         "decode_tps_best": round(max(r["tps"] for r in rs), 1),
                         "ttft_ms_median": round(1000 * statistics.median(r["ttft"] for r in rs), 1)})
-    print(json.dumps({"threads": args.threads, "decode_tokens": args.tokens, "results": results}, indent=2))
+    print(json.dumps({"threads": args.threads, "decode_tokens": args.tokens, "repeats": args.repeats,
+                      "results": results}, indent=2))
 
 
 if __name__ == "__main__":

@@ -132,16 +132,15 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
     mask = b.op("Where", [allowed, b.const(0.0, np.float32), neg])  # [B, S, T]
     if group > 1:
         mask = b.op("Tile", [mask, b.const([1, group, 1])])  # [B, G*S, T], g-major like the queries
-    # where this step's K/V go in the gathered [Hkv, B, T, D] context: (head, row, position) per token
+    # where this step's K/V go in the gathered [Hkv, B, T, D] context: (head, row, position) per token and head
     row = b.op("Div", [flat_index, query_len])
     row_pos = b.op("Concat", [b.op("Unsqueeze", [row, b.const([1])]),
                               b.op("Unsqueeze", [position_ids, b.const([1])])], axis=1)  # [N, 2]
-    heads = b.op("Unsqueeze", [b.op("Range", [b.const(0), b.const(hkv), b.const(1)]), b.const([1, 2])])
-    heads = b.op("Expand", [heads, b.op("Concat", [b.const([hkv]), b.op("Shape", [flat_index]), b.const([1])],
-                                                   axis=0)])  # [Hkv, N, 1]
-    row_pos = b.op("Expand", [b.op("Unsqueeze", [row_pos, b.const([0])]),
-                              b.op("Concat", [b.const([hkv]), b.op("Shape", [row_pos])], axis=0)])
-    scatter_idx = b.op("Concat", [heads, row_pos], axis=2)  # [Hkv, N, 3]
+    n_hkv = b.op("Concat", [b.op("Shape", [flat_index]), b.const([hkv, 2])], axis=0)
+    heads = b.op("Expand", [b.const(np.arange(hkv).reshape(1, hkv, 1)),
+                            b.op("Concat", [b.op("Shape", [flat_index]), b.const([hkv, 1])], axis=0)])
+    scatter_idx = b.op("Concat", [heads, b.op("Expand", [b.op("Unsqueeze", [row_pos, b.const([1])]), n_hkv])],
+                       axis=2)  # [N, Hkv, 3], updates [N, Hkv, D]
     pos_2d = b.op("Unsqueeze", [position_ids, b.const([0])])  # [1, N] for RotaryEmbedding
     flat_2d = b.op("Unsqueeze", [flat_index, b.const([0])])  # [1, N]
     q_shape = b.op("Concat", [b.op("Shape", [query_index]), b.const([hkv, group, d])], axis=0)
@@ -181,12 +180,11 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         v = with_lora(i, "v_proj", hidden, v)
         ctx = []
         for pool, new, out_name in ((past[i][0], k, C.present_key(i)), (past[i][1], v, C.present_value(i))):
-            heads_first = b.op("Transpose", [b.op("Reshape", [new, b.const([-1, hkv, d])])], perm=[1, 0, 2],
-                               out=out_name)  # [Hkv, N, D]: a graph output the runtime writes into its blocks
-            b.output(out_name, FLOAT, [hkv, "num_tokens", d])
+            per_head = b.op("Reshape", [new, b.const([-1, hkv, d])], out=out_name)  # [N, Hkv, D]
+            b.output(out_name, FLOAT, ["num_tokens", hkv, d])  # the runtime writes it into its blocks
             gathered = b.op("Gather", [pool, block_tables], axis=1)  # [Hkv, B, MB, bs, D]
             gathered = b.op("Reshape", [gathered, b.const([hkv, 0, -1, d])])  # [Hkv, B, T, D]
-            ctx.append(b.op("ScatterND", [gathered, scatter_idx, heads_first]))
+            ctx.append(b.op("ScatterND", [gathered, scatter_idx, per_head]))
         qp = b.op("Gather", [q, query_index], axis=1)  # [1, B, S, Hq*D]
         qp = b.op("Reshape", [qp, q_shape])  # [B, S, Hkv, G, D]
         qp = b.op("Transpose", [qp], perm=[2, 0, 3, 1, 4])  # [Hkv, B, G, S, D]

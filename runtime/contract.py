@@ -43,7 +43,7 @@ def past_value(layer: int) -> str:
 
 
 def present_key(layer: int) -> str:
-    return f"present.{layer}.key"  # float [kv_heads, num_tokens, head_dim]: this step's keys (rotated)
+    return f"present.{layer}.key"  # float [num_tokens, kv_heads, head_dim]: this step's keys (rotated)
 
 
 def present_value(layer: int) -> str:

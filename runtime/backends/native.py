@@ -119,7 +119,7 @@ class NativeBackend:
             return self._outputs
         io = self._io
         io.clear_binding_outputs()
-        outs = {name: np.empty((self.kv_heads, num_tokens, self.head_dim), np.float32) for name in self._present_names}
+        outs = {name: np.empty((num_tokens, self.kv_heads, self.head_dim), np.float32) for name in self._present_names}
         if rows:
             outs[C.TOPK_LOGPROBS] = np.empty((rows, top_k), np.float32)
             outs[C.TOPK_IDS] = np.empty((rows, top_k), np.int64)
@@ -173,8 +173,8 @@ class NativeBackend:
             slots = np.array(batch.kv_slots, i64)
         for i in range(self.num_layers):
             k_flat, v_flat = self._flat[i]
-            k_flat[:, slots] = outs[C.present_key(i)]
-            v_flat[:, slots] = outs[C.present_value(i)]
+            k_flat[:, slots] = outs[C.present_key(i)].transpose(1, 0, 2)
+            v_flat[:, slots] = outs[C.present_value(i)].transpose(1, 0, 2)
         if not rows:
             return StepResult([], [])
         logits = outs[C.LOGITS].copy() if batch.want_full_logits else None
