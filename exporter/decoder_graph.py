@@ -166,6 +166,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
                   [x, b.weight("layers.0.input_layernorm", weights["model.layers.0.input_layernorm.weight"])],
                   axis=-1, epsilon=spec.rms_norm_eps, stash_type=1)
 
+    presents: tuple[list[str], list[str]] = ([], [])
     for i in range(nl):
         p = f"model.layers.{i}."
         # -- attention --
@@ -179,9 +180,9 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         k = rotary(with_lora(i, "k_proj", hidden, k), hkv)
         v = with_lora(i, "v_proj", hidden, v)
         ctx = []
-        for pool, new, out_name in ((past[i][0], k, C.present_key(i)), (past[i][1], v, C.present_value(i))):
-            per_head = b.op("Reshape", [new, b.const([-1, hkv, d])], out=out_name)  # [N, Hkv, D]
-            b.output(out_name, FLOAT, ["num_tokens", hkv, d])  # the runtime writes it into its blocks
+        for pool, new, kind in ((past[i][0], k, 0), (past[i][1], v, 1)):
+            per_head = b.op("Reshape", [new, b.const([-1, hkv, d])])  # [N, Hkv, D]
+            presents[kind].append(per_head)
             gathered = b.op("Gather", [pool, block_tables], axis=1)  # [Hkv, B, MB, bs, D]
             gathered = b.op("Reshape", [gathered, b.const([hkv, 0, -1, d])])  # [Hkv, B, T, D]
             ctx.append(b.op("ScatterND", [gathered, scatter_idx, per_head]))
@@ -216,6 +217,12 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
             ln_name, ln = "model.norm", weights["model.norm.weight"]
         hidden, _, _, residual = b.op("SkipSimplifiedLayerNormalization", [down, residual, b.weight(ln_name, ln)],
                                       n_out=4, domain=MS_DOMAIN, epsilon=spec.rms_norm_eps)
+
+    # this step's K/V of every layer in one tensor each: the runtime writes them into its blocks at once
+    for kind, name in ((0, C.PRESENT_KEY), (1, C.PRESENT_VALUE)):
+        stacked = b.op("Concat", presents[kind], axis=0)  # [L*N, Hkv, D]
+        b.op("Reshape", [stacked, b.const([nl, -1, hkv, d])], out=name)
+        b.output(name, FLOAT, [nl, "num_tokens", hkv, d])
 
     # ---- logits only where wanted, then in-graph processing and top-K ----
     last = b.op("Gather", [b.op("Squeeze", [hidden, b.const([0])]), logits_index], axis=0)  # [R, H]

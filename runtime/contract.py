@@ -42,14 +42,6 @@ def past_value(layer: int) -> str:
     return f"past.{layer}.value"
 
 
-def present_key(layer: int) -> str:
-    return f"present.{layer}.key"  # float [num_tokens, kv_heads, head_dim]: this step's keys (rotated)
-
-
-def present_value(layer: int) -> str:
-    return f"present.{layer}.value"
-
-
 def lora_a(target: str) -> str:
     return f"lora.{target}.A"  # float [num_layers, num_adapters, in_features, rank]
 
@@ -59,6 +51,8 @@ def lora_b(target: str) -> str:
 
 
 # --- graph outputs ---
+PRESENT_KEY = "present.key"  # float [num_layers, num_tokens, kv_heads, head_dim]: this step's keys (rotated)
+PRESENT_VALUE = "present.value"  # float [num_layers, num_tokens, kv_heads, head_dim]
 LOGITS = "logits"  # float [num_logits, vocab]: raw logits, before any processing
 TOPK_LOGPROBS = "topk_logprobs"  # float [num_logits, top_k]: log-softmax of the processed logits
 TOPK_IDS = "topk_ids"  # int64 [num_logits, top_k]

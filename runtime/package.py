@@ -72,10 +72,7 @@ def expected_inputs(num_layers: int, lora: bool = False) -> list[str]:
 
 
 def expected_outputs(num_layers: int) -> list[str]:
-    names = []
-    for i in range(num_layers):
-        names += [C.present_key(i), C.present_value(i)]
-    return names + [C.LOGITS, C.TOPK_LOGPROBS, C.TOPK_IDS]
+    return [C.PRESENT_KEY, C.PRESENT_VALUE, C.LOGITS, C.TOPK_LOGPROBS, C.TOPK_IDS]
 
 
 def load_package(path: str | Path, verify_hashes: bool = False) -> ModelPackage:

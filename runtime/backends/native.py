@@ -86,29 +86,25 @@ class NativeBackend:
         contract = expected_inputs(self.num_layers, lora=lora)
         if names[:len(contract)] != contract or (not lora and len(names) != len(contract)):
             raise PackageError(f"{package.path}: the graph's inputs do not match its manifest")
-        self.pools: list[tuple[np.ndarray, np.ndarray]] = []
         self.block_tables: np.ndarray | None = None
 
     def allocate(self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int) -> None:
-        shape = (self.kv_heads, num_blocks, block_size, self.head_dim)
+        shape = (self.num_layers, self.kv_heads, num_blocks, block_size, self.head_dim)
         self.block_size = block_size
         # np.zeros would map pages lazily and each first write would fault (~1.7 ms/step on SmolLM2):
-        # commit the pool up front, as a server reserves its KV memory
-        self.pools = []
-        for _ in range(self.num_layers):
-            k, v = np.empty(shape, np.float32), np.empty(shape, np.float32)
-            k.fill(0.0)
-            v.fill(0.0)
-            self.pools.append((k, v))
-        flat = (self.kv_heads, num_blocks * block_size, self.head_dim)  # views: [head, slot, dim]
-        self._flat = [(k.reshape(flat), v.reshape(flat)) for k, v in self.pools]
+        # commit the pool up front, as a server reserves its KV memory. One array per kind; each layer's
+        # graph input is a contiguous view of it, so a step's K/V are written with one assignment.
+        self.k_pool, self.v_pool = np.empty(shape, np.float32), np.empty(shape, np.float32)
+        self.k_pool.fill(0.0)
+        self.v_pool.fill(0.0)
+        flat = (self.num_layers, self.kv_heads, num_blocks * block_size, self.head_dim)  # [layer, head, slot, dim]
+        self._k_flat, self._v_flat = self.k_pool.reshape(flat), self.v_pool.reshape(flat)
         self.block_tables = np.zeros((max_seqs, max_blocks_per_seq), np.int64)
         # one binding for the session's life: the pools are bound once, as OrtValues sharing their memory
         self._io = self.session.io_binding()
-        for i, (k, v) in enumerate(self.pools):
-            self._io.bind_ortvalue_input(C.past_key(i), self._ort.OrtValue.ortvalue_from_numpy(k))
-            self._io.bind_ortvalue_input(C.past_value(i), self._ort.OrtValue.ortvalue_from_numpy(v))
-        self._present_names = [n for i in range(self.num_layers) for n in (C.present_key(i), C.present_value(i))]
+        for i in range(self.num_layers):
+            self._io.bind_ortvalue_input(C.past_key(i), self._ort.OrtValue.ortvalue_from_numpy(self.k_pool[i]))
+            self._io.bind_ortvalue_input(C.past_value(i), self._ort.OrtValue.ortvalue_from_numpy(self.v_pool[i]))
         self._bound: tuple | None = None  # the output shapes currently bound
         self._outputs: dict[str, np.ndarray] = {}
 
@@ -119,7 +115,8 @@ class NativeBackend:
             return self._outputs
         io = self._io
         io.clear_binding_outputs()
-        outs = {name: np.empty((num_tokens, self.kv_heads, self.head_dim), np.float32) for name in self._present_names}
+        shape = (self.num_layers, num_tokens, self.kv_heads, self.head_dim)
+        outs = {C.PRESENT_KEY: np.empty(shape, np.float32), C.PRESENT_VALUE: np.empty(shape, np.float32)}
         if rows:
             outs[C.TOPK_LOGPROBS] = np.empty((rows, top_k), np.float32)
             outs[C.TOPK_IDS] = np.empty((rows, top_k), np.int64)
@@ -171,10 +168,8 @@ class NativeBackend:
             slots = slice(first, first + n)  # one run of slots (every decode, most chunks): no fancy indexing
         else:
             slots = np.array(batch.kv_slots, i64)
-        for i in range(self.num_layers):
-            k_flat, v_flat = self._flat[i]
-            k_flat[:, slots] = outs[C.present_key(i)].transpose(1, 0, 2)
-            v_flat[:, slots] = outs[C.present_value(i)].transpose(1, 0, 2)
+        self._k_flat[:, :, slots] = outs[C.PRESENT_KEY].transpose(0, 2, 1, 3)
+        self._v_flat[:, :, slots] = outs[C.PRESENT_VALUE].transpose(0, 2, 1, 3)
         if not rows:
             return StepResult([], [])
         logits = outs[C.LOGITS].copy() if batch.want_full_logits else None
