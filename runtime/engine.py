@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from runtime.chat_template import ChatTemplate
 from runtime.errors import RequestError
-from runtime.kv_blocks import BlockAllocator
+from runtime.kv_blocks import BlockAllocator, block_key
 from runtime.package import ModelPackage, load_package
 from runtime.sampling import SamplingParams, choose, make_rng
 from runtime.step_batch import Chunk, PenaltyState, build_step
@@ -43,6 +43,7 @@ class RequestOutput:
     completion_tokens: int
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -61,6 +62,9 @@ class Sequence:
     penalties: PenaltyState | None = None
     rng: object = None
     first_token_time: float | None = None
+    adapter: str | None = None
+    block_keys: list[bytes] = field(default_factory=list)  # prefix keys of its computed full blocks
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def num_generated(self) -> int:
@@ -70,15 +74,18 @@ class Sequence:
 @dataclass
 class EngineStats:
     steps: int = 0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens computed (cache hits excluded)
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     generated_tokens: int = 0
     preemptions: int = 0
+    started: float = field(default_factory=time.monotonic)
 
 
 class Engine:
     def __init__(self, package: ModelPackage, backend, *, num_blocks: int | None = None,
                  kv_memory: int | None = None, block_size: int | None = None, max_num_seqs: int = 64,
-                 max_batch_tokens: int = 512, tokenizer: Tokenizer | None = None) -> None:
+                 max_batch_tokens: int = 512, tokenizer: Tokenizer | None = None,
+                 enable_prefix_cache: bool = True) -> None:
         self.pkg = package
         self.backend = backend
         cfg = package.config
@@ -89,7 +96,7 @@ class Engine:
             per_block = self.block_size * backend.kv_bytes_per_token(cfg)
             ceiling = max_num_seqs * -(-self.max_context // self.block_size)
             num_blocks = max(1, min((kv_memory or DEFAULT_KV_MEMORY) // per_block, ceiling))
-        self.allocator = BlockAllocator(num_blocks, self.block_size)
+        self.allocator = BlockAllocator(num_blocks, self.block_size, enable_prefix_cache)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max(1, max_batch_tokens)
         self.max_blocks_per_seq = -(-self.max_context // self.block_size)
@@ -174,6 +181,7 @@ class Engine:
         for b in seq.blocks:
             self.allocator.release(b)
         seq.blocks = []
+        seq.block_keys = []
         seq.num_computed = 0
         if seq.slot >= 0:
             self._free_slots.append(seq.slot)
@@ -224,16 +232,50 @@ class Engine:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(len(seq.tokens) - seq.num_computed, budget)
-            if self.allocator.blocks_for(seq.num_computed + n) - len(seq.blocks) > self.allocator.num_free:
+            cached = self._lookup_prefix(seq)
+            start = len(cached) * self.block_size
+            n = min(len(seq.tokens) - start, budget)
+            if self.allocator.blocks_for(start + n) - len(cached) > self.allocator.num_free:
+                for block in cached:  # not admitted after all: give the hits back
+                    self.allocator.release(block)
                 break
             self.waiting.popleft()
             seq.slot = self._free_slots.pop()
-            self._grow(seq, seq.num_computed + n)
+            for block in cached:
+                self.backend.set_block(seq.slot, len(seq.blocks), block)
+                seq.blocks.append(block)
+            seq.num_computed = start
+            if seq.num_generated == 0:
+                seq.cached_tokens = start
+                self.stats.cached_prompt_tokens += start
+            self._grow(seq, start + n)
             self.running.append(seq)
             plan.append((seq, n))
             budget -= n
         return plan
+
+    def _lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks for the sequence's full blocks, leaving at least one token to compute."""
+        full = (len(seq.tokens) - 1) // self.block_size
+        if full == 0 or not self.allocator.enable_prefix_cache:
+            return []
+        keys, parent = [], None
+        bs = self.block_size
+        for j in range(full):
+            parent = block_key(parent, seq.tokens[j * bs:(j + 1) * bs], seq.adapter)
+            keys.append(parent)
+        found = self.allocator.lookup(keys)
+        seq.block_keys = keys[:len(found)]
+        return found
+
+    def _publish_blocks(self, seq: Sequence) -> None:
+        """Register every block the sequence has just completed in the prefix cache."""
+        bs = self.block_size
+        for j in range(len(seq.block_keys), seq.num_computed // bs):
+            parent = seq.block_keys[-1] if seq.block_keys else None
+            key = block_key(parent, seq.tokens[j * bs:(j + 1) * bs], seq.adapter)
+            self.allocator.register(seq.blocks[j], key)
+            seq.block_keys.append(key)
 
     def step(self) -> list[RequestOutput]:
         plan = self._schedule()
@@ -259,6 +301,8 @@ class Engine:
         now = time.monotonic()
         for (seq, n), chunk in zip(plan, chunks):
             seq.num_computed += n
+            if self.allocator.enable_prefix_cache:
+                self._publish_blocks(seq)
             if seq.num_generated == 0:
                 self.stats.prompt_tokens += n
             if not chunk.want_logits:
@@ -295,7 +339,22 @@ class Engine:
                 text += tail if hit else tail + seq.stopper.flush()
             self._finish(seq, reason)
         return RequestOutput(seq.id, text, [token], reason is not None, reason, len(seq.prompt_ids),
-                             seq.num_generated, logprobs)
+                             seq.num_generated, logprobs, cached_tokens=seq.cached_tokens)
+
+    def stats_snapshot(self) -> dict:
+        a = self.allocator
+        elapsed = max(1e-9, time.monotonic() - self.stats.started)
+        return {
+            "running": len(self.running), "waiting": len(self.waiting),
+            "kv_blocks_total": a.num_blocks, "kv_blocks_used": a.num_used, "kv_blocks_free": a.num_free,
+            "kv_block_size": self.block_size, "prefix_cache_blocks": a.num_cached,
+            "prefix_cache_queries": a.stats.queries, "prefix_cache_hits": a.stats.hits,
+            "prefix_cache_hit_rate": round(a.stats.hit_rate, 4), "prefix_cache_evictions": a.stats.evictions,
+            "prompt_tokens": self.stats.prompt_tokens, "cached_prompt_tokens": self.stats.cached_prompt_tokens,
+            "generated_tokens": self.stats.generated_tokens, "steps": self.stats.steps,
+            "preemptions": self.stats.preemptions,
+            "generated_tokens_per_s": round(self.stats.generated_tokens / elapsed, 2),
+        }
 
     # ---- convenience ----
     def generate(self, prompt=None, params: SamplingParams | None = None, *, messages=None):

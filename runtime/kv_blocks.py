@@ -1,43 +1,116 @@
-"""The KV block pool's bookkeeping: which blocks are free and who holds each one.
+"""The KV block pool's bookkeeping: free blocks, reference counts and the prefix cache.
 
-Blocks are reference counted so that sequences can share full blocks (prefix caching
-builds on this in the engine).
+A full block can be shared by every sequence whose tokens up to and including that block are
+equal (and that uses the same adapter). Its key is a chained digest of (parent key, block tokens,
+adapter id), so equal keys mean equal prefixes. A released block that holds a cached prefix is not
+freed but parked in an LRU list; it is reused on a hit, or evicted when the free list runs dry.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from struct import pack
+
+
+def block_key(parent: bytes | None, tokens: list[int] | tuple[int, ...], adapter: str | None = None) -> bytes:
+    h = hashlib.blake2b(parent or b"root", digest_size=16)
+    h.update(pack(f"<{len(tokens)}q", *tokens))
+    if adapter:
+        h.update(b"\0adapter\0" + adapter.encode("utf-8"))
+    return h.digest()
+
+
+@dataclass
+class PrefixStats:
+    queries: int = 0  # prompt blocks looked up
+    hits: int = 0  # of which found in the cache
+    evictions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
         self._free = deque(range(num_blocks))
         self.refcount = [0] * num_blocks
+        self._key_of: dict[int, bytes] = {}  # block -> its prefix key, for full blocks in the cache
+        self._block_of: dict[bytes, int] = {}  # prefix key -> block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, LRU first
+        self.stats = PrefixStats()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: truly free plus evictable cached ones."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def allocate(self) -> int:
-        if not self._free:
+        if self._free:
+            block = self._free.popleft()
+        elif self._evictable:
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+            self.stats.evictions += 1
+        else:
             raise MemoryError("KV block pool exhausted")
-        block = self._free.popleft()
         self.refcount[block] = 1
         return block
 
     def retain(self, block: int) -> None:
+        if self.refcount[block] == 0:
+            self._evictable.pop(block, None)
         self.refcount[block] += 1
 
     def release(self, block: int) -> None:
         self.refcount[block] -= 1
         if self.refcount[block] == 0:
-            self._free.append(block)
+            if block in self._key_of:
+                self._evictable[block] = None  # keep its prefix for later hits
+            else:
+                self._free.append(block)
         elif self.refcount[block] < 0:
             raise RuntimeError(f"block {block} released more often than retained")
+
+    # ---- prefix cache ----
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        """Longest run of cached blocks for these chained keys; each returned block is retained."""
+        found: list[int] = []
+        if not self.enable_prefix_cache:
+            return found
+        self.stats.queries += len(keys)
+        for key in keys:
+            block = self._block_of.get(key)
+            if block is None:
+                break
+            self.retain(block)
+            found.append(block)
+        self.stats.hits += len(found)
+        return found
+
+    def register(self, block: int, key: bytes) -> None:
+        """Publish a block that now holds a full, computed block of tokens under its prefix key."""
+        if not self.enable_prefix_cache or block in self._key_of:
+            return
+        if key in self._block_of:  # another sequence computed the same prefix first; keep that one
+            return
+        self._key_of[block] = key
+        self._block_of[key] = block

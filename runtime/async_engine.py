@@ -1,0 +1,143 @@
+"""asyncio front of the engine: per-request streams of deltas while one loop steps the batch.
+
+Natively each step runs on a single worker thread so the event loop stays free to accept and
+stream requests; under Pyodide (no threads) the step runs inline between awaits. A consumer that
+stops iterating (a client that disconnects) has its request aborted and its KV freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from runtime.engine import Engine, RequestOutput
+from runtime.errors import RequestError
+from runtime.sampling import SamplingParams
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, use_thread: bool | None = None) -> None:
+        self.engine = engine
+        self._use_thread = (sys.platform != "emscripten") if use_thread is None else use_thread
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ruvllm-step") if self._use_thread else None
+        self._lock = threading.Lock()  # engine state is touched by the step thread and the event loop
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._wakeup: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        self.step_error: BaseException | None = None
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        if self._task is None:
+            self._wakeup = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop: let in-flight requests finish (drain) or abort them, then stop the step loop."""
+        if drain and self._task is not None:
+            try:
+                await asyncio.wait_for(self._drained(), timeout)
+            except TimeoutError:
+                pass
+        with self._lock:
+            for rid in list(self.engine.seqs):
+                self.engine.abort(rid)
+                self._push(RequestOutput(rid, "", [], True, "abort", 0, 0, error="the server is shutting down"))
+        self._closed = True
+        if self._wakeup is not None:
+            self._wakeup.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    async def _drained(self) -> None:
+        while self.engine.has_unfinished():
+            await asyncio.sleep(0.01)
+
+    # ---- the step loop ----
+    def _step(self) -> list[RequestOutput]:
+        with self._lock:
+            return self.engine.step()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            if not self.engine.has_unfinished():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                if self._executor is not None:
+                    outputs = await loop.run_in_executor(self._executor, self._step)
+                else:
+                    outputs = self._step()
+                    await asyncio.sleep(0)
+            except Exception as err:  # a backend failure ends every request in flight, loudly
+                self.step_error = err
+                with self._lock:
+                    for rid in list(self.engine.seqs):
+                        self.engine.abort(rid)
+                        self._push(RequestOutput(rid, "", [], True, "error", 0, 0, error=f"engine step failed: {err}"))
+                continue
+            for out in outputs:
+                self._push(out)
+
+    def _push(self, out: RequestOutput) -> None:
+        q = self._queues.get(out.request_id)
+        if q is not None:
+            q.put_nowait(out)
+
+    # ---- requests ----
+    def add_request(self, prompt=None, params: SamplingParams | None = None, *, messages=None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; raises RequestError for a bad one (nothing is queued then)."""
+        if self._closed:
+            raise RequestError("the engine is shutting down")
+        self.start()
+        ids = self.engine.encode_prompt(prompt, messages)  # tokenizing needs no lock
+        with self._lock:
+            rid = self.engine.add_request(ids, params, request_id=request_id)
+            self._queues[rid] = asyncio.Queue()
+        self._wakeup.set()
+        return rid
+
+    async def stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes; leaving early aborts it."""
+        q = self._queues[request_id]
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    async def generate(self, prompt=None, params: SamplingParams | None = None, *, messages=None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        rid = self.add_request(prompt, params, messages=messages, request_id=request_id)
+        async with contextlib.aclosing(self.stream(rid)) as outputs:  # leaving early aborts at once
+            async for out in outputs:
+                yield out
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            done = self.engine.abort(request_id)
+        if done:
+            self._push(RequestOutput(request_id, "", [], True, "abort", 0, 0))
+        return done
+
+    def stats(self) -> dict:
+        with self._lock:
+            return self.engine.stats_snapshot()

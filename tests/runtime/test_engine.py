@@ -1,0 +1,166 @@
+"""The serving engine: continuous batching equals solo runs, prefix cache, preemption, abort, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from runtime.async_engine import AsyncEngine
+from runtime.engine import Engine
+from runtime.errors import RequestError
+from runtime.sampling import SamplingParams
+
+WORDS = ("apple river stone cloud seven orange music window paper tiger light north garden silver "
+         "bridge summer castle ocean forest engine candle mirror").split()
+
+
+def prompts(n: int) -> list[str]:
+    return [" ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(3 + (i * 5) % 17)) for i in range(n)]
+
+
+def greedy(max_tokens: int = 20) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def solo_outputs(pkg, texts: list[str], max_tokens: int = 20) -> list[list[int]]:
+    engine = Engine.from_package(pkg, enable_prefix_cache=False, max_num_seqs=1)
+    return [[t for o in engine.generate(text, greedy(max_tokens)) for t in o.token_ids] for text in texts]
+
+
+def run_staggered(engine: Engine, texts: list[str], per_step: int = 3, max_tokens: int = 20) -> dict[str, list[int]]:
+    """Submit a few requests per step while the batch runs; collect each request's tokens."""
+    pending = list(enumerate(texts))
+    ids: dict[str, int] = {}
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(texts))}
+    while pending or engine.has_unfinished():
+        for _ in range(per_step):
+            if pending:
+                i, text = pending.pop(0)
+                ids[engine.add_request(text, greedy(max_tokens))] = i
+        for out in engine.step():
+            tokens[ids[out.request_id]].extend(out.token_ids)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def thirty_two(tiny_package):
+    texts = prompts(32)
+    return texts, solo_outputs(tiny_package("llama"), texts)
+
+
+def test_32_concurrent_staggered_requests_equal_their_solo_runs(tiny_package, thirty_two):
+    texts, solo = thirty_two
+    engine = Engine.from_package(tiny_package("llama"), max_num_seqs=32, max_batch_tokens=128)
+    got = run_staggered(engine, texts)
+    for i in range(len(texts)):
+        assert got[i] == solo[i], f"request {i} differs"
+    assert engine.allocator.num_used == 0  # finished requests hold nothing; their prefixes stay evictable
+    assert engine.allocator.num_cached > 0
+
+
+def test_preemption_under_a_small_pool_keeps_outputs_exact(tiny_package, thirty_two):
+    texts, solo = thirty_two
+    engine = Engine.from_package(tiny_package("llama"), num_blocks=12, block_size=4, max_num_seqs=32,
+                                 max_batch_tokens=64)
+    got = run_staggered(engine, texts)
+    assert engine.stats.preemptions > 0
+    for i in range(len(texts)):
+        assert got[i] == solo[i], f"request {i} differs"
+
+
+def test_shared_system_prompt_hits_the_prefix_cache(tiny_package):
+    pkg = tiny_package("llama")
+    system = " ".join(WORDS[i % len(WORDS)] for i in range(200))
+    questions = [f"question number {i}: {WORDS[i]} or {WORDS[-i - 1]}?" for i in range(6)]
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
+    plain = Engine.from_package(pkg, enable_prefix_cache=False)
+    expected = [[t for o in plain.generate(messages=m, params=greedy()) for t in o.token_ids] for m in chats]
+    cached = Engine.from_package(pkg)
+    outs = [list(cached.generate(messages=m, params=greedy())) for m in chats]
+    assert [[t for o in out for t in o.token_ids] for out in outs] == expected
+    prompt_len = outs[0][-1].prompt_tokens
+    assert prompt_len > 200
+    assert outs[0][-1].cached_tokens == 0
+    for out in outs[1:]:  # every later request reuses the system prompt's full blocks
+        assert out[-1].cached_tokens >= 200 - cached.block_size
+    stats = cached.stats_snapshot()
+    assert stats["prefix_cache_hits"] >= 5 * (200 // cached.block_size)
+    assert stats["cached_prompt_tokens"] == sum(o[-1].cached_tokens for o in outs)
+    assert stats["prompt_tokens"] + stats["cached_prompt_tokens"] == sum(o[-1].prompt_tokens for o in outs)
+
+
+def test_abort_frees_blocks_at_once_and_others_finish_unchanged(tiny_package, thirty_two):
+    texts, solo = thirty_two
+    engine = Engine.from_package(tiny_package("llama"), enable_prefix_cache=False)
+    rids = [engine.add_request(t, greedy()) for t in texts[:4]]
+    tokens = {r: [] for r in rids}
+    for _ in range(5):
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+    victim = rids[1]
+    held = len(engine.seqs[victim].blocks)
+    used = engine.allocator.num_used
+    assert engine.abort(victim)
+    assert engine.allocator.num_used == used - held
+    assert victim not in engine.seqs
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id != victim
+            tokens[out.request_id].extend(out.token_ids)
+    for i, r in enumerate(rids):
+        if r != victim:
+            assert tokens[r] == solo[i]
+    assert engine.allocator.num_used == 0
+
+
+def test_stop_string_across_tokens_and_deltas_concatenate(tiny_package):
+    engine = Engine.from_package(tiny_package("llama"))
+    outs = list(engine.generate("tell me about the ocean", greedy(24)))
+    deltas = [o.delta for o in outs]
+    text = "".join(deltas)
+    assert text == engine.tokenizer.decode([t for o in outs for t in o.token_ids])
+    # a stop string made of the end of one delta and the start of the next
+    k = next(i for i in range(1, len(deltas)) if len(deltas[i - 1]) >= 2 and len(deltas[i]) >= 2)
+    stop = deltas[k - 1][-2:] + deltas[k][:2]
+    params = greedy(24)
+    params.stop = [stop]
+    cut = list(engine.generate("tell me about the ocean", params))
+    assert cut[-1].finish_reason == "stop"
+    assert "".join(o.delta for o in cut) == text[: text.index(stop)]
+
+
+def test_prompt_longer_than_context_is_refused_and_engine_keeps_serving(tiny_package):
+    engine = Engine.from_package(tiny_package("llama"))
+    ok = engine.add_request("hello there", greedy(5))
+    with pytest.raises(RequestError, match="context is 256 tokens"):
+        engine.add_request("word " * 400, greedy(5))
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == [ok] and done[0].completion_tokens == 5
+
+
+def test_async_engine_streams_concurrently_and_cancel_aborts(tiny_package, thirty_two):
+    texts, solo = thirty_two
+
+    async def main():
+        aengine = AsyncEngine(Engine.from_package(tiny_package("llama"), max_num_seqs=16))
+
+        async def collect(text):
+            return [t async for o in aengine.generate(text, greedy()) for t in o.token_ids]
+
+        results = await asyncio.gather(*(collect(t) for t in texts[:8]))
+        # a consumer that walks away mid-stream: its request is aborted and its blocks freed
+        gen = aengine.generate(texts[9], greedy(200))
+        async for _ in gen:
+            break
+        await gen.aclose()
+        stats = aengine.stats()
+        await aengine.shutdown()
+        return results, stats
+
+    results, stats = asyncio.run(main())
+    assert results == solo[:8]
+    assert stats["running"] == 0 and stats["waiting"] == 0
+    assert stats["kv_blocks_used"] == 0
