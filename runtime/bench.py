@@ -1,4 +1,7 @@
-"""`ruvllm bench`: TTFT, prefill and decode speed, aggregate throughput under concurrency, peak RSS."""
+"""`ruvllm bench`: TTFT, prefill and decode speed, throughput and latency under concurrency, prefix-cache effect.
+
+Speed is measured here, never asserted in tests. Prints JSON.
+"""
 
 from __future__ import annotations
 
@@ -19,70 +22,144 @@ def _peak_rss_mb() -> float:
     return rss / 1024 if sys.platform != "darwin" else rss / (1024 * 1024)
 
 
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
 def _run_one(engine, params: SamplingParams, **kwargs) -> dict:
     t0 = time.perf_counter()
     first = None
-    n = 0
-    prompt_tokens = 0
+    n = prompt_tokens = cached = 0
     for out in engine.generate(params=params, **kwargs):
         if first is None:
             first = time.perf_counter()
-        n = out.completion_tokens
-        prompt_tokens = out.prompt_tokens
+        n, prompt_tokens, cached = out.completion_tokens, out.prompt_tokens, out.cached_tokens
     end = time.perf_counter()
     return {"ttft": first - t0, "decode_tps": (n - 1) / (end - first) if n > 1 else 0.0, "tokens": n,
-            "prompt_tokens": prompt_tokens}
+            "prompt_tokens": prompt_tokens, "cached_tokens": cached}
 
 
-def _long_prompt(engine, tokens: int) -> list[int]:
-    ids: list[int] = []
+def _text_tokens(engine, tokens: int, salt: str = "") -> list[int]:
+    ids: list[int] = engine.tokenizer.encode(salt) if salt else []
     while len(ids) < tokens:
         ids.extend(engine.tokenizer.encode(LONG_TEXT))
     return ids[:tokens]
 
 
-def _concurrent(engine, streams: int, max_tokens: int) -> dict:
+def concurrent(engine, streams: int, max_tokens: int, prefix: list[int] | None = None) -> dict:
+    """`streams` requests at once; aggregate decode throughput, TTFT and inter-token latency percentiles."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    starts, last, firsts = {}, {}, {}
+    itl: list[float] = []
     t0 = time.perf_counter()
-    starts, firsts, done = {}, {}, {}
     for i in range(streams):
-        rid = engine.add_request(params=SamplingParams(**vars(params)),
-                                 messages=[{"role": "user", "content": f"Tell me a story about the number {i}."}])
+        question = engine.tokenizer.encode(f" Question {i}: tell me a story about the number {i}.")
+        rid = engine.add_request((prefix or []) + question, SamplingParams(**vars(params)))
         starts[rid] = time.perf_counter()
-    tokens = 0
+    tokens = peak = 0
     while engine.has_unfinished():
-        for out in engine.step():
+        outs = engine.step()
+        peak = max(peak, engine.allocator.num_used)
+        now = time.perf_counter()
+        for out in outs:
             tokens += len(out.token_ids)
-            firsts.setdefault(out.request_id, time.perf_counter())
-            if out.finished:
-                done[out.request_id] = time.perf_counter()
+            if out.request_id in last:
+                itl.append(now - last[out.request_id])
+            else:
+                firsts[out.request_id] = now
+            last[out.request_id] = now
     wall = time.perf_counter() - t0
-    ttfts = sorted(firsts[r] - starts[r] for r in starts)
-    return {"streams": streams, "aggregate_tps": round(tokens / wall, 1), "wall_s": round(wall, 2),
-            "ttft_p50_ms": round(1000 * ttfts[len(ttfts) // 2], 1),
-            "ttft_p99_ms": round(1000 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1)}
+    ttfts = [firsts[r] - starts[r] for r in starts]
+    decode_wall = max(last.values()) - min(firsts.values())
+    return {
+        "streams": streams,
+        "aggregate_tps": round(tokens / wall, 1),
+        "aggregate_decode_tps": round((tokens - streams) / decode_wall, 1) if decode_wall > 0 else None,
+        "wall_s": round(wall, 2),
+        "ttft_p50_ms": round(1000 * _pct(ttfts, 0.5), 1), "ttft_p99_ms": round(1000 * _pct(ttfts, 0.99), 1),
+        "itl_p50_ms": round(1000 * _pct(itl, 0.5), 2), "itl_p99_ms": round(1000 * _pct(itl, 0.99), 2),
+        "kv_blocks_peak": peak,
+        "kv_mb_peak": round(peak * engine.block_size * engine.backend.kv_bytes_per_token(engine.pkg.config) / 2**20, 1),
+    }
+
+
+def prefix_effect(engine, total: int, shared: int) -> dict:
+    """TTFT of a `total`-token prompt whose first `shared` tokens are cached, against the uncached TTFT."""
+    base = _text_tokens(engine, shared, salt="Shared context for the benchmark.")
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    uncached, cached = [], []
+    for i in range(3):
+        tail = _text_tokens(engine, total - shared, salt=f"Variant {i} asks something else entirely.")
+        fresh = _text_tokens(engine, total, salt=f"An unrelated document number {i}.")
+        uncached.append(_run_one(engine, SamplingParams(**vars(one)), prompt=fresh)["ttft"])
+        _run_one(engine, SamplingParams(**vars(one)), prompt=base + tail)  # warms the shared prefix
+        tail2 = _text_tokens(engine, total - shared, salt=f"Variant {i} then asks a second question.")
+        r = _run_one(engine, SamplingParams(**vars(one)), prompt=base + tail2)
+        cached.append(r["ttft"])
+    u, c = statistics.median(uncached), statistics.median(cached)
+    return {"prompt_tokens": total, "shared_tokens": shared, "ttft_uncached_ms": round(1000 * u, 1),
+            "ttft_cached_ms": round(1000 * c, 1), "ratio": round(c / u, 3), "cached_tokens_last": r["cached_tokens"]}
 
 
 def run_bench(engine, args) -> dict:
     greedy = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     _run_one(engine, SamplingParams(temperature=0.0, max_tokens=4), messages=SHORT_PROMPT)  # warm up
     short = [_run_one(engine, SamplingParams(**vars(greedy)), messages=SHORT_PROMPT) for _ in range(args.repeats)]
-    long_ids = _long_prompt(engine, 512)
-    long = [_run_one(engine, SamplingParams(temperature=0.0, max_tokens=1), prompt=long_ids)
-            for _ in range(args.repeats)]
+    long_runs = [_run_one(engine, SamplingParams(temperature=0.0, max_tokens=1),
+                          prompt=_text_tokens(engine, 512, salt=f"Document {i}."))
+                 for i in range(args.repeats)]
     med = statistics.median
     result = {
         "model": engine.pkg.name, "quantization": engine.pkg.manifest["quantization"]["weights"],
         "backend": engine.backend.name, "device": ",".join(getattr(engine.backend, "providers", [])),
+        "kv_blocks": engine.allocator.num_blocks, "kv_block_size": engine.block_size,
         "ttft_ms": round(1000 * med(r["ttft"] for r in short), 1),
         "prefill_tps_short": round(med(r["prompt_tokens"] / r["ttft"] for r in short), 1),
-        "prefill_tps_512": round(med(r["prompt_tokens"] / r["ttft"] for r in long), 1),
-        "ttft_512_ms": round(1000 * med(r["ttft"] for r in long), 1),
+        "prefill_tps_512": round(med(r["prompt_tokens"] / r["ttft"] for r in long_runs), 1),
+        "ttft_512_ms": round(1000 * med(r["ttft"] for r in long_runs), 1),
         "decode_tps": round(med(r["decode_tps"] for r in short), 1),
         "decode_tokens": args.decode_tokens,
     }
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     if levels != [1]:
-        result["concurrency"] = [_concurrent(engine, c, args.decode_tokens) for c in levels]
+        prefix = _text_tokens(engine, args.shared_prefix, salt="System: you are a storyteller.") \
+            if args.shared_prefix else None
+        result["kv_budget_mb"] = round(engine.allocator.num_blocks * engine.block_size
+                                       * engine.backend.kv_bytes_per_token(engine.pkg.config) / 2**20, 1)
+        result["concurrency"] = [concurrent(engine, c, args.decode_tokens, prefix) for c in levels]
+    if args.shared_prefix:
+        result["prefix_cache"] = prefix_effect(engine, 512, min(args.shared_prefix, 480))
+    result["engine_stats"] = engine.stats_snapshot()
     result["peak_rss_mb"] = round(_peak_rss_mb(), 1)
+    if getattr(args, "plot", None) and "concurrency" in result:
+        plot(result, args.plot)
+        result["plot"] = args.plot
     return result
+
+
+def plot(result: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        from runtime.errors import RuvLLMError
+
+        raise RuvLLMError("--plot needs matplotlib: pip install matplotlib") from err
+    levels = result["concurrency"]
+    xs = [lv["streams"] for lv in levels]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(xs, [lv["aggregate_tps"] for lv in levels], "o-")
+    a.set(xscale="log", xlabel="concurrent streams", ylabel="aggregate tok/s", title="Throughput")
+    for key, label in (("ttft_p50_ms", "TTFT p50"), ("ttft_p99_ms", "TTFT p99"),
+                       ("itl_p50_ms", "ITL p50"), ("itl_p99_ms", "ITL p99")):
+        b.plot(xs, [lv[key] for lv in levels], "o-", label=label)
+    b.set(xscale="log", yscale="log", xlabel="concurrent streams", ylabel="ms", title="Latency")
+    b.legend()
+    fig.suptitle(f"{result['model']} ({result['quantization']}), {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -50,11 +50,42 @@ def export_into_cache(source: str, quant: str, target: Path, quiet: bool = False
         raise RuvLLMError(f"export of {source} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
 
 
+def parse_size(text: str) -> int:
+    """'512MB', '1GB', '2048' (bytes) -> bytes."""
+    units = {"KB": 2**10, "MB": 2**20, "GB": 2**30, "K": 2**10, "M": 2**20, "G": 2**30, "B": 1}
+    t = text.strip().upper()
+    for unit in sorted(units, key=len, reverse=True):
+        if t.endswith(unit):
+            number, scale = t[: -len(unit)], units[unit]
+            break
+    else:
+        number, scale = t, 1
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise RuvLLMError(f"cannot read the size {text!r} (use e.g. 512MB or 1GB)") from None
+    if value <= 0:
+        raise RuvLLMError(f"the size {text!r} must be positive")
+    return int(value)
+
+
+def engine_options(args) -> dict:
+    opts = {}
+    if getattr(args, "kv_memory", None):
+        opts["kv_memory"] = parse_size(args.kv_memory)
+    if getattr(args, "num_blocks", None):
+        opts["num_blocks"] = args.num_blocks
+    if getattr(args, "block_size", None):
+        opts["block_size"] = args.block_size
+    return opts
+
+
 def make_engine(args, **kwargs):
     try:
         from runtime.engine import Engine
         pkg = resolve_package(getattr(args, "package", None), quiet=getattr(args, "json", False))
-        return Engine.from_package(pkg, device=args.device, threads=getattr(args, "threads", None), **kwargs)
+        return Engine.from_package(pkg, device=args.device, threads=getattr(args, "threads", None),
+                                   **engine_options(args), **kwargs)
     except ImportError as err:
         raise RuvLLMError(f"the native backend needs numpy and onnxruntime ({err.name} is missing): "
                           "pip install 'ruvllm[native]'") from err
@@ -250,7 +281,8 @@ def cmd_download(args) -> int:
 def cmd_bench(args) -> int:
     from runtime.bench import run_bench
 
-    engine = make_engine(args, max_num_seqs=max([1] + [int(c) for c in args.concurrency.split(",")]))
+    engine = make_engine(args, max_num_seqs=max([1] + [int(c) for c in args.concurrency.split(",")]),
+                         max_batch_tokens=args.max_batch_tokens)
     result = run_bench(engine, args)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0
@@ -271,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--stop", action="append", help="stop string (repeatable)")
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
         p.add_argument("--threads", type=int, default=None)
+        kv_args(p)
+
+    def kv_args(p) -> None:
+        p.add_argument("--kv-memory", default=None, help="KV-cache budget, e.g. 512MB or 1GB (default 512MB)")
+        p.add_argument("--num-blocks", type=int, default=None, help="KV-cache size in blocks (overrides --kv-memory)")
+        p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: the package's)")
 
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
     g.add_argument("package", nargs="?", help="package folder or alias (default: the embedded SmolLM2-135M)")
@@ -307,9 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="one line of JSON")
     b.add_argument("--decode-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--concurrency", default="1", help="comma-separated stream counts, e.g. 1,4,16")
+    b.add_argument("--concurrency", default="1", help="comma-separated stream counts, e.g. 1,4,16,64")
+    b.add_argument("--shared-prefix", type=int, default=0,
+                   help="tokens of a shared prompt prefix for the concurrent streams; also measures the prefix cache")
+    b.add_argument("--plot", default=None, help="draw throughput and latency against concurrency into this PNG")
+    b.add_argument("--max-batch-tokens", type=int, default=512)
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
     b.add_argument("--threads", type=int, default=None)
+    kv_args(b)
     b.set_defaults(func=cmd_bench)
     return ap
 
