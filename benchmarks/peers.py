@@ -81,6 +81,20 @@ def load_genai(tokens: int, threads: int):
             n += 1
         end = time.perf_counter()
         return {"ttft": first - t0, "tps": (n - 1) / (end - first)}
+    def batch(streams: int) -> dict:
+        """`streams` copies of the prompt decoded together: aggregate tokens per second."""
+        params = og.GeneratorParams(model)
+        params.set_search_options(batch_size=streams, max_length=len(prompt_ids) + tokens, do_sample=False,
+                                  min_length=len(prompt_ids) + tokens)
+        gen = og.Generator(model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(np.array([prompt_ids] * streams, dtype=np.int32))
+        n = 0
+        while not gen.is_done() and n < tokens:
+            gen.generate_next_token()
+            n += 1
+        return {"streams": streams, "aggregate_tps": streams * n / (time.perf_counter() - t0)}
+    once.batch = batch
     return "onnxruntime-genai int4", once
 
 
@@ -110,7 +124,18 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int):
     from runtime.engine import Engine
     from runtime.sampling import SamplingParams
 
-    engine = Engine.from_package(resolve_package(pkg), threads=threads, max_num_seqs=1)
+    # no prefix cache: repeats of one prompt would otherwise make its TTFT a cache hit
+    engine = Engine.from_package(resolve_package(pkg), threads=threads, max_num_seqs=64, enable_prefix_cache=False)
+
+    def batch(streams: int) -> dict:
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        for _ in range(streams):
+            engine.add_request(messages=PROMPT, params=SamplingParams(**vars(params)))
+        n = 0
+        while engine.has_unfinished():
+            n += len(engine.step())
+        return {"streams": streams, "aggregate_tps": n / (time.perf_counter() - t0)}
 
     def once() -> dict:
         t0 = time.perf_counter()
@@ -123,6 +148,7 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int):
                 first = time.perf_counter()
         end = time.perf_counter()
         return {"ttft": first - t0, "tps": (n - 1) / (end - first)}
+    once.batch = batch
     return f"ruvllm {engine.pkg.manifest['quantization']['weights']}", once
 
 
@@ -138,8 +164,13 @@ def worker(name: str, args) -> None:
         print(json.dumps({"error": f"not installed: {err.name}"}), flush=True)
         return
     print(json.dumps({"label": label}), flush=True)
-    for _ in sys.stdin:
-        print(json.dumps(once()), flush=True)
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd and cmd[0] == "batch":
+            batch = getattr(once, "batch", None)
+            print(json.dumps(batch(int(cmd[1])) if batch else {"error": "no batch mode"}), flush=True)
+        else:
+            print(json.dumps(once()), flush=True)
 
 
 def main() -> None:
@@ -149,6 +180,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--only", default="ruvllm,genai,llamacpp")
+    ap.add_argument("--batch", type=int, default=16, help="also measure this many streams decoded together (0: skip)")
+    ap.add_argument("--batch-repeats", type=int, default=3)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -175,6 +208,15 @@ def main() -> None:
             proc.stdin.write("run\n")
             proc.stdin.flush()
             runs[label].append(json.loads(proc.stdout.readline()))
+    batches: dict[str, list[float]] = {label: [] for label in procs}
+    for _ in range(args.batch_repeats if args.batch else 0):
+        for label, proc in procs.items():
+            time.sleep(0.3)
+            proc.stdin.write(f"batch {args.batch}\n")
+            proc.stdin.flush()
+            r = json.loads(proc.stdout.readline())
+            if "aggregate_tps" in r:
+                batches[label].append(r["aggregate_tps"])
     for proc in procs.values():
         proc.stdin.close()
         proc.wait()
@@ -182,7 +224,9 @@ def main() -> None:
         results.append({"engine": label,
                         "decode_tps_median": round(statistics.median(r["tps"] for r in rs), 1),
                         "decode_tps_best": round(max(r["tps"] for r in rs), 1),
-                        "ttft_ms_median": round(1000 * statistics.median(r["ttft"] for r in rs), 1)})
+                        "ttft_ms_median": round(1000 * statistics.median(r["ttft"] for r in rs), 1),
+                        **({f"batch{args.batch}_aggregate_tps_median": round(statistics.median(batches[label]), 1)}
+                           if batches.get(label) else {})})
     print(json.dumps({"threads": args.threads, "decode_tokens": args.tokens, "repeats": args.repeats,
                       "results": results}, indent=2))
 
