@@ -25,8 +25,8 @@ def test_chat_commands_and_turns(tiny_package):
         assert expected in out, out
 
 
-def test_chat_history_grows_between_turns(tiny_package):
-    """The second turn's prompt contains the first exchange: its prompt is longer than the first's."""
+def test_second_turn_reuses_the_first_turns_kv(tiny_package):
+    """The second turn's prompt contains the first exchange, and its blocks come from the prefix cache."""
     from runtime.engine import Engine
     from runtime.sampling import SamplingParams
 
@@ -37,4 +37,6 @@ def test_chat_history_grows_between_turns(tiny_package):
     second = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": "and then?"}]
     outs2 = list(engine.generate(messages=second, params=SamplingParams(temperature=0, max_tokens=8)))
     assert outs2[-1].prompt_tokens > outs[-1].prompt_tokens + 5
+    first_blocks = outs[-1].prompt_tokens // engine.block_size * engine.block_size
+    assert outs2[-1].cached_tokens >= first_blocks > 0  # the first turn is not prefilled again
     assert chat(tiny_package("llama"), "hello\nand then?\n/exit\n").returncode == 0
