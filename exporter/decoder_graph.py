@@ -110,7 +110,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         a_l = b.op("Gather", [a_all, b.const(layer)], axis=0)  # [A, in, r]
         b_l = b.op("Gather", [b_all, b.const(layer)], axis=0)  # [A, r, out]
         xb = b.op("MatMul", [b.op("MatMul", [x, a_l]), b_l])  # [A, N, out]
-        return b.op("ReduceSum", [b.op("Mul", [xb, lora_w]), b.const([0])], keepdims=1)  # [1, N, out]
+        return b.op("ReduceSum", [b.op("Mul", [xb, lora_w]), b.const([0])], keepdims=0)  # [N, out]
 
     def with_lora(layer: int, target: str, x: str, y: str) -> str:
         delta = lora_delta(layer, target, x)
@@ -141,25 +141,26 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
                             b.op("Concat", [b.op("Shape", [flat_index]), b.const([hkv, 1])], axis=0)])
     scatter_idx = b.op("Concat", [heads, b.op("Expand", [b.op("Unsqueeze", [row_pos, b.const([1])]), n_hkv])],
                        axis=2)  # [N, Hkv, 3], updates [N, Hkv, D]
-    pos_2d = b.op("Unsqueeze", [position_ids, b.const([0])])  # [1, N] for RotaryEmbedding
-    flat_2d = b.op("Unsqueeze", [flat_index, b.const([0])])  # [1, N]
+    # the residual stream is [N, hidden], so every MatMul is one GEMM with M = N. RotaryEmbedding gets
+    # [N, 1, heads*D]: flat tokens as its batch, since it reads the second dimension as a sequence
+    # length that its cos/sin cache must cover
+    pos_2d = b.op("Unsqueeze", [position_ids, b.const([1])])  # [N, 1]
     q_shape = b.op("Concat", [b.op("Shape", [query_index]), b.const([hkv, group, d])], axis=0)
     cos_cache = b.weight("rope.cos", spec.rope_cos.astype(np.float32))
     sin_cache = b.weight("rope.sin", spec.rope_sin.astype(np.float32))
 
-    def rotary(x: str, num_heads: int) -> str:  # x: [1, N, heads * D]
-        return b.op("RotaryEmbedding", [x, pos_2d, cos_cache, sin_cache], domain=MS_DOMAIN,
-                    interleaved=0, num_heads=num_heads)
+    def rotary(x: str, num_heads: int) -> str:  # x: [N, heads * D] -> [N, 1, heads * D]
+        return b.op("RotaryEmbedding", [b.op("Unsqueeze", [x, b.const([1])]), pos_2d, cos_cache, sin_cache],
+                    domain=MS_DOMAIN, interleaved=0, num_heads=num_heads)
 
-    # ---- embeddings: the residual stream is [1, N, hidden] ----
+    # ---- embeddings: the residual stream is [N, hidden] ----
     embed = weights["model.embed_tokens.weight"]
-    ids_2d = b.op("Unsqueeze", [input_ids, b.const([0])])
     if embed_dtype == np.float32:
         embed_name = b.weight("model.embed_tokens.weight", embed.astype(np.float32))
-        x = b.op("Gather", [embed_name, ids_2d], axis=0)
+        x = b.op("Gather", [embed_name, input_ids], axis=0)
     else:  # fp16 table, cast only the gathered rows
         embed_name = b.weight("model.embed_tokens.weight", embed.astype(np.float16))
-        x = b.op("Cast", [b.op("Gather", [embed_name, ids_2d], axis=0)], to=FLOAT)
+        x = b.op("Cast", [b.op("Gather", [embed_name, input_ids], axis=0)], to=FLOAT)
 
     residual = x
     hidden = b.op("SimplifiedLayerNormalization",
@@ -175,7 +176,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         if spec.attention_bias:
             bias = np.concatenate([weights[p + f"self_attn.{n}.bias"] for n in ("q_proj", "k_proj", "v_proj")])
             qkv = b.op("Add", [qkv, b.weight(f"layers.{i}.qkv_bias", bias.astype(np.float32))])
-        q, k, v = b.op("Split", [qkv, b.const([hq * d, hkv * d, hkv * d])], n_out=3, axis=2)
+        q, k, v = b.op("Split", [qkv, b.const([hq * d, hkv * d, hkv * d])], n_out=3, axis=1)
         q = rotary(with_lora(i, "q_proj", hidden, q), hq)
         k = rotary(with_lora(i, "k_proj", hidden, k), hkv)
         v = with_lora(i, "v_proj", hidden, v)
@@ -186,7 +187,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
             gathered = b.op("Gather", [pool, block_tables], axis=1)  # [Hkv, B, MB, bs, D]
             gathered = b.op("Reshape", [gathered, b.const([hkv, 0, -1, d])])  # [Hkv, B, T, D]
             ctx.append(b.op("ScatterND", [gathered, scatter_idx, per_head]))
-        qp = b.op("Gather", [q, query_index], axis=1)  # [1, B, S, Hq*D]
+        qp = b.op("Gather", [q, query_index], axis=0)  # [B, S, 1, Hq*D]
         qp = b.op("Reshape", [qp, q_shape])  # [B, S, Hkv, G, D]
         qp = b.op("Transpose", [qp], perm=[2, 0, 3, 1, 4])  # [Hkv, B, G, S, D]
         qp = b.op("Reshape", [qp, b.const([0, 0, -1, d])])  # [Hkv, B, G*S, D]
@@ -196,7 +197,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         attn = b.op("Reshape", [attn, b.const([0, 0, group, -1, d])])
         attn = b.op("Transpose", [attn], perm=[1, 3, 0, 2, 4])  # [B, S, Hkv, G, D]
         attn = b.op("Reshape", [attn, b.const([-1, hq * d])])
-        attn = b.op("Gather", [attn, flat_2d], axis=0)  # [1, N, Hq*D]
+        attn = b.op("Gather", [attn, flat_index], axis=0)  # [N, Hq*D]
         o = b.op("MatMul", [attn, matmul_weight(f"layers.{i}.o_proj", weights[p + "self_attn.o_proj.weight"])])
         o = with_lora(i, "o_proj", attn, o)
         post_ln = b.weight(f"layers.{i}.post_attention_layernorm", weights[p + "post_attention_layernorm.weight"])
@@ -205,7 +206,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         # -- MLP --
         wgu = np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]], 0)
         gu = b.op("MatMul", [hidden, matmul_weight(f"layers.{i}.gate_up_proj", wgu)])
-        gate, up = b.op("Split", [gu, b.const([spec.intermediate_size] * 2)], n_out=2, axis=2)
+        gate, up = b.op("Split", [gu, b.const([spec.intermediate_size] * 2)], n_out=2, axis=1)
         gate = with_lora(i, "gate_proj", hidden, gate)
         up = with_lora(i, "up_proj", hidden, up)
         act = b.op("Mul", [b.op("Mul", [gate, b.op("Sigmoid", [gate])]), up])
@@ -225,7 +226,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         b.output(name, FLOAT, [nl, "num_tokens", hkv, d])
 
     # ---- logits only where wanted, then in-graph processing and top-K ----
-    last = b.op("Gather", [b.op("Squeeze", [hidden, b.const([0])]), logits_index], axis=0)  # [R, H]
+    last = b.op("Gather", [hidden, logits_index], axis=0)  # [R, H]
     if tied_gemm and spec.tie_word_embeddings and embed_dtype == np.float32:
         b.op("Gemm", [last, embed_name], transB=1, out=C.LOGITS)
     else:

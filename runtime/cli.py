@@ -288,6 +288,22 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    try:
+        from runtime.server import load_models, serve
+    except ImportError as err:
+        raise RuvLLMError(f"serving needs FastAPI, uvicorn and prometheus_client ({err.name} is missing): "
+                          "pip install 'ruvllm[serve]'") from err
+    if args.max_concurrent < 1:
+        raise RuvLLMError("--max-concurrent must be at least 1")
+    packages = [str(resolve_package(p)) for p in (args.packages or [None])]
+    models = load_models(packages, args.device, args.max_concurrent, engine_options(args))
+    print(f"serving {', '.join(models)} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    serve(models, args.host, args.port, args.api_key or os.environ.get("RUVLLM_API_KEY"), args.max_queue,
+          log_level=args.log_level)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ruvllm", description="Run language models on ONNX Runtime")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -354,6 +370,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None)
     kv_args(b)
     b.set_defaults(func=cmd_bench)
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    sv.add_argument("packages", nargs="*", help="package folders or aliases (default: the embedded model)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8080)
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set RUVLLM_API_KEY)")
+    sv.add_argument("--max-concurrent", type=int, default=64, help="sequences generated at once")
+    sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before answering 429")
+    sv.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
+    sv.add_argument("--log-level", default="info")
+    kv_args(sv)
+    sv.set_defaults(func=cmd_serve)
     return ap
 
 

@@ -81,6 +81,12 @@ class Tokenizer:
         self._bytes_cache[token_id] = out
         return out
 
+    def decode_token(self, token_id: int) -> str:
+        """One token as text (special tokens by name), for logprobs."""
+        if token_id in self.special_ids:
+            return self.id_to_token.get(token_id, "")
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._lib is not None:
             return self._lib.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -158,3 +158,15 @@ def test_in_graph_penalties_temperature_and_bias(tiny_package):
     assert res.topk_ids[0] == order.tolist()
     assert np.allclose(res.topk_logprobs[0], logprobs[order], atol=1e-4)
     assert 12 not in res.topk_ids[0]
+
+
+def test_a_step_may_hold_more_tokens_than_the_context(tiny_model_dir, tiny_package):
+    """Three 150-token prompts in one step (450 flat tokens > the 256-token context) still match."""
+    model = load_hf(tiny_model_dir("qwen2"))
+    backend = NativeBackend(load_package(tiny_package("qwen2")))
+    stepper = Stepper(backend, block_size=16, num_blocks=64)
+    rng = np.random.default_rng(4)
+    seqs = [[int(t) for t in rng.integers(3, model.config.vocab_size, 150)] for _ in range(3)]
+    res = stepper.step({i: s for i, s in enumerate(seqs)})
+    for i, s in enumerate(seqs):
+        assert np.abs(res.logits[i] - hf_last_logits(model, s)).max() < TOL

@@ -1,0 +1,287 @@
+"""`ruvllm serve`: an OpenAI-compatible HTTP server on FastAPI + uvicorn over the AsyncEngine.
+
+Native only (FastAPI, uvicorn, prometheus_client). Requests are parsed from the raw body so every
+client mistake gets a 4xx in OpenAI's error shape naming the field, never a 500. A streaming
+client that disconnects has its request aborted, which frees its KV blocks within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime import openai_protocol as P
+from runtime.async_engine import AsyncEngine
+from runtime.errors import RequestError
+
+
+@dataclass
+class ServedModel:
+    name: str
+    engine: AsyncEngine
+    created: int
+
+
+class Metrics:
+    """Prometheus metrics in a registry of the app's own (several apps can live in one process)."""
+
+    def __init__(self, models: dict[str, ServedModel]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("ruvllm_requests", "HTTP requests by endpoint and status",
+                                ["endpoint", "status"], registry=self.registry)
+        self.prompt_tokens = Counter("ruvllm_prompt_tokens", "Prompt tokens of finished requests",
+                                     ["model"], registry=self.registry)
+        self.generation_tokens = Counter("ruvllm_generation_tokens", "Generated tokens of finished requests",
+                                         ["model"], registry=self.registry)
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+        self.ttft = Histogram("ruvllm_time_to_first_token_seconds", "Time to first token", ["model"],
+                              buckets=buckets, registry=self.registry)
+        self.latency = Histogram("ruvllm_request_latency_seconds", "Request latency, end to end", ["model"],
+                                 buckets=buckets + (120, 300), registry=self.registry)
+
+        class EngineCollector:
+            def collect(self):
+                gauges = {
+                    "ruvllm_requests_running": ("running", "Requests being generated"),
+                    "ruvllm_requests_waiting": ("waiting", "Requests queued for admission"),
+                    "ruvllm_kv_blocks_used": ("kv_blocks_used", "KV blocks held by requests"),
+                    "ruvllm_kv_blocks_total": ("kv_blocks_total", "KV blocks in the pool"),
+                    "ruvllm_prefix_cache_blocks": ("prefix_cache_blocks", "Blocks in the prefix cache"),
+                }
+                counters = {
+                    "ruvllm_prefix_cache_queries": ("prefix_cache_queries", "Prompt blocks looked up"),
+                    "ruvllm_prefix_cache_hits": ("prefix_cache_hits", "Prompt blocks found in the prefix cache"),
+                    "ruvllm_preemptions": ("preemptions", "Sequences preempted for KV space"),
+                }
+                stats = {name: m.engine.stats() for name, m in models.items()}
+                for metric, (key, doc) in gauges.items():
+                    g = GaugeMetricFamily(metric, doc, labels=["model"])
+                    for name, s in stats.items():
+                        g.add_metric([name], s[key])
+                    yield g
+                for metric, (key, doc) in counters.items():
+                    c = CounterMetricFamily(metric, doc, labels=["model"])
+                    for name, s in stats.items():
+                        c.add_metric([name], s[key])
+                    yield c
+
+        self.registry.register(EngineCollector())
+
+    def render(self) -> tuple[bytes, str]:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_queue: int | None = None,
+               shutdown_timeout: float = 30.0):
+    metrics = Metrics(models)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        for m in models.values():
+            m.engine.start()
+        yield
+        await asyncio.gather(*(m.engine.shutdown(drain=True, timeout=shutdown_timeout) for m in models.values()))
+
+    app = FastAPI(title="RuvLLM", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.models = models
+    app.state.metrics = metrics
+
+    def error(status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
+        return JSONResponse(P.error_body(message, kind, param, code), status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, exc):
+        return error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request, exc):
+        return error(400, str(exc))
+
+    @app.middleware("http")
+    async def authenticate_and_count(request: Request, call_next):
+        path = request.url.path
+        if api_key and path.startswith("/v1/"):
+            header = request.headers.get("authorization", "")
+            if header != f"Bearer {api_key}":
+                metrics.requests.labels(path, "401").inc()
+                return error(401, "Incorrect or missing API key", code="invalid_api_key")
+        response = await call_next(request)
+        metrics.requests.labels(path, str(response.status_code)).inc()
+        return response
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "models": list(models)}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, ctype = metrics.render()
+        return Response(body, media_type=ctype)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": m.created,
+                                            "owned_by": "ruvllm"} for m in models.values()]}
+
+    async def read_json(request: Request):
+        raw = await request.body()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise P.ProtocolError("the request body is not valid UTF-8") from None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as err:
+            raise P.ProtocolError(f"the request body is not valid JSON: {err.msg} at position {err.pos}") from None
+
+    async def handle(request: Request, chat: bool):
+        try:
+            body = await read_json(request)
+            parsed = P.parse_chat(body) if chat else P.parse_completion(body)
+            served = models.get(parsed.model)
+            if served is None:
+                raise P.ProtocolError(f"the model '{parsed.model}' does not exist; see GET /v1/models", "model",
+                                      status=404, code="model_not_found")
+            aengine = served.engine
+            engine = aengine.engine
+            if max_queue is not None and len(engine.waiting) >= max_queue:
+                raise P.ProtocolError("the server is busy: the request queue is full, retry later", status=429,
+                                      kind="rate_limit_exceeded", code="queue_full")
+            ids = engine.encode_prompt(parsed.prompt, parsed.messages)
+            room = engine.max_context - len(ids)
+            if room < 1:
+                raise P.ProtocolError(f"the prompt has {len(ids)} tokens; this model's context is "
+                                      f"{engine.max_context} tokens", "messages" if chat else "prompt",
+                                      code="context_length_exceeded")
+            params = parsed.params
+            params.max_tokens = min(params.max_tokens, room) if parsed.max_tokens_given else room
+            rid = aengine.add_request(ids, params)
+        except P.ProtocolError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        except RequestError as err:
+            return error(400, str(err), code="context_length_exceeded" if "context" in str(err) else None)
+        started = time.monotonic()
+        if parsed.stream:
+            return StreamingResponse(stream_events(served, rid, parsed, chat, started), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await complete(request, served, rid, parsed, chat, started)
+
+    async def complete(request: Request, served: ServedModel, rid: str, parsed, chat: bool, started: float):
+        aengine = served.engine
+        outs = []
+        watcher = asyncio.create_task(_abort_on_disconnect(request, aengine, rid))
+        first = None
+        try:
+            async for out in aengine.stream(rid):
+                if first is None:
+                    first = time.monotonic()
+                outs.append(out)
+        finally:
+            watcher.cancel()
+        last = outs[-1]
+        if last.error:
+            return error(503, last.error, "server_error", code="unavailable")
+        _observe(served.name, last, started, first)
+        text = "".join(o.delta for o in outs)
+        decode = aengine.engine.tokenizer.decode_token
+        oid = P.new_id("chatcmpl" if chat else "cmpl")
+        if chat:
+            lp = P.chat_logprobs(outs, decode) if parsed.logprobs is not None else None
+            return P.chat_response(oid, served.name, text, last, lp)
+        lp = P.completion_logprobs(outs, decode) if parsed.logprobs is not None else None
+        return P.completion_response(oid, served.name, text, last, lp)
+
+    async def stream_events(served: ServedModel, rid: str, parsed, chat: bool, started: float):
+        aengine = served.engine
+        decode = aengine.engine.tokenizer.decode_token
+        oid = P.new_id("chatcmpl" if chat else "cmpl")
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        first = None
+
+        def sse(payload: dict) -> str:
+            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+        if chat:
+            yield sse(P.chat_chunk(oid, served.name, created, {"role": "assistant", "content": ""}))
+        last = None
+        async for out in aengine.stream(rid):  # leaving this loop early (disconnect) aborts the request
+            if first is None:
+                first = time.monotonic()
+            last = out
+            if out.error:
+                yield sse(P.error_body(out.error, "server_error", code="unavailable"))
+                break
+            reason = out.finish_reason if out.finished else None
+            if chat:
+                lp = P.chat_logprobs([out], decode) if parsed.logprobs is not None else None
+                delta = {"content": out.delta} if out.delta or not out.finished else {}
+                yield sse(P.chat_chunk(oid, served.name, created, delta, reason, lp))
+            else:
+                lp = P.completion_logprobs([out], decode) if parsed.logprobs is not None else None
+                yield sse(P.completion_chunk(oid, served.name, created, out.delta, reason, lp))
+        if last is not None and not last.error:
+            _observe(served.name, last, started, first)
+            if parsed.include_usage:
+                yield sse(P.usage_chunk(oid, served.name, created, obj, last))
+        yield "data: [DONE]\n\n"
+
+    def _observe(model: str, last, started: float, first: float | None) -> None:
+        metrics.prompt_tokens.labels(model).inc(last.prompt_tokens)
+        metrics.generation_tokens.labels(model).inc(last.completion_tokens)
+        if first is not None:
+            metrics.ttft.labels(model).observe(first - started)
+        metrics.latency.labels(model).observe(time.monotonic() - started)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    return app
+
+
+async def _abort_on_disconnect(request, aengine: AsyncEngine, rid: str) -> None:
+    """For non-streaming requests: a client that goes away stops its generation."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            aengine.abort(rid)
+            return
+
+
+def load_models(packages: list[str], device: str, max_concurrent: int, engine_kwargs: dict) -> dict[str, ServedModel]:
+    from runtime.engine import Engine
+
+    models: dict[str, ServedModel] = {}
+    for path in packages:
+        engine = Engine.from_package(path, device=device, max_num_seqs=max_concurrent, **engine_kwargs)
+        name = engine.pkg.name
+        if name in models:
+            name = f"{name}-{len(models)}"
+        models[name] = ServedModel(name, AsyncEngine(engine), int(time.time()))
+    return models
+
+
+def serve(models: dict[str, ServedModel], host: str, port: int, api_key: str | None, max_queue: int | None,
+          log_level: str = "info") -> None:
+    import uvicorn
+
+    app = create_app(models, api_key=api_key, max_queue=max_queue)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)

@@ -1,0 +1,235 @@
+"""`ruvllm serve` over real HTTP on loopback: the openai client, concurrency, metrics, disconnects, bad requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from runtime.engine import Engine
+from runtime.sampling import SamplingParams
+from runtime.server import create_app, load_models
+
+PROMPTS = [f"Tell me about {w} number {i}" for i, w in enumerate(
+    "apple river stone cloud seven orange music window paper tiger light north garden silver bridge summer".split() * 2)]
+
+
+class LiveServer:
+    """uvicorn serving an app on a free loopback port, in a thread, stopped gracefully."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    timeout_graceful_shutdown=10))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_package):
+    models = load_models([str(tiny_package("llama"))], "cpu", 32, {})
+    live = LiveServer(create_app(models))
+    live.model = next(iter(models))
+    live.models = models
+    yield live
+    live.stop()
+
+
+def solo(pkg, messages, max_tokens=16) -> list[str]:
+    engine = Engine.from_package(pkg, enable_prefix_cache=False, max_num_seqs=1)
+    return ["".join(o.delta for o in engine.generate(messages=m, params=SamplingParams(temperature=0, max_tokens=max_tokens)))
+            for m in messages]
+
+
+def test_openai_client_chat_completions_streaming_stop_and_seed(served, tiny_package):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=served.url + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [served.model]
+    msgs = [{"role": "user", "content": PROMPTS[0]}]
+    expected = solo(tiny_package("llama"), [msgs])[0]
+    r = client.chat.completions.create(model=served.model, messages=msgs, temperature=0, max_tokens=16)
+    assert r.choices[0].message.content == expected
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+    stream = client.chat.completions.create(model=served.model, messages=msgs, temperature=0, max_tokens=16,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == 16
+    stop = expected[4:8]
+    r = client.chat.completions.create(model=served.model, messages=msgs, temperature=0, max_tokens=16, stop=[stop])
+    assert r.choices[0].message.content == expected[: expected.index(stop)]
+    assert r.choices[0].finish_reason == "stop"
+    a = client.chat.completions.create(model=served.model, messages=msgs, temperature=1.0, seed=7, max_tokens=12)
+    b = client.chat.completions.create(model=served.model, messages=msgs, temperature=1.0, seed=7, max_tokens=12)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    c = client.completions.create(model=served.model, prompt="Once upon a time", temperature=0, max_tokens=10)
+    assert c.choices[0].text and c.usage.completion_tokens == 10
+    lp = client.chat.completions.create(model=served.model, messages=msgs, temperature=0, max_tokens=3,
+                                        logprobs=True, top_logprobs=2)
+    assert len(lp.choices[0].logprobs.content) == 3
+    assert len(lp.choices[0].logprobs.content[0].top_logprobs) == 2
+
+
+def sse_text(lines: list[str]) -> str:
+    text = []
+    for line in lines:
+        if line.startswith("data: ") and line != "data: [DONE]":
+            payload = json.loads(line[6:])
+            if payload.get("choices"):
+                text.append(payload["choices"][0]["delta"].get("content") or "")
+    return "".join(text)
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    for line in text.splitlines():
+        if line.startswith(name + ("{" + labels if labels else "")) and not line.startswith("#"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_32_concurrent_streams_equal_solo_and_metrics_count_them(served, tiny_package):
+    messages = [[{"role": "user", "content": p}] for p in PROMPTS]
+    expected = solo(tiny_package("llama"), messages)
+    before = httpx.get(served.url + "/metrics").text
+
+    async def one(client, msgs):
+        body = {"model": served.model, "messages": msgs, "temperature": 0, "max_tokens": 16, "stream": True}
+        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            return [line async for line in resp.aiter_lines() if line]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, m) for m in messages))
+
+    results = asyncio.run(main())
+    for lines, want in zip(results, expected):
+        assert lines[-1] == "data: [DONE]"
+        assert sse_text(lines) == want
+    after = httpx.get(served.url + "/metrics").text
+    label = 'endpoint="/v1/chat/completions",status="200"'
+    assert metric(after, "ruvllm_requests_total", label) - metric(before, "ruvllm_requests_total", label) == 32
+    assert metric(after, "ruvllm_generation_tokens_total") - metric(before, "ruvllm_generation_tokens_total") == 32 * 16
+    assert metric(after, "ruvllm_time_to_first_token_seconds_count") - \
+        metric(before, "ruvllm_time_to_first_token_seconds_count") == 32
+
+
+def test_disconnect_mid_stream_frees_kv_and_server_keeps_serving(served):
+    engine = served.models[served.model].engine
+    body = {"model": served.model, "messages": [{"role": "user", "content": "a long story"}], "temperature": 0,
+            "max_tokens": 200, "stream": True}
+    with httpx.Client(base_url=served.url, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            for i, _ in enumerate(resp.iter_lines()):
+                if i >= 3:
+                    break
+            assert engine.stats()["running"] == 1
+    deadline = time.time() + 5
+    while engine.stats()["running"] or engine.stats()["kv_blocks_used"]:
+        assert time.time() < deadline, engine.stats()
+        time.sleep(0.02)
+    r = httpx.post(served.url + "/v1/completions", json={"model": served.model, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200
+
+
+BAD = [
+    ("malformed json", b'{"model": "m", "messages": [', 400, None),
+    ("not utf-8", b'{"model": "\xff\xfe", "messages": []}', 400, None),
+    ("body not an object", b"[1, 2]", 400, None),
+    ("missing messages", {"model": "MODEL"}, 400, "messages"),
+    ("wrong role", {"model": "MODEL", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role"),
+    ("temperature type", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
+     400, "temperature"),
+    ("negative max_tokens", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "max_tokens": -5},
+     400, "max_tokens"),
+    ("max_tokens as bool", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "max_tokens": True},
+     400, "max_tokens"),
+    ("top_p out of range", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "top_p": 3},
+     400, "top_p"),
+    ("n greater than one", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+    ("bad logit_bias", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}},
+     400, "logit_bias"),
+    ("logit_bias outside vocab", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
+                                  "logit_bias": {"99999999": 1}}, 400, None),
+    ("unknown model", {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ("huge prompt", {"model": "MODEL", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
+    ("stream not bool", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "stream": "yes"},
+     400, "stream"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors(served, name, body, status, param):
+    if isinstance(body, dict):
+        body = json.dumps({k: (served.model if v == "MODEL" else v) for k, v in body.items()}).encode()
+    r = httpx.post(served.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param:
+        assert err["param"] == param
+    assert httpx.get(served.url + "/health").status_code == 200
+
+
+def test_unknown_route_and_method_use_the_error_shape(served):
+    r = httpx.get(served.url + "/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(served.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_api_key_and_full_queue(tiny_package):
+    models = load_models([str(tiny_package("llama"))], "cpu", 4, {})
+    live = LiveServer(create_app(models, api_key="sekret", max_queue=0))
+    try:
+        name = next(iter(models))
+        body = {"model": name, "prompt": "hi", "max_tokens": 2}
+        r = httpx.post(live.url + "/v1/completions", json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(live.url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        r = httpx.post(live.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert httpx.get(live.url + "/health").status_code == 200  # health needs no key
+    finally:
+        live.stop()
+
+
+def test_graceful_shutdown_finishes_in_flight_streams(tiny_package):
+    models = load_models([str(tiny_package("llama"))], "cpu", 4, {})
+    live = LiveServer(create_app(models))
+    name = next(iter(models))
+    body = {"model": name, "messages": [{"role": "user", "content": "go"}], "temperature": 0, "max_tokens": 60,
+            "stream": True}
+    lines: list[str] = []
+    with httpx.Client(base_url=live.url, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            it = resp.iter_lines()
+            lines.append(next(it))
+            stopper = threading.Thread(target=live.stop)
+            stopper.start()
+            lines.extend(line for line in it if line)
+    stopper.join(timeout=30)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
