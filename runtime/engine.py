@@ -78,6 +78,7 @@ class EngineStats:
     cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     generated_tokens: int = 0
     preemptions: int = 0
+    aborted: int = 0
     started: float = field(default_factory=time.monotonic)
 
 
@@ -171,6 +172,7 @@ class Engine:
         if seq in self.waiting:
             self.waiting.remove(seq)
         self._finish(seq, "abort")
+        self.stats.aborted += 1
         return True
 
     def has_unfinished(self) -> bool:
@@ -352,7 +354,7 @@ class Engine:
             "prefix_cache_hit_rate": round(a.stats.hit_rate, 4), "prefix_cache_evictions": a.stats.evictions,
             "prompt_tokens": self.stats.prompt_tokens, "cached_prompt_tokens": self.stats.cached_prompt_tokens,
             "generated_tokens": self.stats.generated_tokens, "steps": self.stats.steps,
-            "preemptions": self.stats.preemptions,
+            "preemptions": self.stats.preemptions, "aborted": self.stats.aborted,
             "generated_tokens_per_s": round(self.stats.generated_tokens / elapsed, 2),
         }
 

@@ -63,6 +63,7 @@ class Metrics:
                     "ruvllm_prefix_cache_queries": ("prefix_cache_queries", "Prompt blocks looked up"),
                     "ruvllm_prefix_cache_hits": ("prefix_cache_hits", "Prompt blocks found in the prefix cache"),
                     "ruvllm_preemptions": ("preemptions", "Sequences preempted for KV space"),
+                    "ruvllm_requests_aborted": ("aborted", "Requests aborted (client gone, shutdown)"),
                 }
                 stats = {name: m.engine.stats() for name, m in models.items()}
                 for metric, (key, doc) in gauges.items():
@@ -110,17 +111,7 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
     async def validation_error(_request, exc):
         return error(400, str(exc))
 
-    @app.middleware("http")
-    async def authenticate_and_count(request: Request, call_next):
-        path = request.url.path
-        if api_key and path.startswith("/v1/"):
-            header = request.headers.get("authorization", "")
-            if header != f"Bearer {api_key}":
-                metrics.requests.labels(path, "401").inc()
-                return error(401, "Incorrect or missing API key", code="invalid_api_key")
-        response = await call_next(request)
-        metrics.requests.labels(path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics)
 
     @app.get("/health")
     async def health():
@@ -255,6 +246,36 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
         return await handle(request, chat=False)
 
     return app
+
+
+class AuthAndCount:
+    """Pure ASGI middleware (BaseHTTPMiddleware interferes with streaming): API key, request counts."""
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics) -> None:
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if self.api_key and path.startswith("/v1/"):
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode():
+                self.metrics.requests.labels(path, "401").inc()
+                response = JSONResponse(P.error_body("Incorrect or missing API key", code="invalid_api_key"),
+                                        status_code=401)
+                return await response(scope, receive, send)
+        status = {"code": 500}
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.metrics.requests.labels(path, str(status["code"])).inc()
 
 
 async def _abort_on_disconnect(request, aengine: AsyncEngine, rid: str) -> None:

@@ -143,19 +143,24 @@ def test_disconnect_mid_stream_frees_kv_and_server_keeps_serving(smol_int4):
     try:
         name = next(iter(models))
         engine = models[name].engine
-        body = {"model": name, "messages": [{"role": "user", "content": "Write a very long story."}],
-                "max_tokens": 1000, "stream": True}
+        # greedy, this prompt runs to the full 1000 tokens (checked with ruvllm generate)
+        body = {"model": name, "messages": [{"role": "user", "content": "Write a very long story about a "
+                                             "lighthouse keeper."}], "max_tokens": 1000, "temperature": 0,
+                "stream": True}
         with httpx.Client(base_url=live.url, timeout=60) as client:
             with client.stream("POST", "/v1/chat/completions", json=body) as resp:
                 for i, _ in enumerate(resp.iter_lines()):
                     if i >= 3:
+                        # check while iterating: leaving the loop closes the connection (httpcore)
+                        assert engine.stats()["running"] == 1, (engine.stats(), repr(engine.step_error))
                         break
-                assert engine.stats()["running"] == 1
         deadline = time.time() + 5
         while engine.stats()["running"] or engine.stats()["kv_blocks_used"]:
             assert time.time() < deadline, engine.stats()
             time.sleep(0.01)
-        assert engine.stats()["generated_tokens"] < 300  # aborted, not run to its 1000 tokens
+        assert engine.stats()["aborted"] == 1  # the client left: aborted, not run to its 1000 tokens
+        assert engine.stats()["generated_tokens"] < 300
+        assert 'ruvllm_requests_aborted_total{model="' + name + '"} 1.0' in httpx.get(live.url + "/metrics").text
         r = httpx.post(live.url + "/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200
     finally:
