@@ -8,7 +8,7 @@ returns this step's K/V and the runtime writes it into its blocks. See docs/ARCH
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,7 +40,6 @@ class LoraSlots:
     """Shape of the LoRA inputs of the LoRA graph variant."""
 
     targets: tuple[str, ...] = C.LORA_TARGETS
-    extra: dict = field(default_factory=dict)
 
 
 def _proj_features(spec: DecoderSpec) -> dict[str, tuple[int, int]]:

@@ -1,4 +1,4 @@
-"""`ruvllm` (= `python -m runtime`): generate, chat, list, info, download, bench."""
+"""`ruvllm` (= `python -m runtime`): generate, chat, list, info, download, bench, serve."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from pathlib import Path
 from runtime.aliases import ALIASES, DEFAULT_ALIAS, cache_dir, cached_package_dir
 from runtime.errors import RuvLLMError
 from runtime.sampling import SamplingParams
-
-DEFAULT_QUANT = {"cpu": "int4", "cuda": "int4", "coreml": "int4", "auto": "int4"}
 
 
 # ---- resolving a package argument ----

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from runtime.engine import RequestOutput
 from runtime.sampling import SamplingParams
@@ -43,7 +43,6 @@ class ParsedRequest:
     echo: bool = False
     logprobs: int | None = None  # alternatives per token, None when not asked for
     max_tokens_given: bool = False
-    extra: dict = field(default_factory=dict)
 
 
 def _get(body: dict, name: str, types: tuple, default=None, allow_none: bool = True):
