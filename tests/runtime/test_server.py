@@ -247,3 +247,20 @@ def test_graceful_shutdown_finishes_in_flight_streams(tiny_package):
     stopper.join(timeout=30)
     assert lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_two_packages_are_served_side_by_side(tiny_package):
+    models = load_models([str(tiny_package("llama")), str(tiny_package("qwen2"))], "cpu", 4, {})
+    live = LiveServer(create_app(models))
+    try:
+        names = [m["id"] for m in httpx.get(live.url + "/v1/models").json()["data"]]
+        assert names == list(models) and len(names) == 2
+        texts = []
+        for name in names:
+            r = httpx.post(live.url + "/v1/completions",
+                           json={"model": name, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200 and r.json()["model"] == name
+            texts.append(r.json()["choices"][0]["text"])
+        assert texts[0] != texts[1]  # different weights answered
+    finally:
+        live.stop()
