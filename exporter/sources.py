@@ -6,7 +6,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.aliases import ALIASES, embedded_gguf_path
+from runtime.aliases import ALIASES, embedded_gguf_path, is_hub_id
 from runtime.errors import RuvLLMError, UnsupportedModelError
 
 
@@ -41,15 +41,10 @@ def resolve(source: str) -> Source:
     if p.exists():
         raise RuvLLMError(f"{source}: not a .gguf file or a model folder")
     looks_local = source.startswith((".", "/", "~")) or source.endswith(".gguf")
-    if looks_local or not _is_hub_id(source):
+    if looks_local or not is_hub_id(source):
         known = ", ".join(sorted(ALIASES))
         raise RuvLLMError(f"{source}: no such file or directory (nor a hub id org/name or an alias: {known})")
     return Source("hub", source)
-
-
-def _is_hub_id(s: str) -> bool:
-    parts = s.split("/")
-    return len(parts) == 2 and all(parts) and not s.startswith((".", "/"))
 
 
 def _hub_error(source: Source, err: Exception) -> RuvLLMError:

