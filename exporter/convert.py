@@ -74,7 +74,9 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     bar.update()
 
     bar.set_description("writing package")
-    tmp = Path(tempfile.mkdtemp(prefix=".ruvllm-export-", dir=out.parent if out.parent.exists() else None))
+    # stage beside the destination: a rename from another filesystem (a tmpfs /tmp) would fail
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".ruvllm-export-", dir=out.parent))
     try:
         save_with_shared_data(graphs, tmp, DATA_FILE)
         tokenizer_meta = _write_tokenizer(tok, tmp, source)
@@ -86,7 +88,6 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
         load_package(tmp, verify_hashes=False)  # what we wrote must pass the runtime's own checks
         if out.exists():
             shutil.rmtree(out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         tmp.chmod(0o755)
         tmp.rename(out)
     finally:
