@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from runtime.chat_template import ChatTemplate
-from runtime.errors import RequestError
+from runtime.errors import ContextLengthError, RequestError
 from runtime.kv_blocks import BlockAllocator, block_key
 from runtime.package import ModelPackage, load_package
 from runtime.sampling import SamplingParams, choose, make_rng
@@ -146,9 +146,10 @@ class Engine:
         if not ids:
             raise RequestError("the prompt is empty")
         if len(ids) >= self.max_context:
-            raise RequestError(f"the prompt has {len(ids)} tokens; this model's context is {self.max_context} tokens")
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens; this model's context is "
+                                     f"{self.max_context} tokens")
         if self.allocator.blocks_for(len(ids) + 1) > self.allocator.num_blocks:
-            raise RequestError(f"the prompt has {len(ids)} tokens, more than the KV cache holds "
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens, more than the KV cache holds "
                                f"({self.allocator.num_blocks * self.block_size} tokens)")
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.seqs:

@@ -19,3 +19,7 @@ class DeviceError(RuvLLMError):
 
 class RequestError(RuvLLMError):
     """A request cannot be served as given (for example, a prompt longer than the context)."""
+
+
+class ContextLengthError(RequestError):
+    """A prompt longer than the model's context, or than the whole KV cache."""

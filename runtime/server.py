@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime import openai_protocol as P
 from runtime.async_engine import AsyncEngine
-from runtime.errors import RequestError
+from runtime.errors import ContextLengthError, RequestError
 
 
 @dataclass
@@ -152,18 +152,16 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
                 raise P.ProtocolError("the server is busy: the request queue is full, retry later", status=429,
                                       kind="rate_limit_exceeded", code="queue_full")
             ids = engine.encode_prompt(parsed.prompt, parsed.messages)
-            room = engine.max_context - len(ids)
-            if room < 1:
-                raise P.ProtocolError(f"the prompt has {len(ids)} tokens; this model's context is "
-                                      f"{engine.max_context} tokens", "messages" if chat else "prompt",
-                                      code="context_length_exceeded")
+            room = max(1, engine.max_context - len(ids))  # the engine refuses a prompt that leaves no room
             params = parsed.params
             params.max_tokens = min(params.max_tokens, room) if parsed.max_tokens_given else room
             rid = aengine.add_request(ids, params)
         except P.ProtocolError as err:
             return JSONResponse(err.body(), status_code=err.status)
+        except ContextLengthError as err:
+            return error(400, str(err), param="messages" if chat else "prompt", code="context_length_exceeded")
         except RequestError as err:
-            return error(400, str(err), code="context_length_exceeded" if "context" in str(err) else None)
+            return error(400, str(err))
         started = time.monotonic()
         if parsed.stream:
             return StreamingResponse(stream_events(served, rid, parsed, chat, started), media_type="text/event-stream",

@@ -203,6 +203,8 @@ def test_bad_requests_get_openai_errors(served, name, body, status, param):
     assert err["message"] and err["type"]
     if param:
         assert err["param"] == param
+    if name == "huge prompt":
+        assert err["code"] == "context_length_exceeded"
     assert httpx.get(served.url + "/health").status_code == 200
 
 
