@@ -51,17 +51,14 @@ class Sequence:
     id: str
     prompt_ids: list[int]
     params: SamplingParams
-    arrival: float
     tokens: list[int] = field(default_factory=list)  # prompt + generated
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     slot: int = -1
-    finish_reason: str | None = None
     decoder: IncrementalDecoder | None = None
     stopper: StopChecker | None = None
     penalties: PenaltyState | None = None
     rng: object = None
-    first_token_time: float | None = None
     adapter: str | None = None
     block_keys: list[bytes] = field(default_factory=list)  # prefix keys of its computed full blocks
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -154,7 +151,7 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.seqs:
             raise RequestError(f"request id {rid!r} is already in use")
-        seq = Sequence(rid, ids, params, time.monotonic(), tokens=list(ids))
+        seq = Sequence(rid, ids, params, tokens=list(ids))
         seq.decoder = IncrementalDecoder(self.tokenizer)
         seq.stopper = StopChecker(params.stop, params.include_stop_str_in_output)
         seq.rng = make_rng(params.seed)
@@ -172,7 +169,7 @@ class Engine:
             return False
         if seq in self.waiting:
             self.waiting.remove(seq)
-        self._finish(seq, "abort")
+        self._finish(seq)
         self.stats.aborted += 1
         return True
 
@@ -190,8 +187,7 @@ class Engine:
             self._free_slots.append(seq.slot)
             seq.slot = -1
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
+    def _finish(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
         self._release(seq)
@@ -301,7 +297,6 @@ class Engine:
         self.stats.steps += 1
         outputs: list[RequestOutput] = []
         row = 0
-        now = time.monotonic()
         for (seq, n), chunk in zip(plan, chunks):
             seq.num_computed += n
             if self.allocator.enable_prefix_cache:
@@ -312,16 +307,14 @@ class Engine:
                 continue
             ids, lps = result.topk_ids[row], result.topk_logprobs[row]
             row += 1
-            outputs.append(self._accept(seq, ids, lps, now))
+            outputs.append(self._accept(seq, ids, lps))
         return outputs
 
-    def _accept(self, seq: Sequence, ids: list[int], lps: list[float], now: float) -> RequestOutput:
+    def _accept(self, seq: Sequence, ids: list[int], lps: list[float]) -> RequestOutput:
         p = seq.params
         token = choose(ids, lps, p, seq.rng)
         seq.tokens.append(token)
         self.stats.generated_tokens += 1
-        if seq.first_token_time is None:
-            seq.first_token_time = now
         if seq.penalties is not None:
             seq.penalties.add_generated(token)
         logprobs = []
@@ -340,7 +333,7 @@ class Engine:
             if not by_string:  # release text held back for a stop string that never came
                 tail, hit = seq.stopper.feed(seq.decoder.flush())
                 text += tail if hit else tail + seq.stopper.flush()
-            self._finish(seq, reason)
+            self._finish(seq)
         return RequestOutput(seq.id, text, [token], reason is not None, reason, len(seq.prompt_ids),
                              seq.num_generated, logprobs, cached_tokens=seq.cached_tokens)
 

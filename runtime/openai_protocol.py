@@ -40,7 +40,6 @@ class ParsedRequest:
     include_usage: bool
     messages: list[dict] | None = None
     prompt: str | list[int] | None = None
-    echo: bool = False
     logprobs: int | None = None  # alternatives per token, None when not asked for
     max_tokens_given: bool = False
 
@@ -177,8 +176,7 @@ def parse_completion(body) -> ParsedRequest:
     elif not isinstance(prompt, str) or not prompt:
         raise ProtocolError("'prompt' must be a non-empty string", "prompt")
     logprobs = _range("logprobs", _get(body, "logprobs", (int,)), 0, 20)
-    echo = _get(body, "echo", (bool,), False)
-    if echo:
+    if _get(body, "echo", (bool,), False):
         raise ProtocolError("'echo' is not supported", "echo")
     params, given = _sampling(body, logprobs)
     return ParsedRequest(model, params, stream, include_usage, prompt=prompt, logprobs=logprobs,

@@ -59,7 +59,6 @@ class Chunk:
     frequency_penalty: float = 0.0
     penalties: PenaltyState | None = None
     top_k: int = 1
-    adapter_weights: list[float] | None = None
 
 
 @dataclass

@@ -74,11 +74,10 @@ class NativeBackend:
             if package.lora_graph_path is None:
                 raise PackageError(f"{package.path}: this package was exported without the LoRA graph")
             graph = package.lora_graph_path
-        self.lora = lora
         try:
             self.session = ort.InferenceSession(str(graph), sess_options=opts, providers=self.providers)
         except Exception as err:  # onnxruntime raises its own exception types
-            raise PackageError(f"{package.path}: onnxruntime cannot load {package.graph_path.name}: "
+            raise PackageError(f"{package.path}: onnxruntime cannot load {graph.name}: "
                                f"{str(err).splitlines()[0][:300]}") from err
         names = [i.name for i in self.session.get_inputs()]
         from runtime.package import expected_inputs
@@ -90,7 +89,6 @@ class NativeBackend:
 
     def allocate(self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int) -> None:
         shape = (self.num_layers, self.kv_heads, num_blocks, block_size, self.head_dim)
-        self.block_size = block_size
         # np.zeros would map pages lazily and each first write would fault (~1.7 ms/step on SmolLM2):
         # commit the pool up front, as a server reserves its KV memory. One array per kind; each layer's
         # graph input is a contiguous view of it, so a step's K/V are written with one assignment.
@@ -139,6 +137,7 @@ class NativeBackend:
         io = self._io
         i64, f32 = np.int64, np.float32
         rows = len(batch.logits_index)
+        top_k = min(batch.top_k, self.vocab_size)
         feeds = {
             C.INPUT_IDS: np.array(batch.input_ids, i64),
             C.POSITION_IDS: np.array(batch.position_ids, i64),
@@ -154,13 +153,12 @@ class NativeBackend:
             C.SPARSE_SEEN: np.array(batch.sparse_seen, f32).reshape(rows, -1),
             C.SPARSE_COUNTS: np.array(batch.sparse_counts, f32).reshape(rows, -1),
             C.SPARSE_BIAS: np.array(batch.sparse_bias, f32).reshape(rows, -1),
-            C.TOP_K: np.array([min(batch.top_k, self.vocab_size)], i64),  # = the bound output width
+            C.TOP_K: np.array([top_k], i64),  # = the bound output width
         }
         if extra_inputs:
             feeds.update(extra_inputs)
         for name, arr in feeds.items():
             io.bind_cpu_input(name, arr)
-        top_k = min(batch.top_k, self.vocab_size)
         outs = self._bind_outputs(len(batch.input_ids), rows, top_k, batch.want_full_logits)
         self.session.run_with_iobinding(io)
         first, n = batch.kv_slots[0], len(batch.kv_slots)
