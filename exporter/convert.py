@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from exporter import __version__
+from exporter.browser_format import SESSION_CONFIG, dequantize_at_load
 from exporter.decoder_graph import LoraSlots, build_decoder
 from exporter.external_data import save_with_shared_data
 from exporter.hf_model import check_architecture, decoder_spec, float_weights
@@ -22,6 +23,7 @@ from runtime.errors import RuvLLMError
 from runtime.package import file_digest, load_package
 
 TARGETS = ("cpu", "wasm", "webgpu", "cuda")
+BROWSER_TARGETS = ("wasm", "webgpu")
 GRAPH_FILE, LORA_GRAPH_FILE, DATA_FILE = "model.onnx", "model_lora.onnx", "model.onnx.data"
 
 
@@ -71,6 +73,9 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     bar.set_description(f"quantizing ({opts.quant})")
     if quantized:
         graphs = {name: quantize_weights(g, opts.quant, opts.block_size) for name, g in graphs.items()}
+        if opts.target in BROWSER_TARGETS:  # storage stays quantized, compute becomes fp32 (browser_format)
+            tied = "model.embed_tokens.weight" if spec.tie_word_embeddings else None
+            graphs = {name: dequantize_at_load(g, tied) for name, g in graphs.items()}
     bar.update()
 
     bar.set_description("writing package")
@@ -166,6 +171,11 @@ def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict,
     if opts.quant in ("int8", "int4"):
         quant.update(method="rtn", block_size=opts.block_size, symmetric=False, accuracy_level=4,
                      op="com.microsoft.MatMulNBits")
+        if opts.target in BROWSER_TARGETS:
+            quant.update(op="DequantizeLinear+MatMul", compute="fp32", dequantized="at session creation",
+                         session_config=dict(SESSION_CONFIG))
+            if spec.tie_word_embeddings:
+                quant["embeddings"] = "tied to the int8 lm_head"
     n_params = _count_params(spec)
     return {
         "format": C.FORMAT_NAME,

@@ -31,10 +31,10 @@ def resolve_package(arg: str | None, quant: str = "int4", quiet: bool = False) -
     return p
 
 
-def export_into_cache(source: str, quant: str, target: Path, quiet: bool = False) -> None:
+def export_into_cache(source: str, quant: str, dest: Path, quiet: bool = False, target: str = "cpu") -> None:
     if not quiet:
-        print(f"exporting {source} ({quant}) into {target} (once) ...", file=sys.stderr)
-    cmd = [sys.executable, "-m", "exporter", "convert", source, "-o", str(target), "--quant", quant]
+        print(f"exporting {source} ({quant}, {target}) into {dest} (once) ...", file=sys.stderr)
+    cmd = [sys.executable, "-m", "exporter", "convert", source, "-o", str(dest), "--quant", quant, "--target", target]
     if quiet:
         cmd.append("--quiet")
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE, text=True)
@@ -270,7 +270,7 @@ def cmd_download(args) -> int:
     if (target / "manifest.json").exists() and not args.force:
         print(f"{args.source} ({args.quant}) is already in the cache: {target}")
         return 0
-    export_into_cache(args.source, args.quant, target)
+    export_into_cache(args.source, args.quant, target, target=args.target)
     print(f"{args.source} ({args.quant}) -> {target}")
     return 0
 

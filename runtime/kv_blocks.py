@@ -9,7 +9,8 @@ freed but parked in an LRU list; it is reused on a hit, or evicted when the free
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from dataclasses import dataclass
 from struct import pack
 
@@ -40,7 +41,9 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
-        self._free = deque(range(num_blocks))
+        # lowest id first: live blocks stay packed at the front of the pool, which lets a backend
+        # that copies the pool per step (onnxruntime-web) copy only the part in use
+        self._free = list(range(num_blocks))
         self.refcount = [0] * num_blocks
         self._key_of: dict[int, bytes] = {}  # block -> its prefix key, for full blocks in the cache
         self._block_of: dict[bytes, int] = {}  # prefix key -> block
@@ -65,7 +68,7 @@ class BlockAllocator:
 
     def allocate(self) -> int:
         if self._free:
-            block = self._free.popleft()
+            block = heapq.heappop(self._free)
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
             del self._block_of[self._key_of.pop(block)]
@@ -86,7 +89,7 @@ class BlockAllocator:
             if block in self._key_of:
                 self._evictable[block] = None  # keep its prefix for later hits
             else:
-                self._free.append(block)
+                heapq.heappush(self._free, block)
         elif self.refcount[block] < 0:
             raise RuntimeError(f"block {block} released more often than retained")
 

@@ -48,6 +48,11 @@ class ModelPackage:
         name = self.manifest.get("chat_template")
         return self.file(name).read_text(encoding="utf-8") if name else None
 
+    @property
+    def session_config(self) -> dict:
+        """onnxruntime session config entries the graphs need (the browser weight format sets one)."""
+        return dict((self.manifest.get("quantization") or {}).get("session_config") or {})
+
     def size_bytes(self) -> int:
         return sum(int(f["size"]) for f in self.manifest["files"].values())
 
@@ -75,8 +80,12 @@ def expected_outputs(num_layers: int) -> list[str]:
     return [C.PRESENT_KEY, C.PRESENT_VALUE, C.LOGITS, C.TOPK_LOGPROBS, C.TOPK_IDS]
 
 
-def load_package(path: str | Path, verify_hashes: bool = False) -> ModelPackage:
-    """Validate format, version, files (sizes; sha256 on request) and the declared graph I/O."""
+def load_package(path: str | Path, verify_hashes: bool = False, elsewhere: tuple[str, ...] = ()) -> ModelPackage:
+    """Validate format, version, files (sizes; sha256 on request) and the declared graph I/O.
+
+    elsewhere names files that are not in the folder because another part holds them (in the page,
+    the graphs live in onnxruntime-web; the loader checked their sha256 when it fetched them).
+    """
     p = Path(path).expanduser()
     if not p.exists():
         raise PackageError(f"{path}: no such model package (path does not exist)")
@@ -100,6 +109,8 @@ def load_package(path: str | Path, verify_hashes: bool = False) -> ModelPackage:
     if missing:
         raise PackageError(f"{path}: corrupt manifest, missing {', '.join(missing)}")
     for name, meta in manifest["files"].items():
+        if name in elsewhere:
+            continue
         f = p / name
         if not f.exists():
             raise PackageError(f"{path}: corrupt package, file {name} is missing")

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime import openai_protocol as P
 from runtime.async_engine import AsyncEngine
 from runtime.errors import ContextLengthError, RequestError
+from runtime.openai_stream import ChunkStream, collect, queue_request
 
 
 @dataclass
@@ -151,11 +152,7 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
             if max_queue is not None and len(engine.waiting) >= max_queue:
                 raise P.ProtocolError("the server is busy: the request queue is full, retry later", status=429,
                                       kind="rate_limit_exceeded", code="queue_full")
-            ids = engine.encode_prompt(parsed.prompt, parsed.messages)
-            room = max(1, engine.max_context - len(ids))  # the engine refuses a prompt that leaves no room
-            params = parsed.params
-            params.max_tokens = min(params.max_tokens, room) if parsed.max_tokens_given else room
-            rid = aengine.add_request(ids, params)
+            rid = queue_request(aengine, parsed)
         except P.ProtocolError as err:
             return JSONResponse(err.body(), status_code=err.status)
         except ContextLengthError as err:
@@ -169,63 +166,22 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
         return await complete(request, served, rid, parsed, chat, started)
 
     async def complete(request: Request, served: ServedModel, rid: str, parsed, chat: bool, started: float):
-        aengine = served.engine
-        outs = []
-        watcher = asyncio.create_task(_abort_on_disconnect(request, aengine, rid))
-        first = None
+        watcher = asyncio.create_task(_abort_on_disconnect(request, served.engine, rid))
         try:
-            async for out in aengine.stream(rid):
-                if first is None:
-                    first = time.monotonic()
-                outs.append(out)
+            body, outs, first = await collect(served.engine, rid, parsed, served.name, chat)
         finally:
             watcher.cancel()
-        last = outs[-1]
-        if last.error:
-            return error(503, last.error, "server_error", code="unavailable")
-        _observe(served.name, last, started, first)
-        text = "".join(o.delta for o in outs)
-        decode = aengine.engine.tokenizer.decode_token
-        oid = P.new_id("chatcmpl" if chat else "cmpl")
-        if chat:
-            lp = P.chat_logprobs(outs, decode) if parsed.logprobs is not None else None
-            return P.chat_response(oid, served.name, text, last, lp)
-        lp = P.completion_logprobs(outs, decode) if parsed.logprobs is not None else None
-        return P.completion_response(oid, served.name, text, last, lp)
+        if outs[-1].error:
+            return JSONResponse(body, status_code=503)
+        _observe(served.name, outs[-1], started, first)
+        return body
 
     async def stream_events(served: ServedModel, rid: str, parsed, chat: bool, started: float):
-        aengine = served.engine
-        decode = aengine.engine.tokenizer.decode_token
-        oid = P.new_id("chatcmpl" if chat else "cmpl")
-        created = int(time.time())
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        first = None
-
-        def sse(payload: dict) -> str:
-            return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-        if chat:
-            yield sse(P.chat_chunk(oid, served.name, created, {"role": "assistant", "content": ""}))
-        last = None
-        async for out in aengine.stream(rid):  # leaving this loop early (disconnect) aborts the request
-            if first is None:
-                first = time.monotonic()
-            last = out
-            if out.error:
-                yield sse(P.error_body(out.error, "server_error", code="unavailable"))
-                break
-            reason = out.finish_reason if out.finished else None
-            if chat:
-                lp = P.chat_logprobs([out], decode) if parsed.logprobs is not None else None
-                delta = {"content": out.delta} if out.delta or not out.finished else {}
-                yield sse(P.chat_chunk(oid, served.name, created, delta, reason, lp))
-            else:
-                lp = P.completion_logprobs([out], decode) if parsed.logprobs is not None else None
-                yield sse(P.completion_chunk(oid, served.name, created, out.delta, reason, lp))
-        if last is not None and not last.error:
-            _observe(served.name, last, started, first)
-            if parsed.include_usage:
-                yield sse(P.usage_chunk(oid, served.name, created, obj, last))
+        chunks = ChunkStream(served.engine, rid, parsed, served.name, chat)
+        async for payload in chunks:  # leaving this loop early (disconnect) aborts the request
+            yield f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        if chunks.last is not None and not chunks.last.error:
+            _observe(served.name, chunks.last, started, chunks.first)
         yield "data: [DONE]\n\n"
 
     def _observe(model: str, last, started: float, first: float | None) -> None:

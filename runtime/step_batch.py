@@ -132,3 +132,12 @@ def build_step(chunks: list[Chunk], want_full_logits: bool = False) -> StepBatch
         top_k=max([r.top_k for r in rows] + [1]),
         want_full_logits=want_full_logits,
     )
+
+
+@dataclass
+class StepResult:
+    """What a backend returns for a step: the candidates of every logits row."""
+
+    topk_ids: list[list[int]]
+    topk_logprobs: list[list[float]]
+    logits: object | None = None  # [num_logits, vocab] when asked for (numpy natively, lists in the page)

@@ -8,14 +8,13 @@ and nothing is copied per step. Block tables live here too, updated a block at a
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import numpy as np
 
 from runtime import contract as C
 from runtime.errors import DeviceError, PackageError
 from runtime.package import ModelPackage
-from runtime.step_batch import StepBatch
+from runtime.step_batch import StepBatch, StepResult
 
 DEVICE_PROVIDERS = {
     "cpu": ["CPUExecutionProvider"],
@@ -42,13 +41,6 @@ def providers_for(device: str) -> list[str]:
     return DEVICE_PROVIDERS[device]
 
 
-@dataclass
-class StepResult:
-    topk_ids: list[list[int]]
-    topk_logprobs: list[list[float]]
-    logits: object | None = None  # numpy [num_logits, vocab] when asked for
-
-
 class NativeBackend:
     name = "onnxruntime"
 
@@ -68,6 +60,8 @@ class NativeBackend:
         opts.intra_op_num_threads = threads or int(os.environ.get("RUVLLM_THREADS", 0)) or (os.cpu_count() or 1)
         opts.inter_op_num_threads = 1
         opts.log_severity_level = 3
+        for key, value in package.session_config.items():  # e.g. the browser format's QDQ switch
+            opts.add_session_config_entry(key, str(value))
         self._ort = ort
         graph = package.graph_path
         if lora:

@@ -1,0 +1,70 @@
+"""The engine as the page sees it: what web/src/worker.js calls inside Pyodide.
+
+The worker fetches the package, keeps the graphs in onnxruntime-web and writes the small files
+(manifest, tokenizer, chat template) into Pyodide's file system; requests and results cross the
+worker boundary as JSON text, shaped like OpenAI's chat/completions.
+"""
+
+from __future__ import annotations
+
+import json
+
+from runtime import openai_protocol as P
+from runtime.async_engine import AsyncEngine
+from runtime.backends.web import WebBackend
+from runtime.engine import Engine
+from runtime.errors import ContextLengthError, RequestError
+from runtime.openai_stream import ChunkStream, collect, queue_request
+from runtime.package import load_package
+
+
+class WebEngine:
+    def __init__(self, package_dir: str, runner, graph_files: list[str], model_name: str,
+                 kv_memory_mb: int = 256, max_num_seqs: int = 16, max_batch_tokens: int = 256) -> None:
+        pkg = load_package(package_dir, elsewhere=tuple(graph_files))
+        self.model_name = model_name
+        engine = Engine(pkg, WebBackend(pkg, runner), kv_memory=kv_memory_mb << 20, max_num_seqs=max_num_seqs,
+                        max_batch_tokens=max_batch_tokens)
+        self.aengine = AsyncEngine(engine, use_thread=False)
+        self._jobs: dict[str, str] = {}  # the page's request id -> the engine's
+
+    async def create(self, job: str, body_json: str, emit) -> None:
+        """Run one chat.completions.create; emit(kind, json_text) with kind chunk | response | error."""
+        try:
+            body = json.loads(body_json)
+            if isinstance(body, dict):
+                body.setdefault("model", self.model_name)
+            parsed = P.parse_chat(body)
+            rid = queue_request(self.aengine, parsed)
+        except json.JSONDecodeError as err:
+            emit("error", json.dumps(P.error_body(f"the request is not valid JSON: {err}")))
+            return
+        except P.ProtocolError as err:
+            emit("error", json.dumps(err.body()))
+            return
+        except ContextLengthError as err:
+            emit("error", json.dumps(P.error_body(str(err), param="messages", code="context_length_exceeded")))
+            return
+        except RequestError as err:
+            emit("error", json.dumps(P.error_body(str(err))))
+            return
+        self._jobs[job] = rid
+        try:
+            if parsed.stream:
+                async for payload in ChunkStream(self.aengine, rid, parsed, self.model_name, chat=True):
+                    emit("error" if "error" in payload else "chunk", json.dumps(payload, ensure_ascii=False))
+            else:
+                body, outs, _ = await collect(self.aengine, rid, parsed, self.model_name, chat=True)
+                emit("error" if outs[-1].error else "response", json.dumps(body, ensure_ascii=False))
+        finally:
+            self._jobs.pop(job, None)
+
+    def abort(self, job: str) -> bool:
+        rid = self._jobs.get(job)
+        return rid is not None and self.aengine.abort(rid)
+
+    def stats(self) -> str:
+        return json.dumps(self.aengine.stats())
+
+    async def unload(self) -> None:
+        await self.aengine.shutdown(drain=False)

@@ -1,0 +1,132 @@
+"""Assembles dist/web/: Pyodide core, our Pyodide lock and wheels, onnxruntime-web, the JS API,
+the demo page and a model package exported for the browser. Nothing in it points off-origin.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from wasm.wheels import markupsafe_from_sdist, package_files, write_wheel
+
+ROOT = Path(__file__).resolve().parent.parent
+WEB = ROOT / "web"
+PYODIDE_CORE = ("pyodide.mjs", "pyodide.asm.mjs", "pyodide.asm.wasm", "python_stdlib.zip")
+ORT_FILES = ("ort.wasm.min.mjs", "ort-wasm-simd-threaded.mjs", "ort-wasm-simd-threaded.wasm",
+             "ort.webgpu.min.mjs", "ort-wasm-simd-threaded.asyncify.mjs", "ort-wasm-simd-threaded.asyncify.wasm")
+# Pure-Python wheels from PyPI, pinned: what Pyodide's own distribution would have served from its CDN.
+PYPI_WHEELS = {"jinja2": "3.1.6", "micropip": "0.11.1"}
+MARKUPSAFE = "3.0.3"
+
+
+def log(msg: str) -> None:
+    print(f"[wasm] {msg}", file=sys.stderr, flush=True)
+
+
+def npm_install() -> Path:
+    modules = WEB / "node_modules"
+    if not (modules / "pyodide" / "pyodide.mjs").exists() or not (modules / "onnxruntime-web").exists():
+        log("npm install (web/)")
+        cmd = ["npm", "ci" if (WEB / "package-lock.json").exists() else "install", "--no-audit", "--no-fund"]
+        subprocess.run(cmd, cwd=WEB, check=True)
+    return modules
+
+
+def _pip_fetch(args: list[str], dest: Path) -> None:
+    subprocess.run([sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "-q", "--no-deps",
+                    "-d", str(dest), *args], check=True)
+
+
+def python_wheels(out: Path, cache: Path) -> dict[str, dict]:
+    """Wheels into out/ and their lock entries (Pyodide lock format)."""
+    cache.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = {}
+    for name, version in PYPI_WHEELS.items():
+        wheel = next(cache.glob(f"{name}-{version}-py3-none-any.whl"), None)
+        if wheel is None:
+            _pip_fetch(["--only-binary=:all:", "--python-version", "3.14", f"{name}=={version}"], cache)  # Pyodide's Python
+            wheel = next(cache.glob(f"{name}-{version}-py3-none-any.whl"))
+        shutil.copy(wheel, out / wheel.name)
+        entries[name] = (out / wheel.name, version, [name], ["markupsafe"] if name == "jinja2" else [])
+    sdist = next(cache.glob(f"markupsafe-{MARKUPSAFE}.tar.gz"), None)
+    if sdist is None:
+        _pip_fetch(["--no-binary=:all:", f"markupsafe=={MARKUPSAFE}"], cache)
+        sdist = next(cache.glob(f"markupsafe-{MARKUPSAFE}.tar.gz"))
+    entries["markupsafe"] = (markupsafe_from_sdist(sdist, out), MARKUPSAFE, ["markupsafe"], [])
+    version = _project_version()
+    files = package_files(ROOT, "runtime")
+    entries["ruvllm"] = (write_wheel(out, "ruvllm", version, files, ["jinja2>=3.1"]), version, ["runtime"], ["jinja2"])
+    lock = {}
+    for name, (path, ver, imports, depends) in entries.items():
+        lock[name] = {"name": name, "version": ver, "file_name": path.name, "install_dir": "site",
+                      "sha256": _sha256(path), "package_type": "package", "imports": imports, "depends": depends,
+                      "unvendored_tests": False, "tool": {}}
+    return lock
+
+
+def _sha256(path: Path) -> str:
+    from runtime.package import file_digest
+
+    return file_digest(path)
+
+
+def _project_version() -> str:
+    import tomllib
+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def export_model(alias: str, quant: str) -> Path:
+    from runtime.aliases import cached_package_dir
+    from runtime.cli import export_into_cache
+
+    dest = cached_package_dir(alias, quant, "wasm")
+    if not (dest / "manifest.json").exists():
+        log(f"exporting {alias} ({quant}) for the browser, once, into {dest}")
+        export_into_cache(alias, quant, dest, quiet=True, target="wasm")
+    return dest
+
+
+def copy_package(src: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        target = dest / f.name
+        if not target.exists() or target.stat().st_size != f.stat().st_size or target.stat().st_mtime < f.stat().st_mtime:
+            shutil.copy2(f, target)
+
+
+def build(out: Path, model: str | None = "smollm2-135m", quant: str = "int4") -> Path:
+    modules = npm_install()
+    out.mkdir(parents=True, exist_ok=True)
+    for sub in ("pyodide", "ort", "python", "ruvllm"):
+        shutil.rmtree(out / sub, ignore_errors=True)
+    for name in PYODIDE_CORE:
+        (out / "pyodide").mkdir(exist_ok=True)
+        shutil.copy(modules / "pyodide" / name, out / "pyodide" / name)
+    for name in ORT_FILES:
+        (out / "ort").mkdir(exist_ok=True)
+        shutil.copy(modules / "onnxruntime-web" / "dist" / name, out / "ort" / name)
+    log("python wheels and lock")
+    core_lock = json.loads((modules / "pyodide" / "pyodide-lock.json").read_text())
+    lock = {"info": core_lock["info"], "packages": python_wheels(out / "python", ROOT / "build" / "web-cache")}
+    (out / "python" / "pyodide-lock.json").write_text(json.dumps(lock, indent=1))
+    shutil.copytree(WEB / "src", out / "ruvllm")
+    for f in (WEB / "demo").iterdir():
+        shutil.copy(f, out / f.name)
+    models = []
+    if model:
+        pkg = export_model(model, quant)
+        copy_package(pkg, out / "models" / model)
+        manifest = json.loads((pkg / "manifest.json").read_text())
+        models.append({"id": model, "url": f"models/{model}/", "name": manifest["name"],
+                       "bytes": sum(int(m["size"]) for m in manifest["files"].values()),
+                       "quantization": manifest.get("quantization")})
+    (out / "models.json").write_text(json.dumps({"models": models}, indent=1))
+    versions = {n: json.loads((modules / n / "package.json").read_text())["version"] for n in ("pyodide", "onnxruntime-web")}
+    (out / "bundle.json").write_text(json.dumps({"versions": versions, "python": lock["info"]["python"]}, indent=1))
+    log(f"bundle ready: {out}")
+    return out

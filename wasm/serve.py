@@ -1,0 +1,57 @@
+"""A static file server for the bundle with the headers multi-threaded WASM needs.
+
+SharedArrayBuffer (onnxruntime-web's threads) is only available to a cross-origin isolated page:
+`Cross-Origin-Opener-Policy: same-origin` and `Cross-Origin-Embedder-Policy: require-corp`. Any
+static server works if it sends these two headers (and serves .mjs as JavaScript, .wasm as
+application/wasm).
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import threading
+from pathlib import Path
+
+ISOLATION = {
+    "Cross-Origin-Opener-Policy": "same-origin",
+    "Cross-Origin-Embedder-Policy": "require-corp",
+    "Cross-Origin-Resource-Policy": "same-origin",
+}
+
+
+class Handler(http.server.SimpleHTTPRequestHandler):
+    mounts: dict[str, Path] = {}  # URL prefix -> folder, besides the root
+    extensions_map = {**http.server.SimpleHTTPRequestHandler.extensions_map,
+                      ".mjs": "text/javascript", ".js": "text/javascript", ".wasm": "application/wasm",
+                      ".json": "application/json", ".whl": "application/zip", ".onnx": "application/octet-stream",
+                      ".data": "application/octet-stream", ".zip": "application/zip"}
+
+    def translate_path(self, path: str) -> str:
+        for prefix, folder in self.mounts.items():
+            if path.startswith(prefix):
+                rest = path[len(prefix):].split("?", 1)[0].split("#", 1)[0]
+                return str(folder / rest.lstrip("/"))
+        return super().translate_path(path)
+
+    def end_headers(self) -> None:
+        for key, value in ISOLATION.items():
+            self.send_header(key, value)
+        if self.path.endswith((".html", "/", ".json")):
+            self.send_header("Cache-Control", "no-cache")
+        super().end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def make_server(root: Path, host: str = "127.0.0.1", port: int = 8000,
+                mounts: dict[str, Path] | None = None) -> http.server.ThreadingHTTPServer:
+    handler = type("BundleHandler", (Handler,), {"mounts": dict(mounts or {})})
+    return http.server.ThreadingHTTPServer((host, port), functools.partial(handler, directory=str(root)))
+
+
+def serve_in_thread(root: Path, mounts: dict[str, Path] | None = None) -> tuple[http.server.ThreadingHTTPServer, str]:
+    server = make_server(root, port=0, mounts=mounts)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}/"

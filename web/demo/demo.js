@@ -1,0 +1,149 @@
+// The demo page: a chat with streaming, stop, settings, load progress and live speed numbers.
+import { createEngine } from './ruvllm/index.js';
+
+const $ = (id) => document.getElementById(id);
+const params = new URLSearchParams(location.search);
+const state = { engine: null, history: [], stream: null, busy: false };
+window.ruvllm = state; // for tests and the console
+
+function setStatus(kind, text) {
+  $('status').dataset.state = kind;
+  $('status-text').textContent = text;
+}
+
+function addMessage(role, text = '') {
+  $('welcome').hidden = true;
+  const row = document.createElement('div');
+  row.className = `msg ${role}`;
+  const col = document.createElement('div');
+  const bubble = document.createElement('div');
+  bubble.className = 'bubble';
+  bubble.textContent = text;
+  const meta = document.createElement('div');
+  meta.className = 'meta';
+  col.append(bubble, meta);
+  row.append(col);
+  $('messages').append(row);
+  $('chat').scrollTop = $('chat').scrollHeight;
+  return { bubble, meta };
+}
+
+function setBusy(busy) {
+  state.busy = busy;
+  $('send').disabled = busy || !state.engine;
+  $('input').disabled = !state.engine;
+  $('stop').hidden = !busy;
+  $('send').hidden = busy;
+  setStatus(busy ? 'busy' : 'ready', busy ? 'generating…' : 'ready');
+}
+
+async function send(text) {
+  if (!text.trim() || state.busy || !state.engine) return;
+  $('input').value = '';
+  addMessage('user', text);
+  state.history.push({ role: 'user', content: text });
+  const system = $('system').value.trim();
+  const messages = system ? [{ role: 'system', content: system }, ...state.history] : [...state.history];
+  const { bubble, meta } = addMessage('assistant');
+  bubble.classList.add('streaming');
+  setBusy(true);
+  const started = performance.now();
+  let first = null, reply = '', tokens = 0, usage = null;
+  try {
+    state.stream = await state.engine.chat.completions.create({
+      messages, stream: true, stream_options: { include_usage: true },
+      temperature: Number($('temperature').value), max_tokens: Number($('max-tokens').value),
+    });
+    for await (const chunk of state.stream) {
+      if (chunk.usage) usage = chunk.usage;
+      const delta = chunk.choices?.[0]?.delta?.content;
+      if (!delta) continue;
+      first ??= performance.now();
+      tokens++;
+      reply += delta;
+      bubble.textContent = reply;
+      const secs = (performance.now() - first) / 1000;
+      $('m-ttft').textContent = `${((first - started) / 1000).toFixed(2)} s`;
+      if (secs > 0 && tokens > 1) $('m-speed').textContent = `${((tokens - 1) / secs).toFixed(1)} tok/s`;
+      $('chat').scrollTop = $('chat').scrollHeight;
+    }
+  } catch (err) {
+    bubble.parentElement.parentElement.classList.add('error');
+    bubble.textContent = `Error: ${err.message}`;
+  } finally {
+    bubble.classList.remove('streaming');
+    state.stream = null;
+    setBusy(false);
+  }
+  if (usage) {
+    $('m-tokens').textContent = `${usage.prompt_tokens} in / ${usage.completion_tokens} out`;
+    $('m-cached').textContent = `${usage.prompt_tokens_details?.cached_tokens ?? 0} tokens`;
+    const speed = $('m-speed').textContent;
+    meta.textContent = `${usage.completion_tokens} tokens · ${speed} · TTFT ${$('m-ttft').textContent}`;
+    state.lastUsage = usage;
+  }
+  state.history.push({ role: 'assistant', content: reply });
+  $('input').focus();
+}
+
+async function main() {
+  const models = await (await fetch('models.json')).json().catch(() => ({ models: [] }));
+  const model = params.get('model') ?? models.models?.[0]?.url;
+  if (!model) {
+    setStatus('error', 'no model in this bundle');
+    return;
+  }
+  setStatus('loading', 'loading…');
+  const t0 = performance.now();
+  try {
+    state.engine = await createEngine({
+      model, device: params.get('device') ?? 'auto',
+      threads: params.has('threads') ? Number(params.get('threads')) : undefined,
+      onProgress: (p) => {
+        if (p.stage === 'model') {
+          const pct = p.total ? (100 * p.loaded) / p.total : 0;
+          $('progress-fill').style.width = `${pct.toFixed(1)}%`;
+          $('progress-text').textContent = `${p.cached ? 'Reading cached model' : 'Downloading model'}… ${(p.loaded / 1e6).toFixed(0)} / ${(p.total / 1e6).toFixed(0)} MB`;
+        } else if (p.message) {
+          $('progress-text').textContent = `${p.message}…`;
+        }
+      },
+    });
+  } catch (err) {
+    setStatus('error', 'failed to load');
+    $('progress-text').textContent = `Could not load the model: ${err.message}`;
+    state.error = err.message;
+    return;
+  }
+  const info = state.engine.info;
+  state.loadSeconds = (performance.now() - t0) / 1000;
+  $('progress').hidden = true;
+  $('i-model').textContent = info.model;
+  $('i-device').textContent = info.device === 'webgpu' ? 'WebGPU' : 'WASM (CPU)';
+  $('i-threads').textContent = String(info.threads);
+  $('i-load').textContent = `${state.loadSeconds.toFixed(1)} s${info.cache?.fromCache ? ' (cached)' : ''}`;
+  setBusy(false);
+  state.ready = true;
+  $('input').focus();
+}
+
+$('composer').addEventListener('submit', (e) => {
+  e.preventDefault();
+  send($('input').value);
+});
+$('input').addEventListener('keydown', (e) => {
+  if (e.key === 'Enter' && !e.shiftKey) {
+    e.preventDefault();
+    send($('input').value);
+  }
+});
+$('stop').addEventListener('click', () => state.stream?.abort());
+$('clear').addEventListener('click', () => {
+  state.history = [];
+  $('messages').replaceChildren();
+  $('welcome').hidden = false;
+});
+for (const b of document.querySelectorAll('.suggest')) b.addEventListener('click', () => send(b.textContent));
+$('temperature').addEventListener('input', () => { $('temp-out').textContent = Number($('temperature').value).toFixed(1); });
+$('max-tokens').addEventListener('input', () => { $('max-out').textContent = $('max-tokens').value; });
+main();

@@ -1,0 +1,62 @@
+// The paged KV pool on the JS side: one Float32Array per layer and kind, [kv_heads, capacity, block_size, head_dim].
+//
+// onnxruntime-web copies every input into the WASM heap on each run, so the pool is fed at the
+// capacity in use, not the engine's full budget: the block allocator hands out the lowest free
+// ids, and capacity grows (a re-layout, amortised over `growBy` blocks) only when a step needs a
+// higher block. Python never sees these arrays.
+
+export class KvPool {
+  constructor({ numLayers, kvHeads, headDim }, maxBlocks, blockSize, growBy = 16) {
+    Object.assign(this, { numLayers, kvHeads, headDim, maxBlocks, blockSize, growBy });
+    this.capacity = 0;
+    this.keys = [];
+    this.values = [];
+    this.ensure(1);
+  }
+
+  /** Make room for block ids below `blocks`. */
+  ensure(blocks) {
+    if (blocks <= this.capacity) return;
+    if (blocks > this.maxBlocks) throw new Error(`KV block ${blocks - 1} is outside the pool (${this.maxBlocks} blocks)`);
+    const cap = Math.min(this.maxBlocks, Math.ceil(blocks / this.growBy) * this.growBy);
+    const { kvHeads: H, blockSize: bs, headDim: D } = this;
+    const grow = (old) => {
+      const next = new Float32Array(H * cap * bs * D);
+      const oldHead = this.capacity * bs * D;
+      for (let h = 0; h < H && old; h++) next.set(old.subarray(h * oldHead, (h + 1) * oldHead), h * cap * bs * D);
+      return next;
+    };
+    for (let l = 0; l < this.numLayers; l++) {
+      this.keys[l] = grow(this.keys[l]);
+      this.values[l] = grow(this.values[l]);
+    }
+    this.capacity = cap;
+  }
+
+  get dims() {
+    return [this.kvHeads, this.capacity, this.blockSize, this.headDim];
+  }
+
+  /** Write this step's K/V, present [layers, tokens, kv_heads, head_dim], into pool slots (block * bs + offset). */
+  write(presentKey, presentValue, slots) {
+    const { numLayers: L, kvHeads: H, headDim: D } = this;
+    const n = slots.length;
+    const headStride = this.capacity * this.blockSize * D;
+    for (let l = 0; l < L; l++) {
+      const k = this.keys[l], v = this.values[l];
+      for (let t = 0; t < n; t++) {
+        const slot = slots[t] * D;
+        for (let h = 0; h < H; h++) {
+          const src = ((l * n + t) * H + h) * D;
+          const dst = h * headStride + slot;
+          k.set(presentKey.subarray(src, src + D), dst);
+          v.set(presentValue.subarray(src, src + D), dst);
+        }
+      }
+    }
+  }
+
+  get bytes() {
+    return 2 * this.numLayers * this.kvHeads * this.capacity * this.blockSize * this.headDim * 4;
+  }
+}
