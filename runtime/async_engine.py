@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from runtime.engine import Engine, RequestOutput
@@ -20,8 +20,13 @@ from runtime.sampling import SamplingParams
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, use_thread: bool | None = None) -> None:
+    def __init__(self, engine: Engine, use_thread: bool | None = None,
+                 between_steps: Callable[[], Awaitable] | None = None) -> None:
+        """between_steps: awaited after each inline step. In a Web Worker a step's promises chain as
+        microtasks, so without a real yield to the host's task queue no message (an abort, a new
+        request) would be handled until generation ends."""
         self.engine = engine
+        self._between_steps = between_steps
         self._use_thread = (sys.platform != "emscripten") if use_thread is None else use_thread
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ruvllm-step") if self._use_thread else None
         self._lock = threading.Lock()  # engine state is touched by the step thread and the event loop
@@ -78,7 +83,7 @@ class AsyncEngine:
                     outputs = await loop.run_in_executor(self._executor, self._step)
                 else:
                     outputs = self._step()
-                    await asyncio.sleep(0)
+                    await (self._between_steps() if self._between_steps else asyncio.sleep(0))
             except Exception as err:  # a backend failure ends every request in flight, loudly
                 self.step_error = err
                 with self._lock:

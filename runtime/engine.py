@@ -76,6 +76,7 @@ class EngineStats:
     generated_tokens: int = 0
     preemptions: int = 0
     aborted: int = 0
+    peak_running: int = 0  # most sequences in one step
     started: float = field(default_factory=time.monotonic)
 
 
@@ -295,6 +296,7 @@ class Engine:
                 top_k=p.candidates(self.vocab_size)))
         result = self.backend.run(build_step(chunks))
         self.stats.steps += 1
+        self.stats.peak_running = max(self.stats.peak_running, len(chunks))
         outputs: list[RequestOutput] = []
         row = 0
         for (seq, n), chunk in zip(plan, chunks):
@@ -349,6 +351,7 @@ class Engine:
             "prompt_tokens": self.stats.prompt_tokens, "cached_prompt_tokens": self.stats.cached_prompt_tokens,
             "generated_tokens": self.stats.generated_tokens, "steps": self.stats.steps,
             "preemptions": self.stats.preemptions, "aborted": self.stats.aborted,
+            "peak_running": self.stats.peak_running,
             "generated_tokens_per_s": round(self.stats.generated_tokens / elapsed, 2),
         }
 

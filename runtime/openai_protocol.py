@@ -42,6 +42,7 @@ class ParsedRequest:
     prompt: str | list[int] | None = None
     logprobs: int | None = None  # alternatives per token, None when not asked for
     max_tokens_given: bool = False
+    return_token_ids: bool = False  # extension (as vLLM's): each choice also carries its token ids
 
 
 def _get(body: dict, name: str, types: tuple, default=None, allow_none: bool = True):
@@ -161,7 +162,7 @@ def parse_chat(body) -> ParsedRequest:
     logprobs = (top or 0) if want_logprobs else None
     params, given = _sampling(body, logprobs)
     return ParsedRequest(model, params, stream, include_usage, messages=clean, logprobs=logprobs,
-                         max_tokens_given=given)
+                         max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False))
 
 
 def parse_completion(body) -> ParsedRequest:
@@ -180,7 +181,7 @@ def parse_completion(body) -> ParsedRequest:
         raise ProtocolError("'echo' is not supported", "echo")
     params, given = _sampling(body, logprobs)
     return ParsedRequest(model, params, stream, include_usage, prompt=prompt, logprobs=logprobs,
-                         max_tokens_given=given)
+                         max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False))
 
 
 # ---- responses ----
@@ -217,6 +218,12 @@ def completion_logprobs(outs: list[RequestOutput], decode) -> dict | None:
             lps.append(lp.logprob)
             tops.append({decode(t): v for t, v in lp.top})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []} if tokens else None
+
+
+def with_token_ids(body: dict, token_ids: list[int] | None) -> dict:
+    if token_ids is not None:
+        body["choices"][0]["token_ids"] = token_ids
+    return body
 
 
 def chat_response(rid: str, model: str, text: str, last: RequestOutput, logprobs: dict | None) -> dict:

@@ -41,13 +41,14 @@ class ChunkStream:
                 yield P.error_body(out.error, "server_error", code="unavailable")
                 return
             reason = out.finish_reason if out.finished else None
+            ids = out.token_ids if self.parsed.return_token_ids else None
             if chat:
                 lp = P.chat_logprobs([out], decode) if want_lp else None
                 delta = {"content": out.delta} if out.delta or not out.finished else {}
-                yield P.chat_chunk(oid, model, created, delta, reason, lp)
+                yield P.with_token_ids(P.chat_chunk(oid, model, created, delta, reason, lp), ids)
             else:
                 lp = P.completion_logprobs([out], decode) if want_lp else None
-                yield P.completion_chunk(oid, model, created, out.delta, reason, lp)
+                yield P.with_token_ids(P.completion_chunk(oid, model, created, out.delta, reason, lp), ids)
         if self.last is not None and self.parsed.include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
             yield P.usage_chunk(oid, model, created, obj, self.last)
@@ -71,11 +72,12 @@ async def collect(aengine: AsyncEngine, rid: str, parsed: P.ParsedRequest, model
     text = "".join(o.delta for o in outs)
     decode = aengine.engine.tokenizer.decode_token
     oid = P.new_id("chatcmpl" if chat else "cmpl")
+    ids = [t for o in outs for t in o.token_ids] if parsed.return_token_ids else None
     if chat:
         lp = P.chat_logprobs(outs, decode) if parsed.logprobs is not None else None
-        return P.chat_response(oid, model, text, last, lp), outs, first
+        return P.with_token_ids(P.chat_response(oid, model, text, last, lp), ids), outs, first
     lp = P.completion_logprobs(outs, decode) if parsed.logprobs is not None else None
-    return P.completion_response(oid, model, text, last, lp), outs, first
+    return P.with_token_ids(P.completion_response(oid, model, text, last, lp), ids), outs, first
 
 
 def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest) -> str:

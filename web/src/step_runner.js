@@ -27,6 +27,15 @@ export class StepRunner {
     this.steps = 0;
   }
 
+  /** A promise settled from the host's task queue (not a microtask): lets worker messages in between steps. */
+  yieldToHost() {
+    return new Promise((resolve) => {
+      const channel = new MessageChannel();
+      channel.port1.onmessage = () => resolve();
+      channel.port2.postMessage(0);
+    });
+  }
+
   allocate(numBlocks, blockSize) {
     this.pool = new KvPool(this.config, numBlocks, blockSize);
   }

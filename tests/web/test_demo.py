@@ -1,0 +1,66 @@
+"""The demo page, as a person uses it: offline, greedy "Paris", streaming, stop, a second turn."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+READY = "window.ruvllm && (window.ruvllm.ready || window.ruvllm.error)"
+
+
+def open_demo(offline_page):
+    p = offline_page()
+    p.goto("/")
+    p.page.wait_for_function(READY)
+    assert p.evaluate("window.ruvllm.error || null") is None, "\n".join(p.console)
+    return p
+
+
+def ask(p, text: str) -> str:
+    before = p.evaluate("document.querySelectorAll('.msg.assistant').length")
+    p.page.fill("#input", text)
+    p.page.click("#send")
+    p.page.wait_for_function(f"document.querySelectorAll('.msg.assistant').length > {before} && !window.ruvllm.busy")
+    return p.evaluate("[...document.querySelectorAll('.msg.assistant .bubble')].at(-1).textContent")
+
+
+def test_demo_answers_paris_with_the_network_cut_off(offline_page):
+    p = open_demo(offline_page)
+    info = p.evaluate("window.ruvllm.engine.info")
+    assert info["device"] == "wasm" and info["crossOriginIsolated"] and info["threads"] >= 1
+    assert p.page.inner_text("#i-device") == "WASM (CPU)"  # the choice is visible
+    answer = ask(p, "What is the capital of France?")
+    assert "Paris" in answer
+    usage = p.evaluate("window.ruvllm.lastUsage")
+    assert usage["completion_tokens"] > 1
+    assert "tok/s" in p.page.inner_text("#m-speed") and p.page.inner_text("#m-ttft").endswith(" s")
+
+
+def test_second_turn_reuses_the_first_turns_kv(offline_page):
+    p = open_demo(offline_page)
+    ask(p, "What is the capital of France?")
+    first = p.evaluate("window.ruvllm.lastUsage")
+    ask(p, "And of Italy?")
+    second = p.evaluate("window.ruvllm.lastUsage")
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    # the whole first exchange is a prefix of the second prompt: all its full KV blocks are reused
+    assert cached >= (first["prompt_tokens"] + first["completion_tokens"]) // 16 * 16 - 16 > 0
+    stats = p.evaluate("window.ruvllm.engine.stats()")
+    assert stats["prefix_cache_hits"] > 0 and stats["cached_prompt_tokens"] == cached
+
+
+def test_stop_button_aborts_and_the_page_keeps_working(offline_page):
+    p = open_demo(offline_page)
+    p.evaluate("(() => { const r = document.querySelector('#max-tokens'); r.value = 1024; r.dispatchEvent(new Event('input')); })()")
+    p.page.fill("#input", "Write a very long story about a dragon who learns to cook.")
+    p.page.click("#send")
+    p.page.wait_for_function("([...document.querySelectorAll('.msg.assistant .bubble')].at(-1)?.textContent || '').length > 40")
+    assert p.page.is_visible("#stop")
+    p.page.click("#stop")
+    p.page.wait_for_function("!window.ruvllm.busy")
+    usage = p.evaluate("window.ruvllm.lastUsage")
+    assert usage["completion_tokens"] < 1024
+    stats = p.evaluate("window.ruvllm.engine.stats()")
+    assert stats["aborted"] == 1 and stats["running"] == 0 and stats["kv_blocks_used"] == 0
+    assert "Paris" in ask(p, "What is the capital of France?")  # nothing was lost
