@@ -114,6 +114,8 @@ def build(out: Path, model: str | None = "smollm2-135m", quant: str = "int4") ->
     core_lock = json.loads((modules / "pyodide" / "pyodide-lock.json").read_text())
     lock = {"info": core_lock["info"], "packages": python_wheels(out / "python", ROOT / "build" / "web-cache")}
     (out / "python" / "pyodide-lock.json").write_text(json.dumps(lock, indent=1))
+    shutil.rmtree(WEB / "python", ignore_errors=True)  # the npm package ships the same wheels and lock
+    shutil.copytree(out / "python", WEB / "python")
     shutil.copytree(WEB / "src", out / "ruvllm")
     for f in (WEB / "demo").iterdir():
         shutil.copy(f, out / f.name)

@@ -62,15 +62,25 @@ def publish(web_models: Path, package: Path, name: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def browser():
+def playwright():
+    """One Playwright driver for the session (its sync API allows only one at a time)."""
     if not CHROMIUM.exists():
         pytest.fail("browser tests need Debian's Chromium: apt-get install -y chromium (.ci/run does)")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=LAUNCH_ARGS)
-        yield b
-        b.close()
+        yield p
+
+
+def launch(playwright, *extra: str):
+    return playwright.chromium.launch(executable_path=str(CHROMIUM), args=LAUNCH_ARGS + list(extra))
+
+
+@pytest.fixture(scope="session")
+def browser(playwright):
+    b = launch(playwright)
+    yield b
+    b.close()
 
 
 class OfflinePage:
@@ -80,6 +90,7 @@ class OfflinePage:
         self.base = base
         self.context = browser.new_context()
         self.off_origin: list[str] = []
+        self.requests: list[str] = []
         self.console: list[str] = []
         self.context.route("**/*", self._route)
         self.page = self.context.new_page()
@@ -89,6 +100,7 @@ class OfflinePage:
 
     def _route(self, route) -> None:
         url = route.request.url
+        self.requests.append(url)
         if url.startswith(("http://127.0.0.1", "blob:", "data:")):
             route.continue_()
         else:

@@ -61,7 +61,9 @@ export async function loadPackage(baseURL, onProgress = () => {}) {
   const cache = await openCache();
   const manifest = await readJSON(new URL('manifest.json', base).href, cache);
   if (manifest.format !== 'ruvllm-package') throw new Error(`${base}: not a RuvLLM model package`);
-  const entries = Object.entries(manifest.files);
+  // the LoRA graph variant is not used in the page (adapters are native-only for now)
+  const unused = new Set(Object.entries(manifest.graphs).filter(([k]) => k !== 'decoder').map(([, g]) => g.file));
+  const entries = Object.entries(manifest.files).filter(([name]) => !unused.has(name));
   const total = entries.reduce((n, [, m]) => n + Number(m.size), 0);
   let loaded = 0;
   const stats = { fromCache: 0, downloaded: 0, refetched: 0 };

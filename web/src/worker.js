@@ -67,10 +67,11 @@ async function load(opts) {
   const graph = manifest.graphs.decoder.file;
   const external = Object.keys(files).filter((n) => n.endsWith('.data')).map((n) => ({ path: n, data: files[n] }));
   const session = await ort.InferenceSession.create(files[graph], {
-    executionProviders: [device], graphOptimizationLevel: 'all', externalData: external,
+    executionProviders: [device], graphOptimizationLevel: 'all', externalData: external, logSeverityLevel: 3,
     extra: nested(manifest.quantization?.session_config),
   });
-  const graphFiles = Object.keys(files).filter((n) => n.endsWith('.onnx') || n.endsWith('.data'));
+  // graphs and weights stay with onnxruntime-web (or were never fetched: the LoRA variant)
+  const graphFiles = Object.keys(manifest.files).filter((n) => n.endsWith('.onnx') || n.endsWith('.data'));
   const dir = `/models/${manifest.files[graph].sha256.slice(0, 16)}`;
   pyodide.FS.mkdirTree(dir);
   pyodide.FS.writeFile(`${dir}/manifest.json`, JSON.stringify(manifest));

@@ -1,0 +1,46 @@
+"""The offline bundle's own promises, checked on disk: a lock with real hashes, nothing off-origin, a small model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import zipfile
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_lock_names_every_wheel_with_its_real_sha256(web_bundle):
+    lock = json.loads((web_bundle / "python" / "pyodide-lock.json").read_text())
+    assert lock["info"]["python"].startswith("3.")
+    assert set(lock["packages"]) == {"ruvllm", "jinja2", "markupsafe", "micropip"}
+    for entry in lock["packages"].values():
+        wheel = web_bundle / "python" / entry["file_name"]
+        assert hashlib.sha256(wheel.read_bytes()).hexdigest() == entry["sha256"]
+        assert entry["file_name"].endswith("-py3-none-any.whl")
+
+
+def test_markupsafe_is_pure_python_and_the_runtime_wheel_has_no_native_code(web_bundle):
+    lock = json.loads((web_bundle / "python" / "pyodide-lock.json").read_text())
+    for name in ("markupsafe", "ruvllm"):
+        with zipfile.ZipFile(web_bundle / "python" / lock["packages"][name]["file_name"]) as z:
+            names = z.namelist()
+        assert not [n for n in names if n.endswith((".so", ".c", ".pyd"))]
+    assert "runtime/backends/web.py" in names and "runtime/engine.py" in names
+
+
+def test_our_pages_and_scripts_point_nowhere_off_origin(web_bundle):
+    ours = [web_bundle / "index.html", web_bundle / "demo.js", *(web_bundle / "ruvllm").glob("*.js")]
+    for f in ours:
+        urls = re.findall(r"https?://[^\s'\"`)]+", f.read_text())
+        assert not urls, f"{f.name} refers to {urls}"
+
+
+def test_browser_package_is_small_and_says_what_it_chose(web_bundle):
+    models = json.loads((web_bundle / "models.json").read_text())["models"]
+    smol = next(m for m in models if m["id"] == "smollm2-135m")
+    assert smol["bytes"] <= 100e6  # the download, int4 weights on the wire
+    q = smol["quantization"]
+    assert q["weights"] == "int4" and q["compute"] == "fp32" and q["session_config"]

@@ -1,0 +1,151 @@
+"""The ruvllm-web API in a page: parity with the native runtime, streaming, batching, errors, the cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.web.conftest import CHAT, LOAD_ENGINE, STREAM, dump, publish, stream_ids
+
+pytestmark = pytest.mark.slow
+
+HELLO = [{"role": "user", "content": "Hello! Tell me about the sea."}]
+GREEDY = {"temperature": 0, "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def tiny_url(tiny_package, web_models) -> str:
+    return publish(web_models, tiny_package("llama", "fp32"), "tiny-llama-fp32")
+
+
+def native_chat_ids(package, text: str, max_tokens: int) -> list[int]:
+    proc = run_cli("generate", str(package), text, "--chat", "--json", "--temperature", "0",
+                   "--max-tokens", str(max_tokens))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)["token_ids"]
+
+
+def load(p, url: str, **opts) -> dict:
+    p.api()
+    return p.evaluate(LOAD_ENGINE, [url, opts])
+
+
+def test_browser_greedy_tokens_equal_native_fp32(offline_page, tiny_package, tiny_url):
+    p = offline_page()
+    load(p, tiny_url, device="wasm")
+    reply = p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 24, **GREEDY})
+    ids = reply["choices"][0]["token_ids"]
+    assert len(ids) == reply["usage"]["completion_tokens"] > 0
+    assert ids == native_chat_ids(tiny_package("llama", "fp32"), HELLO[0]["content"], 24)
+
+
+def test_smollm2_browser_package_equals_native(offline_page, web_bundle):
+    """The browser package computes in fp32 on both sides (weights expanded from int4 at load)."""
+    p = offline_page()
+    info = load(p, "/models/smollm2-135m/")
+    assert info["quantization"]["compute"] == "fp32" and info["quantization"]["weights"] == "int4"
+    question = "What is the capital of France?"
+    reply = p.evaluate(CHAT, {"messages": [{"role": "user", "content": question}], "max_tokens": 16, **GREEDY})
+    assert "Paris" in reply["choices"][0]["message"]["content"]
+    assert reply["choices"][0]["token_ids"] == native_chat_ids(web_bundle / "models" / "smollm2-135m", question, 16)
+
+
+def test_stream_chunks_arrive_one_by_one(offline_page, tiny_url):
+    p = offline_page()
+    load(p, tiny_url)
+    chunks = p.evaluate(STREAM, {"messages": HELLO, "max_tokens": 20, "stream_options": {"include_usage": True},
+                                 **GREEDY})
+    assert chunks[0]["c"]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    tokens = [c for c in chunks if c["c"]["choices"] and c["c"]["choices"][0].get("token_ids")]
+    assert len(tokens) == 20, dump(chunks)  # one chunk per token
+    times = [c["t"] for c in tokens]
+    assert len(set(times)) >= 15 and times == sorted(times)  # delivered as generated, not at the end
+    assert chunks[-1]["c"]["usage"]["completion_tokens"] == 20
+    text = "".join(c["c"]["choices"][0]["delta"].get("content", "") for c in chunks if c["c"]["choices"])
+    full = p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 20, **GREEDY})
+    assert text == full["choices"][0]["message"]["content"]
+    assert stream_ids(chunks) == full["choices"][0]["token_ids"]
+
+
+def test_two_concurrent_creates_are_batched_and_correct(offline_page, tiny_url):
+    p = offline_page()
+    load(p, tiny_url)
+    a = {"messages": HELLO, "max_tokens": 24, **GREEDY}
+    b = {"messages": [{"role": "user", "content": "Count to ten, please."}], "max_tokens": 24, **GREEDY}
+    both = p.evaluate("""async ([a, b]) => {
+      const run = async (req) => { const out = []; for await (const c of await engine.chat.completions.create({ ...req, stream: true })) out.push({ t: performance.now(), c }); return out; };
+      return await Promise.all([run(a), run(b)]);
+    }""", [a, b])
+    stats = p.evaluate("engine.stats()")
+    assert stats["peak_running"] >= 2  # one engine stepped both at once
+    alone_a = p.evaluate(CHAT, a)["choices"][0]["token_ids"]
+    alone_b = p.evaluate(CHAT, b)["choices"][0]["token_ids"]
+    assert stream_ids(both[0]) == alone_a and stream_ids(both[1]) == alone_b
+    ta, tb = [c["t"] for c in both[0]], [c["t"] for c in both[1]]
+    assert min(tb) < max(ta) and min(ta) < max(tb)  # interleaved, not one after the other
+
+
+def test_abort_mid_stream_frees_kv_and_the_engine_keeps_serving(offline_page, tiny_url):
+    p = offline_page()
+    load(p, tiny_url)
+    out = p.evaluate("""async () => {
+      const s = await engine.chat.completions.create({ messages: [{ role: 'user', content: 'Go on forever.' }], max_tokens: 200, stream: true });
+      let n = 0, reason = null;
+      for await (const c of s) { n++; if (n === 5) await s.abort(); reason = c.choices?.[0]?.finish_reason ?? reason; }
+      return { n, reason, stats: await engine.stats() };
+    }""")
+    assert out["n"] < 50 and out["reason"] == "stop"
+    assert out["stats"]["aborted"] == 1 and out["stats"]["running"] == 0 and out["stats"]["kv_blocks_used"] == 0
+    assert p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 4, **GREEDY})["usage"]["completion_tokens"] == 4
+
+
+def test_bad_requests_get_clear_errors_and_lose_nothing(offline_page, tiny_url):
+    p = offline_page()
+    load(p, tiny_url)
+    errors = p.evaluate("""async () => {
+      const tries = [
+        { messages: [{ role: 'user', content: 'word '.repeat(400) }] },
+        { messages: [] },
+        { messages: [{ role: 'user', content: 'hi' }], temperature: 9 },
+      ];
+      const out = [];
+      for (const req of tries) {
+        try { await engine.chat.completions.create(req); out.push(null); }
+        catch (e) { out.push({ message: e.message, code: e.code ?? null }); }
+      }
+      return out;
+    }""")
+    assert errors[0]["code"] == "context_length_exceeded" and "context" in errors[0]["message"]
+    assert "messages" in errors[1]["message"] and "temperature" in errors[2]["message"]
+    assert p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 4, **GREEDY})["usage"]["completion_tokens"] == 4
+
+
+CACHE_KEYS = "async () => (await (await caches.open('ruvllm-models-v1')).keys()).map((r) => r.url)"
+CORRUPT = """async (needle) => {
+  const cache = await caches.open('ruvllm-models-v1');
+  const key = (await cache.keys()).find((r) => r.url.includes(needle));
+  const bytes = new Uint8Array(await (await cache.match(key)).arrayBuffer());
+  bytes[bytes.length >> 1] ^= 0xff;  // one flipped byte, same size
+  await cache.put(key, new Response(bytes));
+  return key.url;
+}"""
+
+
+def test_reload_uses_the_cache_and_a_corrupt_entry_is_refetched(offline_page, tiny_url):
+    p = offline_page()
+    first = load(p, tiny_url)
+    assert first["cache"]["downloaded"] >= 3 and first["cache"]["fromCache"] == 0
+    expected = p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 8, **GREEDY})["choices"][0]["token_ids"]
+    assert any("model.onnx.data" in k for k in p.evaluate(CACHE_KEYS))
+
+    p.page.reload()
+    again = load(p, tiny_url)
+    assert again["cache"]["downloaded"] == 0 and again["cache"]["fromCache"] == first["cache"]["downloaded"]
+
+    p.evaluate(CORRUPT, "model.onnx.data")
+    p.page.reload()
+    healed = load(p, tiny_url)
+    assert healed["cache"]["refetched"] == 1 and healed["cache"]["downloaded"] == 1
+    assert p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 8, **GREEDY})["choices"][0]["token_ids"] == expected

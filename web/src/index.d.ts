@@ -1,0 +1,153 @@
+// Types for ruvllm-web. Requests and chunks follow OpenAI's chat/completions shapes.
+
+export type Device = 'auto' | 'wasm' | 'webgpu';
+
+export interface LoadProgress {
+  stage: 'runtime' | 'model' | 'session' | 'ready';
+  /** bytes so far and in all, while stage is 'model' */
+  loaded?: number;
+  total?: number;
+  file?: string;
+  /** true when the bytes came from the browser cache */
+  cached?: boolean;
+  message?: string;
+}
+
+export interface CreateEngineOptions {
+  /** URL of a model package folder (exported with `python -m exporter convert ... --target wasm`). */
+  model: string;
+  device?: Device;
+  /** WASM threads; needs a cross-origin isolated page (COOP/COEP). Default: min(4, cores). */
+  threads?: number;
+  onProgress?: (progress: LoadProgress) => void;
+  /** Base URL of the bundle (default: the folder above this module). */
+  assetsURL?: string;
+  /** Where pyodide.mjs and its files are served (default: `${assetsURL}pyodide/`). */
+  pyodideURL?: string;
+  /** Where onnxruntime-web's dist files are served (default: `${assetsURL}ort/`). */
+  ortURL?: string;
+  /** Where the runtime wheels and pyodide-lock.json are served (default: `${assetsURL}python/`). */
+  pythonURL?: string;
+  /** KV-cache budget in MB (default 256). */
+  kvMemoryMB?: number;
+  maxNumSeqs?: number;
+  maxBatchTokens?: number;
+  /** The model name reported in responses (default: the manifest's). */
+  modelName?: string;
+}
+
+export interface ChatMessage {
+  role: 'system' | 'developer' | 'user' | 'assistant';
+  content: string | { type: 'text'; text: string }[];
+}
+
+export interface ChatCompletionRequest {
+  messages: ChatMessage[];
+  model?: string;
+  stream?: boolean;
+  stream_options?: { include_usage?: boolean };
+  max_tokens?: number;
+  max_completion_tokens?: number;
+  temperature?: number;
+  top_p?: number;
+  top_k?: number;
+  min_p?: number;
+  presence_penalty?: number;
+  frequency_penalty?: number;
+  repetition_penalty?: number;
+  seed?: number;
+  stop?: string | string[];
+  logit_bias?: Record<string, number>;
+  logprobs?: boolean;
+  top_logprobs?: number;
+  /** Extension (as in vLLM): each choice also carries its generated token ids. */
+  return_token_ids?: boolean;
+  /** Aborts the request when signalled. */
+  signal?: AbortSignal;
+}
+
+export interface Usage {
+  prompt_tokens: number;
+  completion_tokens: number;
+  total_tokens: number;
+  prompt_tokens_details: { cached_tokens: number };
+}
+
+export interface ChatCompletion {
+  id: string;
+  object: 'chat.completion';
+  created: number;
+  model: string;
+  choices: {
+    index: number;
+    message: { role: 'assistant'; content: string; refusal: null };
+    logprobs: unknown | null;
+    finish_reason: 'stop' | 'length' | null;
+    token_ids?: number[];
+  }[];
+  usage: Usage;
+}
+
+export interface ChatCompletionChunk {
+  id: string;
+  object: 'chat.completion.chunk';
+  created: number;
+  model: string;
+  choices: {
+    index: number;
+    delta: { role?: 'assistant'; content?: string };
+    logprobs: unknown | null;
+    finish_reason: 'stop' | 'length' | null;
+    token_ids?: number[];
+  }[];
+  usage?: Usage;
+}
+
+export interface ChunkStream extends AsyncIterable<ChatCompletionChunk> {
+  /** Stop generating; the stream ends with finish_reason "stop". */
+  abort(): Promise<boolean>;
+}
+
+export interface EngineInfo {
+  model: string;
+  device: 'wasm' | 'webgpu';
+  threads: number;
+  crossOriginIsolated: boolean;
+  quantization: Record<string, unknown>;
+  cache: { fromCache: number; downloaded: number; refetched: number };
+  loadSeconds: number;
+  fetchSeconds: number;
+}
+
+export interface EngineStats {
+  running: number;
+  waiting: number;
+  kv_blocks_total: number;
+  kv_blocks_used: number;
+  kv_blocks_free: number;
+  prefix_cache_hits: number;
+  prefix_cache_hit_rate: number;
+  prompt_tokens: number;
+  cached_prompt_tokens: number;
+  generated_tokens: number;
+  aborted: number;
+  peak_running: number;
+  [key: string]: unknown;
+}
+
+export interface Engine {
+  readonly info: EngineInfo;
+  chat: {
+    completions: {
+      create(request: ChatCompletionRequest & { stream: true }): Promise<ChunkStream>;
+      create(request: ChatCompletionRequest & { stream?: false }): Promise<ChatCompletion>;
+    };
+  };
+  /** Abort one request (a stream's id) or, with no argument, every request in flight. */
+  abort(id?: number): Promise<boolean>;
+  stats(): Promise<EngineStats>;
+  /** Stop the worker and free the model. */
+  unload(): Promise<void>;
+}
+
+export function createEngine(options: CreateEngineOptions): Promise<Engine>;
