@@ -81,16 +81,17 @@ def tiny_model_dir(workdir, smol_tokenizer_dir):
 
 @pytest.fixture(scope="session")
 def tiny_package(workdir, tiny_model_dir):
-    """Factory: (arch, quant) -> exported package folder, made once."""
+    """Factory: (arch, quant, target) -> exported package folder, made once."""
     from exporter.convert import ConvertOptions, convert
 
-    made: dict[tuple[str, str], Path] = {}
+    made: dict[tuple[str, str, str], Path] = {}
 
-    def make(arch: str, quant: str = "fp32") -> Path:
-        key = (arch, quant)
+    def make(arch: str, quant: str = "fp32", target: str = "cpu") -> Path:
+        key = (arch, quant, target)
         if key not in made:
-            made[key] = convert(str(tiny_model_dir(arch)), workdir / f"pkg-{arch}-{quant}",
-                                ConvertOptions(quant=quant, progress=False))
+            suffix = "" if target == "cpu" else f"-{target}"
+            made[key] = convert(str(tiny_model_dir(arch)), workdir / f"pkg-{arch}-{quant}{suffix}",
+                                ConvertOptions(quant=quant, target=target, progress=False))
         return made[key]
     return make
 

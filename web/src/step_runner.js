@@ -25,6 +25,12 @@ export class StepRunner {
     this.vocabSize = config.vocab_size;
     this.pool = null;
     this.steps = 0;
+    this.sessionMs = 0; // inside onnxruntime-web's run
+    this.stepMs = 0; // the whole bridge call: feeds, run, KV write, reply
+  }
+
+  timings() {
+    return { steps: this.steps, session_ms: this.sessionMs, bridge_ms: this.stepMs, kv_pool_bytes: this.pool?.bytes ?? 0 };
   }
 
   /** A promise settled from the host's task queue (not a microtask): lets worker messages in between steps. */
@@ -41,6 +47,7 @@ export class StepRunner {
   }
 
   async run(step) {
+    const started = performance.now();
     const { ort, pool } = this;
     pool.ensure(step.blocks_needed);
     const feeds = {};
@@ -62,7 +69,9 @@ export class StepRunner {
     const fetches = ['present.key', 'present.value'];
     if (rows) fetches.push('topk_ids', 'topk_logprobs');
     if (rows && step.want_logits) fetches.push('logits');
+    const t0 = performance.now();
     const out = await this.session.run(feeds, fetches);
+    this.sessionMs += performance.now() - t0;
     pool.write(out['present.key'].data, out['present.value'].data, step.kv_slots);
     this.steps++;
     const result = { topk_ids: [], topk_logprobs: [] };
@@ -79,6 +88,7 @@ export class StepRunner {
       }
     }
     for (const t of Object.values(out)) t.dispose?.();
+    this.stepMs += performance.now() - started;
     return result;
   }
 }

@@ -7,6 +7,7 @@ import { StepRunner } from './step_runner.js';
 
 let engine = null; // runtime.web_api.WebEngine (a PyProxy)
 let info = null;
+let runner = null;
 
 const post = (msg) => self.postMessage(msg);
 
@@ -78,7 +79,7 @@ async function load(opts) {
   for (const [name, bytes] of Object.entries(files)) if (!graphFiles.includes(name)) pyodide.FS.writeFile(`${dir}/${name}`, bytes);
   for (const name of graphFiles) delete files[name]; // onnxruntime-web holds its own copy now
 
-  const runner = new StepRunner(ort, session, manifest.config);
+  runner = new StepRunner(ort, session, manifest.config);
   const api = pyodide.pyimport('runtime.web_api');
   const name = opts.modelName ?? manifest.name;
   engine = api.WebEngine.callKwargs(dir, runner, graphFiles, name, {
@@ -111,7 +112,7 @@ self.onmessage = async ({ data }) => {
     if (type === 'load') post({ type: 'loaded', id, info: await load(data.options) });
     else if (type === 'create') create(data.id, data.body);
     else if (type === 'abort') post({ type: 'aborted', id, ok: engine ? engine.abort(String(data.target)) : false });
-    else if (type === 'stats') post({ type: 'stats', id, stats: { ...JSON.parse(engine.stats()), info } });
+    else if (type === 'stats') post({ type: 'stats', id, stats: { ...JSON.parse(engine.stats()), backend: runner.timings(), info } });
     else if (type === 'unload') {
       if (engine) await engine.unload();
       engine = null;

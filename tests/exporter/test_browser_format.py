@@ -1,0 +1,34 @@
+"""--target wasm: int4/int8 storage, standard DequantizeLinear + MatMul, fp32 compute after load."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+
+from runtime.package import load_package
+from runtime.tokenizer import Tokenizer
+from tests.exporter.test_quantization import TEXT, quality, teacher_forced_logprobs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's tiny config ties the embeddings
+def test_browser_package_matches_the_native_int4_package(arch, tiny_package):
+    web = load_package(tiny_package(arch, "int4", "wasm"))
+    cpu = load_package(tiny_package(arch, "int4"))
+    q = web.manifest["quantization"]
+    assert q["weights"] == "int4" and q["compute"] == "fp32" and web.session_config == {"session.disable_quant_qdq": "1"}
+    graph = onnx.load(web.graph_path, load_external_data=False).graph
+    ops = {n.op_type for n in graph.node}
+    assert "MatMulNBits" not in ops and "DequantizeLinear" in ops
+    native = onnx.load(cpu.graph_path, load_external_data=False).graph
+    # one DequantizeLinear per MatMulNBits of the native package (4 per layer and the head)
+    assert sum(n.op_type == "DequantizeLinear" for n in graph.node) == sum(n.op_type == "MatMulNBits" for n in native.node)
+    tok = Tokenizer.from_file(web.file("tokenizer.json"), web.manifest["tokenizer"])
+    ids = tok.encode(TEXT)[:40]
+    ref = teacher_forced_logprobs(cpu.path, ids)
+    got = teacher_forced_logprobs(web.path, ids)
+    # the same int4 weights; only int8 activations (native accuracy_level 4) and fp16 scales differ
+    assert quality(ref, got, ids)["kl"] < 1e-3
+    assert quality(teacher_forced_logprobs(tiny_package(arch, "fp32"), ids), got, ids)["kl"] < 0.1
+    if arch == "qwen2":  # the tied table is read from the int8 head, not shipped a second time
+        assert web.manifest["quantization"]["embeddings"] == "tied to the int8 lm_head"
+        assert web.file("model.onnx.data").stat().st_size < cpu.file("model.onnx.data").stat().st_size
