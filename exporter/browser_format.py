@@ -2,7 +2,7 @@
 
 onnxruntime-web's WASM MatMulNBits kernel is ~20x slower than native (DESIGN §6), while its fp32
 MatMul is fast. So for `--target wasm` each MatMulNBits becomes standard ONNX
-DequantizeLinear (blocked, opset 21) -> Transpose -> MatMul over the very same packed weights: the
+DequantizeLinear (blocked, opset 21) -> MatMul over the very same quantized values, stored [K, N]: the
 download stays int4/int8-sized, and onnxruntime's constant folding expands the weights to fp32
 once at session creation (with `session.disable_quant_qdq=1`, which stops it fusing them back).
 A tied embedding table is read from the dequantized LM head, so it is not shipped twice.
@@ -39,31 +39,34 @@ def dequantize_at_load(model: onnx.ModelProto, tied_embedding: str | None = None
             continue
         a = _attrs(node)
         k, n, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
-        if k % block or (bits == 4 and (k // block) % 2):
-            raise ValueError(f"{node.name}: K={k} is not a whole, even number of {block}-blocks")
+        if k % block or (bits == 4 and (k // block) % 2) or (bits == 4 and n % 2):
+            raise ValueError(f"{node.name}: K={k}, N={n} do not fit {bits}-bit blocks of {block}")
         x, w_name, s_name, zp_name = node.input[:4]
         blocks = k // block
         elem = TensorProto.UINT4 if bits == 4 else TensorProto.UINT8
-        # MatMulNBits packs B as [N, K/block, block*bits/8] bytes, low nibble first: the same bytes
-        # as an ONNX uint4/uint8 tensor [N, K]. Zero points likewise, [N, K/block].
-        for name, dims in ((w_name, [n, k]), (zp_name, [n, blocks])):
-            t = inits[name]
-            raw = t.raw_data or numpy_helper.to_array(t).tobytes()
-            inits[name] = helper.make_tensor(name, elem, dims, raw, raw=True)
-        # fp16 scales: 7 MB less to download for SmolLM2; their rounding is far below int4's own error
-        scales = numpy_helper.to_array(inits[s_name]).astype(np.float16).reshape(n, blocks)
-        inits[s_name] = numpy_helper.from_array(scales, s_name)
-        deq = f"{w_name}/dequantized"  # [N, K]
-        nodes.append(helper.make_node("DequantizeLinear", [w_name, s_name, zp_name], [f"{deq}/fp16"],
-                                      name=f"{node.name}/dq", axis=1, block_size=block))
-        nodes.append(helper.make_node("Cast", [f"{deq}/fp16"], [deq], name=f"{node.name}/cast", to=TensorProto.FLOAT))
-        if node.name.startswith(LM_HEAD_NODE) and tied_embedding:
+        # MatMulNBits packs B as [N, K/block, block*bits/8] bytes, low nibble first (zero points
+        # [N, K/block] likewise): the same bytes as an ONNX uint4/uint8 tensor [N, K]
+        w = _unpack(inits[w_name], bits, (n, k))
+        zp = _unpack(inits[zp_name], bits, (n, blocks))
+        scales = numpy_helper.to_array(inits[s_name]).reshape(n, blocks)
+        tied_head = node.name.startswith(LM_HEAD_NODE) and tied_embedding
+        if not tied_head:  # store [K, N], blocked along K: the dequantized weight is MatMul's B as it is
+            w, zp, scales = w.T, zp.T, scales.T
+        inits[w_name] = _pack(w_name, w, elem, bits)
+        inits[zp_name] = _pack(zp_name, zp, elem, bits)
+        # fp16 scales (7 MB less to download for SmolLM2; their rounding is far below int4's own error),
+        # cast back to fp32 before DequantizeLinear so the big tensor is expanded straight to fp32
+        inits[s_name] = numpy_helper.from_array(np.ascontiguousarray(scales, np.float16), s_name)
+        s32 = f"{s_name}/fp32"
+        nodes.append(helper.make_node("Cast", [s_name], [s32], name=f"{node.name}/scales", to=TensorProto.FLOAT))
+        deq = f"{w_name}/dequantized"
+        nodes.append(helper.make_node("DequantizeLinear", [w_name, s32, zp_name], [deq], name=f"{node.name}/dq",
+                                      axis=1 if tied_head else 0, block_size=block))
+        if tied_head:  # [vocab, hidden]: the logits read it transposed, the embedding gathers its rows
             head_table = deq
             nodes.append(helper.make_node("Gemm", [x, deq], list(node.output), name=node.name, transB=1))
         else:
-            wt = f"{w_name}/t"
-            nodes.append(helper.make_node("Transpose", [deq], [wt], name=f"{node.name}/t", perm=[1, 0]))
-            nodes.append(helper.make_node("MatMul", [x, wt], list(node.output), name=node.name))
+            nodes.append(helper.make_node("MatMul", [x, deq], list(node.output), name=node.name))
     if tied_embedding and head_table is not None:
         for node in nodes:
             if node.op_type == "Gather" and node.input[0] == tied_embedding:
@@ -75,3 +78,18 @@ def dequantize_at_load(model: onnx.ModelProto, tied_embedding: str | None = None
     graph.initializer.extend(kept)
     return model
 
+
+
+def _unpack(t: onnx.TensorProto, bits: int, shape: tuple[int, int]) -> np.ndarray:
+    raw = np.frombuffer(t.raw_data or numpy_helper.to_array(t).tobytes(), np.uint8)
+    if bits == 8:
+        return raw.reshape(shape)
+    out = np.empty(raw.size * 2, np.uint8)
+    out[0::2], out[1::2] = raw & 0x0F, raw >> 4
+    return out.reshape(shape)
+
+
+def _pack(name: str, values: np.ndarray, elem: int, bits: int) -> onnx.TensorProto:
+    flat = np.ascontiguousarray(values).reshape(-1)
+    raw = flat if bits == 8 else (flat[0::2] | (flat[1::2] << 4)).astype(np.uint8)
+    return helper.make_tensor(name, elem, list(values.shape), raw.tobytes(), raw=True)

@@ -71,6 +71,14 @@ class AsyncEngine:
         with self._lock:
             return self.engine.step()
 
+    async def _step_async(self) -> list[RequestOutput]:
+        """A step whose backend is awaited: requests may be added or aborted while it runs."""
+        prepared = self.engine.prepare_step()
+        if prepared is None:
+            return []
+        result = await self.engine.backend.run_async(prepared.batch)
+        return self.engine.finish_step(prepared, result)
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while not self._closed:
@@ -81,6 +89,8 @@ class AsyncEngine:
             try:
                 if self._executor is not None:
                     outputs = await loop.run_in_executor(self._executor, self._step)
+                elif hasattr(self.engine.backend, "run_async"):  # onnxruntime-web: await the step's promise
+                    outputs = await self._step_async()
                 else:
                     outputs = self._step()
                     await (self._between_steps() if self._between_steps else asyncio.sleep(0))

@@ -18,7 +18,7 @@ from runtime.errors import ContextLengthError, RequestError
 from runtime.kv_blocks import BlockAllocator, block_key
 from runtime.package import ModelPackage, load_package
 from runtime.sampling import SamplingParams, choose, make_rng
-from runtime.step_batch import Chunk, PenaltyState, build_step
+from runtime.step_batch import Chunk, PenaltyState, StepBatch, build_step
 from runtime.stop import StopChecker
 from runtime.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -66,6 +66,13 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.prompt_ids)
+
+
+@dataclass
+class PreparedStep:
+    plan: list[tuple[Sequence, int]]  # (sequence, tokens computed this step)
+    chunks: list[Chunk]
+    batch: StepBatch
 
 
 @dataclass
@@ -278,9 +285,20 @@ class Engine:
             seq.block_keys.append(key)
 
     def step(self) -> list[RequestOutput]:
+        prepared = self.prepare_step()
+        if prepared is None:
+            return []
+        return self.finish_step(prepared, self.backend.run(prepared.batch))
+
+    def prepare_step(self) -> PreparedStep | None:
+        """Schedule the next step and build its batch; None when there is nothing to run.
+
+        prepare_step / backend / finish_step is what step() does; the split lets an asynchronous
+        backend (onnxruntime-web) be awaited in between, with requests added or aborted meanwhile.
+        """
         plan = self._schedule()
         if not plan:
-            return []
+            return None
         bs = self.block_size
         chunks = []
         for seq, n in plan:
@@ -294,12 +312,19 @@ class Engine:
                 repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                 frequency_penalty=p.frequency_penalty, penalties=seq.penalties,
                 top_k=p.candidates(self.vocab_size)))
-        result = self.backend.run(build_step(chunks))
+        return PreparedStep(plan, chunks, build_step(chunks))
+
+    def finish_step(self, prepared: PreparedStep, result) -> list[RequestOutput]:
+        """Account the step's computed tokens and sample from its candidates."""
         self.stats.steps += 1
-        self.stats.peak_running = max(self.stats.peak_running, len(chunks))
+        self.stats.peak_running = max(self.stats.peak_running, len(prepared.chunks))
         outputs: list[RequestOutput] = []
         row = 0
-        for (seq, n), chunk in zip(plan, chunks):
+        for (seq, n), chunk in zip(prepared.plan, prepared.chunks):
+            if chunk.want_logits:
+                row += 1
+            if self.seqs.get(seq.id) is not seq:  # aborted while the step ran: its blocks are gone already
+                continue
             seq.num_computed += n
             if self.allocator.enable_prefix_cache:
                 self._publish_blocks(seq)
@@ -307,8 +332,7 @@ class Engine:
                 self.stats.prompt_tokens += n
             if not chunk.want_logits:
                 continue
-            ids, lps = result.topk_ids[row], result.topk_logprobs[row]
-            row += 1
+            ids, lps = result.topk_ids[row - 1], result.topk_logprobs[row - 1]
             outputs.append(self._accept(seq, ids, lps))
         return outputs
 

@@ -1,9 +1,10 @@
 """The web backend: onnxruntime-web, driven from Pyodide through its FFI.
 
-The session and the KV pool live on the JS side (web/src/kv_pool.js, web/src/step_runner.js); a
-step sends only the small per-step arrays and gets back the top-K candidates, so Python never
-copies a KV tensor. `run_sync` suspends the step on the session's promise (JSPI, Chromium ≥ 137),
-which keeps Engine.step synchronous, the same code as natively.
+The session and the KV pool live in the model's worker (web/src/ort_worker.js, step_runner.js,
+kv_pool.js); a step sends only the small per-step arrays and gets back the top-K candidates, so
+Python never copies a KV tensor. The AsyncEngine awaits `run_async` between Engine.prepare_step and
+Engine.finish_step (the same scheduling and sampling code as natively); `run` is the synchronous path
+for Engine.step, suspending on the promise with `run_sync` (JSPI).
 """
 
 from __future__ import annotations
@@ -33,14 +34,11 @@ class WebBackend:
     def set_block(self, slot: int, index: int, block: int) -> None:
         self.block_tables[slot][index] = block
 
-    def run(self, batch: StepBatch, extra_inputs: dict | None = None) -> StepResult:
+    def _step(self, batch: StepBatch):
         from js import Object
-        from pyodide.ffi import run_sync, to_js
+        from pyodide.ffi import to_js
 
-        if extra_inputs:
-            raise NotImplementedError("LoRA adapters are not supported in the browser yet")
         tables = [self.block_tables[s][:batch.max_blocks] for s in batch.slots]
-        rows = len(batch.logits_index)
         step = {
             "input_ids": batch.input_ids, "position_ids": batch.position_ids,
             "query_index": batch.query_index, "flat_index": batch.flat_index, "block_tables": tables,
@@ -52,7 +50,23 @@ class WebBackend:
             "kv_slots": batch.kv_slots, "blocks_needed": 1 + max(max(t) for t in tables),
             "want_logits": batch.want_full_logits,
         }
-        result = run_sync(self.runner.run(to_js(step, dict_converter=Object.fromEntries))).to_py()
-        if not rows:
+        return to_js(step, dict_converter=Object.fromEntries)
+
+    @staticmethod
+    def _result(batch: StepBatch, reply) -> StepResult:
+        result = reply.to_py()
+        if not batch.logits_index:
             return StepResult([], [])
         return StepResult(result["topk_ids"], result["topk_logprobs"], result.get("logits"))
+
+    async def run_async(self, batch: StepBatch) -> StepResult:
+        """The page's path (AsyncEngine awaits it): nothing of Python's stack is held while the model runs."""
+        return self._result(batch, await self.runner.run(self._step(batch)))
+
+    def run(self, batch: StepBatch, extra_inputs: dict | None = None) -> StepResult:
+        """Engine.step's synchronous path: suspends on the promise with run_sync (needs JSPI)."""
+        from pyodide.ffi import run_sync
+
+        if extra_inputs:
+            raise NotImplementedError("LoRA adapters are not supported in the browser yet")
+        return self._result(batch, run_sync(self.runner.run(self._step(batch))))

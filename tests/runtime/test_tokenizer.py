@@ -59,3 +59,13 @@ def test_bos_follows_the_manifest_flag(smol_tokenizer_dir):
     without = Tokenizer.from_file(path, {"add_bos_token": False, "bos_token_id": 1}, prefer_library=False)
     assert with_bos.encode("hi") == [1] + without.encode("hi")
     assert with_bos.encode("hi", add_bos=False) == without.encode("hi")
+
+
+def test_unicode_class_tables_stop_early_without_losing_a_character():
+    """The \\p{L} / \\p{N} tables scan up to plane 3 only; a full scan of every code point must agree."""
+    import sys
+
+    from runtime import pretokenize
+
+    full = pretokenize._category_tables.__wrapped__(sys.maxunicode + 1)
+    assert pretokenize._category_tables() == full

@@ -2,11 +2,11 @@
 //
 // onnxruntime-web copies every input into the WASM heap on each run, so the pool is fed at the
 // capacity in use, not the engine's full budget: the block allocator hands out the lowest free
-// ids, and capacity grows (a re-layout, amortised over `growBy` blocks) only when a step needs a
+// ids, and capacity grows (a re-layout, amortised over `growBy` blocks (64 tokens)) only when a step needs a
 // higher block. Python never sees these arrays.
 
 export class KvPool {
-  constructor({ numLayers, kvHeads, headDim }, maxBlocks, blockSize, growBy = 16) {
+  constructor({ numLayers, kvHeads, headDim }, maxBlocks, blockSize, growBy = 4) {
     Object.assign(this, { numLayers, kvHeads, headDim, maxBlocks, blockSize, growBy });
     this.capacity = 0;
     this.keys = [];

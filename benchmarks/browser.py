@@ -1,0 +1,185 @@
+"""Browser benchmark: RuvLLM (ruvllm-web), transformers.js and wllama on SmolLM2-135M in headless Chromium.
+
+Same machine, same page harness (benchmarks/browser/bench.html), same chat prompt, 128 greedy tokens,
+each engine in a fresh browser context, rounds interleaved; prints JSON with medians of load time,
+TTFT and decode tok/s. Not a test: speed is never asserted.
+
+    python benchmarks/browser.py [--repeats 3] [--threads 2] [--tokens 128]
+
+Needs the bundle (`python -m wasm build`), Debian's Chromium and, once, the peers' npm packages
+(benchmarks/browser/package.json) and models: transformers.js gets SmolLM2 as an ONNX decoder with
+past_key_values (onnxruntime-genai's builder, fp32; q8 by onnxruntime's dynamic quantizer,
+per channel), wllama gets the Q4_1 GGUF that the embedded model comes from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from peers import WORK, gguf_path, hf_folder  # noqa: E402
+
+HERE = ROOT / "benchmarks" / "browser"
+MODELS = WORK / "browser-models"
+
+
+def log(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def npm_peers() -> None:
+    if not (HERE / "node_modules" / "@wllama" / "wllama").exists():
+        log("npm install (benchmarks/browser)")  # onnxruntime-node's install script fetches from nuget: skip scripts
+        subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--ignore-scripts"], cwd=HERE, check=True)
+
+
+def transformersjs_model() -> Path:
+    """SmolLM2 in transformers.js' layout: config + tokenizer files, onnx/model.onnx (+ _data), onnx/model_quantized.onnx."""
+    out = MODELS / "smollm2-tjs"
+    if (out / "onnx" / "model_quantized.onnx").exists():
+        return out
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    src = hf_folder()
+    built = WORK / "genai-fp32"
+    if not (built / "model.onnx").exists():
+        log("building an fp32 decoder with onnxruntime-genai's model builder")
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(built),
+                        "-p", "fp32", "-e", "cpu", "-c", str(WORK / "genai-cache")], check=True)
+    (out / "onnx").mkdir(parents=True, exist_ok=True)
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, out / f)
+    tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
+    if (src / "chat_template.jinja").exists():  # transformers 5 saves it apart; transformers.js reads it here
+        tok_cfg["chat_template"] = (src / "chat_template.jinja").read_text()
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["transformers.js_config"] = {"use_external_data_format": {"model.onnx": True}}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    model = onnx.load(built / "model.onnx")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    for value in [*model.graph.input, *model.graph.output]:  # transformers.js sizes empty past tensors from
+        for dim in value.type.tensor_type.shape.dim:        # these shapes: a symbolic head size becomes 0
+            if dim.dim_param == "kv_cache_dim":
+                dim.Clear()
+                dim.dim_value = head_dim
+    onnx.save_model(model, out / "onnx" / "model.onnx", save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="model.onnx_data")
+    log("q8: dynamic int8 quantization, per channel")
+    quantize_dynamic(out / "onnx" / "model.onnx", out / "onnx" / "model_quantized.onnx", weight_type=QuantType.QInt8,
+                     per_channel=True, op_types_to_quantize=["MatMul"], extra_options={"MatMulConstBOnly": True})
+    return out
+
+
+def wllama_model() -> Path:
+    dest = MODELS / "smollm2.gguf"
+    if not dest.exists():
+        MODELS.mkdir(parents=True, exist_ok=True)
+        shutil.copy(gguf_path(), dest)
+    return dest
+
+
+def run_one(browser, base: str, engine: str, threads: int, tokens: int, dtype: str | None, timeout_s: int) -> dict:
+    ctx = browser.new_context()
+    blocked: list[str] = []
+
+    def route(r):
+        if r.request.url.startswith("http://127.0.0.1"):
+            r.continue_()
+        else:
+            blocked.append(r.request.url)
+            r.abort()
+    ctx.route("**/*", route)
+    page = ctx.new_page()
+    try:
+        url = f"{base}bench/bench.html?engine={engine}&threads={threads}&tokens={tokens}" + (f"&dtype={dtype}" if dtype else "")
+        page.goto(url)
+        page.wait_for_function("window.result || window.failure", timeout=timeout_s * 1000)
+        failure = page.evaluate("window.failure || null")
+        if failure:
+            return {"engine": engine, "dtype": dtype, "error": failure[:500]}
+        result = page.evaluate("window.result")
+        if engine == "ruvllm":  # a reload: the model comes from the Cache API this time
+            t = time.monotonic()
+            page.reload()
+            page.wait_for_function("window.result || window.failure", timeout=timeout_s * 1000)
+            again = page.evaluate("window.result || {}")
+            result["cached_load_s"] = again.get("load_s")
+            result["cached_first_token_s"] = (again.get("load_s") or 0) + (again.get("ttft_ms") or 0) / 1000
+            result["cached_reload_wall_s"] = time.monotonic() - t
+            result["cached_files"] = again.get("cache")
+        if blocked:
+            result["off_origin_requests"] = blocked
+        return result
+    finally:
+        ctx.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--engines", default="ruvllm,transformers.js:fp32,transformers.js:q8,wllama")
+    ap.add_argument("--timeout", type=int, default=600)
+    args = ap.parse_args()
+    from playwright.sync_api import sync_playwright
+
+    from wasm.serve import serve_in_thread
+
+    bundle = ROOT / "dist" / "web"
+    if not (bundle / "models" / "smollm2-135m" / "manifest.json").exists():
+        subprocess.run([sys.executable, "-m", "wasm", "build"], cwd=ROOT, check=True)
+    npm_peers()
+    engines = [e.split(":") + [None] if ":" not in e else e.split(":") for e in args.engines.split(",")]
+    if any(e[0] == "transformers.js" for e in engines):
+        transformersjs_model()
+    if any(e[0] == "wllama" for e in engines):
+        wllama_model()
+    server, base = serve_in_thread(bundle, {"/bench/": HERE, "/bench-models/": MODELS})
+    launch = ["--no-sandbox", "--disable-quic", "--no-first-run", "--disable-background-networking",
+              "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+              "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"]
+    runs: dict[str, list[dict]] = {}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=launch)
+        for r in range(args.repeats):
+            for name, dtype in engines:
+                key = name if not dtype else f"{name}:{dtype}"
+                res = run_one(browser, base, name, args.threads, args.tokens, dtype, args.timeout)
+                log(f"round {r + 1} {key}: {json.dumps(res)[:300]}")
+                runs.setdefault(key, []).append(res)
+        browser.close()
+    server.shutdown()
+    summary = {}
+    for key, results in runs.items():
+        ok = [x for x in results if "error" not in x]
+
+        def med(field: str, ok=ok) -> float | None:
+            values = [x[field] for x in ok if x.get(field) is not None]
+            return round(statistics.median(values), 2) if values else None
+        summary[key] = {"decode_tok_s": med("decode_tok_s"), "ttft_ms": med("ttft_ms"), "load_s": med("load_s"),
+                        "runs": len(ok), "errors": [x["error"] for x in results if "error" in x][:1]}
+        if key == "ruvllm":
+            summary[key].update(cached_load_s=med("cached_load_s"), cached_first_token_s=med("cached_first_token_s"),
+                                warm_ttft_ms=med("warm_ttft_ms"))
+    best_peer = {k: v["decode_tok_s"] for k, v in summary.items() if k != "ruvllm" and v["decode_tok_s"]}
+    ours = summary.get("ruvllm", {}).get("decode_tok_s")
+    ratios = {k: round(ours / v, 2) for k, v in best_peer.items()} if ours else {}
+    print(json.dumps({"threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "summary": summary,
+                      "ruvllm_decode_ratio": ratios, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+// The model's own Web Worker: fetches and verifies the package, opens it in onnxruntime-web and runs
+// steps for the engine worker (worker.js) next door. Two workers let the model's session creation
+// (weights expanded to fp32) and Pyodide's boot run at the same time on two cores; a step then costs
+// one small message each way, and the KV pool never leaves this worker.
+
+import { loadPackage } from './model_store.js';
+import { StepRunner } from './step_runner.js';
+
+let runner = null;
+let opening = null; // the 'open' in flight: allocate and run wait for it
+const post = (msg, transfer = []) => self.postMessage(msg, transfer);
+
+function nested(config) {
+  // {"session.disable_quant_qdq": "1"} -> {session: {disable_quant_qdq: "1"}}, as onnxruntime-web's `extra` wants
+  const out = {};
+  for (const [key, value] of Object.entries(config || {})) {
+    const parts = key.split('.');
+    let at = out;
+    for (const p of parts.slice(0, -1)) at = at[p] ??= {};
+    at[parts.at(-1)] = String(value);
+  }
+  return out;
+}
+
+async function chooseDevice(wanted) {
+  if (wanted === 'wasm') return 'wasm';
+  const adapter = self.navigator?.gpu ? await self.navigator.gpu.requestAdapter().catch(() => null) : null;
+  if (adapter) return 'webgpu';
+  if (wanted === 'webgpu') throw new Error('device "webgpu" was asked for, but this browser has no WebGPU adapter');
+  return 'wasm';
+}
+
+async function open({ model, ortURL, device: wanted, threads }) {
+  const t0 = performance.now();
+  const device = await chooseDevice(wanted);
+  const [pkg, ort] = await Promise.all([
+    loadPackage(model, (progress) => post({ type: 'progress', progress })),
+    import(new URL(device === 'webgpu' ? 'ort.webgpu.min.mjs' : 'ort.wasm.min.mjs', ortURL).href),
+  ]);
+  const { manifest, files, stats } = pkg;
+  const graph = manifest.graphs.decoder.file;
+  // graphs and weights stay here (or were never fetched: the LoRA variant); the rest goes to Python
+  const graphFiles = Object.keys(manifest.files).filter((n) => n.endsWith('.onnx') || n.endsWith('.data'));
+  const small = Object.fromEntries(Object.entries(files).filter(([n]) => !graphFiles.includes(n)));
+  post({ type: 'files', manifest, files: small, graphFiles, cache: stats, device, fetchSeconds: (performance.now() - t0) / 1000 },
+    Object.values(small).map((b) => b.buffer));
+
+  post({ type: 'progress', progress: { stage: 'session', message: 'preparing the model' } });
+  ort.env.wasm.wasmPaths = ortURL;
+  ort.env.wasm.numThreads = threads;
+  ort.env.logLevel = 'error';
+  const external = graphFiles.filter((n) => n.endsWith('.data') && files[n]).map((n) => ({ path: n, data: files[n] }));
+  const session = await ort.InferenceSession.create(files[graph], {
+    executionProviders: [device], graphOptimizationLevel: 'all', externalData: external, logSeverityLevel: 3,
+    extra: nested(manifest.quantization?.session_config),
+  });
+  for (const n of graphFiles) delete files[n]; // onnxruntime-web holds its own copy now
+  runner = new StepRunner(ort, session, manifest.config);
+  return { device, threads, sessionSeconds: (performance.now() - t0) / 1000 };
+}
+
+self.onmessage = async ({ data }) => {
+  const { type, id } = data;
+  try {
+    if (type === 'open') {
+      opening = open(data.options);
+      post({ type: 'opened', id, ...(await opening) });
+    } else if (type === 'allocate') {
+      await opening;
+      runner.allocate(data.numBlocks, data.blockSize);
+    } else if (type === 'run') {
+      await opening;
+      post({ type: 'result', id, result: await runner.run(data.step) });
+    }
+    else if (type === 'timings') post({ type: 'timings', id, timings: runner?.timings() ?? null });
+  } catch (err) {
+    post({ type: 'failed', id, message: String(err?.message ?? err) });
+  }
+};

@@ -1,0 +1,58 @@
+// The engine worker's handle on the model worker (ort_worker.js): the same methods as StepRunner,
+// so runtime/backends/web.py cannot tell them apart; each call is one message each way.
+
+export class RemoteRunner {
+  constructor(worker) {
+    this.worker = worker;
+    this.nextId = 1;
+    this.pending = new Map();
+    this.listeners = new Set();
+    worker.onmessage = ({ data }) => {
+      const call = this.pending.get(data.id);
+      if (call && data.type !== 'progress' && data.type !== 'files') {
+        this.pending.delete(data.id);
+        if (data.type === 'failed') call.reject(new Error(data.message));
+        else call.resolve(data);
+        return;
+      }
+      for (const listener of this.listeners) listener(data);
+    };
+    worker.onerror = (e) => {
+      for (const call of this.pending.values()) call.reject(new Error(`the model worker failed: ${e.message ?? e}`));
+      this.pending.clear();
+    };
+  }
+
+  call(type, extra = {}, transfer = []) {
+    const id = this.nextId++;
+    return new Promise((resolve, reject) => {
+      this.pending.set(id, { resolve, reject });
+      this.worker.postMessage({ type, id, ...extra }, transfer);
+    });
+  }
+
+  allocate(numBlocks, blockSize) {
+    this.worker.postMessage({ type: 'allocate', numBlocks, blockSize });
+  }
+
+  async run(step) {
+    return (await this.call('run', { step })).result;
+  }
+
+  /** A promise settled from the host's task queue (not a microtask): lets worker messages in between steps. */
+  yieldToHost() {
+    return new Promise((resolve) => {
+      const channel = new MessageChannel();
+      channel.port1.onmessage = () => resolve();
+      channel.port2.postMessage(0);
+    });
+  }
+
+  async timings() {
+    return (await this.call('timings')).timings;
+  }
+
+  terminate() {
+    this.worker.terminate();
+  }
+}
