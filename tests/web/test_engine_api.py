@@ -149,3 +149,24 @@ def test_reload_uses_the_cache_and_a_corrupt_entry_is_refetched(offline_page, ti
     healed = load(p, tiny_url)
     assert healed["cache"]["refetched"] == 1 and healed["cache"]["downloaded"] == 1
     assert p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 8, **GREEDY})["choices"][0]["token_ids"] == expected
+
+
+def test_a_partial_download_fails_clearly_and_leaves_no_cache_entry(offline_page, tiny_url):
+    p = offline_page()
+    p.api()
+    cut = {"n": 0}
+
+    def truncated(route):  # the server dies half way through the weights
+        cut["n"] += 1
+        body = route.fetch().body()
+        route.fulfill(status=200, body=body[: len(body) // 2], headers={"Content-Type": "application/octet-stream"})
+    p.context.route("**/model.onnx.data", truncated)
+    err = p.evaluate("""async (model) => {
+      try { await window.createEngine({ model }); return null; } catch (e) { return e.message; }
+    }""", tiny_url)
+    assert cut["n"] == 1 and "model.onnx.data" in err and "bytes" in err
+    assert not any("model.onnx.data" in k for k in p.evaluate(CACHE_KEYS))
+    p.context.unroute("**/model.onnx.data")
+    info = load(p, tiny_url)  # the next load downloads it whole
+    assert info["cache"]["downloaded"] >= 1
+    assert any("model.onnx.data" in k for k in p.evaluate(CACHE_KEYS))
