@@ -1,7 +1,8 @@
 """asyncio front of the engine: per-request streams of deltas while one loop steps the batch.
 
 Natively each step runs on a single worker thread so the event loop stays free to accept and
-stream requests; under Pyodide (no threads) the step runs inline between awaits. A consumer that
+stream requests; under Pyodide (no threads) the step runs inline, and a backend with `run_async`
+(onnxruntime-web) is awaited between Engine.prepare_step and finish_step. A consumer that
 stops iterating (a client that disconnects) has its request aborted and its KV freed at once.
 """
 
@@ -11,7 +12,7 @@ import asyncio
 import contextlib
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from runtime.engine import Engine, RequestOutput
@@ -20,13 +21,8 @@ from runtime.sampling import SamplingParams
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, use_thread: bool | None = None,
-                 between_steps: Callable[[], Awaitable] | None = None) -> None:
-        """between_steps: awaited after each inline step. In a Web Worker a step's promises chain as
-        microtasks, so without a real yield to the host's task queue no message (an abort, a new
-        request) would be handled until generation ends."""
+    def __init__(self, engine: Engine, use_thread: bool | None = None) -> None:
         self.engine = engine
-        self._between_steps = between_steps
         self._use_thread = (sys.platform != "emscripten") if use_thread is None else use_thread
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ruvllm-step") if self._use_thread else None
         self._lock = threading.Lock()  # engine state is touched by the step thread and the event loop
@@ -93,7 +89,7 @@ class AsyncEngine:
                     outputs = await self._step_async()
                 else:
                     outputs = self._step()
-                    await (self._between_steps() if self._between_steps else asyncio.sleep(0))
+                    await asyncio.sleep(0)
             except Exception as err:  # a backend failure ends every request in flight, loudly
                 self.step_error = err
                 with self._lock:

@@ -25,7 +25,7 @@ class WebEngine:
         self.model_name = model_name
         engine = Engine(pkg, WebBackend(pkg, runner), kv_memory=kv_memory_mb << 20, max_num_seqs=max_num_seqs,
                         max_batch_tokens=max_batch_tokens)
-        self.aengine = AsyncEngine(engine, use_thread=False, between_steps=runner.yieldToHost)
+        self.aengine = AsyncEngine(engine, use_thread=False)
         self._jobs: dict[str, str] = {}  # the page's request id -> the engine's
 
     async def create(self, job: str, body_json: str, emit) -> None:

@@ -39,15 +39,6 @@ export class RemoteRunner {
     return (await this.call('run', { step })).result;
   }
 
-  /** A promise settled from the host's task queue (not a microtask): lets worker messages in between steps. */
-  yieldToHost() {
-    return new Promise((resolve) => {
-      const channel = new MessageChannel();
-      channel.port1.onmessage = () => resolve();
-      channel.port2.postMessage(0);
-    });
-  }
-
   async timings() {
     return (await this.call('timings')).timings;
   }

@@ -33,15 +33,6 @@ export class StepRunner {
     return { steps: this.steps, session_ms: this.sessionMs, bridge_ms: this.stepMs, kv_pool_bytes: this.pool?.bytes ?? 0 };
   }
 
-  /** A promise settled from the host's task queue (not a microtask): lets worker messages in between steps. */
-  yieldToHost() {
-    return new Promise((resolve) => {
-      const channel = new MessageChannel();
-      channel.port1.onmessage = () => resolve();
-      channel.port2.postMessage(0);
-    });
-  }
-
   allocate(numBlocks, blockSize) {
     this.pool = new KvPool(this.config, numBlocks, blockSize);
   }
