@@ -16,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("convert", help="export a hub id, local folder, .gguf file or alias to a model package")
     c.add_argument("source")
     c.add_argument("-o", "--output", required=True, help="package folder to write")
-    c.add_argument("--quant", default="fp32", choices=["fp32", "fp16", "int8", "int4"])
+    c.add_argument("--quant", default=None, choices=["fp32", "fp16", "int8", "int4"],
+                   help="default: fp32, or int4 for --target wasm/webgpu (int4 on the wire, fp32 compute)")
     c.add_argument("--block-size", type=int, default=32, help="quantization block size (int8/int4)")
     c.add_argument("--kv-block-size", type=int, default=16, help="default KV-cache block size in tokens")
     c.add_argument("--target", default="cpu", choices=["cpu", "wasm", "webgpu", "cuda"])
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "convert":
             from exporter.convert import ConvertOptions, convert
 
-            opts = ConvertOptions(quant=args.quant, block_size=args.block_size, kv_block_size=args.kv_block_size,
+            quant = args.quant or ("int4" if args.target in ("wasm", "webgpu") else "fp32")
+            opts = ConvertOptions(quant=quant, block_size=args.block_size, kv_block_size=args.kv_block_size,
                                   target=args.target, lora=not args.no_lora, max_context=args.max_context,
                                   progress=not args.quiet)
             out = convert(args.source, args.output, opts)

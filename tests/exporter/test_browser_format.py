@@ -7,6 +7,7 @@ import pytest
 
 from runtime.package import load_package
 from runtime.tokenizer import Tokenizer
+from tests.conftest import run_cli
 from tests.exporter.test_quantization import TEXT, quality, teacher_forced_logprobs
 
 
@@ -32,3 +33,12 @@ def test_browser_package_matches_the_native_int4_package(arch, tiny_package):
     if arch == "qwen2":  # the tied table is read from the int8 head, not shipped a second time
         assert web.manifest["quantization"]["embeddings"] == "tied to the int8 lm_head"
         assert web.file("model.onnx.data").stat().st_size < cpu.file("model.onnx.data").stat().st_size
+
+
+def test_target_wasm_chooses_int4_by_itself(tiny_model_dir, workdir):
+    out = workdir / "cli-wasm-default"
+    proc = run_cli("convert", str(tiny_model_dir("llama")), "-o", str(out), "--target", "wasm", "--no-lora", "--quiet",
+                   module="exporter")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    q = load_package(out).manifest["quantization"]
+    assert (q["weights"], q["lm_head"], q["compute"]) == ("int4", "int8", "fp32")
