@@ -61,9 +61,13 @@ def publish(web_models: Path, package: Path, name: str) -> str:
     return f"/test-models/{name}/"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def playwright():
-    """One Playwright driver for the session (its sync API allows only one at a time)."""
+    """One Playwright driver for tests/web (its sync API allows only one at a time).
+
+    Package scope, not session: while the driver lives, its event loop counts as running in this
+    thread, and any later test calling asyncio.run() would fail.
+    """
     if not CHROMIUM.exists():
         pytest.fail("browser tests need Debian's Chromium: apt-get install -y chromium (.ci/run does)")
     from playwright.sync_api import sync_playwright
@@ -76,7 +80,7 @@ def launch(playwright, *extra: str):
     return playwright.chromium.launch(executable_path=str(CHROMIUM), args=LAUNCH_ARGS + list(extra))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def browser(playwright):
     b = launch(playwright)
     yield b
