@@ -30,9 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "convert":
-            from exporter.convert import ConvertOptions, convert
+            from exporter.convert import BROWSER_TARGETS, ConvertOptions, convert
 
-            quant = args.quant or ("int4" if args.target in ("wasm", "webgpu") else "fp32")
+            quant = args.quant or ("int4" if args.target in BROWSER_TARGETS else "fp32")
             opts = ConvertOptions(quant=quant, block_size=args.block_size, kv_block_size=args.kv_block_size,
                                   target=args.target, lora=not args.no_lora, max_context=args.max_context,
                                   progress=not args.quiet)

@@ -79,7 +79,6 @@ def dequantize_at_load(model: onnx.ModelProto, tied_embedding: str | None = None
     return model
 
 
-
 def _unpack(t: onnx.TensorProto, bits: int, shape: tuple[int, int]) -> np.ndarray:
     raw = np.frombuffer(t.raw_data or numpy_helper.to_array(t).tobytes(), np.uint8)
     if bits == 8:

@@ -319,10 +319,9 @@ class Engine:
         self.stats.steps += 1
         self.stats.peak_running = max(self.stats.peak_running, len(prepared.chunks))
         outputs: list[RequestOutput] = []
-        row = 0
+        rows = iter(zip(result.topk_ids, result.topk_logprobs))  # one per chunk that wanted logits, in order
         for (seq, n), chunk in zip(prepared.plan, prepared.chunks):
-            if chunk.want_logits:
-                row += 1
+            candidates = next(rows) if chunk.want_logits else None
             if self.seqs.get(seq.id) is not seq:  # aborted while the step ran: its blocks are gone already
                 continue
             seq.num_computed += n
@@ -330,10 +329,8 @@ class Engine:
                 self._publish_blocks(seq)
             if seq.num_generated == 0:
                 self.stats.prompt_tokens += n
-            if not chunk.want_logits:
-                continue
-            ids, lps = result.topk_ids[row - 1], result.topk_logprobs[row - 1]
-            outputs.append(self._accept(seq, ids, lps))
+            if candidates is not None:
+                outputs.append(self._accept(seq, *candidates))
         return outputs
 
     def _accept(self, seq: Sequence, ids: list[int], lps: list[float]) -> RequestOutput:

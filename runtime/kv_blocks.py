@@ -23,6 +23,11 @@ def block_key(parent: bytes | None, tokens: list[int] | tuple[int, ...], adapter
     return h.digest()
 
 
+def kv_bytes_per_token(cfg: dict) -> int:
+    """Bytes of fp32 K and V one token takes in the pool, over all layers."""
+    return cfg["num_layers"] * 2 * cfg["num_kv_heads"] * cfg["head_dim"] * 4
+
+
 @dataclass
 class PrefixStats:
     queries: int = 0  # prompt blocks looked up

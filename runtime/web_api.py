@@ -1,8 +1,9 @@
 """The engine as the page sees it: what web/src/worker.js calls inside Pyodide.
 
-The worker fetches the package, keeps the graphs in onnxruntime-web and writes the small files
-(manifest, tokenizer, chat template) into Pyodide's file system; requests and results cross the
-worker boundary as JSON text, shaped like OpenAI's chat/completions.
+The model worker (web/src/ort_worker.js) fetches the package and keeps the graphs in onnxruntime-web;
+the engine worker writes the small files (manifest, tokenizer, chat template) into Pyodide's file
+system. Requests and results cross the worker boundary as JSON text, shaped like OpenAI's
+chat/completions.
 """
 
 from __future__ import annotations

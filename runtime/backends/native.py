@@ -13,6 +13,7 @@ import numpy as np
 
 from runtime import contract as C
 from runtime.errors import DeviceError, PackageError
+from runtime.kv_blocks import kv_bytes_per_token
 from runtime.package import ModelPackage
 from runtime.step_batch import StepBatch, StepResult
 
@@ -119,9 +120,7 @@ class NativeBackend:
         self._bound, self._outputs = key, outs
         return outs
 
-    @staticmethod
-    def kv_bytes_per_token(cfg: dict) -> int:
-        return cfg["num_layers"] * 2 * cfg["num_kv_heads"] * cfg["head_dim"] * 4
+    kv_bytes_per_token = staticmethod(kv_bytes_per_token)
 
     def set_block(self, slot: int, index: int, block: int) -> None:
         self.block_tables[slot, index] = block

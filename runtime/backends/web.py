@@ -3,12 +3,13 @@
 The session and the KV pool live in the model's worker (web/src/ort_worker.js, step_runner.js,
 kv_pool.js); a step sends only the small per-step arrays and gets back the top-K candidates, so
 Python never copies a KV tensor. The AsyncEngine awaits `run_async` between Engine.prepare_step and
-Engine.finish_step (the same scheduling and sampling code as natively); `run` is the synchronous path
-for Engine.step, suspending on the promise with `run_sync` (JSPI).
+Engine.finish_step (the same scheduling and sampling code as natively), so the page drives steps
+through AsyncEngine; there is no synchronous `run`. LoRA adapters are native-only for now.
 """
 
 from __future__ import annotations
 
+from runtime.kv_blocks import kv_bytes_per_token
 from runtime.package import ModelPackage
 from runtime.step_batch import StepBatch, StepResult
 
@@ -17,15 +18,13 @@ class WebBackend:
     name = "onnxruntime-web"
 
     def __init__(self, package: ModelPackage, runner) -> None:
-        """runner: the JS StepRunner that owns the InferenceSession and the KV pool."""
+        """runner: the JS RemoteRunner whose model worker owns the InferenceSession and the KV pool."""
         self.pkg = package
         self.runner = runner
         self.vocab_size = package.config["vocab_size"]
         self.block_tables: list[list[int]] = []
 
-    @staticmethod
-    def kv_bytes_per_token(cfg: dict) -> int:
-        return cfg["num_layers"] * 2 * cfg["num_kv_heads"] * cfg["head_dim"] * 4
+    kv_bytes_per_token = staticmethod(kv_bytes_per_token)
 
     def allocate(self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int) -> None:
         self.block_tables = [[0] * max_blocks_per_seq for _ in range(max_seqs)]
@@ -34,7 +33,8 @@ class WebBackend:
     def set_block(self, slot: int, index: int, block: int) -> None:
         self.block_tables[slot][index] = block
 
-    def _step(self, batch: StepBatch):
+    async def run_async(self, batch: StepBatch) -> StepResult:
+        """The page's path (AsyncEngine awaits it): nothing of Python's stack is held while the model runs."""
         from js import Object
         from pyodide.ffi import to_js
 
@@ -50,23 +50,7 @@ class WebBackend:
             "kv_slots": batch.kv_slots, "blocks_needed": 1 + max(max(t) for t in tables),
             "want_logits": batch.want_full_logits,
         }
-        return to_js(step, dict_converter=Object.fromEntries)
-
-    @staticmethod
-    def _result(batch: StepBatch, reply) -> StepResult:
-        result = reply.to_py()
+        reply = (await self.runner.run(to_js(step, dict_converter=Object.fromEntries))).to_py()
         if not batch.logits_index:
             return StepResult([], [])
-        return StepResult(result["topk_ids"], result["topk_logprobs"], result.get("logits"))
-
-    async def run_async(self, batch: StepBatch) -> StepResult:
-        """The page's path (AsyncEngine awaits it): nothing of Python's stack is held while the model runs."""
-        return self._result(batch, await self.runner.run(self._step(batch)))
-
-    def run(self, batch: StepBatch, extra_inputs: dict | None = None) -> StepResult:
-        """Engine.step's synchronous path: suspends on the promise with run_sync (needs JSPI)."""
-        from pyodide.ffi import run_sync
-
-        if extra_inputs:
-            raise NotImplementedError("LoRA adapters are not supported in the browser yet")
-        return self._result(batch, run_sync(self.runner.run(self._step(batch))))
+        return StepResult(reply["topk_ids"], reply["topk_logprobs"], reply.get("logits"))
