@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from operator import methodcaller
 
 from runtime.errors import PackageError
 from runtime.pretokenize import GPT2_PATTERN, compile_pattern, split_digits, split_isolated
@@ -40,10 +41,11 @@ class PureBPE:
             raise PackageError("pure-Python tokenizer does not support byte_fallback (SentencePiece) vocabularies yet")
         self.vocab: dict[str, int] = model["vocab"]
         merges = model.get("merges") or []
-        self.ranks: dict[tuple[str, str], int] = {}
-        for rank, m in enumerate(merges):
-            pair = tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m)
-            self.ranks.setdefault(pair, rank)
+        # "a b" strings (older files) or ["a", "b"] lists; the first rank of a repeated pair wins. Built
+        # by C loops (map, zip, dict): this runs on every page load, in Pyodide.
+        pairs = map(methodcaller("split", " ", 1), merges) if merges and isinstance(merges[0], str) else merges
+        self.ranks: dict[tuple[str, str], int] = dict(
+            zip(reversed(list(map(tuple, pairs))), range(len(merges) - 1, -1, -1)))
         self.ignore_merges = bool(model.get("ignore_merges"))
         self.unk = model.get("unk_token")
         self.fuse_unk = bool(model.get("fuse_unk"))
