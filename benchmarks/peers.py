@@ -89,11 +89,15 @@ def load_genai(tokens: int, threads: int):
         gen = og.Generator(model, params)
         t0 = time.perf_counter()
         gen.append_tokens(np.array([prompt_ids] * streams, dtype=np.int32))
-        n = 0
+        gen.generate_next_token()  # every stream's first token: the end of prefill
+        first = time.perf_counter()
+        n = 1
         while not gen.is_done() and n < tokens:
             gen.generate_next_token()
             n += 1
-        return {"streams": streams, "aggregate_tps": streams * n / (time.perf_counter() - t0)}
+        end = time.perf_counter()
+        return {"streams": streams, "aggregate_tps": streams * n / (end - t0),
+                "aggregate_decode_tps": streams * (n - 1) / (end - first)}
     once.batch = batch
     return "onnxruntime-genai int4", once
 
@@ -116,7 +120,64 @@ def load_llamacpp(tokens: int, threads: int):
                 break
         end = time.perf_counter()
         return {"ttft": first - t0, "tps": (n - 1) / (end - first)}
+    once.batch = lambda streams: llamacpp_batch(llm, prompt_ids, streams, tokens, threads)
     return "llama.cpp Q4_1", once
+
+
+def llamacpp_batch(llm, prompt_ids: list[int], streams: int, tokens: int, threads: int,
+                   trace: list | None = None) -> dict:
+    """`streams` copies of the prompt as parallel sequences of one llama.cpp context (its server's way
+    to batch): one llama_decode per step with a token of every sequence, greedy argmax per sequence.
+    trace, if given, receives every step's tokens (to check them against single-stream greedy)."""
+    import ctypes
+
+    import llama_cpp as L
+    import numpy as np
+
+    params = L.llama_context_default_params()
+    params.n_ctx = streams * (len(prompt_ids) + tokens + 16)
+    params.n_batch = params.n_ubatch = max(512, streams * len(prompt_ids))
+    params.n_seq_max = streams
+    params.kv_unified = True
+    params.n_threads = params.n_threads_batch = threads
+    ctx = L.llama_init_from_model(llm._model.model, params)
+    vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(llm._model.model))
+    batch = L.llama_batch_init(params.n_batch, 0, 1)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:  # (token, pos, seq, want logits)
+        batch.n_tokens = len(entries)
+        for i, (tok, pos, seq, want) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, int(want)
+        if L.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def next_tokens(rows: list[int]) -> list[int]:
+        out = []
+        for r in rows:
+            ptr = L.llama_get_logits_ith(ctx, r)
+            out.append(int(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), (vocab,)).argmax()))
+        return out
+
+    try:
+        t0 = time.perf_counter()
+        last = len(prompt_ids) - 1
+        decode([(tok, pos, seq, pos == last) for seq in range(streams) for pos, tok in enumerate(prompt_ids)])
+        toks = next_tokens([seq * len(prompt_ids) + last for seq in range(streams)])
+        first = time.perf_counter()
+        if trace is not None:
+            trace.append(toks)
+        for step in range(1, tokens):
+            decode([(toks[seq], len(prompt_ids) + step - 1, seq, True) for seq in range(streams)])
+            toks = next_tokens(list(range(streams)))
+            if trace is not None:
+                trace.append(toks)
+        end = time.perf_counter()
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+    return {"streams": streams, "aggregate_tps": streams * tokens / (end - t0),
+            "aggregate_decode_tps": streams * (tokens - 1) / (end - first)}
 
 
 def load_ruvllm(pkg: str | None, tokens: int, threads: int):
@@ -130,12 +191,22 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int):
     def batch(streams: int) -> dict:
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         t0 = time.perf_counter()
-        for _ in range(streams):
-            engine.add_request(messages=PROMPT, params=SamplingParams(**vars(params)))
-        n = 0
+        ids = [engine.add_request(messages=PROMPT, params=SamplingParams(**vars(params))) for _ in range(streams)]
+        started: set[str] = set()
+        n = after = 0
+        first = None
         while engine.has_unfinished():
-            n += len(engine.step())
-        return {"streams": streams, "aggregate_tps": n / (time.perf_counter() - t0)}
+            outs = engine.step()
+            n += len(outs)
+            if first is None:
+                started.update(o.request_id for o in outs)
+                if len(started) == len(ids):  # every stream has its first token: the end of prefill
+                    first = time.perf_counter()
+            else:
+                after += len(outs)
+        end = time.perf_counter()
+        return {"streams": streams, "aggregate_tps": n / (end - t0),
+                "aggregate_decode_tps": after / (end - first) if first and end > first else None}
 
     def once() -> dict:
         t0 = time.perf_counter()
@@ -209,6 +280,7 @@ def main() -> None:
             proc.stdin.flush()
             runs[label].append(json.loads(proc.stdout.readline()))
     batches: dict[str, list[float]] = {label: [] for label in procs}
+    batch_decode: dict[str, list[float]] = {label: [] for label in procs}
     for _ in range(args.batch_repeats if args.batch else 0):
         for label, proc in procs.items():
             time.sleep(0.3)
@@ -217,6 +289,8 @@ def main() -> None:
             r = json.loads(proc.stdout.readline())
             if "aggregate_tps" in r:
                 batches[label].append(r["aggregate_tps"])
+            if r.get("aggregate_decode_tps"):
+                batch_decode[label].append(r["aggregate_decode_tps"])
     for proc in procs.values():
         proc.stdin.close()
         proc.wait()
@@ -226,7 +300,9 @@ def main() -> None:
                         "decode_tps_best": round(max(r["tps"] for r in rs), 1),
                         "ttft_ms_median": round(1000 * statistics.median(r["ttft"] for r in rs), 1),
                         **({f"batch{args.batch}_aggregate_tps_median": round(statistics.median(batches[label]), 1)}
-                           if batches.get(label) else {})})
+                           if batches.get(label) else {}),
+                        **({f"batch{args.batch}_aggregate_decode_tps_median":
+                            round(statistics.median(batch_decode[label]), 1)} if batch_decode.get(label) else {})})
     print(json.dumps({"threads": args.threads, "decode_tokens": args.tokens, "repeats": args.repeats,
                       "results": results}, indent=2))
 
