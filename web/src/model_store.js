@@ -68,7 +68,8 @@ export async function loadPackage(baseURL, onProgress = () => {}) {
   let loaded = 0;
   const stats = { fromCache: 0, downloaded: 0, refetched: 0 };
   const files = {};
-  for (const [name, meta] of entries) {
+  // every file at once: the Cache API reads and the sha256 digests (off-thread in the browser) overlap
+  await Promise.all(entries.map(async ([name, meta]) => {
     const url = new URL(name, base).href;
     const key = `${url}?sha256=${meta.sha256}`;
     const hit = await cache?.match(key);
@@ -79,7 +80,7 @@ export async function loadPackage(baseURL, onProgress = () => {}) {
         loaded += bytes.length;
         stats.fromCache++;
         onProgress({ stage: 'model', loaded, total, file: name, cached: true });
-        continue;
+        return;
       }
       await cache.delete(key);
       stats.refetched++;
@@ -92,6 +93,6 @@ export async function loadPackage(baseURL, onProgress = () => {}) {
     await cache?.put(key, new Response(bytes, { headers: { 'Content-Type': 'application/octet-stream' } }));
     files[name] = bytes;
     stats.downloaded++;
-  }
+  }));
   return { manifest, files, stats };
 }
