@@ -119,6 +119,7 @@ def run_one(browser, base: str, engine: str, threads: int, tokens: int, dtype: s
             result["cached_first_token_s"] = (again.get("load_s") or 0) + (again.get("ttft_ms") or 0) / 1000
             result["cached_reload_wall_s"] = time.monotonic() - t
             result["cached_files"] = again.get("cache")
+            result["cached_timings"] = again.get("timings")
         if blocked:
             result["off_origin_requests"] = blocked
         return result
