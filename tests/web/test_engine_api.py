@@ -122,15 +122,29 @@ def test_bad_requests_get_clear_errors_and_lose_nothing(offline_page, tiny_url):
     assert p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 4, **GREEDY})["usage"]["completion_tokens"] == 4
 
 
-CACHE_KEYS = "async () => (await (await caches.open('ruvllm-models-v1')).keys()).map((r) => r.url)"
-CORRUPT = """async (needle) => {
-  const cache = await caches.open('ruvllm-models-v1');
-  const key = (await cache.keys()).find((r) => r.url.includes(needle));
-  const bytes = new Uint8Array(await (await cache.match(key)).arrayBuffer());
-  bytes[bytes.length >> 1] ^= 0xff;  // one flipped byte, same size
-  await cache.put(key, new Response(bytes));
-  return key.url;
+STORE = """async ([pkg, name]) => {
+  const manifest = await (await fetch(new URL('manifest.json', new URL(pkg, location.href)))).json();
+  const dir = await (await navigator.storage.getDirectory()).getDirectoryHandle('ruvllm-models-v1', { create: true });
+  return { sha: manifest.files[name].sha256, dir };
 }"""
+# the stored file names (a file is stored under its sha256) that belong to the package's `name`
+STORED = """async ([pkg, name]) => {
+  const { sha, dir } = await (STORE)([pkg, name]);
+  const keys = [];
+  for await (const key of dir.keys()) if (key.startsWith(sha)) keys.push(key);
+  return keys;
+}""".replace("STORE", STORE)
+CORRUPT = """async ([pkg, name]) => {
+  const { sha, dir } = await (STORE)([pkg, name]);
+  const handle = await dir.getFileHandle(sha);
+  const bytes = new Uint8Array(await (await handle.getFile()).arrayBuffer());
+  bytes[bytes.length >> 1] ^= 0xff;  // one flipped byte, same size
+  const out = await handle.createWritable();
+  await out.write(bytes);
+  await out.close();
+  return sha;
+}""".replace("STORE", STORE)
+
 
 
 def test_reload_uses_the_cache_and_a_corrupt_entry_is_refetched(offline_page, tiny_url):
@@ -138,13 +152,13 @@ def test_reload_uses_the_cache_and_a_corrupt_entry_is_refetched(offline_page, ti
     first = load(p, tiny_url)
     assert first["cache"]["downloaded"] >= 3 and first["cache"]["fromCache"] == 0
     expected = p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 8, **GREEDY})["choices"][0]["token_ids"]
-    assert any("model.onnx.data" in k for k in p.evaluate(CACHE_KEYS))
+    assert p.evaluate(STORED, [tiny_url, "model.onnx.data"]) != []
 
     p.page.reload()
     again = load(p, tiny_url)
     assert again["cache"]["downloaded"] == 0 and again["cache"]["fromCache"] == first["cache"]["downloaded"]
 
-    p.evaluate(CORRUPT, "model.onnx.data")
+    p.evaluate(CORRUPT, [tiny_url, "model.onnx.data"])
     p.page.reload()
     healed = load(p, tiny_url)
     assert healed["cache"]["refetched"] == 1 and healed["cache"]["downloaded"] == 1
@@ -165,8 +179,8 @@ def test_a_partial_download_fails_clearly_and_leaves_no_cache_entry(offline_page
       try { await window.createEngine({ model }); return null; } catch (e) { return e.message; }
     }""", tiny_url)
     assert cut["n"] == 1 and "model.onnx.data" in err and "bytes" in err
-    assert not any("model.onnx.data" in k for k in p.evaluate(CACHE_KEYS))
+    assert p.evaluate(STORED, [tiny_url, "model.onnx.data"]) == []  # not even a .part file
     p.context.unroute("**/model.onnx.data")
     info = load(p, tiny_url)  # the next load downloads it whole
     assert info["cache"]["downloaded"] >= 1
-    assert any("model.onnx.data" in k for k in p.evaluate(CACHE_KEYS))
+    assert p.evaluate(STORED, [tiny_url, "model.onnx.data"]) != []

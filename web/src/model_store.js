@@ -1,21 +1,75 @@
-// Fetches a model package into the browser's Cache API, verifying every file against the manifest.
+// Fetches a model package into the browser's Origin Private File System (OPFS), verifying every file
+// against the manifest. Runs in the model worker (ort_worker.js).
 //
-// A file enters the cache only after its size and sha256 match, so a failed or partial download
-// never leaves a broken entry; a cached entry is re-hashed on every load and re-fetched if it no
-// longer matches (a corrupted disk, a tampered entry).
+// Files are stored under their sha256 (content-addressed: a new model version is new files), and a
+// file gets its name only after its size and sha256 match, so a failed or partial download never
+// leaves a broken entry. A stored file is re-hashed on every load and fetched again if it no longer
+// matches (a corrupted disk, a tampered entry). OPFS read through a worker's sync access handle
+// returned 95 MB in ~60 ms in a persistent Chromium profile, the Cache API in ~150 ms; this read
+// sits on the cached load's critical path. The manifest is kept in the Cache API by URL, for
+// offline loads.
 
-export const CACHE_NAME = 'ruvllm-models-v1';
+export const STORE_DIR = 'ruvllm-models-v1';
 
 async function sha256Hex(buffer) {
   const digest = await crypto.subtle.digest('SHA-256', buffer);
   return Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, '0')).join('');
 }
 
-async function openCache() {
+async function openStore() {
   try {
-    return typeof caches !== 'undefined' ? await caches.open(CACHE_NAME) : null;
+    const root = await navigator.storage.getDirectory();
+    return await root.getDirectoryHandle(STORE_DIR, { create: true });
   } catch {
     return null; // storage disabled (private mode, opaque origin): download every time
+  }
+}
+
+async function openCache() {
+  try {
+    return typeof caches !== 'undefined' ? await caches.open(STORE_DIR) : null;
+  } catch {
+    return null;
+  }
+}
+
+async function readStored(dir, name) {
+  let handle;
+  try {
+    handle = await dir.getFileHandle(name);
+  } catch {
+    return null; // not stored
+  }
+  try { // the fast path: a sync access handle (exclusive; another tab may hold it)
+    const access = await handle.createSyncAccessHandle();
+    try {
+      const bytes = new Uint8Array(access.getSize());
+      access.read(bytes, { at: 0 });
+      return bytes;
+    } finally {
+      access.close();
+    }
+  } catch {
+    return new Uint8Array(await (await handle.getFile()).arrayBuffer());
+  }
+}
+
+async function store(dir, name, bytes) {
+  // write under a temporary name, then rename: a crash mid-write leaves no file under `name`
+  const part = `${name}.part`;
+  try {
+    const handle = await dir.getFileHandle(part, { create: true });
+    const access = await handle.createSyncAccessHandle();
+    try {
+      access.truncate(0);
+      access.write(bytes, { at: 0 });
+      access.flush();
+    } finally {
+      access.close();
+    }
+    await handle.move(name);
+  } catch {
+    await dir.removeEntry(part).catch(() => {}); // storage full or locked: just not cached this time
   }
 }
 
@@ -54,11 +108,12 @@ async function readJSON(url, cache) {
 
 /**
  * Load every file of the package at `baseURL`.
- * Returns { manifest, files: {name: Uint8Array}, stats: {fromCache, downloaded, refetched} }.
+ * Returns { manifest, files: {name: Uint8Array}, stats: {fromCache, downloaded, refetched, ...ms} }.
  */
 export async function loadPackage(baseURL, onProgress = () => {}) {
   const base = new URL(baseURL.endsWith('/') ? baseURL : `${baseURL}/`, self.location.href);
-  const cache = await openCache();
+  const [dir, cache] = await Promise.all([openStore(), openCache()]);
+  const t0 = performance.now();
   const manifest = await readJSON(new URL('manifest.json', base).href, cache);
   if (manifest.format !== 'ruvllm-package') throw new Error(`${base}: not a RuvLLM model package`);
   // the LoRA graph variant is not used in the page (adapters are native-only for now)
@@ -66,23 +121,26 @@ export async function loadPackage(baseURL, onProgress = () => {}) {
   const entries = Object.entries(manifest.files).filter(([name]) => !unused.has(name));
   const total = entries.reduce((n, [, m]) => n + Number(m.size), 0);
   let loaded = 0;
-  const stats = { fromCache: 0, downloaded: 0, refetched: 0 };
+  const stats = { fromCache: 0, downloaded: 0, refetched: 0, manifestMs: performance.now() - t0, readMs: 0, verifyMs: 0 };
   const files = {};
-  // every file at once: the Cache API reads and the sha256 digests (off-thread in the browser) overlap
+  // every file at once: storage reads and sha256 digests (off-thread in the browser) overlap
   await Promise.all(entries.map(async ([name, meta]) => {
     const url = new URL(name, base).href;
-    const key = `${url}?sha256=${meta.sha256}`;
-    const hit = await cache?.match(key);
-    if (hit) {
-      const bytes = new Uint8Array(await hit.arrayBuffer());
-      if (bytes.length === Number(meta.size) && (await sha256Hex(bytes)) === meta.sha256) {
-        files[name] = bytes;
-        loaded += bytes.length;
+    let t = performance.now();
+    const stored = dir ? await readStored(dir, meta.sha256) : null;
+    if (stored) {
+      stats.readMs = Math.max(stats.readMs, performance.now() - t);
+      t = performance.now();
+      const digest = await sha256Hex(stored);
+      stats.verifyMs = Math.max(stats.verifyMs, performance.now() - t);
+      if (stored.length === Number(meta.size) && digest === meta.sha256) {
+        files[name] = stored;
+        loaded += stored.length;
         stats.fromCache++;
         onProgress({ stage: 'model', loaded, total, file: name, cached: true });
         return;
       }
-      await cache.delete(key);
+      await dir.removeEntry(meta.sha256).catch(() => {});
       stats.refetched++;
     }
     const bytes = await download(url, Number(meta.size), (n) => {
@@ -90,7 +148,7 @@ export async function loadPackage(baseURL, onProgress = () => {}) {
       onProgress({ stage: 'model', loaded, total, file: name, cached: false });
     });
     if ((await sha256Hex(bytes)) !== meta.sha256) throw new Error(`${url}: sha256 does not match the manifest`);
-    await cache?.put(key, new Response(bytes, { headers: { 'Content-Type': 'application/octet-stream' } }));
+    if (dir) await store(dir, meta.sha256, bytes);
     files[name] = bytes;
     stats.downloaded++;
   }));
