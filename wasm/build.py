@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from wasm.bytecode import add_bytecode
 from wasm.wheels import markupsafe_from_sdist, package_files, write_wheel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +41,7 @@ def _pip_fetch(args: list[str], dest: Path) -> None:
                     "-d", str(dest), *args], check=True)
 
 
-def python_wheels(out: Path, cache: Path) -> dict[str, dict]:
+def python_wheels(out: Path, cache: Path, node_modules: Path | None = None) -> dict[str, dict]:
     """Wheels into out/ and their lock entries (Pyodide lock format)."""
     cache.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -60,6 +61,9 @@ def python_wheels(out: Path, cache: Path) -> dict[str, dict]:
     version = _project_version()
     files = package_files(ROOT, "runtime")
     entries["ruvllm"] = (write_wheel(out, "ruvllm", version, files, ["jinja2>=3.1"]), version, ["runtime"], ["jinja2"])
+    imported = [entries[n][0] for n in ("ruvllm", "jinja2", "markupsafe")]  # what the page imports (not micropip)
+    if node_modules is not None and not add_bytecode(imported, node_modules):
+        log("no bytecode added to the wheels (Node or Pyodide failed): Pyodide compiles them at load")
     lock = {}
     for name, (path, ver, imports, depends) in entries.items():
         lock[name] = {"name": name, "version": ver, "file_name": path.name, "install_dir": "site",
@@ -112,7 +116,7 @@ def build(out: Path, model: str | None = "smollm2-135m", quant: str = "int4") ->
         shutil.copy(modules / "onnxruntime-web" / "dist" / name, out / "ort" / name)
     log("python wheels and lock")
     core_lock = json.loads((modules / "pyodide" / "pyodide-lock.json").read_text())
-    lock = {"info": core_lock["info"], "packages": python_wheels(out / "python", ROOT / "build" / "web-cache")}
+    lock = {"info": core_lock["info"], "packages": python_wheels(out / "python", ROOT / "build" / "web-cache", modules)}
     (out / "python" / "pyodide-lock.json").write_text(json.dumps(lock, indent=1))
     shutil.rmtree(WEB / "python", ignore_errors=True)  # the npm package ships the same wheels and lock
     shutil.copytree(out / "python", WEB / "python")

@@ -31,6 +31,25 @@ def test_markupsafe_is_pure_python_and_the_runtime_wheel_has_no_native_code(web_
     assert "runtime/backends/web.py" in names and "runtime/engine.py" in names
 
 
+def test_the_imported_wheels_carry_bytecode_for_pyodides_python(web_bundle):
+    """Every module of the wheels the page imports has a hash-checked .pyc for Pyodide's Python version,
+    listed in the wheel's RECORD, so Pyodide does not compile them on every load."""
+    lock = json.loads((web_bundle / "python" / "pyodide-lock.json").read_text())
+    major, minor = lock["info"]["python"].split(".")[:2]
+    tag = f"cpython-{major}{minor}"
+    for name in ("ruvllm", "jinja2", "markupsafe"):
+        with zipfile.ZipFile(web_bundle / "python" / lock["packages"][name]["file_name"]) as z:
+            names = set(z.namelist())
+            record = z.read(next(n for n in names if n.endswith(".dist-info/RECORD"))).decode()
+            for src in (n for n in names if n.endswith(".py")):
+                folder, _, file = src.rpartition("/")
+                pyc = f"{folder}/__pycache__/{file[:-3]}.{tag}.pyc"
+                assert pyc in names and f"{pyc}," in record, (name, pyc)
+                data = z.read(pyc)
+                flags = int.from_bytes(data[4:8], "little")
+                assert flags == 0b11, (pyc, flags)  # hash-based and checked against the source
+
+
 def test_our_pages_and_scripts_point_nowhere_off_origin(web_bundle):
     ours = [web_bundle / "index.html", web_bundle / "demo.js", *(web_bundle / "ruvllm").glob("*.js")]
     for f in ours:
