@@ -30,14 +30,27 @@ async function chooseDevice(wanted) {
   return 'wasm';
 }
 
+// A one-node ONNX model (Identity): opening it starts onnxruntime-web (fetch and compile its WASM,
+// start its threads) while the package is still being read, instead of inside the real session's creation.
+const RUNTIME_PROBE = Uint8Array.from(atob(
+  'CAgSADo6ChAKAXgSAXkiCElkZW50aXR5EgR3YXJtWg8KAXgSCgoICAESBAoCCAFiDwoBeRIKCggIARIECgIIAUIECgAQDQ=='), (c) => c.charCodeAt(0));
+
+async function startRuntime(ortURL, device, threads) {
+  const ort = await import(new URL(device === 'webgpu' ? 'ort.webgpu.min.mjs' : 'ort.wasm.min.mjs', ortURL).href);
+  ort.env.wasm.wasmPaths = ortURL;
+  ort.env.wasm.numThreads = threads;
+  ort.env.logLevel = 'error';
+  const probe = await ort.InferenceSession.create(RUNTIME_PROBE, { executionProviders: [device] });
+  await probe.release();
+  return ort;
+}
+
 async function open({ model, ortURL, device: wanted, threads }) {
   const t0 = performance.now();
   const device = await chooseDevice(wanted);
-  const [pkg, ort] = await Promise.all([
-    loadPackage(model, (progress) => post({ type: 'progress', progress })),
-    import(new URL(device === 'webgpu' ? 'ort.webgpu.min.mjs' : 'ort.wasm.min.mjs', ortURL).href),
-  ]);
-  const { manifest, files, stats } = pkg;
+  const runtime = startRuntime(ortURL, device, threads);
+  runtime.catch(() => {}); // awaited below; a failure surfaces there
+  const { manifest, files, stats } = await loadPackage(model, (progress) => post({ type: 'progress', progress }));
   const graph = manifest.graphs.decoder.file;
   // graphs and weights stay here (or were never fetched: the LoRA variant); the rest goes to Python
   const graphFiles = Object.keys(manifest.files).filter((n) => n.endsWith('.onnx') || n.endsWith('.data'));
@@ -46,9 +59,7 @@ async function open({ model, ortURL, device: wanted, threads }) {
     Object.values(small).map((b) => b.buffer));
 
   post({ type: 'progress', progress: { stage: 'session', message: 'preparing the model' } });
-  ort.env.wasm.wasmPaths = ortURL;
-  ort.env.wasm.numThreads = threads;
-  ort.env.logLevel = 'error';
+  const ort = await runtime;
   const external = graphFiles.filter((n) => n.endsWith('.data') && files[n]).map((n) => ({ path: n, data: files[n] }));
   const session = await ort.InferenceSession.create(files[graph], {
     executionProviders: [device], graphOptimizationLevel: 'all', externalData: external, logSeverityLevel: 3,
