@@ -13,7 +13,7 @@ import subprocess
 import zipfile
 from pathlib import Path
 
-from wasm.wheels import EPOCH, _record_hash
+from wasm.wheels import record_hash, zip_entry
 
 HERE = Path(__file__).resolve().parent
 
@@ -38,16 +38,13 @@ def add_to_wheel(wheel: Path, extra: dict[str, bytes]) -> None:
         entries = [(info, z.read(info)) for info in z.infolist()]
     record_at = next(i for i, (info, _) in enumerate(entries) if info.filename.endswith(".dist-info/RECORD"))
     info, record = entries[record_at]
-    lines = "".join(f"{p},{_record_hash(d)},{len(d)}\n" for p, d in sorted(extra.items()))
+    lines = "".join(f"{p},{record_hash(d)},{len(d)}\n" for p, d in sorted(extra.items()))
     entries[record_at] = (info, record + lines.encode())
     with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as z:
         for info, data in entries:
             z.writestr(info, data)
         for arc, data in sorted(extra.items()):
-            new = zipfile.ZipInfo(arc, EPOCH)
-            new.compress_type = zipfile.ZIP_DEFLATED
-            new.external_attr = 0o644 << 16
-            z.writestr(new, data)
+            z.writestr(zip_entry(arc), data)
 
 
 def add_bytecode(wheels: list[Path], node_modules: Path) -> bool:

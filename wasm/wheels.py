@@ -15,8 +15,16 @@ from pathlib import Path
 EPOCH = (2020, 1, 1, 0, 0, 0)  # fixed timestamps: reproducible archives
 
 
-def _record_hash(data: bytes) -> str:
+def record_hash(data: bytes) -> str:
     return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def zip_entry(arc: str) -> zipfile.ZipInfo:
+    """A deflated, world-readable entry with a fixed timestamp."""
+    info = zipfile.ZipInfo(arc, EPOCH)
+    info.compress_type = zipfile.ZIP_DEFLATED
+    info.external_attr = 0o644 << 16
+    return info
 
 
 def write_wheel(out_dir: Path, name: str, version: str, files: dict[str, bytes],
@@ -29,16 +37,13 @@ def write_wheel(out_dir: Path, name: str, version: str, files: dict[str, bytes],
     entries[f"{dist}.dist-info/METADATA"] = "".join(meta).encode()
     entries[f"{dist}.dist-info/WHEEL"] = (b"Wheel-Version: 1.0\nGenerator: ruvllm-wasm\nRoot-Is-Purelib: true\n"
                                           b"Tag: py3-none-any\n")
-    record = "".join(f"{p},{_record_hash(d)},{len(d)}\n" for p, d in entries.items())
+    record = "".join(f"{p},{record_hash(d)},{len(d)}\n" for p, d in entries.items())
     entries[f"{dist}.dist-info/RECORD"] = (record + f"{dist}.dist-info/RECORD,,\n").encode()
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{dist}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
         for arc, data in entries.items():
-            info = zipfile.ZipInfo(arc, EPOCH)
-            info.compress_type = zipfile.ZIP_DEFLATED
-            info.external_attr = 0o644 << 16
-            z.writestr(info, data)
+            z.writestr(zip_entry(arc), data)
     return path
 
 
