@@ -110,7 +110,7 @@ def run_one(browser, base: str, engine: str, threads: int, tokens: int, dtype: s
         if failure:
             return {"engine": engine, "dtype": dtype, "error": failure[:500]}
         result = page.evaluate("window.result")
-        if engine == "ruvllm":  # a reload: the model comes from the Cache API this time
+        if engine == "ruvllm":  # a reload: the model comes from the browser's storage (OPFS) this time
             t = time.monotonic()
             page.reload()
             page.wait_for_function("window.result || window.failure", timeout=timeout_s * 1000)
