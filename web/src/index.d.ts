@@ -115,6 +115,8 @@ export interface EngineInfo {
   crossOriginIsolated: boolean;
   quantization: Record<string, unknown>;
   cache: { fromCache: number; downloaded: number; refetched: number };
+  /** 'snapshot': Python restored from the memory snapshot stored at an earlier load; 'booted': started afresh */
+  python: 'snapshot' | 'booted';
   loadSeconds: number;
   fetchSeconds: number;
 }

@@ -2,6 +2,8 @@
 // index.js. The model itself (fetch, verify, onnxruntime-web session, KV pool) lives in a second
 // worker, ort_worker.js, so both load at once; everything heavy is off the page's thread.
 
+import { sha256Hex } from './model_store.js';
+import { PythonSnapshots } from './python_snapshot.js';
 import { RemoteRunner } from './remote_runner.js';
 
 let engine = null; // runtime.web_api.WebEngine (a PyProxy)
@@ -10,17 +12,78 @@ let info = null;
 
 const post = (msg) => self.postMessage(msg);
 
+// The wheels `name` needs (pyodide-lock.json's dependency closure), fetched and checked against the
+// lock's sha256. Installed by unzipping them into site-packages, not with pyodide.loadPackage, which
+// leaves JS references in the interpreter that a memory snapshot cannot hold.
+async function fetchWheels(lock, name) {
+  const wanted = new Set();
+  const visit = (n) => {
+    if (wanted.has(n)) return;
+    if (!lock.packages[n]) throw new Error(`pyodide-lock.json has no package ${n}`);
+    wanted.add(n);
+    for (const dep of lock.packages[n].depends ?? []) visit(dep);
+  };
+  visit(name);
+  return Promise.all([...wanted].map(async (n) => {
+    const { file_name: url, sha256 } = lock.packages[n];
+    const res = await fetch(url);
+    if (!res.ok) throw new Error(`${url}: HTTP ${res.status}`);
+    const bytes = new Uint8Array(await res.arrayBuffer());
+    if ((await sha256Hex(bytes)) !== sha256) throw new Error(`${url}: sha256 does not match pyodide-lock.json`);
+    return { name: url.split('/').pop(), bytes };
+  }));
+}
+
+function installWheels(pyodide, wheels) {
+  pyodide.FS.mkdirTree('/tmp/wheels');
+  for (const { name, bytes } of wheels) pyodide.FS.writeFile(`/tmp/wheels/${name}`, bytes);
+  pyodide.runPython(`
+import os, site, zipfile
+for _w in sorted(os.listdir('/tmp/wheels')):
+    with zipfile.ZipFile(f'/tmp/wheels/{_w}') as _z:
+        _z.extractall(site.getsitepackages()[0])
+    os.remove(f'/tmp/wheels/{_w}')
+del _w, _z
+`);
+}
+
 async function bootPython(pyodideURL, pythonURL, mark = () => {}) {
   const { loadPyodide } = await import(new URL('pyodide.mjs', pyodideURL).href);
   const lock = await (await fetch(new URL('pyodide-lock.json', pythonURL))).json();
   for (const pkg of Object.values(lock.packages)) pkg.file_name = new URL(pkg.file_name, pythonURL).href;
-  const pyodide = await loadPyodide({ indexURL: pyodideURL, lockFileContents: lock, packageBaseUrl: pythonURL,
-    stdout: () => {}, stderr: (s) => console.warn(s) });
+  const options = { indexURL: pyodideURL, lockFileContents: lock, packageBaseUrl: pythonURL,
+    stdout: () => {}, stderr: (s) => console.warn(s) };
+  const snapshots = await PythonSnapshots.open(lock);
+  const stored = await snapshots?.find();
+  if (stored) {
+    try { // the snapshot is read and checked while Pyodide's WASM compiles
+      const pyodide = await loadPyodide({ ...options, _loadSnapshot: snapshots.read(stored) });
+      pyodide.runPython('import random; random.seed()'); // not the state the snapshot was taken with
+      mark('pyodide');
+      mark('wheels');
+      return { pyodide, python: 'snapshot' };
+    } catch (err) {
+      console.warn(`ruvllm: the stored Python snapshot was not usable (${err?.message ?? err}); starting Python afresh`);
+      await snapshots.remove(stored);
+    }
+  }
+  const wheels = fetchWheels(lock, 'ruvllm');
+  wheels.catch(() => {}); // awaited below
+  const pyodide = await loadPyodide({ ...options, _makeSnapshot: Boolean(snapshots) });
   mark('pyodide');
-  await pyodide.loadPackage(['ruvllm'], { messageCallback: () => {}, errorCallback: (s) => console.warn(s) });
+  installWheels(pyodide, await wheels);
   mark('wheels');
-  pyodide.pyimport('runtime.web_api');  // import (and compile) the engine while the model loads
-  return pyodide;
+  // import (and compile) everything the engine will use while the model loads, then keep that heap
+  pyodide.runPython('import runtime.web_preload as _p; _p.preload_modules(); del _p');
+  if (snapshots) {
+    try {
+      const image = pyodide.makeMemorySnapshot();
+      snapshots.save(image).catch((err) => console.warn(`ruvllm: Python snapshot not stored: ${err?.message ?? err}`));
+    } catch (err) {
+      console.warn(`ruvllm: no Python snapshot this time: ${err?.message ?? err}`);
+    }
+  }
+  return { pyodide, python: 'booted' };
 }
 
 async function load(opts) {
@@ -50,7 +113,7 @@ async function load(opts) {
 
   // Python needs only the small files (manifest, tokenizer, template), which come before the session
   const openFailed = opened.then(() => new Promise(() => {})); // settles only if opening fails
-  const [pyodide] = await Promise.race([Promise.all([python, filesArrived]), openFailed]);
+  const [{ pyodide, python: pythonStart }] = await Promise.race([Promise.all([python, filesArrived]), openFailed]);
   const { manifest, files, graphFiles } = filesMessage;
   const dir = `/models/${manifest.files[manifest.graphs.decoder.file].sha256.slice(0, 16)}`;
   pyodide.FS.mkdirTree(dir);
@@ -65,11 +128,11 @@ async function load(opts) {
     max_batch_tokens: opts.maxBatchTokens ?? 256,
   });
   mark('engine');
-  const { device, sessionSeconds } = await opened;
+  const { device, sessionSeconds, cache } = await opened;
   timings.model_worker = { fetch: Number(filesMessage.fetchSeconds.toFixed(3)), session: Number(sessionSeconds.toFixed(3)) };
   info = {
     model: name, device, threads, crossOriginIsolated: self.crossOriginIsolated,
-    quantization: manifest.quantization, cache: filesMessage.cache,
+    quantization: manifest.quantization, cache, python: pythonStart,
     loadSeconds: (performance.now() - t0) / 1000, timings,
   };
   progress({ stage: 'ready' });

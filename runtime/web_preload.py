@@ -1,0 +1,42 @@
+"""What the page's Python must hold before web/src/worker.js takes a memory snapshot of it.
+
+A restored Pyodide snapshot has every module that was imported, but not the wheels' files (the
+file system is not part of the heap), so a module imported lazily after a restore would not be
+found. Everything the page can reach is imported here first, and the tokenizer's character
+tables, which do not depend on the model, are built once into the snapshot.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+# the wheels the page installs (pyodide-lock.json's "ruvllm" and its dependencies) and Pyodide's own
+# Python modules the web backend imports lazily
+PACKAGES = ("runtime", "jinja2", "markupsafe")
+EXTRA_MODULES = ("pyodide.ffi", "json", "asyncio")
+# never used in the page: the CLI (argparse alone costs ~0.1 s here), and what needs native libraries
+NOT_IN_THE_PAGE = ("runtime.cli", "runtime.server", "runtime.bench", "runtime.backends.native")
+
+
+def preload_modules() -> list[str]:
+    """Import every module of PACKAGES that imports here; return the ones that cannot.
+
+    Modules the page never uses are left out, and `__main__` modules, because importing one runs it.
+    """
+    skipped = []
+    for name in EXTRA_MODULES:
+        importlib.import_module(name)
+    for top in PACKAGES:
+        package = importlib.import_module(top)
+        for info in pkgutil.walk_packages(package.__path__, f"{top}."):
+            if info.name.rsplit(".", 1)[-1] == "__main__" or info.name.startswith(NOT_IN_THE_PAGE):
+                continue
+            try:
+                importlib.import_module(info.name)
+            except ImportError:
+                skipped.append(info.name)
+    from runtime.pretokenize import _category_tables
+
+    _category_tables()
+    return skipped
