@@ -4,14 +4,15 @@
 // Files are stored under their sha256 (content-addressed: a new model version is new files), and a
 // file gets its name only after its size and sha256 match, so a failed or partial download never
 // leaves a broken entry. A stored file is re-hashed on every load and fetched again if it no longer
-// matches (a corrupted disk, a tampered entry). OPFS read through a worker's sync access handle
-// returned 95 MB in ~60 ms in a persistent Chromium profile, the Cache API in ~150 ms; this read
-// sits on the cached load's critical path. The manifest is kept in the Cache API by URL, for
+// matches (a corrupted disk, a tampered entry); for the graph files that check may run while
+// onnxruntime-web already builds its session from them (see ort_worker.js). OPFS read through a
+// worker's sync access handle returned 95 MB in ~60 ms in a persistent Chromium profile, the Cache
+// API in ~150 ms; this read sits on the cached load's critical path. The manifest is kept in the Cache API by URL, for
 // offline loads.
 
 export const STORE_DIR = 'ruvllm-models-v1';
 
-async function sha256Hex(buffer) {
+export async function sha256Hex(buffer) {
   const digest = await crypto.subtle.digest('SHA-256', buffer);
   return Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, '0')).join('');
 }
@@ -33,7 +34,7 @@ async function openCache() {
   }
 }
 
-async function readStored(dir, name) {
+export async function readStored(dir, name) {
   let handle;
   try {
     handle = await dir.getFileHandle(name);
@@ -54,7 +55,7 @@ async function readStored(dir, name) {
   }
 }
 
-async function store(dir, name, bytes) {
+export async function store(dir, name, bytes) {
   // write under a temporary name, then rename: a crash mid-write leaves no file under `name`
   const part = `${name}.part`;
   try {
@@ -108,9 +109,14 @@ async function readJSON(url, cache) {
 
 /**
  * Load every file of the package at `baseURL`.
- * Returns { manifest, files: {name: Uint8Array}, stats: {fromCache, downloaded, refetched, ...ms} }.
+ * Returns { manifest, files: {name: Uint8Array}, stats: {fromCache, downloaded, refetched, ...ms}, checked }.
+ *
+ * A stored file for which `deferCheck(name)` is true is returned before its sha256 is known, so the
+ * caller can start on it (onnxruntime-web's session creation) while the digest runs; `checked`
+ * resolves to the names whose digest failed. Their entries are already deleted, so a second
+ * loadPackage downloads them again. Every other file is checked before this returns.
  */
-export async function loadPackage(baseURL, onProgress = () => {}) {
+export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck = () => false } = {}) {
   const base = new URL(baseURL.endsWith('/') ? baseURL : `${baseURL}/`, self.location.href);
   const [dir, cache] = await Promise.all([openStore(), openCache()]);
   const t0 = performance.now();
@@ -123,24 +129,30 @@ export async function loadPackage(baseURL, onProgress = () => {}) {
   let loaded = 0;
   const stats = { fromCache: 0, downloaded: 0, refetched: 0, manifestMs: performance.now() - t0, readMs: 0, verifyMs: 0 };
   const files = {};
+  const deferred = [];
+  const verify = async (name, meta, bytes) => {
+    const t = performance.now();
+    const ok = bytes.length === Number(meta.size) && (await sha256Hex(bytes)) === meta.sha256;
+    stats.verifyMs = Math.max(stats.verifyMs, performance.now() - t);
+    if (!ok) await dir.removeEntry(meta.sha256).catch(() => {});
+    return ok;
+  };
   // every file at once: storage reads and sha256 digests (off-thread in the browser) overlap
   await Promise.all(entries.map(async ([name, meta]) => {
     const url = new URL(name, base).href;
-    let t = performance.now();
+    const t = performance.now();
     const stored = dir ? await readStored(dir, meta.sha256) : null;
     if (stored) {
       stats.readMs = Math.max(stats.readMs, performance.now() - t);
-      t = performance.now();
-      const digest = await sha256Hex(stored);
-      stats.verifyMs = Math.max(stats.verifyMs, performance.now() - t);
-      if (stored.length === Number(meta.size) && digest === meta.sha256) {
+      const later = deferCheck(name) && stored.length === Number(meta.size);
+      if (later) deferred.push(verify(name, meta, stored).then((ok) => (ok ? null : name)));
+      if (later || await verify(name, meta, stored)) {
         files[name] = stored;
         loaded += stored.length;
         stats.fromCache++;
         onProgress({ stage: 'model', loaded, total, file: name, cached: true });
         return;
       }
-      await dir.removeEntry(meta.sha256).catch(() => {});
       stats.refetched++;
     }
     const bytes = await download(url, Number(meta.size), (n) => {
@@ -152,5 +164,6 @@ export async function loadPackage(baseURL, onProgress = () => {}) {
     files[name] = bytes;
     stats.downloaded++;
   }));
-  return { manifest, files, stats };
+  const checked = Promise.all(deferred).then((names) => names.filter(Boolean));
+  return { manifest, files, stats, checked };
 }
