@@ -1,4 +1,4 @@
-"""What the page's Python must hold before web/src/worker.js takes a memory snapshot of it.
+"""What the page's Python must hold before the bundle build takes its memory snapshot (wasm/snapshot.py).
 
 A restored Pyodide snapshot has every module that was imported, but not the wheels' files (the
 file system is not part of the heap), so a module imported lazily after a restore would not be

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from wasm.bytecode import add_bytecode
+from wasm.snapshot import make_snapshot
 from wasm.wheels import markupsafe_from_sdist, package_files, write_wheel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -118,6 +119,9 @@ def build(out: Path, model: str | None = "smollm2-135m", quant: str = "int4") ->
     core_lock = json.loads((modules / "pyodide" / "pyodide-lock.json").read_text())
     lock = {"info": core_lock["info"], "packages": python_wheels(out / "python", ROOT / "build" / "web-cache", modules)}
     (out / "python" / "pyodide-lock.json").write_text(json.dumps(lock, indent=1))
+    log("python memory snapshot")
+    if make_snapshot(out / "python", modules) is None:
+        log("no python snapshot (Node or Pyodide failed): the page will boot Python itself")
     shutil.rmtree(WEB / "python", ignore_errors=True)  # the npm package ships the same wheels and lock
     shutil.copytree(out / "python", WEB / "python")
     shutil.copytree(WEB / "src", out / "ruvllm")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import re
@@ -48,6 +49,15 @@ def test_the_imported_wheels_carry_bytecode_for_pyodides_python(web_bundle):
                 data = z.read(pyc)
                 flags = int.from_bytes(data[4:8], "little")
                 assert flags == 0b11, (pyc, flags)  # hash-based and checked against the source
+
+
+def test_the_python_snapshot_is_indexed_with_its_real_sha256_and_holds_every_page_module(web_bundle):
+    index = json.loads((web_bundle / "python" / "snapshot.json").read_text())
+    data = (web_bundle / "python" / index["file"]).read_bytes()
+    assert len(data) == index["size"] and hashlib.sha256(data).hexdigest() == index["sha256"]
+    assert index["not_imported"] == []  # every module runtime/web_preload.py wants imported in Pyodide
+    heap = gzip.decompress(data)
+    assert len(heap) == index["heap_bytes"] > 10 << 20
 
 
 def test_our_pages_and_scripts_point_nowhere_off_origin(web_bundle):

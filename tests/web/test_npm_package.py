@@ -57,8 +57,9 @@ def test_a_page_runs_the_engine_from_the_tarball(tarball, offline_page, tiny_pac
     assert info["device"] == "wasm"
     reply = p.evaluate(CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0})
     assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] == 6
-    # the worker, the runtime wheel and Pyodide came from the tarball and node_modules, not the bundle
+    # the worker, the runtime (the Python snapshot holding it) and Pyodide came from the tarball and
+    # node_modules, not the bundle
     assert any("/npm/package/src/worker.js" in u for u in p.requests)
-    assert any("/npm/package/python/ruvllm-" in u for u in p.requests)
+    assert info["python"] == "snapshot" and any("/npm/package/python/python-snapshot.bin.gz" in u for u in p.requests)
     assert any("/node_modules/pyodide/pyodide.asm.wasm" in u for u in p.requests)
     assert not any(urlparse(u).path.startswith("/ruvllm/") for u in p.requests)

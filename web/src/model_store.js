@@ -34,7 +34,7 @@ async function openCache() {
   }
 }
 
-export async function readStored(dir, name) {
+async function readStored(dir, name) {
   let handle;
   try {
     handle = await dir.getFileHandle(name);
@@ -55,7 +55,7 @@ export async function readStored(dir, name) {
   }
 }
 
-export async function store(dir, name, bytes) {
+async function store(dir, name, bytes) {
   // write under a temporary name, then rename: a crash mid-write leaves no file under `name`
   const part = `${name}.part`;
   try {

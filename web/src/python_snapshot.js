@@ -1,60 +1,29 @@
-// A memory snapshot of the engine worker's Python, taken once its modules are imported (Pyodide's
-// snapshot API) and kept in OPFS. A reload restores it instead of booting Python, installing the
-// wheels and importing them again: ~2 s of a cached load become ~0.2 s.
+// The page's Python as a memory snapshot: made at bundle build by the bundle's own Pyodide in Node
+// (wasm/snapshot.py: wheels installed, every module the page can reach imported), restored here
+// instead of booting Pyodide, installing the wheels and importing them (~2.6 s on a reload, 4+ s on
+// a first visit beside the model's download; a restore takes ~0.5 s, the download 6.5 MB gzipped).
 //
-// The key is what the heap holds: the wheels (their sha256 in our pyodide-lock.json) and the
-// Python they were built for; Pyodide itself refuses a snapshot of another build. A stored snapshot
-// carries its own sha256 in its file name, is checked on every read, and one that fails the check
-// or fails to restore is deleted, so the next load boots Python and writes a fresh one.
+// python/snapshot.json names the file with its size and sha256; the bytes are checked before
+// Pyodide sees them, and Pyodide itself refuses a snapshot of another build. The caller boots
+// Python the ordinary way when there is no snapshot or it fails any of these.
 
-import { readStored, sha256Hex, store } from './model_store.js';
+import { sha256Hex } from './model_store.js';
 
-export const SNAPSHOT_DIR = 'ruvllm-python-v1';
+/** The bundle's snapshot index ({file, size, sha256}), or null when it ships none. */
+export async function findSnapshot(pythonURL) {
+  const res = await fetch(new URL('snapshot.json', pythonURL)).catch(() => null);
+  return res?.ok ? res.json() : null;
+}
 
-export class PythonSnapshots {
-  static async open(lock) {
-    let dir;
-    try {
-      dir = await (await navigator.storage.getDirectory()).getDirectoryHandle(SNAPSHOT_DIR, { create: true });
-    } catch {
-      return null; // no OPFS here (private mode, opaque origin): boot every time
-    }
-    const wheels = Object.entries(lock.packages).map(([name, p]) => `${name} ${p.version} ${p.sha256}`).sort();
-    const what = JSON.stringify({ python: lock.info, wheels });
-    return new PythonSnapshots(dir, (await sha256Hex(new TextEncoder().encode(what))).slice(0, 32));
+/** The heap bytes, once the gzipped file's size and sha256 match the index; rejects otherwise. */
+export async function readSnapshot(pythonURL, index) {
+  const url = new URL(index.file, pythonURL);
+  const res = await fetch(url);
+  if (!res.ok) throw new Error(`${url}: HTTP ${res.status}`);
+  const gz = new Uint8Array(await res.arrayBuffer());
+  if (gz.length !== index.size || (await sha256Hex(gz)) !== index.sha256) {
+    throw new Error(`${url}: size or sha256 does not match snapshot.json`);
   }
-
-  constructor(dir, key) {
-    this.dir = dir;
-    this.key = key;
-  }
-
-  /** The stored snapshot's file name for this key, or null. */
-  async find() {
-    for await (const name of this.dir.keys()) {
-      if (name.startsWith(`${this.key}-`) && !name.endsWith('.part')) return name;
-    }
-    return null;
-  }
-
-  /** Its bytes once their sha256 matches the name; rejects otherwise. */
-  async read(name) {
-    const bytes = await readStored(this.dir, name);
-    if (!bytes) throw new Error('the snapshot vanished');
-    if (`${this.key}-${await sha256Hex(bytes)}` !== name) throw new Error('the snapshot is corrupt');
-    return bytes;
-  }
-
-  async remove(name) {
-    await this.dir.removeEntry(name).catch(() => {});
-  }
-
-  /** Store a new snapshot for this key and drop every other one (older wheels or Pyodide). */
-  async save(bytes) {
-    const name = `${this.key}-${await sha256Hex(bytes)}`;
-    const stale = [];
-    for await (const old of this.dir.keys()) if (old !== name) stale.push(old);
-    await Promise.all(stale.map((old) => this.remove(old)));
-    await store(this.dir, name, bytes);
-  }
+  const heap = new Response(new Blob([gz]).stream().pipeThrough(new DecompressionStream('gzip')));
+  return new Uint8Array(await heap.arrayBuffer());
 }

@@ -3,7 +3,7 @@
 // worker, ort_worker.js, so both load at once; everything heavy is off the page's thread.
 
 import { sha256Hex } from './model_store.js';
-import { PythonSnapshots } from './python_snapshot.js';
+import { findSnapshot, readSnapshot } from './python_snapshot.js';
 import { RemoteRunner } from './remote_runner.js';
 
 let engine = null; // runtime.web_api.WebEngine (a PyProxy)
@@ -13,8 +13,8 @@ let info = null;
 const post = (msg) => self.postMessage(msg);
 
 // The wheels `name` needs (pyodide-lock.json's dependency closure), fetched and checked against the
-// lock's sha256. Installed by unzipping them into site-packages, not with pyodide.loadPackage, which
-// leaves JS references in the interpreter that a memory snapshot cannot hold.
+// lock's sha256, then unzipped into site-packages: what wasm/make_snapshot.mjs does before taking
+// the snapshot (pyodide.loadPackage leaves JS references in the interpreter that a snapshot cannot hold).
 async function fetchWheels(lock, name) {
   const wanted = new Set();
   const visit = (n) => {
@@ -53,36 +53,25 @@ async function bootPython(pyodideURL, pythonURL, mark = () => {}) {
   for (const pkg of Object.values(lock.packages)) pkg.file_name = new URL(pkg.file_name, pythonURL).href;
   const options = { indexURL: pyodideURL, lockFileContents: lock, packageBaseUrl: pythonURL,
     stdout: () => {}, stderr: (s) => console.warn(s) };
-  const snapshots = await PythonSnapshots.open(lock);
-  const stored = await snapshots?.find();
-  if (stored) {
-    try { // the snapshot is read and checked while Pyodide's WASM compiles
-      const pyodide = await loadPyodide({ ...options, _loadSnapshot: snapshots.read(stored) });
-      pyodide.runPython('import random; random.seed()'); // not the state the snapshot was taken with
+  const snapshot = await findSnapshot(pythonURL);
+  if (snapshot) {
+    try { // the snapshot is fetched, checked and unzipped while Pyodide's WASM compiles
+      const pyodide = await loadPyodide({ ...options, _loadSnapshot: readSnapshot(pythonURL, snapshot) });
+      pyodide.runPython('import random; random.seed()'); // not the build machine's state
       mark('pyodide');
       mark('wheels');
       return { pyodide, python: 'snapshot' };
     } catch (err) {
-      console.warn(`ruvllm: the stored Python snapshot was not usable (${err?.message ?? err}); starting Python afresh`);
-      await snapshots.remove(stored);
+      console.warn(`ruvllm: the bundle's Python snapshot was not usable (${err?.message ?? err}); starting Python`);
     }
   }
   const wheels = fetchWheels(lock, 'ruvllm');
   wheels.catch(() => {}); // awaited below
-  const pyodide = await loadPyodide({ ...options, _makeSnapshot: Boolean(snapshots) });
+  const pyodide = await loadPyodide(options);
   mark('pyodide');
   installWheels(pyodide, await wheels);
   mark('wheels');
-  // import (and compile) everything the engine will use while the model loads, then keep that heap
-  pyodide.runPython('import runtime.web_preload as _p; _p.preload_modules(); del _p');
-  if (snapshots) {
-    try {
-      const image = pyodide.makeMemorySnapshot();
-      snapshots.save(image).catch((err) => console.warn(`ruvllm: Python snapshot not stored: ${err?.message ?? err}`));
-    } catch (err) {
-      console.warn(`ruvllm: no Python snapshot this time: ${err?.message ?? err}`);
-    }
-  }
+  pyodide.runPython('import runtime.web_api'); // import (and compile) the engine while the model loads
   return { pyodide, python: 'booted' };
 }
 
