@@ -5,6 +5,7 @@
 import { sha256Hex } from './model_store.js';
 import { findSnapshot, readSnapshot } from './python_snapshot.js';
 import { RemoteRunner } from './remote_runner.js';
+import { installWheels, wheelClosure } from './wheels.js';
 
 let engine = null; // runtime.web_api.WebEngine (a PyProxy)
 let runner = null; // RemoteRunner
@@ -12,39 +13,15 @@ let info = null;
 
 const post = (msg) => self.postMessage(msg);
 
-// The wheels `name` needs (pyodide-lock.json's dependency closure), fetched and checked against the
-// lock's sha256, then unzipped into site-packages: what wasm/make_snapshot.mjs does before taking
-// the snapshot (pyodide.loadPackage leaves JS references in the interpreter that a snapshot cannot hold).
+// The wheels `name` needs, fetched and checked against pyodide-lock.json's sha256.
 async function fetchWheels(lock, name) {
-  const wanted = new Set();
-  const visit = (n) => {
-    if (wanted.has(n)) return;
-    if (!lock.packages[n]) throw new Error(`pyodide-lock.json has no package ${n}`);
-    wanted.add(n);
-    for (const dep of lock.packages[n].depends ?? []) visit(dep);
-  };
-  visit(name);
-  return Promise.all([...wanted].map(async (n) => {
-    const { file_name: url, sha256 } = lock.packages[n];
+  return Promise.all(wheelClosure(lock, name).map(async ({ file_name: url, sha256 }) => {
     const res = await fetch(url);
     if (!res.ok) throw new Error(`${url}: HTTP ${res.status}`);
     const bytes = new Uint8Array(await res.arrayBuffer());
     if ((await sha256Hex(bytes)) !== sha256) throw new Error(`${url}: sha256 does not match pyodide-lock.json`);
     return { name: url.split('/').pop(), bytes };
   }));
-}
-
-function installWheels(pyodide, wheels) {
-  pyodide.FS.mkdirTree('/tmp/wheels');
-  for (const { name, bytes } of wheels) pyodide.FS.writeFile(`/tmp/wheels/${name}`, bytes);
-  pyodide.runPython(`
-import os, site, zipfile
-for _w in sorted(os.listdir('/tmp/wheels')):
-    with zipfile.ZipFile(f'/tmp/wheels/{_w}') as _z:
-        _z.extractall(site.getsitepackages()[0])
-    os.remove(f'/tmp/wheels/{_w}')
-del _w, _z
-`);
 }
 
 async function bootPython(pyodideURL, pythonURL, mark = () => {}) {
