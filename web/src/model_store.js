@@ -7,8 +7,8 @@
 // matches (a corrupted disk, a tampered entry); for the graph files that check may run while
 // onnxruntime-web already builds its session from them (see ort_worker.js). OPFS read through a
 // worker's sync access handle returned 95 MB in ~60 ms in a persistent Chromium profile, the Cache
-// API in ~150 ms; this read sits on the cached load's critical path. The manifest is kept in the Cache API by URL, for
-// offline loads.
+// API in ~150 ms; this read sits on the cached load's critical path. The manifest is kept in the
+// Cache API by URL, for offline loads.
 
 export const STORE_DIR = 'ruvllm-models-v1';
 
@@ -130,7 +130,7 @@ export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck =
   const stats = { fromCache: 0, downloaded: 0, refetched: 0, manifestMs: performance.now() - t0, readMs: 0, verifyMs: 0 };
   const files = {};
   const deferred = [];
-  const verify = async (name, meta, bytes) => {
+  const verify = async (meta, bytes) => {
     const t = performance.now();
     const ok = bytes.length === Number(meta.size) && (await sha256Hex(bytes)) === meta.sha256;
     stats.verifyMs = Math.max(stats.verifyMs, performance.now() - t);
@@ -145,8 +145,8 @@ export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck =
     if (stored) {
       stats.readMs = Math.max(stats.readMs, performance.now() - t);
       const later = deferCheck(name) && stored.length === Number(meta.size);
-      if (later) deferred.push(verify(name, meta, stored).then((ok) => (ok ? null : name)));
-      if (later || await verify(name, meta, stored)) {
+      if (later) deferred.push(verify(meta, stored).then((ok) => (ok ? null : name)));
+      if (later || await verify(meta, stored)) {
         files[name] = stored;
         loaded += stored.length;
         stats.fromCache++;

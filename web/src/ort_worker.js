@@ -54,8 +54,8 @@ async function createSession(ort, manifest, files, device) {
   // SiLU -> QuickGelu fusion to our graphs: no faster per step (interleaved A/B in Node), and
   // ~0.25 s more session creation, which is on the cached load's critical path
   return ort.InferenceSession.create(files[graph], {
-    executionProviders: [device], graphOptimizationLevel: device === 'wasm' ? 'basic' : 'all', externalData: external, logSeverityLevel: 3,
-    extra: nested(manifest.quantization?.session_config),
+    executionProviders: [device], graphOptimizationLevel: device === 'wasm' ? 'basic' : 'all',
+    externalData: external, logSeverityLevel: 3, extra: nested(manifest.quantization?.session_config),
   });
 }
 
