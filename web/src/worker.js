@@ -1,4 +1,5 @@
-// The engine's Web Worker: boots Pyodide with the RuvLLM runtime and serves chat requests posted by
+// The engine's Web Worker: starts Pyodide with the RuvLLM runtime (restored from the bundle's memory
+// snapshot, or booted and installed when that cannot be used) and serves chat requests posted by
 // index.js. The model itself (fetch, verify, onnxruntime-web session, KV pool) lives in a second
 // worker, ort_worker.js, so both load at once; everything heavy is off the page's thread.
 
