@@ -115,7 +115,7 @@ export interface EngineInfo {
   crossOriginIsolated: boolean;
   quantization: Record<string, unknown>;
   cache: { fromCache: number; downloaded: number; refetched: number };
-  /** 'snapshot': Python restored from the memory snapshot stored at an earlier load; 'booted': started afresh */
+  /** 'snapshot': Python restored from the bundle's memory snapshot; 'booted': started and installed afresh */
   python: 'snapshot' | 'booted';
   loadSeconds: number;
   fetchSeconds: number;

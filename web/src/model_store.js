@@ -12,9 +12,20 @@
 
 export const STORE_DIR = 'ruvllm-models-v1';
 
-export async function sha256Hex(buffer) {
+async function sha256Hex(buffer) {
   const digest = await crypto.subtle.digest('SHA-256', buffer);
   return Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, '0')).join('');
+}
+
+/** The bytes at `url` once their sha256 (and size, when given) match; `source` names where those came from. */
+export async function fetchChecked(url, { sha256, size }, source) {
+  const res = await fetch(url);
+  if (!res.ok) throw new Error(`${url}: HTTP ${res.status}`);
+  const bytes = new Uint8Array(await res.arrayBuffer());
+  if ((size !== undefined && bytes.length !== size) || (await sha256Hex(bytes)) !== sha256) {
+    throw new Error(`${url}: size or sha256 does not match ${source}`);
+  }
+  return bytes;
 }
 
 async function openStore() {

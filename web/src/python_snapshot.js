@@ -7,7 +7,7 @@
 // Pyodide sees them, and Pyodide itself refuses a snapshot of another build. The caller boots
 // Python the ordinary way when there is no snapshot or it fails any of these.
 
-import { sha256Hex } from './model_store.js';
+import { fetchChecked } from './model_store.js';
 
 /** The bundle's snapshot index ({file, size, sha256}), or null when it ships none. */
 export async function findSnapshot(pythonURL) {
@@ -17,13 +17,7 @@ export async function findSnapshot(pythonURL) {
 
 /** The heap bytes, once the gzipped file's size and sha256 match the index; rejects otherwise. */
 export async function readSnapshot(pythonURL, index) {
-  const url = new URL(index.file, pythonURL);
-  const res = await fetch(url);
-  if (!res.ok) throw new Error(`${url}: HTTP ${res.status}`);
-  const gz = new Uint8Array(await res.arrayBuffer());
-  if (gz.length !== index.size || (await sha256Hex(gz)) !== index.sha256) {
-    throw new Error(`${url}: size or sha256 does not match snapshot.json`);
-  }
+  const gz = await fetchChecked(new URL(index.file, pythonURL), index, 'snapshot.json');
   const heap = new Response(new Blob([gz]).stream().pipeThrough(new DecompressionStream('gzip')));
   return new Uint8Array(await heap.arrayBuffer());
 }

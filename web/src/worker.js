@@ -3,7 +3,7 @@
 // index.js. The model itself (fetch, verify, onnxruntime-web session, KV pool) lives in a second
 // worker, ort_worker.js, so both load at once; everything heavy is off the page's thread.
 
-import { sha256Hex } from './model_store.js';
+import { fetchChecked } from './model_store.js';
 import { findSnapshot, readSnapshot } from './python_snapshot.js';
 import { RemoteRunner } from './remote_runner.js';
 import { installWheels, wheelClosure } from './wheels.js';
@@ -16,13 +16,9 @@ const post = (msg) => self.postMessage(msg);
 
 // The wheels `name` needs, fetched and checked against pyodide-lock.json's sha256.
 async function fetchWheels(lock, name) {
-  return Promise.all(wheelClosure(lock, name).map(async ({ file_name: url, sha256 }) => {
-    const res = await fetch(url);
-    if (!res.ok) throw new Error(`${url}: HTTP ${res.status}`);
-    const bytes = new Uint8Array(await res.arrayBuffer());
-    if ((await sha256Hex(bytes)) !== sha256) throw new Error(`${url}: sha256 does not match pyodide-lock.json`);
-    return { name: url.split('/').pop(), bytes };
-  }));
+  return Promise.all(wheelClosure(lock, name).map(async (entry) => ({
+    name: entry.file_name.split('/').pop(), bytes: await fetchChecked(entry.file_name, entry, 'pyodide-lock.json'),
+  })));
 }
 
 async function bootPython(pyodideURL, pythonURL, mark = () => {}) {
