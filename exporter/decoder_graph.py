@@ -129,28 +129,44 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         allowed = b.op("And", [allowed, b.op("Greater", [key_pos, lower])])
     neg = b.const(np.finfo(np.float32).min, np.float32)
     mask = b.op("Where", [allowed, b.const(0.0, np.float32), neg])  # [B, S, T]
-    if group > 1:
-        mask = b.op("Tile", [mask, b.const([1, group, 1])])  # [B, G*S, T], g-major like the queries
-    # where this step's K/V go in the gathered [Hkv, B, T, D] context: (head, row, position) per token and head
-    row = b.op("Div", [flat_index, query_len])
-    row_pos = b.op("Concat", [b.op("Unsqueeze", [row, b.const([1])]),
-                              b.op("Unsqueeze", [position_ids, b.const([1])])], axis=1)  # [N, 2]
-    n_hkv = b.op("Concat", [b.op("Shape", [flat_index]), b.const([hkv, 2])], axis=0)
-    heads = b.op("Expand", [b.const(np.arange(hkv).reshape(1, hkv, 1)),
-                            b.op("Concat", [b.op("Shape", [flat_index]), b.const([hkv, 1])], axis=0)])
-    scatter_idx = b.op("Concat", [heads, b.op("Expand", [b.op("Unsqueeze", [row_pos, b.const([1])]), n_hkv])],
-                       axis=2)  # [N, Hkv, 3], updates [N, Hkv, D]
+    # attention runs on [Hkv*B] batches (row h*B + b: kv head h of sequence b) with the group's queries
+    # as rows: [Hkv*B, G*S, D] against [Hkv*B, T, D]
+    mask = b.op("Tile", [mask, b.const([hkv, group, 1])])  # [Hkv*B, G*S, T]
+    # Gather indices that pad, regroup and transpose the flat per-head rows in one step each, computed
+    # once per step: q rows [N*Hq, D] -> [Hkv*B, G*S, D]; K/V rows [N*Hkv, D] -> [Hkv*B, S, D]; and back,
+    # attention [Hkv*B, G*S, D] -> [N, Hq, D] (GatherND of (h*B + b, g*S + s) per token and head)
+    head_kv = b.const(np.arange(hkv).reshape(hkv, 1, 1))
+    kv_index = b.op("Flatten", [b.op("Add", [b.op("Mul", [query_index, b.const(hkv)]), head_kv])], axis=2)
+    q_tok = b.op("Unsqueeze", [b.op("Mul", [query_index, b.const(hq)]), b.const([0, 2])])  # [1, B, 1, S]
+    q_head = b.const(np.arange(hkv).reshape(hkv, 1, 1, 1) * group + np.arange(group).reshape(1, 1, group, 1))
+    q_index = b.op("Flatten", [b.op("Add", [q_tok, q_head])], axis=2)  # [Hkv*B, G*S]
+    batch = b.op("Gather", [b.op("Shape", [query_index]), b.const(0)], axis=0)
+    heads = np.arange(hq)
+    row = b.op("Unsqueeze", [b.op("Div", [flat_index, query_len]), b.const([1])])  # [N, 1]: b
+    col = b.op("Unsqueeze", [b.op("Mod", [flat_index, query_len]), b.const([1])])  # [N, 1]: s
+    out_row = b.op("Add", [row, b.op("Mul", [b.const(heads // group), batch])])  # [N, Hq]: h*B + b
+    out_col = b.op("Add", [col, b.op("Mul", [b.const(heads % group), query_len])])  # [N, Hq]: g*S + s
+    out_index = b.op("Concat", [b.op("Unsqueeze", [out_row, b.const([2])]),
+                                b.op("Unsqueeze", [out_col, b.const([2])])], axis=2)  # [N, Hq, 2]
+    # this step's K/V are written into the gathered context in place (TensorScatter): row (h, b) gets
+    # its padded [S, D] update at the sequence's first new position. The runtime makes T cover every
+    # row's first position + query_len, so the padding fits; it lies past the row's tokens, masked.
+    first_pos = b.op("Gather", [position_ids, b.op("Gather", [query_index, b.const(0)], axis=1)], axis=0)  # [B]
+    write_at = b.op("Reshape", [b.op("Expand", [b.op("Unsqueeze", [first_pos, b.const([0])]),
+                                                 b.op("Concat", [b.const([hkv]), b.op("Shape", [first_pos])], axis=0)]),
+                                b.const([-1])])  # [Hkv*B], head-major
+    ctx_shape = b.op("Concat", [b.const([-1]), b.op("Unsqueeze", [total_len, b.const([0])]), b.const([d])],
+                     axis=0)  # [Hkv*B, T, D]
     # the residual stream is [N, hidden], so every MatMul is one GEMM with M = N. RotaryEmbedding gets
     # [N, 1, heads*D]: flat tokens as its batch, since it reads the second dimension as a sequence
     # length that its cos/sin cache must cover
     pos_2d = b.op("Unsqueeze", [position_ids, b.const([1])])  # [N, 1]
-    q_shape = b.op("Concat", [b.op("Shape", [query_index]), b.const([hkv, group, d])], axis=0)
     cos_cache = b.weight("rope.cos", spec.rope_cos.astype(np.float32))
     sin_cache = b.weight("rope.sin", spec.rope_sin.astype(np.float32))
 
-    def rotary(x: str, num_heads: int) -> str:  # x: [N, heads * D] -> [N, 1, heads * D]
-        return b.op("RotaryEmbedding", [b.op("Unsqueeze", [x, b.const([1])]), pos_2d, cos_cache, sin_cache],
-                    domain=MS_DOMAIN, interleaved=0, num_heads=num_heads)
+    def rotary(x: str, num_heads: int) -> str:  # x: [N, 1, heads * D]
+        return b.op("RotaryEmbedding", [x, pos_2d, cos_cache, sin_cache], domain=MS_DOMAIN, interleaved=0,
+                    num_heads=num_heads)
 
     # ---- embeddings: the residual stream is [N, hidden] ----
     embed = weights["model.embed_tokens.weight"]
@@ -175,28 +191,29 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         if spec.attention_bias:
             bias = np.concatenate([weights[p + f"self_attn.{n}.bias"] for n in ("q_proj", "k_proj", "v_proj")])
             qkv = b.op("Add", [qkv, b.weight(f"layers.{i}.qkv_bias", bias.astype(np.float32))])
-        q, k, v = b.op("Split", [qkv, b.const([hq * d, hkv * d, hkv * d])], n_out=3, axis=1)
-        q = rotary(with_lora(i, "q_proj", hidden, q), hq)
-        k = rotary(with_lora(i, "k_proj", hidden, k), hkv)
-        v = with_lora(i, "v_proj", hidden, v)
+        sizes = b.const([hq * d, hkv * d, hkv * d])
+        if lora is None:  # [N, 1, *] for RotaryEmbedding, one Unsqueeze for all three
+            q, k, v = b.op("Split", [b.op("Unsqueeze", [qkv, b.const([1])]), sizes], n_out=3, axis=2)
+        else:
+            q, k, v = b.op("Split", [qkv, sizes], n_out=3, axis=1)
+            q, k, v = (b.op("Unsqueeze", [with_lora(i, f"{t}_proj", hidden, x), b.const([1])])
+                       for t, x in (("q", q), ("k", k), ("v", v)))
+        q, k = rotary(q, hq), rotary(k, hkv)
         ctx = []
         for pool, new, kind in ((past[i][0], k, 0), (past[i][1], v, 1)):
-            per_head = b.op("Reshape", [new, b.const([-1, hkv, d])])  # [N, Hkv, D]
+            per_head = b.op("Reshape", [new, b.const([-1, d])])  # [N*Hkv, D]
             presents[kind].append(per_head)
             gathered = b.op("Gather", [pool, block_tables], axis=1)  # [Hkv, B, MB, bs, D]
-            gathered = b.op("Reshape", [gathered, b.const([hkv, 0, -1, d])])  # [Hkv, B, T, D]
-            ctx.append(b.op("ScatterND", [gathered, scatter_idx, per_head]))
-        qp = b.op("Gather", [q, query_index], axis=0)  # [B, S, 1, Hq*D]
-        qp = b.op("Reshape", [qp, q_shape])  # [B, S, Hkv, G, D]
-        qp = b.op("Transpose", [qp], perm=[2, 0, 3, 1, 4])  # [Hkv, B, G, S, D]
-        qp = b.op("Reshape", [qp, b.const([0, 0, -1, d])])  # [Hkv, B, G*S, D]
+            rows = b.annotate(b.op("Reshape", [gathered, ctx_shape]), FLOAT, ["kv_rows", "kv_len", d])
+            update = b.op("Gather", [per_head, kv_index], axis=0)  # [Hkv*B, S, D]
+            # same symbolic shape in and out: onnxruntime then writes into the gathered copy in place
+            ctx.append(b.annotate(b.op("TensorScatter", [rows, update, write_at], axis=1),
+                                  FLOAT, ["kv_rows", "kv_len", d]))
+        qp = b.op("Gather", [b.op("Reshape", [q, b.const([-1, d])]), q_index], axis=0)  # [Hkv*B, G*S, D]
         scores = b.op("FusedMatMul", [qp, ctx[0]], domain=MS_DOMAIN, transB=1, alpha=float(1.0 / np.sqrt(d)))
-        probs = b.op("Softmax", [b.op("Add", [scores, mask])], axis=-1)  # [Hkv, B, G*S, T]
-        attn = b.op("MatMul", [probs, ctx[1]])  # [Hkv, B, G*S, D]
-        attn = b.op("Reshape", [attn, b.const([0, 0, group, -1, d])])
-        attn = b.op("Transpose", [attn], perm=[1, 3, 0, 2, 4])  # [B, S, Hkv, G, D]
-        attn = b.op("Reshape", [attn, b.const([-1, hq * d])])
-        attn = b.op("Gather", [attn, flat_index], axis=0)  # [N, Hq*D]
+        probs = b.op("Softmax", [b.op("Add", [scores, mask])], axis=-1)  # [Hkv*B, G*S, T]
+        attn = b.op("MatMul", [probs, ctx[1]])  # [Hkv*B, G*S, D]
+        attn = b.op("Reshape", [b.op("GatherND", [attn, out_index]), b.const([-1, hq * d])])  # [N, Hq*D]
         o = b.op("MatMul", [attn, matmul_weight(f"layers.{i}.o_proj", weights[p + "self_attn.o_proj.weight"])])
         o = with_lora(i, "o_proj", attn, o)
         post_ln = b.weight(f"layers.{i}.post_attention_layernorm", weights[p + "post_attention_layernorm.weight"])
@@ -220,7 +237,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
 
     # this step's K/V of every layer in one tensor each: the runtime writes them into its blocks at once
     for kind, name in ((0, C.PRESENT_KEY), (1, C.PRESENT_VALUE)):
-        stacked = b.op("Concat", presents[kind], axis=0)  # [L*N, Hkv, D]
+        stacked = b.op("Concat", presents[kind], axis=0)  # [L*N*Hkv, D]
         b.op("Reshape", [stacked, b.const([nl, -1, hkv, d])], out=name)
         b.output(name, FLOAT, [nl, "num_tokens", hkv, d])
 

@@ -6,8 +6,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-OPSET = 21
-IR_VERSION = 10  # onnxruntime 1.31 and onnxruntime-web read IR <= 10 with opset 21
+OPSET = 24  # TensorScatter (KV written in place into the gathered context) is opset 24
+IR_VERSION = 11  # onnxruntime 1.31 and onnxruntime-web 1.30 read IR 11 with opset 24
 MS_DOMAIN = "com.microsoft"
 
 
@@ -20,6 +20,7 @@ class GraphBuilder:
         self.initializers: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
         self.outputs: list[onnx.ValueInfoProto] = []
+        self.value_info: list[onnx.ValueInfoProto] = []
         self._count = 0
         self._consts: dict[tuple, str] = {}
 
@@ -34,6 +35,12 @@ class GraphBuilder:
     def output(self, name: str, elem_type: int, shape: list) -> None:
         """Declare a graph output; the node producing it must write to this exact name (op(..., out=name))."""
         self.outputs.append(helper.make_tensor_value_info(name, elem_type, shape))
+
+    def annotate(self, name: str, elem_type: int, shape: list) -> str:
+        """Declare an intermediate value's shape. Symbolic dims shared by two values tell onnxruntime's
+        memory planner they have the same size, which an in-place kernel needs to reuse its input."""
+        self.value_info.append(helper.make_tensor_value_info(name, elem_type, shape))
+        return name
 
     def weight(self, name: str, array: np.ndarray) -> str:
         # np.ascontiguousarray would turn a 0-d scalar into shape [1]
@@ -58,7 +65,8 @@ class GraphBuilder:
         return outs[0] if len(outs) == 1 else outs
 
     def model(self) -> onnx.ModelProto:
-        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers)
+        graph = helper.make_graph(self.nodes, self.name, self.inputs, self.outputs, self.initializers,
+                                  value_info=self.value_info)
         opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)]
         return helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name="ruvllm-exporter")
 

@@ -5,7 +5,9 @@ docs/ARCHITECTURE.md documents every name here with its shape and meaning.
 """
 
 FORMAT_NAME = "ruvllm-package"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the graph writes this step's K/V into its gathered context itself (TensorScatter),
+# and needs block tables as wide as every row's first new position + query_len (runtime.step_batch)
+READABLE_FORMAT_VERSIONS = (1, 2)  # a version-1 graph reads the same inputs; wider tables are harmless
 MANIFEST = "manifest.json"
 
 # Architectures whose decoder graph the exporter builds (Hugging Face `model_type` values).

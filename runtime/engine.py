@@ -18,7 +18,7 @@ from runtime.errors import ContextLengthError, RequestError
 from runtime.kv_blocks import BlockAllocator, block_key
 from runtime.package import ModelPackage, load_package
 from runtime.sampling import SamplingParams, choose, make_rng
-from runtime.step_batch import Chunk, PenaltyState, StepBatch, build_step
+from runtime.step_batch import Chunk, PenaltyState, StepBatch, build_step, table_width
 from runtime.stop import StopChecker
 from runtime.tokenizer import IncrementalDecoder, Tokenizer
 
@@ -105,8 +105,8 @@ class Engine:
         self.allocator = BlockAllocator(num_blocks, self.block_size, enable_prefix_cache)
         self.max_num_seqs = max_num_seqs
         self.max_batch_tokens = max(1, max_batch_tokens)
-        self.max_blocks_per_seq = -(-self.max_context // self.block_size)
-        backend.allocate(num_blocks, self.block_size, max_num_seqs, self.max_blocks_per_seq)
+        backend.allocate(num_blocks, self.block_size, max_num_seqs,
+                         table_width(self.max_context, self.max_batch_tokens, self.block_size))
         self.tokenizer = tokenizer or Tokenizer.from_file(package.file(package.manifest["tokenizer"]["file"]),
                                                           package.manifest["tokenizer"])
         tmpl = package.chat_template
@@ -312,7 +312,7 @@ class Engine:
                 repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                 frequency_penalty=p.frequency_penalty, penalties=seq.penalties,
                 top_k=p.candidates(self.vocab_size)))
-        return PreparedStep(plan, chunks, build_step(chunks))
+        return PreparedStep(plan, chunks, build_step(chunks, bs))
 
     def finish_step(self, prepared: PreparedStep, result) -> list[RequestOutput]:
         """Account the step's computed tokens and sample from its candidates."""

@@ -102,9 +102,10 @@ def load_package(path: str | Path, verify_hashes: bool = False, elsewhere: tuple
         raise PackageError(f"{path}: not a RuvLLM model package (manifest format is "
                            f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
     version = manifest.get("format_version")
-    if version != C.FORMAT_VERSION:
+    if version not in C.READABLE_FORMAT_VERSIONS:
+        readable = ", ".join(str(v) for v in C.READABLE_FORMAT_VERSIONS)
         raise PackageError(f"{path}: package format version {version} is not supported "
-                           f"(this runtime reads version {C.FORMAT_VERSION}); re-export it")
+                           f"(this runtime reads versions {readable}); re-export it")
     missing = [k for k in REQUIRED_KEYS if k not in manifest]
     if missing:
         raise PackageError(f"{path}: corrupt manifest, missing {', '.join(missing)}")

@@ -83,7 +83,16 @@ class StepBatch:
     want_full_logits: bool = False
 
 
-def build_step(chunks: list[Chunk], want_full_logits: bool = False) -> StepBatch:
+def table_width(max_context: int, max_batch_tokens: int, block_size: int) -> int:
+    """Block-table columns a backend needs: the graph reads every row up to its first new position
+    plus the step's query_len (see build_step), which can pass the row's own last block."""
+    return -(-(max_context + max_batch_tokens) // block_size)
+
+
+def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = False) -> StepBatch:
+    """The step's inputs. max_blocks covers every row's first new position + query_len: the graph
+    writes each row's padded [query_len] K/V there, in its gathered context (padding past the row's
+    tokens is masked)."""
     query_len = max(len(c.tokens) for c in chunks)
     ids: list[int] = []
     pos: list[int] = []
@@ -122,7 +131,8 @@ def build_step(chunks: list[Chunk], want_full_logits: bool = False) -> StepBatch
         sp_bias.append(p.bias + [p.bias[0]] * pad)
     return StepBatch(
         input_ids=ids, position_ids=pos, query_index=qidx, flat_index=flat,
-        slots=[c.slot for c in chunks], max_blocks=max(c.num_blocks for c in chunks), kv_slots=kv,
+        slots=[c.slot for c in chunks], kv_slots=kv,
+        max_blocks=max(max(c.num_blocks for c in chunks), -(-(max(c.start for c in chunks) + query_len) // block_size)),
         logits_index=logits_index,
         temperature=[r.temperature for r in rows],
         repetition_penalty=[r.repetition_penalty for r in rows],

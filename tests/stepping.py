@@ -33,5 +33,5 @@ class Stepper:
                                         for t in range(start, start + len(tokens))],
                               want_logits=True, top_k=5))
             self.length[slot] = start + len(tokens)
-        result = self.backend.run(build_step(plan, want_full_logits=True), extra_inputs=extra_inputs)
+        result = self.backend.run(build_step(plan, self.bs, want_full_logits=True), extra_inputs=extra_inputs)
         return result

@@ -144,7 +144,7 @@ def test_in_graph_penalties_temperature_and_bias(tiny_package):
     chunk = Chunk(slot=0, tokens=prompt, start=0, num_blocks=2, kv_slots=list(range(5)), want_logits=True,
                   temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25,
                   penalties=pen, top_k=20)
-    res = backend.run(build_step([chunk], want_full_logits=True))
+    res = backend.run(build_step([chunk], 4, want_full_logits=True))
     logits = res.logits[0].astype(np.float64).copy()
     for tid, seen, count, bias in zip(pen.ids, pen.seen, pen.counts, pen.bias):
         x = logits[tid]

@@ -23,7 +23,7 @@ def teacher_forced_logprobs(pkg_dir, ids: list[int]) -> np.ndarray:
     for i in range(blocks):
         backend.set_block(0, i, i)
     batch = build_step([Chunk(slot=0, tokens=ids, start=0, num_blocks=blocks, kv_slots=list(range(len(ids))),
-                              want_logits=True)], want_full_logits=True)
+                              want_logits=True)], 16, want_full_logits=True)
     n = len(ids)  # ask for logits at every position, not only the last
     batch.logits_index = list(range(n))
     for name in ("temperature", "repetition_penalty"):
