@@ -135,11 +135,21 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
     # Gather indices that pad, regroup and transpose the flat per-head rows in one step each, computed
     # once per step: q rows [N*Hq, D] -> [Hkv*B, G*S, D]; K/V rows [N*Hkv, D] -> [Hkv*B, S, D]; and back,
     # attention [Hkv*B, G*S, D] -> [N, Hq, D] (GatherND of (h*B + b, g*S + s) per token and head)
-    head_kv = b.const(np.arange(hkv).reshape(hkv, 1, 1))
-    kv_index = b.op("Flatten", [b.op("Add", [b.op("Mul", [query_index, b.const(hkv)]), head_kv])], axis=2)
-    q_tok = b.op("Unsqueeze", [b.op("Mul", [query_index, b.const(hq)]), b.const([0, 2])])  # [1, B, 1, S]
+    # queries and keys are rotated together, as rows [N*(Hq+Hkv), D]: token n's query head j is row
+    # n*(Hq+Hkv) + j, its key head h row n*(Hq+Hkv) + Hq + h; values are rows [N*Hkv, D]
+    qk_heads = hq + hkv
+    head_kv = np.arange(hkv).reshape(hkv, 1, 1)
+    qk_tok = b.op("Mul", [query_index, b.const(qk_heads)])  # [B, S]
+    k_index = b.op("Flatten", [b.op("Add", [qk_tok, b.const(head_kv + hq)])], axis=2)  # [Hkv*B, S]
+    v_index = b.op("Flatten", [b.op("Add", [b.op("Mul", [query_index, b.const(hkv)]), b.const(head_kv)])], axis=2)
     q_head = b.const(np.arange(hkv).reshape(hkv, 1, 1, 1) * group + np.arange(group).reshape(1, 1, group, 1))
-    q_index = b.op("Flatten", [b.op("Add", [q_tok, q_head])], axis=2)  # [Hkv*B, G*S]
+    q_index = b.op("Flatten", [b.op("Add", [b.op("Unsqueeze", [qk_tok, b.const([0, 2])]), q_head])],
+                   axis=2)  # [Hkv*B, G*S]
+    num_tokens = b.op("Shape", [input_ids])
+    tokens = b.op("Range", [b.const(0), b.op("Squeeze", [num_tokens, b.const([0])]), b.const(1)])
+    key_rows = b.op("Reshape", [b.op("Add", [b.op("Unsqueeze", [b.op("Mul", [tokens, b.const(qk_heads)]),
+                                                                 b.const([1])]), b.const(np.arange(hkv) + hq)]),
+                                b.const([-1])])  # [N*Hkv]: this step's key rows, token-major
     batch = b.op("Gather", [b.op("Shape", [query_index]), b.const(0)], axis=0)
     heads = np.arange(hq)
     row = b.op("Unsqueeze", [b.op("Div", [flat_index, query_len]), b.const([1])])  # [N, 1]: b
@@ -191,25 +201,26 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         if spec.attention_bias:
             bias = np.concatenate([weights[p + f"self_attn.{n}.bias"] for n in ("q_proj", "k_proj", "v_proj")])
             qkv = b.op("Add", [qkv, b.weight(f"layers.{i}.qkv_bias", bias.astype(np.float32))])
-        sizes = b.const([hq * d, hkv * d, hkv * d])
-        if lora is None:  # [N, 1, *] for RotaryEmbedding, one Unsqueeze for all three
-            q, k, v = b.op("Split", [b.op("Unsqueeze", [qkv, b.const([1])]), sizes], n_out=3, axis=2)
+        if lora is None:  # [N, 1, *] for RotaryEmbedding: one Unsqueeze, one split into q+k and v
+            qk, v = b.op("Split", [b.op("Unsqueeze", [qkv, b.const([1])]), b.const([qk_heads * d, hkv * d])],
+                         n_out=2, axis=2)
         else:
-            q, k, v = b.op("Split", [qkv, sizes], n_out=3, axis=1)
-            q, k, v = (b.op("Unsqueeze", [with_lora(i, f"{t}_proj", hidden, x), b.const([1])])
-                       for t, x in (("q", q), ("k", k), ("v", v)))
-        q, k = rotary(q, hq), rotary(k, hkv)
+            q, k, v = b.op("Split", [qkv, b.const([hq * d, hkv * d, hkv * d])], n_out=3, axis=1)
+            q, k, v = (with_lora(i, f"{t}_proj", hidden, x) for t, x in (("q", q), ("k", k), ("v", v)))
+            qk = b.op("Unsqueeze", [b.op("Concat", [q, k], axis=1), b.const([1])])
+        qk = b.op("Reshape", [rotary(qk, qk_heads), b.const([-1, d])])  # [N*(Hq+Hkv), D]
+        v = b.op("Reshape", [v, b.const([-1, d])])  # [N*Hkv, D]
+        presents[0].append(b.op("Gather", [qk, key_rows], axis=0))
+        presents[1].append(v)
         ctx = []
-        for pool, new, kind in ((past[i][0], k, 0), (past[i][1], v, 1)):
-            per_head = b.op("Reshape", [new, b.const([-1, d])])  # [N*Hkv, D]
-            presents[kind].append(per_head)
+        for pool, rows_of, index in ((past[i][0], qk, k_index), (past[i][1], v, v_index)):
             gathered = b.op("Gather", [pool, block_tables], axis=1)  # [Hkv, B, MB, bs, D]
             rows = b.annotate(b.op("Reshape", [gathered, ctx_shape]), FLOAT, ["kv_rows", "kv_len", d])
-            update = b.op("Gather", [per_head, kv_index], axis=0)  # [Hkv*B, S, D]
+            update = b.op("Gather", [rows_of, index], axis=0)  # [Hkv*B, S, D]
             # same symbolic shape in and out: onnxruntime then writes into the gathered copy in place
             ctx.append(b.annotate(b.op("TensorScatter", [rows, update, write_at], axis=1),
                                   FLOAT, ["kv_rows", "kv_len", d]))
-        qp = b.op("Gather", [b.op("Reshape", [q, b.const([-1, d])]), q_index], axis=0)  # [Hkv*B, G*S, D]
+        qp = b.op("Gather", [qk, q_index], axis=0)  # [Hkv*B, G*S, D]
         scores = b.op("FusedMatMul", [qp, ctx[0]], domain=MS_DOMAIN, transB=1, alpha=float(1.0 / np.sqrt(d)))
         probs = b.op("Softmax", [b.op("Add", [scores, mask])], axis=-1)  # [Hkv*B, G*S, T]
         attn = b.op("MatMul", [probs, ctx[1]])  # [Hkv*B, G*S, D]
