@@ -1,7 +1,8 @@
 """Single-stream decode / TTFT of RuvLLM and its peers on SmolLM2-135M, same prompt, same machine, one run.
 
 Peers: onnxruntime-genai (its int4 model builder's output) and llama.cpp (llama-cpp-python, the
-Q4_1 GGUF). Run: python benchmarks/peers.py [--ruvllm PKG] [--tokens 128] [--repeats 7]
+Q4_1 GGUF). RuvLLM runs twice: its default int4 package (int8 LM head) and an int4-head export, the
+layout genai's builder writes (lighter, lower quality), so like is also compared with like. Run: python benchmarks/peers.py [--ruvllm PKG] [--tokens 128] [--repeats 7]
 Needs: pip install onnxruntime-genai llama-cpp-python (not project dependencies). Prints JSON.
 """
 
@@ -180,6 +181,15 @@ def llamacpp_batch(llm, prompt_ids: list[int], streams: int, tokens: int, thread
             "aggregate_decode_tps": streams * (tokens - 1) / (end - first)}
 
 
+def int4_head_package() -> Path:
+    """SmolLM2 int4 with an int4 LM head too (--head-quant int4), exported once into WORK."""
+    out = WORK / "ruvllm-int4-head4"
+    if not (out / "manifest.json").exists():
+        subprocess.run([sys.executable, "-m", "exporter", "convert", "smollm2-135m", "-o", str(out), "--quant", "int4",
+                        "--head-quant", "int4", "--no-lora", "--quiet"], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
 def load_ruvllm(pkg: str | None, tokens: int, threads: int):
     from runtime.cli import resolve_package
     from runtime.engine import Engine
@@ -220,12 +230,15 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int):
         end = time.perf_counter()
         return {"ttft": first - t0, "tps": (n - 1) / (end - first)}
     once.batch = batch
-    return f"ruvllm {engine.pkg.manifest['quantization']['weights']}", once
+    quant = engine.pkg.manifest["quantization"]
+    head = " (int4 head, as genai)" if quant.get("lm_head") == "int4" else ""
+    return f"ruvllm {quant['weights']}{head}", once
 
 
 def worker(name: str, args) -> None:
     """Load one engine, then time one run per line read from stdin (a JSON line back per run)."""
     loaders = {"ruvllm": lambda: load_ruvllm(args.ruvllm, args.tokens, args.threads),
+               "ruvllm-head4": lambda: load_ruvllm(str(int4_head_package()), args.tokens, args.threads),
                "genai": lambda: load_genai(args.tokens, args.threads),
                "llamacpp": lambda: load_llamacpp(args.tokens, args.threads)}
     try:
@@ -250,7 +263,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--only", default="ruvllm,genai,llamacpp")
+    ap.add_argument("--only", default="ruvllm,ruvllm-head4,genai,llamacpp")
     ap.add_argument("--batch", type=int, default=16, help="also measure this many streams decoded together (0: skip)")
     ap.add_argument("--batch-repeats", type=int, default=3)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)

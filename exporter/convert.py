@@ -31,6 +31,7 @@ GRAPH_FILE, LORA_GRAPH_FILE, DATA_FILE = "model.onnx", "model_lora.onnx", "model
 class ConvertOptions:
     quant: str = "fp32"
     block_size: int = 32  # quantization block (int4/int8)
+    head_quant: str = "int8"  # the LM head's precision when quant is int8/int4
     kv_block_size: int = 16
     target: str = "cpu"
     lora: bool = True
@@ -44,6 +45,8 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
         raise RuvLLMError(f"unknown --quant {opts.quant!r}; choose one of {', '.join(QUANTS)}")
     if opts.target not in TARGETS:
         raise RuvLLMError(f"unknown --target {opts.target!r}; choose one of {', '.join(TARGETS)}")
+    if opts.head_quant not in ("int8", "int4"):
+        raise RuvLLMError(f"unknown --head-quant {opts.head_quant!r}; choose int8 or int4")
     out = Path(out_dir)
     source = resolve(source_name)
     check_architecture(load_config(source))  # fail fast, before loading any weights
@@ -72,7 +75,7 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
 
     bar.set_description(f"quantizing ({opts.quant})")
     if quantized:
-        graphs = {name: quantize_weights(g, opts.quant, opts.block_size) for name, g in graphs.items()}
+        graphs = {name: quantize_weights(g, opts.quant, opts.block_size, head_quant=opts.head_quant) for name, g in graphs.items()}
         if opts.target in BROWSER_TARGETS:  # storage stays quantized, compute becomes fp32 (browser_format)
             tied = "model.embed_tokens.weight" if spec.tie_word_embeddings else None
             graphs = {name: dequantize_at_load(g, tied) for name, g in graphs.items()}
@@ -166,8 +169,8 @@ def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict,
     }
     quant = {"fp32": {"weights": "fp32", "embeddings": "fp32", "lm_head": "tied" if spec.tie_word_embeddings else "fp32"},
              "fp16": {"weights": "fp16", "embeddings": "fp16", "lm_head": "fp16"},
-             "int8": {"weights": "int8", "embeddings": "fp16", "lm_head": "int8"},
-             "int4": {"weights": "int4", "embeddings": "fp16", "lm_head": "int8"}}[opts.quant]
+             "int8": {"weights": "int8", "embeddings": "fp16", "lm_head": opts.head_quant},
+             "int4": {"weights": "int4", "embeddings": "fp16", "lm_head": opts.head_quant}}[opts.quant]
     if opts.quant in ("int8", "int4"):
         quant.update(method="rtn", block_size=opts.block_size, symmetric=False, accuracy_level=4,
                      op="com.microsoft.MatMulNBits")
@@ -175,7 +178,7 @@ def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict,
             quant.update(op="DequantizeLinear+MatMul", compute="fp32", dequantized="at session creation",
                          session_config=dict(SESSION_CONFIG))
             if spec.tie_word_embeddings:
-                quant["embeddings"] = "tied to the int8 lm_head"
+                quant["embeddings"] = f"tied to the {opts.head_quant} lm_head"
     n_params = _count_params(spec)
     return {
         "format": C.FORMAT_NAME,

@@ -11,8 +11,9 @@ LM_HEAD_NODE = "lm_head/MatMul"
 
 
 def quantize_weights(model: onnx.ModelProto, quant: str, block_size: int = 32,
-                     accuracy_level: int = 4) -> onnx.ModelProto:
-    """Block-wise asymmetric RTN. int4 keeps the LM head at int8: an int4 head makes SmolLM2 loop.
+                     accuracy_level: int = 4, head_quant: str = "int8") -> onnx.ModelProto:
+    """Block-wise asymmetric RTN. The LM head defaults to int8 even for int4: an int4 head makes
+    SmolLM2 loop (head_quant="int4" is there for size, and to compare with tools that do that).
 
     accuracy_level=4 lets the CPU kernel compute in int8, the fast path on x86 and ARM.
     """
@@ -25,6 +26,7 @@ def quantize_weights(model: onnx.ModelProto, quant: str, block_size: int = 32,
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
     bits = {"int8": 8, "int4": 4}[quant]
+    head_bits = {"int8": 8, "int4": 4}[head_quant]
 
     def run(m: onnx.ModelProto, nbits: int, include=None, exclude=None) -> onnx.ModelProto:
         cfg = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=False,
@@ -39,5 +41,5 @@ def quantize_weights(model: onnx.ModelProto, quant: str, block_size: int = 32,
     copy.CopyFrom(model)  # the quantizer rewrites the graph it is given
     model = run(copy, bits, exclude=[LM_HEAD_NODE])
     if any(n.name == LM_HEAD_NODE for n in model.graph.node):
-        model = run(model, 8, include=[LM_HEAD_NODE])
+        model = run(model, head_bits, include=[LM_HEAD_NODE])
     return model

@@ -74,3 +74,26 @@ def test_smollm2_quantization_quality(smol_fp32, smol_int4, workdir):
     print(f"int8: {q8}\nint4: {q4}")
     assert q8["kl"] < 0.01 and q8["top1"] > 0.9 and q8["ppl"] < 1.03 * q8["ppl_ref"], q8
     assert q4["kl"] < 0.45 and q4["top1"] > 0.7 and q4["ppl"] < 1.3 * q4["ppl_ref"], q4
+
+
+def test_int4_head_on_request(tiny_model_dir, tiny_package, workdir):
+    """--head-quant int4 quantizes the LM head to 4 bits too (the default keeps it int8)."""
+    import onnx
+
+    from exporter.convert import ConvertOptions, convert
+    from exporter.quantize import LM_HEAD_NODE
+
+    def head_bits(pkg) -> int:
+        graph = onnx.load(str(pkg.graph_path), load_external_data=False).graph
+        node = next(n for n in graph.node if n.op_type == "MatMulNBits" and n.name.startswith(LM_HEAD_NODE))
+        return next(a.i for a in node.attribute if a.name == "bits")
+
+    default = load_package(tiny_package("llama", "int4"))
+    assert default.manifest["quantization"]["lm_head"] == "int8" and head_bits(default) == 8
+    pkg = load_package(convert(str(tiny_model_dir("llama")), workdir / "pkg-llama-int4-head4",
+                               ConvertOptions(quant="int4", head_quant="int4", progress=False, lora=False)))
+    assert pkg.manifest["quantization"]["lm_head"] == "int4" and head_bits(pkg) == 4
+    tok = Tokenizer.from_file(pkg.file("tokenizer.json"), pkg.manifest["tokenizer"])
+    ids = tok.encode(TEXT)[:40]
+    ref = teacher_forced_logprobs(tiny_package("llama", "fp32"), ids)
+    assert quality(ref, teacher_forced_logprobs(pkg.path, ids), ids)["kl"] < 0.1
