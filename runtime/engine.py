@@ -46,7 +46,7 @@ class RequestOutput:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's list lookups compare sequences, not their token lists
 class Sequence:
     id: str
     prompt_ids: list[int]
