@@ -39,6 +39,12 @@ class ConvertOptions:
     progress: bool = True
 
 
+def kv_write_op(target: str) -> str:
+    """The operator that writes a step's K/V into the gathered context (see build_decoder): in place
+    everywhere, except that onnxruntime-web's WebGPU backend only has a kernel for ScatterND."""
+    return "ScatterND" if target == "webgpu" else "TensorScatter"
+
+
 def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None = None) -> Path:
     opts = opts or ConvertOptions()
     if opts.quant not in QUANTS:
@@ -66,10 +72,13 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     quantized = opts.quant in ("int8", "int4")
     weight_dtype = np.float16 if opts.quant == "fp16" else np.float32
     embed_dtype = np.float32 if opts.quant == "fp32" else np.float16
-    graphs = {GRAPH_FILE: build_decoder(spec, weights, None, weight_dtype, embed_dtype, tied_gemm=True)}
+    kv_write = kv_write_op(opts.target)
+    graphs = {GRAPH_FILE: build_decoder(spec, weights, None, weight_dtype, embed_dtype, tied_gemm=True,
+                                        kv_write=kv_write)}
     lora = LoraSlots() if opts.lora else None
     if lora:
-        graphs[LORA_GRAPH_FILE] = build_decoder(spec, weights, lora, weight_dtype, embed_dtype, tied_gemm=True)
+        graphs[LORA_GRAPH_FILE] = build_decoder(spec, weights, lora, weight_dtype, embed_dtype, tied_gemm=True,
+                                                kv_write=kv_write)
     del weights
     bar.update()
 
@@ -199,6 +208,7 @@ def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict,
         },
         "io": io,
         "kv_cache": {"layout": "paged", "block_size": opts.kv_block_size, "dtype": "float32",
+                     "write": kv_write_op(opts.target),
                      "num_layers": spec.num_layers, "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim},
         "quantization": quant,
         "lora": {"targets": list(C.LORA_TARGETS), "graph": LORA_GRAPH_FILE} if LORA_GRAPH_FILE in graphs else None,

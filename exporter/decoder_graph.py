@@ -53,8 +53,13 @@ def _proj_features(spec: DecoderSpec) -> dict[str, tuple[int, int]]:
 
 
 def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraSlots | None = None,
-                  weight_dtype: type = np.float32, embed_dtype: type = np.float32, tied_gemm: bool = False):
+                  weight_dtype: type = np.float32, embed_dtype: type = np.float32, tied_gemm: bool = False,
+                  kv_write: str = "TensorScatter"):
     """Return an onnx.ModelProto. `weights` uses Hugging Face names, float32, [out, in] layout.
+
+    kv_write: how this step's K/V enter the gathered context. "TensorScatter" writes in place (CPU and
+    WASM); "ScatterND" copies the context but has a WebGPU kernel in onnxruntime-web, which
+    TensorScatter lacks (it would run on the CPU there, with the context copied off the GPU and back).
 
     weight_dtype=np.float16 stores matmul weights as fp16 behind a Cast (ORT folds it at load);
     embed_dtype=np.float16 stores the embedding table as fp16 and casts only the gathered rows.
@@ -167,6 +172,15 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
                                 b.const([-1])])  # [Hkv*B], head-major
     ctx_shape = b.op("Concat", [b.const([-1]), b.op("Unsqueeze", [total_len, b.const([0])]), b.const([d])],
                      axis=0)  # [Hkv*B, T, D]
+    if kv_write == "ScatterND":  # (row, position) of every padded update entry: [Hkv*B, S, 2]
+        steps = b.op("Range", [b.const(0), query_len, b.const(1)])  # [S]
+        at = b.op("Add", [b.op("Unsqueeze", [write_at, b.const([1])]), steps])  # [Hkv*B, S]
+        ctx_rows = b.op("Expand", [b.op("Unsqueeze", [b.op("Range", [b.const(0), b.op("Squeeze", [
+            b.op("Shape", [write_at]), b.const([0])]), b.const(1)]), b.const([1])]), b.op("Shape", [at])])
+        scatter_at = b.op("Concat", [b.op("Unsqueeze", [ctx_rows, b.const([2])]),
+                                     b.op("Unsqueeze", [at, b.const([2])])], axis=2)
+    elif kv_write != "TensorScatter":
+        raise ValueError(f"kv_write must be TensorScatter or ScatterND, not {kv_write!r}")
     # the residual stream is [N, hidden], so every MatMul is one GEMM with M = N. RotaryEmbedding gets
     # [N, 1, heads*D]: flat tokens as its batch, since it reads the second dimension as a sequence
     # length that its cos/sin cache must cover
@@ -217,6 +231,9 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
             gathered = b.op("Gather", [pool, block_tables], axis=1)  # [Hkv, B, MB, bs, D]
             rows = b.annotate(b.op("Reshape", [gathered, ctx_shape]), FLOAT, ["kv_rows", "kv_len", d])
             update = b.op("Gather", [rows_of, index], axis=0)  # [Hkv*B, S, D]
+            if kv_write == "ScatterND":
+                ctx.append(b.op("ScatterND", [rows, scatter_at, update]))
+                continue
             # same symbolic shape in and out: onnxruntime then writes into the gathered copy in place
             ctx.append(b.annotate(b.op("TensorScatter", [rows, update, write_at], axis=1),
                                   FLOAT, ["kv_rows", "kv_len", d]))

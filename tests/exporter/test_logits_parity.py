@@ -42,11 +42,14 @@ def test_prefill_and_decode_match_transformers(arch, tiny_model_dir, tiny_packag
         assert res.topk_ids[0][0] == int(np.argmax(ref))
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_mixed_batch_of_different_lengths(arch, tiny_model_dir, tiny_package):
-    """Two sequences of different lengths, then one in prefill while the other decodes, in one step."""
+@pytest.mark.parametrize("arch,target", [(arch, "cpu") for arch in TINY_ARCHS] + [("mistral", "webgpu")])
+def test_mixed_batch_of_different_lengths(arch, target, tiny_model_dir, tiny_package):
+    """Two sequences of different lengths, then one in prefill while the other decodes, in one step.
+    The webgpu target writes the step's K/V with ScatterND instead of TensorScatter."""
     model = load_hf(tiny_model_dir(arch))
-    backend = NativeBackend(load_package(tiny_package(arch)))
+    pkg = load_package(tiny_package(arch, "fp32", target))
+    assert pkg.manifest["kv_cache"]["write"] == ("ScatterND" if target == "webgpu" else "TensorScatter")
+    backend = NativeBackend(pkg)
     stepper = Stepper(backend, block_size=4)
     rng = np.random.default_rng(1)
     a = [int(t) for t in rng.integers(3, model.config.vocab_size, 11)]
