@@ -12,6 +12,7 @@ from pathlib import Path
 
 from wasm.bytecode import add_bytecode
 from wasm.snapshot import make_snapshot
+from wasm.warmup import write_warmup_model
 from wasm.wheels import markupsafe_from_sdist, package_files, write_wheel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,6 +125,8 @@ def build(out: Path, model: str | None = "smollm2-135m", quant: str = "int4") ->
         log("no python snapshot (Node or Pyodide failed): the page will boot Python itself")
     shutil.rmtree(WEB / "python", ignore_errors=True)  # the npm package ships the same wheels and lock
     shutil.copytree(out / "python", WEB / "python")
+    log("warm-up model")  # built into web/src (gitignored) so that the npm package ships it too
+    write_warmup_model(WEB / "src" / "warmup.onnx")
     shutil.copytree(WEB / "src", out / "ruvllm")
     for f in (WEB / "demo").iterdir():
         shutil.copy(f, out / f.name)

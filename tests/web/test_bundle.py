@@ -73,3 +73,19 @@ def test_browser_package_is_small_and_says_what_it_chose(web_bundle):
     assert smol["bytes"] <= 100e6  # the download, int4 weights on the wire
     q = smol["quantization"]
     assert q["weights"] == "int4" and q["compute"] == "fp32" and q["session_config"]
+
+
+def test_the_warmup_model_follows_the_graph_contract(web_bundle):
+    """The model worker feeds the bundle's warm-up decoder like a package's graph (web/src/ort_worker.js)."""
+    import onnx
+    import onnxruntime as ort
+
+    from runtime.package import expected_inputs
+
+    path = web_bundle / "ruvllm" / "warmup.onnx"
+    assert not any(n.op_type == "MatMulNBits" for n in onnx.load(str(path)).graph.node)  # the browser format
+    opts = ort.SessionOptions()
+    opts.add_session_config_entry("session.disable_quant_qdq", "1")
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    assert names == expected_inputs(sum(n.startswith("past.") and n.endswith(".key") for n in names))

@@ -174,6 +174,7 @@ def test_reload_uses_the_cache_and_a_corrupt_entry_is_refetched(offline_page, ti
     p.page.reload()
     again = load(p, tiny_url)
     assert again["cache"]["downloaded"] == 0 and again["cache"]["fromCache"] == first["cache"]["downloaded"]
+    assert again["timings"]["model_worker"]["warmup_steps"] == 0  # warm-up only while bytes come from the network
 
     p.evaluate(CORRUPT, [tiny_url, "model.onnx.data"])
     p.page.reload()
