@@ -52,6 +52,66 @@ def _proj_features(spec: DecoderSpec) -> dict[str, tuple[int, int]]:
     }
 
 
+@dataclass
+class StepIndices:
+    """Per-step index tensors (computed once, used by every layer). Queries and keys are rotated
+    together and viewed as rows [N*(Hq+Hkv), D] (token n's query head j is row n*(Hq+Hkv) + j, its
+    key head h row n*(Hq+Hkv) + Hq + h); values as rows [N*Hkv, D]. Attention runs on [Hkv*B] batches
+    (batch h*B + b: kv head h of sequence b) with the group's queries as rows, [Hkv*B, G*S, D] against
+    [Hkv*B, T, D]; each Gather below pads, regroups and transposes in one step."""
+
+    q_rows: str  # [Hkv*B, G*S]: query rows of each attention batch
+    k_update: str  # [Hkv*B, S]: this step's key rows, padded per sequence
+    v_update: str  # [Hkv*B, S]: its value rows
+    key_rows: str  # [N*Hkv]: this step's key rows, token-major (present.key)
+    out_index: str  # [N, Hq, 2]: (h*B + b, g*S + s) of each token's head in the attention output
+    write_at: str  # [Hkv*B]: each sequence's first new position, where its update is written
+    ctx_shape: str  # [3]: the gathered context's shape [Hkv*B, T, D]
+    scatter_at: str | None  # [Hkv*B, S, 2] (row, position) for ScatterND; None with TensorScatter
+
+
+def _step_indices(b: GraphBuilder, spec: DecoderSpec, kv_write: str, input_ids: str, position_ids: str,
+                  query_index: str, flat_index: str, query_len: str, total_len: str) -> StepIndices:
+    hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    group, qk_heads = hq // hkv, hq + hkv
+    head_kv = np.arange(hkv).reshape(hkv, 1, 1)
+    qk_tok = b.op("Mul", [query_index, b.const(qk_heads)])  # [B, S]
+    k_update = b.op("Flatten", [b.op("Add", [qk_tok, b.const(head_kv + hq)])], axis=2)
+    v_update = b.op("Flatten", [b.op("Add", [b.op("Mul", [query_index, b.const(hkv)]), b.const(head_kv)])], axis=2)
+    q_head = b.const(np.arange(hkv).reshape(hkv, 1, 1, 1) * group + np.arange(group).reshape(1, 1, group, 1))
+    q_rows = b.op("Flatten", [b.op("Add", [b.op("Unsqueeze", [qk_tok, b.const([0, 2])]), q_head])], axis=2)
+    tokens = b.op("Range", [b.const(0), b.op("Squeeze", [b.op("Shape", [input_ids]), b.const([0])]), b.const(1)])
+    key_rows = b.op("Reshape", [b.op("Add", [b.op("Unsqueeze", [b.op("Mul", [tokens, b.const(qk_heads)]),
+                                                                 b.const([1])]), b.const(np.arange(hkv) + hq)]),
+                                b.const([-1])])
+    batch = b.op("Gather", [b.op("Shape", [query_index]), b.const(0)], axis=0)
+    heads = np.arange(hq)
+    row = b.op("Unsqueeze", [b.op("Div", [flat_index, query_len]), b.const([1])])  # [N, 1]: b
+    col = b.op("Unsqueeze", [b.op("Mod", [flat_index, query_len]), b.const([1])])  # [N, 1]: s
+    out_row = b.op("Add", [row, b.op("Mul", [b.const(heads // group), batch])])  # [N, Hq]: h*B + b
+    out_col = b.op("Add", [col, b.op("Mul", [b.const(heads % group), query_len])])  # [N, Hq]: g*S + s
+    out_index = b.op("Concat", [b.op("Unsqueeze", [out_row, b.const([2])]),
+                                b.op("Unsqueeze", [out_col, b.const([2])])], axis=2)
+    # the runtime makes T cover every sequence's first new position + query_len, so the padded
+    # update fits; the padding lies past the sequence's tokens, masked
+    first_pos = b.op("Gather", [position_ids, b.op("Gather", [query_index, b.const(0)], axis=1)], axis=0)  # [B]
+    write_at = b.op("Reshape", [b.op("Expand", [b.op("Unsqueeze", [first_pos, b.const([0])]),
+                                                 b.op("Concat", [b.const([hkv]), b.op("Shape", [first_pos])], axis=0)]),
+                                b.const([-1])])
+    ctx_shape = b.op("Concat", [b.const([-1]), b.op("Unsqueeze", [total_len, b.const([0])]), b.const([d])], axis=0)
+    scatter_at = None
+    if kv_write == "ScatterND":
+        at = b.op("Add", [b.op("Unsqueeze", [write_at, b.const([1])]),
+                          b.op("Range", [b.const(0), query_len, b.const(1)])])  # [Hkv*B, S]
+        rows = b.op("Expand", [b.op("Unsqueeze", [b.op("Range", [b.const(0), b.op("Mul", [batch, b.const(hkv)]),
+                                                                 b.const(1)]), b.const([1])]), b.op("Shape", [at])])
+        scatter_at = b.op("Concat", [b.op("Unsqueeze", [rows, b.const([2])]), b.op("Unsqueeze", [at, b.const([2])])],
+                          axis=2)
+    elif kv_write != "TensorScatter":
+        raise ValueError(f"kv_write must be TensorScatter or ScatterND, not {kv_write!r}")
+    return StepIndices(q_rows, k_update, v_update, key_rows, out_index, write_at, ctx_shape, scatter_at)
+
+
 def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraSlots | None = None,
                   weight_dtype: type = np.float32, embed_dtype: type = np.float32, tied_gemm: bool = False,
                   kv_write: str = "TensorScatter"):
@@ -137,50 +197,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
     # attention runs on [Hkv*B] batches (row h*B + b: kv head h of sequence b) with the group's queries
     # as rows: [Hkv*B, G*S, D] against [Hkv*B, T, D]
     mask = b.op("Tile", [mask, b.const([hkv, group, 1])])  # [Hkv*B, G*S, T]
-    # Gather indices that pad, regroup and transpose the flat per-head rows in one step each, computed
-    # once per step: q rows [N*Hq, D] -> [Hkv*B, G*S, D]; K/V rows [N*Hkv, D] -> [Hkv*B, S, D]; and back,
-    # attention [Hkv*B, G*S, D] -> [N, Hq, D] (GatherND of (h*B + b, g*S + s) per token and head)
-    # queries and keys are rotated together, as rows [N*(Hq+Hkv), D]: token n's query head j is row
-    # n*(Hq+Hkv) + j, its key head h row n*(Hq+Hkv) + Hq + h; values are rows [N*Hkv, D]
-    qk_heads = hq + hkv
-    head_kv = np.arange(hkv).reshape(hkv, 1, 1)
-    qk_tok = b.op("Mul", [query_index, b.const(qk_heads)])  # [B, S]
-    k_index = b.op("Flatten", [b.op("Add", [qk_tok, b.const(head_kv + hq)])], axis=2)  # [Hkv*B, S]
-    v_index = b.op("Flatten", [b.op("Add", [b.op("Mul", [query_index, b.const(hkv)]), b.const(head_kv)])], axis=2)
-    q_head = b.const(np.arange(hkv).reshape(hkv, 1, 1, 1) * group + np.arange(group).reshape(1, 1, group, 1))
-    q_index = b.op("Flatten", [b.op("Add", [b.op("Unsqueeze", [qk_tok, b.const([0, 2])]), q_head])],
-                   axis=2)  # [Hkv*B, G*S]
-    num_tokens = b.op("Shape", [input_ids])
-    tokens = b.op("Range", [b.const(0), b.op("Squeeze", [num_tokens, b.const([0])]), b.const(1)])
-    key_rows = b.op("Reshape", [b.op("Add", [b.op("Unsqueeze", [b.op("Mul", [tokens, b.const(qk_heads)]),
-                                                                 b.const([1])]), b.const(np.arange(hkv) + hq)]),
-                                b.const([-1])])  # [N*Hkv]: this step's key rows, token-major
-    batch = b.op("Gather", [b.op("Shape", [query_index]), b.const(0)], axis=0)
-    heads = np.arange(hq)
-    row = b.op("Unsqueeze", [b.op("Div", [flat_index, query_len]), b.const([1])])  # [N, 1]: b
-    col = b.op("Unsqueeze", [b.op("Mod", [flat_index, query_len]), b.const([1])])  # [N, 1]: s
-    out_row = b.op("Add", [row, b.op("Mul", [b.const(heads // group), batch])])  # [N, Hq]: h*B + b
-    out_col = b.op("Add", [col, b.op("Mul", [b.const(heads % group), query_len])])  # [N, Hq]: g*S + s
-    out_index = b.op("Concat", [b.op("Unsqueeze", [out_row, b.const([2])]),
-                                b.op("Unsqueeze", [out_col, b.const([2])])], axis=2)  # [N, Hq, 2]
-    # this step's K/V are written into the gathered context in place (TensorScatter): row (h, b) gets
-    # its padded [S, D] update at the sequence's first new position. The runtime makes T cover every
-    # row's first position + query_len, so the padding fits; it lies past the row's tokens, masked.
-    first_pos = b.op("Gather", [position_ids, b.op("Gather", [query_index, b.const(0)], axis=1)], axis=0)  # [B]
-    write_at = b.op("Reshape", [b.op("Expand", [b.op("Unsqueeze", [first_pos, b.const([0])]),
-                                                 b.op("Concat", [b.const([hkv]), b.op("Shape", [first_pos])], axis=0)]),
-                                b.const([-1])])  # [Hkv*B], head-major
-    ctx_shape = b.op("Concat", [b.const([-1]), b.op("Unsqueeze", [total_len, b.const([0])]), b.const([d])],
-                     axis=0)  # [Hkv*B, T, D]
-    if kv_write == "ScatterND":  # (row, position) of every padded update entry: [Hkv*B, S, 2]
-        steps = b.op("Range", [b.const(0), query_len, b.const(1)])  # [S]
-        at = b.op("Add", [b.op("Unsqueeze", [write_at, b.const([1])]), steps])  # [Hkv*B, S]
-        ctx_rows = b.op("Expand", [b.op("Unsqueeze", [b.op("Range", [b.const(0), b.op("Squeeze", [
-            b.op("Shape", [write_at]), b.const([0])]), b.const(1)]), b.const([1])]), b.op("Shape", [at])])
-        scatter_at = b.op("Concat", [b.op("Unsqueeze", [ctx_rows, b.const([2])]),
-                                     b.op("Unsqueeze", [at, b.const([2])])], axis=2)
-    elif kv_write != "TensorScatter":
-        raise ValueError(f"kv_write must be TensorScatter or ScatterND, not {kv_write!r}")
+    idx = _step_indices(b, spec, kv_write, input_ids, position_ids, query_index, flat_index, query_len, total_len)
     # the residual stream is [N, hidden], so every MatMul is one GEMM with M = N. RotaryEmbedding gets
     # [N, 1, heads*D]: flat tokens as its batch, since it reads the second dimension as a sequence
     # length that its cos/sin cache must cover
@@ -216,32 +233,32 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
             bias = np.concatenate([weights[p + f"self_attn.{n}.bias"] for n in ("q_proj", "k_proj", "v_proj")])
             qkv = b.op("Add", [qkv, b.weight(f"layers.{i}.qkv_bias", bias.astype(np.float32))])
         if lora is None:  # [N, 1, *] for RotaryEmbedding: one Unsqueeze, one split into q+k and v
-            qk, v = b.op("Split", [b.op("Unsqueeze", [qkv, b.const([1])]), b.const([qk_heads * d, hkv * d])],
+            qk, v = b.op("Split", [b.op("Unsqueeze", [qkv, b.const([1])]), b.const([(hq + hkv) * d, hkv * d])],
                          n_out=2, axis=2)
         else:
             q, k, v = b.op("Split", [qkv, b.const([hq * d, hkv * d, hkv * d])], n_out=3, axis=1)
             q, k, v = (with_lora(i, f"{t}_proj", hidden, x) for t, x in (("q", q), ("k", k), ("v", v)))
             qk = b.op("Unsqueeze", [b.op("Concat", [q, k], axis=1), b.const([1])])
-        qk = b.op("Reshape", [rotary(qk, qk_heads), b.const([-1, d])])  # [N*(Hq+Hkv), D]
+        qk = b.op("Reshape", [rotary(qk, hq + hkv), b.const([-1, d])])  # [N*(Hq+Hkv), D]
         v = b.op("Reshape", [v, b.const([-1, d])])  # [N*Hkv, D]
-        presents[0].append(b.op("Gather", [qk, key_rows], axis=0))
+        presents[0].append(b.op("Gather", [qk, idx.key_rows], axis=0))
         presents[1].append(v)
         ctx = []
-        for pool, rows_of, index in ((past[i][0], qk, k_index), (past[i][1], v, v_index)):
+        for pool, rows_of, index in ((past[i][0], qk, idx.k_update), (past[i][1], v, idx.v_update)):
             gathered = b.op("Gather", [pool, block_tables], axis=1)  # [Hkv, B, MB, bs, D]
-            rows = b.annotate(b.op("Reshape", [gathered, ctx_shape]), FLOAT, ["kv_rows", "kv_len", d])
+            rows = b.annotate(b.op("Reshape", [gathered, idx.ctx_shape]), FLOAT, ["kv_rows", "kv_len", d])
             update = b.op("Gather", [rows_of, index], axis=0)  # [Hkv*B, S, D]
-            if kv_write == "ScatterND":
-                ctx.append(b.op("ScatterND", [rows, scatter_at, update]))
+            if idx.scatter_at:
+                ctx.append(b.op("ScatterND", [rows, idx.scatter_at, update]))
                 continue
             # same symbolic shape in and out: onnxruntime then writes into the gathered copy in place
-            ctx.append(b.annotate(b.op("TensorScatter", [rows, update, write_at], axis=1),
+            ctx.append(b.annotate(b.op("TensorScatter", [rows, update, idx.write_at], axis=1),
                                   FLOAT, ["kv_rows", "kv_len", d]))
-        qp = b.op("Gather", [qk, q_index], axis=0)  # [Hkv*B, G*S, D]
+        qp = b.op("Gather", [qk, idx.q_rows], axis=0)  # [Hkv*B, G*S, D]
         scores = b.op("FusedMatMul", [qp, ctx[0]], domain=MS_DOMAIN, transB=1, alpha=float(1.0 / np.sqrt(d)))
         probs = b.op("Softmax", [b.op("Add", [scores, mask])], axis=-1)  # [Hkv*B, G*S, T]
         attn = b.op("MatMul", [probs, ctx[1]])  # [Hkv*B, G*S, D]
-        attn = b.op("Reshape", [b.op("GatherND", [attn, out_index]), b.const([-1, hq * d])])  # [N, Hq*D]
+        attn = b.op("Reshape", [b.op("GatherND", [attn, idx.out_index]), b.const([-1, hq * d])])  # [N, Hq*D]
         o = b.op("MatMul", [attn, matmul_weight(f"layers.{i}.o_proj", weights[p + "self_attn.o_proj.weight"])])
         o = with_lora(i, "o_proj", attn, o)
         post_ln = b.weight(f"layers.{i}.post_attention_layernorm", weights[p + "post_attention_layernorm.weight"])
