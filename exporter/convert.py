@@ -25,6 +25,7 @@ from runtime.package import file_digest, load_package
 TARGETS = ("cpu", "wasm", "webgpu", "cuda")
 BROWSER_TARGETS = ("wasm", "webgpu")
 GRAPH_FILE, LORA_GRAPH_FILE, DATA_FILE = "model.onnx", "model_lora.onnx", "model.onnx.data"
+WEBGPU_GRAPH_FILE = "model_webgpu.onnx"  # a --target wasm package's graph for pages that get a GPU
 
 
 @dataclass
@@ -79,6 +80,9 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     if lora:
         graphs[LORA_GRAPH_FILE] = build_decoder(spec, weights, lora, weight_dtype, embed_dtype, tied_gemm=True,
                                                 kv_write=kv_write)
+    if opts.target == "wasm":  # the page picks its device at load: a GPU gets the graph its backend has kernels for
+        graphs[WEBGPU_GRAPH_FILE] = build_decoder(spec, weights, None, weight_dtype, embed_dtype, tied_gemm=True,
+                                                  kv_write=kv_write_op("webgpu"))
     del weights
     bar.update()
 
@@ -205,6 +209,8 @@ def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict,
         "graphs": {
             "decoder": {"file": GRAPH_FILE, "lora": False},
             **({"decoder_lora": {"file": LORA_GRAPH_FILE, "lora": True}} if LORA_GRAPH_FILE in graphs else {}),
+            **({"decoder_webgpu": {"file": WEBGPU_GRAPH_FILE, "lora": False, "kv_write": kv_write_op("webgpu")}}
+               if WEBGPU_GRAPH_FILE in graphs else {}),
         },
         "io": io,
         "kv_cache": {"layout": "paged", "block_size": opts.kv_block_size, "dtype": "float32",

@@ -44,8 +44,10 @@ def test_browser_greedy_tokens_equal_native_fp32(offline_page, tiny_package, tin
 def test_smollm2_browser_package_equals_native(offline_page, web_bundle):
     """The browser package computes in fp32 on both sides (weights expanded from int4 at load)."""
     p = offline_page()
-    info = load(p, "/models/smollm2-135m/")
+    info = load(p, "/models/smollm2-135m/", device="wasm")
     assert info["quantization"]["compute"] == "fp32" and info["quantization"]["weights"] == "int4"
+    # WASM runs the main graph; the package's WebGPU variant is never downloaded
+    assert info["graph"] == "model.onnx" and not any(u.endswith("/model_webgpu.onnx") for u in p.requests)
     question = "What is the capital of France?"
     reply = p.evaluate(CHAT, {"messages": [{"role": "user", "content": question}], "max_tokens": 16, **GREEDY})
     assert "Paris" in reply["choices"][0]["message"]["content"]

@@ -20,17 +20,21 @@ def gpu_browser(playwright):
 
 
 def test_webgpu_greedy_tokens_equal_native(gpu_browser, site, tiny_package, web_models):
-    url = publish(web_models, tiny_package("llama", "fp32"), "tiny-llama-fp32")
+    """A --target wasm package: the page on WebGPU runs its WebGPU graph (K/V written by ScatterND),
+    native runs its main graph (TensorScatter); fp32 on both sides, so the tokens are equal."""
+    package = tiny_package("llama", "fp32", "wasm")
+    url = publish(web_models, package, "tiny-llama-fp32-wasm")
     p = OfflinePage(gpu_browser, site)
     try:
         p.api()
         assert p.evaluate("(async () => !!(navigator.gpu && await navigator.gpu.requestAdapter()))()")
         info = p.evaluate(LOAD_ENGINE, [url, {"device": "auto"}])
         assert info["device"] == "webgpu"  # auto picks the adapter when there is one
+        assert info["graph"] == "model_webgpu.onnx"
         text = "Hello! Tell me about the sea."
         reply = p.evaluate(CHAT, {"messages": [{"role": "user", "content": text}], "max_tokens": 6,
                                   "temperature": 0, "return_token_ids": True})
-        proc = run_cli("generate", str(tiny_package("llama", "fp32")), text, "--chat", "--json", "--temperature", "0",
+        proc = run_cli("generate", str(package), text, "--chat", "--json", "--temperature", "0",
                        "--max-tokens", "6")
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert reply["choices"][0]["token_ids"] == json.loads(proc.stdout)["token_ids"]

@@ -111,6 +111,8 @@ export interface ChunkStream extends AsyncIterable<ChatCompletionChunk> {
 export interface EngineInfo {
   model: string;
   device: 'wasm' | 'webgpu';
+  /** the package's graph file in use (a --target wasm package has a WebGPU variant) */
+  graph: string;
   threads: number;
   crossOriginIsolated: boolean;
   quantization: Record<string, unknown>;

@@ -127,14 +127,19 @@ async function readJSON(url, cache) {
  * resolves to the names whose digest failed. Their entries are already deleted, so a second
  * loadPackage downloads them again. Every other file is checked before this returns.
  */
-export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck = () => false } = {}) {
+/** The manifest's graph key the page runs: `wanted` where the package has it, else 'decoder'. */
+export const pageGraph = (manifest, wanted) => (manifest.graphs[wanted] ? wanted : 'decoder');
+
+export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck = () => false, graph = 'decoder' } = {}) {
   const base = new URL(baseURL.endsWith('/') ? baseURL : `${baseURL}/`, self.location.href);
   const [dir, cache] = await Promise.all([openStore(), openCache()]);
   const t0 = performance.now();
   const manifest = await readJSON(new URL('manifest.json', base).href, cache);
   if (manifest.format !== 'ruvllm-package') throw new Error(`${base}: not a RuvLLM model package`);
-  // the LoRA graph variant is not used in the page (adapters are native-only for now)
-  const unused = new Set(Object.entries(manifest.graphs).filter(([k]) => k !== 'decoder').map(([, g]) => g.file));
+  // one graph is used: `graph` (e.g. a GPU's variant) where the package has it, else the decoder; not
+  // the LoRA variant (adapters are native-only for now)
+  const used = pageGraph(manifest, graph);
+  const unused = new Set(Object.entries(manifest.graphs).filter(([k]) => k !== used).map(([, g]) => g.file));
   const entries = Object.entries(manifest.files).filter(([name]) => !unused.has(name));
   const total = entries.reduce((n, [, m]) => n + Number(m.size), 0);
   let loaded = 0;

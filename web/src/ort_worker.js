@@ -3,7 +3,7 @@
 // (weights expanded to fp32) and Pyodide's boot run at the same time on two cores; a step then costs
 // one small message each way, and the KV pool never leaves this worker.
 
-import { loadPackage } from './model_store.js';
+import { loadPackage, pageGraph } from './model_store.js';
 import { StepRunner } from './step_runner.js';
 
 let runner = null;
@@ -99,8 +99,12 @@ async function warmUp(ort, stop) {
   return steps;
 }
 
+// a --target wasm package also holds a graph for WebGPU: onnxruntime-web's WebGPU backend has no kernel
+// for the in-place K/V write (TensorScatter) of the main graph, which would run on the CPU there
+const graphKey = (device) => (device === 'webgpu' ? 'decoder_webgpu' : 'decoder');
+
 async function createSession(ort, manifest, files, device) {
-  const graph = manifest.graphs.decoder.file;
+  const graph = manifest.graphs[pageGraph(manifest, graphKey(device))].file;
   const external = Object.keys(files).filter((n) => n.endsWith('.data')).map((n) => ({ path: n, data: files[n] }));
   // on WASM the levels above 'basic' (constant folding, which expands the weights) add only the
   // SiLU -> QuickGelu fusion to our graphs: no faster per step (interleaved A/B in Node), and
@@ -127,7 +131,7 @@ async function open({ model, ortURL, device: wanted, threads }) {
   // stored graph files are checked (sha256) while the session is being built from them
   let loaded;
   try {
-    loaded = await loadPackage(model, onProgress, { deferCheck: isGraphFile });
+    loaded = await loadPackage(model, onProgress, { deferCheck: isGraphFile, graph: graphKey(device) });
   } finally {
     stopWarmup.requested = true;
   }
@@ -146,7 +150,7 @@ async function open({ model, ortURL, device: wanted, threads }) {
   const corrupt = await checked;
   if (corrupt.length) { // a stored graph file failed its check (and was deleted): fetch it again, start over
     await session.release?.();
-    ({ manifest, files, stats } = await loadPackage(model, onProgress));
+    ({ manifest, files, stats } = await loadPackage(model, onProgress, { graph: graphKey(device) }));
     stats = { ...stats, refetched: corrupt.length };
     session = await createSession(ort, manifest, files, device);
   } else if (session.err) {
@@ -154,7 +158,8 @@ async function open({ model, ortURL, device: wanted, threads }) {
   }
   files = null; // onnxruntime-web holds its own copy now
   runner = new StepRunner(ort, session, manifest.config);
-  return { device, threads, cache: stats, warmupSteps, sessionSeconds: (performance.now() - t0) / 1000 };
+  const graph = manifest.graphs[pageGraph(manifest, graphKey(device))].file;
+  return { device, threads, graph, cache: stats, warmupSteps, sessionSeconds: (performance.now() - t0) / 1000 };
 }
 
 self.onmessage = async ({ data }) => {

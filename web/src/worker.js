@@ -91,11 +91,11 @@ async function load(opts) {
     max_batch_tokens: opts.maxBatchTokens ?? 256,
   });
   mark('engine');
-  const { device, sessionSeconds, cache, warmupSteps } = await opened;
+  const { device, graph, sessionSeconds, cache, warmupSteps } = await opened;
   timings.model_worker = { fetch: Number(filesMessage.fetchSeconds.toFixed(3)), session: Number(sessionSeconds.toFixed(3)),
     warmup_steps: warmupSteps };
   info = {
-    model: name, device, threads, crossOriginIsolated: self.crossOriginIsolated,
+    model: name, device, graph, threads, crossOriginIsolated: self.crossOriginIsolated,
     quantization: manifest.quantization, cache, python: pythonStart,
     loadSeconds: (performance.now() - t0) / 1000, timings,
   };
