@@ -8,6 +8,7 @@ import onnx
 
 QUANTS = ("fp32", "fp16", "int8", "int4")
 LM_HEAD_NODE = "lm_head/MatMul"
+BITS = {"int8": 8, "int4": 4}
 
 
 def quantize_weights(model: onnx.ModelProto, quant: str, block_size: int = 32,
@@ -25,8 +26,7 @@ def quantize_weights(model: onnx.ModelProto, quant: str, block_size: int = 32,
     )
 
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
-    bits = {"int8": 8, "int4": 4}[quant]
-    head_bits = {"int8": 8, "int4": 4}[head_quant]
+    bits, head_bits = BITS[quant], BITS[head_quant]
 
     def run(m: onnx.ModelProto, nbits: int, include=None, exclude=None) -> onnx.ModelProto:
         cfg = DefaultWeightOnlyQuantConfig(block_size=block_size, is_symmetric=False,

@@ -118,6 +118,9 @@ async function readJSON(url, cache) {
   }
 }
 
+/** The manifest's graph key the page runs: `wanted` where the package has it, else 'decoder'. */
+export const pageGraph = (manifest, wanted) => (manifest.graphs[wanted] ? wanted : 'decoder');
+
 /**
  * Load every file of the package at `baseURL`.
  * Returns { manifest, files: {name: Uint8Array}, stats: {fromCache, downloaded, refetched, ...ms}, checked }.
@@ -127,9 +130,6 @@ async function readJSON(url, cache) {
  * resolves to the names whose digest failed. Their entries are already deleted, so a second
  * loadPackage downloads them again. Every other file is checked before this returns.
  */
-/** The manifest's graph key the page runs: `wanted` where the package has it, else 'decoder'. */
-export const pageGraph = (manifest, wanted) => (manifest.graphs[wanted] ? wanted : 'decoder');
-
 export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck = () => false, graph = 'decoder' } = {}) {
   const base = new URL(baseURL.endsWith('/') ? baseURL : `${baseURL}/`, self.location.href);
   const [dir, cache] = await Promise.all([openStore(), openCache()]);

@@ -103,8 +103,7 @@ async function warmUp(ort, stop) {
 // for the in-place K/V write (TensorScatter) of the main graph, which would run on the CPU there
 const graphKey = (device) => (device === 'webgpu' ? 'decoder_webgpu' : 'decoder');
 
-async function createSession(ort, manifest, files, device) {
-  const graph = manifest.graphs[pageGraph(manifest, graphKey(device))].file;
+async function createSession(ort, manifest, graph, files, device) {
   const external = Object.keys(files).filter((n) => n.endsWith('.data')).map((n) => ({ path: n, data: files[n] }));
   // on WASM the levels above 'basic' (constant folding, which expands the weights) add only the
   // SiLU -> QuickGelu fusion to our graphs: no faster per step (interleaved A/B in Node), and
@@ -137,6 +136,7 @@ async function open({ model, ortURL, device: wanted, threads }) {
   }
   let { manifest, files, stats, checked } = loaded;
   const warmupSteps = await (warmup ?? 0); // at most one tiny step more: the real session has the cores to itself
+  const graph = manifest.graphs[pageGraph(manifest, graphKey(device))].file;
   // graphs and weights stay here (or were never fetched: the LoRA variant); the rest goes to Python
   const graphFiles = Object.keys(manifest.files).filter(isGraphFile);
   const small = Object.fromEntries(Object.entries(files).filter(([n]) => !graphFiles.includes(n)));
@@ -146,19 +146,18 @@ async function open({ model, ortURL, device: wanted, threads }) {
   post({ type: 'progress', progress: { stage: 'session', message: 'preparing the model' } });
   const ort = await runtime;
   const graphs = Object.fromEntries(Object.entries(files).filter(([n]) => graphFiles.includes(n)));
-  let session = await createSession(ort, manifest, graphs, device).catch((err) => ({ err }));
+  let session = await createSession(ort, manifest, graph, graphs, device).catch((err) => ({ err }));
   const corrupt = await checked;
   if (corrupt.length) { // a stored graph file failed its check (and was deleted): fetch it again, start over
     await session.release?.();
     ({ manifest, files, stats } = await loadPackage(model, onProgress, { graph: graphKey(device) }));
     stats = { ...stats, refetched: corrupt.length };
-    session = await createSession(ort, manifest, files, device);
+    session = await createSession(ort, manifest, graph, files, device);
   } else if (session.err) {
     throw session.err;
   }
   files = null; // onnxruntime-web holds its own copy now
   runner = new StepRunner(ort, session, manifest.config);
-  const graph = manifest.graphs[pageGraph(manifest, graphKey(device))].file;
   return { device, threads, graph, cache: stats, warmupSteps, sessionSeconds: (performance.now() - t0) / 1000 };
 }
 
