@@ -1,8 +1,10 @@
 """Single-stream decode / TTFT of RuvLLM and its peers on SmolLM2-135M, same prompt, same machine, one run.
 
 Peers: onnxruntime-genai (its int4 model builder's output) and llama.cpp (llama-cpp-python, the
-Q4_1 GGUF). RuvLLM runs twice: its default int4 package (int8 LM head) and an int4-head export, the
-layout genai's builder writes (lighter, lower quality), so like is also compared with like. Run: python benchmarks/peers.py [--ruvllm PKG] [--tokens 128] [--repeats 7]
+Q4_1 GGUF). RuvLLM runs twice: its default int4 package (int4 LM head whose best tokens are rescored
+from the fp16 embeddings) and a plain int4-head export, the layout genai's builder writes (lower
+quality), so like is also compared with like.
+Run: python benchmarks/peers.py [--ruvllm PKG] [--tokens 128] [--repeats 7]
 Needs: pip install onnxruntime-genai llama-cpp-python (not project dependencies). Prints JSON.
 """
 
@@ -182,11 +184,11 @@ def llamacpp_batch(llm, prompt_ids: list[int], streams: int, tokens: int, thread
 
 
 def int4_head_package() -> Path:
-    """SmolLM2 int4 with an int4 LM head too (--head-quant int4), exported once into WORK."""
-    out = WORK / "ruvllm-int4-head4"
+    """SmolLM2 int4 with a plain int4 LM head (genai's layout, no rescoring), exported once into WORK."""
+    out = WORK / "ruvllm-int4-head4-plain"
     if not (out / "manifest.json").exists():
         subprocess.run([sys.executable, "-m", "exporter", "convert", "smollm2-135m", "-o", str(out), "--quant", "int4",
-                        "--head-quant", "int4", "--no-lora", "--quiet"], check=True, stdout=subprocess.DEVNULL)
+                        "--head-quant", "int4", "--head-rescore", "0", "--no-lora", "--quiet"], check=True, stdout=subprocess.DEVNULL)
     return out
 
 

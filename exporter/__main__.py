@@ -19,8 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--quant", default=None, choices=["fp32", "fp16", "int8", "int4"],
                    help="default: fp32, or int4 for --target wasm/webgpu (int4 on the wire, fp32 compute)")
     c.add_argument("--block-size", type=int, default=32, help="quantization block size (int8/int4)")
-    c.add_argument("--head-quant", default="int8", choices=["int8", "int4"],
-                   help="LM head precision with --quant int8/int4 (int4 is smaller and faster but loses quality)")
+    c.add_argument("--head-quant", default=None, choices=["int8", "int4"],
+                   help="LM head precision with --quant int8/int4 (default: int4 with --head-rescore for int4 "
+                        "models with tied embeddings on native targets, else int8)")
+    c.add_argument("--head-rescore", type=int, default=None, metavar="K",
+                   help="score the int4/int8 LM head's K best tokens again from the fp16 embedding table "
+                        "(tied embeddings, native targets; default 32 where the head defaults to int4, 0 = off)")
     c.add_argument("--kv-block-size", type=int, default=16, help="default KV-cache block size in tokens")
     c.add_argument("--target", default="cpu", choices=["cpu", "wasm", "webgpu", "cuda"])
     c.add_argument("--max-context", type=int, default=None, help="cap the context length (rotary table size)")
@@ -35,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             from exporter.convert import BROWSER_TARGETS, ConvertOptions, convert
 
             quant = args.quant or ("int4" if args.target in BROWSER_TARGETS else "fp32")
-            opts = ConvertOptions(quant=quant, block_size=args.block_size, head_quant=args.head_quant,
+            opts = ConvertOptions(quant=quant, block_size=args.block_size, head_quant=args.head_quant, head_rescore=args.head_rescore,
                                   kv_block_size=args.kv_block_size,
                                   target=args.target, lora=not args.no_lora, max_context=args.max_context,
                                   progress=not args.quiet)

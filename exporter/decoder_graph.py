@@ -114,7 +114,7 @@ def _step_indices(b: GraphBuilder, spec: DecoderSpec, kv_write: str, input_ids: 
 
 def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraSlots | None = None,
                   weight_dtype: type = np.float32, embed_dtype: type = np.float32, tied_gemm: bool = False,
-                  kv_write: str = "TensorScatter"):
+                  kv_write: str = "TensorScatter", head_rescore: int = 0):
     """Return an onnx.ModelProto. `weights` uses Hugging Face names, float32, [out, in] layout.
 
     kv_write: how this step's K/V enter the gathered context. "TensorScatter" writes in place (CPU and
@@ -124,6 +124,9 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
     weight_dtype=np.float16 stores matmul weights as fp16 behind a Cast (ORT folds it at load);
     embed_dtype=np.float16 stores the embedding table as fp16 and casts only the gathered rows.
     tied_gemm=True reads the LM head from the embedding table (Gemm transB) instead of a copy.
+    head_rescore=K (tied embeddings only) makes the LM head a coarse pass: its K best tokens are scored
+    again against their rows of the embedding table, so a cheap (int4) head picks the candidates while
+    the logits that decide sampling carry the table's precision.
     """
     b = GraphBuilder(f"ruvllm_{spec.architecture}_decoder")
     nl, hq, hkv, d = spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -290,6 +293,16 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
     last = b.op("Gather", [hidden, logits_index], axis=0)  # [R, H]
     if tied_gemm and spec.tie_word_embeddings and embed_dtype == np.float32:
         b.op("Gemm", [last, embed_name], transB=1, out=C.LOGITS)
+    elif head_rescore:
+        if not spec.tie_word_embeddings:
+            raise ValueError("head_rescore needs tied embeddings: the exact rows come from the embedding table")
+        coarse = b.op("MatMul", [last, matmul_weight("lm_head", embed)], name="lm_head/MatMul")
+        _, cand = b.op("TopK", [coarse, b.const([head_rescore])], n_out=2, axis=1, largest=1, sorted=0)
+        rows = b.op("Gather", [embed_name, cand], axis=0)  # [R, K, H]
+        if embed_dtype != np.float32:
+            rows = b.op("Cast", [rows], to=FLOAT)
+        exact = b.op("MatMul", [rows, b.op("Unsqueeze", [last, b.const([2])])])  # [R, K, 1]
+        b.op("ScatterElements", [coarse, cand, b.op("Squeeze", [exact, b.const([2])])], axis=1, out=C.LOGITS)
     else:
         head = weights.get("lm_head.weight", embed) if not spec.tie_word_embeddings else embed
         b.op("MatMul", [last, matmul_weight("lm_head", head)], name="lm_head/MatMul", out=C.LOGITS)

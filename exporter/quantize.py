@@ -13,8 +13,7 @@ BITS = {"int8": 8, "int4": 4}
 
 def quantize_weights(model: onnx.ModelProto, quant: str, block_size: int = 32,
                      accuracy_level: int = 4, head_quant: str = "int8") -> onnx.ModelProto:
-    """Block-wise asymmetric RTN. The LM head defaults to int8 even for int4: an int4 head makes
-    SmolLM2 loop (head_quant="int4" is there for size, and to compare with tools that do that).
+    """Block-wise asymmetric RTN; the LM head gets its own bits (convert.head_plan chooses them).
 
     accuracy_level=4 lets the CPU kernel compute in int8, the fast path on x86 and ARM.
     """

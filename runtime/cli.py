@@ -253,7 +253,9 @@ def cmd_info(args) -> int:
     print(f"  shape          {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, heads {cfg['num_heads']}"
           f" (kv {cfg['num_kv_heads']}), vocab {cfg['vocab_size']}, context {cfg['max_positions']}")
     q = m["quantization"]
+    rescore = q.get("lm_head_rescore")
     print(f"  quantization   weights {q['weights']}, embeddings {q['embeddings']}, lm_head {q['lm_head']}"
+          + (f" (best {rescore['top']} rescored from {rescore['from']})" if rescore else "")
           + (f", block {q['block_size']}" if "block_size" in q else ""))
     print(f"  target         {m['target']}")
     f = info["features"]
