@@ -233,7 +233,10 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int):
         return {"ttft": first - t0, "tps": (n - 1) / (end - first)}
     once.batch = batch
     quant = engine.pkg.manifest["quantization"]
-    head = " (int4 head, as genai)" if quant.get("lm_head") == "int4" else ""
+    if quant.get("lm_head_rescore"):
+        head = f" ({quant['lm_head']} head, best {quant['lm_head_rescore']['top']} rescored)"
+    else:
+        head = " (int4 head, as genai)" if quant.get("lm_head") == "int4" else f" ({quant.get('lm_head')} head)"
     return f"ruvllm {quant['weights']}{head}", once
 
 
@@ -286,6 +289,8 @@ def main() -> None:
             results.append({"engine": name, **first})
             proc.wait()
             continue
+        if first["label"] in procs:
+            raise SystemExit(f"two engines are both labelled {first['label']!r}")
         procs[first["label"]] = proc
     runs: dict[str, list[dict]] = {label: [] for label in procs}
     for _ in range(args.repeats):  # interleaved rounds: slow phases of the host hit every engine alike
