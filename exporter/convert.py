@@ -99,6 +99,8 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     weight_dtype = np.float16 if opts.quant == "fp16" else np.float32
     embed_dtype = np.float32 if opts.quant == "fp32" else np.float16
     opts = head_plan(opts, spec.tie_word_embeddings)
+    if opts.head_rescore > spec.vocab_size:
+        raise RuvLLMError(f"--head-rescore {opts.head_rescore} is more than the vocabulary ({spec.vocab_size} tokens)")
 
     def build(lora_slots: LoraSlots | None, kv_write: str):
         return build_decoder(spec, weights, lora_slots, weight_dtype, embed_dtype, tied_gemm=True,
