@@ -133,3 +133,26 @@ def test_rescored_head_is_exact_on_its_candidates(tiny_package, tiny_model_dir, 
     assert np.array_equal(got[~mask], coarse[~mask])
     assert np.abs(coarse - exact).max() > 1e-3  # the int4 head alone is not the reference
     assert np.array_equal(got.argmax(1), exact.argmax(1))
+
+
+def test_head_plan_defaults_and_errors():
+    """Which head each export gets, and the clear errors for rescoring where it cannot apply."""
+    from exporter.convert import RESCORE_TOP, ConvertOptions, head_plan
+    from runtime.errors import RuvLLMError
+
+    def plan(tied: bool, **kw):
+        o = head_plan(ConvertOptions(**kw), tied)
+        return o.head_quant, o.head_rescore
+
+    assert plan(True, quant="int4") == ("int4", RESCORE_TOP)
+    assert plan(False, quant="int4") == ("int8", 0)
+    assert plan(True, quant="int8") == ("int8", 0)
+    assert plan(True, quant="int4", target="wasm") == ("int8", 0)  # the browser computes in fp32 anyway
+    assert plan(True, quant="int4", head_quant="int8") == ("int8", 0)
+    assert plan(True, quant="int4", head_rescore=0) == ("int4", 0)
+    assert plan(True, quant="int8", head_rescore=16) == ("int8", 16)
+    for tied, kw in ((False, {"quant": "int4", "head_rescore": 8}), (True, {"quant": "fp32", "head_rescore": 8}),
+                     (True, {"quant": "int4", "target": "wasm", "head_rescore": 8}),
+                     (True, {"quant": "int4", "head_rescore": -1})):
+        with pytest.raises(RuvLLMError):
+            plan(tied, **kw)
