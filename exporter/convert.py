@@ -59,7 +59,7 @@ def head_plan(opts: ConvertOptions, tied: bool) -> ConvertOptions:
     scored again from the fp16 embedding table, as good as int8 (KL 0.37) at int4's speed.
     Browser packages dequantize to fp32 at load, so their head stays int8 (the download's size)."""
     quantized, native = opts.quant in ("int8", "int4"), opts.target not in BROWSER_TARGETS
-    rescore_default = quantized and native and tied and opts.quant == "int4" and opts.head_quant in (None, "int4")
+    rescore_default = opts.quant == "int4" and native and tied and opts.head_quant in (None, "int4")
     head_quant = opts.head_quant or ("int4" if rescore_default else "int8")
     rescore = opts.head_rescore if opts.head_rescore is not None else (RESCORE_TOP if rescore_default else 0)
     if rescore and not (quantized and native):

@@ -69,7 +69,7 @@ def test_smollm2_quantization_quality(smol_fp32, smol_int4, workdir):
     head (int4, best 32 rescored from fp16): KL 0.33, perplexity 7.89, top-1 74%; with an int8 head
     0.31 / 7.94 / 76%; with a plain int4 head 0.42 / 8.44 / 65%, which these bounds reject.
     """
-    from exporter.convert import ConvertOptions, convert
+    from exporter.convert import RESCORE_TOP, ConvertOptions, convert
 
     int8 = convert("smollm2-135m", workdir / "smol-int8", ConvertOptions(quant="int8", progress=False, lora=False))
     pkg = load_package(smol_fp32)
@@ -78,7 +78,7 @@ def test_smollm2_quantization_quality(smol_fp32, smol_int4, workdir):
     q8 = quality(ref, teacher_forced_logprobs(int8, ids), ids)
     q4 = quality(ref, teacher_forced_logprobs(smol_int4, ids), ids)
     print(f"int8: {q8}\nint4: {q4}")
-    assert load_package(smol_int4).manifest["quantization"]["lm_head_rescore"]["top"] == 32
+    assert load_package(smol_int4).manifest["quantization"]["lm_head_rescore"]["top"] == RESCORE_TOP
     assert q8["kl"] < 0.01 and q8["top1"] > 0.9 and q8["ppl"] < 1.03 * q8["ppl_ref"], q8
     assert q4["kl"] < 0.36 and q4["top1"] > 0.72 and q4["ppl"] < 1.2 * q4["ppl_ref"], q4
 
