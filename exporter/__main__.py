@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
             from exporter.convert import BROWSER_TARGETS, ConvertOptions, convert
 
             quant = args.quant or ("int4" if args.target in BROWSER_TARGETS else "fp32")
-            opts = ConvertOptions(quant=quant, block_size=args.block_size, head_quant=args.head_quant, head_rescore=args.head_rescore,
-                                  kv_block_size=args.kv_block_size,
+            opts = ConvertOptions(quant=quant, block_size=args.block_size, head_quant=args.head_quant,
+                                  head_rescore=args.head_rescore, kv_block_size=args.kv_block_size,
                                   target=args.target, lora=not args.no_lora, max_context=args.max_context,
                                   progress=not args.quiet)
             out = convert(args.source, args.output, opts)
