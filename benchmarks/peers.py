@@ -1,9 +1,9 @@
 """Single-stream decode / TTFT of RuvLLM and its peers on SmolLM2-135M, same prompt, same machine, one run.
 
 Peers: onnxruntime-genai (its int4 model builder's output) and llama.cpp (llama-cpp-python, the
-Q4_1 GGUF). RuvLLM runs twice: its default int4 package (int4 LM head whose best tokens are rescored
-from the fp16 embeddings) and a plain int4-head export, the layout genai's builder writes (lower
-quality), so like is also compared with like.
+Q4_1 GGUF). RuvLLM runs twice: its default int4 package (AWQ in blocks of 64, an int4 LM head whose
+best tokens are rescored from the fp16 embeddings) and an export in the layout genai's builder writes
+(RTN in blocks of 32, plain int4 head: lower quality), so like is also compared with like.
 Run: python benchmarks/peers.py [--ruvllm PKG] [--tokens 128] [--repeats 7]
 Needs: pip install onnxruntime-genai llama-cpp-python (not project dependencies). Prints JSON.
 """
@@ -183,12 +183,13 @@ def llamacpp_batch(llm, prompt_ids: list[int], streams: int, tokens: int, thread
             "aggregate_decode_tps": streams * (tokens - 1) / (end - first)}
 
 
-def int4_head_package() -> Path:
-    """SmolLM2 int4 with a plain int4 LM head (genai's layout, no rescoring), exported once into WORK."""
-    out = WORK / "ruvllm-int4-head4-plain"
+def genai_layout_package() -> Path:
+    """SmolLM2 int4 as genai's builder writes it (RTN, blocks of 32, plain int4 LM head), exported once."""
+    out = WORK / "ruvllm-int4-genai-layout"
     if not (out / "manifest.json").exists():
         subprocess.run([sys.executable, "-m", "exporter", "convert", "smollm2-135m", "-o", str(out), "--quant", "int4",
-                        "--head-quant", "int4", "--head-rescore", "0", "--no-lora", "--quiet"], check=True, stdout=subprocess.DEVNULL)
+                        "--method", "rtn", "--block-size", "32", "--head-quant", "int4", "--head-rescore", "0",
+                        "--no-lora", "--quiet"], check=True, stdout=subprocess.DEVNULL)
     return out
 
 
@@ -234,16 +235,17 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int):
     once.batch = batch
     quant = engine.pkg.manifest["quantization"]
     if quant.get("lm_head_rescore"):
-        head = f" ({quant['lm_head']} head, best {quant['lm_head_rescore']['top']} rescored)"
+        head = f"{quant['lm_head']} head, best {quant['lm_head_rescore']['top']} rescored"
     else:
-        head = " (int4 head, as genai)" if quant.get("lm_head") == "int4" else f" ({quant.get('lm_head')} head)"
-    return f"ruvllm {quant['weights']}{head}", once
+        head = f"{quant.get('lm_head')} head"
+    method = f" {quant['method']}/{quant['block_size']}" if "method" in quant else ""
+    return f"ruvllm {quant['weights']}{method} ({head})", once
 
 
 def worker(name: str, args) -> None:
     """Load one engine, then time one run per line read from stdin (a JSON line back per run)."""
     loaders = {"ruvllm": lambda: load_ruvllm(args.ruvllm, args.tokens, args.threads),
-               "ruvllm-head4": lambda: load_ruvllm(str(int4_head_package()), args.tokens, args.threads),
+               "ruvllm-genai-layout": lambda: load_ruvllm(str(genai_layout_package()), args.tokens, args.threads),
                "genai": lambda: load_genai(args.tokens, args.threads),
                "llamacpp": lambda: load_llamacpp(args.tokens, args.threads)}
     try:
@@ -268,7 +270,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--only", default="ruvllm,ruvllm-head4,genai,llamacpp")
+    ap.add_argument("--only", default="ruvllm,ruvllm-genai-layout,genai,llamacpp")
     ap.add_argument("--batch", type=int, default=16, help="also measure this many streams decoded together (0: skip)")
     ap.add_argument("--batch-repeats", type=int, default=3)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)

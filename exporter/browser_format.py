@@ -39,7 +39,7 @@ def dequantize_at_load(model: onnx.ModelProto, tied_embedding: str | None = None
             continue
         a = _attrs(node)
         k, n, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
-        if k % block or (bits == 4 and (k // block) % 2) or (bits == 4 and n % 2):
+        if k % block or (bits == 4 and n % 2):
             raise ValueError(f"{node.name}: K={k}, N={n} do not fit {bits}-bit blocks of {block}")
         x, w_name, s_name, zp_name = node.input[:4]
         blocks = k // block
@@ -85,7 +85,8 @@ def _unpack(t: onnx.TensorProto, bits: int, shape: tuple[int, int]) -> np.ndarra
         return raw.reshape(shape)
     out = np.empty(raw.size * 2, np.uint8)
     out[0::2], out[1::2] = raw & 0x0F, raw >> 4
-    return out.reshape(shape)
+    rows, cols = shape  # MatMulNBits pads each row of 4-bit zero points to whole bytes (an odd block count)
+    return out.reshape(rows, cols + cols % 2)[:, :cols]
 
 
 def _pack(name: str, values: np.ndarray, elem: int, bits: int) -> onnx.TensorProto:

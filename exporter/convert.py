@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 
 from exporter import __version__
+from exporter.awq import apply_awq, calibration_ids
 from exporter.browser_format import SESSION_CONFIG, dequantize_at_load
 from exporter.decoder_graph import LoraSlots, build_decoder
 from exporter.external_data import save_with_shared_data
 from exporter.hf_model import check_architecture, decoder_spec, float_weights
-from exporter.quantize import QUANTS, quantize_weights
+from exporter.quantize import BITS, METHODS, QUANTS, quantize_weights
 from exporter.sources import gguf_add_bos, load_config, load_model_and_tokenizer, resolve, source_fingerprint
 from runtime import contract as C
 from runtime.errors import RuvLLMError
@@ -32,7 +33,9 @@ WEBGPU_GRAPH_FILE = "model_webgpu.onnx"  # a --target wasm package's graph for p
 @dataclass
 class ConvertOptions:
     quant: str = "fp32"
-    block_size: int = 32  # quantization block (int4/int8)
+    block_size: int | None = None  # quantization block (int4/int8; None: see weight_plan)
+    method: str | None = None  # int8/int4: "rtn" (round to nearest) or "awq" (see awq.py); None: see weight_plan
+    calibration: str | None = None  # a text file for AWQ's calibration (default: the stdlib's documentation)
     head_quant: str | None = None  # the LM head's precision when quant is int8/int4 (None: see head_plan)
     head_rescore: int | None = None  # rescore the head's K best tokens from the embedding table (None: see head_plan)
     kv_block_size: int = 16
@@ -48,7 +51,27 @@ def kv_write_op(target: str) -> str:
     return "ScatterND" if target == "webgpu" else "TensorScatter"
 
 
+AWQ_INT4_BLOCK = 64  # int4's default block with AWQ (RTN's default stays 32)
 RESCORE_TOP = 32  # candidates the int4 head hands to the exact pass (64 measured no better)
+
+
+def weight_plan(opts: ConvertOptions) -> ConvertOptions:
+    """Resolve the weights' quantization method and block size. int4 defaults to AWQ in blocks of 64:
+    on SmolLM2 it is closer to fp32 than RTN in blocks of 32 on every measure (KL 0.20 vs 0.33,
+    perplexity 7.60 vs 7.89 against fp32's 6.85, top-1 86% vs 74%) while reading 11% fewer bytes a
+    token (4.6 vs 5.1 bits a weight with the block's scale and zero point): a decode step 7.5% faster
+    at 1 stream and 10% at 16. int8 loses almost nothing with RTN (KL 0.004), so it keeps RTN."""
+    method = opts.method or ("awq" if opts.quant == "int4" else "rtn")
+    if method not in METHODS:
+        raise RuvLLMError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
+    if method != "rtn" and opts.quant not in ("int8", "int4"):
+        raise RuvLLMError(f"--method {method} applies to --quant int8/int4, not {opts.quant}")
+    block = opts.block_size
+    if block is None:
+        block = AWQ_INT4_BLOCK if method == "awq" and opts.quant == "int4" else 32
+    if block < 16 or block & (block - 1):
+        raise RuvLLMError(f"--block-size must be a power of two, at least 16 (got {block})")
+    return dataclasses.replace(opts, method=method, block_size=block)
 
 
 def head_plan(opts: ConvertOptions, tied: bool) -> ConvertOptions:
@@ -78,6 +101,7 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
         raise RuvLLMError(f"unknown --quant {opts.quant!r}; choose one of {', '.join(QUANTS)}")
     if opts.target not in TARGETS:
         raise RuvLLMError(f"unknown --target {opts.target!r}; choose one of {', '.join(TARGETS)}")
+    opts = weight_plan(opts)
     if opts.head_quant not in (None, "int8", "int4"):
         raise RuvLLMError(f"unknown --head-quant {opts.head_quant!r}; choose int8 or int4")
     out = Path(out_dir)
@@ -90,6 +114,12 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     bar.set_description("loading model")
     model, tok = load_model_and_tokenizer(source)
     bar.update()
+
+    lora_scales = None
+    if opts.method == "awq":  # scales folded into the float weights before the graphs are built
+        bar.set_description("AWQ search")
+        lora_scales = apply_awq(model, calibration_ids(tok, opts.calibration), opts.block_size, BITS[opts.quant],
+                                progress=opts.progress)
 
     bar.set_description("building graphs")
     spec = decoder_spec(model, opts.max_context)
@@ -105,7 +135,7 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
 
     def build(lora_slots: LoraSlots | None, kv_write: str):
         return build_decoder(spec, weights, lora_slots, weight_dtype, embed_dtype, tied_gemm=True,
-                             kv_write=kv_write, head_rescore=opts.head_rescore)
+                             kv_write=kv_write, head_rescore=opts.head_rescore, lora_scales=lora_scales)
 
     graphs = {GRAPH_FILE: build(None, kv_write_op(opts.target))}
     if opts.lora:
@@ -214,8 +244,10 @@ def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict,
              "int8": {"weights": "int8", "embeddings": "fp16", "lm_head": opts.head_quant},
              "int4": {"weights": "int4", "embeddings": "fp16", "lm_head": opts.head_quant}}[opts.quant]
     if opts.quant in ("int8", "int4"):
-        quant.update(method="rtn", block_size=opts.block_size, symmetric=False, accuracy_level=4,
+        quant.update(method=opts.method, block_size=opts.block_size, symmetric=False, accuracy_level=4,
                      op="com.microsoft.MatMulNBits")
+        if opts.method == "awq":
+            quant["calibration"] = opts.calibration and Path(opts.calibration).name or "python-stdlib-docs"
         if opts.head_rescore:
             quant["lm_head_rescore"] = {"top": opts.head_rescore, "from": f"the {quant['embeddings']} embedding table"}
         if opts.target in BROWSER_TARGETS:

@@ -114,7 +114,7 @@ def _step_indices(b: GraphBuilder, spec: DecoderSpec, kv_write: str, input_ids: 
 
 def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraSlots | None = None,
                   weight_dtype: type = np.float32, embed_dtype: type = np.float32, tied_gemm: bool = False,
-                  kv_write: str = "TensorScatter", head_rescore: int = 0):
+                  kv_write: str = "TensorScatter", head_rescore: int = 0, lora_scales=None):
     """Return an onnx.ModelProto. `weights` uses Hugging Face names, float32, [out, in] layout.
 
     kv_write: how this step's K/V enter the gathered context. "TensorScatter" writes in place (CPU and
@@ -127,6 +127,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
     head_rescore=K (tied embeddings only) makes the LM head a coarse pass: its K best tokens are scored
     again against their rows of the embedding table, so a cheap (int4) head picks the candidates while
     the logits that decide sampling carry the table's precision.
+    lora_scales (an awq.LoraScales) undoes, on the LoRA path only, the AWQ scales folded into the weights.
     """
     b = GraphBuilder(f"ruvllm_{spec.architecture}_decoder")
     nl, hq, hkv, d = spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -170,14 +171,30 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         # [num_adapters, num_tokens, 1]: per-token mixing weight of each adapter
         lora_w = b.op("Unsqueeze", [b.op("Transpose", [lora_weights], perm=[1, 0]), b.const([2])])
 
+    unscaled: dict[tuple[int, str], str] = {}  # (layer, input) -> the input times its AWQ scale
+
+    def lora_input(layer: int, target: str, x: str) -> str:
+        s = lora_scales.inputs.get((layer, target)) if lora_scales else None
+        if s is None:
+            return x
+        if (layer, x) not in unscaled:  # q/k/v (gate/up) share their input and its scale
+            unscaled[layer, x] = b.op("Mul", [x, b.weight(f"layers.{layer}.{target}.lora_input_scale",
+                                                          s.astype(np.float32))])
+        return unscaled[layer, x]
+
     def lora_delta(layer: int, target: str, x: str) -> str | None:
         if target not in lora_in:
             return None
         a_all, b_all = lora_in[target]
         a_l = b.op("Gather", [a_all, b.const(layer)], axis=0)  # [A, in, r]
         b_l = b.op("Gather", [b_all, b.const(layer)], axis=0)  # [A, r, out]
-        xb = b.op("MatMul", [b.op("MatMul", [x, a_l]), b_l])  # [A, N, out]
-        return b.op("ReduceSum", [b.op("Mul", [xb, lora_w]), b.const([0])], keepdims=0)  # [N, out]
+        xb = b.op("MatMul", [b.op("MatMul", [lora_input(layer, target, x), a_l]), b_l])  # [A, N, out]
+        delta = b.op("ReduceSum", [b.op("Mul", [xb, lora_w]), b.const([0])], keepdims=0)  # [N, out]
+        s_out = lora_scales.outputs.get((layer, target)) if lora_scales else None
+        if s_out is not None:  # the base output was divided by the next group's scale: so is the delta
+            delta = b.op("Mul", [delta, b.weight(f"layers.{layer}.{target}.lora_output_scale",
+                                                 (1.0 / s_out).astype(np.float32))])
+        return delta
 
     def with_lora(layer: int, target: str, x: str, y: str) -> str:
         delta = lora_delta(layer, target, x)

@@ -9,6 +9,7 @@ import onnx
 QUANTS = ("fp32", "fp16", "int8", "int4")
 LM_HEAD_NODE = "lm_head/MatMul"
 BITS = {"int8": 8, "int4": 4}
+METHODS = ("rtn", "awq")
 
 
 def quantize_weights(model: onnx.ModelProto, quant: str, block_size: int = 32,

@@ -256,7 +256,8 @@ def cmd_info(args) -> int:
     rescore = q.get("lm_head_rescore")
     print(f"  quantization   weights {q['weights']}, embeddings {q['embeddings']}, lm_head {q['lm_head']}"
           + (f" (best {rescore['top']} rescored from {rescore['from']})" if rescore else "")
-          + (f", block {q['block_size']}" if "block_size" in q else ""))
+          + (f", {q['method'].upper()} in blocks of {q['block_size']}" if "block_size" in q else "")
+          + (f" (calibrated on {q['calibration']})" if q.get("calibration") else ""))
     print(f"  target         {m['target']}")
     f = info["features"]
     print(f"  features       paged KV (block {f['kv_block_size']}), prefix sharing, in-graph sampling,"

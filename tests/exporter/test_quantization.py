@@ -65,9 +65,12 @@ def test_every_quantization_exports_and_runs(quant, tiny_package):
 def test_smollm2_quantization_quality(smol_fp32, smol_int4, workdir):
     """Regression bounds on KL, perplexity and top-1 agreement against the fp32 export.
 
-    Measured here: int8 KL 0.004, perplexity 6.90 vs 6.85, top-1 95%. int4 (RTN, block 32), default
-    head (int4, best 32 rescored from fp16): KL 0.33, perplexity 7.89, top-1 74%; with an int8 head
-    0.31 / 7.94 / 76%; with a plain int4 head 0.42 / 8.44 / 65%, which these bounds reject.
+    Measured here: int8 KL 0.004, perplexity 6.90 vs 6.85, top-1 95%. int4 default (AWQ, block 64;
+    head int4 with its best 32 rescored from fp16): KL 0.18, perplexity 7.86, top-1 83%. Rejected by
+    these bounds: RTN in blocks of 32 (the earlier default) 0.33 / 7.89 / 74%, a plain int4 head
+    0.42 / 8.44 / 65%. This text is short, so its perplexity moves by a few percent with the
+    calibration's details (7.60 with another calibration sample of the same quality on 7k tokens):
+    KL and top-1 are the telling bounds.
     """
     from exporter.convert import RESCORE_TOP, ConvertOptions, convert
 
@@ -80,7 +83,8 @@ def test_smollm2_quantization_quality(smol_fp32, smol_int4, workdir):
     print(f"int8: {q8}\nint4: {q4}")
     assert load_package(smol_int4).manifest["quantization"]["lm_head_rescore"]["top"] == RESCORE_TOP
     assert q8["kl"] < 0.01 and q8["top1"] > 0.9 and q8["ppl"] < 1.03 * q8["ppl_ref"], q8
-    assert q4["kl"] < 0.36 and q4["top1"] > 0.72 and q4["ppl"] < 1.2 * q4["ppl_ref"], q4
+    assert load_package(smol_int4).manifest["quantization"]["method"] == "awq"
+    assert q4["kl"] < 0.25 and q4["top1"] > 0.79 and q4["ppl"] < 1.2 * q4["ppl_ref"], q4
 
 
 def test_int4_head_on_request(tiny_model_dir, tiny_package, workdir):

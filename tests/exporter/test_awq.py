@@ -1,0 +1,138 @@
+"""AWQ: the folded scales leave the float model (and a LoRA adapter on it) unchanged; the quantized
+package is closer to fp32 than round-to-nearest at the same block size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.backends.native import NativeBackend
+from runtime.errors import RuvLLMError
+from runtime.package import load_package
+from tests.exporter.test_logits_parity import TOL, hf_last_logits, load_hf
+from tests.exporter.test_quantization import quality, teacher_forced_logprobs
+from tests.stepping import Stepper
+
+
+def with_outliers(path):
+    """The tiny random model with a few input channels of every projection made 10x larger, as real
+    models have them (a random model's channels are all alike, so AWQ's scales would stay near 1)."""
+    model = load_hf(path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[:4] *= 10
+            layer.mlp.up_proj.weight[:8] *= 10
+    return model
+
+
+@pytest.fixture(scope="module")
+def outlier_model_dir(tiny_model_dir, workdir):
+    from transformers import AutoTokenizer
+
+    out = workdir / "tiny-llama-outliers"
+    if not out.exists():
+        with_outliers(tiny_model_dir("llama")).save_pretrained(out)
+        AutoTokenizer.from_pretrained(tiny_model_dir("llama")).save_pretrained(out)
+    return out
+
+
+def test_folded_scales_keep_the_model_and_its_lora(outlier_model_dir, workdir, monkeypatch):
+    """Export with AWQ's scales folded in but nothing quantized or clipped: the graph must equal
+    transformers on the original weights, and with a peft adapter active must equal peft: the LoRA
+    graph undoes the scales that the base weights absorbed."""
+    from peft import LoraConfig, get_peft_model
+    from peft.utils import get_peft_model_state_dict
+
+    import exporter.awq as awq
+    import exporter.convert as conv
+    from exporter.decoder_graph import _proj_features
+    from exporter.hf_model import decoder_spec
+    from exporter.lora import adapter_from_peft, stack_adapters
+    from runtime import contract as C
+
+    found = {}
+
+    def scales_only(*args, **kwargs):
+        found["scales"] = awq.apply_awq(*args, **{**kwargs, "clip": False})
+        return found["scales"]
+
+    monkeypatch.setattr(conv, "apply_awq", scales_only)
+    monkeypatch.setattr(conv, "quantize_weights", lambda graph, *a, **k: graph)  # keep float weights
+    pkg = load_package(conv.convert(str(outlier_model_dir), workdir / "pkg-awq-float",
+                                    conv.ConvertOptions(quant="int4", method="awq", progress=False)))
+    ratios = [s.max() / s.min() for s in found["scales"].inputs.values()]
+    assert max(ratios) > 3, ratios  # the scales are far from 1, so a missing undo would show
+
+    base = load_hf(outlier_model_dir)
+    spec = decoder_spec(base)
+    torch.manual_seed(7)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=list(C.LORA_TARGETS), init_lora_weights=False)
+    peft_model = get_peft_model(load_hf(outlier_model_dir), cfg).eval()
+    adapter = adapter_from_peft(get_peft_model_state_dict(peft_model), alpha=8, rank=4)
+    lora_inputs = stack_adapters([adapter], spec.num_layers, _proj_features(spec))
+    stepper = Stepper(NativeBackend(pkg, lora=True), block_size=4)
+    rng = np.random.default_rng(3)
+    a = [int(t) for t in rng.integers(3, base.config.vocab_size, 9)]
+    b = [int(t) for t in rng.integers(3, base.config.vocab_size, 6)]
+    weights = np.array([[1.0]] * len(a) + [[0.0]] * len(b), np.float32)
+    res = stepper.step({0: a, 1: b}, extra_inputs={**lora_inputs, C.LORA_WEIGHTS: weights})
+    scale = np.abs(hf_last_logits(base, b)).max()  # the outliers make logits large: compare relatively
+    assert np.abs(res.logits[1] - hf_last_logits(base, b)).max() < TOL * scale
+    assert np.abs(res.logits[0] - hf_last_logits(peft_model, a)).max() < TOL * scale
+    assert np.abs(hf_last_logits(peft_model, a) - hf_last_logits(base, a)).max() > 100 * TOL * scale
+
+
+def test_awq_is_closer_to_fp32_than_rtn(outlier_model_dir, workdir):
+    from exporter.convert import ConvertOptions, convert
+
+    fp32 = convert(str(outlier_model_dir), workdir / "pkg-outliers-fp32", ConvertOptions(progress=False, lora=False))
+    kl = {}
+    for method in ("rtn", "awq"):
+        pkg = load_package(convert(str(outlier_model_dir), workdir / f"pkg-outliers-{method}",
+                                   ConvertOptions(quant="int4", method=method, block_size=64, progress=False,
+                                                  lora=False)))
+        assert pkg.manifest["quantization"]["method"] == method
+        tok_ids = list(range(3, 200, 3))  # the model is random: any ids will do
+        kl[method] = quality(teacher_forced_logprobs(fp32, tok_ids), teacher_forced_logprobs(pkg.path, tok_ids),
+                             tok_ids)["kl"]
+    assert kl["awq"] < 0.7 * kl["rtn"], kl
+
+
+def test_awq_options_errors(tiny_model_dir, workdir, tmp_path):
+    from exporter.convert import ConvertOptions, convert
+
+    with pytest.raises(RuvLLMError, match="--method awq applies to --quant int8/int4"):
+        convert(str(tiny_model_dir("llama")), workdir / "x", ConvertOptions(quant="fp32", method="awq"))
+    with pytest.raises(RuvLLMError, match="unknown --method"):
+        convert(str(tiny_model_dir("llama")), workdir / "x", ConvertOptions(quant="int4", method="gptq"))
+    with pytest.raises(RuvLLMError, match="--calibration .*nope.txt"):
+        convert(str(tiny_model_dir("llama")), workdir / "x",
+                ConvertOptions(quant="int4", method="awq", calibration=str(tmp_path / "nope.txt"), progress=False))
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    with pytest.raises(RuvLLMError, match="calibration text too short"):
+        convert(str(tiny_model_dir("llama")), workdir / "x",
+                ConvertOptions(quant="int4", method="awq", calibration=str(short), progress=False))
+    assert not (workdir / "x").exists()
+
+
+def test_weight_plan_defaults():
+    """int4 defaults to AWQ in blocks of AWQ_INT4_BLOCK; int8 and explicit RTN keep blocks of 32."""
+    from exporter.convert import AWQ_INT4_BLOCK, ConvertOptions, weight_plan
+
+    def plan(**kw):
+        o = weight_plan(ConvertOptions(**kw))
+        return o.method, o.block_size
+
+    assert plan(quant="int4") == ("awq", AWQ_INT4_BLOCK)
+    assert plan(quant="int4", target="wasm") == ("awq", AWQ_INT4_BLOCK)
+    assert plan(quant="int4", method="rtn") == ("rtn", 32)
+    assert plan(quant="int4", block_size=128) == ("awq", 128)
+    assert plan(quant="int8") == ("rtn", 32)
+    assert plan(quant="int8", method="awq") == ("awq", 32)
+    assert plan(quant="fp32") == ("rtn", 32)  # nothing is quantized: the plan is moot
+    for bad in (0, 24, 8):
+        with pytest.raises(RuvLLMError, match="--block-size must be a power of two"):
+            plan(quant="int4", block_size=bad)
