@@ -10,7 +10,7 @@ import torch
 from runtime.backends.native import NativeBackend
 from runtime.errors import RuvLLMError
 from runtime.package import load_package
-from tests.exporter.test_logits_parity import TOL, hf_last_logits, load_hf
+from tests.exporter.test_logits_parity import TOL, hf_last_logits, load_hf, peft_adapter
 from tests.exporter.test_quantization import quality, teacher_forced_logprobs
 from tests.stepping import Stepper
 
@@ -42,14 +42,8 @@ def test_folded_scales_keep_the_model_and_its_lora(outlier_model_dir, workdir, m
     """Export with AWQ's scales folded in but nothing quantized or clipped: the graph must equal
     transformers on the original weights, and with a peft adapter active must equal peft: the LoRA
     graph undoes the scales that the base weights absorbed."""
-    from peft import LoraConfig, get_peft_model
-    from peft.utils import get_peft_model_state_dict
-
     import exporter.awq as awq
     import exporter.convert as conv
-    from exporter.decoder_graph import _proj_features
-    from exporter.hf_model import decoder_spec
-    from exporter.lora import adapter_from_peft, stack_adapters
     from runtime import contract as C
 
     found = {}
@@ -66,12 +60,7 @@ def test_folded_scales_keep_the_model_and_its_lora(outlier_model_dir, workdir, m
     assert max(ratios) > 3, ratios  # the scales are far from 1, so a missing undo would show
 
     base = load_hf(outlier_model_dir)
-    spec = decoder_spec(base)
-    torch.manual_seed(7)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=list(C.LORA_TARGETS), init_lora_weights=False)
-    peft_model = get_peft_model(load_hf(outlier_model_dir), cfg).eval()
-    adapter = adapter_from_peft(get_peft_model_state_dict(peft_model), alpha=8, rank=4)
-    lora_inputs = stack_adapters([adapter], spec.num_layers, _proj_features(spec))
+    peft_model, lora_inputs = peft_adapter(outlier_model_dir)
     stepper = Stepper(NativeBackend(pkg, lora=True), block_size=4)
     rng = np.random.default_rng(3)
     a = [int(t) for t in rng.integers(3, base.config.vocab_size, 9)]

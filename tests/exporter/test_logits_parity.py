@@ -95,8 +95,9 @@ def test_shared_prefix_blocks_are_read_through_block_tables(tiny_model_dir, tiny
     assert np.abs(res.logits[1] - hf_last_logits(model, prefix + tail_b)).max() < TOL
 
 
-def test_lora_inputs_match_peft(tiny_model_dir, tiny_package):
-    """The LoRA graph with a peft adapter active equals peft in transformers; a row with weight 0 equals base."""
+def peft_adapter(model_dir) -> tuple:
+    """A random rank-4 peft LoRA on every target of the model in model_dir: (peft model, the LoRA
+    graph's stacked adapter inputs for it)."""
     from peft import LoraConfig, get_peft_model
     from peft.utils import get_peft_model_state_dict
 
@@ -105,13 +106,20 @@ def test_lora_inputs_match_peft(tiny_model_dir, tiny_package):
     from exporter.lora import adapter_from_peft, stack_adapters
     from runtime import contract as C
 
-    base = load_hf(tiny_model_dir("llama"))
-    spec = decoder_spec(base)
     torch.manual_seed(7)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=list(C.LORA_TARGETS), init_lora_weights=False)
-    peft_model = get_peft_model(load_hf(tiny_model_dir("llama")), cfg).eval()
+    peft_model = get_peft_model(load_hf(model_dir), cfg).eval()
     adapter = adapter_from_peft(get_peft_model_state_dict(peft_model), alpha=8, rank=4)
-    lora_inputs = stack_adapters([adapter], spec.num_layers, _proj_features(spec))
+    spec = decoder_spec(peft_model.get_base_model())
+    return peft_model, stack_adapters([adapter], spec.num_layers, _proj_features(spec))
+
+
+def test_lora_inputs_match_peft(tiny_model_dir, tiny_package):
+    """The LoRA graph with a peft adapter active equals peft in transformers; a row with weight 0 equals base."""
+    from runtime import contract as C
+
+    base = load_hf(tiny_model_dir("llama"))
+    peft_model, lora_inputs = peft_adapter(tiny_model_dir("llama"))
 
     backend = NativeBackend(load_package(tiny_package("llama")), lora=True)
     stepper = Stepper(backend, block_size=4)
