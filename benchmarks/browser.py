@@ -143,7 +143,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--engines", default="ruvllm,transformers.js:fp32,transformers.js:q8,wllama")
+    ap.add_argument("--engines", default="ruvllm,ruvllm:nolookup,transformers.js:fp32,transformers.js:q8,wllama",
+                    help="ruvllm:nolookup is RuvLLM with prompt-lookup speculative decoding off")
     ap.add_argument("--timeout", type=int, default=600)
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
@@ -191,8 +192,14 @@ def main() -> None:
         ours = summary.get("ruvllm", {}).get(field)
         ratios[field] = {k: round(ours / v[field], 2) for k, v in summary.items()
                          if k != "ruvllm" and ours and v.get(field)}
+    # the same against RuvLLM without speculative decoding: the engine's speed on text that never repeats
+    plain = summary.get("ruvllm:nolookup", {})
+    nolookup_ratios = {field: {k: round(plain[field] / v[field], 2) for k, v in summary.items()
+                               if not k.startswith("ruvllm") and plain.get(field) and v.get(field)}
+                       for field in ("decode_tok_s", "cached_decode_tok_s")} if plain else {}
     print(json.dumps({"threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "summary": summary,
-                      "ruvllm_decode_ratio": ratios, "runs": runs}, indent=1))
+                      "ruvllm_decode_ratio": ratios, "ruvllm_nolookup_decode_ratio": nolookup_ratios,
+                      "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

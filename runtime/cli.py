@@ -74,6 +74,9 @@ def engine_options(args) -> dict:
         opts["num_blocks"] = args.num_blocks
     if getattr(args, "block_size", None):
         opts["block_size"] = args.block_size
+    for name in ("speculative_tokens", "speculative_max_batch"):
+        if getattr(args, name, None) is not None:
+            opts[name] = getattr(args, name)
     return opts
 
 
@@ -319,12 +322,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--stop", action="append", help="stop string (repeatable)")
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
         p.add_argument("--threads", type=int, default=None)
-        kv_args(p)
+        engine_args(p)
 
-    def kv_args(p) -> None:
+    def engine_args(p) -> None:
         p.add_argument("--kv-memory", default=None, help="KV-cache budget, e.g. 512MB or 1GB (default 512MB)")
         p.add_argument("--num-blocks", type=int, default=None, help="KV-cache size in blocks (overrides --kv-memory)")
         p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: the package's)")
+        p.add_argument("--speculative-tokens", type=int, default=None,
+                       help="prompt-lookup drafts verified per greedy decode step (default 3; 0: off)")
+        p.add_argument("--speculative-max-batch", type=int, default=None,
+                       help="draft only while at most this many sequences run (default 2)")
 
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
     g.add_argument("package", nargs="?", help="package folder or alias (default: the embedded SmolLM2-135M)")
@@ -368,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-batch-tokens", type=int, default=512)
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
     b.add_argument("--threads", type=int, default=None)
-    kv_args(b)
+    engine_args(b)
     b.set_defaults(func=cmd_bench)
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     sv.add_argument("packages", nargs="*", help="package folders or aliases (default: the embedded model)")
@@ -379,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before answering 429")
     sv.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
     sv.add_argument("--log-level", default="info")
-    kv_args(sv)
+    engine_args(sv)
     sv.set_defaults(func=cmd_serve)
     return ap
 

@@ -53,6 +53,7 @@ class Chunk:
     num_blocks: int  # blocks the sequence holds after this step
     kv_slots: list[int]  # pool slot (block * block_size + offset) of each new token
     want_logits: bool
+    logits_rows: int = 1  # with want_logits: how many trailing tokens want next-token logits (drafts + 1)
     temperature: float = 1.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -111,8 +112,9 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
         qidx.append(list(range(base, base + n)) + [last] * (query_len - n))
         kv.extend(c.kv_slots)
         if c.want_logits:
-            logits_index.append(last)
-            rows.append(c)
+            for j in range(c.logits_rows - 1, -1, -1):
+                logits_index.append(last - j)
+                rows.append(c)
     width = max([len(r.penalties.ids) for r in rows if r.penalties] + [1])
     sp_ids, sp_seen, sp_counts, sp_bias = [], [], [], []
     for r in rows:

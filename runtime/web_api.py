@@ -21,11 +21,12 @@ from runtime.package import load_package
 
 class WebEngine:
     def __init__(self, package_dir: str, runner, graph_files: list[str], model_name: str,
-                 kv_memory_mb: int = 256, max_num_seqs: int = 16, max_batch_tokens: int = 256) -> None:
+                 kv_memory_mb: int = 256, max_num_seqs: int = 16, max_batch_tokens: int = 256,
+                 **engine_options) -> None:
         pkg = load_package(package_dir, elsewhere=tuple(graph_files))
         self.model_name = model_name
         engine = Engine(pkg, WebBackend(pkg, runner), kv_memory=kv_memory_mb << 20, max_num_seqs=max_num_seqs,
-                        max_batch_tokens=max_batch_tokens)
+                        max_batch_tokens=max_batch_tokens, **engine_options)
         self.aengine = AsyncEngine(engine, use_thread=False)
         self._jobs: dict[str, str] = {}  # the page's request id -> the engine's
 

@@ -24,7 +24,7 @@ def greedy(max_tokens: int = 20) -> SamplingParams:
 
 
 def solo_outputs(pkg, texts: list[str], max_tokens: int = 20) -> list[list[int]]:
-    engine = Engine.from_package(pkg, enable_prefix_cache=False, max_num_seqs=1)
+    engine = Engine.from_package(pkg, enable_prefix_cache=False, max_num_seqs=1, speculative_tokens=0)  # plain greedy
     return [[t for o in engine.generate(text, greedy(max_tokens)) for t in o.token_ids] for text in texts]
 
 

@@ -89,6 +89,7 @@ async function load(opts) {
   engine = api.WebEngine.callKwargs(dir, runner, graphFiles, name, {
     kv_memory_mb: opts.kvMemoryMB ?? 256, max_num_seqs: opts.maxNumSeqs ?? 16,
     max_batch_tokens: opts.maxBatchTokens ?? 256,
+    ...(opts.speculativeTokens != null ? { speculative_tokens: opts.speculativeTokens } : {}),
   });
   mark('engine');
   const { device, graph, sessionSeconds, cache, warmupSteps } = await opened;
