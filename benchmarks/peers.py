@@ -1,9 +1,10 @@
 """Single-stream decode / TTFT of RuvLLM and its peers on SmolLM2-135M, same prompt, same machine, one run.
 
 Peers: onnxruntime-genai (its int4 model builder's output) and llama.cpp (llama-cpp-python, the
-Q4_1 GGUF). RuvLLM runs twice: its default int4 package (AWQ in blocks of 64, an int4 LM head whose
+Q4_1 GGUF). RuvLLM runs in two packages: its default int4 package (AWQ in blocks of 64, an int4 LM head whose
 best tokens are rescored from the fp16 embeddings) and an export in the layout genai's builder writes
-(RTN in blocks of 32, plain int4 head: lower quality), so like is also compared with like.
+(RTN in blocks of 32, plain int4 head: lower quality), so like is also compared with like; the
+default package runs with and without prompt-lookup speculative decoding (the peers have none).
 Run: python benchmarks/peers.py [--ruvllm PKG] [--tokens 128] [--repeats 7]
 Needs: pip install onnxruntime-genai llama-cpp-python (not project dependencies). Prints JSON.
 """
@@ -193,13 +194,15 @@ def genai_layout_package() -> Path:
     return out
 
 
-def load_ruvllm(pkg: str | None, tokens: int, threads: int):
+def load_ruvllm(pkg: str | None, tokens: int, threads: int, lookup: bool = True):
     from runtime.cli import resolve_package
     from runtime.engine import Engine
     from runtime.sampling import SamplingParams
 
     # no prefix cache: repeats of one prompt would otherwise make its TTFT a cache hit
-    engine = Engine.from_package(resolve_package(pkg), threads=threads, max_num_seqs=64, enable_prefix_cache=False)
+    # lookup=False: no speculative decoding, as the peers (drafts are verified exactly; they only add speed)
+    engine = Engine.from_package(resolve_package(pkg), threads=threads, max_num_seqs=64, enable_prefix_cache=False,
+                                 **({} if lookup else {"speculative_tokens": 0}))
 
     def batch(streams: int) -> dict:
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -239,13 +242,16 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int):
     else:
         head = f"{quant.get('lm_head')} head"
     method = f" {quant['method']}/{quant['block_size']}" if "method" in quant else ""
-    return f"ruvllm {quant['weights']}{method} ({head})", once
+    spec = f", prompt lookup {engine.speculative_tokens}" if engine.speculative_tokens else ", no lookup"
+    return f"ruvllm {quant['weights']}{method} ({head}{spec})", once
 
 
 def worker(name: str, args) -> None:
     """Load one engine, then time one run per line read from stdin (a JSON line back per run)."""
     loaders = {"ruvllm": lambda: load_ruvllm(args.ruvllm, args.tokens, args.threads),
-               "ruvllm-genai-layout": lambda: load_ruvllm(str(genai_layout_package()), args.tokens, args.threads),
+               "ruvllm-nolookup": lambda: load_ruvllm(args.ruvllm, args.tokens, args.threads, lookup=False),
+               "ruvllm-genai-layout": lambda: load_ruvllm(str(genai_layout_package()), args.tokens, args.threads,
+                                                          lookup=False),
                "genai": lambda: load_genai(args.tokens, args.threads),
                "llamacpp": lambda: load_llamacpp(args.tokens, args.threads)}
     try:
@@ -270,7 +276,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    ap.add_argument("--only", default="ruvllm,ruvllm-genai-layout,genai,llamacpp")
+    ap.add_argument("--only", default="ruvllm,ruvllm-nolookup,ruvllm-genai-layout,genai,llamacpp")
     ap.add_argument("--batch", type=int, default=16, help="also measure this many streams decoded together (0: skip)")
     ap.add_argument("--batch-repeats", type=int, default=3)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)

@@ -93,10 +93,11 @@ class EngineStats:
     started: float = field(default_factory=time.monotonic)
 
 
-# Prompt-lookup drafts per decode step, and the most running sequences that still draft. One
-# sequence's step with 1/2/3 drafts costs 1.1/1.3/1.45 plain steps, natively and in onnxruntime-web;
-# on SmolLM2 (greedy, 128 tokens, ~40% of drafts accepted) that gave +0-45% decode at 1 stream,
-# +5% at 2, and a loss from 4 streams on (a batch is compute-bound there), hence the cap.
+# At most this many prompt-lookup drafts per decode step (PromptLookup.draft may take fewer), and the
+# most running sequences that still draft. One sequence's step with 1/2/3 drafts costs ~1.1/1.25/1.45
+# plain steps, natively and in onnxruntime-web. On SmolLM2's greedy answers to 6 prompts, replaying
+# their tokens through these costs gives +3% to +55% decode at 1 stream (mean +29%); at 2 streams
+# drafting still gained ~5%, from 4 on it loses (a batch step is compute-bound), hence the cap.
 SPECULATIVE_TOKENS = 3
 SPECULATIVE_MAX_BATCH = 2
 

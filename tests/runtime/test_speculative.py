@@ -17,6 +17,7 @@ def test_lookup_drafts_what_followed_the_latest_earlier_occurrence():
     assert look.draft(tokens + [9], 3) == [2, 5, 6]  # incremental: same as indexing from scratch
     assert PromptLookup(1, 3).draft(tokens + [9], 3) == [2, 5, 6]
     assert look.draft([1, 2, 3], 4) == []  # a tail only matches earlier text, never itself
+    assert PromptLookup(1, 3).draft([4, 1, 2, 3, 9, 4], 5) == [1, 2]  # a 1-token match drafts at most 2
     assert PromptLookup(2, 2).draft([4, 1, 2, 9, 3, 2], 2) == []  # "3 2" never occurred before
     with pytest.raises(ValueError):
         PromptLookup(3, 2)
