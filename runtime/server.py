@@ -65,6 +65,8 @@ class Metrics:
                     "ruvllm_prefix_cache_hits": ("prefix_cache_hits", "Prompt blocks found in the prefix cache"),
                     "ruvllm_preemptions": ("preemptions", "Sequences preempted for KV space"),
                     "ruvllm_requests_aborted": ("aborted", "Requests aborted (client gone, shutdown)"),
+                    "ruvllm_spec_draft_tokens": ("draft_tokens", "Tokens drafted by prompt lookup"),
+                    "ruvllm_spec_accepted_tokens": ("accepted_draft_tokens", "Drafted tokens verified and emitted"),
                 }
                 stats = {name: m.engine.stats() for name, m in models.items()}
                 for metric, (key, doc) in gauges.items():

@@ -266,3 +266,17 @@ def test_two_packages_are_served_side_by_side(tiny_package):
         assert texts[0] != texts[1]  # different weights answered
     finally:
         live.stop()
+
+
+def test_greedy_request_decodes_speculatively_with_unchanged_text_and_counted_drafts(served, tiny_package):
+    prompt = "one two three four five one two three four five one two three"
+    plain = Engine.from_package(tiny_package("llama"), speculative_tokens=0)
+    want = "".join(o.delta for o in plain.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)))
+    before = httpx.get(served.url + "/metrics").text
+    r = httpx.post(served.url + "/v1/completions", json={"model": served.model, "prompt": prompt, "max_tokens": 24,
+                                                         "temperature": 0, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+    after = httpx.get(served.url + "/metrics").text
+    drafted = metric(after, "ruvllm_spec_draft_tokens_total") - metric(before, "ruvllm_spec_draft_tokens_total")
+    accepted = metric(after, "ruvllm_spec_accepted_tokens_total") - metric(before, "ruvllm_spec_accepted_tokens_total")
+    assert drafted > 0 and 0 < accepted <= drafted
