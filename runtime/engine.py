@@ -381,6 +381,7 @@ class Engine:
             seq.num_computed += n - len(draft)
             if seq.num_generated == 0:
                 self.stats.prompt_tokens += n
+            accepted = 0
             for j, row in enumerate(candidates):
                 if self.allocator.enable_prefix_cache:  # before _accept, which may finish and release it
                     self._publish_blocks(seq)
@@ -389,7 +390,10 @@ class Engine:
                 if out.finished or j == len(draft) or out.token_ids[0] != draft[j]:
                     break
                 seq.num_computed += 1  # the drafted token was the one chosen: its K/V from this step hold
-                self.stats.accepted_draft_tokens += 1
+                accepted += 1
+            if draft:
+                seq.lookup.record(len(draft), accepted)
+                self.stats.accepted_draft_tokens += accepted
             if not candidates and self.allocator.enable_prefix_cache:
                 self._publish_blocks(seq)
         return outputs
