@@ -93,11 +93,10 @@ class EngineStats:
     started: float = field(default_factory=time.monotonic)
 
 
-# At most this many prompt-lookup drafts per decode step (PromptLookup.draft may take fewer), and the
-# most running sequences that still draft. One sequence's step with 1/2/3 drafts costs ~1.1/1.25/1.45
-# plain steps, natively and in onnxruntime-web. On SmolLM2's greedy answers to 6 prompts, replaying
-# their tokens through these costs gives +3% to +55% decode at 1 stream (mean +29%); at 2 streams
-# drafting still gained ~5%, from 4 on it loses (a batch step is compute-bound), hence the cap.
+# At most this many prompt-lookup drafts per decode step (how many, and when a sequence pauses, is
+# PromptLookup's policy, with its measurements), and the most running sequences that still draft. One
+# sequence's step with 1/2/3 drafts costs ~1.1/1.25/1.45 plain steps, natively and in onnxruntime-web;
+# at 2 streams drafting still gained ~5%, from 4 on it loses (a batch step is compute-bound), hence the cap.
 SPECULATIVE_TOKENS = 3
 SPECULATIVE_MAX_BATCH = 2
 
