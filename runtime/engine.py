@@ -95,10 +95,14 @@ class EngineStats:
 
 # At most this many prompt-lookup drafts per decode step (how many, and when a sequence pauses, is
 # PromptLookup's policy, with its measurements), and the most running sequences that still draft. One
-# sequence's step with 1/2/3 drafts costs ~1.1/1.25/1.45 plain steps, natively and in onnxruntime-web;
-# at 2 streams drafting still gained ~5%, from 4 on it loses (a batch step is compute-bound), hence the cap.
+# sequence's step with 1/2/3 drafts costs ~1.1-1.25/1.25-1.4/1.45-1.5 plain steps natively (host-dependent)
+# and 1.15/1.23/1.49 in onnxruntime-web; at 2 streams drafting still gained ~5%, from 4 on it loses (a batch
+# step is compute-bound), hence the cap. Sampled requests draft up to SPECULATIVE_MAX_TEMPERATURE: replaying
+# 60 sampled SmolLM2 answers through those costs, drafting gained 5-10% at temperature 0.3 (SmolLM2's card
+# suggests 0.2), -5% to +3% at 0.7-1.0, where a sampled token rarely repeats what came before.
 SPECULATIVE_TOKENS = 3
 SPECULATIVE_MAX_BATCH = 2
+SPECULATIVE_MAX_TEMPERATURE = 0.5
 
 
 class Engine:
@@ -288,12 +292,14 @@ class Engine:
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """Tokens to verify after a decode step's real one, with KV room for them; [] when not worth it.
 
-        Only greedy requests without penalties draft: their choice at each drafted position depends
-        on nothing but that position's logits, so an exact match keeps the output unchanged.
+        Each drafted position gets its own logits row (with penalties counting the drafts before it as
+        generated), and finish_step chooses row by row, as plain decoding would, while the choice equals
+        the draft. A sampled request draws once per emitted token either way, so even a seeded sample is
+        the same with or without drafts; above SPECULATIVE_MAX_TEMPERATURE drafts rarely pay.
         """
         p = seq.params
-        if (not self.speculative_tokens or len(self.running) > self.speculative_max_batch or not p.greedy
-                or seq.penalties is not None):
+        if (not self.speculative_tokens or len(self.running) > self.speculative_max_batch
+                or p.temperature > SPECULATIVE_MAX_TEMPERATURE):
             return []
         k = min(self.speculative_tokens, budget, p.max_tokens - seq.num_generated - 1,
                 self.max_context - len(seq.tokens) - 1)

@@ -42,6 +42,14 @@ class PenaltyState:
         for t, v in bias.items():
             self.bias[self._slot(int(t))] = float(v)
 
+    def after(self, generated: list[int]) -> PenaltyState:
+        """A copy with `generated` added: the state at a drafted position, where the drafts before it
+        count as generated."""
+        out = PenaltyState(list(self.ids), list(self.seen), list(self.counts), list(self.bias), dict(self.index))
+        for t in generated:
+            out.add_generated(t)
+        return out
+
 
 @dataclass
 class Chunk:
@@ -101,7 +109,7 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
     qidx: list[list[int]] = []
     kv: list[int] = []
     logits_index: list[int] = []
-    rows: list[Chunk] = []
+    rows: list[tuple[Chunk, PenaltyState | None]] = []
     for b, c in enumerate(chunks):
         base = len(ids)
         n = len(c.tokens)
@@ -112,13 +120,13 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
         qidx.append(list(range(base, base + n)) + [last] * (query_len - n))
         kv.extend(c.kv_slots)
         if c.want_logits:
-            for j in range(c.logits_rows - 1, -1, -1):
-                logits_index.append(last - j)
-                rows.append(c)
-    width = max([len(r.penalties.ids) for r in rows if r.penalties] + [1])
+            drafts = c.tokens[n - c.logits_rows + 1:]
+            for j in range(c.logits_rows):  # row j follows j drafted tokens: they count as generated there
+                logits_index.append(last - c.logits_rows + 1 + j)
+                rows.append((c, c.penalties.after(drafts[:j]) if c.penalties and j else c.penalties))
+    width = max([len(p.ids) for _, p in rows if p] + [1])
     sp_ids, sp_seen, sp_counts, sp_bias = [], [], [], []
-    for r in rows:
-        p = r.penalties
+    for _, p in rows:
         if p is None or not p.ids:
             sp_ids.append([0] * width)
             zeros = [0.0] * width
@@ -136,12 +144,12 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
         slots=[c.slot for c in chunks], kv_slots=kv,
         max_blocks=max(max(c.num_blocks for c in chunks), -(-(max(c.start for c in chunks) + query_len) // block_size)),
         logits_index=logits_index,
-        temperature=[r.temperature for r in rows],
-        repetition_penalty=[r.repetition_penalty for r in rows],
-        presence_penalty=[r.presence_penalty for r in rows],
-        frequency_penalty=[r.frequency_penalty for r in rows],
+        temperature=[c.temperature for c, _ in rows],
+        repetition_penalty=[c.repetition_penalty for c, _ in rows],
+        presence_penalty=[c.presence_penalty for c, _ in rows],
+        frequency_penalty=[c.frequency_penalty for c, _ in rows],
         sparse_ids=sp_ids, sparse_seen=sp_seen, sparse_counts=sp_counts, sparse_bias=sp_bias,
-        top_k=max([r.top_k for r in rows] + [1]),
+        top_k=max([c.top_k for c, _ in rows] + [1]),
         want_full_logits=want_full_logits,
     )
 

@@ -46,20 +46,50 @@ def test_speculative_outputs_equal_plain_greedy_and_drafts_are_accepted(tiny_pac
         assert stats["preemptions"] > 0
 
 
-def test_limits_hold_and_only_greedy_unpenalized_requests_draft(tiny_package, texts_and_solo):
+def test_max_tokens_is_exact_even_in_the_middle_of_a_draft(tiny_package, texts_and_solo):
     texts, solo = texts_and_solo
     engine = Engine.from_package(tiny_package("llama"), speculative_tokens=4)  # one request: under the batch cap
     outs = list(engine.generate(texts[0], greedy(5)))
-    assert [t for o in outs for t in o.token_ids] == solo[0][:5]  # max_tokens is exact even mid-draft
+    assert [t for o in outs for t in o.token_ids] == solo[0][:5]
     assert outs[-1].finished and outs[-1].completion_tokens == 5 and outs[-1].finish_reason == "length"
 
-    engine = Engine.from_package(tiny_package("llama"), speculative_tokens=4)
-    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
-    penalized = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=16, ignore_eos=True)
-    for params in (sampled, penalized):
-        plain = Engine.from_package(tiny_package("llama"), speculative_tokens=0)
-        want = [t for o in plain.generate(texts[1], params) for t in o.token_ids]
-        assert [t for o in engine.generate(texts[1], params) for t in o.token_ids] == want
+
+SAMPLED_AND_PENALIZED = {
+    "sampled": SamplingParams(temperature=0.05, seed=3),
+    "nucleus": SamplingParams(temperature=0.05, top_p=0.9, seed=5, logprobs=2),
+    "frequency": SamplingParams(temperature=0.0, frequency_penalty=0.05),
+    "presence+bias": SamplingParams(temperature=0.0, presence_penalty=0.1, logit_bias={100: 0.5}),
+    "repetition+sampled": SamplingParams(temperature=0.05, repetition_penalty=1.02, seed=7),
+}
+
+
+@pytest.mark.parametrize("kind", SAMPLED_AND_PENALIZED)
+def test_sampled_and_penalized_requests_draft_and_stay_exact(tiny_package, texts_and_solo, kind):
+    """Each drafted row has its own penalty state and a sampled row draws only when its token is emitted,
+    so the output equals plain decoding's, seed for seed (a penalty state shared by the rows of a
+    draft, or a draw per row, fails this)."""
+    texts, _ = texts_and_solo
+    params = SAMPLED_AND_PENALIZED[kind]
+    params.max_tokens, params.ignore_eos = 32, True
+    spec = Engine.from_package(tiny_package("llama"), speculative_tokens=3)
+    plain = Engine.from_package(tiny_package("llama"), speculative_tokens=0)
+    for text in texts:
+        got, want = list(spec.generate(text, params)), list(plain.generate(text, params))
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], text
+        if params.logprobs:
+            a, b = [lp for o in got for lp in o.logprobs], [lp for o in want for lp in o.logprobs]
+            assert [[t for t, _ in lp.top] for lp in a] == [[t for t, _ in lp.top] for lp in b]
+            assert [lp.logprob for lp in a] == pytest.approx([lp.logprob for lp in b], abs=1e-4)
+    assert spec.stats_snapshot()["accepted_draft_tokens"] > 0
+
+
+def test_hot_sampling_does_not_draft(tiny_package, texts_and_solo):
+    texts, _ = texts_and_solo
+    engine = Engine.from_package(tiny_package("llama"), speculative_tokens=3)
+    params = SamplingParams(temperature=0.8, seed=1, max_tokens=16, ignore_eos=True)
+    plain = Engine.from_package(tiny_package("llama"), speculative_tokens=0)
+    assert ([t for o in engine.generate(texts[1], params) for t in o.token_ids]
+            == [t for o in plain.generate(texts[1], params) for t in o.token_ids])
     assert engine.stats_snapshot()["draft_tokens"] == 0
 
 

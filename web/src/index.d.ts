@@ -32,7 +32,7 @@ export interface CreateEngineOptions {
   kvMemoryMB?: number;
   maxNumSeqs?: number;
   maxBatchTokens?: number;
-  /** Prompt-lookup drafts verified per greedy decode step (default 3; 0 turns speculative decoding off). */
+  /** Prompt-lookup drafts verified per decode step of a greedy or low-temperature request (default 3; 0 turns speculative decoding off). */
   speculativeTokens?: number;
   /** The model name reported in responses (default: the manifest's). */
   modelName?: string;
