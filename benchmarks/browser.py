@@ -92,7 +92,7 @@ def wllama_model() -> Path:
 
 
 def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens: int, dtype: str | None,
-            timeout_s: int) -> dict:
+            timeout_s: int, reload_prompt: str = "same") -> dict:
     """A first visit, then a reload: a returning visitor's load, from the browser's own caches.
 
     Each run gets a new persistent profile (a fresh user-data folder), so the first visit is cold and
@@ -113,7 +113,7 @@ def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens:
         ctx.route("**/*", route)
         page = ctx.pages[0] if ctx.pages else ctx.new_page()
         try:
-            url = f"{base}bench/bench.html?engine={engine}&threads={threads}&tokens={tokens}" + (f"&dtype={dtype}" if dtype else "")
+            url = f"{base}bench/bench.html?engine={engine}&threads={threads}&tokens={tokens}" + (f"&dtype={dtype}" if dtype else "") + f"&reload={reload_prompt}"
             page.goto(url)
             page.wait_for_function("window.result || window.failure", timeout=timeout_s * 1000, polling=500)
             failure = page.evaluate("window.failure || null")
@@ -130,6 +130,7 @@ def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens:
                 result[f"cached_{field}"] = again.get(field)
             if engine == "ruvllm":
                 result["cached_files"] = again.get("cache")
+                result["cached_restored_prompt_blocks"] = again.get("restored_prompt_blocks")
                 result["cached_timings"] = again.get("timings")
             if blocked:
                 result["off_origin_requests"] = blocked
@@ -146,6 +147,9 @@ def main() -> None:
     ap.add_argument("--engines", default="ruvllm,ruvllm:nolookup,transformers.js:fp32,transformers.js:q8,wllama",
                     help="ruvllm:nolookup is RuvLLM with prompt-lookup speculative decoding off")
     ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--reload-prompt", choices=("same", "other"), default="same",
+                    help="the reload asks the same question as the first visit, or another one (RuvLLM keeps the "
+                         "last prompt's K/V blocks across reloads; with 'other' only the shared system prompt's apply)")
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -169,7 +173,7 @@ def main() -> None:
         for r in range(args.repeats):
             for name, dtype in engines:
                 key = name if not dtype else f"{name}:{dtype}"
-                res = run_one(p, launch, base, name, args.threads, args.tokens, dtype, args.timeout)
+                res = run_one(p, launch, base, name, args.threads, args.tokens, dtype, args.timeout, args.reload_prompt)
                 log(f"round {r + 1} {key}: {json.dumps(res)[:300]}")
                 runs.setdefault(key, []).append(res)
     server.shutdown()
@@ -197,7 +201,7 @@ def main() -> None:
     nolookup_ratios = {field: {k: round(plain[field] / v[field], 2) for k, v in summary.items()
                                if not k.startswith("ruvllm") and plain.get(field) and v.get(field)}
                        for field in ("decode_tok_s", "cached_decode_tok_s")} if plain else {}
-    print(json.dumps({"threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "summary": summary,
+    print(json.dumps({"threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "reload_prompt": args.reload_prompt, "summary": summary,
                       "ruvllm_decode_ratio": ratios, "ruvllm_nolookup_decode_ratio": nolookup_ratios,
                       "runs": runs}, indent=1))
 

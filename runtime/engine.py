@@ -141,6 +141,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
+        self._recent_prompt: list[bytes] = []  # prefix keys of the last finished prompt's full blocks
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._ids = itertools.count()
         self.stats = EngineStats()
@@ -223,6 +224,9 @@ class Engine:
     def _finish(self, seq: Sequence) -> None:
         if seq in self.running:
             self.running.remove(seq)
+        full = len(seq.prompt_ids) // self.block_size
+        if full and len(seq.block_keys) >= full:
+            self._recent_prompt = seq.block_keys[:full]
         self._release(seq)
         self.seqs.pop(seq.id, None)
 
@@ -316,6 +320,29 @@ class Engine:
         self._grow(seq, len(seq.tokens) + len(draft))
         self.stats.draft_tokens += len(draft)
         return draft
+
+    # ---- a prompt's cached blocks outside the engine (the page keeps them across reloads) ----
+    def recent_prompt_blocks(self, max_blocks: int) -> list[tuple[bytes, int]]:
+        """(key, block) of the last finished request's full prompt blocks that are still cached, in
+        order: what a backend can save, to restore() after a restart with the same package."""
+        out = []
+        for key in self._recent_prompt[:max_blocks]:
+            block = self.allocator.cached_block(key)
+            if block is None:
+                break
+            out.append((key, block))
+        return out
+
+    def restore_prompt_blocks(self, keys: list[bytes]) -> list[int]:
+        """Cache blocks under these chained keys (a prefix, in order) for K/V the backend is about to
+        write into them; returns their blocks, fewer when the pool has no free block left."""
+        blocks = []
+        for key in keys:
+            block = self.allocator.restore(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
 
     def _lookup_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks for the sequence's full blocks, leaving at least one token to compute."""

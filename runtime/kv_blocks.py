@@ -122,3 +122,17 @@ class BlockAllocator:
             return
         self._key_of[block] = key
         self._block_of[key] = block
+
+    def cached_block(self, key: bytes) -> int | None:
+        """The block holding this prefix key, if cached (without retaining it)."""
+        return self._block_of.get(key)
+
+    def restore(self, key: bytes) -> int | None:
+        """Park a free block in the cache under `key`, for K/V restored from elsewhere (a page reload);
+        the caller fills it before any step runs. Only truly free blocks: a restore never evicts."""
+        if not self.enable_prefix_cache or not self._free or key in self._block_of:
+            return None
+        block = self.allocate()
+        self.register(block, key)
+        self.release(block)
+        return block

@@ -65,6 +65,17 @@ class WebEngine:
         rid = self._jobs.get(job)
         return rid is not None and self.aengine.abort(rid)
 
+    # the page saves the last prompt's cached K/V blocks and restores them after a reload
+    def recent_prompt_blocks(self, max_blocks: int) -> str:
+        """JSON [[key hex, block], ...]: what the model worker should save."""
+        blocks = self.aengine.engine.recent_prompt_blocks(int(max_blocks))
+        return json.dumps([[key.hex(), block] for key, block in blocks])
+
+    def restore_prompt_blocks(self, keys_json: str) -> str:
+        """JSON [block, ...] for saved keys (hex): the model worker writes their K/V there next."""
+        keys = [bytes.fromhex(k) for k in json.loads(keys_json)]
+        return json.dumps(self.aengine.engine.restore_prompt_blocks(keys))
+
     def stats(self) -> str:
         return json.dumps(self.aengine.stats())
 

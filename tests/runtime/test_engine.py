@@ -164,3 +164,32 @@ def test_async_engine_streams_concurrently_and_cancel_aborts(tiny_package, thirt
     assert results == solo[:8]
     assert stats["running"] == 0 and stats["waiting"] == 0
     assert stats["kv_blocks_used"] == 0
+
+
+def test_a_prompts_blocks_restored_into_a_new_engine_are_hits_with_unchanged_output(tiny_package):
+    """What the page does across a reload: save the last prompt's cached blocks, restore them into a
+    fresh engine (same package), whose first request then skips their prefill and answers the same."""
+    pkg = tiny_package("llama")
+    chat = [{"role": "system", "content": " ".join(WORDS[:60])}, {"role": "user", "content": "and then?"}]
+    first = Engine.from_package(pkg)
+    expected = [t for o in first.generate(messages=chat, params=greedy()) for t in o.token_ids]
+    saved = first.recent_prompt_blocks(max_blocks=8)
+    prompt_len = len(first.encode_prompt(messages=chat))
+    assert len(saved) == min(8, prompt_len // first.block_size) > 1
+
+    fresh = Engine.from_package(pkg)
+    for _ in range(3):  # blocks in use elsewhere: the restored ones land on other ids
+        fresh.allocator.allocate()
+    blocks = fresh.restore_prompt_blocks([key for key, _ in saved])
+    assert len(blocks) == len(saved) and not set(blocks) & {0, 1, 2}
+    for (_, src), dst in zip(saved, blocks):  # the backend's part: the K/V themselves
+        fresh.backend.k_pool[:, :, dst] = first.backend.k_pool[:, :, src]
+        fresh.backend.v_pool[:, :, dst] = first.backend.v_pool[:, :, src]
+    outs = list(fresh.generate(messages=chat, params=greedy()))
+    assert outs[-1].cached_tokens == len(saved) * fresh.block_size
+    assert [t for o in outs for t in o.token_ids] == expected
+    assert fresh.restore_prompt_blocks([key for key, _ in saved]) == []  # already cached: nothing to restore
+
+    wrong = Engine.from_package(pkg)  # restored keys without their K/V would be a silent corruption:
+    wrong.restore_prompt_blocks([key for key, _ in saved])  # this test must see the difference
+    assert [t for o in wrong.generate(messages=chat, params=greedy()) for t in o.token_ids] != expected

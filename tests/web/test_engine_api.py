@@ -166,17 +166,54 @@ def test_python_comes_from_the_bundles_snapshot_and_a_corrupt_one_is_refused(off
     assert p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 8, **GREEDY})["choices"][0]["token_ids"] == expected
 
 
+# flip one byte in the middle of every saved prompt-K/V file (web/src/prompt_kv.js); returns their names
+CORRUPT_PROMPT_KV = """async () => {
+  const dir = await (await navigator.storage.getDirectory()).getDirectoryHandle('ruvllm-models-v1');
+  const names = [];
+  for await (const [name, handle] of dir.entries()) {
+    if (!name.startsWith('prompt-kv-')) continue;
+    const bytes = new Uint8Array(await (await handle.getFile()).arrayBuffer());
+    bytes[bytes.length >> 1] ^= 0xff;
+    const out = await handle.createWritable();
+    await out.write(bytes);
+    await out.close();
+    names.push(name);
+  }
+  return names;
+}"""
+
+
 def test_reload_uses_the_cache_and_a_corrupt_entry_is_refetched(offline_page, tiny_url):
     p = offline_page()
     first = load(p, tiny_url)
     assert first["cache"]["downloaded"] >= 3 and first["cache"]["fromCache"] == 0
-    expected = p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 8, **GREEDY})["choices"][0]["token_ids"]
+    assert first["restoredPromptBlocks"] == 0
+    reply = p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 8, **GREEDY})
+    expected = reply["choices"][0]["token_ids"]
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert p.evaluate(STORED, [tiny_url, "model.onnx.data"]) != []
+    p.evaluate("engine.stats()")  # resolves once the prompt's K/V blocks are saved
 
     p.page.reload()
     again = load(p, tiny_url)
     assert again["cache"]["downloaded"] == 0 and again["cache"]["fromCache"] == first["cache"]["downloaded"]
     assert again["timings"]["model_worker"]["warmup_steps"] == 0  # warm-up only while bytes come from the network
+    # the last prompt's full K/V blocks came back from storage: the same prompt skips their prefill, same answer
+    blocks = reply["usage"]["prompt_tokens"] // 16
+    assert blocks >= 1 and again["restoredPromptBlocks"] == blocks
+    reply = p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 8, **GREEDY})
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 16 * blocks
+    assert reply["choices"][0]["token_ids"] == expected
+    p.evaluate("engine.stats()")
+    p.page.reload()
+    assert load(p, tiny_url, promptCache=False)["restoredPromptBlocks"] == 0  # the page can opt out
+
+    assert len(p.evaluate(CORRUPT_PROMPT_KV)) == 1  # a damaged prompt cache is dropped, never used
+    p.page.reload()
+    assert load(p, tiny_url)["restoredPromptBlocks"] == 0
+    reply = p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 8, **GREEDY})
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert reply["choices"][0]["token_ids"] == expected
 
     p.evaluate(CORRUPT, [tiny_url, "model.onnx.data"])
     p.page.reload()

@@ -34,6 +34,9 @@ export interface CreateEngineOptions {
   maxBatchTokens?: number;
   /** Prompt-lookup drafts verified per decode step of a greedy or low-temperature request (default 3; 0 turns speculative decoding off). */
   speculativeTokens?: number;
+  /** Keep the last prompt's K/V blocks in the browser's storage (OPFS), so that after a reload a prompt
+   *  sharing them (the system prompt at least) skips their prefill (default true). */
+  promptCache?: boolean;
   /** The model name reported in responses (default: the manifest's). */
   modelName?: string;
 }
@@ -121,6 +124,8 @@ export interface EngineInfo {
   cache: { fromCache: number; downloaded: number; refetched: number };
   /** 'snapshot': Python restored from the bundle's memory snapshot; 'booted': started and installed afresh */
   python: 'snapshot' | 'booted';
+  /** K/V blocks of the last session's last prompt, restored from storage (a prompt sharing them skips their prefill) */
+  restoredPromptBlocks: number;
   loadSeconds: number;
   fetchSeconds: number;
 }

@@ -129,7 +129,7 @@ class Engine {
 /**
  * Start the engine in a Web Worker and load a model package.
  * options: { model, device: 'auto'|'wasm'|'webgpu', threads, onProgress, assetsURL, pyodideURL, ortURL,
- *            pythonURL, kvMemoryMB, maxNumSeqs, maxBatchTokens, speculativeTokens, modelName }
+ *            pythonURL, kvMemoryMB, maxNumSeqs, maxBatchTokens, speculativeTokens, promptCache, modelName }
  */
 export async function createEngine(options) {
   if (!options?.model) throw new Error('createEngine: options.model (the model package URL) is required');

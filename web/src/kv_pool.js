@@ -56,6 +56,41 @@ export class KvPool {
     }
   }
 
+  /** Copy whole blocks out: [block][layer][key, value][kv_head][block_size * head_dim], in `ids` order. */
+  readBlocks(ids) {
+    const { numLayers: L, kvHeads: H, blockSize: bs, headDim: D } = this;
+    const span = bs * D, headStride = this.capacity * span;
+    const out = new Float32Array(ids.length * L * 2 * H * span);
+    let at = 0;
+    for (const id of ids) {
+      for (let l = 0; l < L; l++) {
+        for (const pool of [this.keys[l], this.values[l]]) {
+          for (let h = 0; h < H; h++, at += span) out.set(pool.subarray(h * headStride + id * span, h * headStride + (id + 1) * span), at);
+        }
+      }
+    }
+    return out;
+  }
+
+  /** The inverse of readBlocks: write `data` (the first ids.length blocks of it) into blocks `ids`. */
+  writeBlocks(ids, data) {
+    const { numLayers: L, kvHeads: H, blockSize: bs, headDim: D } = this;
+    this.ensure(Math.max(...ids) + 1);
+    const span = bs * D, headStride = this.capacity * span;
+    let at = 0;
+    for (const id of ids) {
+      for (let l = 0; l < L; l++) {
+        for (const pool of [this.keys[l], this.values[l]]) {
+          for (let h = 0; h < H; h++, at += span) pool.set(data.subarray(at, at + span), h * headStride + id * span);
+        }
+      }
+    }
+  }
+
+  get blockFloats() {
+    return this.numLayers * 2 * this.kvHeads * this.blockSize * this.headDim;
+  }
+
   get bytes() {
     return 2 * this.numLayers * this.kvHeads * this.capacity * this.blockSize * this.headDim * 4;
   }

@@ -12,7 +12,7 @@
 
 export const STORE_DIR = 'ruvllm-models-v1';
 
-async function sha256Hex(buffer) {
+export async function sha256Hex(buffer) {
   const digest = await crypto.subtle.digest('SHA-256', buffer);
   return Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, '0')).join('');
 }
@@ -28,7 +28,7 @@ export async function fetchChecked(url, { sha256, size }, source) {
   return bytes;
 }
 
-async function openStore() {
+export async function openStore() {
   try {
     const root = await navigator.storage.getDirectory();
     return await root.getDirectoryHandle(STORE_DIR, { create: true });
@@ -45,7 +45,7 @@ async function openCache() {
   }
 }
 
-async function readStored(dir, name) {
+export async function readStored(dir, name) {
   let handle;
   try {
     handle = await dir.getFileHandle(name);
@@ -66,7 +66,7 @@ async function readStored(dir, name) {
   }
 }
 
-async function store(dir, name, bytes) {
+export async function store(dir, name, bytes) {
   // write under a temporary name, then rename: a crash mid-write leaves no file under `name`
   const part = `${name}.part`;
   try {

@@ -4,10 +4,12 @@
 // one small message each way, and the KV pool never leaves this worker.
 
 import { loadPackage, pageGraph } from './model_store.js';
+import { promptKVName, readPromptKV, fits, writePromptKV } from './prompt_kv.js';
 import { StepRunner } from './step_runner.js';
 
 let runner = null;
 let opening = null; // the 'open' in flight: allocate and run wait for it
+let promptKV = null; // { name, saved: Promise<{keys, data} | null> }: the last prompt's blocks (prompt_kv.js)
 const post = (msg, transfer = []) => self.postMessage(msg, transfer);
 
 function nested(config) {
@@ -139,6 +141,8 @@ async function open({ model, ortURL, device: wanted, threads }) {
   const graph = manifest.graphs[pageGraph(manifest, graphKey(device))].file;
   // graphs and weights stay here (or were never fetched: the LoRA variant); the rest goes to Python
   const graphFiles = Object.keys(manifest.files).filter(isGraphFile);
+  const kvName = promptKVName(manifest, [graph, ...graphFiles.filter((n) => n.endsWith('.data'))], device);
+  promptKV = { name: kvName, saved: kvName.then(readPromptKV).catch(() => null) }; // read while the session builds
   const small = Object.fromEntries(Object.entries(files).filter(([n]) => !graphFiles.includes(n)));
   post({ type: 'files', manifest, files: small, graphFiles, cache: stats, device, fetchSeconds: (performance.now() - t0) / 1000 },
     Object.values(small).map((b) => b.buffer));
@@ -175,6 +179,19 @@ self.onmessage = async ({ data }) => {
       post({ type: 'result', id, result: await runner.run(data.step) });
     }
     else if (type === 'timings') post({ type: 'timings', id, timings: runner?.timings() ?? null });
+    else if (type === 'promptKVKeys') { // the saved prompt blocks' keys, if they fit this pool
+      await opening;
+      const saved = await promptKV?.saved;
+      post({ type: 'promptKVKeys', id, keys: saved && runner.pool && fits(saved, runner.pool) ? saved.keys : [] });
+    } else if (type === 'promptKVRestore') { // the engine parked the first ids.length keys in blocks `ids`
+      const saved = await promptKV.saved;
+      if (data.ids.length) runner.pool.writeBlocks(data.ids, saved.data);
+      promptKV.saved = Promise.resolve(null); // the K/V live in the pool now
+      post({ type: 'promptKVRestored', id, blocks: data.ids.length });
+    } else if (type === 'promptKVSave') {
+      await opening;
+      post({ type: 'promptKVSaved', id, ok: await writePromptKV(await promptKV.name, runner.pool, data.keys, data.ids) });
+    }
   } catch (err) {
     post({ type: 'failed', id, message: String(err?.message ?? err) });
   }

@@ -93,15 +93,48 @@ async function load(opts) {
   });
   mark('engine');
   const { device, graph, sessionSeconds, cache, warmupSteps } = await opened;
+  keepPromptKV = opts.promptCache !== false;
+  const promptBlocks = keepPromptKV ? await restorePromptKV() : 0;
   timings.model_worker = { fetch: Number(filesMessage.fetchSeconds.toFixed(3)), session: Number(sessionSeconds.toFixed(3)),
     warmup_steps: warmupSteps };
   info = {
     model: name, device, graph, threads, crossOriginIsolated: self.crossOriginIsolated,
-    quantization: manifest.quantization, cache, python: pythonStart,
+    quantization: manifest.quantization, cache, python: pythonStart, restoredPromptBlocks: promptBlocks,
     loadSeconds: (performance.now() - t0) / 1000, timings,
   };
   progress({ stage: 'ready' });
   return info;
+}
+
+// The last prompt's cached K/V blocks survive a reload (web/src/prompt_kv.js): restored before the
+// first request, saved after each. Best effort: storage trouble only costs the prefill it would save.
+const PROMPT_KV_BLOCKS = 8; // up to 128 tokens of prompt, ~5.9 MB for SmolLM2-135M
+let keepPromptKV = true;
+let savedPromptKV = '[]';
+let savingPromptKV = Promise.resolve();
+
+async function restorePromptKV() {
+  try {
+    const { keys } = await runner.call('promptKVKeys');
+    const ids = keys.length ? JSON.parse(engine.restore_prompt_blocks(JSON.stringify(keys))) : [];
+    await runner.call('promptKVRestore', { ids });
+    savedPromptKV = JSON.stringify(keys.slice(0, ids.length));
+    return ids.length;
+  } catch (err) {
+    console.warn(`ruvllm: the saved prompt cache was not restored (${err?.message ?? err})`);
+    return 0;
+  }
+}
+
+function savePromptKV() {
+  if (!keepPromptKV) return;
+  savingPromptKV = savingPromptKV.then(async () => {
+    const blocks = JSON.parse(engine?.recent_prompt_blocks(PROMPT_KV_BLOCKS) ?? '[]');
+    const keys = JSON.stringify(blocks.map(([key]) => key));
+    if (!blocks.length || keys === savedPromptKV) return;
+    await runner.call('promptKVSave', { keys: blocks.map(([key]) => key), ids: blocks.map(([, block]) => block) });
+    savedPromptKV = keys;
+  }).catch((err) => console.warn(`ruvllm: the prompt cache was not saved (${err?.message ?? err})`));
 }
 
 async function create(id, body) {
@@ -112,6 +145,7 @@ async function create(id, body) {
     post({ type: 'error', id, payload: { error: { message: String(err.message ?? err), type: 'internal_error' } } });
   } finally {
     post({ type: 'done', id });
+    savePromptKV();
   }
 }
 
@@ -121,7 +155,10 @@ self.onmessage = async ({ data }) => {
     if (type === 'load') post({ type: 'loaded', id, info: await load(data.options) });
     else if (type === 'create') create(data.id, data.body);
     else if (type === 'abort') post({ type: 'aborted', id, ok: engine ? engine.abort(String(data.target)) : false });
-    else if (type === 'stats') post({ type: 'stats', id, stats: { ...JSON.parse(engine.stats()), backend: await runner.timings(), info } });
+    else if (type === 'stats') {
+      await savingPromptKV; // a caller reading stats after a request sees its prompt saved
+      post({ type: 'stats', id, stats: { ...JSON.parse(engine.stats()), backend: await runner.timings(), info } });
+    }
     else if (type === 'unload') {
       if (engine) await engine.unload();
       engine = null;
