@@ -344,6 +344,11 @@ class Engine:
             blocks.append(block)
         return blocks
 
+    def forget_prompt_blocks(self, blocks: list[int]) -> None:
+        """Undo restore_prompt_blocks when the backend could not write their K/V."""
+        for block in blocks:
+            self.allocator.forget(block)
+
     def _lookup_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks for the sequence's full blocks, leaving at least one token to compute."""
         full = (len(seq.tokens) - 1) // self.block_size

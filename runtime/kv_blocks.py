@@ -136,3 +136,10 @@ class BlockAllocator:
         self.register(block, key)
         self.release(block)
         return block
+
+    def forget(self, block: int) -> None:
+        """Undo restore() for a block whose K/V never arrived: drop its key, free it."""
+        if self.refcount[block] == 0 and block in self._key_of:
+            self._evictable.pop(block, None)
+            del self._block_of[self._key_of.pop(block)]
+            heapq.heappush(self._free, block)

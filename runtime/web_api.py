@@ -76,6 +76,9 @@ class WebEngine:
         keys = [bytes.fromhex(k) for k in json.loads(keys_json)]
         return json.dumps(self.aengine.engine.restore_prompt_blocks(keys))
 
+    def forget_prompt_blocks(self, blocks_json: str) -> None:
+        self.aengine.engine.forget_prompt_blocks(json.loads(blocks_json))
+
     def stats(self) -> str:
         return json.dumps(self.aengine.stats())
 

@@ -193,3 +193,8 @@ def test_a_prompts_blocks_restored_into_a_new_engine_are_hits_with_unchanged_out
     wrong = Engine.from_package(pkg)  # restored keys without their K/V would be a silent corruption:
     wrong.restore_prompt_blocks([key for key, _ in saved])  # this test must see the difference
     assert [t for o in wrong.generate(messages=chat, params=greedy()) for t in o.token_ids] != expected
+
+    undone = Engine.from_package(pkg)  # what the page does when the K/V cannot be written after all
+    undone.forget_prompt_blocks(undone.restore_prompt_blocks([key for key, _ in saved]))
+    outs = list(undone.generate(messages=chat, params=greedy()))
+    assert outs[-1].cached_tokens == 0 and [t for o in outs for t in o.token_ids] == expected

@@ -114,13 +114,15 @@ let savedPromptKV = '[]';
 let savingPromptKV = Promise.resolve();
 
 async function restorePromptKV() {
+  let ids = [];
   try {
     const { keys } = await runner.call('promptKVKeys');
-    const ids = keys.length ? JSON.parse(engine.restore_prompt_blocks(JSON.stringify(keys))) : [];
+    ids = keys.length ? JSON.parse(engine.restore_prompt_blocks(JSON.stringify(keys))) : [];
     await runner.call('promptKVRestore', { ids });
     savedPromptKV = JSON.stringify(keys.slice(0, ids.length));
     return ids.length;
   } catch (err) {
+    if (ids.length) engine.forget_prompt_blocks(JSON.stringify(ids)); // keys without their K/V would be wrong hits
     console.warn(`ruvllm: the saved prompt cache was not restored (${err?.message ?? err})`);
     return 0;
   }
