@@ -56,35 +56,33 @@ export class KvPool {
     }
   }
 
-  /** Copy whole blocks out: [block][layer][key, value][kv_head][block_size * head_dim], in `ids` order. */
-  readBlocks(ids) {
-    const { numLayers: L, kvHeads: H, blockSize: bs, headDim: D } = this;
-    const span = bs * D, headStride = this.capacity * span;
-    const out = new Float32Array(ids.length * L * 2 * H * span);
-    let at = 0;
+  /** Each block's spans of block_size * head_dim floats, [block][layer][key, value][kv_head] order: [array, offset]. */
+  *blockSpans(ids) {
+    const span = this.blockSize * this.headDim, headStride = this.capacity * span;
     for (const id of ids) {
-      for (let l = 0; l < L; l++) {
+      for (let l = 0; l < this.numLayers; l++) {
         for (const pool of [this.keys[l], this.values[l]]) {
-          for (let h = 0; h < H; h++, at += span) out.set(pool.subarray(h * headStride + id * span, h * headStride + (id + 1) * span), at);
+          for (let h = 0; h < this.kvHeads; h++) yield [pool, h * headStride + id * span];
         }
       }
     }
+  }
+
+  /** Copy whole blocks out, in blockSpans order. */
+  readBlocks(ids) {
+    const span = this.blockSize * this.headDim;
+    const out = new Float32Array(ids.length * this.blockFloats);
+    let at = 0;
+    for (const [pool, from] of this.blockSpans(ids)) out.set(pool.subarray(from, from + span), (at += span) - span);
     return out;
   }
 
   /** The inverse of readBlocks: write `data` (the first ids.length blocks of it) into blocks `ids`. */
   writeBlocks(ids, data) {
-    const { numLayers: L, kvHeads: H, blockSize: bs, headDim: D } = this;
     this.ensure(Math.max(...ids) + 1);
-    const span = bs * D, headStride = this.capacity * span;
+    const span = this.blockSize * this.headDim;
     let at = 0;
-    for (const id of ids) {
-      for (let l = 0; l < L; l++) {
-        for (const pool of [this.keys[l], this.values[l]]) {
-          for (let h = 0; h < H; h++, at += span) pool.set(data.subarray(at, at + span), h * headStride + id * span);
-        }
-      }
-    }
+    for (const [pool, to] of this.blockSpans(ids)) pool.set(data.subarray(at, (at += span)), to);
   }
 
   get blockFloats() {
