@@ -4,7 +4,8 @@ Peers: onnxruntime-genai (its int4 model builder's output) and llama.cpp (llama-
 Q4_1 GGUF). RuvLLM runs in two packages: its default int4 package (AWQ in blocks of 64, an int4 LM head whose
 best tokens are rescored from the fp16 embeddings) and an export in the layout genai's builder writes
 (RTN in blocks of 32, plain int4 head: lower quality), so like is also compared with like; the
-default package runs with and without prompt-lookup speculative decoding (the peers have none).
+default package runs with and without prompt-lookup speculative decoding (the peers have none), and
+`ruvllm-mlp128` is the default package with the MLP in blocks of 128 (`--mlp-block-size 128`).
 Run: python benchmarks/peers.py [--ruvllm PKG] [--tokens 128] [--repeats 7]
 Needs: pip install onnxruntime-genai llama-cpp-python (not project dependencies). Prints JSON.
 """
@@ -59,7 +60,8 @@ def genai_model(threads: int) -> Path:
     out = WORK / "genai-int4"
     if not (out / "genai_config.json").exists():
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_folder()),
-                        "-o", str(out), "-p", "int4", "-e", "cpu", "-c", str(WORK / "genai-cache")], check=True)
+                        "-o", str(out), "-p", "int4", "-e", "cpu", "-c", str(WORK / "genai-cache")], check=True,
+                       stdout=sys.stderr)  # this worker's stdout carries its JSON replies
     return out
 
 
@@ -194,6 +196,16 @@ def genai_layout_package() -> Path:
     return out
 
 
+def mlp128_package() -> Path:
+    """The default int4 package, except that the MLP's projections are in blocks of 128 (faster, a little
+    further from fp32: see docs/ARCHITECTURE.md), exported once."""
+    out = WORK / "ruvllm-int4-mlp128"
+    if not (out / "manifest.json").exists():
+        subprocess.run([sys.executable, "-m", "exporter", "convert", "smollm2-135m", "-o", str(out), "--quant", "int4",
+                        "--mlp-block-size", "128", "--no-lora", "--quiet"], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
 def load_ruvllm(pkg: str | None, tokens: int, threads: int, lookup: bool = True):
     from runtime.cli import resolve_package
     from runtime.engine import Engine
@@ -242,6 +254,8 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int, lookup: bool = True)
     else:
         head = f"{quant.get('lm_head')} head"
     method = f" {quant['method']}/{quant['block_size']}" if "method" in quant else ""
+    if quant.get("mlp_block_size"):
+        method += f" (MLP {quant['mlp_block_size']})"
     spec = f", prompt lookup {engine.speculative_tokens}" if engine.speculative_tokens else ", no lookup"
     return f"ruvllm {quant['weights']}{method} ({head}{spec})", once
 
@@ -250,6 +264,7 @@ def worker(name: str, args) -> None:
     """Load one engine, then time one run per line read from stdin (a JSON line back per run)."""
     loaders = {"ruvllm": lambda: load_ruvllm(args.ruvllm, args.tokens, args.threads),
                "ruvllm-nolookup": lambda: load_ruvllm(args.ruvllm, args.tokens, args.threads, lookup=False),
+               "ruvllm-mlp128": lambda: load_ruvllm(str(mlp128_package()), args.tokens, args.threads, lookup=False),
                "ruvllm-genai-layout": lambda: load_ruvllm(str(genai_layout_package()), args.tokens, args.threads,
                                                           lookup=False),
                "genai": lambda: load_genai(args.tokens, args.threads),

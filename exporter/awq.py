@@ -139,10 +139,11 @@ def _search_clip(x, w, block: int, bits: int):
 
 
 def apply_awq(model, sequences: list[list[int]], block: int, bits: int, clip: bool = True,
-              progress: bool = False) -> LoraScales:
+              progress: bool = False, mlp_block: int | None = None) -> LoraScales:
     """Scale (and clip) the weights of a Llama-family `transformers` model in place for `bits`-bit
-    quantization in blocks of `block`. The scaling leaves the float model's outputs unchanged (up to
-    rounding); the clipping moves weights to where their quantization errs least."""
+    quantization in blocks of `block` (the MLP's in blocks of `mlp_block` if given). The scaling leaves
+    the float model's outputs unchanged (up to rounding); the clipping moves weights to where their
+    quantization errs least."""
     import torch
     from tqdm import tqdm
 
@@ -164,6 +165,7 @@ def apply_awq(model, sequences: list[list[int]], block: int, bits: int, clip: bo
             h.remove()
 
     scales = LoraScales()
+    width = {"qkv": block, "o": block, "gate_up": mlp_block or block, "down": mlp_block or block}
     with torch.no_grad():
         for i, layer in enumerate(tqdm(layers, desc="AWQ search", disable=not progress, leave=False)):
             attn, mlp = layer.self_attn, layer.mlp
@@ -178,7 +180,7 @@ def apply_awq(model, sequences: list[list[int]], block: int, bits: int, clip: bo
                     ("down", mlp.up_proj, ("down_proj",))):
                 mods = [getattr(attn if t in ATTN else mlp, t) for t in linears]
                 sample, mean_abs = probes.pop((i, name)).sample()
-                s = _search_scale(sample, [m.weight for m in mods], mean_abs, block, bits)
+                s = _search_scale(sample, [m.weight for m in mods], mean_abs, width[name], bits)
                 for t, m in zip(linears, mods):
                     m.weight.mul_(s)
                     scales.inputs[i, t] = s.numpy().copy()
@@ -194,6 +196,6 @@ def apply_awq(model, sequences: list[list[int]], block: int, bits: int, clip: bo
             # q/k stay unclipped: their error moves attention scores, which a block's output error misses
             for name, m in (("qkv", attn.v_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_proj),
                             ("gate_up", mlp.up_proj), ("down", mlp.down_proj)):
-                m.weight.copy_(_search_clip(x[name], m.weight, block, bits))
+                m.weight.copy_(_search_clip(x[name], m.weight, width[name], bits))
     return scales
 

@@ -260,6 +260,7 @@ def cmd_info(args) -> int:
     print(f"  quantization   weights {q['weights']}, embeddings {q['embeddings']}, lm_head {q['lm_head']}"
           + (f" (best {rescore['top']} rescored from {rescore['from']})" if rescore else "")
           + (f", {q['method'].upper()} in blocks of {q['block_size']}" if "block_size" in q else "")
+          + (f" ({q['mlp_block_size']} in the MLP)" if "mlp_block_size" in q else "")
           + (f" (calibrated on {q['calibration']})" if q.get("calibration") else ""))
     print(f"  target         {m['target']}")
     f = info["features"]

@@ -108,20 +108,23 @@ def test_awq_options_errors(tiny_model_dir, workdir, tmp_path):
 
 
 def test_weight_plan_defaults():
-    """int4 defaults to AWQ in blocks of AWQ_INT4_BLOCK; int8 and explicit RTN keep blocks of 32."""
+    """int4 defaults to AWQ in blocks of AWQ_INT4_BLOCK, the MLP too; int8 and explicit RTN keep blocks
+    of 32; --mlp-block-size gives the MLP its own."""
     from exporter.convert import AWQ_INT4_BLOCK, ConvertOptions, weight_plan
 
     def plan(**kw):
         o = weight_plan(ConvertOptions(**kw))
-        return o.method, o.block_size
+        return o.method, o.block_size, o.mlp_block_size
 
-    assert plan(quant="int4") == ("awq", AWQ_INT4_BLOCK)
-    assert plan(quant="int4", target="wasm") == ("awq", AWQ_INT4_BLOCK)
-    assert plan(quant="int4", method="rtn") == ("rtn", 32)
-    assert plan(quant="int4", block_size=128) == ("awq", 128)
-    assert plan(quant="int8") == ("rtn", 32)
-    assert plan(quant="int8", method="awq") == ("awq", 32)
-    assert plan(quant="fp32") == ("rtn", 32)  # nothing is quantized: the plan is moot
+    assert plan(quant="int4") == ("awq", AWQ_INT4_BLOCK, None)
+    assert plan(quant="int4", target="wasm") == ("awq", AWQ_INT4_BLOCK, None)
+    assert plan(quant="int4", method="rtn") == ("rtn", 32, None)
+    assert plan(quant="int4", block_size=128) == ("awq", 128, None)
+    assert plan(quant="int4", mlp_block_size=128) == ("awq", AWQ_INT4_BLOCK, 128)
+    assert plan(quant="int4", mlp_block_size=AWQ_INT4_BLOCK) == ("awq", AWQ_INT4_BLOCK, None)  # one width
+    assert plan(quant="int8") == ("rtn", 32, None)
+    assert plan(quant="int8", method="awq") == ("awq", 32, None)
+    assert plan(quant="fp32") == ("rtn", 32, None)  # nothing is quantized: the plan is moot
     for bad in (0, 24, 8):
         with pytest.raises(RuvLLMError, match="--block-size must be a power of two"):
             plan(quant="int4", block_size=bad)

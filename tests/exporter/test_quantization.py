@@ -110,6 +110,44 @@ def test_int4_head_on_request(tiny_model_dir, tiny_package, workdir):
     assert quality(ref, teacher_forced_logprobs(pkg.path, ids), ids)["kl"] < 0.1
 
 
+@pytest.mark.parametrize("method", ["rtn", "awq"])
+def test_mlp_block_size(method, tiny_model_dir, tiny_package, workdir):
+    """--mlp-block-size quantizes the MLP's projections in their own blocks (AWQ searches with them
+    too); attention and the head keep --block-size, the manifest says both, and the model still
+    matches fp32."""
+    import onnx
+
+    from exporter.convert import ConvertOptions, convert
+    from exporter.quantize import LM_HEAD_NODE
+
+    pkg = load_package(convert(str(tiny_model_dir("llama")), workdir / f"pkg-llama-int4-mlp32-{method}",
+                               ConvertOptions(quant="int4", method=method, block_size=16, mlp_block_size=32,
+                                              progress=False, lora=False)))
+    q = pkg.manifest["quantization"]
+    assert (q["block_size"], q["mlp_block_size"], q["method"]) == (16, 32, method)
+    blocks = {}
+    for node in onnx.load(str(pkg.graph_path), load_external_data=False).graph.node:
+        if node.op_type == "MatMulNBits":
+            kind = ("head" if node.name.startswith(LM_HEAD_NODE) else
+                    "mlp" if "gate_up_proj" in node.input[1] or "down_proj" in node.input[1] else "attention")
+            blocks.setdefault(kind, set()).add(next(a.i for a in node.attribute if a.name == "block_size"))
+    assert blocks == {"mlp": {32}, "attention": {16}, "head": {16}}
+    tok = Tokenizer.from_file(pkg.file("tokenizer.json"), pkg.manifest["tokenizer"])
+    ids = tok.encode(TEXT)[:40]
+    ref = teacher_forced_logprobs(tiny_package("llama", "fp32"), ids)
+    assert quality(ref, teacher_forced_logprobs(pkg.path, ids), ids)["kl"] < 0.1
+
+
+def test_mlp_block_size_errors():
+    from exporter.convert import ConvertOptions, weight_plan
+    from runtime.errors import RuvLLMError
+
+    for kw in ({"quant": "int4", "mlp_block_size": 96}, {"quant": "int4", "mlp_block_size": 8},
+               {"quant": "fp32", "mlp_block_size": 128}):
+        with pytest.raises(RuvLLMError):
+            weight_plan(ConvertOptions(**kw))
+
+
 def test_rescored_head_is_exact_on_its_candidates(tiny_package, tiny_model_dir, workdir):
     """Default int4 head of a tied model: the coarse int4 logits everywhere, except the coarse head's
     best 32 tokens, which carry the fp16 embedding table's logits (a package rescoring the whole
