@@ -41,7 +41,8 @@ def log(msg: str) -> None:
 def npm_peers() -> None:
     if not (HERE / "node_modules" / "@wllama" / "wllama").exists():
         log("npm install (benchmarks/browser)")  # onnxruntime-node's install script fetches from nuget: skip scripts
-        subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--ignore-scripts"], cwd=HERE, check=True)
+        subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--ignore-scripts"], cwd=HERE, check=True,
+                       stdout=sys.stderr)  # stdout is the JSON result
 
 
 def transformersjs_model() -> Path:
@@ -57,7 +58,7 @@ def transformersjs_model() -> Path:
     if not (built / "model.onnx").exists():
         log("building an fp32 decoder with onnxruntime-genai's model builder")
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(built),
-                        "-p", "fp32", "-e", "cpu", "-c", str(WORK / "genai-cache")], check=True)
+                        "-p", "fp32", "-e", "cpu", "-c", str(WORK / "genai-cache")], check=True, stdout=sys.stderr)
     (out / "onnx").mkdir(parents=True, exist_ok=True)
     for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / f, out / f)
@@ -157,7 +158,7 @@ def main() -> None:
 
     bundle = ROOT / "dist" / "web"
     if not (bundle / "models" / "smollm2-135m" / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "wasm", "build"], cwd=ROOT, check=True)
+        subprocess.run([sys.executable, "-m", "wasm", "build"], cwd=ROOT, check=True, stdout=sys.stderr)
     npm_peers()
     engines = [e.split(":") + [None] if ":" not in e else e.split(":") for e in args.engines.split(",")]
     if any(e[0] == "transformers.js" for e in engines):
