@@ -316,16 +316,21 @@ def main() -> None:
             raise SystemExit(f"two engines are both labelled {first['label']!r}")
         procs[first["label"]] = proc
     runs: dict[str, list[dict]] = {label: [] for label in procs}
-    for _ in range(args.repeats):  # interleaved rounds: slow phases of the host hit every engine alike
-        for label, proc in procs.items():
+    order = list(procs.items())
+
+    def rotated(r: int) -> list:
+        """Round r's order: each engine takes each place in turn (the first place measured low here)."""
+        return order[r % len(order):] + order[:r % len(order)]
+    for r in range(args.repeats):  # interleaved rounds: slow phases of the host hit every engine alike
+        for label, proc in rotated(r):
             time.sleep(0.3)
             proc.stdin.write("run\n")
             proc.stdin.flush()
             runs[label].append(json.loads(proc.stdout.readline()))
     batches: dict[str, list[float]] = {label: [] for label in procs}
     batch_decode: dict[str, list[float]] = {label: [] for label in procs}
-    for _ in range(args.batch_repeats if args.batch else 0):
-        for label, proc in procs.items():
+    for r in range(args.batch_repeats if args.batch else 0):
+        for label, proc in rotated(r):
             time.sleep(0.3)
             proc.stdin.write(f"batch {args.batch}\n")
             proc.stdin.flush()
