@@ -5,7 +5,8 @@ Q4_1 GGUF). RuvLLM runs in two packages: its default int4 package (AWQ in blocks
 best tokens are rescored from the fp16 embeddings) and an export in the layout genai's builder writes
 (RTN in blocks of 32, plain int4 head: lower quality), so like is also compared with like; the
 default package runs with and without prompt-lookup speculative decoding (the peers have none), and
-`ruvllm-mlp128` is the default package with the MLP in blocks of 128 (`--mlp-block-size 128`).
+`ruvllm-mlp128` is the default package with the MLP in blocks of 128 (`--mlp-block-size 128`),
+`ruvllm-w8a8` an export with `--quant w8a8` (int8 weights and activations: for many streams).
 Run: python benchmarks/peers.py [--ruvllm PKG] [--tokens 128] [--repeats 7]
 Needs: pip install onnxruntime-genai llama-cpp-python (not project dependencies). Prints JSON.
 """
@@ -206,6 +207,15 @@ def mlp128_package() -> Path:
     return out
 
 
+def w8a8_package() -> Path:
+    """SmolLM2 with int8 weights and per-row int8 activations (`--quant w8a8`), exported once."""
+    out = WORK / "ruvllm-w8a8"
+    if not (out / "manifest.json").exists():
+        subprocess.run([sys.executable, "-m", "exporter", "convert", "smollm2-135m", "-o", str(out), "--quant", "w8a8",
+                        "--no-lora", "--quiet"], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
 def load_ruvllm(pkg: str | None, tokens: int, threads: int, lookup: bool = True):
     from runtime.cli import resolve_package
     from runtime.engine import Engine
@@ -254,6 +264,8 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int, lookup: bool = True)
     else:
         head = f"{quant.get('lm_head')} head"
     method = f" {quant['method']}/{quant['block_size']}" if "method" in quant else ""
+    if quant.get("activations"):  # w8a8
+        method = f" w8a8 (head{method})"
     if quant.get("mlp_block_size"):
         method += f" (MLP {quant['mlp_block_size']})"
     spec = f", prompt lookup {engine.speculative_tokens}" if engine.speculative_tokens else ", no lookup"
@@ -264,6 +276,7 @@ def worker(name: str, args) -> None:
     """Load one engine, then time one run per line read from stdin (a JSON line back per run)."""
     loaders = {"ruvllm": lambda: load_ruvllm(args.ruvllm, args.tokens, args.threads),
                "ruvllm-nolookup": lambda: load_ruvllm(args.ruvllm, args.tokens, args.threads, lookup=False),
+               "ruvllm-w8a8": lambda: load_ruvllm(str(w8a8_package()), args.tokens, args.threads, lookup=False),
                "ruvllm-mlp128": lambda: load_ruvllm(str(mlp128_package()), args.tokens, args.threads, lookup=False),
                "ruvllm-genai-layout": lambda: load_ruvllm(str(genai_layout_package()), args.tokens, args.threads,
                                                           lookup=False),

@@ -16,8 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("convert", help="export a hub id, local folder, .gguf file or alias to a model package")
     c.add_argument("source")
     c.add_argument("-o", "--output", required=True, help="package folder to write")
-    c.add_argument("--quant", default=None, choices=["fp32", "fp16", "int8", "int4"],
-                   help="default: fp32, or int4 for --target wasm/webgpu (int4 on the wire, fp32 compute)")
+    c.add_argument("--quant", default=None, choices=["fp32", "fp16", "int8", "int4", "w8a8"],
+                   help="default: fp32, or int4 for --target wasm/webgpu (int4 on the wire, fp32 compute). "
+                        "w8a8: int8 weights and per-row int8 activations, for many streams at once (faster "
+                        "there than int4, slower for one stream; native targets)")
     c.add_argument("--block-size", type=int, default=None,
                    help="quantization block size (int8/int4; default 64 for int4 with AWQ, else 32)")
     c.add_argument("--mlp-block-size", type=int, default=None,

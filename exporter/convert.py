@@ -76,6 +76,9 @@ def weight_plan(opts: ConvertOptions) -> ConvertOptions:
     for flag, size in (("--block-size", block), ("--mlp-block-size", mlp_block)):
         if size is not None and (size < 16 or size & (size - 1)):
             raise RuvLLMError(f"{flag} must be a power of two, at least 16 (got {size})")
+    if opts.quant == "w8a8" and opts.target in BROWSER_TARGETS:
+        raise RuvLLMError("--quant w8a8 is for native targets (onnxruntime-web has no fast int8 GEMM); "
+                          "browser packages use int4")
     if mlp_block is not None and opts.quant not in ("int8", "int4"):
         raise RuvLLMError(f"--mlp-block-size applies to --quant int8/int4, not {opts.quant}")
     return dataclasses.replace(opts, method=method, block_size=block,
@@ -90,8 +93,8 @@ def head_plan(opts: ConvertOptions, tied: bool) -> ConvertOptions:
     tokens are scored again from the fp16 embedding table: close to int8 (KL 0.38, perplexity +3%)
     at int4's speed.
     Browser packages dequantize to fp32 at load, so their head stays int8 (the download's size)."""
-    quantized, native = opts.quant in ("int8", "int4"), opts.target not in BROWSER_TARGETS
-    rescore_default = opts.quant == "int4" and native and tied and opts.head_quant in (None, "int4")
+    quantized, native = opts.quant in ("int8", "int4", "w8a8"), opts.target not in BROWSER_TARGETS
+    rescore_default = opts.quant in ("int4", "w8a8") and native and tied and opts.head_quant in (None, "int4")
     head_quant = opts.head_quant or ("int4" if rescore_default else "int8")
     rescore = opts.head_rescore if opts.head_rescore is not None else (RESCORE_TOP if rescore_default else 0)
     if rescore and not (quantized and native):
@@ -134,7 +137,7 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     weights = float_weights(model)
     gen_cfg = model.generation_config.to_dict() if model.generation_config is not None else {}
     del model
-    quantized = opts.quant in ("int8", "int4")
+    quantized = opts.quant in ("int8", "int4", "w8a8")
     weight_dtype = np.float16 if opts.quant == "fp16" else np.float32
     embed_dtype = np.float32 if opts.quant == "fp32" else np.float16
     opts = head_plan(opts, spec.tie_word_embeddings)
@@ -251,10 +254,15 @@ def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict,
     quant = {"fp32": {"weights": "fp32", "embeddings": "fp32", "lm_head": "tied" if spec.tie_word_embeddings else "fp32"},
              "fp16": {"weights": "fp16", "embeddings": "fp16", "lm_head": "fp16"},
              "int8": {"weights": "int8", "embeddings": "fp16", "lm_head": opts.head_quant},
-             "int4": {"weights": "int4", "embeddings": "fp16", "lm_head": opts.head_quant}}[opts.quant]
-    if opts.quant in ("int8", "int4"):
+             "int4": {"weights": "int4", "embeddings": "fp16", "lm_head": opts.head_quant},
+             "w8a8": {"weights": "int8", "activations": "int8", "embeddings": "fp16", "lm_head": opts.head_quant},
+             }[opts.quant]
+    if opts.quant in ("int8", "int4", "w8a8"):
         quant.update(method=opts.method, block_size=opts.block_size, symmetric=False, accuracy_level=4,
                      op="com.microsoft.MatMulNBits")
+        if opts.quant == "w8a8":  # block_size, symmetric, accuracy_level and op are the head's
+            quant["projections"] = {"op": "MatMulInteger", "weights": "int8, symmetric, per output channel",
+                                    "activations": "uint8 around 128, symmetric, per row (dynamic)"}
         if opts.mlp_block_size:
             quant["mlp_block_size"] = opts.mlp_block_size
         if opts.method == "awq":

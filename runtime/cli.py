@@ -359,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("download", help="export an alias or hub id into the cache")
     d.add_argument("source", help=f"alias ({', '.join(sorted(ALIASES))}) or hub id org/name")
-    d.add_argument("--quant", default="int4", choices=["fp32", "fp16", "int8", "int4"])
+    d.add_argument("--quant", default="int4", choices=["fp32", "fp16", "int8", "int4", "w8a8"])
     d.add_argument("--target", default="cpu", choices=["cpu", "wasm", "webgpu", "cuda"])
     d.add_argument("--force", action="store_true")
     d.set_defaults(func=cmd_download)

@@ -148,6 +148,32 @@ def test_mlp_block_size_errors():
             weight_plan(ConvertOptions(**kw))
 
 
+def test_w8a8_projections(tiny_package, workdir):
+    """--quant w8a8: every projection becomes MatMulInteger on int8 weights (per channel) and per-row
+    int8 activations, the head stays MatMulNBits (int4 rescored when tied, else int8); close to fp32;
+    refused for browser targets."""
+    import onnx
+
+    from exporter.convert import ConvertOptions, convert
+    from runtime.errors import RuvLLMError
+
+    for arch, head in (("llama", "int8"), ("qwen2", "int4")):
+        pkg = load_package(tiny_package(arch, "w8a8"))
+        q = pkg.manifest["quantization"]
+        assert (q["weights"], q["activations"], q["lm_head"], q["projections"]["op"]) == ("int8", "int8", head,
+                                                                                          "MatMulInteger")
+        for graph in (pkg.graph_path, pkg.lora_graph_path):
+            ops = [n.op_type for n in onnx.load(str(graph), load_external_data=False).graph.node]
+            assert ops.count("MatMulInteger") == 4 * pkg.config["num_layers"] and ops.count("MatMulNBits") == 1
+    pkg = load_package(tiny_package("llama", "w8a8"))
+    tok = Tokenizer.from_file(pkg.file("tokenizer.json"), pkg.manifest["tokenizer"])
+    ids = tok.encode(TEXT)[:40]
+    ref = teacher_forced_logprobs(tiny_package("llama", "fp32"), ids)
+    assert quality(ref, teacher_forced_logprobs(pkg.path, ids), ids)["kl"] < 0.01
+    with pytest.raises(RuvLLMError, match="w8a8"):
+        convert(str(workdir / "unused"), workdir / "x", ConvertOptions(quant="w8a8", target="wasm", progress=False))
+
+
 def test_rescored_head_is_exact_on_its_candidates(tiny_package, tiny_model_dir, workdir):
     """Default int4 head of a tied model: the coarse int4 logits everywhere, except the coarse head's
     best 32 tokens, which carry the fp16 embedding table's logits (a package rescoring the whole

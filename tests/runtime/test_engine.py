@@ -59,6 +59,15 @@ def test_32_concurrent_staggered_requests_equal_their_solo_runs(tiny_package, th
     assert engine.allocator.num_cached > 0
 
 
+def test_w8a8_batched_requests_equal_their_solo_runs(tiny_package):
+    """w8a8 quantizes activations per row, so a request's tokens never depend on what it is batched with."""
+    pkg = tiny_package("qwen2", "w8a8")
+    texts = prompts(12)
+    solo = solo_outputs(pkg, texts)
+    got = run_staggered(Engine.from_package(pkg, max_num_seqs=12, max_batch_tokens=64), texts)
+    assert [got[i] for i in range(len(texts))] == solo
+
+
 def test_preemption_under_a_small_pool_keeps_outputs_exact(tiny_package, thirty_two):
     texts, solo = thirty_two
     engine = Engine.from_package(tiny_package("llama"), num_blocks=12, block_size=4, max_num_seqs=32,
