@@ -187,31 +187,22 @@ def llamacpp_batch(llm, prompt_ids: list[int], streams: int, tokens: int, thread
             "aggregate_decode_tps": streams * (tokens - 1) / (end - first)}
 
 
-def genai_layout_package() -> Path:
-    """SmolLM2 int4 as genai's builder writes it (RTN, blocks of 32, plain int4 LM head), exported once."""
-    out = WORK / "ruvllm-int4-genai-layout"
+# RuvLLM's other exports of SmolLM2 (name -> exporter flags): genai's layout (RTN, blocks of 32, plain
+# int4 LM head: what genai's builder writes); the MLP in blocks of 128 (faster, a little further from fp32);
+# int8 weights with per-row int8 activations (see docs/ARCHITECTURE.md)
+VARIANTS = {
+    "ruvllm-int4-genai-layout": ["--quant", "int4", "--method", "rtn", "--block-size", "32", "--head-quant", "int4",
+                                 "--head-rescore", "0"],
+    "ruvllm-int4-mlp128": ["--quant", "int4", "--mlp-block-size", "128"],
+    "ruvllm-w8a8": ["--quant", "w8a8"],
+}
+
+
+def variant_package(name: str) -> Path:
+    """One of VARIANTS, exported once."""
+    out = WORK / name
     if not (out / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "exporter", "convert", "smollm2-135m", "-o", str(out), "--quant", "int4",
-                        "--method", "rtn", "--block-size", "32", "--head-quant", "int4", "--head-rescore", "0",
-                        "--no-lora", "--quiet"], check=True, stdout=subprocess.DEVNULL)
-    return out
-
-
-def mlp128_package() -> Path:
-    """The default int4 package, except that the MLP's projections are in blocks of 128 (faster, a little
-    further from fp32: see docs/ARCHITECTURE.md), exported once."""
-    out = WORK / "ruvllm-int4-mlp128"
-    if not (out / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "exporter", "convert", "smollm2-135m", "-o", str(out), "--quant", "int4",
-                        "--mlp-block-size", "128", "--no-lora", "--quiet"], check=True, stdout=subprocess.DEVNULL)
-    return out
-
-
-def w8a8_package() -> Path:
-    """SmolLM2 with int8 weights and per-row int8 activations (`--quant w8a8`), exported once."""
-    out = WORK / "ruvllm-w8a8"
-    if not (out / "manifest.json").exists():
-        subprocess.run([sys.executable, "-m", "exporter", "convert", "smollm2-135m", "-o", str(out), "--quant", "w8a8",
+        subprocess.run([sys.executable, "-m", "exporter", "convert", "smollm2-135m", "-o", str(out), *VARIANTS[name],
                         "--no-lora", "--quiet"], check=True, stdout=subprocess.DEVNULL)
     return out
 
@@ -276,10 +267,12 @@ def worker(name: str, args) -> None:
     """Load one engine, then time one run per line read from stdin (a JSON line back per run)."""
     loaders = {"ruvllm": lambda: load_ruvllm(args.ruvllm, args.tokens, args.threads),
                "ruvllm-nolookup": lambda: load_ruvllm(args.ruvllm, args.tokens, args.threads, lookup=False),
-               "ruvllm-w8a8": lambda: load_ruvllm(str(w8a8_package()), args.tokens, args.threads, lookup=False),
-               "ruvllm-mlp128": lambda: load_ruvllm(str(mlp128_package()), args.tokens, args.threads, lookup=False),
-               "ruvllm-genai-layout": lambda: load_ruvllm(str(genai_layout_package()), args.tokens, args.threads,
-                                                          lookup=False),
+               "ruvllm-w8a8": lambda: load_ruvllm(str(variant_package("ruvllm-w8a8")), args.tokens, args.threads,
+                                                  lookup=False),
+               "ruvllm-mlp128": lambda: load_ruvllm(str(variant_package("ruvllm-int4-mlp128")), args.tokens,
+                                                    args.threads, lookup=False),
+               "ruvllm-genai-layout": lambda: load_ruvllm(str(variant_package("ruvllm-int4-genai-layout")), args.tokens,
+                                                          args.threads, lookup=False),
                "genai": lambda: load_genai(args.tokens, args.threads),
                "llamacpp": lambda: load_llamacpp(args.tokens, args.threads)}
     try:
