@@ -28,12 +28,13 @@ def w8a8_matmuls(model: onnx.ModelProto, skip: set[str]) -> onnx.ModelProto:
         if w is None or node.name in skip:
             nodes.append(node)
             continue
-        wf = numpy_helper.to_array(w).astype(np.float32)  # [K, N]
-        scale = np.maximum(np.abs(wf).max(axis=0), 1e-12) / 127
-        q = np.clip(np.round(wf / scale), -127, 127).astype(np.int8)
         p, x, y = f"{node.input[1]}/w8a8/", node.input[0], node.output[0]
-        added += [numpy_helper.from_array(q, p + "weight"), numpy_helper.from_array(scale.astype(np.float32), p + "scale")]
-        drop.add(w.name)
+        if w.name not in drop:  # a weight two MatMuls share is quantized once
+            wf = numpy_helper.to_array(w).astype(np.float32)  # [K, N]
+            scale = np.maximum(np.abs(wf).max(axis=0), 1e-12) / 127
+            q = np.clip(np.round(wf / scale), -127, 127).astype(np.int8)
+            added += [numpy_helper.from_array(q, p + "weight"), numpy_helper.from_array(scale.astype(np.float32), p + "scale")]
+            drop.add(w.name)
         nodes += [helper.make_node("Abs", [x], [p + "abs"]),
                   helper.make_node("ReduceMax", [p + "abs", "w8a8/axis"], [p + "max"], keepdims=1),
                   helper.make_node("Max", [p + "max", "w8a8/tiny"], [p + "range"]),

@@ -73,7 +73,10 @@ export class KvPool {
     const span = this.blockSize * this.headDim;
     const out = new Float32Array(ids.length * this.blockFloats);
     let at = 0;
-    for (const [pool, from] of this.blockSpans(ids)) out.set(pool.subarray(from, from + span), (at += span) - span);
+    for (const [pool, from] of this.blockSpans(ids)) {
+      out.set(pool.subarray(from, from + span), at);
+      at += span;
+    }
     return out;
   }
 
@@ -82,7 +85,10 @@ export class KvPool {
     this.ensure(Math.max(...ids) + 1);
     const span = this.blockSize * this.headDim;
     let at = 0;
-    for (const [pool, to] of this.blockSpans(ids)) pool.set(data.subarray(at, (at += span)), to);
+    for (const [pool, to] of this.blockSpans(ids)) {
+      pool.set(data.subarray(at, at + span), to);
+      at += span;
+    }
   }
 
   get blockFloats() {
