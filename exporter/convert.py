@@ -17,6 +17,7 @@ from exporter.awq import apply_awq, calibration_ids
 from exporter.browser_format import SESSION_CONFIG, dequantize_at_load
 from exporter.decoder_graph import LoraSlots, build_decoder
 from exporter.external_data import save_with_shared_data
+from exporter.gptq import ACT_ORDER, DAMP, apply_gptq, model_samples
 from exporter.hf_model import check_architecture, decoder_spec, float_weights
 from exporter.quantize import BITS, METHODS, QUANTS, quantize_weights
 from exporter.sources import gguf_add_bos, load_config, load_model_and_tokenizer, resolve, source_fingerprint
@@ -126,11 +127,23 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     model, tok = load_model_and_tokenizer(source)
     bar.update()
 
-    lora_scales = None
-    if opts.method == "awq":  # scales folded into the float weights before the graphs are built
+    lora_scales, grids, gptq_calibration = None, None, None
+    calibration = calibration_ids(tok, opts.calibration) if opts.method != "rtn" else []
+    if "gptq" in opts.method and not opts.calibration:  # sampled before AWQ's clipping changes the weights
+        bar.set_description("sampling GPTQ calibration")
+        own = model_samples(model)
+        calibration_gptq = calibration[:len(calibration) // 2] + own
+        gptq_calibration = f"half of it, and {len(own)} samples of {len(own[0])} tokens from the model itself"
+    else:
+        calibration_gptq, gptq_calibration = calibration, opts.calibration and Path(opts.calibration).name
+    if opts.method in ("awq", "awq+gptq"):  # scales folded into the float weights before the graphs are built
         bar.set_description("AWQ search")
-        lora_scales = apply_awq(model, calibration_ids(tok, opts.calibration), opts.block_size, BITS[opts.quant],
+        lora_scales = apply_awq(model, calibration, opts.block_size, BITS[opts.quant],
                                 progress=opts.progress, mlp_block=opts.mlp_block_size)
+    if opts.method in ("gptq", "awq+gptq"):  # the weights become their quantized values; grids keep the integers
+        bar.set_description("GPTQ")
+        grids = apply_gptq(model, calibration_gptq, opts.block_size, BITS[opts.quant],
+                           mlp_block=opts.mlp_block_size, progress=opts.progress)
 
     bar.set_description("building graphs")
     spec = decoder_spec(model, opts.max_context)
@@ -159,7 +172,8 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     bar.set_description(f"quantizing ({opts.quant})")
     if quantized:
         graphs = {name: quantize_weights(g, opts.quant, opts.block_size, head_quant=opts.head_quant,
-                                         mlp_block_size=opts.mlp_block_size) for name, g in graphs.items()}
+                                         mlp_block_size=opts.mlp_block_size, grids=grids)
+                  for name, g in graphs.items()}
         if opts.target in BROWSER_TARGETS:  # storage stays quantized, compute becomes fp32 (browser_format)
             tied = "model.embed_tokens.weight" if spec.tie_word_embeddings else None
             graphs = {name: dequantize_at_load(g, tied) for name, g in graphs.items()}
@@ -173,7 +187,7 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
         save_with_shared_data(graphs, tmp, DATA_FILE)
         tokenizer_meta = _write_tokenizer(tok, tmp, source)
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2, default=str))
-        manifest = _manifest(source, spec, opts, tokenizer_meta, gen_cfg, graphs, started)
+        manifest = _manifest(source, spec, opts, tokenizer_meta, gen_cfg, graphs, started, gptq_calibration)
         manifest["files"] = {f.name: {"size": f.stat().st_size, "sha256": file_digest(f)}
                              for f in sorted(tmp.iterdir()) if f.name != C.MANIFEST}
         (tmp / C.MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -237,7 +251,8 @@ def _write_tokenizer(tok, out: Path, source) -> dict:
     }
 
 
-def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict, graphs: dict, started: float) -> dict:
+def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict, graphs: dict, started: float,
+              gptq_calibration: str | None = None) -> dict:
     eos = set()
     for value in (gen_cfg.get("eos_token_id"), tok_meta.get("eos_token_id")):
         if isinstance(value, int):
@@ -265,8 +280,10 @@ def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict,
                                     "activations": "uint8 around 128, symmetric, per row (dynamic)"}
         if opts.mlp_block_size:
             quant["mlp_block_size"] = opts.mlp_block_size
-        if opts.method == "awq":
+        if opts.method != "rtn":
             quant["calibration"] = opts.calibration and Path(opts.calibration).name or "python-stdlib-docs"
+        if "gptq" in opts.method:
+            quant["gptq"] = {"act_order": ACT_ORDER, "damp": DAMP, "calibration": gptq_calibration}
         if opts.head_rescore:
             quant["lm_head_rescore"] = {"top": opts.head_rescore, "from": f"the {quant['embeddings']} embedding table"}
         if opts.target in BROWSER_TARGETS:

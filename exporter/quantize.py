@@ -10,7 +10,7 @@ QUANTS = ("fp32", "fp16", "int8", "int4", "w8a8")
 LM_HEAD_NODE = "lm_head/MatMul"
 MLP_WEIGHTS = (".gate_up_proj", ".down_proj")  # initializer names of the MLP's projections (decoder_graph)
 BITS = {"int8": 8, "int4": 4}
-METHODS = ("rtn", "awq")
+METHODS = ("rtn", "awq", "gptq", "awq+gptq")
 
 
 def w8a8_matmuls(model: onnx.ModelProto, skip: set[str]) -> onnx.ModelProto:
@@ -67,9 +67,10 @@ def mlp_nodes(model: onnx.ModelProto) -> list[str]:
 
 def quantize_weights(model: onnx.ModelProto, quant: str, block_size: int = 32,
                      accuracy_level: int = 4, head_quant: str = "int8",
-                     mlp_block_size: int | None = None) -> onnx.ModelProto:
+                     mlp_block_size: int | None = None, grids: dict | None = None) -> onnx.ModelProto:
     """Block-wise asymmetric RTN; the LM head gets its own bits (convert.head_plan chooses them),
-    the MLP's projections their own block size if given (convert.weight_plan says why).
+    the MLP's projections their own block size if given (convert.weight_plan says why). `grids`
+    (gptq.Grid by graph weight name) replace RTN's integers, scales and zero points where given.
 
     accuracy_level=4 lets the CPU kernel compute in int8, the fast path on x86 and ARM.
     """
@@ -108,4 +109,36 @@ def quantize_weights(model: onnx.ModelProto, quant: str, block_size: int = 32,
         model = run(model, bits, matmuls - mlp - {LM_HEAD_NODE})
     if LM_HEAD_NODE in matmuls:
         model = run(model, head_bits, {LM_HEAD_NODE})
+    return with_grids(model, grids) if grids else model
+
+
+def with_grids(model: onnx.ModelProto, grids: dict) -> onnx.ModelProto:
+    """Put each Grid's packed integers, scales and zero points in place of the MatMulNBits
+    initializers quantized from the same weight (named `<weight>_Q<bits>`, `_scales`, `_zero_points`)."""
+    from onnx import numpy_helper
+
+    from exporter.gptq import pack_nbits
+
+    inits = {t.name: t for t in model.graph.initializer}
+    done = set()
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        name = node.input[1].rsplit("_Q", 1)[0]
+        grid = grids.get(name)
+        if grid is None:
+            continue
+        if (grid.bits, grid.block, grid.q.shape) != (attrs["bits"], attrs["block_size"], (attrs["N"], attrs["K"])):
+            raise ValueError(f"{name}: grid {grid.bits} bits / block {grid.block} / {grid.q.shape} does not match "
+                             f"its MatMulNBits ({attrs['bits']} / {attrs['block_size']} / N={attrs['N']}, K={attrs['K']})")
+        for tensor_name, value in zip(node.input[1:4], pack_nbits(grid)):
+            old = inits[tensor_name]
+            if tuple(old.dims) != value.shape:
+                raise ValueError(f"{tensor_name}: packed {value.shape}, MatMulNBits has {tuple(old.dims)}")
+            old.CopyFrom(numpy_helper.from_array(value.astype(numpy_helper.to_array(old).dtype), tensor_name))
+        done.add(name)
+    missing = set(grids) - done
+    if missing:
+        raise ValueError(f"no MatMulNBits for {len(missing)} quantized weights, e.g. {sorted(missing)[0]}")
     return model
