@@ -6,7 +6,8 @@ best tokens are rescored from the fp16 embeddings) and an export in the layout g
 (RTN in blocks of 32, plain int4 head: lower quality), so like is also compared with like; the
 default package runs with and without prompt-lookup speculative decoding (the peers have none), and
 `ruvllm-mlp128` is the default package with the MLP in blocks of 128 (`--mlp-block-size 128`),
-`ruvllm-w8a8` an export with `--quant w8a8` (int8 weights and activations: for many streams).
+`ruvllm-w8a8` an export with `--quant w8a8` (int8 weights and activations: for many streams),
+`ruvllm-gptq128` one with `--method awq+gptq --block-size 128` (about the default's quality, wider blocks).
 Run: python benchmarks/peers.py [--ruvllm PKG] [--tokens 128] [--repeats 7]
 Needs: pip install onnxruntime-genai llama-cpp-python (not project dependencies). Prints JSON.
 """
@@ -195,7 +196,10 @@ VARIANTS = {
                                  "--head-rescore", "0"],
     "ruvllm-int4-mlp128": ["--quant", "int4", "--mlp-block-size", "128"],
     "ruvllm-w8a8": ["--quant", "w8a8"],
+    "ruvllm-int4-awq-gptq128": ["--quant", "int4", "--method", "awq+gptq", "--block-size", "128"],
 }
+ROWS = {"ruvllm-genai-layout": "ruvllm-int4-genai-layout", "ruvllm-mlp128": "ruvllm-int4-mlp128",
+        "ruvllm-w8a8": "ruvllm-w8a8", "ruvllm-gptq128": "ruvllm-int4-awq-gptq128"}  # row -> its VARIANTS export
 
 
 def variant_package(name: str) -> Path:
@@ -267,14 +271,10 @@ def worker(name: str, args) -> None:
     """Load one engine, then time one run per line read from stdin (a JSON line back per run)."""
     loaders = {"ruvllm": lambda: load_ruvllm(args.ruvllm, args.tokens, args.threads),
                "ruvllm-nolookup": lambda: load_ruvllm(args.ruvllm, args.tokens, args.threads, lookup=False),
-               "ruvllm-w8a8": lambda: load_ruvllm(str(variant_package("ruvllm-w8a8")), args.tokens, args.threads,
-                                                  lookup=False),
-               "ruvllm-mlp128": lambda: load_ruvllm(str(variant_package("ruvllm-int4-mlp128")), args.tokens,
-                                                    args.threads, lookup=False),
-               "ruvllm-genai-layout": lambda: load_ruvllm(str(variant_package("ruvllm-int4-genai-layout")), args.tokens,
-                                                          args.threads, lookup=False),
                "genai": lambda: load_genai(args.tokens, args.threads),
                "llamacpp": lambda: load_llamacpp(args.tokens, args.threads)}
+    for row, variant in ROWS.items():  # the variants run without drafts, like the peers
+        loaders[row] = lambda v=variant: load_ruvllm(str(variant_package(v)), args.tokens, args.threads, lookup=False)
     try:
         label, once = loaders[name]()
         once()  # warm-up

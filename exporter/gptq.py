@@ -6,9 +6,11 @@ inverse of H = X^T X (X: the projection's calibration inputs), so the error of t
 activations is what is minimized. Layers go in order, each calibrated on the outputs of the layers
 already quantized before it, so later layers correct for earlier layers' error.
 
-The grid is MatMulNBits' (asymmetric, blocks along the input dimension, zero in range). A block's
-scale and zero point are set when GPTQ reaches the block's first column, from the weights as the
-earlier columns' errors have left them. The result is the integers themselves, packed as
+The grid is MatMulNBits' (asymmetric, blocks along the input dimension, zero in range). With act
+order (the default) columns go in order of decreasing H diagonal and every block's scale and zero
+point are fixed first, from the weights as given (AWQ's clipped ones); without it a block's are set
+when GPTQ reaches its first column, from the weights as the earlier columns' errors have left them.
+The result is the integers themselves, packed as
 MatMulNBits stores them (`pack_nbits`), since quantizing the dequantized weights again could pick
 another grid; the float weights the graph is built from are replaced by their dequantized values.
 """
@@ -57,7 +59,7 @@ def _block_grid(w, bits: int):
     return scale, torch.round(-lo / scale).clamp(0, levels)
 
 
-def gptq_quantize(w, h, block: int, bits: int, act_order: bool = False) -> Grid:
+def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER) -> Grid:
     """Quantize w [out, in] (torch, float) given h = X^T X [in, in] of its calibration inputs.
 
     act_order: round the columns in order of decreasing H diagonal (the inputs with the most energy

@@ -51,7 +51,8 @@ def test_packed_grid_is_what_matmulnbits_computes(bits, in_f):
     np.testing.assert_allclose(y, x @ grid.dequantize().T, rtol=1e-4, atol=1e-4)
 
 
-def test_gptq_beats_round_to_nearest_on_correlated_inputs():
+@pytest.mark.parametrize("act_order", [True, False])
+def test_gptq_beats_round_to_nearest_on_correlated_inputs(act_order):
     """On inputs with correlated, unevenly scaled channels (as real activations are), GPTQ's output
     error is well below RTN's on the same grid, on the calibration rows and on fresh ones."""
     rng = np.random.default_rng(1)
@@ -63,12 +64,16 @@ def test_gptq_beats_round_to_nearest_on_correlated_inputs():
 
     w = torch.from_numpy(rng.standard_normal((out_f, in_f)).astype(np.float32))
     x = inputs(2048)
-    grid = gptq_quantize(w, x.double().T @ x.double(), block, 4)
+    grid = gptq_quantize(w, x.double().T @ x.double(), block, 4, act_order)
     gptq_w, rtn_w = torch.from_numpy(grid.dequantize()), fake_quantize(w, block, 4)
     for xs in (x, inputs(1024)):
         err = {name: ((xs @ q.T - xs @ w.T) ** 2).mean().item() for name, q in (("gptq", gptq_w), ("rtn", rtn_w))}
         assert err["gptq"] < 0.7 * err["rtn"], err
     assert grid.q.max() <= 15 and grid.q.dtype == np.uint8
+    if act_order:  # the blocks' ranges are fixed from the weights as given (AWQ's clipping survives)
+        rtn = rtn_grid(w.numpy(), block, 4)
+        np.testing.assert_allclose(grid.scale, rtn.scale)
+        np.testing.assert_array_equal(grid.zero, rtn.zero)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
