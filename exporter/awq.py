@@ -60,6 +60,18 @@ def calibration_ids(tokenizer, text_file: str | None = None, n_tokens: int = CAL
     return [ids[i:i + SEQUENCE_LEN] for i in range(0, len(ids), SEQUENCE_LEN)]
 
 
+def block_grid(x, bits: int):
+    """Scale and zero point of MatMulNBits' asymmetric RTN for each block, x [..., block]: the block's
+    range widened to hold zero (so zero padding changes nothing), in 2^bits - 1 steps."""
+    import torch
+
+    levels = 2 ** bits - 1
+    lo, hi = x.amin(-1).clamp(max=0), x.amax(-1).clamp(min=0)
+    scale = (hi - lo) / levels
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return scale, torch.round(-lo / scale).clamp(0, levels)
+
+
 def fake_quantize(w, block: int, bits: int):
     """What MatMulNBits computes from w [out, in]: asymmetric RTN over blocks along `in`, zero in range."""
     import torch
@@ -67,12 +79,8 @@ def fake_quantize(w, block: int, bits: int):
     out_f, in_f = w.shape
     pad = -in_f % block
     x = torch.nn.functional.pad(w, (0, pad)).reshape(out_f, -1, block)
-    levels = 2 ** bits - 1
-    lo, hi = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
-    scale = (hi - lo) / levels
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    zero = torch.round(-lo / scale).clamp(0, levels)
-    q = torch.clamp(torch.round(x / scale + zero), 0, levels)
+    scale, zero = (t[..., None] for t in block_grid(x, bits))
+    q = torch.clamp(torch.round(x / scale + zero), 0, 2 ** bits - 1)
     return ((q - zero) * scale).reshape(out_f, -1)[:, :in_f]
 
 

@@ -132,17 +132,17 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     if "gptq" in opts.method and not opts.calibration:  # sampled before AWQ's clipping changes the weights
         bar.set_description("sampling GPTQ calibration")
         own = model_samples(model)
-        calibration_gptq = calibration[:len(calibration) // 2] + own
+        gptq_sequences = calibration[:len(calibration) // 2] + own
         gptq_calibration = f"half of it, and {len(own)} samples of {len(own[0])} tokens from the model itself"
     else:
-        calibration_gptq, gptq_calibration = calibration, opts.calibration and Path(opts.calibration).name
+        gptq_sequences, gptq_calibration = calibration, opts.calibration and Path(opts.calibration).name
     if opts.method in ("awq", "awq+gptq"):  # scales folded into the float weights before the graphs are built
         bar.set_description("AWQ search")
         lora_scales = apply_awq(model, calibration, opts.block_size, BITS[opts.quant],
                                 progress=opts.progress, mlp_block=opts.mlp_block_size)
     if opts.method in ("gptq", "awq+gptq"):  # the weights become their quantized values; grids keep the integers
         bar.set_description("GPTQ")
-        grids = apply_gptq(model, calibration_gptq, opts.block_size, BITS[opts.quant],
+        grids = apply_gptq(model, gptq_sequences, opts.block_size, BITS[opts.quant],
                            mlp_block=opts.mlp_block_size, progress=opts.progress)
 
     bar.set_description("building graphs")

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from exporter.awq import block_grid
+
 # of H's mean diagonal, added to its diagonal. 0.1 rather than the paper's 0.01: a few thousand
 # calibration tokens overfit, and text unlike them (chat answers, licence text) suffered (SmolLM2, AWQ
 # then GPTQ in blocks of 128, KL to fp32: 0.35 -> 0.29 on chat, 0.39 -> 0.36 on licences; pydoc same)
@@ -48,17 +50,6 @@ class Grid:
         return w.reshape(out_f, -1)[:, :in_f]
 
 
-def _block_grid(w, bits: int):
-    """Scale and zero point of MatMulNBits' asymmetric RTN for the rows of w [out, block]."""
-    import torch
-
-    levels = 2 ** bits - 1
-    lo, hi = w.amin(1).clamp(max=0), w.amax(1).clamp(min=0)
-    scale = (hi - lo) / levels
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    return scale, torch.round(-lo / scale).clamp(0, levels)
-
-
 def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER) -> Grid:
     """Quantize w [out, in] (torch, float) given h = X^T X [in, in] of its calibration inputs.
 
@@ -75,12 +66,11 @@ def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER) -> G
     w[:, dead] = 0
     levels = 2 ** bits - 1
     blocks = -(-in_f // block)
-    scales, zeros = torch.zeros(out_f, blocks), torch.zeros(out_f, blocks)
     if act_order:
-        for g in range(blocks):
-            scales[:, g], zeros[:, g] = _block_grid(w[:, g * block:(g + 1) * block], bits)
+        scales, zeros = block_grid(torch.nn.functional.pad(w, (0, -in_f % block)).reshape(out_f, blocks, block), bits)
         perm = torch.argsort(torch.diag(h), descending=True)
-    else:
+    else:  # each block's grid is set when its first column comes up
+        scales, zeros = torch.zeros(out_f, blocks), torch.zeros(out_f, blocks)
         perm = torch.arange(in_f)
     w, h = w[:, perm], h[perm][:, perm]
     h += DAMP * torch.mean(torch.diag(h)) * torch.eye(in_f, dtype=h.dtype)
@@ -96,7 +86,7 @@ def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER) -> G
             col = i1 + i
             g = int(perm[col]) // block
             if not act_order and col % block == 0:
-                scales[:, g], zeros[:, g] = _block_grid(w1[:, i:i + block], bits)
+                scales[:, g], zeros[:, g] = block_grid(w1[:, i:i + block], bits)
             scale, zero = scales[:, g], zeros[:, g]
             x = w1[:, i]
             qi = torch.clamp(torch.round(x / scale + zero), 0, levels)

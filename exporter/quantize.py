@@ -136,7 +136,8 @@ def with_grids(model: onnx.ModelProto, grids: dict) -> onnx.ModelProto:
             old = inits[tensor_name]
             if tuple(old.dims) != value.shape:
                 raise ValueError(f"{tensor_name}: packed {value.shape}, MatMulNBits has {tuple(old.dims)}")
-            old.CopyFrom(numpy_helper.from_array(value.astype(numpy_helper.to_array(old).dtype), tensor_name))
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(old.data_type)
+            old.CopyFrom(numpy_helper.from_array(value.astype(dtype), tensor_name))
         done.add(name)
     missing = set(grids) - done
     if missing:

@@ -8,8 +8,8 @@ import onnx
 import pytest
 import torch
 
-from exporter.awq import fake_quantize
-from exporter.gptq import Grid, _block_grid, gptq_quantize, pack_nbits
+from exporter.awq import block_grid, fake_quantize
+from exporter.gptq import Grid, gptq_quantize, pack_nbits
 from runtime.package import load_package
 from runtime.tokenizer import Tokenizer
 from tests.exporter.test_quantization import TEXT, quality, teacher_forced_logprobs
@@ -17,10 +17,8 @@ from tests.exporter.test_quantization import TEXT, quality, teacher_forced_logpr
 
 def rtn_grid(w: np.ndarray, block: int, bits: int) -> Grid:
     out_f, in_f = w.shape
-    blocks = -(-in_f // block)
-    wb = np.pad(w, ((0, 0), (0, -in_f % block))).reshape(out_f, blocks, block)
-    scale, zero = _block_grid(torch.from_numpy(wb.transpose(1, 0, 2).reshape(-1, block)), bits)
-    scale, zero = scale.numpy().reshape(blocks, out_f).T, zero.numpy().reshape(blocks, out_f).T
+    wb = np.pad(w, ((0, 0), (0, -in_f % block))).reshape(out_f, -1, block)
+    scale, zero = (t.numpy() for t in block_grid(torch.from_numpy(wb), bits))
     q = np.clip(np.round(wb / scale[..., None] + zero[..., None]), 0, 2 ** bits - 1).reshape(out_f, -1)[:, :in_f]
     return Grid(q.astype(np.uint8), scale.astype(np.float32), zero.astype(np.uint8), block, bits)
 
