@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
                         "w8a8: int8 weights and per-row int8 activations, for many streams at once (faster "
                         "there than int4, slower for one stream; native targets)")
     c.add_argument("--block-size", type=int, default=None,
-                   help="quantization block size (int8/int4; default 64 for int4 with AWQ, else 32)")
+                   help="quantization block size (int8/int4; default 64 for int4 with AWQ or GPTQ, else 32)")
     c.add_argument("--mlp-block-size", type=int, default=None,
                    help="the MLP projections' own block size (three quarters of the weights; default: --block-size). "
                         "128 with AWQ's 64: a step 5-11%% faster, a little further from fp32 (docs/ARCHITECTURE.md)")

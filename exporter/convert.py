@@ -53,7 +53,7 @@ def kv_write_op(target: str) -> str:
     return "ScatterND" if target == "webgpu" else "TensorScatter"
 
 
-AWQ_INT4_BLOCK = 64  # int4's default block with AWQ (RTN's default stays 32)
+AWQ_INT4_BLOCK = 64  # int4's default block with a calibrated method (AWQ, GPTQ); RTN's default stays 32
 RESCORE_TOP = 32  # candidates the int4 head hands to the exact pass (64 measured no better)
 
 
@@ -73,7 +73,7 @@ def weight_plan(opts: ConvertOptions) -> ConvertOptions:
         raise RuvLLMError(f"--method {method} applies to --quant int8/int4, not {opts.quant}")
     block, mlp_block = opts.block_size, opts.mlp_block_size
     if block is None:
-        block = AWQ_INT4_BLOCK if method == "awq" and opts.quant == "int4" else 32
+        block = AWQ_INT4_BLOCK if method != "rtn" and opts.quant == "int4" else 32
     for flag, size in (("--block-size", block), ("--mlp-block-size", mlp_block)):
         if size is not None and (size < 16 or size & (size - 1)):
             raise RuvLLMError(f"{flag} must be a power of two, at least 16 (got {size})")

@@ -110,8 +110,8 @@ def test_awq_options_errors(tiny_model_dir, workdir, tmp_path):
 
 
 def test_weight_plan_defaults():
-    """int4 defaults to AWQ in blocks of AWQ_INT4_BLOCK, the MLP too; int8 and explicit RTN keep blocks
-    of 32; --mlp-block-size gives the MLP its own."""
+    """int4 defaults to AWQ in blocks of AWQ_INT4_BLOCK, the MLP too, and so do GPTQ and AWQ+GPTQ; int8
+    and explicit RTN keep blocks of 32; --mlp-block-size gives the MLP its own."""
     from exporter.convert import AWQ_INT4_BLOCK, ConvertOptions, weight_plan
 
     def plan(**kw):
@@ -121,6 +121,8 @@ def test_weight_plan_defaults():
     assert plan(quant="int4") == ("awq", AWQ_INT4_BLOCK, None)
     assert plan(quant="int4", target="wasm") == ("awq", AWQ_INT4_BLOCK, None)
     assert plan(quant="int4", method="rtn") == ("rtn", 32, None)
+    for method in ("gptq", "awq+gptq"):  # every calibrated method, as documented
+        assert plan(quant="int4", method=method) == (method, AWQ_INT4_BLOCK, None)
     assert plan(quant="int4", block_size=128) == ("awq", 128, None)
     assert plan(quant="int4", mlp_block_size=128) == ("awq", AWQ_INT4_BLOCK, 128)
     assert plan(quant="int4", mlp_block_size=AWQ_INT4_BLOCK) == ("awq", AWQ_INT4_BLOCK, None)  # one width
