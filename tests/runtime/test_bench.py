@@ -1,0 +1,32 @@
+"""`ruvllm bench` as a user runs it: every figure the JSON promises is there and consistent (never timed)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.conftest import run_cli
+
+
+def test_bench_concurrency_prefix_cache_and_plot(tiny_package, tmp_path):
+    """A tiny model whose context (256) is shorter than the default long prompt (512): the long-prompt and
+    prefix-cache measurements shrink to fit it instead of failing."""
+    png = tmp_path / "bench.png"
+    proc = run_cli("bench", str(tiny_package("llama")), "--concurrency", "1,3", "--shared-prefix", "64",
+                   "--decode-tokens", "6", "--repeats", "1", "--num-blocks", "64", "--json", "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["decode_tokens"] == 6 and result["kv_blocks"] == 64
+    assert result["prefill_tps_255"] > 0 and result["ttft_255_ms"] > 0  # the context less one token
+    levels = result["concurrency"]
+    assert [lv["streams"] for lv in levels] == [1, 3]
+    for lv in levels:
+        assert lv["ttft_p50_ms"] <= lv["ttft_p99_ms"] and lv["itl_p50_ms"] <= lv["itl_p99_ms"], lv
+        assert lv["aggregate_tps"] > 0 and 0 < lv["kv_blocks_peak"] <= 64, lv
+    # 3 streams of a 64-token shared prefix + question + 6 tokens hold more blocks than one does
+    assert levels[1]["kv_blocks_peak"] > levels[0]["kv_blocks_peak"]
+    cache = result["prefix_cache"]
+    assert cache["prompt_tokens"] == 255 and cache["shared_tokens"] == 64
+    assert cache["cached_tokens_last"] == 64  # the shared prefix's four full blocks came from the cache
+    stats = result["engine_stats"]
+    assert stats["prefix_cache_hits"] > 0 and stats["running"] == 0 and stats["kv_blocks_used"] == 0
+    assert result["plot"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
