@@ -43,6 +43,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("RUVLLM_CACHE_DIR") or Path.home() / ".cache" / "ruvllm")
 
 
-def cached_package_dir(alias: str, quant: str, target: str = "cpu") -> Path:
+def cached_package_dir(alias: str, quant: str, target: str = "cpu", method: str | None = None,
+                       block_size: int | None = None) -> Path:
+    """The cache folder of an export; a non-default recipe gets its own (the default package stays)."""
     safe = alias.replace("/", "--")
-    return cache_dir() / "packages" / f"{safe}-{quant}-{target}"
+    recipe = (f"-{method}" if method else "") + (f"-b{block_size}" if block_size else "")
+    return cache_dir() / "packages" / f"{safe}-{quant}{recipe}-{target}"

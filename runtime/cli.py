@@ -31,10 +31,13 @@ def resolve_package(arg: str | None, quant: str = "int4", quiet: bool = False) -
     return p
 
 
-def export_into_cache(source: str, quant: str, dest: Path, quiet: bool = False, target: str = "cpu") -> None:
+def export_into_cache(source: str, quant: str, dest: Path, quiet: bool = False, target: str = "cpu",
+                      extra: tuple[str, ...] = ()) -> None:
+    """Run the exporter (a subprocess: runtime never imports it); extra: further `convert` flags."""
     if not quiet:
         print(f"exporting {source} ({quant}, {target}) into {dest} (once) ...", file=sys.stderr)
-    cmd = [sys.executable, "-m", "exporter", "convert", source, "-o", str(dest), "--quant", quant, "--target", target]
+    cmd = [sys.executable, "-m", "exporter", "convert", source, "-o", str(dest), "--quant", quant, "--target", target,
+           *extra]
     if quiet:
         cmd.append("--quiet")
     proc = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE, text=True)
@@ -273,11 +276,13 @@ def cmd_info(args) -> int:
 
 
 def cmd_download(args) -> int:
-    target = cached_package_dir(args.source, args.quant, args.target)
+    target = cached_package_dir(args.source, args.quant, args.target, args.method, args.block_size)
     if (target / "manifest.json").exists() and not args.force:
         print(f"{args.source} ({args.quant}) is already in the cache: {target}")
         return 0
-    export_into_cache(args.source, args.quant, target, target=args.target)
+    extra = (("--method", args.method) if args.method else ()) + \
+        (("--block-size", str(args.block_size)) if args.block_size else ())
+    export_into_cache(args.source, args.quant, target, target=args.target, extra=extra)
     print(f"{args.source} ({args.quant}) -> {target}")
     return 0
 
@@ -361,6 +366,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("source", help=f"alias ({', '.join(sorted(ALIASES))}) or hub id org/name")
     d.add_argument("--quant", default="int4", choices=["fp32", "fp16", "int8", "int4", "w8a8"])
     d.add_argument("--target", default="cpu", choices=["cpu", "wasm", "webgpu", "cuda"])
+    d.add_argument("--method", default=None, choices=["rtn", "awq", "gptq", "awq+gptq"], help="the exporter's --method (rtn, awq, gptq, awq+gptq); a recipe "
+                   "other than the default is cached in a folder of its own")
+    d.add_argument("--block-size", type=int, default=None, help="the exporter's --block-size")
     d.add_argument("--force", action="store_true")
     d.set_defaults(func=cmd_download)
 

@@ -40,6 +40,15 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_download_recipe_errors(tmp_path):
+    env = {"RUVLLM_CACHE_DIR": str(tmp_path)}
+    assert_one_line_error(run_cli("download", "smollm2-135m", "--block-size", "24", env=env),
+                          "--block-size must be a power of two")
+    assert not any((tmp_path / "packages").glob("*/manifest.json"))
+    proc = run_cli("download", "smollm2-135m", "--method", "hqq", env=env)
+    assert proc.returncode == 2 and "invalid choice: 'hqq'" in proc.stderr
+
+
 def test_hub_id_while_offline(tmp_path):
     proc = run_cli("convert", "some-org/some-model", "-o", str(tmp_path / "out"), module="exporter",
                    env={"HF_HUB_OFFLINE": "1"})

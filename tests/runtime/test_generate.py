@@ -100,3 +100,19 @@ def test_stop_string_ends_generation(tiny_package):
     cut = generate_json(pkg, PROMPT, "--max-tokens", "24", "--stop", stop)
     assert cut["finish_reason"] == "stop"
     assert cut["text"] == text[: text.index(stop)]
+
+
+@pytest.mark.slow
+def test_download_with_a_recipe_gets_its_own_folder(smol_cache):
+    """`download --block-size` (and `--method`) reach the exporter, and the result lives beside the default
+    package instead of replacing it."""
+    env = {"RUVLLM_CACHE_DIR": str(smol_cache)}
+    proc = run_cli("download", "smollm2-135m", "--quant", "int8", "--method", "rtn", "--block-size", "64", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    folder = smol_cache / "packages" / "smollm2-135m-int8-rtn-b64-cpu"
+    quant = json.loads((folder / "manifest.json").read_text())["quantization"]
+    assert (quant["weights"], quant["method"], quant["block_size"]) == ("int8", "rtn", 64)
+    assert (smol_cache / "packages" / "smollm2-135m-int4-cpu" / "manifest.json").exists()
+    again = run_cli("download", "smollm2-135m", "--quant", "int8", "--method", "rtn", "--block-size", "64", env=env)
+    assert again.returncode == 0 and "already in the cache" in again.stdout
+    assert "Paris" in generate_json(folder, "What is the capital of France?", "--chat")["text"]
