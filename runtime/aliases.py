@@ -45,7 +45,8 @@ def cache_dir() -> Path:
 
 def cached_package_dir(alias: str, quant: str, target: str = "cpu", method: str | None = None,
                        block_size: int | None = None) -> Path:
-    """The cache folder of an export; a non-default recipe gets its own (the default package stays)."""
+    """The cache folder of an export; a recipe given explicitly (method, block size) gets a folder of its own,
+    so the default package is never replaced."""
     safe = alias.replace("/", "--")
     recipe = (f"-{method}" if method else "") + (f"-b{block_size}" if block_size else "")
     return cache_dir() / "packages" / f"{safe}-{quant}{recipe}-{target}"
