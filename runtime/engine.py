@@ -2,7 +2,8 @@
 
 Pure standard library; the backend (native onnxruntime, or onnxruntime-web in the page) does
 the tensor work. Scheduling is FCFS with a per-step token budget: running sequences first
-(decodes, then unfinished prompt chunks), then waiting ones admitted while KV blocks last.
+(decodes, then unfinished prompt chunks), then waiting ones admitted while KV blocks last; a waiting
+prompt whose next blocks this step computes for another waits a step and takes them from the cache.
 When the pool runs out, the newest running sequence is preempted and later recomputed. Greedy
 decodes may verify prompt-lookup drafts in the same step (runtime/speculative.py).
 """
@@ -103,6 +104,9 @@ class EngineStats:
 SPECULATIVE_TOKENS = 3
 SPECULATIVE_MAX_BATCH = 2
 SPECULATIVE_MAX_TEMPERATURE = 0.5
+# A waiting prompt whose next full blocks this step computes for another (the same system prompt, n
+# copies of one prompt) waits a step for them when they are all its uncached blocks or at least this many
+IN_BATCH_SHARE_BLOCKS = 2
 
 
 class Engine:
@@ -268,16 +272,29 @@ class Engine:
             n += len(seq.draft)
             plan.append((seq, n))
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            cached = self._lookup_prefix(seq)
+        # prefix keys of the prompt blocks this step's chunks complete: a waiting prompt that starts with
+        # them waits a step and then reads them from the cache instead of computing them again
+        sharing = self.allocator.enable_prefix_cache and bool(self.waiting)
+        pending: set[bytes] = set()
+        if sharing:
+            for seq, n in plan:
+                if seq.num_computed < len(seq.prompt_ids):
+                    pending.update(self._chunk_keys(seq, seq.block_keys, seq.num_computed + n))
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            keys = self._prefix_keys(seq)
+            if pending and self._waits_for(keys, pending):
+                continue
+            cached = self.allocator.lookup(keys)
+            seq.block_keys = keys[:len(cached)]
             start = len(cached) * self.block_size
             n = min(len(seq.tokens) - start, budget)
             if self.allocator.blocks_for(start + n) - len(cached) > self.allocator.num_free:
                 for block in cached:  # not admitted after all: give the hits back
                     self.allocator.release(block)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.draft = []
             seq.slot = self._free_slots.pop()
             for block in cached:
@@ -291,7 +308,22 @@ class Engine:
             self.running.append(seq)
             plan.append((seq, n))
             budget -= n
+            if sharing:
+                pending.update(keys[len(cached):(start + n) // self.block_size])
         return plan
+
+    def _waits_for(self, keys: list[bytes], pending: set[bytes]) -> bool:
+        """Whether a waiting prompt should let this step's chunks compute its next blocks first: they
+        cover all its uncached full blocks, or at least IN_BATCH_SHARE_BLOCKS of them. It then waits
+        one step (vLLM defers the same way where a step cannot read blocks it is writing): here a row
+        attends to its own context only, so blocks computed in a step are shared from the next one."""
+        first = 0
+        while first < len(keys) and self.allocator.cached_block(keys[first]) is not None:
+            first += 1
+        shared = 0
+        while first + shared < len(keys) and keys[first + shared] in pending:
+            shared += 1
+        return shared > 0 and (shared >= IN_BATCH_SHARE_BLOCKS or first + shared == len(keys))
 
     def _draft(self, seq: Sequence, budget: int) -> list[int]:
         """Tokens to verify after a decode step's real one, with KV room for them; [] when not worth it.
@@ -349,27 +381,25 @@ class Engine:
         for block in blocks:
             self.allocator.forget(block)
 
-    def _lookup_prefix(self, seq: Sequence) -> list[int]:
-        """Cached blocks for the sequence's full blocks, leaving at least one token to compute."""
-        full = (len(seq.tokens) - 1) // self.block_size
-        if full == 0 or not self.allocator.enable_prefix_cache:
+    def _prefix_keys(self, seq: Sequence) -> list[bytes]:
+        """Chained prefix keys of the sequence's full blocks, leaving at least one token to compute."""
+        if not self.allocator.enable_prefix_cache:
             return []
-        keys, parent = [], None
-        bs = self.block_size
-        for j in range(full):
+        return self._chunk_keys(seq, [], len(seq.tokens) - 1)
+
+    def _chunk_keys(self, seq: Sequence, known: list[bytes], upto_tokens: int) -> list[bytes]:
+        """Keys of the full blocks after the `known` ones, up to the block holding token upto_tokens - 1."""
+        bs, keys = self.block_size, []
+        parent = known[-1] if known else None
+        for j in range(len(known), upto_tokens // bs):
             parent = block_key(parent, seq.tokens[j * bs:(j + 1) * bs], seq.adapter)
             keys.append(parent)
-        found = self.allocator.lookup(keys)
-        seq.block_keys = keys[:len(found)]
-        return found
+        return keys
 
     def _publish_blocks(self, seq: Sequence) -> None:
         """Register every block the sequence has just completed in the prefix cache."""
-        bs = self.block_size
-        for j in range(len(seq.block_keys), seq.num_computed // bs):
-            parent = seq.block_keys[-1] if seq.block_keys else None
-            key = block_key(parent, seq.tokens[j * bs:(j + 1) * bs], seq.adapter)
-            self.allocator.register(seq.blocks[j], key)
+        for key in self._chunk_keys(seq, seq.block_keys, seq.num_computed):
+            self.allocator.register(seq.blocks[len(seq.block_keys)], key)
             seq.block_keys.append(key)
 
     def step(self) -> list[RequestOutput]:

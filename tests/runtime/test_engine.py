@@ -99,6 +99,46 @@ def test_shared_system_prompt_hits_the_prefix_cache(tiny_package):
     assert stats["prompt_tokens"] + stats["cached_prompt_tokens"] == sum(o[-1].prompt_tokens for o in outs)
 
 
+def test_prompts_arriving_together_compute_their_shared_blocks_once(tiny_package):
+    """Six chats with one 200-token system prompt submitted at once (and an unrelated prompt among them):
+    the first computes the system prompt, the other five wait a step and read it from the cache; the
+    unrelated prompt is not held back; every output equals its run without a prefix cache."""
+    pkg = tiny_package("llama")
+    system = " ".join(WORDS[i % len(WORDS)] for i in range(200))
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": f"question {i}: {WORDS[i]}?"}]
+             for i in range(6)]
+    other = prompts(40)[-1]
+    plain = Engine.from_package(pkg, enable_prefix_cache=False, speculative_tokens=0)
+    expected = [[t for o in plain.generate(messages=m, params=greedy()) for t in o.token_ids] for m in chats]
+    expected_other = [t for o in plain.generate(other, greedy()) for t in o.token_ids]
+    engine = Engine.from_package(pkg, speculative_tokens=0, max_batch_tokens=4096)
+    rids = [engine.add_request(messages=m, params=greedy()) for m in chats[:3]]
+    rid_other = engine.add_request(other, greedy())
+    rids += [engine.add_request(messages=m, params=greedy()) for m in chats[3:]]
+    first_step = {}
+    tokens: dict[str, list[int]] = {r: [] for r in [*rids, rid_other]}
+    last: dict[str, object] = {}
+    step = 0
+    while engine.has_unfinished():
+        step += 1
+        for out in engine.step():
+            first_step.setdefault(out.request_id, step)
+            tokens[out.request_id].extend(out.token_ids)
+            last[out.request_id] = out
+    assert [tokens[r] for r in rids] == expected
+    assert tokens[rid_other] == expected_other
+    # the unrelated prompt ran in the first step with the first chat; the other chats a step later
+    assert first_step[rids[0]] == first_step[rid_other] == 1
+    assert all(first_step[r] == 2 for r in rids[1:])
+    block = engine.block_size
+    assert last[rids[0]].cached_tokens == 0
+    assert all(last[r].cached_tokens >= 200 - block for r in rids[1:])
+    stats = engine.stats_snapshot()
+    prompt_lens = [last[r].prompt_tokens for r in [*rids, rid_other]]
+    assert stats["prompt_tokens"] + stats["cached_prompt_tokens"] == sum(prompt_lens)
+    assert stats["prompt_tokens"] < sum(prompt_lens) - 5 * (200 - block)
+
+
 def test_abort_frees_blocks_at_once_and_others_finish_unchanged(tiny_package, thirty_two):
     texts, solo = thirty_two
     engine = Engine.from_package(tiny_package("llama"), enable_prefix_cache=False)
