@@ -4,7 +4,9 @@ Peers: onnxruntime-genai (its int4 model builder's output) and llama.cpp (llama-
 Q4_1 GGUF). RuvLLM runs in two packages: its default int4 package (AWQ in blocks of 64, an int4 LM head whose
 best tokens are rescored from the fp16 embeddings) and an export in the layout genai's builder writes
 (RTN in blocks of 32, plain int4 head: lower quality), so like is also compared with like; the
-default package runs with and without prompt-lookup speculative decoding (the peers have none), and
+default package runs as served (prompt-lookup speculative decoding, and the prefix cache, emptied
+before each run, so streams submitted together compute their common prompt once) and without either
+(like the peers), and
 `ruvllm-mlp128` is the default package with the MLP in blocks of 128 (`--mlp-block-size 128`),
 `ruvllm-w8a8` an export with `--quant w8a8` (int8 weights and activations: for many streams),
 `ruvllm-gptq128` one with `--method awq+gptq --block-size 128` (about the default's quality, wider blocks).
@@ -212,17 +214,19 @@ def variant_package(name: str) -> Path:
 
 
 def load_ruvllm(pkg: str | None, tokens: int, threads: int, lookup: bool = True):
+    """lookup=True is the engine as served: prompt-lookup drafts and the prefix cache, emptied before
+    every run (a repeat would otherwise find its prompt cached), so 16 copies of the prompt submitted
+    together compute it once. lookup=False is like for like with the peers: neither."""
     from runtime.cli import resolve_package
     from runtime.engine import Engine
     from runtime.sampling import SamplingParams
 
-    # no prefix cache: repeats of one prompt would otherwise make its TTFT a cache hit
-    # lookup=False: no speculative decoding, as the peers (drafts are verified exactly; they only add speed)
-    engine = Engine.from_package(resolve_package(pkg), threads=threads, max_num_seqs=64, enable_prefix_cache=False,
+    engine = Engine.from_package(resolve_package(pkg), threads=threads, max_num_seqs=64, enable_prefix_cache=lookup,
                                  **({} if lookup else {"speculative_tokens": 0}))
 
     def batch(streams: int) -> dict:
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        engine.reset_prefix_cache()
         t0 = time.perf_counter()
         ids = [engine.add_request(messages=PROMPT, params=SamplingParams(**vars(params))) for _ in range(streams)]
         started: set[str] = set()
@@ -242,6 +246,7 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int, lookup: bool = True)
                 "aggregate_decode_tps": after / (end - first) if first and end > first else None}
 
     def once() -> dict:
+        engine.reset_prefix_cache()
         t0 = time.perf_counter()
         first = None
         n = 0
@@ -263,7 +268,8 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int, lookup: bool = True)
         method = f" w8a8 (head{method})"
     if quant.get("mlp_block_size"):
         method += f" (MLP {quant['mlp_block_size']})"
-    spec = f", prompt lookup {engine.speculative_tokens}" if engine.speculative_tokens else ", no lookup"
+    spec = (f", prompt lookup {engine.speculative_tokens}, prefix cache" if engine.speculative_tokens
+            else ", no lookup, no prefix cache")
     return f"ruvllm {quant['weights']}{method} ({head}{spec})", once
 
 

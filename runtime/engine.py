@@ -211,6 +211,12 @@ class Engine:
         self.stats.aborted += 1
         return True
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix (as vLLM's reset_prefix_cache): later prompts compute from scratch.
+        Running sequences keep their blocks. Returns the number of cached blocks forgotten."""
+        self._recent_prompt = []
+        return self.allocator.reset()
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -137,6 +137,17 @@ class BlockAllocator:
         self.release(block)
         return block
 
+    def reset(self) -> int:
+        """Forget every cached prefix (a benchmark's cold start, or K/V that no longer match the
+        weights); blocks that sequences hold stay theirs. Returns how many prefixes were dropped."""
+        dropped = len(self._block_of)
+        for block in self._evictable:
+            heapq.heappush(self._free, block)
+        self._evictable.clear()
+        self._key_of.clear()
+        self._block_of.clear()
+        return dropped
+
     def forget(self, block: int) -> None:
         """Undo restore() for a block whose K/V never arrived: drop its key, free it."""
         if self.refcount[block] == 0 and block in self._key_of:

@@ -97,6 +97,11 @@ def test_shared_system_prompt_hits_the_prefix_cache(tiny_package):
     assert stats["prefix_cache_hits"] >= 5 * (200 // cached.block_size)
     assert stats["cached_prompt_tokens"] == sum(o[-1].cached_tokens for o in outs)
     assert stats["prompt_tokens"] + stats["cached_prompt_tokens"] == sum(o[-1].prompt_tokens for o in outs)
+    # a reset forgets every prefix: the pool is all free again and the next prompt computes from scratch
+    assert cached.reset_prefix_cache() == stats["prefix_cache_blocks"] > 0
+    assert cached.allocator.num_free == cached.allocator.num_blocks and cached.allocator.num_cached == 0
+    again = list(cached.generate(messages=chats[1], params=greedy()))
+    assert again[-1].cached_tokens == 0 and [t for o in again for t in o.token_ids] == expected[1]
 
 
 def test_prompts_arriving_together_compute_their_shared_blocks_once(tiny_package):
