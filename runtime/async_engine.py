@@ -135,6 +135,11 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    def release(self, request_id: str) -> None:
+        """Abort the request if it still runs and drop its stream, whether or not it was ever read."""
+        self.abort(request_id)
+        self._queues.pop(request_id, None)
+
     async def generate(self, prompt=None, params: SamplingParams | None = None, *, messages=None,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         rid = self.add_request(prompt, params, messages=messages, request_id=request_id)

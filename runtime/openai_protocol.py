@@ -15,6 +15,7 @@ from runtime.engine import RequestOutput
 from runtime.sampling import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_CHOICES = 128  # OpenAI's limit on n
 
 
 class ProtocolError(Exception):
@@ -43,6 +44,7 @@ class ParsedRequest:
     logprobs: int | None = None  # alternatives per token, None when not asked for
     max_tokens_given: bool = False
     return_token_ids: bool = False  # extension (as vLLM's): each choice also carries its token ids
+    n: int = 1  # choices: n requests on one prompt (computed once: the engine shares its blocks)
 
 
 def _get(body: dict, name: str, types: tuple, default=None, allow_none: bool = True):
@@ -73,7 +75,7 @@ def _range(name: str, value, lo=None, hi=None, lo_open: bool = False):
     return value
 
 
-def _sampling(body: dict, logprobs: int | None) -> tuple[SamplingParams, bool]:
+def _sampling(body: dict, logprobs: int | None) -> tuple[SamplingParams, bool, int]:
     num = (int, float)
     max_tokens = _get(body, "max_completion_tokens", (int,))
     if max_tokens is None:
@@ -107,16 +109,14 @@ def _sampling(body: dict, logprobs: int | None) -> tuple[SamplingParams, bool]:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise ProtocolError("'logit_bias' values must be numbers between -100 and 100", "logit_bias")
         bias[token] = float(value)
-    n = _get(body, "n", (int,), 1)
-    if n != 1:
-        raise ProtocolError("only n=1 is supported", "n")
+    n = _range("n", _get(body, "n", (int,), 1), 1, MAX_CHOICES)
     _get(body, "user", (str,))
     params = SamplingParams(
         max_tokens=max_tokens or 1, temperature=float(temperature), top_k=max(0, top_k), top_p=float(top_p),
         min_p=float(min_p), presence_penalty=float(presence), frequency_penalty=float(frequency),
         repetition_penalty=float(repetition), seed=seed, stop=list(stop), logit_bias=bias, logprobs=logprobs,
     )
-    return params, max_tokens is not None
+    return params, max_tokens is not None, n
 
 
 def _common(body) -> tuple[str, bool, bool]:
@@ -160,9 +160,9 @@ def parse_chat(body) -> ParsedRequest:
     if top is not None and not want_logprobs:
         raise ProtocolError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    params, given = _sampling(body, logprobs)
+    params, given, n = _sampling(body, logprobs)
     return ParsedRequest(model, params, stream, include_usage, messages=clean, logprobs=logprobs,
-                         max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False))
+                         max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False), n=n)
 
 
 def parse_completion(body) -> ParsedRequest:
@@ -179,9 +179,9 @@ def parse_completion(body) -> ParsedRequest:
     logprobs = _range("logprobs", _get(body, "logprobs", (int,)), 0, 20)
     if _get(body, "echo", (bool,), False):
         raise ProtocolError("'echo' is not supported", "echo")
-    params, given = _sampling(body, logprobs)
+    params, given, n = _sampling(body, logprobs)
     return ParsedRequest(model, params, stream, include_usage, prompt=prompt, logprobs=logprobs,
-                         max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False))
+                         max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False), n=n)
 
 
 # ---- responses ----
@@ -189,10 +189,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(out: RequestOutput) -> dict:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+def usage(lasts: list[RequestOutput]) -> dict:
+    """One usage for the choices' final outputs: the prompt counted once (as OpenAI does), their
+    completions summed; cached_tokens is the most any choice read from the prefix cache."""
+    prompt, completion = lasts[0].prompt_tokens, sum(o.completion_tokens for o in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": max(o.cached_tokens for o in lasts)}}
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -220,39 +222,39 @@ def completion_logprobs(outs: list[RequestOutput], decode) -> dict | None:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []} if tokens else None
 
 
-def with_token_ids(body: dict, token_ids: list[int] | None) -> dict:
+def with_token_ids(choice: dict, token_ids: list[int] | None) -> dict:
     if token_ids is not None:
-        body["choices"][0]["token_ids"] = token_ids
-    return body
+        choice["token_ids"] = token_ids
+    return choice
 
 
-def chat_response(rid: str, model: str, text: str, last: RequestOutput, logprobs: dict | None) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                         "logprobs": logprobs, "finish_reason": finish_reason(last.finish_reason)}],
-            "usage": usage(last), "system_fingerprint": None}
+def chat_choice(index: int, text: str, last: RequestOutput, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": logprobs, "finish_reason": finish_reason(last.finish_reason)}
+
+
+def completion_choice(index: int, text: str, last: RequestOutput, logprobs: dict | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(last.finish_reason)}
+
+
+def response(rid: str, model: str, chat: bool, choices: list[dict], lasts: list[RequestOutput]) -> dict:
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": usage(lasts), "system_fingerprint": None}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, reason: str | None = None,
-               logprobs: dict | None = None) -> dict:
+               logprobs: dict | None = None, index: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": None,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}]}
-
-
-def completion_response(rid: str, model: str, text: str, last: RequestOutput, logprobs: dict | None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                         "finish_reason": finish_reason(last.finish_reason)}],
-            "usage": usage(last), "system_fingerprint": None}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason(reason)}]}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, reason: str | None = None,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, index: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model, "system_fingerprint": None,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}]}
 
 
-def usage_chunk(rid: str, model: str, created: int, obj: str, last: RequestOutput) -> dict:
+def usage_chunk(rid: str, model: str, created: int, obj: str, lasts: list[RequestOutput]) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
-            "choices": [], "usage": usage(last)}
+            "choices": [], "usage": usage(lasts)}

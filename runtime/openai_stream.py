@@ -6,6 +6,9 @@ on a socket, or objects posted from the Web Worker).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -14,77 +17,139 @@ from runtime.async_engine import AsyncEngine
 from runtime.engine import RequestOutput
 
 
-class ChunkStream:
-    """Iterates the chunk dicts of a streamed request; `first` and `last` are kept for metrics.
+async def merged(aengine: AsyncEngine, rids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of a request's choices as they come, each with its choice index. Leaving early
+    (or an error) aborts the choices still running."""
+    if len(rids) == 1:
+        async with contextlib.aclosing(aengine.stream(rids[0])) as outs:
+            async for out in outs:
+                yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
 
-    An engine failure yields one error body and ends the stream. Leaving the iteration early
-    aborts the request (the engine's stream does that).
+    async def pump(index: int, rid: str) -> None:
+        try:
+            async with contextlib.aclosing(aengine.stream(rid)) as outs:
+                async for out in outs:
+                    queue.put_nowait((index, out))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, rid)) for i, rid in enumerate(rids)]
+    try:
+        running = len(rids)
+        while running:
+            index, out = await queue.get()
+            if out is None:
+                running -= 1
+            else:
+                yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        for rid in rids:  # a no-op for the finished ones
+            aengine.release(rid)
+
+
+class ChunkStream:
+    """Iterates the chunk dicts of a streamed request; `first` and `lasts` are kept for metrics.
+
+    With n choices their chunks interleave as they come, each carrying its choice index. An engine
+    failure yields one error body and ends the stream. Leaving the iteration early aborts the request
+    (every choice).
     """
 
-    def __init__(self, aengine: AsyncEngine, rid: str, parsed: P.ParsedRequest, model: str, chat: bool) -> None:
-        self.aengine, self.rid, self.parsed, self.model, self.chat = aengine, rid, parsed, model, chat
+    def __init__(self, aengine: AsyncEngine, rids: list[str], parsed: P.ParsedRequest, model: str,
+                 chat: bool) -> None:
+        self.aengine, self.rids, self.parsed, self.model, self.chat = aengine, rids, parsed, model, chat
         self.oid = P.new_id("chatcmpl" if chat else "cmpl")
         self.first: float | None = None  # time.monotonic() of the first output
-        self.last: RequestOutput | None = None
+        self.lasts: list[RequestOutput | None] = [None] * len(rids)  # each choice's latest output
+        self.failed = False
 
     async def __aiter__(self) -> AsyncIterator[dict]:
         decode = self.aengine.engine.tokenizer.decode_token
         created = int(time.time())
         oid, model, chat, want_lp = self.oid, self.model, self.chat, self.parsed.logprobs is not None
         if chat:
-            yield P.chat_chunk(oid, model, created, {"role": "assistant", "content": ""})
-        async for out in self.aengine.stream(self.rid):
-            if self.first is None:
-                self.first = time.monotonic()
-            self.last = out
-            if out.error:
-                yield P.error_body(out.error, "server_error", code="unavailable")
-                return
-            reason = out.finish_reason if out.finished else None
-            ids = out.token_ids if self.parsed.return_token_ids else None
-            if chat:
-                lp = P.chat_logprobs([out], decode) if want_lp else None
-                delta = {"content": out.delta} if out.delta or not out.finished else {}
-                yield P.with_token_ids(P.chat_chunk(oid, model, created, delta, reason, lp), ids)
-            else:
-                lp = P.completion_logprobs([out], decode) if want_lp else None
-                yield P.with_token_ids(P.completion_chunk(oid, model, created, out.delta, reason, lp), ids)
-        if self.last is not None and self.parsed.include_usage:
+            for i in range(len(self.rids)):
+                yield P.chat_chunk(oid, model, created, {"role": "assistant", "content": ""}, index=i)
+        async with contextlib.aclosing(merged(self.aengine, self.rids)) as outs:
+            async for i, out in outs:
+                if self.first is None:
+                    self.first = time.monotonic()
+                self.lasts[i] = out
+                if out.error:
+                    self.failed = True
+                    yield P.error_body(out.error, "server_error", code="unavailable")
+                    return
+                reason = out.finish_reason if out.finished else None
+                ids = out.token_ids if self.parsed.return_token_ids else None
+                if chat:
+                    lp = P.chat_logprobs([out], decode) if want_lp else None
+                    delta = {"content": out.delta} if out.delta or not out.finished else {}
+                    chunk = P.chat_chunk(oid, model, created, delta, reason, lp, index=i)
+                else:
+                    lp = P.completion_logprobs([out], decode) if want_lp else None
+                    chunk = P.completion_chunk(oid, model, created, out.delta, reason, lp, index=i)
+                P.with_token_ids(chunk["choices"][0], ids)
+                yield chunk
+        if self.complete and self.parsed.include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
-            yield P.usage_chunk(oid, model, created, obj, self.last)
+            yield P.usage_chunk(oid, model, created, obj, self.lasts)
+
+    @property
+    def complete(self) -> bool:
+        """Every choice reached its end without an error."""
+        return not self.failed and all(o is not None and o.finished for o in self.lasts)
 
 
-async def collect(aengine: AsyncEngine, rid: str, parsed: P.ParsedRequest, model: str,
-                  chat: bool) -> tuple[dict, list[RequestOutput], float | None]:
-    """The whole response of a request: (body, outputs, time of the first output).
+async def collect(aengine: AsyncEngine, rids: list[str], parsed: P.ParsedRequest, model: str,
+                  chat: bool) -> tuple[dict, list[RequestOutput] | None, float | None]:
+    """The whole response of a request: (body, each choice's final output, time of the first output).
 
-    The body is an error body when the engine failed mid-request (outputs[-1].error is set).
+    The body is an error body, and the outputs None, when the engine failed mid-request.
     """
-    outs: list[RequestOutput] = []
+    outs: list[list[RequestOutput]] = [[] for _ in rids]
     first = None
-    async for out in aengine.stream(rid):
-        if first is None:
-            first = time.monotonic()
-        outs.append(out)
-    last = outs[-1]
-    if last.error:
-        return P.error_body(last.error, "server_error", code="unavailable"), outs, first
-    text = "".join(o.delta for o in outs)
+    async with contextlib.aclosing(merged(aengine, rids)) as stream:
+        async for i, out in stream:
+            if first is None:
+                first = time.monotonic()
+            if out.error:
+                return P.error_body(out.error, "server_error", code="unavailable"), None, first
+            outs[i].append(out)
     decode = aengine.engine.tokenizer.decode_token
-    oid = P.new_id("chatcmpl" if chat else "cmpl")
-    ids = [t for o in outs for t in o.token_ids] if parsed.return_token_ids else None
-    if chat:
-        lp = P.chat_logprobs(outs, decode) if parsed.logprobs is not None else None
-        return P.with_token_ids(P.chat_response(oid, model, text, last, lp), ids), outs, first
-    lp = P.completion_logprobs(outs, decode) if parsed.logprobs is not None else None
-    return P.with_token_ids(P.completion_response(oid, model, text, last, lp), ids), outs, first
+    choices = []
+    for i, choice in enumerate(outs):
+        text = "".join(o.delta for o in choice)
+        ids = [t for o in choice for t in o.token_ids] if parsed.return_token_ids else None
+        if chat:
+            lp = P.chat_logprobs(choice, decode) if parsed.logprobs is not None else None
+            choices.append(P.with_token_ids(P.chat_choice(i, text, choice[-1], lp), ids))
+        else:
+            lp = P.completion_logprobs(choice, decode) if parsed.logprobs is not None else None
+            choices.append(P.with_token_ids(P.completion_choice(i, text, choice[-1], lp), ids))
+    lasts = [choice[-1] for choice in outs]
+    return P.response(P.new_id("chatcmpl" if chat else "cmpl"), model, chat, choices, lasts), lasts, first
 
 
-def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest) -> str:
-    """Tokenize, fit max_tokens into the context and queue; raises ProtocolError/ContextLengthError."""
+def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest) -> list[str]:
+    """Tokenize, fit max_tokens into the context and queue one engine request per choice; returns their
+    ids. Raises ProtocolError/ContextLengthError. With a seed, choice i samples with seed + i: the
+    choices differ and each is reproducible."""
     engine = aengine.engine
     ids = engine.encode_prompt(parsed.prompt, parsed.messages)
     room = max(1, engine.max_context - len(ids))  # the engine refuses a prompt that leaves no room
     params = parsed.params
     params.max_tokens = min(params.max_tokens, room) if parsed.max_tokens_given else room
-    return aengine.add_request(ids, params)
+    rids: list[str] = []
+    try:
+        for i in range(parsed.n):
+            choice = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
+            rids.append(aengine.add_request(ids, choice))
+    except BaseException:
+        for rid in rids:  # all or nothing
+            aengine.release(rid)
+        raise
+    return rids

@@ -154,7 +154,7 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
             if max_queue is not None and len(engine.waiting) >= max_queue:
                 raise P.ProtocolError("the server is busy: the request queue is full, retry later", status=429,
                                       kind="rate_limit_exceeded", code="queue_full")
-            rid = queue_request(aengine, parsed)
+            rids = queue_request(aengine, parsed)
         except P.ProtocolError as err:
             return JSONResponse(err.body(), status_code=err.status)
         except ContextLengthError as err:
@@ -163,32 +163,32 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
             return error(400, str(err))
         started = time.monotonic()
         if parsed.stream:
-            return StreamingResponse(stream_events(served, rid, parsed, chat, started), media_type="text/event-stream",
+            return StreamingResponse(stream_events(served, rids, parsed, chat, started), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await complete(request, served, rid, parsed, chat, started)
+        return await complete(request, served, rids, parsed, chat, started)
 
-    async def complete(request: Request, served: ServedModel, rid: str, parsed, chat: bool, started: float):
-        watcher = asyncio.create_task(_abort_on_disconnect(request, served.engine, rid))
+    async def complete(request: Request, served: ServedModel, rids: list[str], parsed, chat: bool, started: float):
+        watcher = asyncio.create_task(_abort_on_disconnect(request, served.engine, rids))
         try:
-            body, outs, first = await collect(served.engine, rid, parsed, served.name, chat)
+            body, lasts, first = await collect(served.engine, rids, parsed, served.name, chat)
         finally:
             watcher.cancel()
-        if outs[-1].error:
+        if lasts is None:
             return JSONResponse(body, status_code=503)
-        _observe(served.name, outs[-1], started, first)
+        _observe(served.name, lasts, started, first)
         return body
 
-    async def stream_events(served: ServedModel, rid: str, parsed, chat: bool, started: float):
-        chunks = ChunkStream(served.engine, rid, parsed, served.name, chat)
+    async def stream_events(served: ServedModel, rids: list[str], parsed, chat: bool, started: float):
+        chunks = ChunkStream(served.engine, rids, parsed, served.name, chat)
         async for payload in chunks:  # leaving this loop early (disconnect) aborts the request
             yield f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-        if chunks.last is not None and not chunks.last.error:
-            _observe(served.name, chunks.last, started, chunks.first)
+        if chunks.complete:
+            _observe(served.name, chunks.lasts, started, chunks.first)
         yield "data: [DONE]\n\n"
 
-    def _observe(model: str, last, started: float, first: float | None) -> None:
-        metrics.prompt_tokens.labels(model).inc(last.prompt_tokens)
-        metrics.generation_tokens.labels(model).inc(last.completion_tokens)
+    def _observe(model: str, lasts, started: float, first: float | None) -> None:
+        metrics.prompt_tokens.labels(model).inc(lasts[0].prompt_tokens)
+        metrics.generation_tokens.labels(model).inc(sum(o.completion_tokens for o in lasts))
         if first is not None:
             metrics.ttft.labels(model).observe(first - started)
         metrics.latency.labels(model).observe(time.monotonic() - started)
@@ -234,12 +234,13 @@ class AuthAndCount:
             self.metrics.requests.labels(path, str(status["code"])).inc()
 
 
-async def _abort_on_disconnect(request, aengine: AsyncEngine, rid: str) -> None:
-    """For non-streaming requests: a client that goes away stops its generation."""
+async def _abort_on_disconnect(request, aengine: AsyncEngine, rids: list[str]) -> None:
+    """For non-streaming requests: a client that goes away stops its generation (every choice)."""
     while True:
         message = await request.receive()
         if message["type"] == "http.disconnect":
-            aengine.abort(rid)
+            for rid in rids:
+                aengine.abort(rid)
             return
 
 

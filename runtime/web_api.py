@@ -28,7 +28,7 @@ class WebEngine:
         engine = Engine(pkg, WebBackend(pkg, runner), kv_memory=kv_memory_mb << 20, max_num_seqs=max_num_seqs,
                         max_batch_tokens=max_batch_tokens, **engine_options)
         self.aengine = AsyncEngine(engine, use_thread=False)
-        self._jobs: dict[str, str] = {}  # the page's request id -> the engine's
+        self._jobs: dict[str, list[str]] = {}  # the page's request id -> the engine's (one per choice)
 
     async def create(self, job: str, body_json: str, emit) -> None:
         """Run one chat.completions.create; emit(kind, json_text) with kind chunk | response | error."""
@@ -37,7 +37,7 @@ class WebEngine:
             if isinstance(body, dict):
                 body.setdefault("model", self.model_name)
             parsed = P.parse_chat(body)
-            rid = queue_request(self.aengine, parsed)
+            rids = queue_request(self.aengine, parsed)
         except json.JSONDecodeError as err:
             emit("error", json.dumps(P.error_body(f"the request is not valid JSON: {err}")))
             return
@@ -50,20 +50,20 @@ class WebEngine:
         except RequestError as err:
             emit("error", json.dumps(P.error_body(str(err))))
             return
-        self._jobs[job] = rid
+        self._jobs[job] = rids
         try:
             if parsed.stream:
-                async for payload in ChunkStream(self.aengine, rid, parsed, self.model_name, chat=True):
+                async for payload in ChunkStream(self.aengine, rids, parsed, self.model_name, chat=True):
                     emit("error" if "error" in payload else "chunk", json.dumps(payload, ensure_ascii=False))
             else:
-                body, outs, _ = await collect(self.aengine, rid, parsed, self.model_name, chat=True)
-                emit("error" if outs[-1].error else "response", json.dumps(body, ensure_ascii=False))
+                body, lasts, _ = await collect(self.aengine, rids, parsed, self.model_name, chat=True)
+                emit("error" if lasts is None else "response", json.dumps(body, ensure_ascii=False))
         finally:
             self._jobs.pop(job, None)
 
     def abort(self, job: str) -> bool:
-        rid = self._jobs.get(job)
-        return rid is not None and self.aengine.abort(rid)
+        rids = self._jobs.get(job) or []
+        return any([self.aengine.abort(rid) for rid in rids])
 
     # the page saves the last prompt's cached K/V blocks and restores them after a reload
     def recent_prompt_blocks(self, max_blocks: int) -> str:

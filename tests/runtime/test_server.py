@@ -91,6 +91,36 @@ def test_openai_client_chat_completions_streaming_stop_and_seed(served, tiny_pac
     assert len(lp.choices[0].logprobs.content[0].top_logprobs) == 2
 
 
+def test_n_choices_whole_and_streamed_seeded_and_counted_once(served, tiny_package):
+    """n choices are n requests on one prompt, computed once: with a seed, choice i samples with seed + i
+    (so a choice equals a single request seeded so); streamed chunks carry their choice's index; the
+    usage counts the prompt once and every choice's completion."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=served.url + "/v1", api_key="unused")
+    msgs = [{"role": "user", "content": PROMPTS[1]}]
+    kw = {"model": served.model, "messages": msgs, "temperature": 1.0, "max_tokens": 12}
+    r = client.chat.completions.create(n=3, seed=11, **kw)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    texts = [c.message.content for c in r.choices]
+    assert len(set(texts)) == 3  # different seeds: different samples
+    for i in range(3):
+        assert client.chat.completions.create(seed=11 + i, **kw).choices[0].message.content == texts[i]
+    single = client.chat.completions.create(seed=11, **kw).usage
+    assert r.usage.prompt_tokens == single.prompt_tokens
+    assert r.usage.completion_tokens == 3 * 12 and r.usage.total_tokens == r.usage.prompt_tokens + 36
+    chunks = list(client.chat.completions.create(n=3, seed=11, stream=True, stream_options={"include_usage": True},
+                                                 **kw))
+    streamed = ["".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i)
+                for i in range(3)]
+    assert streamed == texts
+    finals = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(f.index for f in finals) == [0, 1, 2] and {f.finish_reason for f in finals} == {"length"}
+    assert chunks[-1].usage.completion_tokens == 36
+    greedy = client.completions.create(model=served.model, prompt="Once upon a time", temperature=0, max_tokens=8, n=2)
+    assert greedy.choices[0].text == greedy.choices[1].text  # greedy choices agree, as OpenAI's do
+
+
 def sse_text(lines: list[str]) -> str:
     text = []
     for line in lines:
@@ -161,6 +191,21 @@ def test_disconnect_mid_stream_frees_kv_and_server_keeps_serving(smol_int4):
         assert engine.stats()["aborted"] == 1  # the client left: aborted, not run to its 1000 tokens
         assert engine.stats()["generated_tokens"] < 300
         assert 'ruvllm_requests_aborted_total{model="' + name + '"} 1.0' in httpx.get(live.url + "/metrics").text
+        # n = 3 choices stream as three requests: leaving stops all three
+        with httpx.Client(base_url=live.url, timeout=60) as client:
+            with client.stream("POST", "/v1/chat/completions", json={**body, "n": 3}) as resp:
+                indices = set()
+                for line in resp.iter_lines():
+                    if line.startswith("data: {"):  # choices that have generated (past their role chunk)
+                        indices.update(c["index"] for c in json.loads(line[6:])["choices"] if c["delta"].get("content"))
+                    if len(indices) == 3:
+                        assert engine.stats()["running"] == 3, engine.stats()
+                        break
+        deadline = time.time() + 5
+        while engine.stats()["running"] or engine.stats()["kv_blocks_used"]:
+            assert time.time() < deadline, engine.stats()
+            time.sleep(0.01)
+        assert engine.stats()["aborted"] == 4
         r = httpx.post(live.url + "/v1/completions", json={"model": name, "prompt": "Hi", "max_tokens": 2})
         assert r.status_code == 200
     finally:
@@ -181,7 +226,8 @@ BAD = [
      400, "max_tokens"),
     ("top_p out of range", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "top_p": 3},
      400, "top_p"),
-    ("n greater than one", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+    ("n zero", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n"),
+    ("n above OpenAI's 128", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "n": 129}, 400, "n"),
     ("bad logit_bias", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}},
      400, "logit_bias"),
     ("logit_bias outside vocab", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],

@@ -61,6 +61,8 @@ export interface ChatCompletionRequest {
   frequency_penalty?: number;
   repetition_penalty?: number;
   seed?: number;
+  /** Choices to generate (1-128); streamed chunks carry their choice's `index`. With a seed, choice i uses seed + i. */
+  n?: number;
   stop?: string | string[];
   logit_bias?: Record<string, number>;
   logprobs?: boolean;
