@@ -67,6 +67,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     lookup: PromptLookup | None = None  # n-gram index for drafting (speculative decoding)
     draft: list[int] = field(default_factory=list)  # tokens drafted for the step being run
+    prefix_keys: tuple[int, list[bytes]] | None = None  # (token count, keys) while waiting: _prefix_keys
 
     @property
     def num_generated(self) -> int:
@@ -293,7 +294,7 @@ class Engine:
             if pending and self._waits_for(keys, pending):
                 continue
             cached = self.allocator.lookup(keys)
-            seq.block_keys = keys[:len(cached)]
+            seq.block_keys = keys[:len(cached)]  # a copy: _publish_blocks appends to it
             start = len(cached) * self.block_size
             n = min(len(seq.tokens) - start, budget)
             if self.allocator.blocks_for(start + n) - len(cached) > self.allocator.num_free:
@@ -301,6 +302,7 @@ class Engine:
                     self.allocator.release(block)
                 break
             self.waiting.remove(seq)
+            seq.prefix_keys = None
             seq.draft = []
             seq.slot = self._free_slots.pop()
             for block in cached:
@@ -388,13 +390,16 @@ class Engine:
             self.allocator.forget(block)
 
     def _prefix_keys(self, seq: Sequence) -> list[bytes]:
-        """Chained prefix keys of the sequence's full blocks, leaving at least one token to compute."""
+        """Chained prefix keys of the sequence's full blocks, leaving at least one token to compute;
+        kept while it waits (its tokens change only by preemption, which appends)."""
         if not self.allocator.enable_prefix_cache:
             return []
-        return self._chunk_keys(seq, [], len(seq.tokens) - 1)
+        if seq.prefix_keys is None or seq.prefix_keys[0] != len(seq.tokens):
+            seq.prefix_keys = (len(seq.tokens), self._chunk_keys(seq, [], len(seq.tokens) - 1))
+        return seq.prefix_keys[1]
 
     def _chunk_keys(self, seq: Sequence, known: list[bytes], upto_tokens: int) -> list[bytes]:
-        """Keys of the full blocks after the `known` ones, up to the block holding token upto_tokens - 1."""
+        """Keys of the full blocks within the first upto_tokens tokens, after the `known` ones."""
         bs, keys = self.block_size, []
         parent = known[-1] if known else None
         for j in range(len(known), upto_tokens // bs):
