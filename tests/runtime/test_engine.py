@@ -144,6 +144,24 @@ def test_prompts_arriving_together_compute_their_shared_blocks_once(tiny_package
     assert stats["prompt_tokens"] < sum(prompt_lens) - 5 * (200 - block)
 
 
+def test_resetting_the_prefix_cache_mid_run_leaves_running_requests_whole(tiny_package, thirty_two):
+    texts, solo = thirty_two
+    engine = Engine.from_package(tiny_package("llama"), speculative_tokens=0)
+    rids = [engine.add_request(t, greedy()) for t in texts[:4]]
+    tokens: dict[str, list[int]] = {r: [] for r in rids}
+    for _ in range(4):
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+    held = engine.allocator.num_used
+    assert engine.reset_prefix_cache() > 0  # their computed prompt blocks were cached
+    assert engine.allocator.num_cached == 0 and engine.allocator.num_used == held  # still theirs
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.token_ids)
+    assert [tokens[r] for r in rids] == solo[:4]
+    assert engine.allocator.num_used == 0  # every block back in the pool: free, or cached and evictable
+
+
 def test_abort_frees_blocks_at_once_and_others_finish_unchanged(tiny_package, thirty_two):
     texts, solo = thirty_two
     engine = Engine.from_package(tiny_package("llama"), enable_prefix_cache=False)
