@@ -65,7 +65,6 @@ class ChunkStream:
         self.oid = P.new_id("chatcmpl" if chat else "cmpl")
         self.first: float | None = None  # time.monotonic() of the first output
         self.lasts: list[RequestOutput | None] = [None] * len(rids)  # each choice's latest output
-        self.failed = False
 
     async def __aiter__(self) -> AsyncIterator[dict]:
         decode = self.aengine.engine.tokenizer.decode_token
@@ -80,7 +79,6 @@ class ChunkStream:
                     self.first = time.monotonic()
                 self.lasts[i] = out
                 if out.error:
-                    self.failed = True
                     yield P.error_body(out.error, "server_error", code="unavailable")
                     return
                 reason = out.finish_reason if out.finished else None
@@ -101,7 +99,7 @@ class ChunkStream:
     @property
     def complete(self) -> bool:
         """Every choice reached its end without an error."""
-        return not self.failed and all(o is not None and o.finished for o in self.lasts)
+        return all(o is not None and o.finished and not o.error for o in self.lasts)
 
 
 async def collect(aengine: AsyncEngine, rids: list[str], parsed: P.ParsedRequest, model: str,
