@@ -110,7 +110,8 @@ struct PackedWeights {
   int N = 0, K = 0, block = 0, nblk = 0, ntiles = 0;
   // per tile, per block, per 8 k: 64 bytes, byte 4j+i = q(col j, k+i) | q(col j, k+4+i) << 4
   std::unique_ptr<uint8_t[], void (*)(void*)> w{nullptr, std::free};
-  std::vector<float> scale, zero;  // per tile, per block: 16 columns each
+  std::vector<float> scale;    // per tile, per block: 16 columns each
+  std::vector<uint8_t> zero;   // the same, as bytes (a quarter of fp32's: a single row is memory-bound)
 };
 
 void pack(PackedWeights& p, int N, int K, int block, const uint8_t* B, const float* S, const uint8_t* Z) {
@@ -131,7 +132,7 @@ void pack(PackedWeights& p, int N, int K, int block, const uint8_t* B, const flo
         auto q = [&](int k) -> uint8_t { return (k & 1) ? (src[k / 2] >> 4) : (src[k / 2] & 15); };
         p.scale[tb * kTile + j] = S[(size_t)n * p.nblk + b];
         const uint8_t zb = Z[(size_t)n * zp_stride + b / 2];
-        p.zero[tb * kTile + j] = (float)((b & 1) ? (zb >> 4) : (zb & 15));
+        p.zero[tb * kTile + j] = (uint8_t)((b & 1) ? (zb >> 4) : (zb & 15));
         for (int g = 0; g < block / 8; g++)
           for (int i = 0; i < 4; i++)
             dst[g * 64 + 4 * j + i] = (uint8_t)(q(8 * g + i) | (q(8 * g + 4 + i) << 4));
@@ -201,7 +202,8 @@ inline void tiles_rows(const PackedWeights& p, const QuantizedRows& a, int t0, i
     }
     for (int i = 0; i < T; i++) {
       const size_t tb = (size_t)(t0 + i) * nblk + b;
-      const __m512 z = _mm512_loadu_ps(p.zero.data() + tb * kTile), s = _mm512_loadu_ps(p.scale.data() + tb * kTile);
+      const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.zero.data() + tb * kTile))));
+      const __m512 s = _mm512_loadu_ps(p.scale.data() + tb * kTile);
       for (int r = 0; r < R; r++) {
         const size_t mb = (size_t)(m0 + r) * nblk + b;
         const __m512 x = _mm512_fnmadd_ps(z, _mm512_set1_ps(a.sum[mb]), _mm512_cvtepi32_ps(dot[i][r]));
