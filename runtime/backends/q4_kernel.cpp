@@ -297,7 +297,7 @@ OrtStatus* create_kernel(const CustomOp*, const void*, const OrtKernelInfo* info
   return nullptr;
 }
 
-OrtStatus* compute(void* kernel, OrtKernelContext* ctx) {
+OrtStatus* compute_rows(void* kernel, OrtKernelContext* ctx) {
   const Kernel& k = *static_cast<Kernel*>(kernel);
   const PackedWeights& w = k.w;
   const OrtValue* in = nullptr;
@@ -327,6 +327,14 @@ OrtStatus* compute(void* kernel, OrtKernelContext* ctx) {
   }
   return api<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
       kKernelContext_ParallelFor)(ctx, run_item, items, 0, &job);
+}
+
+OrtStatus* compute(void* kernel, OrtKernelContext* ctx) {
+  try {  // nothing may unwind into onnxruntime
+    return compute_rows(kernel, ctx);
+  } catch (const std::bad_alloc&) {
+    return fail("ruvllm.MatMulQ4: out of memory");
+  }
 }
 
 // onnxruntime's OrtCustomOp, version 18 layout
