@@ -108,6 +108,7 @@ constexpr int kRowsPer = 4;    // rows sharing one unpacked weight register
 
 struct PackedWeights {
   int N = 0, K = 0, block = 0, nblk = 0, ntiles = 0;
+  int Kp = 0;  // K padded to whole blocks (MatMulNBits pads the last block)
   // per tile, per block, per 8 k: 64 bytes, byte 4j+i = q(col j, k+i) | q(col j, k+4+i) << 4
   std::unique_ptr<uint8_t[], void (*)(void*)> w{nullptr, std::free};
   std::vector<float> scale;    // per tile, per block: 16 columns each
@@ -115,8 +116,9 @@ struct PackedWeights {
 };
 
 void pack(PackedWeights& p, int N, int K, int block, const uint8_t* B, const float* S, const uint8_t* Z) {
-  p.N = N; p.K = K; p.block = block; p.nblk = K / block; p.ntiles = N / kTile;
-  const size_t bytes = (size_t)N * K / 2;
+  p.N = N; p.K = K; p.block = block; p.nblk = (K + block - 1) / block; p.ntiles = N / kTile;
+  p.Kp = p.nblk * block;
+  const size_t bytes = (size_t)N * p.Kp / 2;
   p.w.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
   if (!p.w) throw std::bad_alloc();
   p.scale.resize((size_t)N * p.nblk);
@@ -146,22 +148,27 @@ struct QuantizedRows {  // the activations, per row and block
 };
 
 void quantize_rows(QuantizedRows& out, const float* A, int64_t M, int K, int block) {
-  const int nblk = K / block;
-  out.q.resize((size_t)M * K);
+  const int nblk = (K + block - 1) / block, Kp = nblk * block;  // a short last block reads as zeros
+  out.q.resize((size_t)M * Kp);
   out.scale.resize((size_t)M * nblk);
   out.sum.resize((size_t)M * nblk);
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t m = 0; m < M; m++)
     for (int b = 0; b < nblk; b++) {
       const float* a = A + m * K + (size_t)b * block;
+      const int valid = std::min(block, K - b * block);
+      auto load = [&](int k) {
+        const int n = std::clamp(valid - k, 0, 16);
+        return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), a + k);
+      };
       __m512 mx = _mm512_setzero_ps();
-      for (int k = 0; k < block; k += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(_mm512_loadu_ps(a + k), abs_mask));
+      for (int k = 0; k < block; k += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(load(k), abs_mask));
       const float amax = _mm512_reduce_max_ps(mx);
       const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
       __m512i sum = _mm512_setzero_si512();
-      int8_t* q = out.q.data() + m * K + (size_t)b * block;
+      int8_t* q = out.q.data() + m * Kp + (size_t)b * block;
       for (int k = 0; k < block; k += 16) {
-        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(a + k), inv));  // nearest, ties to even
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load(k), inv));  // nearest, ties to even
         sum = _mm512_add_epi32(sum, v);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(v));
       }
@@ -172,7 +179,7 @@ void quantize_rows(QuantizedRows& out, const float* A, int64_t M, int K, int blo
 
 template <int T, int R>
 inline void tiles_rows(const PackedWeights& p, const QuantizedRows& a, int t0, int64_t m0, float* C) {
-  const int nblk = p.nblk, block = p.block, K = p.K;
+  const int nblk = p.nblk, block = p.block, K = p.Kp;  // rows of qa are padded to whole blocks
   const size_t tile_bytes = (size_t)nblk * (block / 8) * 64;
   const __m512i low4 = _mm512_set1_epi8(15);
   __m512 acc[T][R];
@@ -258,8 +265,8 @@ OrtStatus* create_kernel(const CustomOp*, const void*, const OrtKernelInfo* info
   RETURN_IF(attr(info, "N", &N));
   RETURN_IF(attr(info, "bits", &bits));
   RETURN_IF(attr(info, "block_size", &block));
-  if (bits != 4 || block % 32 != 0 || K % block != 0 || N % kTile != 0)
-    return fail("ruvllm.MatMulQ4: needs bits=4, block_size a multiple of 32 dividing K, N a multiple of 16");
+  if (bits != 4 || block % 32 != 0 || N % kTile != 0)
+    return fail("ruvllm.MatMulQ4: needs bits=4, block_size a multiple of 32, N a multiple of 16");
   const OrtValue* consts[4] = {};
   auto constant = api<OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**)>(kKernelInfoGetConstantInput_tensor);
   for (size_t i = 1; i < 4; i++) {
@@ -274,7 +281,7 @@ OrtStatus* create_kernel(const CustomOp*, const void*, const OrtKernelInfo* info
   RETURN_IF(tensor_data(consts[3], &Z));
   std::vector<int64_t> dims;
   RETURN_IF(tensor_shape(consts[1], dims));
-  const int64_t nblk = K / block;
+  const int64_t nblk = (K + block - 1) / block;
   if (dims.size() != 3 || dims[0] != N || dims[1] != nblk || dims[2] != block / 2)
     return fail("ruvllm.MatMulQ4: B is not [N, K/block_size, block_size/2]");
   RETURN_IF(tensor_shape(consts[2], dims));

@@ -98,9 +98,8 @@ def rewrite_graph(graph: Path) -> tuple[bytes, int]:
         if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.input) != 4:
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        block, k, n = attrs.get("block_size", 0), attrs.get("K", 0), attrs.get("N", 0)
-        if (attrs.get("bits", 4) != 4 or attrs.get("accuracy_level", 0) != 4 or not block or block % 32
-                or k % block or n % 16):
+        block, n = attrs.get("block_size", 0), attrs.get("N", 0)
+        if attrs.get("bits", 4) != 4 or attrs.get("accuracy_level", 0) != 4 or not block or block % 32 or n % 16:
             continue
         b, s, z = (inits.get(name) for name in node.input[1:])
         if (b is None or s is None or z is None or b.data_type != onnx.TensorProto.UINT8

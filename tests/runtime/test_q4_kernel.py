@@ -16,7 +16,7 @@ needs_kernel = pytest.mark.skipif(LIB is None, reason=f"the 4-bit kernel is not 
 
 def matmul_model(K: int, N: int, block: int, *, accuracy_level: int = 4, seed: int = 0) -> bytes:
     rng = np.random.default_rng(seed)
-    nblk = K // block
+    nblk = -(-K // block)  # MatMulNBits pads the last block
     B = rng.integers(0, 256, (N, nblk, block // 2), dtype=np.uint8)
     S = rng.random((N, nblk), dtype=np.float32) * 0.02
     Z = rng.integers(0, 256, (N, (nblk + 1) // 2), dtype=np.uint8)
@@ -50,7 +50,8 @@ def test_built_wherever_the_cpu_can_run_it():
 
 
 @needs_kernel
-@pytest.mark.parametrize("K,N,block", [(576, 960, 64), (1536, 576, 64), (256, 48, 32), (512, 64, 128), (576, 49152, 64)])
+@pytest.mark.parametrize("K,N,block", [(576, 960, 64), (1536, 576, 64), (256, 48, 32), (512, 64, 128), (576, 49152, 64),
+                                     (576, 960, 128), (608, 64, 256)])  # the last two pad their last block
 def test_computes_what_matmulnbits_computes(tmp_path, K, N, block):
     """Same int8 arithmetic: equal to MLAS's kernel up to fp32 rounding, for one row, a batch, a prefill
     chunk and a 3-D input (rows that are not a multiple of the kernel's 4-row groups included)."""
