@@ -189,7 +189,8 @@ class NativeBackend:
         for name, values, dtype in ((C.SPARSE_IDS, batch.sparse_ids, i64), (C.SPARSE_SEEN, batch.sparse_seen, f32),
                                     (C.SPARSE_COUNTS, batch.sparse_counts, f32),
                                     (C.SPARSE_BIAS, batch.sparse_bias, f32)):
-            self._bind(name, values, lambda v, t=dtype: np.array(v, t).reshape(rows, -1))
+            # a step of prefill chunks only (a prompt longer than the step's token budget) has no rows
+            self._bind(name, values, lambda v, t=dtype: np.array(v, t).reshape(rows, -1) if rows else np.zeros((0, 1), t))
         self._bind(C.TOP_K, top_k, lambda k: np.array([k], i64))  # = the bound output width
         for name, arr in (extra_inputs or {}).items():
             io.bind_cpu_input(name, arr)

@@ -202,6 +202,16 @@ def test_stop_string_across_tokens_and_deltas_concatenate(tiny_package):
     assert "".join(o.delta for o in cut) == text[: text.index(stop)]
 
 
+def test_a_prompt_longer_than_the_step_budget_is_prefilled_over_several_steps(tiny_package):
+    """Steps that only prefill (no row wants logits yet) run too, and the answer is the one-step one."""
+    pkg = tiny_package("llama")
+    text = " ".join(prompts(12))  # ~140 tokens
+    want = solo_outputs(pkg, [text])[0]
+    engine = Engine.from_package(pkg, enable_prefix_cache=False, speculative_tokens=0, max_batch_tokens=32)
+    got = [t for o in engine.generate(text, greedy()) for t in o.token_ids]
+    assert got == want and engine.stats_snapshot()["prompt_tokens"] > 100
+
+
 def test_prompt_longer_than_context_is_refused_and_engine_keeps_serving(tiny_package):
     engine = Engine.from_package(tiny_package("llama"))
     ok = engine.add_request("hello there", greedy(5))
