@@ -118,6 +118,7 @@ def run_bench(engine, args) -> dict:
         "model": engine.pkg.name, "quantization": engine.pkg.manifest["quantization"]["weights"],
         "backend": engine.backend.name, "device": ",".join(getattr(engine.backend, "providers", [])),
         "matmul_kernel": getattr(engine.backend, "matmul_kernel", None),
+        "attention_kernel": getattr(engine.backend, "attention_kernel", None),
         "kv_blocks": engine.allocator.num_blocks, "kv_block_size": engine.block_size,
         "speculative_tokens": engine.speculative_tokens, "speculative_max_batch": engine.speculative_max_batch,
         "ttft_ms": round(1000 * med(r["ttft"] for r in short), 1),

@@ -69,8 +69,9 @@ class NativeBackend:
             if package.lora_graph_path is None:
                 raise PackageError(f"{package.path}: this package was exported without the LoRA graph")
             graph = package.lora_graph_path
-        self.matmul_kernel = "onnxruntime's own"  # what runs the 4-bit projections; _q4_session may say more
-        self.session = self._q4_session(graph, opts) if self.providers == DEVICE_PROVIDERS["cpu"] else None
+        self.matmul_kernel = "onnxruntime's own"  # what runs the 4-bit projections; _kernel_session may say more
+        self.attention_kernel = "the graph's own"  # the exported gather + attention, or ruvllm.PagedAttention
+        self.session = self._kernel_session(graph, opts) if self.providers == DEVICE_PROVIDERS["cpu"] else None
         if self.session is None:
             try:
                 self.session = ort.InferenceSession(str(graph), sess_options=opts, providers=self.providers)
@@ -85,32 +86,36 @@ class NativeBackend:
             raise PackageError(f"{package.path}: the graph's inputs do not match its manifest")
         self.block_tables: np.ndarray | None = None
 
-    def _q4_session(self, graph, opts):
-        """The graph on RuvLLM's 4-bit kernel (runtime/backends/q4_kernel.py), or None to run it as it is;
-        `self.matmul_kernel` says which and why."""
-        from runtime.backends import q4_kernel
+    def _kernel_session(self, graph, opts):
+        """The graph on RuvLLM's CPU kernels (runtime/backends/cpu_kernels.py), or None to run it as it is;
+        `self.matmul_kernel` and `self.attention_kernel` say which and why."""
+        from runtime.backends import cpu_kernels
 
         self.matmul_kernel = "onnxruntime MatMulNBits"
-        lib, why = q4_kernel.library()
+        lib, why = cpu_kernels.library()
         if lib is None:
             self.matmul_kernel += f" ({why})"
+            self.attention_kernel += f" ({why})"
             return None
         try:
-            model, count = q4_kernel.rewrite_graph(graph)
+            model, count, layers = cpu_kernels.rewrite_graph(graph, self.pkg.config)
         except Exception as err:  # a graph onnx cannot parse: the plain load below reports it
             self.matmul_kernel += f" (graph not rewritten: {str(err)[:200]})"
             return None
         if not count:
             self.matmul_kernel += " (no 4-bit MatMulNBits here that ruvllm.MatMulQ4 computes)"
+        if not count and not layers:
             return None
         opts.register_custom_ops_library(str(lib))
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph.parent))
         try:
             session = self._ort.InferenceSession(model, sess_options=opts, providers=self.providers)
         except Exception as err:
-            self.matmul_kernel += f" (ruvllm.MatMulQ4 failed to load: {str(err).splitlines()[0][:200]})"
+            self.matmul_kernel += f" (RuvLLM's kernels failed to load: {str(err).splitlines()[0][:200]})"
             return None
-        self.matmul_kernel = f"ruvllm.MatMulQ4 ({count} of the graph's MatMulNBits, AVX-512 VNNI)"
+        if count:
+            self.matmul_kernel = f"ruvllm.MatMulQ4 ({count} of the graph's MatMulNBits, AVX-512 VNNI)"
+        self.attention_kernel = f"ruvllm.PagedAttention ({layers} layers)" if layers else "the graph's own"
         return session
 
     def allocate(self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int) -> None:

@@ -1,9 +1,12 @@
-// RuvLLM's CPU kernel for 4-bit weights: an onnxruntime custom operator `ruvllm.MatMulQ4` that
-// computes what `com.microsoft.MatMulNBits` (bits=4, zero points, fp32 scales, accuracy_level 4) does,
-// with AVX-512 VNNI. Why: MLAS's int8-compute kernel costs ~3.5x its one-row time at 16 rows (it
-// unpacks the int4 weights again for every row), so a batch of 16 decode streams spends most of its
-// step there. Here each 16-column tile of weights is unpacked once per block and used for up to 4 rows
-// and 2 tiles per broadcast activation word.
+// RuvLLM's CPU kernels, as onnxruntime custom operators in the domain `ruvllm` (AVX-512 VNNI):
+//
+// MatMulQ4 computes what `com.microsoft.MatMulNBits` (bits=4, zero points, fp32 scales, accuracy_level
+// 4) does. Why: MLAS's int8-compute kernel costs ~3.5x its one-row time at 16 rows (it unpacks the int4
+// weights again for every row), so a batch of 16 decode streams spent most of its step there. Here
+// each 16-column tile of weights is unpacked once per block and used for up to 4 rows and 2 tiles per
+// broadcast activation word.
+//
+// PagedAttention (further down) reads each row's keys and values from the KV pool's blocks in place.
 //
 // Arithmetic, per row and per quantization block of `block_size` along K (as MLAS's CompInt8):
 // activations a ~ sa * qa (qa int8, symmetric, sa = max|a| / 127), weights w = s * (q - z), so
@@ -13,11 +16,12 @@
 // onnxruntime's C API is reached through the function table it hands to RegisterCustomOps. Its
 // header is not shipped with the Python wheel, so the few entries used are declared here by their
 // fixed position in that table (the table is append-only: an entry never moves between releases);
-// runtime/backends/q4_kernel.py checks the library loads and computes what MatMulNBits computes.
+// tests/runtime/test_cpu_kernels.py checks both operators against what they replace.
 
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -53,6 +57,7 @@ enum ApiEntry : size_t {
   kGetDimensionsCount = 61,
   kGetDimensions = 62,
   kGetTensorTypeAndShape = 65,
+  kKernelInfoGetAttribute_float = 85,
   kKernelInfoGetAttribute_int64 = 86,
   kKernelContext_GetInput = 90,
   kKernelContext_GetOutput = 91,
@@ -62,7 +67,7 @@ enum ApiEntry : size_t {
 };
 constexpr uint32_t kApiVersion = 18;  // KernelContext_ParallelFor (the last entry used) exists from 17 on
 constexpr int kOrtFail = 1;           // OrtErrorCode ORT_FAIL
-constexpr int kFloat = 1, kUint8 = 2;  // ONNXTensorElementDataType
+constexpr int kFloat = 1, kUint8 = 2, kInt64 = 7;  // ONNXTensorElementDataType
 
 const void* const* g_api = nullptr;
 
@@ -336,6 +341,314 @@ OrtStatus* compute_rows(void* kernel, OrtKernelContext* ctx) {
       kKernelContext_ParallelFor)(ctx, run_item, items, 0, &job);
 }
 
+
+// ---- paged attention: each row's context read from the KV pool in place ----
+//
+// Replaces the exported graph's per-layer attention path (gather every row's blocks into a contiguous
+// copy, write this step's K/V into it, scores, mask, softmax, weighted values): the copy is what a
+// long context costs there. Inputs: qk [N*(Hq+Hkv), D] (token n's query head j at row n*(Hq+Hkv)+j,
+// its key head h at n*(Hq+Hkv)+Hq+h, rotated), v [N*Hkv, D], the layer's pools [Hkv, blocks,
+// block_size, D] (positions before this step), block_tables [B, max_blocks], query_index [B, S]
+// (row b's tokens are query_index[b][0] .. query_index[b][S-1], consecutive), position_ids [N].
+// Output [N, Hq*D]. Causal, optionally a sliding window; a row's keys before its first new position
+// come from the pool, the rest from this step's rows.
+
+inline __m512 exp512(__m512 x) {  // e^x, ~1e-7 relative: 2^(x log2 e) as 2^n * 2^f, |f| <= 0.5
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));  // ln 2^f
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct AttnKernel {
+  int64_t num_heads = 0, num_kv_heads = 0, window = 0;
+  float scale = 1.f;
+};
+
+struct AttnJob {
+  const AttnKernel* k;
+  const float *qk, *v, *pool_k, *pool_v;
+  const int64_t *tables, *qidx, *pos;
+  float* out;
+  int64_t B, S, MB, NB, bs, D;
+  std::atomic<bool> failed{false};
+};
+
+void attend_row_head_unsafe(const AttnJob& j, size_t item);
+
+void attend_row_head(void* data, size_t item) {
+  AttnJob& j = *static_cast<AttnJob*>(data);
+  try {
+    attend_row_head_unsafe(j, item);
+  } catch (...) {
+    j.failed = true;
+  }
+}
+
+// one row's one kv head: its G query heads for each of its tokens; DV = head_dim / 16 registers a vector
+template <int DV>
+void attend(const AttnJob& j, size_t item) {
+  const int64_t Hq = j.k->num_heads, Hkv = j.k->num_kv_heads, G = Hq / Hkv, D = DV * 16, bs = j.bs;
+  const int64_t b = (int64_t)item / Hkv, h = (int64_t)item % Hkv;
+  const int64_t base = j.qidx[b * j.S], count = j.qidx[b * j.S + j.S - 1] - base + 1, start = j.pos[base];
+  const int64_t* table = j.tables + b * j.MB;
+  const float* pk = j.pool_k + h * j.NB * bs * D;
+  const float* pv = j.pool_v + h * j.NB * bs * D;
+  auto key = [&](int64_t t) {
+    return t < start ? pk + (table[t / bs] * bs + t % bs) * D : j.qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D;
+  };
+  auto value = [&](int64_t t) {
+    return t < start ? pv + (table[t / bs] * bs + t % bs) * D : j.v + ((base + t - start) * Hkv + h) * D;
+  };
+  thread_local std::vector<float> scores;
+  scores.resize((size_t)(start + count + 16));
+  const __m512 scale = _mm512_set1_ps(j.k->scale);
+  for (int64_t s = 0; s < count; s++) {
+    const int64_t n = base + s, p = start + s;
+    const int64_t lo = j.k->window > 0 ? std::max<int64_t>(0, p - j.k->window + 1) : 0;
+    for (int64_t g = 0; g < G; g++) {
+      const int64_t head = h * G + g;
+      const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
+      __m512 q[DV];
+      for (int d = 0; d < DV; d++) q[d] = _mm512_mul_ps(_mm512_loadu_ps(qp + 16 * d), scale);
+      float mx = -INFINITY;
+      for (int64_t t = lo; t <= p; t++) {
+        const float* kr = key(t);
+        __m512 d0 = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr));
+        for (int d = 1; d < DV; d++) d0 = _mm512_fmadd_ps(q[d], _mm512_loadu_ps(kr + 16 * d), d0);
+        const float sc = _mm512_reduce_add_ps(d0);
+        scores[t] = sc;
+        mx = std::max(mx, sc);
+      }
+      const __m512 vmx = _mm512_set1_ps(mx);
+      __m512 vsum = _mm512_setzero_ps();
+      int64_t t = lo;
+      for (; t + 16 <= p + 1; t += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(&scores[t]), vmx));
+        _mm512_storeu_ps(&scores[t], e);
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      if (t <= p) {
+        const __mmask16 m = (__mmask16)((1u << (p + 1 - t)) - 1);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &scores[t]), vmx));
+        _mm512_mask_storeu_ps(&scores[t], m, e);
+        vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+      }
+      __m512 acc[DV];
+      for (int d = 0; d < DV; d++) acc[d] = _mm512_setzero_ps();
+      for (int64_t u = lo; u <= p; u++) {
+        const __m512 w = _mm512_set1_ps(scores[u]);
+        const float* vr = value(u);
+        for (int d = 0; d < DV; d++) acc[d] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * d), acc[d]);
+      }
+      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+      float* o = j.out + n * Hq * D + head * D;
+      for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[d], inv));
+    }
+  }
+}
+
+// The same for many queries at once (a prefill chunk: tokens x G heads >= 16): keys are transposed
+// 16 at a time into [D][16], so a query's 16 scores are D broadcast FMAs with no horizontal sums, and
+// one transposition serves a group of up to 32 queries.
+template <int DV>
+void attend_many(const AttnJob& j, size_t item) {
+  constexpr int D = DV * 16, QG = 32;
+  const int64_t Hq = j.k->num_heads, Hkv = j.k->num_kv_heads, G = Hq / Hkv, bs = j.bs, W = j.k->window;
+  const int64_t b = (int64_t)item / Hkv, h = (int64_t)item % Hkv;
+  const int64_t base = j.qidx[b * j.S], count = j.qidx[b * j.S + j.S - 1] - base + 1, start = j.pos[base];
+  const int64_t* table = j.tables + b * j.MB;
+  const float* pk = j.pool_k + h * j.NB * bs * D;
+  const float* pv = j.pool_v + h * j.NB * bs * D;
+  auto key = [&](int64_t t) {
+    return t < start ? pk + (table[t / bs] * bs + t % bs) * D : j.qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D;
+  };
+  auto value = [&](int64_t t) {
+    return t < start ? pv + (table[t / bs] * bs + t % bs) * D : j.v + ((base + t - start) * Hkv + h) * D;
+  };
+  auto lowest = [&](int64_t p) { return W > 0 ? std::max<int64_t>(0, p - W + 1) : (int64_t)0; };
+  thread_local std::vector<float> kt, qs, scores;
+  // every key this row's queries read, transposed once: block c holds keys key0 + 16c .. +15 as [D][16]
+  const int64_t key0 = lowest(start), last = start + count - 1;
+  const int64_t nblocks = (last - key0 + 16) / 16;
+  kt.resize((size_t)nblocks * D * 16);
+  for (int64_t c = 0; c < nblocks; c++) {
+    float* dst = &kt[(size_t)c * D * 16];
+    for (int64_t i = 0; i < 16; i++) {
+      const int64_t t = key0 + c * 16 + i;
+      if (t > last) {
+        for (int d = 0; d < D; d++) dst[d * 16 + i] = 0.f;
+        continue;
+      }
+      const float* kr = key(t);
+      for (int d = 0; d < D; d++) dst[d * 16 + i] = kr[d];
+    }
+  }
+  qs.resize((size_t)QG * D);
+  const int64_t total = count * G;
+  for (int64_t q0 = 0; q0 < total; q0 += QG) {
+    const int64_t nq = std::min<int64_t>(QG, total - q0);
+    const int64_t p_first = start + q0 / G, p_last = start + (q0 + nq - 1) / G;
+    const int64_t c_first = (lowest(p_first) - key0) / 16, lo = key0 + c_first * 16;
+    const int64_t width = (p_last - lo + 16) / 16 * 16;
+    scores.resize((size_t)nq * width);
+    for (int64_t i = 0; i < nq; i++) {  // the group's queries, scaled
+      const int64_t qi = q0 + i, n = base + qi / G, head = h * G + qi % G;
+      const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
+      for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
+    }
+    for (int64_t t0 = lo; t0 <= p_last; t0 += 16) {
+      const float* blk = &kt[(size_t)((t0 - key0) / 16) * D * 16];
+      for (int64_t i = 0; i < nq; i++) {
+        const int64_t p = start + (q0 + i) / G;
+        if (t0 > p || t0 + 16 <= lowest(p)) continue;  // wholly outside this query's keys
+        const float* q = &qs[i * D];
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        for (int d = 0; d < D; d += 2) {
+          a0 = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(&blk[d * 16]), a0);
+          a1 = _mm512_fmadd_ps(_mm512_set1_ps(q[d + 1]), _mm512_loadu_ps(&blk[(d + 1) * 16]), a1);
+        }
+        _mm512_storeu_ps(&scores[i * width + (t0 - lo)], _mm512_add_ps(a0, a1));
+      }
+    }
+    thread_local std::vector<float> inv;
+    inv.resize((size_t)nq);
+    for (int64_t i = 0; i < nq; i++) {  // softmax of each query's scores; zero outside its keys
+      const int64_t p = start + (q0 + i) / G, first = lowest(p);
+      float* sc = &scores[i * width] - lo;  // sc[t] for t in [lo, lo + width)
+      float mx = -INFINITY;
+      for (int64_t t = first; t <= p; t++) mx = std::max(mx, sc[t]);
+      const __m512 vmx = _mm512_set1_ps(mx);
+      __m512 vsum = _mm512_setzero_ps();
+      int64_t t = first;
+      for (; t + 16 <= p + 1; t += 16) {
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(&sc[t]), vmx));
+        _mm512_storeu_ps(&sc[t], e);
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      if (t <= p) {
+        const __mmask16 m = (__mmask16)((1u << (p + 1 - t)) - 1);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &sc[t]), vmx));
+        _mm512_mask_storeu_ps(&sc[t], m, e);
+        vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+      }
+      std::fill(sc + lo, sc + first, 0.f);
+      std::fill(sc + p + 1, sc + lo + width, 0.f);
+      inv[i] = 1.f / _mm512_reduce_add_ps(vsum);
+    }
+    for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // weighted values, 4 queries per value row read
+      const int64_t r = std::min<int64_t>(4, nq - i0);
+      const int64_t u_lo = lowest(start + (q0 + i0) / G), u_hi = start + (q0 + i0 + r - 1) / G;
+      __m512 acc[4][DV];
+      for (int rr = 0; rr < 4; rr++)
+        for (int d = 0; d < DV; d++) acc[rr][d] = _mm512_setzero_ps();
+      const float* sc[4];
+      for (int rr = 0; rr < 4; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, r - 1)) * width] - lo;
+      for (int64_t u = u_lo; u <= u_hi; u++) {
+        const float* vr = value(u);
+        __m512 v[DV];
+        for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
+        for (int rr = 0; rr < 4; rr++) {
+          const __m512 w = _mm512_set1_ps(sc[rr][u]);
+          for (int d = 0; d < DV; d++) acc[rr][d] = _mm512_fmadd_ps(w, v[d], acc[rr][d]);
+        }
+      }
+      for (int rr = 0; rr < r; rr++) {
+        const int64_t qi = q0 + i0 + rr, n = base + qi / G, head = h * G + qi % G;
+        const __m512 s = _mm512_set1_ps(inv[i0 + rr]);
+        float* o = j.out + n * Hq * D + head * D;
+        for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[rr][d], s));
+      }
+    }
+  }
+}
+
+template <int DV>
+void attend_item(const AttnJob& j, size_t item) {
+  const int64_t b = (int64_t)item / j.k->num_kv_heads;
+  const int64_t count = j.qidx[b * j.S + j.S - 1] - j.qidx[b * j.S] + 1;
+  if (count * (j.k->num_heads / j.k->num_kv_heads) >= 16)
+    attend_many<DV>(j, item);
+  else
+    attend<DV>(j, item);
+}
+
+void attend_row_head_unsafe(const AttnJob& j, size_t item) {
+  switch (j.D / 16) {
+    case 1: return attend_item<1>(j, item);
+    case 2: return attend_item<2>(j, item);
+    case 3: return attend_item<3>(j, item);
+    case 4: return attend_item<4>(j, item);
+    case 5: return attend_item<5>(j, item);
+    case 6: return attend_item<6>(j, item);
+    case 7: return attend_item<7>(j, item);
+    case 8: return attend_item<8>(j, item);
+    default: return attend_item<16>(j, item);  // head_dim 256
+  }
+}
+
+OrtStatus* create_attention(const CustomOp*, const void*, const OrtKernelInfo* info, void** out) {
+  auto* k = new (std::nothrow) AttnKernel();
+  if (!k) return fail("ruvllm.PagedAttention: out of memory");
+  auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
+  OrtStatus* st = attr(info, "num_heads", &k->num_heads);
+  if (!st) st = attr(info, "num_kv_heads", &k->num_kv_heads);
+  if (!st) st = attr(info, "sliding_window", &k->window);
+  if (!st) st = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttribute_float)(info, "scale", &k->scale);
+  if (!st && (k->num_heads <= 0 || k->num_kv_heads <= 0 || k->num_heads % k->num_kv_heads))
+    st = fail("ruvllm.PagedAttention: num_heads must be a multiple of num_kv_heads");
+  if (st) {
+    delete k;
+    return st;
+  }
+  *out = k;
+  return nullptr;
+}
+
+OrtStatus* attention(void* kernel, OrtKernelContext* ctx) {
+  const AttnKernel& k = *static_cast<AttnKernel*>(kernel);
+  auto input = api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput);
+  const OrtValue* in[7] = {};
+  std::vector<int64_t> dims[7];
+  for (size_t i = 0; i < 7; i++) {
+    RETURN_IF(input(ctx, i, &in[i]));
+    RETURN_IF(tensor_shape(in[i], dims[i]));
+  }
+  if (dims[0].size() != 2 || dims[2].size() != 4 || dims[4].size() != 2 || dims[5].size() != 2 || dims[6].size() != 1)
+    return fail("ruvllm.PagedAttention: unexpected input ranks");
+  const int64_t D = dims[0][1], N = dims[6][0];
+  if (D % 16 || D > 256 || (D > 128 && D != 256) || dims[2][0] != k.num_kv_heads || dims[2][3] != D)
+    return fail("ruvllm.PagedAttention: head_dim must be 16..128 in steps of 16, or 256, and match the pool");
+  AttnJob job{&k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+              dims[5][0], dims[5][1], dims[4][1], dims[2][1], dims[2][2], D};
+  RETURN_IF(tensor_data(in[0], const_cast<float**>(&job.qk)));
+  RETURN_IF(tensor_data(in[1], const_cast<float**>(&job.v)));
+  RETURN_IF(tensor_data(in[2], const_cast<float**>(&job.pool_k)));
+  RETURN_IF(tensor_data(in[3], const_cast<float**>(&job.pool_v)));
+  RETURN_IF(tensor_data(in[4], const_cast<int64_t**>(&job.tables)));
+  RETURN_IF(tensor_data(in[5], const_cast<int64_t**>(&job.qidx)));
+  RETURN_IF(tensor_data(in[6], const_cast<int64_t**>(&job.pos)));
+  const int64_t out_dims[2] = {N, k.num_heads * D};
+  OrtValue* out = nullptr;
+  RETURN_IF(api<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContext_GetOutput)(
+      ctx, 0, out_dims, 2, &out));
+  RETURN_IF(tensor_data(out, &job.out));
+  const size_t items = (size_t)(job.B * k.num_kv_heads);
+  if (N == 0 || items == 0) return nullptr;
+  RETURN_IF(api<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
+      kKernelContext_ParallelFor)(ctx, attend_row_head, items, 0, &job));
+  return job.failed ? fail("ruvllm.PagedAttention: out of memory") : nullptr;
+}
+
 OrtStatus* compute(void* kernel, OrtKernelContext* ctx) {
   try {  // nothing may unwind into onnxruntime
     return compute_rows(kernel, ctx);
@@ -374,22 +687,13 @@ struct CustomOp {
   void (*ReleaseAliasMap)(int*, int*);
 };
 
-CustomOp make_op() {
+// the fields both operators share; each sets its name, types and entry points
+CustomOp base_op() {
   CustomOp op{};
   op.version = kApiVersion;
-  op.CreateKernel = [](const CustomOp* self, const void* a, const OrtKernelInfo* info) -> void* {
-    void* k = nullptr;
-    OrtStatus* st = create_kernel(self, a, info, &k);
-    return st ? nullptr : k;  // the V1 entry cannot report errors; onnxruntime calls V2
-  };
-  op.GetName = [](const CustomOp*) { return "MatMulQ4"; };
   op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
-  op.GetInputType = [](const CustomOp*, size_t i) { return (i == 1 || i == 3) ? kUint8 : kFloat; };
-  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 4; };
   op.GetOutputType = [](const CustomOp*, size_t) { return kFloat; };
   op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 1; };
-  op.KernelCompute = [](void* k, OrtKernelContext* ctx) { (void)compute(k, ctx); };
-  op.KernelDestroy = [](void* k) { delete static_cast<Kernel*>(k); };
   op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };   // required
   op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };
   op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // OrtMemTypeDefault
@@ -397,8 +701,6 @@ CustomOp make_op() {
   op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
   op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
   op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
   op.InferOutputShapeFn = nullptr;
   op.GetStartVersion = [](const CustomOp*) { return 1; };
   op.GetEndVersion = [](const CustomOp*) { return INT_MAX; };
@@ -409,7 +711,42 @@ CustomOp make_op() {
   return op;
 }
 
-CustomOp g_op = make_op();
+CustomOp matmul_op() {
+  CustomOp op = base_op();
+  op.CreateKernel = [](const CustomOp* self, const void* a, const OrtKernelInfo* info) -> void* {
+    void* k = nullptr;
+    OrtStatus* st = create_kernel(self, a, info, &k);
+    return st ? nullptr : k;  // the V1 entry cannot report errors; onnxruntime calls V2
+  };
+  op.GetName = [](const CustomOp*) { return "MatMulQ4"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return (i == 1 || i == 3) ? kUint8 : kFloat; };
+  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 4; };
+  op.KernelCompute = [](void* k, OrtKernelContext* ctx) { (void)compute(k, ctx); };
+  op.KernelDestroy = [](void* k) { delete static_cast<Kernel*>(k); };
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  return op;
+}
+
+CustomOp attention_op() {
+  CustomOp op = base_op();
+  op.CreateKernel = [](const CustomOp* self, const void* a, const OrtKernelInfo* info) -> void* {
+    void* k = nullptr;
+    OrtStatus* st = create_attention(self, a, info, &k);
+    return st ? nullptr : k;
+  };
+  op.GetName = [](const CustomOp*) { return "PagedAttention"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return i < 4 ? kFloat : kInt64; };
+  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 7; };
+  op.KernelCompute = [](void* k, OrtKernelContext* ctx) { (void)attention(k, ctx); };
+  op.KernelDestroy = [](void* k) { delete static_cast<AttnKernel*>(k); };
+  op.CreateKernelV2 = create_attention;
+  op.KernelComputeV2 = attention;
+  return op;
+}
+
+CustomOp g_matmul = matmul_op();
+CustomOp g_attention = attention_op();
 
 }  // namespace
 
@@ -421,7 +758,9 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   g_api = static_cast<const void* const*>(table);
   OrtCustomOpDomain* domain = nullptr;  // kept for the process's life, as sessions refer to it
   RETURN_IF(api<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ruvllm", &domain));
-  RETURN_IF(api<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomain_Add)(domain, &g_op));
+  auto add = api<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomain_Add);
+  RETURN_IF(add(domain, &g_matmul));
+  RETURN_IF(add(domain, &g_attention));
   return api<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
 }
 

@@ -1,4 +1,4 @@
-"""RuvLLM's 4-bit kernel (runtime/backends/q4_kernel.cpp) against onnxruntime's own MatMulNBits."""
+"""RuvLLM's 4-bit kernel (runtime/backends/cpu_kernels.cpp) against onnxruntime's own MatMulNBits."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from runtime.backends import q4_kernel
+from runtime.backends import cpu_kernels
 
-LIB, WHY = q4_kernel.library()
+LIB, WHY = cpu_kernels.library()
 needs_kernel = pytest.mark.skipif(LIB is None, reason=f"the 4-bit kernel is not used here: {WHY}")
 
 
@@ -33,8 +33,8 @@ def matmul_model(K: int, N: int, block: int, *, accuracy_level: int = 4, seed: i
 def sessions(tmp_path, K: int, N: int, block: int) -> tuple[ort.InferenceSession, ort.InferenceSession]:
     path = tmp_path / f"mm-{K}-{N}-{block}.onnx"
     path.write_bytes(matmul_model(K, N, block))
-    rewritten, count = q4_kernel.rewrite_graph(path)
-    assert count == 1
+    rewritten, count, layers = cpu_kernels.rewrite_graph(path)
+    assert (count, layers) == (1, 0)
     plain, ours = ort.SessionOptions(), ort.SessionOptions()
     plain.intra_op_num_threads = ours.intra_op_num_threads = 2
     ours.register_custom_ops_library(str(LIB))
@@ -42,8 +42,8 @@ def sessions(tmp_path, K: int, N: int, block: int) -> tuple[ort.InferenceSession
 
 
 def test_built_wherever_the_cpu_can_run_it():
-    flags = q4_kernel._cpu_flags()
-    if all(f in flags for f in q4_kernel.CPU_FLAGS):
+    flags = cpu_kernels._cpu_flags()
+    if all(f in flags for f in cpu_kernels.CPU_FLAGS):
         assert LIB is not None and LIB.exists(), WHY
     else:
         assert LIB is None and "lacks" in WHY
@@ -82,8 +82,9 @@ def test_rewrite_leaves_what_the_kernel_does_not_compute(tmp_path):
     for name, (model, want) in cases.items():
         path = tmp_path / f"{name}.onnx"
         path.write_bytes(model)
-        rewritten, count = q4_kernel.rewrite_graph(path)
-        assert count == want, name
+        rewritten, count, layers = cpu_kernels.rewrite_graph(path, {"head_dim": 64, "num_layers": 1, "num_heads": 2,
+                                                                   "num_kv_heads": 1})
+        assert (count, layers) == (want, 0), name  # no attention path here to fuse
         ops = [(n.domain, n.op_type) for n in onnx.load_from_string(rewritten).graph.node]
         assert ops == [("ruvllm", "MatMulQ4")] if want else ops == [("com.microsoft", "MatMulNBits")]
 
@@ -106,7 +107,7 @@ def test_smollm2_on_the_kernel_is_as_close_to_fp32_as_on_mlas(smol_fp32, smol_in
     ids = Tokenizer.from_file(pkg.file("tokenizer.json"), pkg.manifest["tokenizer"]).encode(TEXT)
     ref = teacher_forced_logprobs(smol_fp32, ids)
     ours = teacher_forced_logprobs(smol_int4, ids)
-    monkeypatch.setattr(q4_kernel, "_library", (None, "compared"))
+    monkeypatch.setattr(cpu_kernels, "_library", (None, "compared"))
     mlas = teacher_forced_logprobs(smol_int4, ids)
     q_ours, q_mlas, between = quality(ref, ours, ids), quality(ref, mlas, ids), quality(mlas, ours, ids)
     print(f"ours {q_ours}\nmlas {q_mlas}\nbetween {between}")
@@ -123,6 +124,63 @@ def test_the_native_backend_says_which_kernel_it_runs(tiny_package, monkeypatch)
 
     pkg = load_package(tiny_package("llama", "int4"))
     assert NativeBackend(pkg).matmul_kernel.startswith("ruvllm.MatMulQ4 (")
-    monkeypatch.setattr(q4_kernel, "_library", None)
-    monkeypatch.setenv("RUVLLM_Q4_KERNEL", "0")
-    assert NativeBackend(pkg).matmul_kernel == "onnxruntime MatMulNBits (turned off by RUVLLM_Q4_KERNEL=0)"
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    monkeypatch.setenv("RUVLLM_CPU_KERNELS", "0")
+    assert NativeBackend(pkg).matmul_kernel == "onnxruntime MatMulNBits (turned off by RUVLLM_CPU_KERNELS=0)"
+
+
+def two_steps(backend, first: list[int], second_a: list[int], b_prompt: list[int], block: int = 4) -> np.ndarray:
+    """Step 1 prefills sequence A; step 2 extends A (its context now in the pool, in blocks scattered
+    through it) and prefills B: the raw logits of every token of step 2."""
+    from runtime.step_batch import Chunk, build_step
+
+    a_len, b_len = len(first) + len(second_a), len(b_prompt)
+    a_blocks, b_blocks = -(-a_len // block), -(-b_len // block)
+    backend.allocate(2 * (a_blocks + b_blocks) + 1, block, 2, a_blocks + b_blocks + 4)
+    a_table = [2 * (a_blocks - i) - 1 for i in range(a_blocks)]  # descending, interleaved with B's
+    b_table = [2 * i + 2 for i in range(b_blocks)]
+    for i, blk in enumerate(a_table):
+        backend.set_block(0, i, blk)
+    for i, blk in enumerate(b_table):
+        backend.set_block(1, i, blk)
+
+    def slots(table, start, n):
+        return [table[p // block] * block + p % block for p in range(start, start + n)]
+
+    def run(chunks):
+        batch = build_step(chunks, block, want_full_logits=True)
+        batch.logits_index = list(range(len(batch.input_ids)))
+        n = len(batch.logits_index)
+        batch.temperature = batch.repetition_penalty = [1.0] * n
+        batch.presence_penalty = batch.frequency_penalty = [0.0] * n
+        batch.sparse_ids, batch.sparse_seen = [[0]] * n, [[0.0]] * n
+        batch.sparse_counts, batch.sparse_bias = [[0.0]] * n, [[0.0]] * n
+        return backend.run(batch).logits
+
+    run([Chunk(slot=0, tokens=first, start=0, num_blocks=a_blocks, kv_slots=slots(a_table, 0, len(first)),
+               want_logits=True)])
+    return run([Chunk(slot=0, tokens=second_a, start=len(first), num_blocks=a_blocks,
+                      kv_slots=slots(a_table, len(first), len(second_a)), want_logits=True),
+                Chunk(slot=1, tokens=b_prompt, start=0, num_blocks=b_blocks, kv_slots=slots(b_table, 0, b_len),
+                      want_logits=True)])
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_paged_attention_computes_what_the_graph_computes(tiny_package, monkeypatch, arch):
+    """fp32 packages, so only attention differs: a row extending its context from the pool (blocks out
+    of order) batched with a fresh prompt, mistral's sliding window (24) crossed by the context."""
+    from runtime.backends.native import NativeBackend
+    from runtime.package import load_package
+
+    pkg = load_package(tiny_package(arch))
+    rng = np.random.default_rng(7)
+    first, second, other = (rng.integers(3, 1000, n).tolist() for n in (30, 3, 9))
+    fused = NativeBackend(pkg)
+    assert fused.attention_kernel == f"ruvllm.PagedAttention ({pkg.config['num_layers']} layers)"
+    monkeypatch.setenv("RUVLLM_PAGED_ATTENTION", "0")
+    plain = NativeBackend(pkg)
+    assert plain.attention_kernel == "the graph's own"
+    want, got = two_steps(plain, first, second, other), two_steps(fused, first, second, other)
+    assert want.shape == got.shape == (12, pkg.config["vocab_size"])
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())

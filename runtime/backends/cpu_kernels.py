@@ -1,0 +1,186 @@
+"""RuvLLM's own CPU kernels (cpu_kernels.cpp, onnxruntime custom operators), compiled for this CPU on
+first use, and the rewrite of a package's graph onto them.
+
+`ruvllm.MatMulQ4` computes what MatMulNBits (4-bit, int8 compute) does, but unpacks the weights once
+per block for several rows where MLAS's kernel unpacks them for every row, so batches of decode
+streams and prefill chunks stop being bound by the unpacking. `ruvllm.PagedAttention` replaces each
+layer's attention path, which gathers every row's context out of the KV pool into a copy each step,
+with one operator that reads the blocks in place. Both need AVX-512 VNNI and a C++ compiler: the
+library is built once per source, compiler and CPU into the cache (RUVLLM_CACHE_DIR or
+~/.cache/ruvllm, under kernels/), as torch's cpp_extension does; where either is missing the native
+backend runs the package's graph as it is. RUVLLM_CPU_KERNELS=0 turns both off,
+RUVLLM_PAGED_ATTENTION=0 the attention only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from runtime.aliases import cache_dir
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+DOMAIN, OP = "ruvllm", "MatMulQ4"
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+COMPILE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden"]
+
+_library: tuple[Path | None, str] | None = None  # (path, why not) once decided in this process
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def library() -> tuple[Path | None, str]:
+    """The compiled custom-op library, or None and why it is not used here."""
+    global _library
+    if _library is None:
+        _library = _build()
+    return _library
+
+
+def _build() -> tuple[Path | None, str]:
+    if os.environ.get("RUVLLM_CPU_KERNELS", "1") == "0":
+        return None, "turned off by RUVLLM_CPU_KERNELS=0"
+    flags = _cpu_flags()
+    missing = [f for f in CPU_FLAGS if f not in flags]
+    if missing:
+        return None, f"this CPU lacks {', '.join(missing)}"
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        return None, "no C++ compiler (g++) on PATH"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        return None, f"{compiler} does not run: {err}"
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), " ".join(COMPILE_FLAGS).encode(),
+                                     " ".join(sorted(flags)).encode()])).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"libruvllm_cpu_{key}.so"
+    if out.exists():
+        return out, ""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *COMPILE_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            return None, f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-500:]}"
+        os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same file
+    except (OSError, subprocess.SubprocessError) as err:
+        return None, f"compiling {SOURCE.name} failed: {err}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out, ""
+
+
+def rewrite_graph(graph: Path, config: dict | None = None) -> tuple[bytes, int, int]:
+    """The graph with every MatMulNBits the kernel computes the same way replaced by ruvllm.MatMulQ4
+    (weights stay where they are: the model's external data is read from the package's folder), and,
+    given the package's config, each layer's attention by ruvllm.PagedAttention (fuse_attention).
+    Returns the graph and how many projections and layers were replaced.
+
+    Only 4-bit nodes with int8 compute (accuracy_level 4), packed uint8 zero points and fp32 scales,
+    all initializers, qualify; the rest (fp32-compute test packages, fp16 scales) keep MLAS's kernel.
+    """
+    import onnx
+
+    model = onnx.load(str(graph), load_external_data=False)
+    inits = {i.name: i for i in model.graph.initializer}
+    count = 0
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.input) != 4:
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        block, n = attrs.get("block_size", 0), attrs.get("N", 0)
+        if attrs.get("bits", 4) != 4 or attrs.get("accuracy_level", 0) != 4 or not block or block % 32 or n % 16:
+            continue
+        b, s, z = (inits.get(name) for name in node.input[1:])
+        if (b is None or s is None or z is None or b.data_type != onnx.TensorProto.UINT8
+                or s.data_type != onnx.TensorProto.FLOAT or z.data_type != onnx.TensorProto.UINT8):
+            continue
+        node.op_type, node.domain = OP, DOMAIN
+        count += 1
+    if count:
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+    layers = 0
+    head_dim = (config or {}).get("head_dim", 0)
+    if (config is not None and head_dim % 16 == 0 and (head_dim <= 128 or head_dim == 256)
+            and os.environ.get("RUVLLM_PAGED_ATTENTION", "1") != "0"):
+        layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"],
+                                config.get("sliding_window"))
+    return model.SerializeToString(), count, layers
+
+
+def fuse_attention(model, num_layers: int, num_heads: int, num_kv_heads: int, sliding_window: int | None) -> int:
+    """Replace each layer's attention path (pool gather, in-place write of this step's K/V, scores, mask,
+    softmax, weighted values) with one ruvllm.PagedAttention that reads the pool's blocks in place; the
+    nodes only that path used are dropped. Returns how many layers were fused: all or none (a graph that
+    does not have the exported shape, e.g. a ScatterND one, is left as it is)."""
+    import onnx
+    from onnx import helper
+
+    from runtime import contract as C
+
+    nodes = list(model.graph.node)
+    consumers: dict[str, list] = {}
+    producer = {}
+    for node in nodes:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+        for name in node.output:
+            producer[name] = node
+
+    def only(name: str, op_type: str):
+        found = [n for n in consumers.get(name, []) if n.op_type == op_type]
+        return found[0] if len(found) == 1 else None
+
+    fused = []
+    for layer in range(num_layers):
+        paths = []
+        for pool in (C.past_key(layer), C.past_value(layer)):
+            gather = only(pool, "Gather")
+            reshape = gather and only(gather.output[0], "Reshape")
+            scatter = reshape and only(reshape.output[0], "TensorScatter")
+            update = scatter and producer.get(scatter.input[1])
+            if not (update and update.op_type == "Gather"):
+                return 0
+            paths.append((scatter, update.input[0]))
+        (k_ctx, qk), (v_ctx, v) = paths
+        scores = only(k_ctx.output[0], "FusedMatMul")
+        weighted = only(v_ctx.output[0], "MatMul")
+        gather_nd = weighted and only(weighted.output[0], "GatherND")
+        out = gather_nd and only(gather_nd.output[0], "Reshape")
+        if not (scores and out):
+            return 0
+        scale = next((a.f for a in scores.attribute if a.name == "alpha"), 1.0)
+        fused.append((out, helper.make_node(
+            "PagedAttention", [qk, v, C.past_key(layer), C.past_value(layer), C.BLOCK_TABLES, C.QUERY_INDEX,
+                               C.POSITION_IDS], [out.output[0]], domain=DOMAIN, name=f"paged_attention_{layer}",
+            num_heads=num_heads, num_kv_heads=num_kv_heads, sliding_window=int(sliding_window or 0), scale=scale)))
+    replaced = {id(out): new for out, new in fused}
+    nodes = [replaced.get(id(n), n) for n in nodes]
+    # drop what only the old attention paths computed (the masks, the index tensors, the gathers)
+    live = {o.name for o in model.graph.output}
+    keep = []
+    for node in reversed(nodes):
+        if any(name in live for name in node.output):
+            keep.append(node)
+            live.update(node.input)
+    del model.graph.node[:]
+    model.graph.node.extend(reversed(keep))
+    if not any(op.domain == DOMAIN for op in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+    return len(fused)
