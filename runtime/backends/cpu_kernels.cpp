@@ -457,6 +457,33 @@ void attend(const AttnJob& j, size_t item) {
   }
 }
 
+// r[i] = row i of a 16x16 block in, column i out
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {  // lane j of r[4i+k]: rows 4i..4i+3 of column 4j+k
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  __m512 out[16];
+  for (int k = 0; k < 4; k++) {
+    const __m512 ab_lo = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), ab_hi = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD);
+    const __m512 cd_lo = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88), cd_hi = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
+    out[k] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0x88);
+    out[8 + k] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0xDD);
+    out[4 + k] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0x88);
+    out[12 + k] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0xDD);
+  }
+  for (int i = 0; i < 16; i++) r[i] = out[i];
+}
+
 // The same for many queries at once (a prefill chunk: tokens x G heads >= 16): keys are transposed
 // 16 at a time into [D][16], so a query's 16 scores are D broadcast FMAs with no horizontal sums, and
 // one transposition serves a group of up to 32 queries.
@@ -483,14 +510,13 @@ void attend_many(const AttnJob& j, size_t item) {
   kt.resize((size_t)nblocks * D * 16);
   for (int64_t c = 0; c < nblocks; c++) {
     float* dst = &kt[(size_t)c * D * 16];
-    for (int64_t i = 0; i < 16; i++) {
-      const int64_t t = key0 + c * 16 + i;
-      if (t > last) {
-        for (int d = 0; d < D; d++) dst[d * 16 + i] = 0.f;
-        continue;
-      }
-      const float* kr = key(t);
-      for (int d = 0; d < D; d++) dst[d * 16 + i] = kr[d];
+    const float* rows[16];
+    for (int64_t i = 0; i < 16; i++) rows[i] = key0 + c * 16 + i <= last ? key(key0 + c * 16 + i) : nullptr;
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; i++) r[i] = rows[i] ? _mm512_loadu_ps(rows[i] + d0) : _mm512_setzero_ps();
+      transpose16(r);
+      for (int d = 0; d < 16; d++) _mm512_storeu_ps(&dst[(d0 + d) * 16], r[d]);
     }
   }
   qs.resize((size_t)QG * D);
