@@ -369,6 +369,25 @@ inline __m512 exp512(__m512 x) {  // e^x, ~1e-7 relative: 2^(x log2 e) as 2^n * 
   return _mm512_scalef_ps(p, n);
 }
 
+// sc[t] = e^(sc[t] - mx) for t in [first, last]; returns 1 / their sum
+inline float exp_in_place(float* sc, int64_t first, int64_t last, float mx) {
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  int64_t t = first;
+  for (; t + 16 <= last + 1; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(&sc[t]), vmx));
+    _mm512_storeu_ps(&sc[t], e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  if (t <= last) {
+    const __mmask16 m = (__mmask16)((1u << (last + 1 - t)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &sc[t]), vmx));
+    _mm512_mask_storeu_ps(&sc[t], m, e);
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+  }
+  return 1.f / _mm512_reduce_add_ps(vsum);
+}
+
 struct AttnKernel {
   int64_t num_heads = 0, num_kv_heads = 0, window = 0;
   float scale = 1.f;
@@ -394,27 +413,41 @@ void attend_row_head(void* data, size_t item) {
   }
 }
 
+// One work item: row b's kv head h. Its keys and values before the row's first new position (start)
+// are in the pool's blocks, the rest are this step's rows.
+struct RowHead {
+  int64_t Hq, Hkv, G, D, b, h, base, count, start;
+  const AttnJob* j;
+  const int64_t* table;
+  const float *pk, *pv;
+  RowHead(const AttnJob& job, size_t item, int64_t head_dim)
+      : Hq(job.k->num_heads), Hkv(job.k->num_kv_heads), G(Hq / Hkv), D(head_dim), b((int64_t)item / Hkv),
+        h((int64_t)item % Hkv), base(job.qidx[b * job.S]), count(job.qidx[b * job.S + job.S - 1] - base + 1),
+        start(job.pos[base]), j(&job), table(job.tables + b * job.MB),
+        pk(job.pool_k + h * job.NB * job.bs * D), pv(job.pool_v + h * job.NB * job.bs * D) {}
+  const float* key(int64_t t) const {
+    return t < start ? pk + (table[t / j->bs] * j->bs + t % j->bs) * D
+                     : j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D;
+  }
+  const float* value(int64_t t) const {
+    return t < start ? pv + (table[t / j->bs] * j->bs + t % j->bs) * D : j->v + ((base + t - start) * Hkv + h) * D;
+  }
+  int64_t lowest(int64_t p) const { return j->k->window > 0 ? std::max<int64_t>(0, p - j->k->window + 1) : 0; }
+};
+
 // one row's one kv head: its G query heads for each of its tokens; DV = head_dim / 16 registers a vector
 template <int DV>
 void attend(const AttnJob& j, size_t item) {
-  const int64_t Hq = j.k->num_heads, Hkv = j.k->num_kv_heads, G = Hq / Hkv, D = DV * 16, bs = j.bs;
-  const int64_t b = (int64_t)item / Hkv, h = (int64_t)item % Hkv;
-  const int64_t base = j.qidx[b * j.S], count = j.qidx[b * j.S + j.S - 1] - base + 1, start = j.pos[base];
-  const int64_t* table = j.tables + b * j.MB;
-  const float* pk = j.pool_k + h * j.NB * bs * D;
-  const float* pv = j.pool_v + h * j.NB * bs * D;
-  auto key = [&](int64_t t) {
-    return t < start ? pk + (table[t / bs] * bs + t % bs) * D : j.qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D;
-  };
-  auto value = [&](int64_t t) {
-    return t < start ? pv + (table[t / bs] * bs + t % bs) * D : j.v + ((base + t - start) * Hkv + h) * D;
-  };
+  const RowHead r(j, item, DV * 16);
+  const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, D = r.D, h = r.h, base = r.base, count = r.count, start = r.start;
+  auto key = [&](int64_t t) { return r.key(t); };
+  auto value = [&](int64_t t) { return r.value(t); };
   thread_local std::vector<float> scores;
   scores.resize((size_t)(start + count + 16));
   const __m512 scale = _mm512_set1_ps(j.k->scale);
   for (int64_t s = 0; s < count; s++) {
     const int64_t n = base + s, p = start + s;
-    const int64_t lo = j.k->window > 0 ? std::max<int64_t>(0, p - j.k->window + 1) : 0;
+    const int64_t lo = r.lowest(p);
     for (int64_t g = 0; g < G; g++) {
       const int64_t head = h * G + g;
       const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
@@ -429,20 +462,7 @@ void attend(const AttnJob& j, size_t item) {
         scores[t] = sc;
         mx = std::max(mx, sc);
       }
-      const __m512 vmx = _mm512_set1_ps(mx);
-      __m512 vsum = _mm512_setzero_ps();
-      int64_t t = lo;
-      for (; t + 16 <= p + 1; t += 16) {
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(&scores[t]), vmx));
-        _mm512_storeu_ps(&scores[t], e);
-        vsum = _mm512_add_ps(vsum, e);
-      }
-      if (t <= p) {
-        const __mmask16 m = (__mmask16)((1u << (p + 1 - t)) - 1);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &scores[t]), vmx));
-        _mm512_mask_storeu_ps(&scores[t], m, e);
-        vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
-      }
+      const float inv_sum = exp_in_place(scores.data(), lo, p, mx);
       __m512 acc[DV];
       for (int d = 0; d < DV; d++) acc[d] = _mm512_setzero_ps();
       for (int64_t u = lo; u <= p; u++) {
@@ -450,7 +470,7 @@ void attend(const AttnJob& j, size_t item) {
         const float* vr = value(u);
         for (int d = 0; d < DV; d++) acc[d] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * d), acc[d]);
       }
-      const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vsum));
+      const __m512 inv = _mm512_set1_ps(inv_sum);
       float* o = j.out + n * Hq * D + head * D;
       for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[d], inv));
     }
@@ -490,19 +510,11 @@ inline void transpose16(__m512 r[16]) {
 template <int DV>
 void attend_many(const AttnJob& j, size_t item) {
   constexpr int D = DV * 16, QG = 32;
-  const int64_t Hq = j.k->num_heads, Hkv = j.k->num_kv_heads, G = Hq / Hkv, bs = j.bs, W = j.k->window;
-  const int64_t b = (int64_t)item / Hkv, h = (int64_t)item % Hkv;
-  const int64_t base = j.qidx[b * j.S], count = j.qidx[b * j.S + j.S - 1] - base + 1, start = j.pos[base];
-  const int64_t* table = j.tables + b * j.MB;
-  const float* pk = j.pool_k + h * j.NB * bs * D;
-  const float* pv = j.pool_v + h * j.NB * bs * D;
-  auto key = [&](int64_t t) {
-    return t < start ? pk + (table[t / bs] * bs + t % bs) * D : j.qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D;
-  };
-  auto value = [&](int64_t t) {
-    return t < start ? pv + (table[t / bs] * bs + t % bs) * D : j.v + ((base + t - start) * Hkv + h) * D;
-  };
-  auto lowest = [&](int64_t p) { return W > 0 ? std::max<int64_t>(0, p - W + 1) : (int64_t)0; };
+  const RowHead r(j, item, D);
+  const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, count = r.count, start = r.start;
+  auto key = [&](int64_t t) { return r.key(t); };
+  auto value = [&](int64_t t) { return r.value(t); };
+  auto lowest = [&](int64_t p) { return r.lowest(p); };
   thread_local std::vector<float> kt, qs, scores;
   // every key this row's queries read, transposed once: block c holds keys key0 + 16c .. +15 as [D][16]
   const int64_t key0 = lowest(start), last = start + count - 1;
@@ -553,23 +565,9 @@ void attend_many(const AttnJob& j, size_t item) {
       float* sc = &scores[i * width] - lo;  // sc[t] for t in [lo, lo + width)
       float mx = -INFINITY;
       for (int64_t t = first; t <= p; t++) mx = std::max(mx, sc[t]);
-      const __m512 vmx = _mm512_set1_ps(mx);
-      __m512 vsum = _mm512_setzero_ps();
-      int64_t t = first;
-      for (; t + 16 <= p + 1; t += 16) {
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(&sc[t]), vmx));
-        _mm512_storeu_ps(&sc[t], e);
-        vsum = _mm512_add_ps(vsum, e);
-      }
-      if (t <= p) {
-        const __mmask16 m = (__mmask16)((1u << (p + 1 - t)) - 1);
-        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &sc[t]), vmx));
-        _mm512_mask_storeu_ps(&sc[t], m, e);
-        vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
-      }
+      inv[i] = exp_in_place(sc, first, p, mx);
       std::fill(sc + lo, sc + first, 0.f);
       std::fill(sc + p + 1, sc + lo + width, 0.f);
-      inv[i] = 1.f / _mm512_reduce_add_ps(vsum);
     }
     for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // weighted values, 4 queries per value row read
       const int64_t r = std::min<int64_t>(4, nq - i0);
