@@ -437,11 +437,8 @@ struct RowHead {
 
 // one row's one kv head: its G query heads for each of its tokens; DV = head_dim / 16 registers a vector
 template <int DV>
-void attend(const AttnJob& j, size_t item) {
-  const RowHead r(j, item, DV * 16);
+void attend(const AttnJob& j, const RowHead& r) {
   const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, D = r.D, h = r.h, base = r.base, count = r.count, start = r.start;
-  auto key = [&](int64_t t) { return r.key(t); };
-  auto value = [&](int64_t t) { return r.value(t); };
   thread_local std::vector<float> scores;
   scores.resize((size_t)(start + count + 16));
   const __m512 scale = _mm512_set1_ps(j.k->scale);
@@ -455,7 +452,7 @@ void attend(const AttnJob& j, size_t item) {
       for (int d = 0; d < DV; d++) q[d] = _mm512_mul_ps(_mm512_loadu_ps(qp + 16 * d), scale);
       float mx = -INFINITY;
       for (int64_t t = lo; t <= p; t++) {
-        const float* kr = key(t);
+        const float* kr = r.key(t);
         __m512 d0 = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr));
         for (int d = 1; d < DV; d++) d0 = _mm512_fmadd_ps(q[d], _mm512_loadu_ps(kr + 16 * d), d0);
         const float sc = _mm512_reduce_add_ps(d0);
@@ -467,7 +464,7 @@ void attend(const AttnJob& j, size_t item) {
       for (int d = 0; d < DV; d++) acc[d] = _mm512_setzero_ps();
       for (int64_t u = lo; u <= p; u++) {
         const __m512 w = _mm512_set1_ps(scores[u]);
-        const float* vr = value(u);
+        const float* vr = r.value(u);
         for (int d = 0; d < DV; d++) acc[d] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * d), acc[d]);
       }
       const __m512 inv = _mm512_set1_ps(inv_sum);
@@ -508,27 +505,23 @@ inline void transpose16(__m512 r[16]) {
 // 16 at a time into [D][16], so a query's 16 scores are D broadcast FMAs with no horizontal sums, and
 // one transposition serves a group of up to 32 queries.
 template <int DV>
-void attend_many(const AttnJob& j, size_t item) {
+void attend_many(const AttnJob& j, const RowHead& r) {
   constexpr int D = DV * 16, QG = 32;
-  const RowHead r(j, item, D);
   const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, count = r.count, start = r.start;
-  auto key = [&](int64_t t) { return r.key(t); };
-  auto value = [&](int64_t t) { return r.value(t); };
-  auto lowest = [&](int64_t p) { return r.lowest(p); };
   thread_local std::vector<float> kt, qs, scores;
   // every key this row's queries read, transposed once: block c holds keys key0 + 16c .. +15 as [D][16]
-  const int64_t key0 = lowest(start), last = start + count - 1;
+  const int64_t key0 = r.lowest(start), last = start + count - 1;
   const int64_t nblocks = (last - key0 + 16) / 16;
   kt.resize((size_t)nblocks * D * 16);
   for (int64_t c = 0; c < nblocks; c++) {
     float* dst = &kt[(size_t)c * D * 16];
     const float* rows[16];
-    for (int64_t i = 0; i < 16; i++) rows[i] = key0 + c * 16 + i <= last ? key(key0 + c * 16 + i) : nullptr;
+    for (int64_t i = 0; i < 16; i++) rows[i] = key0 + c * 16 + i <= last ? r.key(key0 + c * 16 + i) : nullptr;
     for (int d0 = 0; d0 < D; d0 += 16) {
-      __m512 r[16];
-      for (int i = 0; i < 16; i++) r[i] = rows[i] ? _mm512_loadu_ps(rows[i] + d0) : _mm512_setzero_ps();
-      transpose16(r);
-      for (int d = 0; d < 16; d++) _mm512_storeu_ps(&dst[(d0 + d) * 16], r[d]);
+      __m512 block[16];
+      for (int i = 0; i < 16; i++) block[i] = rows[i] ? _mm512_loadu_ps(rows[i] + d0) : _mm512_setzero_ps();
+      transpose16(block);
+      for (int d = 0; d < 16; d++) _mm512_storeu_ps(&dst[(d0 + d) * 16], block[d]);
     }
   }
   qs.resize((size_t)QG * D);
@@ -536,7 +529,7 @@ void attend_many(const AttnJob& j, size_t item) {
   for (int64_t q0 = 0; q0 < total; q0 += QG) {
     const int64_t nq = std::min<int64_t>(QG, total - q0);
     const int64_t p_first = start + q0 / G, p_last = start + (q0 + nq - 1) / G;
-    const int64_t c_first = (lowest(p_first) - key0) / 16, lo = key0 + c_first * 16;
+    const int64_t c_first = (r.lowest(p_first) - key0) / 16, lo = key0 + c_first * 16;
     const int64_t width = (p_last - lo + 16) / 16 * 16;
     scores.resize((size_t)nq * width);
     for (int64_t i = 0; i < nq; i++) {  // the group's queries, scaled
@@ -548,7 +541,7 @@ void attend_many(const AttnJob& j, size_t item) {
       const float* blk = &kt[(size_t)((t0 - key0) / 16) * D * 16];
       for (int64_t i = 0; i < nq; i++) {
         const int64_t p = start + (q0 + i) / G;
-        if (t0 > p || t0 + 16 <= lowest(p)) continue;  // wholly outside this query's keys
+        if (t0 > p || t0 + 16 <= r.lowest(p)) continue;  // wholly outside this query's keys
         const float* q = &qs[i * D];
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
         for (int d = 0; d < D; d += 2) {
@@ -561,7 +554,7 @@ void attend_many(const AttnJob& j, size_t item) {
     thread_local std::vector<float> inv;
     inv.resize((size_t)nq);
     for (int64_t i = 0; i < nq; i++) {  // softmax of each query's scores; zero outside its keys
-      const int64_t p = start + (q0 + i) / G, first = lowest(p);
+      const int64_t p = start + (q0 + i) / G, first = r.lowest(p);
       float* sc = &scores[i * width] - lo;  // sc[t] for t in [lo, lo + width)
       float mx = -INFINITY;
       for (int64_t t = first; t <= p; t++) mx = std::max(mx, sc[t]);
@@ -570,15 +563,15 @@ void attend_many(const AttnJob& j, size_t item) {
       std::fill(sc + p + 1, sc + lo + width, 0.f);
     }
     for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // weighted values, 4 queries per value row read
-      const int64_t r = std::min<int64_t>(4, nq - i0);
-      const int64_t u_lo = lowest(start + (q0 + i0) / G), u_hi = start + (q0 + i0 + r - 1) / G;
+      const int64_t nr = std::min<int64_t>(4, nq - i0);
+      const int64_t u_lo = r.lowest(start + (q0 + i0) / G), u_hi = start + (q0 + i0 + nr - 1) / G;
       __m512 acc[4][DV];
       for (int rr = 0; rr < 4; rr++)
         for (int d = 0; d < DV; d++) acc[rr][d] = _mm512_setzero_ps();
       const float* sc[4];
-      for (int rr = 0; rr < 4; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, r - 1)) * width] - lo;
+      for (int rr = 0; rr < 4; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, nr - 1)) * width] - lo;
       for (int64_t u = u_lo; u <= u_hi; u++) {
-        const float* vr = value(u);
+        const float* vr = r.value(u);
         __m512 v[DV];
         for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
         for (int rr = 0; rr < 4; rr++) {
@@ -586,7 +579,7 @@ void attend_many(const AttnJob& j, size_t item) {
           for (int d = 0; d < DV; d++) acc[rr][d] = _mm512_fmadd_ps(w, v[d], acc[rr][d]);
         }
       }
-      for (int rr = 0; rr < r; rr++) {
+      for (int rr = 0; rr < nr; rr++) {
         const int64_t qi = q0 + i0 + rr, n = base + qi / G, head = h * G + qi % G;
         const __m512 s = _mm512_set1_ps(inv[i0 + rr]);
         float* o = j.out + n * Hq * D + head * D;
@@ -598,12 +591,11 @@ void attend_many(const AttnJob& j, size_t item) {
 
 template <int DV>
 void attend_item(const AttnJob& j, size_t item) {
-  const int64_t b = (int64_t)item / j.k->num_kv_heads;
-  const int64_t count = j.qidx[b * j.S + j.S - 1] - j.qidx[b * j.S] + 1;
-  if (count * (j.k->num_heads / j.k->num_kv_heads) >= 16)
-    attend_many<DV>(j, item);
+  const RowHead r(j, item, DV * 16);
+  if (r.count * r.G >= 16)
+    attend_many<DV>(j, r);
   else
-    attend<DV>(j, item);
+    attend<DV>(j, r);
 }
 
 void attend_row_head_unsafe(const AttnJob& j, size_t item) {
@@ -711,6 +703,19 @@ struct CustomOp {
   void (*ReleaseAliasMap)(int*, int*);
 };
 
+// The version-1 entry points, which cannot report errors: onnxruntime calls the V2 ones (version >= 16)
+using CreateFn = OrtStatus* (*)(const CustomOp*, const void*, const OrtKernelInfo*, void**);
+using ComputeFn = OrtStatus* (*)(void*, OrtKernelContext*);
+template <CreateFn create>
+void* create_v1(const CustomOp* self, const void* a, const OrtKernelInfo* info) {
+  void* k = nullptr;
+  return create(self, a, info, &k) ? nullptr : k;
+}
+template <ComputeFn run>
+void compute_v1(void* k, OrtKernelContext* ctx) {
+  (void)run(k, ctx);
+}
+
 // the fields both operators share; each sets its name, types and entry points
 CustomOp base_op() {
   CustomOp op{};
@@ -737,15 +742,11 @@ CustomOp base_op() {
 
 CustomOp matmul_op() {
   CustomOp op = base_op();
-  op.CreateKernel = [](const CustomOp* self, const void* a, const OrtKernelInfo* info) -> void* {
-    void* k = nullptr;
-    OrtStatus* st = create_kernel(self, a, info, &k);
-    return st ? nullptr : k;  // the V1 entry cannot report errors; onnxruntime calls V2
-  };
+  op.CreateKernel = create_v1<create_kernel>;
   op.GetName = [](const CustomOp*) { return "MatMulQ4"; };
   op.GetInputType = [](const CustomOp*, size_t i) { return (i == 1 || i == 3) ? kUint8 : kFloat; };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 4; };
-  op.KernelCompute = [](void* k, OrtKernelContext* ctx) { (void)compute(k, ctx); };
+  op.KernelCompute = compute_v1<compute>;
   op.KernelDestroy = [](void* k) { delete static_cast<Kernel*>(k); };
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = compute;
@@ -754,15 +755,11 @@ CustomOp matmul_op() {
 
 CustomOp attention_op() {
   CustomOp op = base_op();
-  op.CreateKernel = [](const CustomOp* self, const void* a, const OrtKernelInfo* info) -> void* {
-    void* k = nullptr;
-    OrtStatus* st = create_attention(self, a, info, &k);
-    return st ? nullptr : k;
-  };
+  op.CreateKernel = create_v1<create_attention>;
   op.GetName = [](const CustomOp*) { return "PagedAttention"; };
   op.GetInputType = [](const CustomOp*, size_t i) { return i < 4 ? kFloat : kInt64; };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 7; };
-  op.KernelCompute = [](void* k, OrtKernelContext* ctx) { (void)attention(k, ctx); };
+  op.KernelCompute = compute_v1<attention>;
   op.KernelDestroy = [](void* k) { delete static_cast<AttnKernel*>(k); };
   op.CreateKernelV2 = create_attention;
   op.KernelComputeV2 = attention;

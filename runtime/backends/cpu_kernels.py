@@ -113,14 +113,14 @@ def rewrite_graph(graph: Path, config: dict | None = None) -> tuple[bytes, int, 
             continue
         node.op_type, node.domain = OP, DOMAIN
         count += 1
-    if count:
-        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     layers = 0
     head_dim = (config or {}).get("head_dim", 0)
     if (config is not None and head_dim % 16 == 0 and (head_dim <= 128 or head_dim == 256)
             and os.environ.get("RUVLLM_PAGED_ATTENTION", "1") != "0"):
         layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"],
                                 config.get("sliding_window"))
+    if count or layers:
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     return model.SerializeToString(), count, layers
 
 
@@ -129,7 +129,6 @@ def fuse_attention(model, num_layers: int, num_heads: int, num_kv_heads: int, sl
     softmax, weighted values) with one ruvllm.PagedAttention that reads the pool's blocks in place; the
     nodes only that path used are dropped. Returns how many layers were fused: all or none (a graph that
     does not have the exported shape, e.g. a ScatterND one, is left as it is)."""
-    import onnx
     from onnx import helper
 
     from runtime import contract as C
@@ -181,6 +180,4 @@ def fuse_attention(model, num_layers: int, num_heads: int, num_kv_heads: int, sl
             live.update(node.input)
     del model.graph.node[:]
     model.graph.node.extend(reversed(keep))
-    if not any(op.domain == DOMAIN for op in model.opset_import):
-        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     return len(fused)

@@ -111,7 +111,9 @@ class NativeBackend:
         try:
             session = self._ort.InferenceSession(model, sess_options=opts, providers=self.providers)
         except Exception as err:
-            self.matmul_kernel += f" (RuvLLM's kernels failed to load: {str(err).splitlines()[0][:200]})"
+            why = f" (RuvLLM's kernels failed to load: {str(err).splitlines()[0][:200]})"
+            self.matmul_kernel += why
+            self.attention_kernel += why
             return None
         if count:
             self.matmul_kernel = f"ruvllm.MatMulQ4 ({count} of the graph's MatMulNBits, AVX-512 VNNI)"
