@@ -402,18 +402,7 @@ struct AttnJob {
   std::atomic<bool> failed{false};
 };
 
-void attend_row_head_unsafe(const AttnJob& j, size_t item);
-
-void attend_row_head(void* data, size_t item) {
-  AttnJob& j = *static_cast<AttnJob*>(data);
-  try {
-    attend_row_head_unsafe(j, item);
-  } catch (...) {
-    j.failed = true;
-  }
-}
-
-// One work item: row b's kv head h. Its keys and values before the row's first new position (start)
+// Row b's kv head h (item b * Hkv + h). Its keys and values before the row's first new position (start)
 // are in the pool's blocks, the rest are this step's rows.
 struct RowHead {
   int64_t Hq, Hkv, G, D, b, h, base, count, start;
@@ -425,51 +414,100 @@ struct RowHead {
         h((int64_t)item % Hkv), base(job.qidx[b * job.S]), count(job.qidx[b * job.S + job.S - 1] - base + 1),
         start(job.pos[base]), j(&job), table(job.tables + b * job.MB),
         pk(job.pool_k + h * job.NB * job.bs * D), pv(job.pool_v + h * job.NB * job.bs * D) {}
+  int64_t slot(int64_t t) const { return table[t / j->bs] * j->bs + t % j->bs; }  // pool row of position t < start
   const float* key(int64_t t) const {
-    return t < start ? pk + (table[t / j->bs] * j->bs + t % j->bs) * D
-                     : j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D;
+    return t < start ? pk + slot(t) * D : j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D;
   }
   const float* value(int64_t t) const {
-    return t < start ? pv + (table[t / j->bs] * j->bs + t % j->bs) * D : j->v + ((base + t - start) * Hkv + h) * D;
+    return t < start ? pv + slot(t) * D : j->v + ((base + t - start) * Hkv + h) * D;
   }
   int64_t lowest(int64_t p) const { return j->k->window > 0 ? std::max<int64_t>(0, p - j->k->window + 1) : 0; }
 };
 
-// one row's one kv head: its G query heads for each of its tokens; DV = head_dim / 16 registers a vector
+// lane i = the sum of v[i]'s lanes: halves of pairs added level by level (45 operations, no scalar sums)
+inline __m512 sum16(const __m512 v[16]) {
+  __m512 b[8], c[4];
+  for (int k = 0; k < 8; k++)  // per 128 bits: v2k, v2k+1, v2k, v2k+1 (two lanes each)
+    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; k++) {  // per 128 bits: v4k .. v4k+3, a quarter of each
+    const __m512d x = _mm512_castps_pd(b[2 * k]), y = _mm512_castps_pd(b[2 * k + 1]);
+    c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+// out row g = inv[g] * sum over keys lo + u of sc[g * stride + u] * value; NG heads share each value row read
+template <int DV, int NG>
+inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, const float* sc, int64_t stride, const float* inv,
+                         float* out) {
+  __m512 acc[NG][DV];
+  for (int g = 0; g < NG; g++)
+    for (int d = 0; d < DV; d++) acc[g][d] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < nk; u++) {
+    const float* vr = r.value(lo + u);
+    __m512 v[DV];
+    for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
+    for (int g = 0; g < NG; g++) {
+      const __m512 w = _mm512_set1_ps(sc[g * stride + u]);
+      for (int d = 0; d < DV; d++) acc[g][d] = _mm512_fmadd_ps(w, v[d], acc[g][d]);
+    }
+  }
+  for (int g = 0; g < NG; g++) {
+    const __m512 f = _mm512_set1_ps(inv[g]);
+    for (int d = 0; d < DV; d++) _mm512_storeu_ps(out + g * DV * 16 + 16 * d, _mm512_mul_ps(acc[g][d], f));
+  }
+}
+
+// One row's one kv head, few queries (decode, or a token and its drafts): for each token, its G query
+// heads' scores 16 keys at a time (a key's D/16 FMAs per head, then one 16-way sum), and the weighted
+// values with each value row read once for up to 4 heads.
 template <int DV>
 void attend(const AttnJob& j, const RowHead& r) {
-  const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, D = r.D, h = r.h, base = r.base, count = r.count, start = r.start;
-  thread_local std::vector<float> scores;
-  scores.resize((size_t)(start + count + 16));
+  constexpr int D = DV * 16;
+  const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, count = r.count, start = r.start;
+  thread_local std::vector<float> scores, inv, qs, mx;
   const __m512 scale = _mm512_set1_ps(j.k->scale);
   for (int64_t s = 0; s < count; s++) {
-    const int64_t n = base + s, p = start + s;
-    const int64_t lo = r.lowest(p);
-    for (int64_t g = 0; g < G; g++) {
-      const int64_t head = h * G + g;
-      const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
-      __m512 q[DV];
-      for (int d = 0; d < DV; d++) q[d] = _mm512_mul_ps(_mm512_loadu_ps(qp + 16 * d), scale);
-      float mx = -INFINITY;
-      for (int64_t t = lo; t <= p; t++) {
-        const float* kr = r.key(t);
-        __m512 d0 = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr));
-        for (int d = 1; d < DV; d++) d0 = _mm512_fmadd_ps(q[d], _mm512_loadu_ps(kr + 16 * d), d0);
-        const float sc = _mm512_reduce_add_ps(d0);
-        scores[t] = sc;
-        mx = std::max(mx, sc);
+    const int64_t n = base + s, p = start + s, lo = r.lowest(p), nk = p - lo + 1;
+    const int64_t width = (nk + 15) / 16 * 16;
+    scores.resize((size_t)G * width);
+    inv.resize((size_t)G);
+    qs.resize((size_t)G * D);
+    mx.assign((size_t)G, -INFINITY);
+    for (int64_t g = 0; g < G; g++) {  // the token's query heads, scaled
+      const float* qp = j.qk + (n * (Hq + Hkv) + h * G + g) * D;
+      for (int d = 0; d < DV; d++) _mm512_storeu_ps(&qs[g * D + 16 * d], _mm512_mul_ps(_mm512_loadu_ps(qp + 16 * d), scale));
+    }
+    for (int64_t t0 = 0; t0 < nk; t0 += 16) {  // 16 keys at a time for every head: read from memory once
+      const int nt = (int)std::min<int64_t>(16, nk - t0);
+      const float* kr[16];
+      for (int i = 0; i < nt; i++) kr[i] = r.key(lo + t0 + i);
+      const __mmask16 valid = (__mmask16)((1u << nt) - 1);
+      for (int64_t g = 0; g < G; g++) {
+        __m512 q[DV], part[16];
+        for (int d = 0; d < DV; d++) q[d] = _mm512_loadu_ps(&qs[g * D + 16 * d]);
+        for (int i = 0; i < nt; i++) {
+          part[i] = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr[i]));
+          for (int d = 1; d < DV; d++) part[i] = _mm512_fmadd_ps(q[d], _mm512_loadu_ps(kr[i] + 16 * d), part[i]);
+        }
+        for (int i = nt; i < 16; i++) part[i] = _mm512_setzero_ps();
+        const __m512 v = sum16(part);
+        _mm512_storeu_ps(&scores[g * width + t0], v);
+        mx[g] = std::max(mx[g], _mm512_mask_reduce_max_ps(valid, v));
       }
-      const float inv_sum = exp_in_place(scores.data(), lo, p, mx);
-      __m512 acc[DV];
-      for (int d = 0; d < DV; d++) acc[d] = _mm512_setzero_ps();
-      for (int64_t u = lo; u <= p; u++) {
-        const __m512 w = _mm512_set1_ps(scores[u]);
-        const float* vr = r.value(u);
-        for (int d = 0; d < DV; d++) acc[d] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vr + 16 * d), acc[d]);
+    }
+    for (int64_t g = 0; g < G; g++) inv[g] = exp_in_place(&scores[g * width], 0, nk - 1, mx[g]);
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      float* o = j.out + n * Hq * D + (h * G + g0) * D;
+      const float* sc = &scores[g0 * width];
+      switch (std::min<int64_t>(4, G - g0)) {
+        case 1: weigh_values<DV, 1>(r, lo, nk, sc, width, &inv[g0], o); break;
+        case 2: weigh_values<DV, 2>(r, lo, nk, sc, width, &inv[g0], o); break;
+        case 3: weigh_values<DV, 3>(r, lo, nk, sc, width, &inv[g0], o); break;
+        default: weigh_values<DV, 4>(r, lo, nk, sc, width, &inv[g0], o);
       }
-      const __m512 inv = _mm512_set1_ps(inv_sum);
-      float* o = j.out + n * Hq * D + head * D;
-      for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[d], inv));
     }
   }
 }
@@ -501,20 +539,19 @@ inline void transpose16(__m512 r[16]) {
   for (int i = 0; i < 16; i++) r[i] = out[i];
 }
 
-// The same for many queries at once (a prefill chunk: tokens x G heads >= 16): keys are transposed
-// 16 at a time into [D][16], so a query's 16 scores are D broadcast FMAs with no horizontal sums, and
-// one transposition serves a group of up to 32 queries.
+// The same for many queries at once (a prefill chunk: tokens x G heads >= 16): the row's keys are
+// first transposed 16 at a time into [D][16] (by attention() for all such rows, in parallel), so a
+// query's 16 scores are D broadcast FMAs with no horizontal sums; queries then go in groups of up to
+// QG, each group a work item of its own, so one long prompt keeps every thread busy.
+constexpr int64_t QG = 16;
+
+// keys key0 + 16c .. +15 for c in [c_begin, c_end), into kt (block c at kt + c * D * 16)
 template <int DV>
-void attend_many(const AttnJob& j, const RowHead& r) {
-  constexpr int D = DV * 16, QG = 32;
-  const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, count = r.count, start = r.start;
-  thread_local std::vector<float> kt, qs, scores;
-  // every key this row's queries read, transposed once: block c holds keys key0 + 16c .. +15 as [D][16]
-  const int64_t key0 = r.lowest(start), last = start + count - 1;
-  const int64_t nblocks = (last - key0 + 16) / 16;
-  kt.resize((size_t)nblocks * D * 16);
-  for (int64_t c = 0; c < nblocks; c++) {
-    float* dst = &kt[(size_t)c * D * 16];
+void transpose_keys(const RowHead& r, int64_t key0, float* kt, int64_t c_begin, int64_t c_end) {
+  constexpr int D = DV * 16;
+  const int64_t last = r.start + r.count - 1;
+  for (int64_t c = c_begin; c < c_end; c++) {
+    float* dst = kt + c * D * 16;
     const float* rows[16];
     for (int64_t i = 0; i < 16; i++) rows[i] = key0 + c * 16 + i <= last ? r.key(key0 + c * 16 + i) : nullptr;
     for (int d0 = 0; d0 < D; d0 += 16) {
@@ -524,92 +561,206 @@ void attend_many(const AttnJob& j, const RowHead& r) {
       for (int d = 0; d < 16; d++) _mm512_storeu_ps(&dst[(d0 + d) * 16], block[d]);
     }
   }
-  qs.resize((size_t)QG * D);
-  const int64_t total = count * G;
-  for (int64_t q0 = 0; q0 < total; q0 += QG) {
-    const int64_t nq = std::min<int64_t>(QG, total - q0);
-    const int64_t p_first = start + q0 / G, p_last = start + (q0 + nq - 1) / G;
-    const int64_t c_first = (r.lowest(p_first) - key0) / 16, lo = key0 + c_first * 16;
-    const int64_t width = (p_last - lo + 16) / 16 * 16;
-    scores.resize((size_t)nq * width);
-    for (int64_t i = 0; i < nq; i++) {  // the group's queries, scaled
-      const int64_t qi = q0 + i, n = base + qi / G, head = h * G + qi % G;
-      const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
-      for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
+}
+
+// scores of up to 4 queries (q: rows of D) against NB blocks of 16 transposed keys, into rows of `stride`
+template <int D, int NB>
+inline void score_blocks(const float* q, const float* blk, float* out, int64_t stride, int64_t nr) {
+  __m512 acc[4][NB];
+  for (int r = 0; r < 4; r++)
+    for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
+  for (int d = 0; d < D; d++) {
+    __m512 k[NB];
+    for (int b = 0; b < NB; b++) k[b] = _mm512_loadu_ps(blk + (b * D + d) * 16);
+    for (int r = 0; r < 4; r++) {
+      const __m512 x = _mm512_set1_ps(q[r * D + d]);
+      for (int b = 0; b < NB; b++) acc[r][b] = _mm512_fmadd_ps(x, k[b], acc[r][b]);
     }
-    for (int64_t t0 = lo; t0 <= p_last; t0 += 16) {
-      const float* blk = &kt[(size_t)((t0 - key0) / 16) * D * 16];
-      for (int64_t i = 0; i < nq; i++) {
-        const int64_t p = start + (q0 + i) / G;
-        if (t0 > p || t0 + 16 <= r.lowest(p)) continue;  // wholly outside this query's keys
-        const float* q = &qs[i * D];
-        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-        for (int d = 0; d < D; d += 2) {
-          a0 = _mm512_fmadd_ps(_mm512_set1_ps(q[d]), _mm512_loadu_ps(&blk[d * 16]), a0);
-          a1 = _mm512_fmadd_ps(_mm512_set1_ps(q[d + 1]), _mm512_loadu_ps(&blk[(d + 1) * 16]), a1);
-        }
-        _mm512_storeu_ps(&scores[i * width + (t0 - lo)], _mm512_add_ps(a0, a1));
-      }
-    }
-    thread_local std::vector<float> inv;
-    inv.resize((size_t)nq);
-    for (int64_t i = 0; i < nq; i++) {  // softmax of each query's scores; zero outside its keys
-      const int64_t p = start + (q0 + i) / G, first = r.lowest(p);
-      float* sc = &scores[i * width] - lo;  // sc[t] for t in [lo, lo + width)
-      float mx = -INFINITY;
-      for (int64_t t = first; t <= p; t++) mx = std::max(mx, sc[t]);
-      inv[i] = exp_in_place(sc, first, p, mx);
-      std::fill(sc + lo, sc + first, 0.f);
-      std::fill(sc + p + 1, sc + lo + width, 0.f);
-    }
-    for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // weighted values, 4 queries per value row read
+  }
+  for (int r = 0; r < nr; r++)
+    for (int b = 0; b < NB; b++) _mm512_storeu_ps(out + r * stride + 16 * b, acc[r][b]);
+}
+
+// queries q0 .. q0 + nq - 1 of the row's kv head (query i: token i / G, head h * G + i % G)
+template <int DV>
+void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t key0, int64_t q0, int64_t nq) {
+  constexpr int D = DV * 16;
+  const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, start = r.start;
+  thread_local std::vector<float> qs, scores, inv;
+  qs.resize((size_t)(QG + 4) * D);  // rows past nq are read, not stored
+  const int64_t p_first = start + q0 / G, p_last = start + (q0 + nq - 1) / G;
+  const int64_t c_first = (r.lowest(p_first) - key0) / 16, lo = key0 + c_first * 16;
+  const int64_t width = (p_last - lo + 16) / 16 * 16;
+  scores.resize((size_t)nq * width);
+  for (int64_t i = 0; i < nq; i++) {  // the group's queries, scaled
+    const int64_t qi = q0 + i, n = base + qi / G, head = h * G + qi % G;
+    const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
+    for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
+  }
+  for (int64_t t0 = lo; t0 <= p_last; t0 += 32) {  // 2 key blocks x 4 queries: a key row load serves 4 FMAs
+    const float* blk = kt + (t0 - key0) / 16 * D * 16;
+    const bool two = t0 + 16 - lo < width;
+    for (int64_t i0 = 0; i0 < nq; i0 += 4) {
       const int64_t nr = std::min<int64_t>(4, nq - i0);
-      const int64_t u_lo = r.lowest(start + (q0 + i0) / G), u_hi = start + (q0 + i0 + nr - 1) / G;
-      __m512 acc[4][DV];
-      for (int rr = 0; rr < 4; rr++)
-        for (int d = 0; d < DV; d++) acc[rr][d] = _mm512_setzero_ps();
-      const float* sc[4];
-      for (int rr = 0; rr < 4; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, nr - 1)) * width] - lo;
-      for (int64_t u = u_lo; u <= u_hi; u++) {
-        const float* vr = r.value(u);
-        __m512 v[DV];
-        for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
-        for (int rr = 0; rr < 4; rr++) {
-          const __m512 w = _mm512_set1_ps(sc[rr][u]);
-          for (int d = 0; d < DV; d++) acc[rr][d] = _mm512_fmadd_ps(w, v[d], acc[rr][d]);
-        }
+      const int64_t p_lo = start + (q0 + i0) / G, p_hi = start + (q0 + i0 + nr - 1) / G;
+      if (t0 > p_hi || t0 + 32 <= r.lowest(p_lo)) continue;  // wholly outside these queries' keys
+      if (two)
+        score_blocks<D, 2>(&qs[i0 * D], blk, &scores[i0 * width + (t0 - lo)], width, nr);
+      else
+        score_blocks<D, 1>(&qs[i0 * D], blk, &scores[i0 * width + (t0 - lo)], width, nr);
+    }
+  }
+  inv.resize((size_t)nq);
+  for (int64_t i = 0; i < nq; i++) {  // softmax of each query's scores; zero outside its keys
+    const int64_t p = start + (q0 + i) / G, first = r.lowest(p);
+    float* sc = &scores[i * width] - lo;  // sc[t] for t in [lo, lo + width)
+    float mx = -INFINITY;
+    for (int64_t t = first; t <= p; t++) mx = std::max(mx, sc[t]);
+    inv[i] = exp_in_place(sc, first, p, mx);
+    std::fill(sc + lo, sc + first, 0.f);
+    std::fill(sc + p + 1, sc + lo + width, 0.f);
+  }
+  for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // weighted values, 4 queries per value row read
+    const int64_t nr = std::min<int64_t>(4, nq - i0);
+    const int64_t u_lo = r.lowest(start + (q0 + i0) / G), u_hi = start + (q0 + i0 + nr - 1) / G;
+    __m512 acc[4][DV];
+    for (int rr = 0; rr < 4; rr++)
+      for (int d = 0; d < DV; d++) acc[rr][d] = _mm512_setzero_ps();
+    const float* sc[4];
+    for (int rr = 0; rr < 4; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, nr - 1)) * width] - lo;
+    for (int64_t u = u_lo; u <= u_hi; u++) {
+      const float* vr = r.value(u);
+      __m512 v[DV];
+      for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
+      for (int rr = 0; rr < 4; rr++) {
+        const __m512 w = _mm512_set1_ps(sc[rr][u]);
+        for (int d = 0; d < DV; d++) acc[rr][d] = _mm512_fmadd_ps(w, v[d], acc[rr][d]);
       }
-      for (int rr = 0; rr < nr; rr++) {
-        const int64_t qi = q0 + i0 + rr, n = base + qi / G, head = h * G + qi % G;
-        const __m512 s = _mm512_set1_ps(inv[i0 + rr]);
-        float* o = j.out + n * Hq * D + head * D;
-        for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[rr][d], s));
-      }
+    }
+    for (int rr = 0; rr < nr; rr++) {
+      const int64_t qi = q0 + i0 + rr, n = base + qi / G, head = h * G + qi % G;
+      const __m512 s = _mm512_set1_ps(inv[i0 + rr]);
+      float* o = j.out + n * Hq * D + head * D;
+      for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[rr][d], s));
     }
   }
 }
 
+// A row/kv head on the prefill path: where its transposed keys are.
+struct ManyRow {
+  int64_t row_head, key0, nblocks;
+  float* kt;
+};
+
+// A work item: a row/kv head's every query (decode path, many == nullptr) or a group of them.
+struct Part {
+  int64_t row_head;
+  const ManyRow* many;
+  int64_t q0, nq;
+};
+
+struct Plan {
+  std::vector<ManyRow> many;
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // (index into many, first key block), kChunkBlocks each
+  std::vector<Part> parts;
+  std::vector<float> kt;
+  std::vector<bool> on_many;
+};
+
+constexpr int64_t kChunkBlocks = 8;  // key blocks (of 16) per transposition work item
+
 template <int DV>
-void attend_item(const AttnJob& j, size_t item) {
-  const RowHead r(j, item, DV * 16);
-  if (r.count * r.G >= 16)
-    attend_many<DV>(j, r);
+void transpose_item(const AttnJob& j, const Plan& plan, size_t item) {
+  const auto [m, c0] = plan.chunks[item];
+  const ManyRow& mr = plan.many[m];
+  const RowHead r(j, mr.row_head, DV * 16);
+  transpose_keys<DV>(r, mr.key0, mr.kt, c0, std::min(mr.nblocks, c0 + kChunkBlocks));
+}
+
+template <int DV>
+void part_item(const AttnJob& j, const Plan& plan, size_t item) {
+  const Part& part = plan.parts[item];
+  const RowHead r(j, part.row_head, DV * 16);
+  if (part.many)
+    attend_group<DV>(j, r, part.many->kt, part.many->key0, part.q0, part.nq);
   else
     attend<DV>(j, r);
 }
 
-void attend_row_head_unsafe(const AttnJob& j, size_t item) {
-  switch (j.D / 16) {
-    case 1: return attend_item<1>(j, item);
-    case 2: return attend_item<2>(j, item);
-    case 3: return attend_item<3>(j, item);
-    case 4: return attend_item<4>(j, item);
-    case 5: return attend_item<5>(j, item);
-    case 6: return attend_item<6>(j, item);
-    case 7: return attend_item<7>(j, item);
-    case 8: return attend_item<8>(j, item);
-    default: return attend_item<16>(j, item);  // head_dim 256
+// head_dim / 16 as a template argument
+template <template <int> class F, typename... Args>
+void by_head_dim(int64_t D, Args&&... args) {
+  switch (D / 16) {
+    case 1: return F<1>::run(args...);
+    case 2: return F<2>::run(args...);
+    case 3: return F<3>::run(args...);
+    case 4: return F<4>::run(args...);
+    case 5: return F<5>::run(args...);
+    case 6: return F<6>::run(args...);
+    case 7: return F<7>::run(args...);
+    case 8: return F<8>::run(args...);
+    default: return F<16>::run(args...);  // head_dim 256
   }
+}
+template <int DV>
+struct TransposeItem {
+  static void run(const AttnJob& j, const Plan& p, size_t i) { transpose_item<DV>(j, p, i); }
+};
+template <int DV>
+struct PartItem {
+  static void run(const AttnJob& j, const Plan& p, size_t i) { part_item<DV>(j, p, i); }
+};
+
+struct PhaseJob {
+  AttnJob* job;
+  const Plan* plan;
+};
+
+template <template <int> class F>
+void phase_item(void* data, size_t item) {
+  const PhaseJob& pj = *static_cast<PhaseJob*>(data);
+  try {
+    by_head_dim<F>(pj.job->D, *pj.job, *pj.plan, item);
+  } catch (...) {
+    pj.job->failed = true;
+  }
+}
+
+// Rows on the prefill path get their keys' storage and query groups, the latest (longest) groups
+// first so the longest items start early; decode rows are one item per kv head.
+void make_plan(const AttnJob& j, Plan& plan) {
+  const int64_t items = j.B * j.k->num_kv_heads;
+  plan.many.clear();
+  plan.chunks.clear();
+  plan.parts.clear();
+  size_t floats = 0;
+  for (int64_t i = 0; i < items; i++) {
+    const RowHead r(j, (size_t)i, j.D);
+    if (r.count * r.G < 16) continue;
+    const int64_t key0 = r.lowest(r.start), nblocks = (r.start + r.count - 1 - key0 + 16) / 16;
+    plan.many.push_back({i, key0, nblocks, nullptr});
+    floats += (size_t)nblocks * j.D * 16;
+  }
+  plan.kt.resize(floats);
+  size_t at = 0;
+  for (size_t m = 0; m < plan.many.size(); m++) {
+    ManyRow& mr = plan.many[m];
+    mr.kt = plan.kt.data() + at;
+    at += (size_t)mr.nblocks * j.D * 16;
+    for (int64_t c = 0; c < mr.nblocks; c += kChunkBlocks) plan.chunks.emplace_back((int64_t)m, c);
+  }
+  for (const ManyRow& mr : plan.many) {  // latest groups first, across rows
+    const RowHead r(j, (size_t)mr.row_head, j.D);
+    for (int64_t q0 = (r.count * r.G - 1) / QG * QG; q0 >= 0; q0 -= QG)
+      plan.parts.push_back({mr.row_head, &mr, q0, std::min(QG, r.count * r.G - q0)});
+  }
+  std::vector<bool>& on_many = plan.on_many;
+  on_many.assign((size_t)items, false);
+  for (const ManyRow& mr : plan.many) on_many[(size_t)mr.row_head] = true;
+  const int64_t Hkv = j.k->num_kv_heads;
+  for (int64_t h = 0; h < Hkv; h++)  // kv head by kv head: rows sharing prefix blocks read them while cached
+    for (int64_t b = 0; b < j.B; b++)
+      if (!on_many[(size_t)(b * Hkv + h)]) plan.parts.push_back({b * Hkv + h, nullptr, 0, 0});
 }
 
 OrtStatus* create_attention(const CustomOp*, const void*, const OrtKernelInfo* info, void** out) {
@@ -630,7 +781,7 @@ OrtStatus* create_attention(const CustomOp*, const void*, const OrtKernelInfo* i
   return nullptr;
 }
 
-OrtStatus* attention(void* kernel, OrtKernelContext* ctx) {
+OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   const AttnKernel& k = *static_cast<AttnKernel*>(kernel);
   auto input = api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput);
   const OrtValue* in[7] = {};
@@ -658,11 +809,23 @@ OrtStatus* attention(void* kernel, OrtKernelContext* ctx) {
   RETURN_IF(api<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContext_GetOutput)(
       ctx, 0, out_dims, 2, &out));
   RETURN_IF(tensor_data(out, &job.out));
-  const size_t items = (size_t)(job.B * k.num_kv_heads);
-  if (N == 0 || items == 0) return nullptr;
-  RETURN_IF(api<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
-      kKernelContext_ParallelFor)(ctx, attend_row_head, items, 0, &job));
+  if (N == 0 || job.B * k.num_kv_heads == 0) return nullptr;
+  thread_local Plan plan;  // the calling thread's; its workers only read it
+  make_plan(job, plan);
+  auto parallel_for = api<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
+      kKernelContext_ParallelFor);
+  PhaseJob phase{&job, &plan};
+  if (!plan.chunks.empty()) RETURN_IF(parallel_for(ctx, phase_item<TransposeItem>, plan.chunks.size(), 0, &phase));
+  if (!job.failed) RETURN_IF(parallel_for(ctx, phase_item<PartItem>, plan.parts.size(), 0, &phase));
   return job.failed ? fail("ruvllm.PagedAttention: out of memory") : nullptr;
+}
+
+OrtStatus* attention(void* kernel, OrtKernelContext* ctx) {
+  try {
+    return attend_step(kernel, ctx);
+  } catch (const std::bad_alloc&) {
+    return fail("ruvllm.PagedAttention: out of memory");
+  }
 }
 
 OrtStatus* compute(void* kernel, OrtKernelContext* ctx) {

@@ -167,21 +167,24 @@ def two_steps(backend, first: list[int], second_a: list[int], b_prompt: list[int
 
 
 @needs_kernel
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_paged_attention_computes_what_the_graph_computes(tiny_package, monkeypatch, arch):
+@pytest.mark.parametrize("arch,lengths", [("llama", (30, 3, 9)), ("mistral", (30, 3, 9)), ("qwen2", (30, 3, 9)),
+                                          ("llama", (150, 1, 40)), ("mistral", (150, 1, 40))])
+def test_paged_attention_computes_what_the_graph_computes(tiny_package, monkeypatch, arch, lengths):
     """fp32 packages, so only attention differs: a row extending its context from the pool (blocks out
-    of order) batched with a fresh prompt, mistral's sliding window (24) crossed by the context."""
+    of order) batched with a fresh prompt, mistral's sliding window (24) crossed by the context. The
+    longer case runs a prompt's queries in many groups and its keys in several transposition items,
+    next to a one-token decode row."""
     from runtime.backends.native import NativeBackend
     from runtime.package import load_package
 
     pkg = load_package(tiny_package(arch))
     rng = np.random.default_rng(7)
-    first, second, other = (rng.integers(3, 1000, n).tolist() for n in (30, 3, 9))
+    first, second, other = (rng.integers(3, 1000, n).tolist() for n in lengths)
     fused = NativeBackend(pkg)
     assert fused.attention_kernel == f"ruvllm.PagedAttention ({pkg.config['num_layers']} layers)"
     monkeypatch.setenv("RUVLLM_PAGED_ATTENTION", "0")
     plain = NativeBackend(pkg)
     assert plain.attention_kernel == "the graph's own"
     want, got = two_steps(plain, first, second, other), two_steps(fused, first, second, other)
-    assert want.shape == got.shape == (12, pkg.config["vocab_size"])
+    assert want.shape == got.shape == (lengths[1] + lengths[2], pkg.config["vocab_size"])
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
