@@ -4,7 +4,9 @@
 // 4) does. Why: MLAS's int8-compute kernel costs ~3.5x its one-row time at 16 rows (it unpacks the int4
 // weights again for every row), so a batch of 16 decode streams spent most of its step there. Here
 // each 16-column tile of weights is unpacked once per block and used for up to 4 rows and 2 tiles per
-// broadcast activation word.
+// broadcast activation word. MatMulQ4SwiGLU pairs each gate tile with its up tile and writes
+// silu(gate) * up; MatMulQ4Split writes its columns as two tensors (q+k, v): the Split, Sigmoid and
+// Mul operators after those projections, each a pass over their output, are gone.
 //
 // PagedAttention (further down) reads each row's keys and values from the KV pool's blocks in place.
 //
@@ -105,6 +107,22 @@ OrtStatus* tensor_data(const OrtValue* v, T** out) {
   return nullptr;
 }
 
+inline __m512 exp512(__m512 x) {  // e^x, ~1e-7 relative: 2^(x log2 e) as 2^n * 2^f, |f| <= 0.5
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));  // ln 2^f
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // ---- the kernel ----
 
 constexpr int kTile = 16;      // output columns per zmm of int32 / fp32 lanes
@@ -182,8 +200,24 @@ void quantize_rows(QuantizedRows& out, const float* A, int64_t M, int K, int blo
     }
 }
 
-template <int T, int R>
-inline void tiles_rows(const PackedWeights& p, const QuantizedRows& a, int t0, int64_t m0, float* C) {
+// Where output tile t's 16 columns of row m go: tiles before `split` to c0 (row stride ld0), the rest
+// to c1 (MatMulQ4Split: the q/k and v parts of a fused projection as two tensors, no Split copying).
+struct Output {
+  float *c0, *c1;
+  int64_t ld0, ld1;
+  int split;
+  float* at(int64_t m, int t) const {
+    return t < split ? c0 + m * ld0 + (int64_t)t * kTile : c1 + m * ld1 + (int64_t)(t - split) * kTile;
+  }
+};
+
+inline __m512 silu(__m512 x) { return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x)))); }
+
+// T tiles (weight tiles t0 + i * stride) x R rows. SwiGLU: T = 2, tile t0 of the gate half and its
+// partner of the up half, stored as one tile silu(gate) * up (MatMulQ4SwiGLU: no Split, Sigmoid, Muls).
+template <int T, int R, bool SwiGLU = false>
+inline void tiles_rows(const PackedWeights& p, const QuantizedRows& a, int t0, int64_t m0, const Output& out,
+                       int stride = 1) {
   const int nblk = p.nblk, block = p.block, K = p.Kp;  // rows of qa are padded to whole blocks
   const size_t tile_bytes = (size_t)nblk * (block / 8) * 64;
   const __m512i low4 = _mm512_set1_epi8(15);
@@ -199,8 +233,8 @@ inline void tiles_rows(const PackedWeights& p, const QuantizedRows& a, int t0, i
     for (int g = 0; g < block / 8; g++) {
       __m512i w[T][2];
       for (int i = 0; i < T; i++) {
-        _mm_prefetch(reinterpret_cast<const char*>(wp + i * tile_bytes + g * 64 + 2048), _MM_HINT_T0);
-        const __m512i v = _mm512_load_si512(wp + i * tile_bytes + g * 64);
+        _mm_prefetch(reinterpret_cast<const char*>(wp + i * stride * tile_bytes + g * 64 + 2048), _MM_HINT_T0);
+        const __m512i v = _mm512_load_si512(wp + i * stride * tile_bytes + g * 64);
         w[i][0] = _mm512_and_si512(v, low4);
         w[i][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
@@ -213,7 +247,7 @@ inline void tiles_rows(const PackedWeights& p, const QuantizedRows& a, int t0, i
         }
     }
     for (int i = 0; i < T; i++) {
-      const size_t tb = (size_t)(t0 + i) * nblk + b;
+      const size_t tb = (size_t)(t0 + i * stride) * nblk + b;
       const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p.zero.data() + tb * kTile))));
       const __m512 s = _mm512_loadu_ps(p.scale.data() + tb * kTile);
       for (int r = 0; r < R; r++) {
@@ -223,47 +257,63 @@ inline void tiles_rows(const PackedWeights& p, const QuantizedRows& a, int t0, i
       }
     }
   }
-  for (int i = 0; i < T; i++)
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(C + (m0 + r) * p.N + (size_t)(t0 + i) * kTile, acc[i][r]);
+  if constexpr (SwiGLU) {
+    static_assert(T == 2);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out.at(m0 + r, t0), _mm512_mul_ps(silu(acc[0][r]), acc[1][r]));
+  } else {
+    for (int i = 0; i < T; i++)
+      for (int r = 0; r < R; r++) _mm512_storeu_ps(out.at(m0 + r, t0 + i), acc[i][r]);
+  }
 }
 
-template <int T>
-void tiles_all_rows(const PackedWeights& p, const QuantizedRows& a, int t0, int64_t M, float* C) {
+template <int T, bool SwiGLU = false>
+void tiles_all_rows(const PackedWeights& p, const QuantizedRows& a, int t0, int64_t M, const Output& out, int stride) {
   int64_t m = 0;
-  for (; m + kRowsPer <= M; m += kRowsPer) tiles_rows<T, kRowsPer>(p, a, t0, m, C);
-  for (; m < M; m++) tiles_rows<T, 1>(p, a, t0, m, C);
+  for (; m + kRowsPer <= M; m += kRowsPer) tiles_rows<T, kRowsPer, SwiGLU>(p, a, t0, m, out, stride);
+  for (; m < M; m++) tiles_rows<T, 1, SwiGLU>(p, a, t0, m, out, stride);
 }
 
-// columns [t_begin, t_end) tiles of every row
-void gemm_tiles(const PackedWeights& p, const QuantizedRows& a, int64_t M, float* C, int t_begin, int t_end) {
+// output tiles [t_begin, t_end) of every row (with SwiGLU, an output tile is a gate tile and its up tile)
+void gemm_tiles(const PackedWeights& p, const QuantizedRows& a, int64_t M, const Output& out, int t_begin, int t_end,
+                bool swiglu) {
   int t = t_begin;
-  for (; t + kTilesPer <= t_end; t += kTilesPer) tiles_all_rows<kTilesPer>(p, a, t, M, C);
-  for (; t < t_end; t++) tiles_all_rows<1>(p, a, t, M, C);
+  if (swiglu) {
+    for (; t < t_end; t++) tiles_all_rows<2, true>(p, a, t, M, out, p.ntiles / 2);
+    return;
+  }
+  for (; t + kTilesPer <= t_end; t += kTilesPer) tiles_all_rows<kTilesPer>(p, a, t, M, out, 1);
+  for (; t < t_end; t++) tiles_all_rows<1>(p, a, t, M, out, 1);
 }
 
 // ---- the custom operator ----
 
+enum class Epilogue { kOne, kSplit, kSwiGLU };  // MatMulQ4, MatMulQ4Split, MatMulQ4SwiGLU
+
 struct Kernel {
   PackedWeights w;
+  Epilogue epilogue = Epilogue::kOne;
+  int64_t split = 0;  // MatMulQ4Split: columns of the first output
 };
 
 struct CustomOp;
+extern const CustomOp g_matmul_split, g_matmul_swiglu;
 
 struct Work {
   const PackedWeights* w;
   const QuantizedRows* a;
   int64_t M;
-  float* C;
-  int tiles_per_item;
+  Output out;
+  int tiles, tiles_per_item;
+  bool swiglu;
 };
 
 void run_item(void* data, size_t i) {
   const Work& job = *static_cast<Work*>(data);
   const int begin = (int)i * job.tiles_per_item;
-  gemm_tiles(*job.w, *job.a, job.M, job.C, begin, std::min(job.w->ntiles, begin + job.tiles_per_item));
+  gemm_tiles(*job.w, *job.a, job.M, job.out, begin, std::min(job.tiles, begin + job.tiles_per_item), job.swiglu);
 }
 
-OrtStatus* create_kernel(const CustomOp*, const void*, const OrtKernelInfo* info, void** out) {
+OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* info, void** out) {
   int64_t K = 0, N = 0, bits = 0, block = 0;
   auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
   RETURN_IF(attr(info, "K", &K));
@@ -297,8 +347,18 @@ OrtStatus* create_kernel(const CustomOp*, const void*, const OrtKernelInfo* info
   count = 1;
   for (int64_t d : dims) count *= d;
   if (count != N * ((nblk + 1) / 2)) return fail("ruvllm.MatMulQ4: zero points are not packed 4-bit");
+  const Epilogue epilogue = op == &g_matmul_split ? Epilogue::kSplit : op == &g_matmul_swiglu ? Epilogue::kSwiGLU
+                                                                                              : Epilogue::kOne;
+  int64_t split = 0;
+  if (epilogue == Epilogue::kSplit) {
+    RETURN_IF(attr(info, "split", &split));
+    if (split <= 0 || split >= N || split % kTile) return fail("ruvllm.MatMulQ4Split: split must be a multiple of 16 in (0, N)");
+  }
+  if (epilogue == Epilogue::kSwiGLU && N % (2 * kTile)) return fail("ruvllm.MatMulQ4SwiGLU: N must be a multiple of 32");
   auto* k = new (std::nothrow) Kernel();
   if (!k) return fail("ruvllm.MatMulQ4: out of memory");
+  k->epilogue = epilogue;
+  k->split = split;
   try {
     pack(k->w, (int)N, (int)K, (int)block, B, S, Z);
   } catch (const std::bad_alloc&) {
@@ -319,22 +379,39 @@ OrtStatus* compute_rows(void* kernel, OrtKernelContext* ctx) {
   if (dims.empty() || dims.back() != w.K) return fail("ruvllm.MatMulQ4: A's last dimension is not K");
   int64_t M = 1;
   for (size_t i = 0; i + 1 < dims.size(); i++) M *= dims[i];
-  dims.back() = w.N;
-  OrtValue* out = nullptr;
-  RETURN_IF(api<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContext_GetOutput)(
-      ctx, 0, dims.data(), dims.size(), &out));
+  auto output = [&](size_t i, int64_t cols, float** data) -> OrtStatus* {
+    dims.back() = cols;
+    OrtValue* v = nullptr;
+    RETURN_IF(api<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContext_GetOutput)(
+        ctx, i, dims.data(), dims.size(), &v));
+    return tensor_data(v, data);
+  };
+  Output out{nullptr, nullptr, w.N, 0, w.ntiles};
+  int tiles = w.ntiles;
+  if (k.epilogue == Epilogue::kSplit) {
+    RETURN_IF(output(0, k.split, &out.c0));
+    RETURN_IF(output(1, w.N - k.split, &out.c1));
+    out.ld0 = k.split;
+    out.ld1 = w.N - k.split;
+    out.split = (int)(k.split / kTile);
+  } else if (k.epilogue == Epilogue::kSwiGLU) {
+    RETURN_IF(output(0, w.N / 2, &out.c0));
+    out.ld0 = w.N / 2;
+    tiles = out.split = w.ntiles / 2;
+  } else {
+    RETURN_IF(output(0, w.N, &out.c0));
+  }
   const float* A = nullptr;
-  float* C = nullptr;
   RETURN_IF(tensor_data(in, &A));
-  RETURN_IF(tensor_data(out, &C));
   if (M == 0) return nullptr;
   thread_local QuantizedRows rows;  // one session may run on several threads at once
   quantize_rows(rows, A, M, w.K, w.block);
-  Work job{&w, &rows, M, C, 8};
-  // items of 8 tiles (128 columns); a small product stays on this thread, where a handoff costs more
-  const size_t items = (size_t)(w.ntiles + job.tiles_per_item - 1) / job.tiles_per_item;
+  const bool swiglu = k.epilogue == Epilogue::kSwiGLU;
+  // items of 8 output tiles (128 columns); a small product stays on this thread, where a handoff costs more
+  Work job{&w, &rows, M, out, tiles, swiglu ? 4 : 8, swiglu};
+  const size_t items = (size_t)(tiles + job.tiles_per_item - 1) / job.tiles_per_item;
   if (items == 1 || (double)M * w.N * w.K < 2e5) {
-    gemm_tiles(w, rows, M, C, 0, w.ntiles);
+    gemm_tiles(w, rows, M, out, 0, tiles, swiglu);
     return nullptr;
   }
   return api<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
@@ -352,22 +429,6 @@ OrtStatus* compute_rows(void* kernel, OrtKernelContext* ctx) {
 // (row b's tokens are query_index[b][0] .. query_index[b][S-1], consecutive), position_ids [N].
 // Output [N, Hq*D]. Causal, optionally a sliding window; a row's keys before its first new position
 // come from the pool, the rest from this step's rows.
-
-inline __m512 exp512(__m512 x) {  // e^x, ~1e-7 relative: 2^(x log2 e) as 2^n * 2^f, |f| <= 0.5
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147181f));  // ln 2^f
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 720));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // sc[t] = e^(sc[t] - mx) for t in [first, last]; returns 1 / their sum
 inline float exp_in_place(float* sc, int64_t first, int64_t last, float mx) {
@@ -929,8 +990,23 @@ CustomOp attention_op() {
   return op;
 }
 
-CustomOp g_matmul = matmul_op();
-CustomOp g_attention = attention_op();
+CustomOp matmul_split_op() {
+  CustomOp op = matmul_op();
+  op.GetName = [](const CustomOp*) { return "MatMulQ4Split"; };
+  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 2; };
+  return op;
+}
+
+CustomOp matmul_swiglu_op() {
+  CustomOp op = matmul_op();
+  op.GetName = [](const CustomOp*) { return "MatMulQ4SwiGLU"; };
+  return op;
+}
+
+const CustomOp g_matmul = matmul_op();
+const CustomOp g_matmul_split = matmul_split_op();
+const CustomOp g_matmul_swiglu = matmul_swiglu_op();
+const CustomOp g_attention = attention_op();
 
 }  // namespace
 
@@ -943,8 +1019,7 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   OrtCustomOpDomain* domain = nullptr;  // kept for the process's life, as sessions refer to it
   RETURN_IF(api<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ruvllm", &domain));
   auto add = api<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomain_Add);
-  RETURN_IF(add(domain, &g_matmul));
-  RETURN_IF(add(domain, &g_attention));
+  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_attention}) RETURN_IF(add(domain, op));
   return api<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
 }
 
@@ -956,7 +1031,7 @@ __attribute__((visibility("default"))) int ruvllm_q4_matmul(const float* A, int6
     pack(w, N, K, block, B, S, Z);
     QuantizedRows rows;
     quantize_rows(rows, A, M, K, block);
-    gemm_tiles(w, rows, M, C, 0, w.ntiles);
+    gemm_tiles(w, rows, M, Output{C, nullptr, N, 0, w.ntiles}, 0, w.ntiles, false);
   } catch (...) {
     return 1;
   }

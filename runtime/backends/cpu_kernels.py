@@ -5,7 +5,9 @@ first use, and the rewrite of a package's graph onto them.
 per block for several rows where MLAS's kernel unpacks them for every row, so batches of decode
 streams and prefill chunks stop being bound by the unpacking. `ruvllm.PagedAttention` replaces each
 layer's attention path, which gathers every row's context out of the KV pool into a copy each step,
-with one operator that reads the blocks in place. Both need AVX-512 VNNI and a C++ compiler: the
+with one operator that reads the blocks in place. Two variants of MatMulQ4 also do what follows a
+projection in the exported graph (fuse_epilogues): MatMulQ4SwiGLU the MLP's silu(gate) * up,
+MatMulQ4Split the q/k/v split. All need AVX-512 VNNI and a C++ compiler: the
 library is built once per source, compiler and CPU into the cache (RUVLLM_CACHE_DIR or
 ~/.cache/ruvllm, under kernels/), as torch's cpp_extension does; where either is missing the native
 backend runs the package's graph as it is. RUVLLM_CPU_KERNELS=0 turns both off,
@@ -113,6 +115,8 @@ def rewrite_graph(graph: Path, config: dict | None = None) -> tuple[bytes, int, 
             continue
         node.op_type, node.domain = OP, DOMAIN
         count += 1
+    if count:
+        fuse_epilogues(model)
     layers = 0
     head_dim = (config or {}).get("head_dim", 0)
     if (config is not None and head_dim % 16 == 0 and (head_dim <= 128 or head_dim == 256)
@@ -122,6 +126,77 @@ def rewrite_graph(graph: Path, config: dict | None = None) -> tuple[bytes, int, 
     if count or layers:
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     return model.SerializeToString(), count, layers
+
+
+def fuse_epilogues(model) -> tuple[int, int]:
+    """Fold what follows a projection into the kernel's output: the MLP's gate/up projection followed by
+    Split, Sigmoid and two Muls becomes one ruvllm.MatMulQ4SwiGLU writing silu(gate) * up; the attention's
+    q/k/v projection followed by Unsqueeze and Split becomes one ruvllm.MatMulQ4Split writing the q+k and
+    v parts as two tensors. Each removed operator was a pass over the projection's output (and a
+    dispatch, which is most of their cost at one decode row). Returns how many of each were folded."""
+    import onnx
+    from onnx import numpy_helper
+
+    nodes = list(model.graph.node)
+    inits = {i.name: i for i in model.graph.initializer}
+    consumers: dict[str, list] = {}
+    for node in nodes:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    graph_outputs = {o.name for o in model.graph.output}
+
+    def only(name: str, op_type: str):
+        users = consumers.get(name, [])
+        ok = len(users) == 1 and users[0].op_type == op_type and users[0].domain in ("", "ai.onnx")
+        return users[0] if ok and name not in graph_outputs else None
+
+    def attr(node, name: str, default=None):
+        return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+    def const(node, i: int) -> list[int] | None:
+        init = inits.get(node.input[i]) if len(node.input) > i else None
+        return [int(v) for v in numpy_helper.to_array(init).reshape(-1)] if init is not None else None
+
+    removed, swiglu, qkv = set(), 0, 0
+    for node in nodes:
+        if node.op_type != OP or node.domain != DOMAIN:
+            continue
+        n = next(a.i for a in node.attribute if a.name == "N")
+        split = only(node.output[0], "Split")
+        if split and attr(split, "axis") in (1, -1) and const(split, 1) == [n // 2, n // 2] and n % 32 == 0:
+            gate, up = split.output
+            users = consumers.get(gate, [])
+            sig = next((u for u in users if u.op_type == "Sigmoid"), None)
+            silu = sig and only(sig.output[0], "Mul")
+            prod = silu and only(silu.output[0], "Mul")
+            if (len(users) == 2 and silu in users and set(silu.input) == {gate, sig.output[0]} and prod
+                    and set(prod.input) == {silu.output[0], up} and consumers.get(up) == [prod]):
+                node.op_type = "MatMulQ4SwiGLU"
+                node.output[0] = prod.output[0]
+                removed.update(id(x) for x in (split, sig, silu, prod))
+                swiglu += 1
+            continue
+        unsqueeze = only(node.output[0], "Unsqueeze")  # [tokens, 1, n], split along n into q+k and v
+        split = unsqueeze and const(unsqueeze, 1) == [1] and only(unsqueeze.output[0], "Split")
+        parts = split and len(split.output) == 2 and attr(split, "axis") in (2, -1) and const(split, 1)
+        v_users = consumers.get(split.output[1], []) if parts else []
+        if (parts and sum(parts) == n and parts[0] % 16 == 0 and parts[1] > 0 and v_users
+                and all(u.op_type == "Reshape" for u in v_users) and split.output[1] not in graph_outputs):
+            node.op_type = "MatMulQ4Split"
+            node.attribute.append(onnx.helper.make_attribute("split", parts[0]))
+            node.output.append(split.output[1])  # v: [tokens, n_v] where it was [tokens, 1, n_v]: only reshaped
+            unsqueeze.output[0] = split.output[0]  # q+k: the Unsqueeze now gives RotaryEmbedding its 3-D input
+            removed.add(id(split))
+            qkv += 1
+    if removed:
+        keep = [node for node in nodes if id(node) not in removed]
+        del model.graph.node[:]
+        model.graph.node.extend(keep)
+        live = {name for node in keep for name in (*node.input, *node.output)}
+        kept_info = [v for v in model.graph.value_info if v.name in live]
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(kept_info)
+    return swiglu, qkv
 
 
 def fuse_attention(model, num_layers: int, num_heads: int, num_kv_heads: int, sliding_window: int | None) -> int:

@@ -89,6 +89,55 @@ def test_rewrite_leaves_what_the_kernel_does_not_compute(tmp_path):
         assert ops == [("ruvllm", "MatMulQ4")] if want else ops == [("com.microsoft", "MatMulNBits")]
 
 
+def projection_then(K: int, N: int, block: int, tail: str) -> bytes:
+    """A 4-bit projection followed by what the exporter puts after the MLP's gate/up projection
+    (`swiglu`: Split in halves, Sigmoid, Mul, Mul) or after the attention's q/k/v one (`qkv`: Unsqueeze
+    to [tokens, 1, N], Split into q+k and v, v reshaped to head rows)."""
+    model = onnx.load_from_string(matmul_model(K, N, block))
+    g = model.graph
+    g.output.pop()
+    if tail == "swiglu":
+        g.initializer.append(helper.make_tensor("halves", TensorProto.INT64, [2], [N // 2, N // 2]))
+        g.node.extend([helper.make_node("Split", ["Y", "halves"], ["gate", "up"], axis=1),
+                       helper.make_node("Sigmoid", ["gate"], ["sig"]),
+                       helper.make_node("Mul", ["gate", "sig"], ["silu"]),
+                       helper.make_node("Mul", ["silu", "up"], ["out"])])
+        outs = ["out"]
+    else:
+        g.initializer.extend([helper.make_tensor("one", TensorProto.INT64, [1], [1]),
+                              helper.make_tensor("parts", TensorProto.INT64, [2], [N - 64, 64]),
+                              helper.make_tensor("rows", TensorProto.INT64, [2], [-1, 16])])
+        g.node.extend([helper.make_node("Unsqueeze", ["Y", "one"], ["Y3"]),
+                       helper.make_node("Split", ["Y3", "parts"], ["qk", "v3"], axis=2),
+                       helper.make_node("Reshape", ["v3", "rows"], ["v"])])
+        outs = ["qk", "v"]
+    g.output.extend(helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs)
+    return model.SerializeToString()
+
+
+@needs_kernel
+@pytest.mark.parametrize("tail,fused", [("swiglu", "MatMulQ4SwiGLU"), ("qkv", "MatMulQ4Split")])
+def test_what_follows_a_projection_is_computed_in_its_kernel(tmp_path, tail, fused):
+    """The fused forms give what the projection and the operators after it give, in the same shapes."""
+    K, N = 576, 960
+    path = tmp_path / f"{tail}.onnx"
+    path.write_bytes(projection_then(K, N, 64, tail))
+    rewritten, count, _ = cpu_kernels.rewrite_graph(path)
+    assert count == 1
+    ops = [n.op_type for n in onnx.load_from_string(rewritten).graph.node]
+    assert ops == ([fused] if tail == "swiglu" else [fused, "Unsqueeze", "Reshape"])
+    plain, ours = ort.SessionOptions(), ort.SessionOptions()
+    ours.register_custom_ops_library(str(LIB))
+    mlas, fused_session = ort.InferenceSession(str(path), plain), ort.InferenceSession(rewritten, ours)
+    rng = np.random.default_rng(5)
+    for rows in (1, 5, 33):
+        x = rng.standard_normal((rows, K), dtype=np.float32) * 4
+        want, got = mlas.run(None, {"X": x}), fused_session.run(None, {"X": x})
+        for w, g in zip(want, got, strict=True):
+            assert g.shape == w.shape
+            assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), (tail, rows)
+
+
 @needs_kernel
 @pytest.mark.slow
 def test_smollm2_on_the_kernels_is_as_close_to_fp32_as_on_onnxruntimes_own(smol_fp32, smol_int4, monkeypatch):
