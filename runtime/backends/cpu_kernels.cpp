@@ -461,6 +461,7 @@ struct AttnJob {
   float* out;
   int64_t B, S, MB, NB, bs, D;
   std::atomic<bool> failed{false};
+  int64_t N = 0;  // tokens this step
 };
 
 // Row b's kv head h (item b * Hkv + h). Its keys and values before the row's first new position (start)
@@ -499,10 +500,11 @@ inline __m512 sum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
 }
 
-// out row g = inv[g] * sum over keys lo + u of sc[g * stride + u] * value; NG heads share each value row read
+// out row g = f[g] * sum over keys lo + u of sc[g * stride + u] * value (+ fp[g] * pre[g], a partial
+// result over earlier keys, when pre is given); NG heads share each value row read
 template <int DV, int NG>
-inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, const float* sc, int64_t stride, const float* inv,
-                         float* out) {
+inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, const float* sc, int64_t stride, const float* f,
+                         const float* const* pre, const float* fp, float* out) {
   __m512 acc[NG][DV];
   for (int g = 0; g < NG; g++)
     for (int d = 0; d < DV; d++) acc[g][d] = _mm512_setzero_ps();
@@ -516,22 +518,37 @@ inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, const float* 
     }
   }
   for (int g = 0; g < NG; g++) {
-    const __m512 f = _mm512_set1_ps(inv[g]);
-    for (int d = 0; d < DV; d++) _mm512_storeu_ps(out + g * DV * 16 + 16 * d, _mm512_mul_ps(acc[g][d], f));
+    const __m512 s = _mm512_set1_ps(f[g]);
+    for (int d = 0; d < DV; d++) {
+      __m512 o = _mm512_mul_ps(acc[g][d], s);
+      if (pre) o = _mm512_fmadd_ps(_mm512_loadu_ps(pre[g] + 16 * d), _mm512_set1_ps(fp[g]), o);
+      _mm512_storeu_ps(out + g * DV * 16 + 16 * d, o);
+    }
   }
 }
+
+// What attention over a shared prefix left for one query: sum of e^(score - max) * value over the
+// prefix's keys (not divided), that sum of e^(score - max), and the max.
+struct Partial {
+  float* o;  // [N * Hq * D]
+  float* sum;  // [N * Hq]
+  float* max;
+};
 
 // One row's one kv head, few queries (decode, or a token and its drafts): for each token, its G query
 // heads' scores 16 keys at a time (a key's D/16 FMAs per head, then one 16-way sum), and the weighted
 // values with each value row read once for up to 4 heads.
+// With `shared` (a row of a group sharing its first `from` keys, whose attention over them is in
+// `shared`), only keys from `from` on are read here, and the two parts are merged.
 template <int DV>
-void attend(const AttnJob& j, const RowHead& r) {
+void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr, int64_t from = 0) {
   constexpr int D = DV * 16;
   const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, count = r.count, start = r.start;
-  thread_local std::vector<float> scores, inv, qs, mx;
+  thread_local std::vector<float> scores, inv, qs, mx, f, fp;
+  thread_local std::vector<const float*> pre;
   const __m512 scale = _mm512_set1_ps(j.k->scale);
   for (int64_t s = 0; s < count; s++) {
-    const int64_t n = base + s, p = start + s, lo = r.lowest(p), nk = p - lo + 1;
+    const int64_t n = base + s, p = start + s, lo = shared ? from : r.lowest(p), nk = p - lo + 1;
     const int64_t width = (nk + 15) / 16 * 16;
     scores.resize((size_t)G * width);
     inv.resize((size_t)G);
@@ -560,14 +577,29 @@ void attend(const AttnJob& j, const RowHead& r) {
       }
     }
     for (int64_t g = 0; g < G; g++) inv[g] = exp_in_place(&scores[g * width], 0, nk - 1, mx[g]);
+    f.resize((size_t)G);
+    fp.resize((size_t)G);
+    pre.resize((size_t)G);
+    for (int64_t g = 0; g < G; g++) {
+      f[g] = inv[g];
+      if (!shared) continue;
+      const int64_t q = n * Hq + h * G + g;  // merge: both parts rescaled to the larger max
+      const float m = std::max(mx[g], shared->max[q]);
+      const float a = std::exp(mx[g] - m), b = std::exp(shared->max[q] - m);
+      const float denom = a / inv[g] + b * shared->sum[q];
+      f[g] = a / denom;
+      fp[g] = b / denom;
+      pre[g] = shared->o + q * D;
+    }
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
       float* o = j.out + n * Hq * D + (h * G + g0) * D;
       const float* sc = &scores[g0 * width];
+      const float* const* pp = shared ? &pre[g0] : nullptr;
       switch (std::min<int64_t>(4, G - g0)) {
-        case 1: weigh_values<DV, 1>(r, lo, nk, sc, width, &inv[g0], o); break;
-        case 2: weigh_values<DV, 2>(r, lo, nk, sc, width, &inv[g0], o); break;
-        case 3: weigh_values<DV, 3>(r, lo, nk, sc, width, &inv[g0], o); break;
-        default: weigh_values<DV, 4>(r, lo, nk, sc, width, &inv[g0], o);
+        case 1: weigh_values<DV, 1>(r, lo, nk, sc, width, &f[g0], pp, &fp[g0], o); break;
+        case 2: weigh_values<DV, 2>(r, lo, nk, sc, width, &f[g0], pp, &fp[g0], o); break;
+        case 3: weigh_values<DV, 3>(r, lo, nk, sc, width, &f[g0], pp, &fp[g0], o); break;
+        default: weigh_values<DV, 4>(r, lo, nk, sc, width, &f[g0], pp, &fp[g0], o);
       }
     }
   }
@@ -606,11 +638,10 @@ inline void transpose16(__m512 r[16]) {
 // QG, each group a work item of its own, so one long prompt keeps every thread busy.
 constexpr int64_t QG = 16;
 
-// keys key0 + 16c .. +15 for c in [c_begin, c_end), into kt (block c at kt + c * D * 16)
+// keys key0 + 16c .. +15 (zeros past `last`) for c in [c_begin, c_end), into kt (block c at kt + c * D * 16)
 template <int DV>
-void transpose_keys(const RowHead& r, int64_t key0, float* kt, int64_t c_begin, int64_t c_end) {
+void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int64_t c_begin, int64_t c_end) {
   constexpr int D = DV * 16;
-  const int64_t last = r.start + r.count - 1;
   for (int64_t c = c_begin; c < c_end; c++) {
     float* dst = kt + c * D * 16;
     const float* rows[16];
@@ -707,43 +738,123 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
   }
 }
 
+// Decode rows whose first `keys` positions are the same pool blocks (a prompt prefix they share through
+// the prefix cache): their queries attend to those keys together, each key block read and transposed
+// once for all of them, as a prefill chunk's are (cascade attention); each row then reads only its own
+// later keys and merges the two parts.
+struct SharedGroup {
+  std::vector<int64_t> rows;
+  int64_t keys = 0;  // a multiple of 16
+  float* kt = nullptr;  // kv head h's transposed keys at kt + h * keys * D
+};
+
+// Queries q0 .. q0 + nq - 1 of a group's kv head h (query i: row rows[i / G]'s one token, head
+// h * G + i % G) over the group's shared keys: Partial results.
+template <int DV>
+void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t q0, int64_t nq, const Partial& out) {
+  constexpr int D = DV * 16;
+  const int64_t Hq = j.k->num_heads, Hkv = j.k->num_kv_heads, G = Hq / Hkv, keys = grp.keys;
+  const float* kt = grp.kt + h * keys * D;
+  const RowHead r(j, (size_t)(grp.rows[0] * Hkv + h), D);  // the pool rows of the shared positions
+  thread_local std::vector<float> qs, scores;
+  qs.resize((size_t)(QG + 4) * D);  // rows past nq are read, not stored
+  scores.resize((size_t)nq * keys);
+  auto query = [&](int64_t i) { return j.qidx[grp.rows[(q0 + i) / G] * j.S] * Hq + h * G + (q0 + i) % G; };
+  for (int64_t i = 0; i < nq; i++) {
+    const int64_t q = query(i), n = q / Hq, head = q % Hq;
+    const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
+    for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
+  }
+  for (int64_t t0 = 0; t0 < keys; t0 += 32)
+    for (int64_t i0 = 0; i0 < nq; i0 += 4) {
+      const int64_t nr = std::min<int64_t>(4, nq - i0);
+      if (t0 + 16 < keys)
+        score_blocks<D, 2>(&qs[i0 * D], kt + t0 * D, &scores[i0 * keys + t0], keys, nr);
+      else
+        score_blocks<D, 1>(&qs[i0 * D], kt + t0 * D, &scores[i0 * keys + t0], keys, nr);
+    }
+  for (int64_t i = 0; i < nq; i++) {
+    float* sc = &scores[i * keys];
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < keys; t += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(sc + t));
+    const int64_t q = query(i);
+    out.max[q] = _mm512_reduce_max_ps(vmx);
+    out.sum[q] = 1.f / exp_in_place(sc, 0, keys - 1, out.max[q]);
+  }
+  for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // 4 queries per value row read
+    const int64_t nr = std::min<int64_t>(4, nq - i0);
+    __m512 acc[4][DV];
+    for (int rr = 0; rr < 4; rr++)
+      for (int d = 0; d < DV; d++) acc[rr][d] = _mm512_setzero_ps();
+    const float* sc[4];
+    for (int rr = 0; rr < 4; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, nr - 1)) * keys];
+    for (int64_t u = 0; u < keys; u++) {
+      const float* vr = r.value(u);
+      __m512 v[DV];
+      for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
+      for (int rr = 0; rr < 4; rr++) {
+        const __m512 w = _mm512_set1_ps(sc[rr][u]);
+        for (int d = 0; d < DV; d++) acc[rr][d] = _mm512_fmadd_ps(w, v[d], acc[rr][d]);
+      }
+    }
+    for (int rr = 0; rr < nr; rr++)
+      for (int d = 0; d < DV; d++) _mm512_storeu_ps(out.o + query(i0 + rr) * D + 16 * d, acc[rr][d]);
+  }
+}
+
+// Keys to transpose: blocks [c0, c1) of 16 keys from key0 (the last real one `last`) of a row/kv head.
+struct KeyChunk {
+  int64_t row_head, key0, last;
+  float* kt;
+  int64_t c0, c1;
+};
+
 // A row/kv head on the prefill path: where its transposed keys are.
 struct ManyRow {
   int64_t row_head, key0, nblocks;
   float* kt;
 };
 
-// A work item: a row/kv head's every query (decode path, many == nullptr) or a group of them.
+// A work item: a prefill row/kv head's group of queries (many), a group's queries over its shared keys
+// (shared), a decode row/kv head's every query, or, after the shared parts, those of a group's row.
 struct Part {
-  int64_t row_head;
+  int64_t row_head;  // b * Hkv + h; for a shared part, the kv head h
   const ManyRow* many;
   int64_t q0, nq;
+  const SharedGroup* shared;
+  bool partial;  // a group's queries over its shared keys
 };
 
 struct Plan {
   std::vector<ManyRow> many;
-  std::vector<std::pair<int64_t, int64_t>> chunks;  // (index into many, first key block), kChunkBlocks each
-  std::vector<Part> parts;
-  std::vector<float> kt;
-  std::vector<bool> on_many;
+  std::vector<SharedGroup> groups;
+  std::vector<KeyChunk> chunks;
+  std::vector<Part> parts, after;  // `after` run once every part has: rows of the shared groups
+  std::vector<float> kt, partial;
+  Partial shared{};
+  std::vector<int8_t> role;  // per row: 0 decode, 1 prefill, 2 in a shared group
 };
 
 constexpr int64_t kChunkBlocks = 8;  // key blocks (of 16) per transposition work item
 
 template <int DV>
 void transpose_item(const AttnJob& j, const Plan& plan, size_t item) {
-  const auto [m, c0] = plan.chunks[item];
-  const ManyRow& mr = plan.many[m];
-  const RowHead r(j, mr.row_head, DV * 16);
-  transpose_keys<DV>(r, mr.key0, mr.kt, c0, std::min(mr.nblocks, c0 + kChunkBlocks));
+  const KeyChunk& c = plan.chunks[item];
+  const RowHead r(j, (size_t)c.row_head, DV * 16);
+  transpose_keys<DV>(r, c.key0, c.last, c.kt, c.c0, c.c1);
 }
 
 template <int DV>
-void part_item(const AttnJob& j, const Plan& plan, size_t item) {
-  const Part& part = plan.parts[item];
-  const RowHead r(j, part.row_head, DV * 16);
+void run_part(const AttnJob& j, const Plan& plan, const Part& part) {
+  if (part.partial) {
+    attend_shared<DV>(j, *part.shared, part.row_head, part.q0, part.nq, plan.shared);
+    return;
+  }
+  const RowHead r(j, (size_t)part.row_head, DV * 16);
   if (part.many)
     attend_group<DV>(j, r, part.many->kt, part.many->key0, part.q0, part.nq);
+  else if (part.shared)
+    attend<DV>(j, r, &plan.shared, part.shared->keys);
   else
     attend<DV>(j, r);
 }
@@ -769,7 +880,11 @@ struct TransposeItem {
 };
 template <int DV>
 struct PartItem {
-  static void run(const AttnJob& j, const Plan& p, size_t i) { part_item<DV>(j, p, i); }
+  static void run(const AttnJob& j, const Plan& p, size_t i) { run_part<DV>(j, p, p.parts[i]); }
+};
+template <int DV>
+struct AfterItem {
+  static void run(const AttnJob& j, const Plan& p, size_t i) { run_part<DV>(j, p, p.after[i]); }
 };
 
 struct PhaseJob {
@@ -787,41 +902,102 @@ void phase_item(void* data, size_t item) {
   }
 }
 
+// Decode rows (one token) grouped by their first pool block; a group of 2 or more keeps the blocks all
+// its rows have in common before their first new positions (whole 16-key groups of them, 32 at least).
+void find_shared(const AttnJob& j, Plan& plan) {
+  plan.groups.clear();
+  if (j.k->window > 0) return;  // a window may start inside the prefix
+  std::vector<std::pair<int64_t, int64_t>> first;  // (first block, row)
+  for (int64_t b = 0; b < j.B; b++) {
+    const int64_t base = j.qidx[b * j.S], count = j.qidx[b * j.S + j.S - 1] - base + 1;
+    if (plan.role[b] == 0 && count == 1 && j.pos[base] >= 32) first.emplace_back(j.tables[b * j.MB], b);
+  }
+  std::sort(first.begin(), first.end());
+  for (size_t i = 0; i < first.size();) {
+    size_t e = i;
+    while (e < first.size() && first[e].first == first[i].first) e++;
+    if (e - i >= 2) {
+      SharedGroup grp;
+      const int64_t b0 = first[i].second;
+      int64_t blocks = j.pos[j.qidx[b0 * j.S]] / j.bs;  // whole blocks before the row's new token
+      for (size_t k = i + 1; k < e; k++) {
+        const int64_t b = first[k].second;
+        int64_t same = 0;
+        const int64_t limit = std::min(blocks, j.pos[j.qidx[b * j.S]] / j.bs);
+        while (same < limit && j.tables[b * j.MB + same] == j.tables[b0 * j.MB + same]) same++;
+        blocks = same;
+      }
+      grp.keys = blocks * j.bs / 16 * 16;
+      if (grp.keys >= 32) {
+        for (size_t k = i; k < e; k++) grp.rows.push_back(first[k].second);
+        plan.groups.push_back(std::move(grp));
+      }
+    }
+    i = e;
+  }
+}
+
 // Rows on the prefill path get their keys' storage and query groups, the latest (longest) groups
-// first so the longest items start early; decode rows are one item per kv head.
+// first so the longest items start early; rows sharing a prefix their shared parts, then their own;
+// other decode rows are one item per kv head.
 void make_plan(const AttnJob& j, Plan& plan) {
-  const int64_t items = j.B * j.k->num_kv_heads;
+  const int64_t Hkv = j.k->num_kv_heads, G = j.k->num_heads / Hkv, D = j.D;
   plan.many.clear();
   plan.chunks.clear();
   plan.parts.clear();
+  plan.after.clear();
+  plan.role.assign((size_t)j.B, 0);
   size_t floats = 0;
-  for (int64_t i = 0; i < items; i++) {
-    const RowHead r(j, (size_t)i, j.D);
+  for (int64_t i = 0; i < j.B * Hkv; i++) {
+    const RowHead r(j, (size_t)i, D);
     if (r.count * r.G < 16) continue;
+    plan.role[r.b] = 1;
     const int64_t key0 = r.lowest(r.start), nblocks = (r.start + r.count - 1 - key0 + 16) / 16;
     plan.many.push_back({i, key0, nblocks, nullptr});
-    floats += (size_t)nblocks * j.D * 16;
+    floats += (size_t)nblocks * D * 16;
+  }
+  find_shared(j, plan);
+  for (const SharedGroup& grp : plan.groups) {
+    floats += (size_t)(Hkv * grp.keys * D);
+    for (int64_t b : grp.rows) plan.role[b] = 2;
   }
   plan.kt.resize(floats);
-  size_t at = 0;
-  for (size_t m = 0; m < plan.many.size(); m++) {
-    ManyRow& mr = plan.many[m];
-    mr.kt = plan.kt.data() + at;
-    at += (size_t)mr.nblocks * j.D * 16;
-    for (int64_t c = 0; c < mr.nblocks; c += kChunkBlocks) plan.chunks.emplace_back((int64_t)m, c);
+  float* at = plan.kt.data();
+  for (ManyRow& mr : plan.many) {
+    mr.kt = at;
+    at += mr.nblocks * D * 16;
+    const RowHead r(j, (size_t)mr.row_head, D);
+    for (int64_t c = 0; c < mr.nblocks; c += kChunkBlocks)
+      plan.chunks.push_back({mr.row_head, mr.key0, r.start + r.count - 1, mr.kt, c, std::min(mr.nblocks, c + kChunkBlocks)});
+  }
+  for (SharedGroup& grp : plan.groups) {
+    grp.kt = at;
+    at += Hkv * grp.keys * D;
+    for (int64_t h = 0; h < Hkv; h++)
+      for (int64_t c = 0; c < grp.keys / 16; c += kChunkBlocks)
+        plan.chunks.push_back({grp.rows[0] * Hkv + h, 0, grp.keys - 1, grp.kt + h * grp.keys * D, c,
+                               std::min(grp.keys / 16, c + kChunkBlocks)});
+  }
+  if (!plan.groups.empty()) {
+    const int64_t N = j.N, Hq = j.k->num_heads;
+    plan.partial.resize((size_t)(N * Hq * (D + 2)));
+    plan.shared = {plan.partial.data(), plan.partial.data() + N * Hq * D, plan.partial.data() + N * Hq * (D + 1)};
   }
   for (const ManyRow& mr : plan.many) {  // latest groups first, across rows
-    const RowHead r(j, (size_t)mr.row_head, j.D);
+    const RowHead r(j, (size_t)mr.row_head, D);
     for (int64_t q0 = (r.count * r.G - 1) / QG * QG; q0 >= 0; q0 -= QG)
-      plan.parts.push_back({mr.row_head, &mr, q0, std::min(QG, r.count * r.G - q0)});
+      plan.parts.push_back({mr.row_head, &mr, q0, std::min(QG, r.count * r.G - q0), nullptr, false});
   }
-  std::vector<bool>& on_many = plan.on_many;
-  on_many.assign((size_t)items, false);
-  for (const ManyRow& mr : plan.many) on_many[(size_t)mr.row_head] = true;
-  const int64_t Hkv = j.k->num_kv_heads;
+  for (const SharedGroup& grp : plan.groups) {
+    const int64_t total = (int64_t)grp.rows.size() * G;
+    for (int64_t h = 0; h < Hkv; h++)
+      for (int64_t q0 = 0; q0 < total; q0 += QG) plan.parts.push_back({h, nullptr, q0, std::min(QG, total - q0), &grp, true});
+    for (int64_t h = 0; h < Hkv; h++)
+      for (int64_t b : grp.rows) plan.after.push_back({b * Hkv + h, nullptr, 0, 0, &grp, false});
+  }
   for (int64_t h = 0; h < Hkv; h++)  // kv head by kv head: rows sharing prefix blocks read them while cached
     for (int64_t b = 0; b < j.B; b++)
-      if (!on_many[(size_t)(b * Hkv + h)]) plan.parts.push_back({b * Hkv + h, nullptr, 0, 0});
+      if (plan.role[b] == 0) plan.parts.push_back({b * Hkv + h, nullptr, 0, 0, nullptr, false});
 }
 
 OrtStatus* create_attention(const CustomOp*, const void*, const OrtKernelInfo* info, void** out) {
@@ -858,6 +1034,7 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
     return fail("ruvllm.PagedAttention: head_dim must be 16..128 in steps of 16, or 256, and match the pool");
   AttnJob job{&k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
               dims[5][0], dims[5][1], dims[4][1], dims[2][1], dims[2][2], D};
+  job.N = N;
   RETURN_IF(tensor_data(in[0], const_cast<float**>(&job.qk)));
   RETURN_IF(tensor_data(in[1], const_cast<float**>(&job.v)));
   RETURN_IF(tensor_data(in[2], const_cast<float**>(&job.pool_k)));
@@ -878,6 +1055,7 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   PhaseJob phase{&job, &plan};
   if (!plan.chunks.empty()) RETURN_IF(parallel_for(ctx, phase_item<TransposeItem>, plan.chunks.size(), 0, &phase));
   if (!job.failed) RETURN_IF(parallel_for(ctx, phase_item<PartItem>, plan.parts.size(), 0, &phase));
+  if (!job.failed && !plan.after.empty()) RETURN_IF(parallel_for(ctx, phase_item<AfterItem>, plan.after.size(), 0, &phase));
   return job.failed ? fail("ruvllm.PagedAttention: out of memory") : nullptr;
 }
 

@@ -215,6 +215,65 @@ def two_steps(backend, first: list[int], second_a: list[int], b_prompt: list[int
                       want_logits=True)])
 
 
+def run_step(backend, chunks) -> np.ndarray:
+    """One step's raw logits for every token."""
+    from runtime.step_batch import build_step
+
+    batch = build_step(chunks, 4, want_full_logits=True)
+    batch.logits_index = list(range(len(batch.input_ids)))
+    n = len(batch.logits_index)
+    batch.temperature = batch.repetition_penalty = [1.0] * n
+    batch.presence_penalty = batch.frequency_penalty = [0.0] * n
+    batch.sparse_ids, batch.sparse_seen = [[0]] * n, [[0.0]] * n
+    batch.sparse_counts, batch.sparse_bias = [[0.0]] * n, [[0.0]] * n
+    return backend.run(batch).logits
+
+
+def shared_prefix_steps(backend, prefix: list[int], own: list[list[int]], block: int = 4) -> np.ndarray:
+    """Three sequences whose block tables start with the same blocks (a prefix computed once, as the
+    prefix cache shares it), each with tokens of its own after it; then one decode step of all three:
+    its logits. The decode rows attend to the shared blocks together (cascade) where the kernel runs."""
+    from runtime.step_batch import Chunk
+
+    rows = len(own)
+    shared = len(prefix) // block
+    backend.allocate(64, block, rows, 32)
+    tables = [list(range(shared)) + [shared + 8 * r + i for i in range(8)] for r in range(rows)]
+    for r, table in enumerate(tables):
+        for i, blk in enumerate(table):
+            backend.set_block(r, i, blk)
+
+    def chunk(r, tokens, start):
+        n = -(-(start + len(tokens)) // block)
+        slots = [tables[r][p // block] * block + p % block for p in range(start, start + len(tokens))]
+        return Chunk(slot=r, tokens=tokens, start=start, num_blocks=n, kv_slots=slots, want_logits=True)
+
+    run_step(backend, [chunk(0, prefix, 0)])
+    run_step(backend, [chunk(r, own[r], len(prefix)) for r in range(rows)])
+    return run_step(backend, [chunk(r, [7 + r], len(prefix) + len(own[r])) for r in range(rows)])
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decode_rows_sharing_prefix_blocks_attend_to_them_together_exactly(tiny_package, monkeypatch, arch):
+    """fp32 packages: the cascade (shared keys once for all rows, then each row's own, merged) against
+    the exported graph's attention, for 40 shared positions (32 of them read together) and rows of
+    different lengths after them."""
+    from runtime.backends.native import NativeBackend
+    from runtime.package import load_package
+
+    pkg = load_package(tiny_package(arch))
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(3, 1000, 40).tolist()
+    own = [rng.integers(3, 1000, n).tolist() for n in (1, 5, 11)]
+    fused = NativeBackend(pkg)
+    monkeypatch.setenv("RUVLLM_PAGED_ATTENTION", "0")
+    plain = NativeBackend(pkg)
+    want, got = shared_prefix_steps(plain, prefix, own), shared_prefix_steps(fused, prefix, own)
+    assert want.shape == got.shape == (3, pkg.config["vocab_size"])
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+
+
 @needs_kernel
 @pytest.mark.parametrize("arch,lengths", [("llama", (30, 3, 9)), ("mistral", (30, 3, 9)), ("qwen2", (30, 3, 9)),
                                           ("llama", (150, 1, 40)), ("mistral", (150, 1, 40))])
