@@ -274,6 +274,89 @@ def test_decode_rows_sharing_prefix_blocks_attend_to_them_together_exactly(tiny_
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
 
 
+def attention_graph(Hq: int, Hkv: int, window: int, scale: float) -> bytes:
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    names = [("qk", f), ("v", f), ("pool_k", f), ("pool_v", f), ("tables", i64), ("qidx", i64), ("pos", i64)]
+    node = helper.make_node("PagedAttention", [n for n, _ in names], ["out"], domain="ruvllm", num_heads=Hq,
+                            num_kv_heads=Hkv, sliding_window=window, scale=scale)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in names],
+                              [helper.make_tensor_value_info("out", f, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                   helper.make_opsetid("ruvllm", 1)]).SerializeToString()
+
+
+def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: float) -> np.ndarray:
+    """Each token's attention over its row's keys, written out plainly: positions before the row's
+    first new token from its pool blocks, the rest from this step's rows; causal, optionally windowed."""
+    qk, v, pk, pv = feeds["qk"], feeds["v"], feeds["pool_k"], feeds["pool_v"]
+    tables, qidx, pos = feeds["tables"], feeds["qidx"], feeds["pos"]
+    D, bs, G = qk.shape[1], pk.shape[2], Hq // Hkv
+    out = np.zeros((len(pos), Hq * D), np.float32)
+    def context(b: int, h: int, t: int, start: int, first: int, pool, step, width: int, offset: int):
+        if t < start:
+            return pool[h, tables[b, t // bs], t % bs]
+        return step[(first + t - start) * width + offset]
+
+    for b in range(qidx.shape[0]):
+        first, last = int(qidx[b, 0]), int(qidx[b, -1])
+        start = int(pos[first])
+        for n in range(first, last + 1):
+            p = int(pos[n])
+            lo = max(0, p - window + 1) if window else 0
+            for h in range(Hkv):
+                span = range(lo, p + 1)
+                keys = np.stack([context(b, h, t, start, first, pk, qk, Hq + Hkv, Hq + h) for t in span])
+                vals = np.stack([context(b, h, t, start, first, pv, v, Hkv, h) for t in span])
+                for g in range(G):
+                    head = h * G + g
+                    scores = keys.astype(np.float64) @ qk[n * (Hq + Hkv) + head] * scale
+                    w = np.exp(scores - scores.max())
+                    out[n, head * D:(head + 1) * D] = (w / w.sum()) @ vals
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("Hq,Hkv,D,bs,window", [(9, 3, 64, 16, 0), (8, 2, 128, 16, 0), (4, 4, 32, 8, 0),
+                                                (16, 2, 16, 4, 0), (6, 1, 256, 16, 0), (8, 2, 64, 16, 24)])
+def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window):
+    """One step holding every kind of row the operator handles differently: a fresh prompt (queries in
+    several groups), a prompt extending a cached context, a token with drafts, three decode rows whose
+    tables share their first blocks (attended together unless there is a window), a lone decode row."""
+    rng = np.random.default_rng(Hq * D + bs)
+    num_blocks = 256
+    pool_k = rng.standard_normal((Hkv, num_blocks, bs, D), dtype=np.float32)
+    pool_v = rng.standard_normal((Hkv, num_blocks, bs, D), dtype=np.float32)
+    shared = list(range(1, 1 + 48 // bs))  # 48 shared positions
+    free = iter(range(1 + 48 // bs, num_blocks))
+    # (cached positions before this step, new tokens, the first blocks of the table)
+    rows = [(0, 40, []), (50, 20, []), (37, 3, []), (48 + 5, 1, shared), (48 + 17, 1, shared), (48, 1, shared),
+            (29, 1, [])]
+    max_blocks = max(-(-(c + n) // bs) for c, n, _ in rows)
+    tables = np.zeros((len(rows), max_blocks), np.int64)
+    for b, (cached, new, first) in enumerate(rows):
+        table = first + [next(free) for _ in range(-(-(cached + new) // bs) - len(first))]
+        tables[b, :len(table)] = table
+    S = max(n for _, n, _ in rows)
+    qidx = np.zeros((len(rows), S), np.int64)
+    pos, at = [], 0
+    for b, (cached, new, _) in enumerate(rows):
+        qidx[b] = [at + min(i, new - 1) for i in range(S)]  # pads repeat the row's last token
+        pos += range(cached, cached + new)
+        at += new
+    N = at
+    feeds = {"qk": rng.standard_normal((N * (Hq + Hkv), D), dtype=np.float32),
+             "v": rng.standard_normal((N * Hkv, D), dtype=np.float32), "pool_k": pool_k, "pool_v": pool_v,
+             "tables": tables, "qidx": qidx, "pos": np.array(pos, np.int64)}
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    opts.register_custom_ops_library(str(LIB))
+    scale = 1 / np.sqrt(D)
+    got = ort.InferenceSession(attention_graph(Hq, Hkv, window, scale), opts).run(None, feeds)[0]
+    want = attention_reference(feeds, Hq, Hkv, window, scale)
+    assert got.shape == want.shape == (N, Hq * D)
+    assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
+
+
 @needs_kernel
 @pytest.mark.parametrize("arch,lengths", [("llama", (30, 3, 9)), ("mistral", (30, 3, 9)), ("qwen2", (30, 3, 9)),
                                           ("llama", (150, 1, 40)), ("mistral", (150, 1, 40))])
