@@ -673,6 +673,22 @@ inline void score_blocks(const float* q, const float* blk, float* out, int64_t s
     for (int b = 0; b < NB; b++) _mm512_storeu_ps(out + r * stride + 16 * b, acc[r][b]);
 }
 
+// acc[i] = sum over positions u in [u_lo, u_hi] of sc[i][u] * value(u), for 4 queries per value row read
+template <int DV>
+inline void weigh4(const RowHead& r, int64_t u_lo, int64_t u_hi, const float* const sc[4], __m512 acc[4][DV]) {
+  for (int i = 0; i < 4; i++)
+    for (int d = 0; d < DV; d++) acc[i][d] = _mm512_setzero_ps();
+  for (int64_t u = u_lo; u <= u_hi; u++) {
+    const float* vr = r.value(u);
+    __m512 v[DV];
+    for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
+    for (int i = 0; i < 4; i++) {
+      const __m512 w = _mm512_set1_ps(sc[i][u]);
+      for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
+    }
+  }
+}
+
 // queries q0 .. q0 + nq - 1 of the row's kv head (query i: token i / G, head h * G + i % G)
 template <int DV>
 void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t key0, int64_t q0, int64_t nq) {
@@ -715,20 +731,10 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
   for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // weighted values, 4 queries per value row read
     const int64_t nr = std::min<int64_t>(4, nq - i0);
     const int64_t u_lo = r.lowest(start + (q0 + i0) / G), u_hi = start + (q0 + i0 + nr - 1) / G;
-    __m512 acc[4][DV];
-    for (int rr = 0; rr < 4; rr++)
-      for (int d = 0; d < DV; d++) acc[rr][d] = _mm512_setzero_ps();
     const float* sc[4];
     for (int rr = 0; rr < 4; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, nr - 1)) * width] - lo;
-    for (int64_t u = u_lo; u <= u_hi; u++) {
-      const float* vr = r.value(u);
-      __m512 v[DV];
-      for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
-      for (int rr = 0; rr < 4; rr++) {
-        const __m512 w = _mm512_set1_ps(sc[rr][u]);
-        for (int d = 0; d < DV; d++) acc[rr][d] = _mm512_fmadd_ps(w, v[d], acc[rr][d]);
-      }
-    }
+    __m512 acc[4][DV];
+    weigh4<DV>(r, u_lo, u_hi, sc, acc);
     for (int rr = 0; rr < nr; rr++) {
       const int64_t qi = q0 + i0 + rr, n = base + qi / G, head = h * G + qi % G;
       const __m512 s = _mm512_set1_ps(inv[i0 + rr]);
@@ -783,20 +789,10 @@ void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t 
   }
   for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // 4 queries per value row read
     const int64_t nr = std::min<int64_t>(4, nq - i0);
-    __m512 acc[4][DV];
-    for (int rr = 0; rr < 4; rr++)
-      for (int d = 0; d < DV; d++) acc[rr][d] = _mm512_setzero_ps();
     const float* sc[4];
     for (int rr = 0; rr < 4; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, nr - 1)) * keys];
-    for (int64_t u = 0; u < keys; u++) {
-      const float* vr = r.value(u);
-      __m512 v[DV];
-      for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
-      for (int rr = 0; rr < 4; rr++) {
-        const __m512 w = _mm512_set1_ps(sc[rr][u]);
-        for (int d = 0; d < DV; d++) acc[rr][d] = _mm512_fmadd_ps(w, v[d], acc[rr][d]);
-      }
-    }
+    __m512 acc[4][DV];
+    weigh4<DV>(r, 0, keys - 1, sc, acc);
     for (int rr = 0; rr < nr; rr++)
       for (int d = 0; d < DV; d++) _mm512_storeu_ps(out.o + query(i0 + rr) * D + 16 * d, acc[rr][d]);
   }

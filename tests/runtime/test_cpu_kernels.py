@@ -179,10 +179,24 @@ def test_the_native_backend_says_which_kernel_it_runs(tiny_package, monkeypatch)
     assert NativeBackend(pkg).matmul_kernel == "onnxruntime MatMulNBits (turned off by RUVLLM_CPU_KERNELS=0)"
 
 
+def run_step(backend, chunks, block: int = 4) -> np.ndarray:
+    """One step's raw logits for every token."""
+    from runtime.step_batch import build_step
+
+    batch = build_step(chunks, block, want_full_logits=True)
+    batch.logits_index = list(range(len(batch.input_ids)))
+    n = len(batch.logits_index)
+    batch.temperature = batch.repetition_penalty = [1.0] * n
+    batch.presence_penalty = batch.frequency_penalty = [0.0] * n
+    batch.sparse_ids, batch.sparse_seen = [[0]] * n, [[0.0]] * n
+    batch.sparse_counts, batch.sparse_bias = [[0.0]] * n, [[0.0]] * n
+    return backend.run(batch).logits
+
+
 def two_steps(backend, first: list[int], second_a: list[int], b_prompt: list[int], block: int = 4) -> np.ndarray:
     """Step 1 prefills sequence A; step 2 extends A (its context now in the pool, in blocks scattered
     through it) and prefills B: the raw logits of every token of step 2."""
-    from runtime.step_batch import Chunk, build_step
+    from runtime.step_batch import Chunk
 
     a_len, b_len = len(first) + len(second_a), len(b_prompt)
     a_blocks, b_blocks = -(-a_len // block), -(-b_len // block)
@@ -198,14 +212,7 @@ def two_steps(backend, first: list[int], second_a: list[int], b_prompt: list[int
         return [table[p // block] * block + p % block for p in range(start, start + n)]
 
     def run(chunks):
-        batch = build_step(chunks, block, want_full_logits=True)
-        batch.logits_index = list(range(len(batch.input_ids)))
-        n = len(batch.logits_index)
-        batch.temperature = batch.repetition_penalty = [1.0] * n
-        batch.presence_penalty = batch.frequency_penalty = [0.0] * n
-        batch.sparse_ids, batch.sparse_seen = [[0]] * n, [[0.0]] * n
-        batch.sparse_counts, batch.sparse_bias = [[0.0]] * n, [[0.0]] * n
-        return backend.run(batch).logits
+        return run_step(backend, chunks, block)
 
     run([Chunk(slot=0, tokens=first, start=0, num_blocks=a_blocks, kv_slots=slots(a_table, 0, len(first)),
                want_logits=True)])
@@ -213,20 +220,6 @@ def two_steps(backend, first: list[int], second_a: list[int], b_prompt: list[int
                       kv_slots=slots(a_table, len(first), len(second_a)), want_logits=True),
                 Chunk(slot=1, tokens=b_prompt, start=0, num_blocks=b_blocks, kv_slots=slots(b_table, 0, b_len),
                       want_logits=True)])
-
-
-def run_step(backend, chunks) -> np.ndarray:
-    """One step's raw logits for every token."""
-    from runtime.step_batch import build_step
-
-    batch = build_step(chunks, 4, want_full_logits=True)
-    batch.logits_index = list(range(len(batch.input_ids)))
-    n = len(batch.logits_index)
-    batch.temperature = batch.repetition_penalty = [1.0] * n
-    batch.presence_penalty = batch.frequency_penalty = [0.0] * n
-    batch.sparse_ids, batch.sparse_seen = [[0]] * n, [[0.0]] * n
-    batch.sparse_counts, batch.sparse_bias = [[0.0]] * n, [[0.0]] * n
-    return backend.run(batch).logits
 
 
 def shared_prefix_steps(backend, prefix: list[int], own: list[list[int]], block: int = 4) -> np.ndarray:
