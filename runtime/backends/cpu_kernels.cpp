@@ -633,7 +633,7 @@ inline void transpose16(__m512 r[16]) {
 }
 
 // The same for many queries at once (a prefill chunk: tokens x G heads >= 16): the row's keys are
-// first transposed 16 at a time into [D][16] (by attention() for all such rows, in parallel), so a
+// first transposed 16 at a time into [D][16] (one parallel pass over all such rows, before any query), so a
 // query's 16 scores are D broadcast FMAs with no horizontal sums; queries then go in groups of up to
 // QG, each group a work item of its own, so one long prompt keeps every thread busy.
 constexpr int64_t QG = 16;
