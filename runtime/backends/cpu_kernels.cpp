@@ -636,7 +636,7 @@ inline void transpose16(__m512 r[16]) {
 // first transposed 16 at a time into [D][16] (one parallel pass over all such rows, before any query), so a
 // query's 16 scores are D broadcast FMAs with no horizontal sums; queries then go in groups of up to
 // QG, each group a work item of its own, so one long prompt keeps every thread busy.
-constexpr int64_t QG = 16;
+constexpr int64_t QG = 24;  // a multiple of the score and value row groups (8, 6)
 
 // keys key0 + 16c .. +15 (zeros past `last`) for c in [c_begin, c_end), into kt (block c at kt + c * D * 16)
 template <int DV>
@@ -656,15 +656,17 @@ void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int
 }
 
 // scores of up to 4 queries (q: rows of D) against NB blocks of 16 transposed keys, into rows of `stride`
+constexpr int kScoreRows = 8;  // queries per score_blocks call
+
 template <int D, int NB>
 inline void score_blocks(const float* q, const float* blk, float* out, int64_t stride, int64_t nr) {
-  __m512 acc[4][NB];
-  for (int r = 0; r < 4; r++)
+  __m512 acc[kScoreRows][NB];
+  for (int r = 0; r < kScoreRows; r++)
     for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
   for (int d = 0; d < D; d++) {
     __m512 k[NB];
     for (int b = 0; b < NB; b++) k[b] = _mm512_loadu_ps(blk + (b * D + d) * 16);
-    for (int r = 0; r < 4; r++) {
+    for (int r = 0; r < kScoreRows; r++) {
       const __m512 x = _mm512_set1_ps(q[r * D + d]);
       for (int b = 0; b < NB; b++) acc[r][b] = _mm512_fmadd_ps(x, k[b], acc[r][b]);
     }
@@ -673,16 +675,21 @@ inline void score_blocks(const float* q, const float* blk, float* out, int64_t s
     for (int b = 0; b < NB; b++) _mm512_storeu_ps(out + r * stride + 16 * b, acc[r][b]);
 }
 
-// acc[i] = sum over positions u in [u_lo, u_hi] of sc[i][u] * value(u), for 4 queries per value row read
+// queries per value row read: as many as keep their accumulators (DV registers each) in registers
 template <int DV>
-inline void weigh4(const RowHead& r, int64_t u_lo, int64_t u_hi, const float* const sc[4], __m512 acc[4][DV]) {
-  for (int i = 0; i < 4; i++)
+constexpr int kValueRows = std::clamp(24 / DV, 1, 8);
+
+// acc[i] = sum over positions u in [u_lo, u_hi] of sc[i][u] * value(u), for kValueRows queries per value row read
+template <int DV>
+inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, const float* const* sc, __m512 acc[][DV]) {
+  constexpr int NQ = kValueRows<DV>;
+  for (int i = 0; i < NQ; i++)
     for (int d = 0; d < DV; d++) acc[i][d] = _mm512_setzero_ps();
   for (int64_t u = u_lo; u <= u_hi; u++) {
     const float* vr = r.value(u);
     __m512 v[DV];
     for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < NQ; i++) {
       const __m512 w = _mm512_set1_ps(sc[i][u]);
       for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
     }
@@ -695,7 +702,7 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
   constexpr int D = DV * 16;
   const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, start = r.start;
   thread_local std::vector<float> qs, scores, inv;
-  qs.resize((size_t)(QG + 4) * D);  // rows past nq are read, not stored
+  qs.resize((size_t)(QG + kScoreRows) * D);  // rows past nq are read, not stored
   const int64_t p_first = start + q0 / G, p_last = start + (q0 + nq - 1) / G;
   const int64_t c_first = (r.lowest(p_first) - key0) / 16, lo = key0 + c_first * 16;
   const int64_t width = (p_last - lo + 16) / 16 * 16;
@@ -708,8 +715,8 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
   for (int64_t t0 = lo; t0 <= p_last; t0 += 32) {  // 2 key blocks x 4 queries: a key row load serves 4 FMAs
     const float* blk = kt + (t0 - key0) / 16 * D * 16;
     const bool two = t0 + 16 - lo < width;
-    for (int64_t i0 = 0; i0 < nq; i0 += 4) {
-      const int64_t nr = std::min<int64_t>(4, nq - i0);
+    for (int64_t i0 = 0; i0 < nq; i0 += kScoreRows) {
+      const int64_t nr = std::min<int64_t>(kScoreRows, nq - i0);
       const int64_t p_lo = start + (q0 + i0) / G, p_hi = start + (q0 + i0 + nr - 1) / G;
       if (t0 > p_hi || t0 + 32 <= r.lowest(p_lo)) continue;  // wholly outside these queries' keys
       if (two)
@@ -728,13 +735,14 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
     std::fill(sc + lo, sc + first, 0.f);
     std::fill(sc + p + 1, sc + lo + width, 0.f);
   }
-  for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // weighted values, 4 queries per value row read
-    const int64_t nr = std::min<int64_t>(4, nq - i0);
+  constexpr int NQ = kValueRows<DV>;
+  for (int64_t i0 = 0; i0 < nq; i0 += NQ) {  // weighted values, NQ queries per value row read
+    const int64_t nr = std::min<int64_t>(NQ, nq - i0);
     const int64_t u_lo = r.lowest(start + (q0 + i0) / G), u_hi = start + (q0 + i0 + nr - 1) / G;
-    const float* sc[4];
-    for (int rr = 0; rr < 4; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, nr - 1)) * width] - lo;
-    __m512 acc[4][DV];
-    weigh4<DV>(r, u_lo, u_hi, sc, acc);
+    const float* sc[NQ];
+    for (int rr = 0; rr < NQ; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, nr - 1)) * width] - lo;
+    __m512 acc[NQ][DV];
+    weigh<DV>(r, u_lo, u_hi, sc, acc);
     for (int rr = 0; rr < nr; rr++) {
       const int64_t qi = q0 + i0 + rr, n = base + qi / G, head = h * G + qi % G;
       const __m512 s = _mm512_set1_ps(inv[i0 + rr]);
@@ -763,7 +771,7 @@ void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t 
   const float* kt = grp.kt + h * keys * D;
   const RowHead r(j, (size_t)(grp.rows[0] * Hkv + h), D);  // the pool rows of the shared positions
   thread_local std::vector<float> qs, scores;
-  qs.resize((size_t)(QG + 4) * D);  // rows past nq are read, not stored
+  qs.resize((size_t)(QG + kScoreRows) * D);  // rows past nq are read, not stored
   scores.resize((size_t)nq * keys);
   auto query = [&](int64_t i) { return j.qidx[grp.rows[(q0 + i) / G] * j.S] * Hq + h * G + (q0 + i) % G; };
   for (int64_t i = 0; i < nq; i++) {
@@ -772,8 +780,8 @@ void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t 
     for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
   }
   for (int64_t t0 = 0; t0 < keys; t0 += 32)
-    for (int64_t i0 = 0; i0 < nq; i0 += 4) {
-      const int64_t nr = std::min<int64_t>(4, nq - i0);
+    for (int64_t i0 = 0; i0 < nq; i0 += kScoreRows) {
+      const int64_t nr = std::min<int64_t>(kScoreRows, nq - i0);
       if (t0 + 16 < keys)
         score_blocks<D, 2>(&qs[i0 * D], kt + t0 * D, &scores[i0 * keys + t0], keys, nr);
       else
@@ -787,12 +795,13 @@ void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t 
     out.max[q] = _mm512_reduce_max_ps(vmx);
     out.sum[q] = 1.f / exp_in_place(sc, 0, keys - 1, out.max[q]);
   }
-  for (int64_t i0 = 0; i0 < nq; i0 += 4) {  // 4 queries per value row read
-    const int64_t nr = std::min<int64_t>(4, nq - i0);
-    const float* sc[4];
-    for (int rr = 0; rr < 4; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, nr - 1)) * keys];
-    __m512 acc[4][DV];
-    weigh4<DV>(r, 0, keys - 1, sc, acc);
+  constexpr int NQ = kValueRows<DV>;
+  for (int64_t i0 = 0; i0 < nq; i0 += NQ) {  // NQ queries per value row read
+    const int64_t nr = std::min<int64_t>(NQ, nq - i0);
+    const float* sc[NQ];
+    for (int rr = 0; rr < NQ; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, nr - 1)) * keys];
+    __m512 acc[NQ][DV];
+    weigh<DV>(r, 0, keys - 1, sc, acc);
     for (int rr = 0; rr < nr; rr++)
       for (int d = 0; d < DV; d++) _mm512_storeu_ps(out.o + query(i0 + rr) * D + 16 * d, acc[rr][d]);
   }
