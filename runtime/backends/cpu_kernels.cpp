@@ -538,17 +538,27 @@ struct Partial {
 // One row's one kv head, few queries (decode, or a token and its drafts): for each token, its G query
 // heads' scores 16 keys at a time (a key's D/16 FMAs per head, then one 16-way sum), and the weighted
 // values with each value row read once for up to 4 heads.
+// A lone decode row's keys cut across threads (as flash-decoding does): this part reads keys
+// [from, to] of the row's one token and leaves Partial results at slot * G + g, merged afterwards.
+struct KeyRange {
+  const Partial* into;
+  int64_t from, to, slot;
+};
+
 // With `shared` (a row of a group sharing its first `from` keys, whose attention over them is in
-// `shared`), only keys from `from` on are read here, and the two parts are merged.
+// `shared`), only keys from `from` on are read here, and the two parts are merged. With `range`,
+// only that range's keys, left undivided in its Partial.
 template <int DV>
-void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr, int64_t from = 0) {
+void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr, int64_t from = 0,
+            const KeyRange* range = nullptr) {
   constexpr int D = DV * 16;
   const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, count = r.count, start = r.start;
   thread_local std::vector<float> scores, inv, qs, mx, f, fp;
   thread_local std::vector<const float*> pre;
   const __m512 scale = _mm512_set1_ps(j.k->scale);
   for (int64_t s = 0; s < count; s++) {
-    const int64_t n = base + s, p = start + s, lo = shared ? from : r.lowest(p), nk = p - lo + 1;
+    const int64_t n = base + s, p = range ? range->to : start + s;
+    const int64_t lo = range ? range->from : shared ? from : r.lowest(p), nk = p - lo + 1;
     const int64_t width = (nk + 15) / 16 * 16;
     scores.resize((size_t)G * width);
     inv.resize((size_t)G);
@@ -581,7 +591,11 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
     fp.resize((size_t)G);
     pre.resize((size_t)G);
     for (int64_t g = 0; g < G; g++) {
-      f[g] = inv[g];
+      f[g] = range ? 1.f : inv[g];
+      if (range) {
+        range->into->max[range->slot * G + g] = mx[g];
+        range->into->sum[range->slot * G + g] = 1.f / inv[g];
+      }
       if (!shared) continue;
       const int64_t q = n * Hq + h * G + g;  // merge: both parts rescaled to the larger max
       const float m = std::max(mx[g], shared->max[q]);
@@ -592,7 +606,7 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
       pre[g] = shared->o + q * D;
     }
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
-      float* o = j.out + n * Hq * D + (h * G + g0) * D;
+      float* o = range ? range->into->o + (range->slot * G + g0) * D : j.out + n * Hq * D + (h * G + g0) * D;
       const float* sc = &scores[g0 * width];
       const float* const* pp = shared ? &pre[g0] : nullptr;
       switch (std::min<int64_t>(4, G - g0)) {
@@ -822,21 +836,30 @@ struct ManyRow {
 
 // A work item: a prefill row/kv head's group of queries (many), a group's queries over its shared keys
 // (shared), a decode row/kv head's every query, or, after the shared parts, those of a group's row.
+enum class PartKind {
+  kPrefill,     // a prompt row/kv head's queries a .. a + b - 1
+  kSharedKeys,  // a group's queries a .. a + b - 1 of kv head `row_head` over its shared keys
+  kDecode,      // a decode row/kv head
+  kSharedRow,   // a row of a shared group, after the shared keys: its own keys, merged
+  kKeyRange,    // a lone decode row/kv head's keys a .. b into Partial slot `slot`
+  kMerge,       // a lone decode row/kv head: the b ranges from slot a merged
+};
+
 struct Part {
-  int64_t row_head;  // b * Hkv + h; for a shared part, the kv head h
-  const ManyRow* many;
-  int64_t q0, nq;
-  const SharedGroup* shared;
-  bool partial;  // a group's queries over its shared keys
+  PartKind kind;
+  int64_t row_head;  // b * Hkv + h
+  int64_t a = 0, b = 0, slot = 0;
+  const ManyRow* many = nullptr;
+  const SharedGroup* shared = nullptr;
 };
 
 struct Plan {
   std::vector<ManyRow> many;
   std::vector<SharedGroup> groups;
   std::vector<KeyChunk> chunks;
-  std::vector<Part> parts, after;  // `after` run once every part has: rows of the shared groups
-  std::vector<float> kt, partial;
-  Partial shared{};
+  std::vector<Part> parts, after;  // `after` run once every part has: rows of the shared groups, merges
+  std::vector<float> kt, partial, ranges;
+  Partial shared{}, split{};
   std::vector<int8_t> role;  // per row: 0 decode, 1 prefill, 2 in a shared group
 };
 
@@ -849,19 +872,44 @@ void transpose_item(const AttnJob& j, const Plan& plan, size_t item) {
   transpose_keys<DV>(r, c.key0, c.last, c.kt, c.c0, c.c1);
 }
 
+// the ranges' results rescaled to their largest max, summed and divided by their summed weights
+template <int DV>
+void merge_ranges(const AttnJob& j, const Plan& plan, const RowHead& r, int64_t first, int64_t count) {
+  constexpr int D = DV * 16;
+  const Partial& p = plan.split;
+  for (int64_t g = 0; g < r.G; g++) {
+    float m = -INFINITY, den = 0.f;
+    for (int64_t c = 0; c < count; c++) m = std::max(m, p.max[(first + c) * r.G + g]);
+    __m512 acc[DV];
+    for (int d = 0; d < DV; d++) acc[d] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < count; c++) {
+      const int64_t i = (first + c) * r.G + g;
+      const float w = std::exp(p.max[i] - m);
+      den += w * p.sum[i];
+      for (int d = 0; d < DV; d++) acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(p.o + i * D + 16 * d), acc[d]);
+    }
+    float* o = j.out + r.base * r.Hq * D + (r.h * r.G + g) * D;
+    for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[d], _mm512_set1_ps(1.f / den)));
+  }
+}
+
 template <int DV>
 void run_part(const AttnJob& j, const Plan& plan, const Part& part) {
-  if (part.partial) {
-    attend_shared<DV>(j, *part.shared, part.row_head, part.q0, part.nq, plan.shared);
+  if (part.kind == PartKind::kSharedKeys) {
+    attend_shared<DV>(j, *part.shared, part.row_head, part.a, part.b, plan.shared);
     return;
   }
   const RowHead r(j, (size_t)part.row_head, DV * 16);
-  if (part.many)
-    attend_group<DV>(j, r, part.many->kt, part.many->key0, part.q0, part.nq);
-  else if (part.shared)
-    attend<DV>(j, r, &plan.shared, part.shared->keys);
-  else
-    attend<DV>(j, r);
+  switch (part.kind) {
+    case PartKind::kPrefill: return attend_group<DV>(j, r, part.many->kt, part.many->key0, part.a, part.b);
+    case PartKind::kSharedRow: return attend<DV>(j, r, &plan.shared, part.shared->keys);
+    case PartKind::kKeyRange: {
+      const KeyRange range{&plan.split, part.a, part.b, part.slot};
+      return attend<DV>(j, r, nullptr, 0, &range);
+    }
+    case PartKind::kMerge: return merge_ranges<DV>(j, plan, r, part.a, part.b);
+    default: return attend<DV>(j, r);
+  }
 }
 
 // head_dim / 16 as a template argument
@@ -991,18 +1039,40 @@ void make_plan(const AttnJob& j, Plan& plan) {
   for (const ManyRow& mr : plan.many) {  // latest groups first, across rows
     const RowHead r(j, (size_t)mr.row_head, D);
     for (int64_t q0 = (r.count * r.G - 1) / QG * QG; q0 >= 0; q0 -= QG)
-      plan.parts.push_back({mr.row_head, &mr, q0, std::min(QG, r.count * r.G - q0), nullptr, false});
+      plan.parts.push_back({PartKind::kPrefill, mr.row_head, q0, std::min(QG, r.count * r.G - q0), 0, &mr});
   }
   for (const SharedGroup& grp : plan.groups) {
     const int64_t total = (int64_t)grp.rows.size() * G;
     for (int64_t h = 0; h < Hkv; h++)
-      for (int64_t q0 = 0; q0 < total; q0 += QG) plan.parts.push_back({h, nullptr, q0, std::min(QG, total - q0), &grp, true});
+      for (int64_t q0 = 0; q0 < total; q0 += QG)
+        plan.parts.push_back({PartKind::kSharedKeys, h, q0, std::min(QG, total - q0), 0, nullptr, &grp});
     for (int64_t h = 0; h < Hkv; h++)
-      for (int64_t b : grp.rows) plan.after.push_back({b * Hkv + h, nullptr, 0, 0, &grp, false});
+      for (int64_t b : grp.rows) plan.after.push_back({PartKind::kSharedRow, b * Hkv + h, 0, 0, 0, nullptr, &grp});
   }
+  // Decode rows alone in a step (nothing else to keep the threads busy): a long context's keys in
+  // ranges of 256 or more, enough of them for ~8 items, merged afterwards.
+  int64_t decode_rows = 0;
+  for (int64_t b = 0; b < j.B; b++) decode_rows += plan.role[b] == 0;
+  const bool cut = decode_rows == j.B && decode_rows * Hkv < 8 && j.k->window == 0;
+  int64_t slots = 0;
   for (int64_t h = 0; h < Hkv; h++)  // kv head by kv head: rows sharing prefix blocks read them while cached
-    for (int64_t b = 0; b < j.B; b++)
-      if (plan.role[b] == 0) plan.parts.push_back({b * Hkv + h, nullptr, 0, 0, nullptr, false});
+    for (int64_t b = 0; b < j.B; b++) {
+      if (plan.role[b] != 0) continue;
+      const RowHead r(j, (size_t)(b * Hkv + h), D);
+      const int64_t keys = r.start + 1, ranges = std::min<int64_t>(keys / 256, (8 + decode_rows * Hkv - 1) / (decode_rows * Hkv));
+      if (!cut || r.count != 1 || ranges < 2) {
+        plan.parts.push_back({PartKind::kDecode, b * Hkv + h});
+        continue;
+      }
+      for (int64_t c = 0; c < ranges; c++)
+        plan.parts.push_back({PartKind::kKeyRange, b * Hkv + h, keys * c / ranges, keys * (c + 1) / ranges - 1, slots + c});
+      plan.after.push_back({PartKind::kMerge, b * Hkv + h, slots, ranges});
+      slots += ranges;
+    }
+  if (slots) {
+    plan.ranges.resize((size_t)(slots * G * (D + 2)));
+    plan.split = {plan.ranges.data(), plan.ranges.data() + slots * G * D, plan.ranges.data() + slots * G * (D + 1)};
+  }
 }
 
 OrtStatus* create_attention(const CustomOp*, const void*, const OrtKernelInfo* info, void** out) {

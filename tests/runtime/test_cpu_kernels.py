@@ -309,21 +309,24 @@ def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: floa
 
 
 @needs_kernel
+@pytest.mark.parametrize("layout", ["mixed", "decode"])
 @pytest.mark.parametrize("Hq,Hkv,D,bs,window", [(9, 3, 64, 16, 0), (8, 2, 128, 16, 0), (4, 4, 32, 8, 0),
                                                 (16, 2, 16, 4, 0), (6, 1, 256, 16, 0), (8, 2, 64, 16, 24)])
-def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window):
-    """One step holding every kind of row the operator handles differently: a fresh prompt (queries in
-    several groups), a prompt extending a cached context, a token with drafts, three decode rows whose
-    tables share their first blocks (attended together unless there is a window), a lone decode row."""
+def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, layout):
+    """`mixed`: one step holding every kind of row the operator handles differently: a fresh prompt
+    (queries in several groups), a prompt extending a cached context, a token with drafts, three decode
+    rows whose tables share their first blocks (attended together unless there is a window), a lone
+    decode row. `decode`: two decode rows alone, one over 1100 positions (its keys cut into ranges
+    across threads and merged, where fewer than 8 row/kv-head items leave threads idle)."""
     rng = np.random.default_rng(Hq * D + bs)
-    num_blocks = 256
+    num_blocks = 512
     pool_k = rng.standard_normal((Hkv, num_blocks, bs, D), dtype=np.float32)
     pool_v = rng.standard_normal((Hkv, num_blocks, bs, D), dtype=np.float32)
     shared = list(range(1, 1 + 48 // bs))  # 48 shared positions
     free = iter(range(1 + 48 // bs, num_blocks))
     # (cached positions before this step, new tokens, the first blocks of the table)
     rows = [(0, 40, []), (50, 20, []), (37, 3, []), (48 + 5, 1, shared), (48 + 17, 1, shared), (48, 1, shared),
-            (29, 1, [])]
+            (29, 1, [])] if layout == "mixed" else [(1100, 1, []), (37, 1, [])]
     max_blocks = max(-(-(c + n) // bs) for c, n, _ in rows)
     tables = np.zeros((len(rows), max_blocks), np.int64)
     for b, (cached, new, first) in enumerate(rows):
