@@ -407,7 +407,8 @@ OrtStatus* compute_rows(void* kernel, OrtKernelContext* ctx) {
   thread_local QuantizedRows rows;  // one session may run on several threads at once
   quantize_rows(rows, A, M, w.K, w.block);
   const bool swiglu = k.epilogue == Epilogue::kSwiGLU;
-  // items of 8 output tiles (128 columns); a small product stays on this thread, where a handoff costs more
+  // items of 8 weight tiles (128 columns; 4 output tiles with SwiGLU); a small product stays on this
+  // thread, where a handoff costs more
   Work job{&w, &rows, M, out, tiles, swiglu ? 4 : 8, swiglu};
   const size_t items = (size_t)(tiles + job.tiles_per_item - 1) / job.tiles_per_item;
   if (items == 1 || (double)M * w.N * w.K < 2e5) {
@@ -527,17 +528,13 @@ inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, const float* 
   }
 }
 
-// What attention over a shared prefix left for one query: sum of e^(score - max) * value over the
-// prefix's keys (not divided), that sum of e^(score - max), and the max.
+// What attention over part of a query's keys (a shared prefix, or a range of a lone row's keys) left
+// for it, per query: sum of e^(score - max) * value (not divided), that sum of e^(score - max), the max.
 struct Partial {
-  float* o;  // [N * Hq * D]
-  float* sum;  // [N * Hq]
-  float* max;
+  float* o;  // D floats per query
+  float *sum, *max;
 };
 
-// One row's one kv head, few queries (decode, or a token and its drafts): for each token, its G query
-// heads' scores 16 keys at a time (a key's D/16 FMAs per head, then one 16-way sum), and the weighted
-// values with each value row read once for up to 4 heads.
 // A lone decode row's keys cut across threads (as flash-decoding does): this part reads keys
 // [from, to] of the row's one token and leaves Partial results at slot * G + g, merged afterwards.
 struct KeyRange {
@@ -545,7 +542,9 @@ struct KeyRange {
   int64_t from, to, slot;
 };
 
-// With `shared` (a row of a group sharing its first `from` keys, whose attention over them is in
+// One row's one kv head, few queries (decode, or a token and its drafts): for each token, its G query
+// heads' scores 16 keys at a time (a key's D/16 FMAs per head, then one 16-way sum), and the weighted
+// values with each value row read once for up to 4 heads. With `shared` (a row of a group sharing its first `from` keys, whose attention over them is in
 // `shared`), only keys from `from` on are read here, and the two parts are merged. With `range`,
 // only that range's keys, left undivided in its Partial.
 template <int DV>
@@ -669,9 +668,10 @@ void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int
   }
 }
 
-// scores of up to 4 queries (q: rows of D) against NB blocks of 16 transposed keys, into rows of `stride`
 constexpr int kScoreRows = 8;  // queries per score_blocks call
 
+// scores of up to kScoreRows queries (q: rows of D; all kScoreRows rows are read) against NB blocks of
+// 16 transposed keys, into rows of `stride`
 template <int D, int NB>
 inline void score_blocks(const float* q, const float* blk, float* out, int64_t stride, int64_t nr) {
   __m512 acc[kScoreRows][NB];
@@ -687,6 +687,15 @@ inline void score_blocks(const float* q, const float* blk, float* out, int64_t s
   }
   for (int r = 0; r < nr; r++)
     for (int b = 0; b < NB; b++) _mm512_storeu_ps(out + r * stride + 16 * b, acc[r][b]);
+}
+
+// the same against `blocks` (1 or 2) blocks
+template <int D>
+inline void score(const float* q, const float* blk, float* out, int64_t stride, int64_t nr, int64_t blocks) {
+  if (blocks == 2)
+    score_blocks<D, 2>(q, blk, out, stride, nr);
+  else
+    score_blocks<D, 1>(q, blk, out, stride, nr);
 }
 
 // queries per value row read: as many as keep their accumulators (DV registers each) in registers
@@ -726,17 +735,14 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
     const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
     for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
   }
-  for (int64_t t0 = lo; t0 <= p_last; t0 += 32) {  // 2 key blocks x 4 queries: a key row load serves 4 FMAs
+  for (int64_t t0 = lo; t0 <= p_last; t0 += 32) {  // 2 key blocks x 8 queries: a key row load serves 8 FMAs
     const float* blk = kt + (t0 - key0) / 16 * D * 16;
-    const bool two = t0 + 16 - lo < width;
+    const int64_t blocks = t0 + 16 - lo < width ? 2 : 1;
     for (int64_t i0 = 0; i0 < nq; i0 += kScoreRows) {
       const int64_t nr = std::min<int64_t>(kScoreRows, nq - i0);
       const int64_t p_lo = start + (q0 + i0) / G, p_hi = start + (q0 + i0 + nr - 1) / G;
       if (t0 > p_hi || t0 + 32 <= r.lowest(p_lo)) continue;  // wholly outside these queries' keys
-      if (two)
-        score_blocks<D, 2>(&qs[i0 * D], blk, &scores[i0 * width + (t0 - lo)], width, nr);
-      else
-        score_blocks<D, 1>(&qs[i0 * D], blk, &scores[i0 * width + (t0 - lo)], width, nr);
+      score<D>(&qs[i0 * D], blk, &scores[i0 * width + (t0 - lo)], width, nr, blocks);
     }
   }
   inv.resize((size_t)nq);
@@ -794,13 +800,9 @@ void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t 
     for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
   }
   for (int64_t t0 = 0; t0 < keys; t0 += 32)
-    for (int64_t i0 = 0; i0 < nq; i0 += kScoreRows) {
-      const int64_t nr = std::min<int64_t>(kScoreRows, nq - i0);
-      if (t0 + 16 < keys)
-        score_blocks<D, 2>(&qs[i0 * D], kt + t0 * D, &scores[i0 * keys + t0], keys, nr);
-      else
-        score_blocks<D, 1>(&qs[i0 * D], kt + t0 * D, &scores[i0 * keys + t0], keys, nr);
-    }
+    for (int64_t i0 = 0; i0 < nq; i0 += kScoreRows)
+      score<D>(&qs[i0 * D], kt + t0 * D, &scores[i0 * keys + t0], keys, std::min<int64_t>(kScoreRows, nq - i0),
+               t0 + 16 < keys ? 2 : 1);
   for (int64_t i = 0; i < nq; i++) {
     float* sc = &scores[i * keys];
     __m512 vmx = _mm512_set1_ps(-INFINITY);
@@ -961,9 +963,11 @@ void find_shared(const AttnJob& j, Plan& plan) {
   plan.groups.clear();
   if (j.k->window > 0) return;  // a window may start inside the prefix
   std::vector<std::pair<int64_t, int64_t>> first;  // (first block, row)
+  std::vector<int64_t> start((size_t)j.B);  // each row's first new position
   for (int64_t b = 0; b < j.B; b++) {
-    const int64_t base = j.qidx[b * j.S], count = j.qidx[b * j.S + j.S - 1] - base + 1;
-    if (plan.role[b] == 0 && count == 1 && j.pos[base] >= 32) first.emplace_back(j.tables[b * j.MB], b);
+    const RowHead r(j, (size_t)(b * j.k->num_kv_heads), j.D);
+    start[b] = r.start;
+    if (plan.role[b] == 0 && r.count == 1 && r.start >= 32) first.emplace_back(r.table[0], b);
   }
   std::sort(first.begin(), first.end());
   for (size_t i = 0; i < first.size();) {
@@ -972,11 +976,11 @@ void find_shared(const AttnJob& j, Plan& plan) {
     if (e - i >= 2) {
       SharedGroup grp;
       const int64_t b0 = first[i].second;
-      int64_t blocks = j.pos[j.qidx[b0 * j.S]] / j.bs;  // whole blocks before the row's new token
+      int64_t blocks = start[b0] / j.bs;  // whole blocks before the row's new token
       for (size_t k = i + 1; k < e; k++) {
         const int64_t b = first[k].second;
         int64_t same = 0;
-        const int64_t limit = std::min(blocks, j.pos[j.qidx[b * j.S]] / j.bs);
+        const int64_t limit = std::min(blocks, start[b] / j.bs);
         while (same < limit && j.tables[b * j.MB + same] == j.tables[b0 * j.MB + same]) same++;
         blocks = same;
       }

@@ -10,7 +10,7 @@ projection in the exported graph (fuse_epilogues): MatMulQ4SwiGLU the MLP's silu
 MatMulQ4Split the q/k/v split. All need AVX-512 VNNI and a C++ compiler: the
 library is built once per source, compiler and CPU into the cache (RUVLLM_CACHE_DIR or
 ~/.cache/ruvllm, under kernels/), as torch's cpp_extension does; where either is missing the native
-backend runs the package's graph as it is. RUVLLM_CPU_KERNELS=0 turns both off,
+backend runs the package's graph as it is. RUVLLM_CPU_KERNELS=0 turns them all off,
 RUVLLM_PAGED_ATTENTION=0 the attention only.
 """
 
@@ -128,6 +128,15 @@ def rewrite_graph(graph: Path, config: dict | None = None) -> tuple[bytes, int, 
     return model.SerializeToString(), count, layers
 
 
+def _consumers(nodes) -> dict[str, list]:
+    """Each tensor name -> the nodes reading it."""
+    consumers: dict[str, list] = {}
+    for node in nodes:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    return consumers
+
+
 def fuse_epilogues(model) -> tuple[int, int]:
     """Fold what follows a projection into the kernel's output: the MLP's gate/up projection followed by
     Split, Sigmoid and two Muls becomes one ruvllm.MatMulQ4SwiGLU writing silu(gate) * up; the attention's
@@ -139,10 +148,7 @@ def fuse_epilogues(model) -> tuple[int, int]:
 
     nodes = list(model.graph.node)
     inits = {i.name: i for i in model.graph.initializer}
-    consumers: dict[str, list] = {}
-    for node in nodes:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    consumers = _consumers(nodes)
     graph_outputs = {o.name for o in model.graph.output}
 
     def only(name: str, op_type: str):
@@ -209,13 +215,8 @@ def fuse_attention(model, num_layers: int, num_heads: int, num_kv_heads: int, sl
     from runtime import contract as C
 
     nodes = list(model.graph.node)
-    consumers: dict[str, list] = {}
-    producer = {}
-    for node in nodes:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
-        for name in node.output:
-            producer[name] = node
+    consumers = _consumers(nodes)
+    producer = {name: node for node in nodes for name in node.output}
 
     def only(name: str, op_type: str):
         found = [n for n in consumers.get(name, []) if n.op_type == op_type]
