@@ -213,13 +213,28 @@ struct Output {
 
 inline __m512 silu(__m512 x) { return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x)))); }
 
+// What a group of rows prefetches while it computes a tile group. The weights' scales and zero points
+// are arrays apart from the weights, a line per tile and block that the hardware does not fetch ahead:
+// left to demand misses they stalled each block of the first row group, most of what a 16-32 row
+// product paid beyond its arithmetic when the weights come from DRAM.
+//   kAhead (the first row group, which streams the tiles in): the weights 2 KB ahead, scales and zero
+//     points 4 blocks ahead;
+//   kNext (the second row group): the next tile group's weights, scales and zero points, so its first
+//     row group finds them in cache (a thread's work items are consecutive tile groups);
+//   kNone (the rest: the tiles are in L1 by then).
+enum class Prefetch { kAhead, kNext, kNone };
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
 // T tiles (weight tiles t0 + i * stride) x R rows. SwiGLU: T = 2, tile t0 of the gate half and its
 // partner of the up half, stored as one tile silu(gate) * up (MatMulQ4SwiGLU: no Split, Sigmoid, Muls).
-template <int T, int R, bool SwiGLU = false>
+// `next`: how far the next tile group starts (in tiles), for Prefetch::kNext.
+template <int T, int R, bool SwiGLU, Prefetch F>
 inline void tiles_rows(const PackedWeights& p, const QuantizedRows& a, int t0, int64_t m0, const Output& out,
-                       int stride = 1) {
+                       int stride, int next) {
   const int nblk = p.nblk, block = p.block, K = p.Kp;  // rows of qa are padded to whole blocks
   const size_t tile_bytes = (size_t)nblk * (block / 8) * 64;
+  const size_t last_block = (size_t)p.ntiles * nblk - 1;
   const __m512i low4 = _mm512_set1_epi8(15);
   __m512 acc[T][R];
   for (int i = 0; i < T; i++)
@@ -230,10 +245,18 @@ inline void tiles_rows(const PackedWeights& p, const QuantizedRows& a, int t0, i
       for (int r = 0; r < R; r++) dot[i][r] = _mm512_setzero_si512();
     const uint8_t* wp = p.w.get() + ((size_t)t0 * nblk + b) * (block / 8) * 64;
     const int8_t* ap = a.q.data() + m0 * K + (size_t)b * block;
+    if constexpr (F != Prefetch::kNone)
+      for (int i = 0; i < T; i++) {
+        const size_t tb = std::min(last_block, (size_t)(t0 + i * stride + (F == Prefetch::kNext ? next : 0)) * nblk + b +
+                                                   (F == Prefetch::kAhead ? 4 : 0));
+        prefetch(p.scale.data() + tb * kTile);
+        prefetch(p.zero.data() + tb * kTile);
+      }
     for (int g = 0; g < block / 8; g++) {
       __m512i w[T][2];
       for (int i = 0; i < T; i++) {
-        _mm_prefetch(reinterpret_cast<const char*>(wp + i * stride * tile_bytes + g * 64 + 2048), _MM_HINT_T0);
+        if constexpr (F == Prefetch::kAhead) prefetch(wp + i * stride * tile_bytes + g * 64 + 2048);
+        if constexpr (F == Prefetch::kNext) prefetch(wp + (next + i * stride) * tile_bytes + g * 64);
         const __m512i v = _mm512_load_si512(wp + i * stride * tile_bytes + g * 64);
         w[i][0] = _mm512_and_si512(v, low4);
         w[i][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
@@ -268,9 +291,18 @@ inline void tiles_rows(const PackedWeights& p, const QuantizedRows& a, int t0, i
 
 template <int T, bool SwiGLU = false>
 void tiles_all_rows(const PackedWeights& p, const QuantizedRows& a, int t0, int64_t M, const Output& out, int stride) {
+  const int next = SwiGLU ? 1 : T;  // the next tile group: the next gate tile (and its up partner), or the next T
+  const bool has_next = t0 + next < (SwiGLU ? stride : p.ntiles);
   int64_t m = 0;
-  for (; m + kRowsPer <= M; m += kRowsPer) tiles_rows<T, kRowsPer, SwiGLU>(p, a, t0, m, out, stride);
-  for (; m < M; m++) tiles_rows<T, 1, SwiGLU>(p, a, t0, m, out, stride);
+  for (; m + kRowsPer <= M; m += kRowsPer) {
+    if (m == 0) tiles_rows<T, kRowsPer, SwiGLU, Prefetch::kAhead>(p, a, t0, m, out, stride, next);
+    else if (m == kRowsPer && has_next) tiles_rows<T, kRowsPer, SwiGLU, Prefetch::kNext>(p, a, t0, m, out, stride, next);
+    else tiles_rows<T, kRowsPer, SwiGLU, Prefetch::kNone>(p, a, t0, m, out, stride, next);
+  }
+  for (; m < M; m++) {
+    if (m == 0) tiles_rows<T, 1, SwiGLU, Prefetch::kAhead>(p, a, t0, m, out, stride, next);
+    else tiles_rows<T, 1, SwiGLU, Prefetch::kNone>(p, a, t0, m, out, stride, next);
+  }
 }
 
 // output tiles [t_begin, t_end) of every row (with SwiGLU, an output tile is a gate tile and its up tile)
