@@ -691,6 +691,8 @@ void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int
     float* dst = kt + c * D * 16;
     const float* rows[16];
     for (int64_t i = 0; i < 16; i++) rows[i] = key0 + c * 16 + i <= last ? r.key(key0 + c * 16 + i) : nullptr;
+    for (int64_t i = 0; i < 16 && key0 + c * 16 + 16 + i <= last; i++)  // the next 16 keys: a pool block apart
+      for (int d0 = 0; d0 < D; d0 += 16) _mm_prefetch(reinterpret_cast<const char*>(r.key(key0 + c * 16 + 16 + i) + d0), _MM_HINT_T0);
     for (int d0 = 0; d0 < D; d0 += 16) {
       __m512 block[16];
       for (int i = 0; i < 16; i++) block[i] = rows[i] ? _mm512_loadu_ps(rows[i] + d0) : _mm512_setzero_ps();
@@ -742,6 +744,8 @@ inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, const float* con
     for (int d = 0; d < DV; d++) acc[i][d] = _mm512_setzero_ps();
   for (int64_t u = u_lo; u <= u_hi; u++) {
     const float* vr = r.value(u);
+    if (u + 16 <= u_hi)
+      for (int d = 0; d < DV; d++) _mm_prefetch(reinterpret_cast<const char*>(r.value(u + 16) + 16 * d), _MM_HINT_T0);
     __m512 v[DV];
     for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
     for (int i = 0; i < NQ; i++) {
