@@ -543,6 +543,8 @@ inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, const float* 
     for (int d = 0; d < DV; d++) acc[g][d] = _mm512_setzero_ps();
   for (int64_t u = 0; u < nk; u++) {
     const float* vr = r.value(lo + u);
+    if (u + 16 < nk)
+      for (int d = 0; d < DV; d++) _mm_prefetch(reinterpret_cast<const char*>(r.value(lo + u + 16) + 16 * d), _MM_HINT_T0);
     __m512 v[DV];
     for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
     for (int g = 0; g < NG; g++) {
@@ -603,6 +605,8 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
       const int nt = (int)std::min<int64_t>(16, nk - t0);
       const float* kr[16];
       for (int i = 0; i < nt; i++) kr[i] = r.key(lo + t0 + i);
+      for (int64_t i = t0 + 16; i < std::min(nk, t0 + 32); i++)  // the next 16 keys: a pool block apart
+        for (int d = 0; d < DV; d++) _mm_prefetch(reinterpret_cast<const char*>(r.key(lo + i) + 16 * d), _MM_HINT_T0);
       const __mmask16 valid = (__mmask16)((1u << nt) - 1);
       for (int64_t g = 0; g < G; g++) {
         __m512 q[DV], part[16];
