@@ -7,7 +7,8 @@ streams and prefill chunks stop being bound by the unpacking. `ruvllm.PagedAtten
 layer's attention path, which gathers every row's context out of the KV pool into a copy each step,
 with one operator that reads the blocks in place. Two variants of MatMulQ4 also do what follows a
 projection in the exported graph (fuse_epilogues): MatMulQ4SwiGLU the MLP's silu(gate) * up,
-MatMulQ4Split the q/k/v split. All need AVX-512 VNNI and a C++ compiler: the
+MatMulQ4Split the q/k/v split. `ruvllm.SkipRMSNorm` replaces onnxruntime's residual add + RMS norm,
+whose kernel is ~10x slower per row (fuse_norms). All need AVX-512 VNNI and a C++ compiler: the
 library is built once per source, compiler and CPU into the cache (RUVLLM_CACHE_DIR or
 ~/.cache/ruvllm, under kernels/), as torch's cpp_extension does; where either is missing the native
 backend runs the package's graph as it is. RUVLLM_CPU_KERNELS=0 turns them all off,
@@ -123,7 +124,8 @@ def rewrite_graph(graph: Path, config: dict | None = None) -> tuple[bytes, int, 
             and os.environ.get("RUVLLM_PAGED_ATTENTION", "1") != "0"):
         layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"],
                                 config.get("sliding_window"))
-    if count or layers:
+    norms = fuse_norms(model)
+    if count or layers or norms:
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     return model.SerializeToString(), count, layers
 
@@ -135,6 +137,29 @@ def _consumers(nodes) -> dict[str, list]:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
     return consumers
+
+
+def fuse_norms(model) -> int:
+    """Each SkipSimplifiedLayerNormalization without bias whose mean and inverse deviation no one reads
+    becomes ruvllm.SkipRMSNorm (outputs: the normed rows and the residual sum), ~10x faster than
+    onnxruntime's at 576 wide. Returns how many."""
+    import onnx
+
+    consumers = _consumers(model.graph.node)
+    graph_outputs = {o.name for o in model.graph.output}
+    count = 0
+    for i, node in enumerate(model.graph.node):
+        if node.op_type != "SkipSimplifiedLayerNormalization" or node.domain != "com.microsoft" or len(node.input) != 3:
+            continue
+        outs = list(node.output) + [""] * (4 - len(node.output))
+        if any(name and (name in consumers or name in graph_outputs) for name in outs[1:3]):
+            continue
+        eps = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "epsilon"), 1e-5)
+        fused = onnx.helper.make_node("SkipRMSNorm", list(node.input), [outs[0], outs[3] or f"{outs[0]}.sum"],
+                                      name=node.name, domain=DOMAIN, epsilon=float(eps))
+        model.graph.node[i].CopyFrom(fused)
+        count += 1
+    return count
 
 
 def fuse_epilogues(model) -> tuple[int, int]:

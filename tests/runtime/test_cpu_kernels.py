@@ -138,6 +138,50 @@ def test_what_follows_a_projection_is_computed_in_its_kernel(tmp_path, tail, fus
             assert np.abs(g - w).max() <= 1e-5 * np.abs(w).max(), (tail, rows)
 
 
+def residual_norm_model(H: int, read_inverse: bool) -> bytes:
+    """What the exporter puts between layers: the residual add and the next RMS norm as one
+    SkipSimplifiedLayerNormalization, its normed rows and residual sum read (and, with read_inverse,
+    its inverse deviation: then it must stay as it is)."""
+    outputs = ["y", "", "inv" if read_inverse else "", "sum"]
+    node = helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "gamma"], outputs, domain="com.microsoft",
+                            epsilon=1e-5)
+    gamma = np.random.default_rng(H).standard_normal(H).astype(np.float32)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("x", "skip")],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs if n],
+                              [helper.make_tensor("gamma", TensorProto.FLOAT, [H], gamma)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                   helper.make_opsetid("com.microsoft", 1)]).SerializeToString()
+
+
+@needs_kernel
+@pytest.mark.parametrize("H", [576, 40])
+def test_residual_add_and_rms_norm_computed_as_onnxruntime_does(tmp_path, H):
+    """ruvllm.SkipRMSNorm gives both outputs onnxruntime's kernel gives: one row, a batch, rows enough to
+    be split over threads, a 3-D input, rows not a multiple of 16 wide, and rows small enough that the
+    epsilon matters."""
+    path = tmp_path / "norm.onnx"
+    path.write_bytes(residual_norm_model(H, read_inverse=False))
+    rewritten, _, _ = cpu_kernels.rewrite_graph(path)
+    assert [(n.domain, n.op_type) for n in onnx.load_from_string(rewritten).graph.node] == [("ruvllm", "SkipRMSNorm")]
+    opts = ort.SessionOptions()
+    opts.register_custom_ops_library(str(LIB))
+    plain, ours = ort.InferenceSession(str(path)), ort.InferenceSession(rewritten, opts)
+    rng = np.random.default_rng(7)
+    for shape, scale in (((1, H), 1.0), ((37, H), 3.0), ((300, H), 1.0), ((2, 5, H), 1.0), ((4, H), 1e-3)):
+        feeds = {n: rng.standard_normal(shape).astype(np.float32) * scale for n in ("x", "skip")}
+        for want, got in zip(plain.run(None, feeds), ours.run(None, feeds), strict=True):
+            assert got.shape == want.shape
+            assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max(), (shape, scale)
+
+
+def test_a_norm_whose_statistics_are_read_is_left_alone(tmp_path):
+    path = tmp_path / "norm.onnx"
+    path.write_bytes(residual_norm_model(64, read_inverse=True))
+    model = onnx.load(str(path))
+    assert cpu_kernels.fuse_norms(model) == 0
+    assert model.graph.node[0].op_type == "SkipSimplifiedLayerNormalization"
+
+
 @needs_kernel
 @pytest.mark.slow
 def test_smollm2_on_the_kernels_is_as_close_to_fp32_as_on_onnxruntimes_own(smol_fp32, smol_int4, monkeypatch):
