@@ -225,6 +225,9 @@ inline __m512 silu(__m512 x) { return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1
 enum class Prefetch { kAhead, kNext, kNone };
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_row(const float* row, int lines) {  // lines of 16 floats
+  for (int d = 0; d < lines; d++) prefetch(row + 16 * d);
+}
 
 // T tiles (weight tiles t0 + i * stride) x R rows. SwiGLU: T = 2, tile t0 of the gate half and its
 // partner of the up half, stored as one tile silu(gate) * up (MatMulQ4SwiGLU: no Split, Sigmoid, Muls).
@@ -543,8 +546,7 @@ inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, const float* 
     for (int d = 0; d < DV; d++) acc[g][d] = _mm512_setzero_ps();
   for (int64_t u = 0; u < nk; u++) {
     const float* vr = r.value(lo + u);
-    if (u + 16 < nk)
-      for (int d = 0; d < DV; d++) _mm_prefetch(reinterpret_cast<const char*>(r.value(lo + u + 16) + 16 * d), _MM_HINT_T0);
+    if (u + 16 < nk) prefetch_row(r.value(lo + u + 16), DV);
     __m512 v[DV];
     for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
     for (int g = 0; g < NG; g++) {
@@ -605,8 +607,7 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
       const int nt = (int)std::min<int64_t>(16, nk - t0);
       const float* kr[16];
       for (int i = 0; i < nt; i++) kr[i] = r.key(lo + t0 + i);
-      for (int64_t i = t0 + 16; i < std::min(nk, t0 + 32); i++)  // the next 16 keys: a pool block apart
-        for (int d = 0; d < DV; d++) _mm_prefetch(reinterpret_cast<const char*>(r.key(lo + i) + 16 * d), _MM_HINT_T0);
+      for (int64_t i = t0 + 16; i < std::min(nk, t0 + 32); i++) prefetch_row(r.key(lo + i), DV);  // a pool block apart
       const __mmask16 valid = (__mmask16)((1u << nt) - 1);
       for (int64_t g = 0; g < G; g++) {
         __m512 q[DV], part[16];
@@ -696,7 +697,7 @@ void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int
     const float* rows[16];
     for (int64_t i = 0; i < 16; i++) rows[i] = key0 + c * 16 + i <= last ? r.key(key0 + c * 16 + i) : nullptr;
     for (int64_t i = 0; i < 16 && key0 + c * 16 + 16 + i <= last; i++)  // the next 16 keys: a pool block apart
-      for (int d0 = 0; d0 < D; d0 += 16) _mm_prefetch(reinterpret_cast<const char*>(r.key(key0 + c * 16 + 16 + i) + d0), _MM_HINT_T0);
+      prefetch_row(r.key(key0 + c * 16 + 16 + i), DV);
     for (int d0 = 0; d0 < D; d0 += 16) {
       __m512 block[16];
       for (int i = 0; i < 16; i++) block[i] = rows[i] ? _mm512_loadu_ps(rows[i] + d0) : _mm512_setzero_ps();
@@ -748,8 +749,7 @@ inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, const float* con
     for (int d = 0; d < DV; d++) acc[i][d] = _mm512_setzero_ps();
   for (int64_t u = u_lo; u <= u_hi; u++) {
     const float* vr = r.value(u);
-    if (u + 16 <= u_hi)
-      for (int d = 0; d < DV; d++) _mm_prefetch(reinterpret_cast<const char*>(r.value(u + 16) + 16 * d), _MM_HINT_T0);
+    if (u + 16 <= u_hi) prefetch_row(r.value(u + 16), DV);
     __m512 v[DV];
     for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
     for (int i = 0; i < NQ; i++) {
