@@ -1355,29 +1355,31 @@ CustomOp base_op() {
   return op;
 }
 
-CustomOp matmul_op() {
+// the entry points of an operator whose kernel object (a K) `create` makes and `run` computes with
+template <typename K, CreateFn create, ComputeFn run>
+CustomOp kernel_op() {
   CustomOp op = base_op();
-  op.CreateKernel = create_v1<create_kernel>;
+  op.CreateKernel = create_v1<create>;
+  op.KernelCompute = compute_v1<run>;
+  op.KernelDestroy = [](void* k) { delete static_cast<K*>(k); };
+  op.CreateKernelV2 = create;
+  op.KernelComputeV2 = run;
+  return op;
+}
+
+CustomOp matmul_op() {
+  CustomOp op = kernel_op<Kernel, create_kernel, compute>();
   op.GetName = [](const CustomOp*) { return "MatMulQ4"; };
   op.GetInputType = [](const CustomOp*, size_t i) { return (i == 1 || i == 3) ? kUint8 : kFloat; };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 4; };
-  op.KernelCompute = compute_v1<compute>;
-  op.KernelDestroy = [](void* k) { delete static_cast<Kernel*>(k); };
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
   return op;
 }
 
 CustomOp attention_op() {
-  CustomOp op = base_op();
-  op.CreateKernel = create_v1<create_attention>;
+  CustomOp op = kernel_op<AttnKernel, create_attention, attention>();
   op.GetName = [](const CustomOp*) { return "PagedAttention"; };
   op.GetInputType = [](const CustomOp*, size_t i) { return i < 4 ? kFloat : kInt64; };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 7; };
-  op.KernelCompute = compute_v1<attention>;
-  op.KernelDestroy = [](void* k) { delete static_cast<AttnKernel*>(k); };
-  op.CreateKernelV2 = create_attention;
-  op.KernelComputeV2 = attention;
   return op;
 }
 
@@ -1390,16 +1392,11 @@ OrtStatus* norm(void* kernel, OrtKernelContext* ctx) {
 }
 
 CustomOp norm_op() {
-  CustomOp op = base_op();
-  op.CreateKernel = create_v1<create_norm>;
+  CustomOp op = kernel_op<NormKernel, create_norm, norm>();
   op.GetName = [](const CustomOp*) { return "SkipRMSNorm"; };
   op.GetInputType = [](const CustomOp*, size_t) { return kFloat; };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 3; };
   op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 2; };
-  op.KernelCompute = compute_v1<norm>;
-  op.KernelDestroy = [](void* k) { delete static_cast<NormKernel*>(k); };
-  op.CreateKernelV2 = create_norm;
-  op.KernelComputeV2 = norm;
   return op;
 }
 
