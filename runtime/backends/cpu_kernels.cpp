@@ -108,6 +108,14 @@ OrtStatus* tensor_data(const OrtValue* v, T** out) {
   return nullptr;
 }
 
+// output i of the given shape, allocated by onnxruntime, as floats
+OrtStatus* output_data(OrtKernelContext* ctx, size_t i, const int64_t* dims, size_t rank, float** data) {
+  OrtValue* v = nullptr;
+  RETURN_IF(api<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContext_GetOutput)(
+      ctx, i, dims, rank, &v));
+  return tensor_data(v, data);
+}
+
 inline __m512 exp512(__m512 x) {  // e^x, ~1e-7 relative: 2^(x log2 e) as 2^n * 2^f, |f| <= 0.5
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
@@ -425,10 +433,7 @@ OrtStatus* compute_rows(void* kernel, OrtKernelContext* ctx) {
   for (size_t i = 0; i + 1 < dims.size(); i++) M *= dims[i];
   auto output = [&](size_t i, int64_t cols, float** data) -> OrtStatus* {
     dims.back() = cols;
-    OrtValue* v = nullptr;
-    RETURN_IF(api<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContext_GetOutput)(
-        ctx, i, dims.data(), dims.size(), &v));
-    return tensor_data(v, data);
+    return output_data(ctx, i, dims.data(), dims.size(), data);
   };
   Output out{nullptr, nullptr, w.N, 0, w.ntiles};
   int tiles = w.ntiles;
@@ -1171,10 +1176,7 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   RETURN_IF(tensor_data(in[5], const_cast<int64_t**>(&job.qidx)));
   RETURN_IF(tensor_data(in[6], const_cast<int64_t**>(&job.pos)));
   const int64_t out_dims[2] = {N, k.num_heads * D};
-  OrtValue* out = nullptr;
-  RETURN_IF(api<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContext_GetOutput)(
-      ctx, 0, out_dims, 2, &out));
-  RETURN_IF(tensor_data(out, &job.out));
+  RETURN_IF(output_data(ctx, 0, out_dims, 2, &job.out));
   if (N == 0 || job.B * k.num_kv_heads == 0) return nullptr;
   thread_local Plan plan;  // the calling thread's; its workers only read it
   make_plan(job, plan);
@@ -1185,22 +1187,6 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   if (!job.failed) RETURN_IF(parallel_for(ctx, phase_item<PartItem>, plan.parts.size(), 0, &phase));
   if (!job.failed && !plan.after.empty()) RETURN_IF(parallel_for(ctx, phase_item<AfterItem>, plan.after.size(), 0, &phase));
   return job.failed ? fail("ruvllm.PagedAttention: out of memory") : nullptr;
-}
-
-OrtStatus* attention(void* kernel, OrtKernelContext* ctx) {
-  try {
-    return attend_step(kernel, ctx);
-  } catch (const std::bad_alloc&) {
-    return fail("ruvllm.PagedAttention: out of memory");
-  }
-}
-
-OrtStatus* compute(void* kernel, OrtKernelContext* ctx) {
-  try {  // nothing may unwind into onnxruntime
-    return compute_rows(kernel, ctx);
-  } catch (const std::bad_alloc&) {
-    return fail("ruvllm.MatMulQ4: out of memory");
-  }
 }
 
 // ---- residual add + RMS norm ----
@@ -1236,16 +1222,17 @@ void norm_rows(const NormJob& j, int64_t m0, int64_t m1) {
   for (int64_t m = m0; m < m1; m++) {
     const float *x = j.x + m * H, *r = j.skip + m * H;
     float *s = j.sum + m * H, *y = j.y + m * H;
+    auto lanes = [H](int64_t i) { return (__mmask16)(H - i >= 16 ? 0xffff : (1u << (H - i)) - 1); };
     __m512 ss = _mm512_setzero_ps();
     for (int64_t i = 0; i < H; i += 16) {
-      const __mmask16 k = (__mmask16)(H - i >= 16 ? 0xffff : (1u << (H - i)) - 1);
+      const __mmask16 k = lanes(i);
       const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, x + i), _mm512_maskz_loadu_ps(k, r + i));
       _mm512_mask_storeu_ps(s + i, k, v);
       ss = _mm512_fmadd_ps(v, v, ss);
     }
     const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)H + j.epsilon));
     for (int64_t i = 0; i < H; i += 16) {
-      const __mmask16 k = (__mmask16)(H - i >= 16 ? 0xffff : (1u << (H - i)) - 1);
+      const __mmask16 k = lanes(i);
       const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv);
       _mm512_mask_storeu_ps(y + i, k, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(k, j.gamma + i)));
     }
@@ -1277,15 +1264,8 @@ OrtStatus* skip_rms_norm(void* kernel, OrtKernelContext* ctx) {
   RETURN_IF(tensor_data(in[0], const_cast<float**>(&j.x)));
   RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.skip)));
   RETURN_IF(tensor_data(in[2], const_cast<float**>(&j.gamma)));
-  float* outs[2] = {};
-  for (size_t i = 0; i < 2; i++) {
-    OrtValue* v = nullptr;
-    RETURN_IF(api<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContext_GetOutput)(
-        ctx, i, dims.data(), dims.size(), &v));
-    RETURN_IF(tensor_data(v, &outs[i]));
-  }
-  j.y = outs[0];
-  j.sum = outs[1];
+  RETURN_IF(output_data(ctx, 0, dims.data(), dims.size(), &j.y));
+  RETURN_IF(output_data(ctx, 1, dims.data(), dims.size(), &j.sum));
   if (j.M == 0 || j.H == 0) return nullptr;
   j.rows_per_item = std::max<int64_t>(1, 65536 / j.H);  // fewer rows cost less than a handoff
   const size_t items = (size_t)((j.M + j.rows_per_item - 1) / j.rows_per_item);
@@ -1364,20 +1344,33 @@ CustomOp base_op() {
   return op;
 }
 
+// `run`, with nothing unwinding into onnxruntime: running out of memory is `what`'s error status
+template <ComputeFn run, const char* what>
+OrtStatus* guarded(void* kernel, OrtKernelContext* ctx) {
+  try {
+    return run(kernel, ctx);
+  } catch (const std::bad_alloc&) {
+    return fail(std::string(what) + ": out of memory");
+  }
+}
+
+constexpr char kMatMulName[] = "ruvllm.MatMulQ4", kAttentionName[] = "ruvllm.PagedAttention",
+               kNormName[] = "ruvllm.SkipRMSNorm";
+
 // the entry points of an operator whose kernel object (a K) `create` makes and `run` computes with
-template <typename K, CreateFn create, ComputeFn run>
+template <typename K, CreateFn create, ComputeFn run, const char* what>
 CustomOp kernel_op() {
   CustomOp op = base_op();
   op.CreateKernel = create_v1<create>;
-  op.KernelCompute = compute_v1<run>;
+  op.KernelCompute = compute_v1<guarded<run, what>>;
   op.KernelDestroy = [](void* k) { delete static_cast<K*>(k); };
   op.CreateKernelV2 = create;
-  op.KernelComputeV2 = run;
+  op.KernelComputeV2 = guarded<run, what>;
   return op;
 }
 
 CustomOp matmul_op() {
-  CustomOp op = kernel_op<Kernel, create_kernel, compute>();
+  CustomOp op = kernel_op<Kernel, create_kernel, compute_rows, kMatMulName>();
   op.GetName = [](const CustomOp*) { return "MatMulQ4"; };
   op.GetInputType = [](const CustomOp*, size_t i) { return (i == 1 || i == 3) ? kUint8 : kFloat; };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 4; };
@@ -1385,23 +1378,15 @@ CustomOp matmul_op() {
 }
 
 CustomOp attention_op() {
-  CustomOp op = kernel_op<AttnKernel, create_attention, attention>();
+  CustomOp op = kernel_op<AttnKernel, create_attention, attend_step, kAttentionName>();
   op.GetName = [](const CustomOp*) { return "PagedAttention"; };
   op.GetInputType = [](const CustomOp*, size_t i) { return i < 4 ? kFloat : kInt64; };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 7; };
   return op;
 }
 
-OrtStatus* norm(void* kernel, OrtKernelContext* ctx) {
-  try {
-    return skip_rms_norm(kernel, ctx);
-  } catch (const std::bad_alloc&) {
-    return fail("ruvllm.SkipRMSNorm: out of memory");
-  }
-}
-
 CustomOp norm_op() {
-  CustomOp op = kernel_op<NormKernel, create_norm, norm>();
+  CustomOp op = kernel_op<NormKernel, create_norm, skip_rms_norm, kNormName>();
   op.GetName = [](const CustomOp*) { return "SkipRMSNorm"; };
   op.GetInputType = [](const CustomOp*, size_t) { return kFloat; };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 3; };
