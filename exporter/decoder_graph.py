@@ -141,21 +141,14 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         return b.op("Cast", [stored], to=FLOAT, name=f"{name}/cast")
 
     # ---- inputs ----
-    input_ids = b.input(C.INPUT_IDS, INT64, ["num_tokens"])
-    position_ids = b.input(C.POSITION_IDS, INT64, ["num_tokens"])
-    query_index = b.input(C.QUERY_INDEX, INT64, ["batch", "query_len"])
-    flat_index = b.input(C.FLAT_INDEX, INT64, ["num_tokens"])
-    block_tables = b.input(C.BLOCK_TABLES, INT64, ["batch", "max_blocks"])
-    logits_index = b.input(C.LOGITS_INDEX, INT64, ["num_logits"])
-    temperature = b.input(C.TEMPERATURE, FLOAT, ["num_logits"])
-    rep_pen = b.input(C.REPETITION_PENALTY, FLOAT, ["num_logits"])
-    pres_pen = b.input(C.PRESENCE_PENALTY, FLOAT, ["num_logits"])
-    freq_pen = b.input(C.FREQUENCY_PENALTY, FLOAT, ["num_logits"])
-    sparse_ids = b.input(C.SPARSE_IDS, INT64, ["num_logits", "num_sparse"])
-    sparse_seen = b.input(C.SPARSE_SEEN, FLOAT, ["num_logits", "num_sparse"])
-    sparse_counts = b.input(C.SPARSE_COUNTS, FLOAT, ["num_logits", "num_sparse"])
-    sparse_bias = b.input(C.SPARSE_BIAS, FLOAT, ["num_logits", "num_sparse"])
-    top_k = b.input(C.TOP_K, INT64, [1])
+    dtypes = {C.INT64: INT64, C.FLOAT32: FLOAT}
+    step = {name: b.input(name, dtypes[dtype], list(dims)) for name, dtype, dims in C.STEP_INPUTS}
+    input_ids, position_ids, query_index = step[C.INPUT_IDS], step[C.POSITION_IDS], step[C.QUERY_INDEX]
+    flat_index, block_tables, logits_index = step[C.FLAT_INDEX], step[C.BLOCK_TABLES], step[C.LOGITS_INDEX]
+    temperature, rep_pen = step[C.TEMPERATURE], step[C.REPETITION_PENALTY]
+    pres_pen, freq_pen = step[C.PRESENCE_PENALTY], step[C.FREQUENCY_PENALTY]
+    sparse_ids, sparse_seen = step[C.SPARSE_IDS], step[C.SPARSE_SEEN]
+    sparse_counts, sparse_bias, top_k = step[C.SPARSE_COUNTS], step[C.SPARSE_BIAS], step[C.TOP_K]
     pool_shape = [hkv, "num_blocks", "block_size", d]
     past = [(b.input(C.past_key(i), FLOAT, pool_shape), b.input(C.past_value(i), FLOAT, pool_shape))
             for i in range(nl)]

@@ -35,6 +35,29 @@ TOP_K = "top_k"  # int64 [1]: how many candidates to return
 # --- graph inputs: LoRA (only in the LoRA graph variant) ---
 LORA_WEIGHTS = "lora_weights"  # float [num_tokens, num_adapters]: per-token mixing weights
 
+# The step's per-step graph inputs with their dtype and symbolic shape, in the graph's input order: the
+# exporter declares them from this table, the manifest carries them, and both backends build each
+# input (an empty one too) with this rank and dtype.
+INT64, FLOAT32 = "int64", "float32"
+STEP_INPUTS: tuple[tuple[str, str, tuple], ...] = (
+    (INPUT_IDS, INT64, ("num_tokens",)),
+    (POSITION_IDS, INT64, ("num_tokens",)),
+    (QUERY_INDEX, INT64, ("batch", "query_len")),
+    (FLAT_INDEX, INT64, ("num_tokens",)),
+    (BLOCK_TABLES, INT64, ("batch", "max_blocks")),
+    (LOGITS_INDEX, INT64, ("num_logits",)),
+    (TEMPERATURE, FLOAT32, ("num_logits",)),
+    (REPETITION_PENALTY, FLOAT32, ("num_logits",)),
+    (PRESENCE_PENALTY, FLOAT32, ("num_logits",)),
+    (FREQUENCY_PENALTY, FLOAT32, ("num_logits",)),
+    (SPARSE_IDS, INT64, ("num_logits", "num_sparse")),
+    (SPARSE_SEEN, FLOAT32, ("num_logits", "num_sparse")),
+    (SPARSE_COUNTS, FLOAT32, ("num_logits", "num_sparse")),
+    (SPARSE_BIAS, FLOAT32, ("num_logits", "num_sparse")),
+    (TOP_K, INT64, (1,)),
+)
+STEP_INPUT_DTYPES = {name: dtype for name, dtype, _ in STEP_INPUTS}
+
 
 def past_key(layer: int) -> str:
     return f"past.{layer}.key"  # float [kv_heads, num_blocks, block_size, head_dim]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,10 +66,44 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def _verified_record(path: Path) -> Path:
+    from runtime.aliases import cache_dir
+
+    return cache_dir() / "verified" / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32] + ".json")
+
+
+def verify_files(pkg: ModelPackage, record: bool = True) -> None:
+    """Check every file's sha256 against the manifest, naming the first that differs.
+
+    A file whose size, mtime and manifest digest match an earlier successful check (kept under the
+    cache folder, keyed by the package's path) is not read again, so a second load is instant.
+    """
+    where = _verified_record(pkg.path)
+    try:
+        known = json.loads(where.read_text()) if record and where.exists() else {}
+    except (OSError, ValueError):
+        known = {}
+    checked = {}
+    for name, meta in pkg.manifest["files"].items():
+        st = (pkg.path / name).stat()
+        stamp = [st.st_size, st.st_mtime_ns, meta["sha256"]]
+        if known.get(name) != stamp:
+            if file_digest(pkg.path / name) != meta["sha256"]:
+                raise PackageError(f"{pkg.path}: corrupt package, {name} does not match the sha256 in its manifest "
+                                   "(re-export or re-download it; --no-verify skips this check)")
+        checked[name] = stamp
+    if record and checked != known:
+        try:
+            where.parent.mkdir(parents=True, exist_ok=True)
+            tmp = where.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(checked))
+            tmp.replace(where)
+        except OSError:
+            pass  # a read-only cache only costs the next load a re-check
+
+
 def expected_inputs(num_layers: int, lora: bool = False) -> list[str]:
-    names = [C.INPUT_IDS, C.POSITION_IDS, C.QUERY_INDEX, C.FLAT_INDEX, C.BLOCK_TABLES, C.LOGITS_INDEX,
-             C.TEMPERATURE, C.REPETITION_PENALTY, C.PRESENCE_PENALTY, C.FREQUENCY_PENALTY, C.SPARSE_IDS,
-             C.SPARSE_SEEN, C.SPARSE_COUNTS, C.SPARSE_BIAS, C.TOP_K]
+    names = [name for name, _, _ in C.STEP_INPUTS]
     for i in range(num_layers):
         names += [C.past_key(i), C.past_value(i)]
     if lora:
@@ -81,7 +116,7 @@ def expected_outputs(num_layers: int) -> list[str]:
 
 
 def load_package(path: str | Path, verify_hashes: bool = False, elsewhere: tuple[str, ...] = ()) -> ModelPackage:
-    """Validate format, version, files (sizes; sha256 on request) and the declared graph I/O.
+    """Validate format, version, files (sizes; sha256 on request, see verify_files) and the declared graph I/O.
 
     elsewhere names files that are not in the folder because another part holds them (in the page,
     the graphs live in onnxruntime-web; the loader checked their sha256 when it fetched them).
@@ -118,8 +153,6 @@ def load_package(path: str | Path, verify_hashes: bool = False, elsewhere: tuple
         if f.stat().st_size != int(meta["size"]):
             raise PackageError(f"{path}: corrupt package, {name} has {f.stat().st_size} bytes, "
                                f"manifest says {meta['size']}")
-        if verify_hashes and file_digest(f) != meta["sha256"]:
-            raise PackageError(f"{path}: corrupt package, sha256 of {name} does not match the manifest")
     for g in manifest["graphs"].values():
         if g["file"] not in manifest["files"]:
             raise PackageError(f"{path}: corrupt manifest, graph {g['file']} is not listed in files")
@@ -129,4 +162,7 @@ def load_package(path: str | Path, verify_hashes: bool = False, elsewhere: tuple
         raise PackageError(f"{path}: graph inputs do not follow the I/O contract of format {C.FORMAT_VERSION}")
     if manifest["io"].get("outputs") != expected_outputs(n):
         raise PackageError(f"{path}: graph outputs do not follow the I/O contract of format {C.FORMAT_VERSION}")
-    return ModelPackage(p, manifest)
+    pkg = ModelPackage(p, manifest)
+    if verify_hashes:
+        verify_files(pkg)
+    return pkg

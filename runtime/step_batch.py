@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime import contract as C
+
 
 @dataclass
 class PenaltyState:
@@ -90,6 +92,33 @@ class StepBatch:
     sparse_bias: list[list[float]]
     top_k: int
     want_full_logits: bool = False
+
+    def feeds(self, block_tables: list[list[int]] | None, top_k: int) -> dict[str, tuple[list, list[int]]]:
+        """Every per-step graph input (runtime.contract.STEP_INPUTS) as (values, dims): values nested as
+        the rank says, dims given explicitly so that an empty input keeps its rank (a step of prompt
+        chunks only has no logits rows, and its sparse inputs are [0, 1]). block_tables None: the
+        backend binds its own."""
+        rows = len(self.logits_index)
+        sparse = [rows, len(self.sparse_ids[0]) if rows else 1]
+        feeds = {
+            C.INPUT_IDS: (self.input_ids, [len(self.input_ids)]),
+            C.POSITION_IDS: (self.position_ids, [len(self.position_ids)]),
+            C.QUERY_INDEX: (self.query_index, [len(self.query_index), len(self.query_index[0])]),
+            C.FLAT_INDEX: (self.flat_index, [len(self.flat_index)]),
+            C.LOGITS_INDEX: (self.logits_index, [rows]),
+            C.TEMPERATURE: (self.temperature, [rows]),
+            C.REPETITION_PENALTY: (self.repetition_penalty, [rows]),
+            C.PRESENCE_PENALTY: (self.presence_penalty, [rows]),
+            C.FREQUENCY_PENALTY: (self.frequency_penalty, [rows]),
+            C.SPARSE_IDS: (self.sparse_ids, sparse),
+            C.SPARSE_SEEN: (self.sparse_seen, sparse),
+            C.SPARSE_COUNTS: (self.sparse_counts, sparse),
+            C.SPARSE_BIAS: (self.sparse_bias, sparse),
+            C.TOP_K: ([top_k], [1]),
+        }
+        if block_tables is not None:
+            feeds[C.BLOCK_TABLES] = (block_tables, [len(block_tables), self.max_blocks])
+        return feeds
 
 
 def table_width(max_context: int, max_batch_tokens: int, block_size: int) -> int:

@@ -136,6 +136,7 @@ class NativeBackend:
         for i in range(self.num_layers):
             self._io.bind_ortvalue_input(C.past_key(i), self._ort.OrtValue.ortvalue_from_numpy(self.k_pool[i]))
             self._io.bind_ortvalue_input(C.past_value(i), self._ort.OrtValue.ortvalue_from_numpy(self.v_pool[i]))
+        self._dtypes = {name: np.dtype(dtype) for name, dtype in C.STEP_INPUT_DTYPES.items()}
         self._bound: tuple | None = None  # the output shapes currently bound
         self._bound_inputs: dict[str, tuple] = {}  # input name -> (the values it is bound to, their array)
         self._table_version = 0
@@ -178,27 +179,14 @@ class NativeBackend:
     def run(self, batch: StepBatch, extra_inputs: dict | None = None) -> StepResult:
         """Run one step; extra_inputs binds further graph inputs (the LoRA graph's adapter tensors)."""
         io = self._io
-        i64, f32 = np.int64, np.float32
         rows = len(batch.logits_index)
         top_k = min(batch.top_k, self.vocab_size)
         # a decode step repeats most inputs of the last one (sampling settings, padding, indices):
         # rebinding only what changed saves ~10 array conversions and bindings per step
         table_key = (tuple(batch.slots), batch.max_blocks, self._table_version)
         self._bind(C.BLOCK_TABLES, table_key, lambda _: self.block_tables[batch.slots, :batch.max_blocks])
-        for name, values, dtype in (
-                (C.INPUT_IDS, batch.input_ids, i64), (C.POSITION_IDS, batch.position_ids, i64),
-                (C.QUERY_INDEX, batch.query_index, i64), (C.FLAT_INDEX, batch.flat_index, i64),
-                (C.LOGITS_INDEX, batch.logits_index, i64), (C.TEMPERATURE, batch.temperature, f32),
-                (C.REPETITION_PENALTY, batch.repetition_penalty, f32),
-                (C.PRESENCE_PENALTY, batch.presence_penalty, f32),
-                (C.FREQUENCY_PENALTY, batch.frequency_penalty, f32)):
-            self._bind(name, values, lambda v, t=dtype: np.array(v, t))
-        for name, values, dtype in ((C.SPARSE_IDS, batch.sparse_ids, i64), (C.SPARSE_SEEN, batch.sparse_seen, f32),
-                                    (C.SPARSE_COUNTS, batch.sparse_counts, f32),
-                                    (C.SPARSE_BIAS, batch.sparse_bias, f32)):
-            # a step of prefill chunks only (a prompt longer than the step's token budget) has no rows
-            self._bind(name, values, lambda v, t=dtype: np.array(v, t).reshape(rows, -1) if rows else np.zeros((0, 1), t))
-        self._bind(C.TOP_K, top_k, lambda k: np.array([k], i64))  # = the bound output width
+        for name, (values, dims) in batch.feeds(None, top_k).items():
+            self._bind(name, (values, dims), lambda key, t=self._dtypes[name]: np.array(key[0], t).reshape(key[1]))
         for name, arr in (extra_inputs or {}).items():
             io.bind_cpu_input(name, arr)
             self._bound_inputs[name] = (object(), arr)  # never equal: rebound whenever given
@@ -208,7 +196,7 @@ class NativeBackend:
         if batch.kv_slots[-1] - first == n - 1 and batch.kv_slots == list(range(first, first + n)):
             slots = slice(first, first + n)  # one run of slots (every decode, most chunks): no fancy indexing
         else:
-            slots = np.array(batch.kv_slots, i64)
+            slots = np.array(batch.kv_slots, np.int64)
         self._k_flat[:, :, slots] = outs[C.PRESENT_KEY].transpose(0, 2, 1, 3)
         self._v_flat[:, :, slots] = outs[C.PRESENT_VALUE].transpose(0, 2, 1, 3)
         if not rows:

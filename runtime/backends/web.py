@@ -9,6 +9,7 @@ through AsyncEngine; there is no synchronous `run`. LoRA adapters are native-onl
 
 from __future__ import annotations
 
+from runtime import contract as C
 from runtime.kv_blocks import kv_bytes_per_token
 from runtime.package import ModelPackage
 from runtime.step_batch import StepBatch, StepResult
@@ -27,8 +28,15 @@ class WebBackend:
     kv_bytes_per_token = staticmethod(kv_bytes_per_token)
 
     def allocate(self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int) -> None:
+        from js import Object
+        from pyodide.ffi import to_js
+
         self.block_tables = [[0] * max_blocks_per_seq for _ in range(max_seqs)]
-        self.runner.allocate(num_blocks, block_size)
+        layers = range(self.pkg.config["num_layers"])
+        io = {"past_keys": [C.past_key(i) for i in layers], "past_values": [C.past_value(i) for i in layers],
+              "present_key": C.PRESENT_KEY, "present_value": C.PRESENT_VALUE, "logits": C.LOGITS,
+              "topk_ids": C.TOPK_IDS, "topk_logprobs": C.TOPK_LOGPROBS}
+        self.runner.allocate(num_blocks, block_size, to_js(io, dict_converter=Object.fromEntries))
 
     def set_block(self, slot: int, index: int, block: int) -> None:
         self.block_tables[slot][index] = block
@@ -39,14 +47,17 @@ class WebBackend:
         from pyodide.ffi import to_js
 
         tables = [self.block_tables[s][:batch.max_blocks] for s in batch.slots]
+        feeds = batch.feeds(tables, min(batch.top_k, self.vocab_size))
+        if not batch.logits_index:
+            # onnxruntime-web's WASM TopK traps ("divide by zero") on a [0, vocab] input, which a step of
+            # prompt chunks only would give it: score one placeholder row (the last token) and drop it
+            feeds.update({C.LOGITS_INDEX: ([len(batch.input_ids) - 1], [1]), C.TEMPERATURE: ([1.0], [1]),
+                          C.REPETITION_PENALTY: ([1.0], [1]), C.PRESENCE_PENALTY: ([0.0], [1]),
+                          C.FREQUENCY_PENALTY: ([0.0], [1])})
+            feeds.update({name: ([[0]], [1, 1]) for name in (C.SPARSE_IDS, C.SPARSE_SEEN, C.SPARSE_COUNTS,
+                                                             C.SPARSE_BIAS)})
         step = {
-            "input_ids": batch.input_ids, "position_ids": batch.position_ids,
-            "query_index": batch.query_index, "flat_index": batch.flat_index, "block_tables": tables,
-            "logits_index": batch.logits_index, "temperature": batch.temperature,
-            "repetition_penalty": batch.repetition_penalty, "presence_penalty": batch.presence_penalty,
-            "frequency_penalty": batch.frequency_penalty, "sparse_token_ids": batch.sparse_ids,
-            "sparse_token_seen": batch.sparse_seen, "sparse_token_counts": batch.sparse_counts,
-            "sparse_logit_bias": batch.sparse_bias, "top_k": min(batch.top_k, self.vocab_size),
+            "feeds": feeds, "rows": len(batch.logits_index),
             "kv_slots": batch.kv_slots, "blocks_needed": 1 + max(max(t) for t in tables),
             "want_logits": batch.want_full_logits,
         }

@@ -161,7 +161,7 @@ async function open({ model, ortURL, device: wanted, threads }) {
     throw session.err;
   }
   files = null; // onnxruntime-web holds its own copy now
-  runner = new StepRunner(ort, session, manifest.config);
+  runner = new StepRunner(ort, session, manifest);
   return { device, threads, graph, cache: stats, warmupSteps, sessionSeconds: (performance.now() - t0) / 1000 };
 }
 
@@ -173,7 +173,7 @@ self.onmessage = async ({ data }) => {
       post({ type: 'opened', id, ...(await opening) });
     } else if (type === 'allocate') {
       await opening;
-      runner.allocate(data.numBlocks, data.blockSize);
+      runner.allocate(data.numBlocks, data.blockSize, data.io);
     } else if (type === 'run') {
       await opening;
       post({ type: 'result', id, result: await runner.run(data.step) });

@@ -31,8 +31,8 @@ export class RemoteRunner {
     });
   }
 
-  allocate(numBlocks, blockSize) {
-    this.worker.postMessage({ type: 'allocate', numBlocks, blockSize });
+  allocate(numBlocks, blockSize, io) {
+    this.worker.postMessage({ type: 'allocate', numBlocks, blockSize, io });
   }
 
   async run(step) {

@@ -5,24 +5,29 @@
 
 import { KvPool } from './kv_pool.js';
 
-const INT64 = ['input_ids', 'position_ids', 'query_index', 'flat_index', 'block_tables', 'logits_index', 'sparse_token_ids'];
-const FLOAT = ['temperature', 'repetition_penalty', 'presence_penalty', 'frequency_penalty', 'sparse_token_seen',
-  'sparse_token_counts', 'sparse_logit_bias'];
+// ONNX TensorProto element types of the graph inputs a step builds (the manifest's io.inputs say which)
+const ELEMENT_TYPES = { 1: ['float32', Float32Array.from.bind(Float32Array)], 7: ['int64', (d) => BigInt64Array.from(d, BigInt)] };
 
-function flatten(value) {
-  if (!Array.isArray(value[0])) return { data: value, dims: [value.length] };
-  const rows = value.length, cols = rows ? value[0].length : 0;
-  const data = new Array(rows * cols);
-  for (let r = 0; r < rows; r++) for (let c = 0; c < cols; c++) data[r * cols + c] = value[r][c];
-  return { data, dims: [rows, cols] };
+/** name -> { type, make, rank } for every graph input the manifest declares (the exporter writes them
+ * from runtime/contract.py): a step's tensors get their dtype and rank from here, never from a copy. */
+function inputSpec(manifest) {
+  const spec = {};
+  for (const { name, dtype, shape } of manifest.io.inputs) {
+    const [type, make] = ELEMENT_TYPES[dtype] ?? [];
+    if (type) spec[name] = { type, make, rank: shape.length };
+  }
+  return spec;
 }
 
 export class StepRunner {
-  constructor(ort, session, config) {
+  constructor(ort, session, manifest) {
+    const config = manifest.config;
     this.ort = ort;
     this.session = session;
+    this.spec = inputSpec(manifest);
     this.config = { numLayers: config.num_layers, kvHeads: config.num_kv_heads, headDim: config.head_dim };
     this.vocabSize = config.vocab_size;
+    this.io = null; // the KV pools' input names and the outputs' names, sent by Python (runtime/contract.py)
     this.pool = null;
     this.steps = 0;
     this.sessionMs = 0; // inside onnxruntime-web's run
@@ -33,8 +38,20 @@ export class StepRunner {
     return { steps: this.steps, session_ms: this.sessionMs, bridge_ms: this.stepMs, kv_pool_bytes: this.pool?.bytes ?? 0 };
   }
 
-  allocate(numBlocks, blockSize) {
+  allocate(numBlocks, blockSize, io) {
     this.pool = new KvPool(this.config, numBlocks, blockSize);
+    this.io = io;
+  }
+
+  /** A graph input from Python's [values, dims], with the dtype and rank the manifest declares. */
+  tensor(name, [values, dims]) {
+    const spec = this.spec[name];
+    if (!spec) throw new Error(`the step feeds ${name}, which this model's graph does not declare`);
+    const data = dims.length > 1 ? values.flat(dims.length - 1) : values;
+    if (dims.length !== spec.rank || data.length !== dims.reduce((a, b) => a * b, 1)) {
+      throw new Error(`graph input ${name}: ${data.length} values as [${dims}], the graph declares rank ${spec.rank}`);
+    }
+    return new this.ort.Tensor(spec.type, spec.make(data), dims);
   }
 
   async run(step) {
@@ -42,39 +59,32 @@ export class StepRunner {
     const { ort, pool } = this;
     pool.ensure(step.blocks_needed);
     const feeds = {};
-    for (const name of INT64) {
-      const { data, dims } = flatten(step[name]);
-      feeds[name] = new ort.Tensor('int64', BigInt64Array.from(data, (x) => BigInt(x)), dims);
-    }
-    for (const name of FLOAT) {
-      const { data, dims } = flatten(step[name]);
-      feeds[name] = new ort.Tensor('float32', Float32Array.from(data), dims);
-    }
-    feeds.top_k = new ort.Tensor('int64', BigInt64Array.from([BigInt(step.top_k)]), [1]);
+    for (const [name, value] of Object.entries(step.feeds)) feeds[name] = this.tensor(name, value);
+    const { io } = this;
     const dims = pool.dims;
     for (let l = 0; l < this.config.numLayers; l++) {
-      feeds[`past.${l}.key`] = new ort.Tensor('float32', pool.keys[l], dims);
-      feeds[`past.${l}.value`] = new ort.Tensor('float32', pool.values[l], dims);
+      feeds[io.past_keys[l]] = new ort.Tensor('float32', pool.keys[l], dims);
+      feeds[io.past_values[l]] = new ort.Tensor('float32', pool.values[l], dims);
     }
-    const rows = step.logits_index.length;
-    const fetches = ['present.key', 'present.value'];
-    if (rows) fetches.push('topk_ids', 'topk_logprobs');
-    if (rows && step.want_logits) fetches.push('logits');
+    const rows = step.rows;
+    const fetches = [io.present_key, io.present_value];
+    if (rows) fetches.push(io.topk_ids, io.topk_logprobs);
+    if (rows && step.want_logits) fetches.push(io.logits);
     const t0 = performance.now();
     const out = await this.session.run(feeds, fetches);
     this.sessionMs += performance.now() - t0;
-    pool.write(out['present.key'].data, out['present.value'].data, step.kv_slots);
+    pool.write(out[io.present_key].data, out[io.present_value].data, step.kv_slots);
     this.steps++;
     const result = { topk_ids: [], topk_logprobs: [] };
     if (rows) {
-      const k = out.topk_ids.dims[1];
-      const ids = out.topk_ids.data, lps = out.topk_logprobs.data;
+      const ids = out[io.topk_ids], lps = out[io.topk_logprobs].data;
+      const k = ids.dims[1];
       for (let r = 0; r < rows; r++) {
-        result.topk_ids.push(Array.from(ids.subarray(r * k, (r + 1) * k), Number));
+        result.topk_ids.push(Array.from(ids.data.subarray(r * k, (r + 1) * k), Number));
         result.topk_logprobs.push(Array.from(lps.subarray(r * k, (r + 1) * k)));
       }
       if (step.want_logits) {
-        const v = this.vocabSize, data = out.logits.data;
+        const v = this.vocabSize, data = out[io.logits].data;
         result.logits = Array.from({ length: rows }, (_, r) => Array.from(data.subarray(r * v, (r + 1) * v)));
       }
     }
