@@ -12,7 +12,7 @@ from pathlib import Path
 
 from runtime.aliases import ALIASES, DEFAULT_ALIAS, cache_dir, cached_package_dir, is_hub_id
 from runtime.errors import RuvLLMError
-from runtime.sampling import SamplingParams
+from runtime.sampling import SamplingParams, check_range, range_text
 
 
 # ---- resolving a package argument ----
@@ -80,6 +80,8 @@ def engine_options(args) -> dict:
     for name in ("speculative_tokens", "speculative_max_batch"):
         if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)
+    if getattr(args, "no_verify", False):
+        opts["verify"] = False
     return opts
 
 
@@ -94,24 +96,33 @@ def make_engine(args, **kwargs):
                           "pip install 'ruvllm[native]'") from err
 
 
+SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                  "frequency_penalty", "seed", "stop", "logprobs")
+
+
+def sampling_given(args) -> dict:
+    """The sampling flags given on the command line (the rest stay at SamplingParams' defaults)."""
+    return {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name, None) is not None}
+
+
 def sampling_from(args) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=list(args.stop or []),
-    )
+    params = SamplingParams(**sampling_given(args))
+    params.validate()
+    return params
 
 
 # ---- commands ----
 def cmd_generate(args) -> int:
     if args.prompt is None:  # one positional given: it is the prompt
         args.package, args.prompt = None, args.package
-    engine = make_engine(args)
     params = sampling_from(args)
+    engine = make_engine(args)
     kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     started = time.perf_counter()
     first = None
-    text, ids, last = [], [], None
+    text, ids, last, logprobs = [], [], None, []
     for out in engine.generate(params=params, **kwargs):
+        logprobs.extend({"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in out.logprobs)
         if first is None:
             first = time.perf_counter()
         text.append(out.delta)
@@ -128,6 +139,7 @@ def cmd_generate(args) -> int:
             "completion_tokens": n, "finish_reason": last.finish_reason if last else None,
             "ttft_ms": round((first - started) * 1000, 1) if first else None,
             "decode_tokens_per_s": round((n - 1) / (end - first), 1) if first and n > 1 and end > first else None,
+            **({"logprobs": logprobs} if params.logprobs is not None else {}),
         }))
     else:
         sys.stdout.write("\n")
@@ -143,8 +155,8 @@ CHAT_HELP = """commands:
 
 
 def cmd_chat(args) -> int:
-    engine = make_engine(args)
     params = sampling_from(args)
+    engine = make_engine(args)
     system = args.system
     history: list[dict] = []
     interactive = sys.stdin.isatty()
@@ -176,11 +188,11 @@ def cmd_chat(args) -> int:
             elif cmd == "/temp":
                 try:
                     value = float(rest)
-                    SamplingParams(temperature=value).validate()
+                    check_range("temperature", value)
                     params.temperature = value
                     print(f"(temperature {value})")
                 except (ValueError, RuvLLMError):
-                    print("usage: /temp VALUE (a number between 0 and 100)")
+                    print(f"usage: /temp VALUE (temperature {range_text('temperature')})")
             else:
                 print(f"unknown command {cmd}; /help lists them")
             continue
@@ -306,10 +318,12 @@ def cmd_serve(args) -> int:
     if args.max_concurrent < 1:
         raise RuvLLMError("--max-concurrent must be at least 1")
     packages = [str(resolve_package(p)) for p in (args.packages or [None])]
+    defaults = sampling_given(args)
+    sampling_from(args)  # the defaults are checked before anything loads
     models = load_models(packages, args.device, args.max_concurrent, engine_options(args))
     print(f"serving {', '.join(models)} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve(models, args.host, args.port, args.api_key or os.environ.get("RUVLLM_API_KEY"), args.max_queue,
-          log_level=args.log_level)
+          log_level=args.log_level, defaults=defaults)
     return 0
 
 
@@ -317,15 +331,22 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ruvllm", description="Run language models on ONNX Runtime")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    def sampling_args(p, temperature: float) -> None:
-        p.add_argument("--max-tokens", type=int, default=256)
+    def sampling_args(p, temperature: float | None, max_tokens: int | None = 256) -> None:
+        """Every sampling parameter; None defaults leave SamplingParams' own (or, for serve, the request's)."""
+        p.add_argument("--max-tokens", type=int, default=max_tokens)
         p.add_argument("--temperature", type=float, default=temperature)
-        p.add_argument("--top-k", type=int, default=0)
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--min-p", type=float, default=0.0)
-        p.add_argument("--repetition-penalty", type=float, default=1.0)
+        p.add_argument("--top-k", type=int, default=None, help="keep the K likeliest tokens (0 or -1: off)")
+        p.add_argument("--top-p", type=float, default=None)
+        p.add_argument("--min-p", type=float, default=None)
+        p.add_argument("--repetition-penalty", type=float, default=None)
+        p.add_argument("--presence-penalty", type=float, default=None)
+        p.add_argument("--frequency-penalty", type=float, default=None)
         p.add_argument("--seed", type=int, default=None)
-        p.add_argument("--stop", action="append", help="stop string (repeatable)")
+        p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+        p.add_argument("--logprobs", type=int, default=None, help="alternatives per token to report (0-20)")
+
+    def run_args(p, temperature: float) -> None:
+        sampling_args(p, temperature)
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
         p.add_argument("--threads", type=int, default=None)
         engine_args(p)
@@ -338,19 +359,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompt-lookup drafts verified per decode step, for requests at temperature <= 0.5 (default 3; 0: off)")
         p.add_argument("--speculative-max-batch", type=int, default=None,
                        help="draft only while at most this many sequences run (default 2)")
+        p.add_argument("--no-verify", action="store_true",
+                       help="skip checking the package's files against their sha256 (checked once per file change)")
 
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
     g.add_argument("package", nargs="?", help="package folder or alias (default: the embedded SmolLM2-135M)")
     g.add_argument("prompt", nargs="?")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    sampling_args(g, 0.7)
+    run_args(g, 0.7)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat")
     c.add_argument("package", nargs="?")
     c.add_argument("--system", default=None)
-    sampling_args(c, 0.7)
+    run_args(c, 0.7)
     c.set_defaults(func=cmd_chat)
 
     ls = sub.add_parser("list", help="packages in the cache")
@@ -396,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
     sv.add_argument("--log-level", default="info")
     engine_args(sv)
+    sampling_args(sv, None, None)  # given ones are the defaults of requests that leave the field out
     sv.set_defaults(func=cmd_serve)
     return ap
 

@@ -152,10 +152,12 @@ class Engine:
         self.stats = EngineStats()
 
     @classmethod
-    def from_package(cls, path, device: str = "cpu", threads: int | None = None, **kwargs) -> Engine:
+    def from_package(cls, path, device: str = "cpu", threads: int | None = None, verify: bool = True,
+                     **kwargs) -> Engine:
+        """verify: check every file's sha256 first (cached by size and mtime; see package.verify_files)."""
         from runtime.backends.native import NativeBackend
 
-        pkg = load_package(path)
+        pkg = load_package(path, verify_hashes=verify)
         return cls(pkg, NativeBackend(pkg, device=device, threads=threads), **kwargs)
 
     # ---- requests ----

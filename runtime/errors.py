@@ -18,7 +18,13 @@ class DeviceError(RuvLLMError):
 
 
 class RequestError(RuvLLMError):
-    """A request cannot be served as given (for example, a prompt longer than the context)."""
+    """A request cannot be served as given (for example, a prompt longer than the context).
+
+    param names the request field at fault, when one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ContextLengthError(RequestError):

@@ -1,21 +1,35 @@
 """OpenAI's chat/completions wire format: validating requests and shaping responses (standard library).
 
 Every bad field becomes a ProtocolError naming the field, which the server turns into a 400 in
-OpenAI's error shape. The same module can shape the browser API's chunks.
+OpenAI's error shape. The same module can shape the browser API's chunks, and it is the one place
+the request fields are defined: the server publishes request_schema() in its OpenAPI document.
+
+Field policy: a field that would change the output and is not implemented (response_format, tools,
+...) is refused with a 400 naming it, never ignored; purely informational fields (user, metadata,
+store) are accepted; a field OpenAI does not define and RuvLLM does not add is refused as OpenAI does.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from dataclasses import dataclass
 
 from runtime.engine import RequestOutput
-from runtime.sampling import SamplingParams
+from runtime.errors import RequestError
+from runtime.sampling import RANGES, SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 128  # OpenAI's limit on n
+MAX_TOP_LOGPROBS = int(RANGES["logprobs"][1])
+
+# Fields that would change the output, not implemented yet: refused, never silently ignored.
+UNSUPPORTED = ("response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+               "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "suffix", "best_of",
+               "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+INFORMATIONAL = ("user", "metadata", "store", "service_tier")  # accepted; they change nothing generated
 
 
 class ProtocolError(Exception):
@@ -65,63 +79,95 @@ def _type_names(types: tuple) -> str:
     return " or ".join(names.get(t, t.__name__) for t in types if not (t is int and float in types))
 
 
-def _range(name: str, value, lo=None, hi=None, lo_open: bool = False):
-    if value is None:
-        return None
-    if lo is not None and (value <= lo if lo_open else value < lo):
-        raise ProtocolError(f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {value}", name)
-    if hi is not None and value > hi:
-        raise ProtocolError(f"'{name}' must be <= {hi}, got {value}", name)
-    return value
-
-
-def _sampling(body: dict, logprobs: int | None) -> tuple[SamplingParams, bool, int]:
-    num = (int, float)
+def _sampling(body: dict, logprobs: int | None, defaults: dict | None = None) -> tuple[SamplingParams, bool, int]:
+    """The request's sampling parameters (their ranges are sampling.RANGES'); defaults: the server's
+    own defaults for fields the request leaves out (`ruvllm serve --temperature ...`)."""
+    num, d = (int, float), defaults or {}
     max_tokens = _get(body, "max_completion_tokens", (int,))
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", (int,))
-        name = "max_tokens"
-    else:
-        name = "max_completion_tokens"
-    _range(name, max_tokens, 1)
-    temperature = _range("temperature", _get(body, "temperature", num, 1.0), 0, 2)
-    top_p = _range("top_p", _get(body, "top_p", num, 1.0), 0, 1, lo_open=True)
-    top_k = _get(body, "top_k", (int,), 0)
-    if top_k < -1:
-        raise ProtocolError("'top_k' must be -1 (off), 0 (off) or positive", "top_k")
-    min_p = _range("min_p", _get(body, "min_p", num, 0.0), 0, 1)
-    presence = _range("presence_penalty", _get(body, "presence_penalty", num, 0.0), -2, 2)
-    frequency = _range("frequency_penalty", _get(body, "frequency_penalty", num, 0.0), -2, 2)
-    repetition = _range("repetition_penalty", _get(body, "repetition_penalty", num, 1.0), 0, 10, lo_open=True)
-    seed = _get(body, "seed", (int,))
-    stop = _get(body, "stop", (str, list), [])
+    given = max_tokens is not None
+    stop = _get(body, "stop", (str, list), d.get("stop", []))
     if isinstance(stop, str):
         stop = [stop]
     if any(not isinstance(s, str) or not s for s in stop):
         raise ProtocolError("'stop' must be a string or an array of non-empty strings", "stop")
-    bias_in = _get(body, "logit_bias", (dict,), {})
     bias = {}
-    for key, value in bias_in.items():
+    for key, value in _get(body, "logit_bias", (dict,), {}).items():
         try:
             token = int(key)
         except (TypeError, ValueError):
             raise ProtocolError(f"'logit_bias' keys must be token ids, got {key!r}", "logit_bias") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise ProtocolError("'logit_bias' values must be numbers between -100 and 100", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError("'logit_bias' values must be numbers", "logit_bias")
         bias[token] = float(value)
-    n = _range("n", _get(body, "n", (int,), 1), 1, MAX_CHOICES)
-    _get(body, "user", (str,))
+    n = _get(body, "n", (int,), 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise ProtocolError(f"'n' must be between 1 and {MAX_CHOICES}, got {n}", "n")
     params = SamplingParams(
-        max_tokens=max_tokens or 1, temperature=float(temperature), top_k=max(0, top_k), top_p=float(top_p),
-        min_p=float(min_p), presence_penalty=float(presence), frequency_penalty=float(frequency),
-        repetition_penalty=float(repetition), seed=seed, stop=list(stop), logit_bias=bias, logprobs=logprobs,
+        max_tokens=max_tokens if given else d.get("max_tokens", 1),
+        temperature=_get(body, "temperature", num, d.get("temperature", 1.0)),
+        top_k=_get(body, "top_k", (int,), d.get("top_k", 0)), top_p=_get(body, "top_p", num, d.get("top_p", 1.0)),
+        min_p=_get(body, "min_p", num, d.get("min_p", 0.0)),
+        presence_penalty=_get(body, "presence_penalty", num, d.get("presence_penalty", 0.0)),
+        frequency_penalty=_get(body, "frequency_penalty", num, d.get("frequency_penalty", 0.0)),
+        repetition_penalty=_get(body, "repetition_penalty", num, d.get("repetition_penalty", 1.0)),
+        seed=_get(body, "seed", (int,), d.get("seed")), stop=list(stop), logit_bias=bias, logprobs=logprobs,
+        ignore_eos=_get(body, "ignore_eos", (bool,), False),
+        include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
+        stop_token_ids=_get(body, "stop_token_ids", (list,), []),
     )
-    return params, max_tokens is not None, n
+    try:
+        params.validate()
+    except RequestError as err:
+        name = err.param
+        if name == "max_tokens" and "max_completion_tokens" in body:
+            name = "max_completion_tokens"
+        raise ProtocolError(f"'{name}' {str(err).split(': ', 1)[1]}", name) from None
+    return params, given or "max_tokens" in d, n
 
 
-def _common(body) -> tuple[str, bool, bool]:
+def _check_fields(body: dict, known: tuple[str, ...]) -> None:
+    for name in body:
+        if name in UNSUPPORTED and body[name] is not None:
+            raise ProtocolError(f"'{name}' is not supported by this server yet; remove it from the request", name,
+                                code="unsupported_parameter")
+        if name not in known and name not in UNSUPPORTED:
+            raise ProtocolError(f"Unrecognized request argument supplied: {name}", name,
+                                code="unrecognized_parameter")
+
+
+def parse_body(text: str):
+    """The JSON of a request body, or a ProtocolError: malformed JSON, nesting too deep to parse, or a
+    lone UTF-16 surrogate (legal JSON, but no Unicode text: nothing downstream could encode it)."""
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ProtocolError(f"the request body is not valid JSON: {err.msg} at position {err.pos}") from None
+    except RecursionError:
+        raise ProtocolError("the request body is nested too deeply") from None
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ProtocolError("the request body holds a lone UTF-16 surrogate (such as \\ud800), "
+                            "which is not valid Unicode text") from None
+    except RecursionError:
+        raise ProtocolError("the request body is nested too deeply") from None
+    return body
+
+
+_COMMON = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+           "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
+           "logit_bias", "n", "return_token_ids", "ignore_eos", "stop_token_ids", "include_stop_str_in_output"
+           ) + INFORMATIONAL
+CHAT_FIELDS = _COMMON + ("messages", "logprobs", "top_logprobs")
+COMPLETION_FIELDS = _COMMON + ("prompt", "logprobs", "echo")
+
+
+def _common(body, known: tuple[str, ...]) -> tuple[str, bool, bool]:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
+    _check_fields(body, known)
     model = _get(body, "model", (str,))
     if not model:
         raise ProtocolError("'model' is required", "model")
@@ -130,11 +176,20 @@ def _common(body) -> tuple[str, bool, bool]:
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise ProtocolError("'stream_options.include_usage' must be a boolean", "stream_options")
+    _get(body, "user", (str,))
+    _get(body, "metadata", (dict,))
     return model, stream, include_usage
 
 
-def parse_chat(body) -> ParsedRequest:
-    model, stream, include_usage = _common(body)
+def _logprobs(body: dict, name: str) -> int | None:
+    value = _get(body, name, (int,))
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ProtocolError(f"'{name}' must be between 0 and {MAX_TOP_LOGPROBS}, got {value}", name)
+    return value
+
+
+def parse_chat(body, defaults: dict | None = None) -> ParsedRequest:
+    model, stream, include_usage = _common(body, CHAT_FIELDS)
     messages = _get(body, "messages", (list,))
     if not messages:
         raise ProtocolError("'messages' must be a non-empty array", "messages")
@@ -156,18 +211,18 @@ def parse_chat(body) -> ParsedRequest:
             raise ProtocolError(f"'messages[{i}].content' must be a string", f"messages[{i}].content")
         clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
     want_logprobs = _get(body, "logprobs", (bool,), False)
-    top = _range("top_logprobs", _get(body, "top_logprobs", (int,)), 0, 20)
+    top = _logprobs(body, "top_logprobs")
     if top is not None and not want_logprobs:
         raise ProtocolError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    params, given, n = _sampling(body, logprobs)
+    params, given, n = _sampling(body, logprobs, defaults)
     return ParsedRequest(model, params, stream, include_usage, messages=clean, logprobs=logprobs,
                          max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False), n=n)
 
 
-def parse_completion(body) -> ParsedRequest:
-    model, stream, include_usage = _common(body)
-    prompt = body.get("prompt") if isinstance(body, dict) else None
+def parse_completion(body, defaults: dict | None = None) -> ParsedRequest:
+    model, stream, include_usage = _common(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, list):
@@ -176,12 +231,62 @@ def parse_completion(body) -> ParsedRequest:
                                 "prompt")
     elif not isinstance(prompt, str) or not prompt:
         raise ProtocolError("'prompt' must be a non-empty string", "prompt")
-    logprobs = _range("logprobs", _get(body, "logprobs", (int,)), 0, 20)
+    logprobs = _logprobs(body, "logprobs")
     if _get(body, "echo", (bool,), False):
         raise ProtocolError("'echo' is not supported", "echo")
-    params, given, n = _sampling(body, logprobs)
+    params, given, n = _sampling(body, logprobs, defaults)
     return ParsedRequest(model, params, stream, include_usage, prompt=prompt, logprobs=logprobs,
                          max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False), n=n)
+
+
+# ---- the published request schema (OpenAPI), from the same fields and ranges ----
+def _ranged(name: str, kind: str = "number") -> dict:
+    lo, hi, open_lo = RANGES[name]
+    out: dict = {"type": kind, ("exclusiveMinimum" if open_lo else "minimum"): lo}
+    if hi is not None:
+        out["maximum"] = hi
+    return out
+
+
+def request_schema(chat: bool, models: list[str] | None = None) -> dict:
+    """JSON schema of a chat or completions request body: every field the parser accepts, no other;
+    models: the names a server serves (any non-empty string when not given)."""
+    text = {"type": "string", "minLength": 1}
+    props: dict = {
+        "model": {"enum": list(models)} if models else text,
+        "stream": {"type": "boolean"},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+        "max_tokens": _ranged("max_tokens", "integer"), "max_completion_tokens": _ranged("max_tokens", "integer"),
+        "temperature": _ranged("temperature"), "top_p": _ranged("top_p"), "top_k": _ranged("top_k", "integer"),
+        "min_p": _ranged("min_p"), "presence_penalty": _ranged("presence_penalty"),
+        "frequency_penalty": _ranged("frequency_penalty"), "repetition_penalty": _ranged("repetition_penalty"),
+        "seed": {"type": "integer"},
+        "stop": {"anyOf": [text, {"type": "array", "items": text}]},
+        "logit_bias": {"type": "object", "additionalProperties": _ranged("logit_bias")},
+        "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
+        "return_token_ids": {"type": "boolean", "description": "RuvLLM (as vLLM): each choice carries its token ids"},
+        "ignore_eos": {"type": "boolean", "description": "as vLLM: generate past end-of-sequence tokens"},
+        "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                           "description": "as vLLM: token ids that end the choice"},
+        "include_stop_str_in_output": {"type": "boolean", "description": "as vLLM: keep the matched stop string"},
+        "user": {"type": "string"}, "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+        "store": {"type": "boolean"}, "service_tier": {"type": "string"},
+    }
+    top = {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}
+    if chat:
+        part = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                "required": ["type", "text"]}
+        message = {"type": "object", "required": ["role", "content"],
+                   "properties": {"role": {"enum": list(ROLES)},
+                                  "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
+        props.update(messages={"type": "array", "minItems": 1, "items": message}, logprobs={"type": "boolean"},
+                     top_logprobs=top)
+    else:
+        props.update(prompt={"anyOf": [text, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                                       {"type": "array", "minItems": 1, "maxItems": 1, "items": text}]},
+                     logprobs=top, echo={"type": "boolean", "const": False})
+    return {"type": "object", "required": ["model", "messages" if chat else "prompt"], "properties": props,
+            "additionalProperties": False}
 
 
 # ---- responses ----
@@ -201,13 +306,20 @@ def finish_reason(reason: str | None) -> str | None:
     return {"abort": "stop", "error": "stop"}.get(reason, reason)
 
 
+LOGPROB_FLOOR = -9999.0  # what OpenAI (and vLLM) report for an impossible token; JSON has no -inf
+
+
+def _lp(value: float) -> float:
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR  # also maps NaN to the floor
+
+
 def chat_logprobs(outs: list[RequestOutput], decode) -> dict | None:
     items = []
     for out in outs:
         for lp in out.logprobs:
             tok = decode(lp.token_id)
-            items.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8")),
-                          "top_logprobs": [{"token": decode(t), "logprob": v, "bytes": list(decode(t).encode("utf-8"))}
+            items.append({"token": tok, "logprob": _lp(lp.logprob), "bytes": list(tok.encode("utf-8")),
+                          "top_logprobs": [{"token": decode(t), "logprob": _lp(v), "bytes": list(decode(t).encode("utf-8"))}
                                            for t, v in lp.top]})
     return {"content": items} if items else None
 
@@ -217,8 +329,8 @@ def completion_logprobs(outs: list[RequestOutput], decode) -> dict | None:
     for out in outs:
         for lp in out.logprobs:
             tokens.append(decode(lp.token_id))
-            lps.append(lp.logprob)
-            tops.append({decode(t): v for t, v in lp.top})
+            lps.append(_lp(lp.logprob))
+            tops.append({decode(t): _lp(v) for t, v in lp.top})
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []} if tokens else None
 
 

@@ -14,13 +14,46 @@ from dataclasses import dataclass, field
 from runtime.errors import RequestError
 
 DEFAULT_CANDIDATES = 256
+# Temperatures below this sample greedily (as vLLM does): dividing float32 logits by less overflows.
+GREEDY_BELOW = 1e-5
+
+# The one range of each sampling parameter: (lowest, highest, lowest excluded), None for no bound. The
+# Python API, the CLI, the HTTP server (and its published request schema) and the page all check these.
+RANGES: dict[str, tuple[float | None, float | None, bool]] = {
+    "max_tokens": (1, None, False),
+    "temperature": (0.0, 2.0, False),
+    "top_k": (-1, None, False),  # -1 and 0: no top-k limit
+    "top_p": (0.0, 1.0, True),
+    "min_p": (0.0, 1.0, False),
+    "repetition_penalty": (0.01, 10.0, False),  # the graph divides float32 logits by it: 1e-300 would be 0
+    "presence_penalty": (-2.0, 2.0, False),
+    "frequency_penalty": (-2.0, 2.0, False),
+    "logprobs": (0, 20, False),
+    "logit_bias": (-100.0, 100.0, False),  # each bias value
+}
+
+
+def range_text(name: str) -> str:
+    lo, hi, open_lo = RANGES[name]
+    if hi is None:
+        return f"must be {'>' if open_lo else '>='} {lo}"
+    return f"must be in {'(' if open_lo else '['}{lo:g}, {hi:g}]"
+
+
+def check_range(name: str, value) -> None:
+    """RequestError naming `name` unless value is a finite number inside its range."""
+    lo, hi, open_lo = RANGES[name]
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+          and (value > lo if open_lo else value >= lo) and (hi is None or value <= hi))
+    if not ok:
+        raise RequestError(f"invalid {name}: {range_text(name)}, got {value!r}", name)
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0
-    top_k: int = 0  # 0: no top-k limit
+    top_k: int = 0  # 0 (or -1): no top-k limit
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -35,34 +68,33 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def validate(self, vocab_size: int | None = None) -> None:
-        def bad(name: str, why: str) -> RequestError:
-            return RequestError(f"invalid {name}: {why}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise bad("max_tokens", "must be a positive integer")
-        if not (0.0 <= self.temperature <= 100.0) or math.isnan(self.temperature):
-            raise bad("temperature", "must be between 0 and 100")
-        if self.top_k < 0:
-            raise bad("top_k", "must be >= 0")
-        if not (0.0 < self.top_p <= 1.0):
-            raise bad("top_p", "must be in (0, 1]")
-        if not (0.0 <= self.min_p <= 1.0):
-            raise bad("min_p", "must be in [0, 1]")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", "must be > 0")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not (-2.0 <= getattr(self, name) <= 2.0):
-                raise bad(name, "must be between -2 and 2")
-        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
-            raise bad("logprobs", "must be between 0 and 20")
-        for tid in self.logit_bias:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
+            raise RequestError("invalid max_tokens: must be an integer", "max_tokens")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            raise RequestError("invalid top_k: must be an integer", "top_k")
+        for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            check_range(name, getattr(self, name))
+        if self.logprobs is not None:
+            check_range("logprobs", self.logprobs)
+        for tid, value in self.logit_bias.items():
+            check_range("logit_bias", value)
             if vocab_size is not None and not (0 <= int(tid) < vocab_size):
-                raise bad("logit_bias", f"token id {tid} is outside the vocabulary")
+                raise RequestError(f"invalid logit_bias: token id {tid} is outside the vocabulary", "logit_bias")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "stop strings must be non-empty strings")
+            raise RequestError("invalid stop: stop strings must be non-empty strings", "stop")
+        for tid in self.stop_token_ids:
+            if isinstance(tid, bool) or not isinstance(tid, int) or tid < 0 or (vocab_size is not None and tid >= vocab_size):
+                raise RequestError(f"invalid stop_token_ids: {tid!r} is not a token id of this vocabulary",
+                                   "stop_token_ids")
+
+    @property
+    def top_k_limit(self) -> int:
+        return max(0, self.top_k)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalized(self) -> bool:
@@ -71,7 +103,7 @@ class SamplingParams:
 
     def candidates(self, vocab_size: int) -> int:
         """How many top-K candidates to ask the graph for."""
-        want = 1 if self.greedy else (self.top_k or DEFAULT_CANDIDATES)
+        want = 1 if self.greedy else (self.top_k_limit or DEFAULT_CANDIDATES)
         want = max(want, (self.logprobs or 0) + 1)
         return max(1, min(want, vocab_size))
 
@@ -85,8 +117,8 @@ def choose(ids: list[int], logprobs: list[float], params: SamplingParams, rng: r
     if params.greedy or len(ids) == 1:
         return ids[0]
     n = len(ids)
-    if params.top_k:
-        n = min(n, params.top_k)
+    if params.top_k_limit:
+        n = min(n, params.top_k_limit)
     probs = [math.exp(lp) for lp in logprobs[:n]]
     if params.min_p > 0.0:
         floor = params.min_p * probs[0]

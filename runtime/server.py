@@ -89,7 +89,8 @@ class Metrics:
 
 
 def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_queue: int | None = None,
-               shutdown_timeout: float = 30.0):
+               shutdown_timeout: float = 30.0, defaults: dict | None = None):
+    """defaults: sampling values for requests that leave a field out (`ruvllm serve --temperature ...`)."""
     metrics = Metrics(models)
 
     @asynccontextmanager
@@ -114,7 +115,7 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
     async def validation_error(_request, exc):
         return error(400, str(exc))
 
-    app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics)
+    app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics, routes=app.routes)
 
     @app.get("/health")
     async def health():
@@ -136,15 +137,12 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise P.ProtocolError("the request body is not valid UTF-8") from None
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as err:
-            raise P.ProtocolError(f"the request body is not valid JSON: {err.msg} at position {err.pos}") from None
+        return P.parse_body(text)
 
     async def handle(request: Request, chat: bool):
         try:
             body = await read_json(request)
-            parsed = P.parse_chat(body) if chat else P.parse_completion(body)
+            parsed = P.parse_chat(body, defaults) if chat else P.parse_completion(body, defaults)
             served = models.get(parsed.model)
             if served is None:
                 raise P.ProtocolError(f"the model '{parsed.model}' does not exist; see GET /v1/models", "model",
@@ -160,7 +158,7 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
         except ContextLengthError as err:
             return error(400, str(err), param="messages" if chat else "prompt", code="context_length_exceeded")
         except RequestError as err:
-            return error(400, str(err))
+            return error(400, str(err), param=err.param)
         started = time.monotonic()
         if parsed.stream:
             return StreamingResponse(stream_events(served, rids, parsed, chat, started), media_type="text/event-stream",
@@ -193,11 +191,14 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
             metrics.ttft.labels(model).observe(first - started)
         metrics.latency.labels(model).observe(time.monotonic() - started)
 
-    @app.post("/v1/chat/completions")
+    def body_schema(chat: bool) -> dict:  # published for clients and fuzzers; parsing stays openai_protocol's
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": P.request_schema(chat, list(models))}}}}
+
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(True))
     async def chat_completions(request: Request):
         return await handle(request, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=body_schema(False))
     async def completions(request: Request):
         return await handle(request, chat=False)
 
@@ -205,16 +206,30 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
 
 
 class AuthAndCount:
-    """Pure ASGI middleware (BaseHTTPMiddleware interferes with streaming): API key, request counts."""
+    """Pure ASGI middleware (BaseHTTPMiddleware interferes with streaming): API key, request counts.
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics) -> None:
-        self.app, self.api_key, self.metrics = app, api_key, metrics
+    Counts are labelled by route template, and every path no route serves shares one label, so
+    random URLs cannot grow the metrics without bound.
+    """
+
+    UNMATCHED = "unmatched"
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics, routes: list) -> None:
+        self.app, self.api_key, self.metrics, self.routes = app, api_key, metrics, routes
+
+    def endpoint(self, scope) -> str:
+        from starlette.routing import Match
+
+        for route in self.routes:
+            if route.matches(scope)[0] != Match.NONE:  # PARTIAL: the path with another method (405)
+                return route.path
+        return self.UNMATCHED
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"]
-        if self.api_key and path.startswith("/v1/"):
+        path = self.endpoint(scope)
+        if self.api_key and scope["path"].startswith("/v1/"):
             headers = dict(scope.get("headers") or [])
             if headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode():
                 self.metrics.requests.labels(path, "401").inc()
@@ -258,8 +273,8 @@ def load_models(packages: list[str], device: str, max_concurrent: int, engine_kw
 
 
 def serve(models: dict[str, ServedModel], host: str, port: int, api_key: str | None, max_queue: int | None,
-          log_level: str = "info") -> None:
+          log_level: str = "info", defaults: dict | None = None) -> None:
     import uvicorn
 
-    app = create_app(models, api_key=api_key, max_queue=max_queue)
+    app = create_app(models, api_key=api_key, max_queue=max_queue, defaults=defaults)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)

@@ -33,14 +33,11 @@ class WebEngine:
     async def create(self, job: str, body_json: str, emit) -> None:
         """Run one chat.completions.create; emit(kind, json_text) with kind chunk | response | error."""
         try:
-            body = json.loads(body_json)
+            body = P.parse_body(body_json)
             if isinstance(body, dict):
                 body.setdefault("model", self.model_name)
             parsed = P.parse_chat(body)
             rids = queue_request(self.aengine, parsed)
-        except json.JSONDecodeError as err:
-            emit("error", json.dumps(P.error_body(f"the request is not valid JSON: {err}")))
-            return
         except P.ProtocolError as err:
             emit("error", json.dumps(err.body()))
             return
@@ -48,7 +45,7 @@ class WebEngine:
             emit("error", json.dumps(P.error_body(str(err), param="messages", code="context_length_exceeded")))
             return
         except RequestError as err:
-            emit("error", json.dumps(P.error_body(str(err))))
+            emit("error", json.dumps(P.error_body(str(err), param=err.param)))
             return
         self._jobs[job] = rids
         try:

@@ -63,14 +63,18 @@ def test_folder_from_another_tool(tmp_path):
     assert_one_line_error(run_cli("info", str(empty)), "no manifest.json")
 
 
-@pytest.mark.parametrize("damage", ["truncate", "manifest", "version", "graph"])
+@pytest.mark.parametrize("damage", ["truncate", "flip", "manifest", "version", "graph"])
 def test_corrupt_package(tmp_path, tiny_package, damage):
     pkg = tmp_path / "pkg"
     shutil.copytree(tiny_package("llama"), pkg)
+    flags = []
     if damage == "truncate":
         data = pkg / "model.onnx.data"
         data.write_bytes(data.read_bytes()[:1000])
         expect = "corrupt package"
+    elif damage == "flip":  # same size: only the sha256 tells
+        flip_byte(pkg / "model.onnx.data")
+        expect = "model.onnx.data does not match the sha256"
     elif damage == "manifest":
         (pkg / "manifest.json").write_text("{not json")
         expect = "corrupt manifest.json"
@@ -79,11 +83,46 @@ def test_corrupt_package(tmp_path, tiny_package, damage):
         m["format_version"] = 99
         (pkg / "manifest.json").write_text(json.dumps(m))
         expect = "format version 99 is not supported"
-    else:  # same size, garbage content: only onnxruntime can tell
+    else:  # same size, garbage content, hashes not checked: onnxruntime's refusal is reported
         g = pkg / "model.onnx"
         g.write_bytes(b"\x07" * g.stat().st_size)
-        expect = "cannot load model.onnx"
-    assert_one_line_error(run_cli("generate", str(pkg), "hi", "--max-tokens", "2"), expect)
+        expect, flags = "cannot load model.onnx", ["--no-verify"]
+    assert_one_line_error(run_cli("generate", str(pkg), "hi", "--max-tokens", "2", *flags), expect)
+
+
+def flip_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(data)
+
+
+def test_serve_refuses_a_corrupt_package_before_listening(tmp_path, tiny_package):
+    pkg = tmp_path / "pkg"
+    shutil.copytree(tiny_package("llama"), pkg)
+    flip_byte(pkg / "model.onnx.data")
+    proc = run_cli("serve", str(pkg), "--port", "1", timeout=120)  # port 1 would fail to bind: it never gets there
+    assert_one_line_error(proc, "model.onnx.data does not match the sha256")
+    assert "serving" not in proc.stderr
+
+
+def test_verified_files_are_not_read_again_until_they_change(tmp_path, tiny_package, monkeypatch):
+    import os
+
+    from runtime.errors import PackageError
+    from runtime.package import load_package
+
+    monkeypatch.setenv("RUVLLM_CACHE_DIR", str(tmp_path / "cache"))
+    pkg = tmp_path / "pkg"
+    shutil.copytree(tiny_package("llama"), pkg)
+    load_package(pkg, verify_hashes=True)  # checked once, recorded
+    data = pkg / "model.onnx.data"
+    st = data.stat()
+    flip_byte(data)
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime: the record stands
+    load_package(pkg, verify_hashes=True)
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # touched: read again, and refused
+    with pytest.raises(PackageError, match="model.onnx.data does not match"):
+        load_package(pkg, verify_hashes=True)
 
 
 def test_device_without_provider(tiny_package):

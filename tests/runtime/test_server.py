@@ -236,6 +236,19 @@ BAD = [
     ("huge prompt", {"model": "MODEL", "messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
     ("stream not bool", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "stream": "yes"},
      400, "stream"),
+    ("temperature above 2", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "temperature": 2.5},
+     400, "temperature"),
+    ("lone surrogate", b'{"model": "MODEL", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),
+    ("deeply nested", b'{"model": "MODEL", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
+    ("response_format", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
+                         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     400, "response_format"),
+    ("tools", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
+               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("tool_choice", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+     400, "tool_choice"),
+    ("unknown field", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "temprature": 0},
+     400, "temprature"),
 ]
 
 
@@ -243,6 +256,7 @@ BAD = [
 def test_bad_requests_get_openai_errors(served, name, body, status, param):
     if isinstance(body, dict):
         body = json.dumps({k: (served.model if v == "MODEL" else v) for k, v in body.items()}).encode()
+    body = body.replace(b'"MODEL"', json.dumps(served.model).encode())
     r = httpx.post(served.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -252,6 +266,49 @@ def test_bad_requests_get_openai_errors(served, name, body, status, param):
     if name == "huge prompt":
         assert err["code"] == "context_length_exceeded"
     assert httpx.get(served.url + "/health").status_code == 200
+
+
+def test_informational_fields_are_accepted(served):
+    r = httpx.post(served.url + "/v1/chat/completions", json={
+        "model": served.model, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+        "user": "u-1", "metadata": {"team": "a"}, "store": False, "response_format": None, "tools": None})
+    assert r.status_code == 200, r.text
+
+
+def test_metrics_series_stay_bounded_under_random_paths(served):
+    import random
+
+    rng = random.Random(7)
+    with httpx.Client(base_url=served.url, timeout=30) as client:
+        for _ in range(1000):
+            path = "/" + "/".join("".join(rng.choices("abcdefghijklmnopqrstuvwxyz0123456789", k=rng.randint(1, 12)))
+                                  for _ in range(rng.randint(1, 4)))
+            assert client.get(path).status_code == 404
+        assert client.get("/v1/chat/completions").status_code == 405
+        text = client.get("/metrics").text
+    series = [ln for ln in text.splitlines() if ln.startswith("ruvllm_requests_total{")]
+    endpoints = {ln.split('endpoint="')[1].split('"')[0] for ln in series}
+    assert len(series) <= 12, series
+    assert "unmatched" in endpoints and endpoints <= {"unmatched", "/health", "/metrics", "/v1/models",
+                                                      "/v1/chat/completions", "/v1/completions"}, endpoints
+    assert 'ruvllm_requests_total{endpoint="unmatched",status="404"}' in text
+    assert 'ruvllm_requests_total{endpoint="/v1/chat/completions",status="405"}' in text
+
+
+def test_server_defaults_apply_where_the_request_is_silent(tiny_package):
+    models = load_models([str(tiny_package("llama"))], "cpu", 4, {})
+    live = LiveServer(create_app(models, defaults={"max_tokens": 3, "temperature": 0.0}))
+    try:
+        name = next(iter(models))
+        body = {"model": name, "messages": [{"role": "user", "content": "hello there"}]}
+        a = httpx.post(live.url + "/v1/chat/completions", json=body).json()
+        b = httpx.post(live.url + "/v1/chat/completions", json=body).json()
+        assert a["usage"]["completion_tokens"] == 3 and a["choices"][0]["finish_reason"] == "length"
+        assert a["choices"][0]["message"] == b["choices"][0]["message"]  # temperature 0 by default: greedy
+        c = httpx.post(live.url + "/v1/chat/completions", json={**body, "max_tokens": 5}).json()
+        assert c["usage"]["completion_tokens"] == 5  # the request's own value wins
+    finally:
+        live.stop()
 
 
 def test_unknown_route_and_method_use_the_error_shape(served):

@@ -1,0 +1,60 @@
+"""Schemathesis over the server's published OpenAPI document: every endpoint, valid and invalid bodies,
+a bounded number of examples each. No 5xx, and the server is healthy after."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import schemathesis
+from schemathesis import GenerationMode
+
+from runtime import openai_protocol as P
+from runtime.server import create_app, load_models
+from tests.runtime.test_server import LiveServer
+
+pytestmark = pytest.mark.slow
+EXAMPLES = 40  # per endpoint and mode
+
+
+@pytest.fixture(scope="module")
+def live(tiny_package):
+    models = load_models([str(tiny_package("llama"))], "cpu", 16, {})
+    server = LiveServer(create_app(models))
+    server.model = next(iter(models))
+    yield server
+    r = httpx.get(server.url + "/health")
+    assert r.status_code == 200
+    r = httpx.post(server.url + "/v1/completions", json={"model": server.model, "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    engine = models[server.model].engine
+    assert engine.stats()["running"] == 0 and engine.stats()["kv_blocks_used"] == 0
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def api_schema(live):
+    schema = schemathesis.openapi.from_url(live.url + "/openapi.json")
+    schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE],
+                                    max_examples=EXAMPLES, deterministic=True)
+    return schema
+
+
+def test_the_published_request_schemas_are_the_parsers_fields(live):
+    doc = httpx.get(live.url + "/openapi.json").json()
+    for path, fields in (("/v1/chat/completions", P.CHAT_FIELDS), ("/v1/completions", P.COMPLETION_FIELDS)):
+        schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert set(schema["properties"]) == set(fields) and schema["additionalProperties"] is False
+        assert schema["properties"]["model"] == {"enum": [live.model]}
+        assert schema["properties"]["temperature"] == {"type": "number", "minimum": 0.0, "maximum": 2.0}
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+@schema.parametrize()
+def test_no_request_gets_a_server_error(case):
+    response = case.call(timeout=120)
+    assert response.status_code < 500, (repr(case.body), response.text[:500])
+    if response.status_code >= 400:  # every refusal in OpenAI's error shape
+        error = response.json()["error"]
+        assert error["message"] and error["type"]
