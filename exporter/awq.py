@@ -153,7 +153,8 @@ def apply_awq(model, sequences: list[list[int]], block: int, bits: int, clip: bo
     the float model's outputs unchanged (up to rounding); the clipping moves weights to where their
     quantization errs least."""
     import torch
-    from tqdm import tqdm
+
+    from exporter.progress import stage
 
     layers = model.model.layers
     n_tokens = sum(len(s) for s in sequences)
@@ -166,7 +167,7 @@ def apply_awq(model, sequences: list[list[int]], block: int, bits: int, clip: bo
             hooks.append(module.register_forward_pre_hook(probes[i, name]))
     try:
         with torch.no_grad():
-            for seq in tqdm(sequences, desc="AWQ calibration", disable=not progress, leave=False):
+            for seq in stage("AWQ calibration", sequences, enabled=progress):
                 model(torch.tensor([seq]))
     finally:
         for h in hooks:
@@ -175,7 +176,7 @@ def apply_awq(model, sequences: list[list[int]], block: int, bits: int, clip: bo
     scales = LoraScales()
     width = {"qkv": block, "o": block, "gate_up": mlp_block or block, "down": mlp_block or block}
     with torch.no_grad():
-        for i, layer in enumerate(tqdm(layers, desc="AWQ search", disable=not progress, leave=False)):
+        for i, layer in enumerate(stage("AWQ search (layers)", layers, enabled=progress)):
             attn, mlp = layer.self_attn, layer.mlp
             x = {}
             # q/k/v share the input RMSNorm, gate/up the post-attention one; down's input is divided

@@ -19,6 +19,7 @@ from exporter.decoder_graph import LoraSlots, build_decoder
 from exporter.external_data import save_with_shared_data
 from exporter.gptq import ACT_ORDER, DAMP, apply_gptq, model_samples
 from exporter.hf_model import check_architecture, decoder_spec, float_weights
+from exporter.progress import stage
 from exporter.quantize import BITS, METHODS, QUANTS, quantize_weights
 from exporter.sources import gguf_add_bos, load_config, load_model_and_tokenizer, resolve, source_fingerprint
 from runtime import contract as C
@@ -119,33 +120,31 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     out = Path(out_dir)
     source = resolve(source_name)
     check_architecture(load_config(source))  # fail fast, before loading any weights
-    steps = ["load", "graph", "quantize", "write"]
-    bar = _progress(len(steps), opts.progress)
     started = time.time()
+    on = opts.progress
 
-    bar.set_description("loading model")
+    bar = stage({"gguf": "reading GGUF", "hub": "downloading/reading"}.get(source.kind, "reading model"), enabled=on)
     model, tok = load_model_and_tokenizer(source)
-    bar.update()
+    bar.close()
 
     lora_scales, grids, gptq_calibration = None, None, None
     calibration = calibration_ids(tok, opts.calibration) if opts.method != "rtn" else []
     if "gptq" in opts.method and not opts.calibration:  # sampled before AWQ's clipping changes the weights
-        bar.set_description("sampling GPTQ calibration")
+        bar = stage("sampling GPTQ calibration", enabled=on)
         own = model_samples(model)
+        bar.close()
         gptq_sequences = calibration[:len(calibration) // 2] + own
         gptq_calibration = f"half of it, and {len(own)} samples of {len(own[0])} tokens from the model itself"
     else:
         gptq_sequences, gptq_calibration = calibration, opts.calibration and Path(opts.calibration).name
     if opts.method in ("awq", "awq+gptq"):  # scales folded into the float weights before the graphs are built
-        bar.set_description("AWQ search")
         lora_scales = apply_awq(model, calibration, opts.block_size, BITS[opts.quant],
                                 progress=opts.progress, mlp_block=opts.mlp_block_size)
     if opts.method in ("gptq", "awq+gptq"):  # the weights become their quantized values; grids keep the integers
-        bar.set_description("GPTQ")
         grids = apply_gptq(model, gptq_sequences, opts.block_size, BITS[opts.quant],
                            mlp_block=opts.mlp_block_size, progress=opts.progress)
 
-    bar.set_description("building graphs")
+    bar = stage("building graphs", enabled=on)
     spec = decoder_spec(model, opts.max_context)
     weights = float_weights(model)
     gen_cfg = model.generation_config.to_dict() if model.generation_config is not None else {}
@@ -167,19 +166,17 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     if opts.target == "wasm":  # the page picks its device at load: a GPU gets the graph its backend has kernels for
         graphs[WEBGPU_GRAPH_FILE] = build(None, kv_write_op("webgpu"))
     weights.clear()  # free the float copies before quantizing
-    bar.update()
+    bar.close()
 
-    bar.set_description(f"quantizing ({opts.quant})")
     if quantized:
-        graphs = {name: quantize_weights(g, opts.quant, opts.block_size, head_quant=opts.head_quant,
-                                         mlp_block_size=opts.mlp_block_size, grids=grids)
-                  for name, g in graphs.items()}
-        if opts.target in BROWSER_TARGETS:  # storage stays quantized, compute becomes fp32 (browser_format)
-            tied = "model.embed_tokens.weight" if spec.tie_word_embeddings else None
-            graphs = {name: dequantize_at_load(g, tied) for name, g in graphs.items()}
-    bar.update()
+        tied = "model.embed_tokens.weight" if spec.tie_word_embeddings else None
+        for name in stage(f"quantizing ({opts.quant}, graphs)", list(graphs), enabled=on):
+            graphs[name] = quantize_weights(graphs[name], opts.quant, opts.block_size, head_quant=opts.head_quant,
+                                            mlp_block_size=opts.mlp_block_size, grids=grids)
+            if opts.target in BROWSER_TARGETS:  # storage stays quantized, compute becomes fp32 (browser_format)
+                graphs[name] = dequantize_at_load(graphs[name], tied)
 
-    bar.set_description("writing package")
+    bar = stage("writing package", enabled=on)
     # stage beside the destination: a rename from another filesystem (a tmpfs /tmp) would fail
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".ruvllm-export-", dir=out.parent))
@@ -199,28 +196,8 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    bar.update()
     bar.close()
     return out
-
-
-def _progress(total: int, enabled: bool):
-    try:
-        from tqdm import tqdm
-    except ImportError:  # progress is a courtesy
-        enabled = False
-    if not enabled:
-        class _Quiet:
-            def set_description(self, *_):
-                pass
-
-            def update(self, *_):
-                pass
-
-            def close(self):
-                pass
-        return _Quiet()
-    return tqdm(total=total, unit="step", bar_format="{desc:<24} {bar} {n_fmt}/{total_fmt} [{elapsed}]")
 
 
 def _write_tokenizer(tok, out: Path, source) -> dict:

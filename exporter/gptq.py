@@ -142,7 +142,8 @@ def apply_gptq(model, sequences: list[list[int]], block: int, bits: int, mlp_blo
     weight becomes its dequantized value), and return each fused graph weight's Grid by its name in
     the decoder graph (`layers.{i}.qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`)."""
     import torch
-    from tqdm import tqdm
+
+    from exporter.progress import stage
 
     layers = model.model.layers
     captured: list[tuple] = []
@@ -165,7 +166,7 @@ def apply_gptq(model, sequences: list[list[int]], block: int, bits: int, mlp_blo
     grids: dict[str, Grid] = {}
     width = {"qkv_proj": block, "o_proj": block, "gate_up_proj": mlp_block or block, "down_proj": mlp_block or block}
     with torch.no_grad():
-        for i, layer in enumerate(tqdm(layers, desc="GPTQ", disable=not progress, leave=False)):
+        for i, layer in enumerate(stage("GPTQ (layers)", layers, enabled=progress)):
             attn, mlp = layer.self_attn, layer.mlp
             groups = {"qkv_proj": [attn.q_proj, attn.k_proj, attn.v_proj], "o_proj": [attn.o_proj],
                       "gate_up_proj": [mlp.gate_proj, mlp.up_proj], "down_proj": [mlp.down_proj]}

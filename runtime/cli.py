@@ -33,21 +33,41 @@ def resolve_package(arg: str | None, quant: str = "int4", quiet: bool = False) -
 
 def export_into_cache(source: str, quant: str, dest: Path, quiet: bool = False, target: str = "cpu",
                       extra: tuple[str, ...] = ()) -> None:
-    """Run the exporter (a subprocess: runtime never imports it); extra: further `convert` flags."""
+    """Run the exporter (a subprocess: runtime never imports it); extra: further `convert` flags.
+
+    Its progress goes to our stderr as it comes (bars when that is a terminal, else a line per stage);
+    its one `error:` line becomes this RuvLLMError's message instead of being printed twice."""
     if not quiet:
         print(f"exporting {source} ({quant}, {target}) into {dest} (once) ...", file=sys.stderr)
     cmd = [sys.executable, "-m", "exporter", "convert", source, "-o", str(dest), "--quant", quant, "--target", target,
            *extra]
     if quiet:
         cmd.append("--quiet")
-    proc = subprocess.run(cmd, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE, text=True)
-    if proc.returncode != 0:
-        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-        if lines:
-            raise RuvLLMError(lines[-1][len("error: "):])
-        if "No module named exporter" in proc.stderr or "No module named 'exporter'" in proc.stderr:
+    env = {**os.environ, "RUVLLM_PROGRESS": "off" if quiet else ("bars" if sys.stderr.isatty() else "lines")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE, env=env)
+    held, errors, seen = b"", [], []
+    while chunk := proc.stderr.read1(1 << 14):
+        held += chunk
+        *lines, held = held.split(b"\n")
+        for line in lines:
+            seen.append(line)
+            if line.startswith(b"error:"):
+                errors.append(line.decode(errors="replace"))
+            elif not quiet:
+                sys.stderr.buffer.write(line + b"\n")
+        if held and not quiet and not b"error:".startswith(held[:6]) and not held.startswith(b"error:"):
+            sys.stderr.buffer.write(held)  # a bar redrawn in place (no newline yet)
+            held = b""
+        sys.stderr.flush()
+    seen.append(held)
+    if proc.wait() != 0:
+        if errors:
+            raise RuvLLMError(errors[-1][len("error: "):])
+        text = b"\n".join(seen).decode(errors="replace")
+        if "No module named exporter" in text or "No module named 'exporter'" in text:
             raise RuvLLMError("exporting needs the exporter: pip install 'ruvllm[export]'")
-        raise RuvLLMError(f"export of {source} failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}")
+        last = [ln for ln in text.strip().splitlines() if ln.strip()]
+        raise RuvLLMError(f"export of {source} failed: {last[-1] if last else proc.returncode}")
 
 
 def parse_size(text: str) -> int:

@@ -93,7 +93,7 @@ def export_model(alias: str, quant: str) -> Path:
     dest = cached_package_dir(alias, quant, "wasm")
     if not (dest / "manifest.json").exists():
         log(f"exporting {alias} ({quant}) for the browser, once, into {dest}")
-        export_into_cache(alias, quant, dest, quiet=True, target="wasm")
+        export_into_cache(alias, quant, dest, target="wasm")
     return dest
 
 
