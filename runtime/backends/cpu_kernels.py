@@ -31,7 +31,26 @@ DOMAIN, OP = "ruvllm", "MatMulQ4"
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 COMPILE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden"]
 
+# The kernels reach onnxruntime's C API by positions in its function table (no registry package ships
+# its header), so they run only on the onnxruntime minor versions they were tested with; pyproject pins
+# the same range. Another version runs the package's graph as exported, and says why.
+TESTED_ONNXRUNTIME = ((1, 32), (1, 32))  # lowest and highest (major, minor), inclusive
+
 _library: tuple[Path | None, str] | None = None  # (path, why not) once decided in this process
+
+
+def onnxruntime_supported(version: str) -> tuple[bool, str]:
+    """Whether RuvLLM's kernels may load into this onnxruntime, and if not, why."""
+    try:
+        major, minor = (int(p) for p in version.split(".")[:2])
+    except ValueError:
+        return False, f"cannot read the onnxruntime version {version!r}"
+    (lo, hi) = TESTED_ONNXRUNTIME
+    if not lo <= (major, minor) <= hi:
+        tested = ".".join(map(str, lo)) + ("" if lo == hi else " to " + ".".join(map(str, hi)))
+        return False, (f"onnxruntime {version} is not a version these kernels were tested with ({tested}.x; "
+                       f"pip install 'onnxruntime=={tested}.*')")
+    return True, ""
 
 
 def _cpu_flags() -> set[str]:
@@ -56,6 +75,11 @@ def library() -> tuple[Path | None, str]:
 def _build() -> tuple[Path | None, str]:
     if os.environ.get("RUVLLM_CPU_KERNELS", "1") == "0":
         return None, "turned off by RUVLLM_CPU_KERNELS=0"
+    import onnxruntime
+
+    ok, why = onnxruntime_supported(onnxruntime.__version__)
+    if not ok:
+        return None, why
     flags = _cpu_flags()
     missing = [f for f in CPU_FLAGS if f not in flags]
     if missing:

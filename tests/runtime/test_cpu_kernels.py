@@ -223,6 +223,24 @@ def test_the_native_backend_says_which_kernel_it_runs(tiny_package, monkeypatch)
     assert NativeBackend(pkg).matmul_kernel == "onnxruntime MatMulNBits (turned off by RUVLLM_CPU_KERNELS=0)"
 
 
+def test_an_untested_onnxruntime_gets_the_plain_graph_with_the_reason(tiny_package, monkeypatch):
+    """The kernels call onnxruntime's C API by table position: only the tested minor versions load them."""
+    from runtime.backends.native import NativeBackend
+    from runtime.package import load_package
+
+    assert cpu_kernels.onnxruntime_supported(ort.__version__) == (True, "")  # the pin and the check agree
+    assert not cpu_kernels.onnxruntime_supported("1.31.1")[0] and not cpu_kernels.onnxruntime_supported("2.32.0")[0]
+    monkeypatch.setattr(cpu_kernels, "_library", None)
+    monkeypatch.setattr(ort, "__version__", "1.99.0")
+    backend = NativeBackend(load_package(tiny_package("llama", "int4")))
+    assert backend.matmul_kernel.startswith("onnxruntime MatMulNBits (onnxruntime 1.99.0 is not a version")
+    assert backend.attention_kernel.startswith("the graph's own (onnxruntime 1.99.0")
+    from runtime.step_batch import Chunk
+
+    backend.allocate(8, 4, 1, 4)  # and it runs
+    assert np.isfinite(run_step(backend, [Chunk(0, [5, 6, 7], 0, 1, [0, 1, 2], True)])).all()
+
+
 def run_step(backend, chunks, block: int = 4) -> np.ndarray:
     """One step's raw logits for every token."""
     from runtime.step_batch import build_step
