@@ -69,6 +69,13 @@ export interface ChatCompletionRequest {
   top_logprobs?: number;
   /** Extension (as in vLLM): each choice also carries its generated token ids. */
   return_token_ids?: boolean;
+  /** As vLLM: generate past end-of-sequence tokens; token ids that end a choice; keep the matched stop string. */
+  ignore_eos?: boolean;
+  stop_token_ids?: number[];
+  include_stop_str_in_output?: boolean;
+  /** Informational (as OpenAI): accepted, they change nothing generated. */
+  user?: string;
+  metadata?: Record<string, string>;
   /** Aborts the request when signalled. */
   signal?: AbortSignal;
 }
@@ -111,6 +118,8 @@ export interface ChatCompletionChunk {
 }
 
 export interface ChunkStream extends AsyncIterable<ChatCompletionChunk> {
+  /** The request's id: engine.abort(id) stops it, as abort() does. */
+  readonly id: number;
   /** Stop generating; the stream ends with finish_reason "stop". */
   abort(): Promise<boolean>;
 }

@@ -1,0 +1,33 @@
+// A consumer of ruvllm-web's published types: every exported function and type is used here, and
+// `tsc --noEmit` (tests/web/test_types.py) must accept it.
+import {
+  createEngine, type ChatCompletion, type ChatCompletionChunk, type ChatCompletionRequest, type ChatMessage,
+  type ChunkStream, type CreateEngineOptions, type Device, type Engine, type EngineInfo, type EngineStats,
+  type LoadProgress, type Usage,
+} from 'ruvllm-web';
+
+const device: Device = 'auto';
+const onProgress = (p: LoadProgress): void => { console.log(p.stage, p.loaded ?? 0, p.total ?? 0, p.cached ?? false); };
+const options: CreateEngineOptions = { model: '/models/smollm2-135m/', device, threads: 2, onProgress, kvMemoryMB: 256,
+  maxNumSeqs: 16, maxBatchTokens: 256, speculativeTokens: 0, promptCache: true, modelName: 'smol' };
+
+export async function main(): Promise<void> {
+  const engine: Engine = await createEngine(options);
+  const info: EngineInfo = engine.info;
+  const messages: ChatMessage[] = [{ role: 'system', content: 'Be brief.' }, { role: 'user', content: [{ type: 'text', text: 'Hi' }] }];
+  const request = { messages, max_tokens: 8, temperature: 0, top_k: -1, stop: ['\n'], seed: 1,
+    logit_bias: { '42': -100 }, return_token_ids: true, ignore_eos: false, stop_token_ids: [2], user: 'u' } satisfies ChatCompletionRequest;
+  const whole: ChatCompletion = await engine.chat.completions.create(request);
+  const usage: Usage = whole.usage;
+  const text: string = whole.choices[0].message.content;
+  const stream: ChunkStream = await engine.chat.completions.create({ ...request, stream: true });
+  const id: number = stream.id;
+  for await (const chunk of stream) {
+    const c: ChatCompletionChunk = chunk;
+    if (c.choices[0]?.delta.content) await stream.abort();
+  }
+  await engine.abort(id);
+  const stats: EngineStats = await engine.stats();
+  console.log(info.device, usage.total_tokens, text, stats.running, stats.kv_blocks_used);
+  await engine.unload();
+}
