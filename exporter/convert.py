@@ -139,10 +139,10 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
         gptq_sequences, gptq_calibration = calibration, opts.calibration and Path(opts.calibration).name
     if opts.method in ("awq", "awq+gptq"):  # scales folded into the float weights before the graphs are built
         lora_scales = apply_awq(model, calibration, opts.block_size, BITS[opts.quant],
-                                progress=opts.progress, mlp_block=opts.mlp_block_size)
+                                progress=on, mlp_block=opts.mlp_block_size)
     if opts.method in ("gptq", "awq+gptq"):  # the weights become their quantized values; grids keep the integers
         grids = apply_gptq(model, gptq_sequences, opts.block_size, BITS[opts.quant],
-                           mlp_block=opts.mlp_block_size, progress=opts.progress)
+                           mlp_block=opts.mlp_block_size, progress=on)
 
     bar = stage("building graphs", enabled=on)
     spec = decoder_spec(model, opts.max_context)

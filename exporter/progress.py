@@ -22,37 +22,26 @@ def mode(enabled: bool = True) -> str:
 
 
 class _Lines:
-    """tqdm's small interface as two lines on stderr: the stage starting and its end with the time taken."""
+    """tqdm's small interface as two lines on stderr (the stage starting, then its end with the time
+    taken), or as nothing when say is False."""
 
-    def __init__(self, iterable: Iterable | None, total: int | None, desc: str) -> None:
-        self.iterable, self.total, self.desc, self.n = iterable, total, desc, 0
-        self.started = time.monotonic()
-        print(f"export: {desc}" + (f" ({total} steps)" if total else "") + " ...", file=sys.stderr, flush=True)
+    def __init__(self, iterable: Iterable | None, total: int | None, desc: str, say: bool) -> None:
+        self.iterable, self.desc = iterable, desc
+        self.started = time.monotonic() if say else None
+        if say:
+            print(f"export: {desc}" + (f" ({total} steps)" if total else "") + " ...", file=sys.stderr, flush=True)
 
     def __iter__(self):
-        for item in self.iterable:
-            yield item
-            self.n += 1
+        yield from self.iterable
         self.close()
 
     def update(self, n: int = 1) -> None:
-        self.n += n
+        pass
 
     def close(self) -> None:
         if self.started is not None:
             print(f"export: {self.desc} done in {time.monotonic() - self.started:.1f} s", file=sys.stderr, flush=True)
             self.started = None
-
-
-class _Off(_Lines):
-    def __init__(self, iterable, total, desc) -> None:
-        self.iterable, self.started = iterable, None
-
-    def __iter__(self):
-        yield from self.iterable
-
-    def update(self, n: int = 1) -> None:
-        pass
 
 
 def stage(desc: str, iterable: Iterable | None = None, total: int | None = None, enabled: bool = True):
@@ -66,4 +55,4 @@ def stage(desc: str, iterable: Iterable | None = None, total: int | None = None,
                     else "{desc:<22} [{elapsed}]")
     if iterable is not None and total is None and hasattr(iterable, "__len__"):
         total = len(iterable)
-    return (_Lines if chosen == "lines" else _Off)(iterable, total, desc)
+    return _Lines(iterable, total, desc, say=chosen == "lines")

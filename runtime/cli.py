@@ -55,7 +55,7 @@ def export_into_cache(source: str, quant: str, dest: Path, quiet: bool = False, 
                 errors.append(line.decode(errors="replace"))
             elif not quiet:
                 sys.stderr.buffer.write(line + b"\n")
-        if held and not quiet and not b"error:".startswith(held[:6]) and not held.startswith(b"error:"):
+        if held and not quiet and not b"error:".startswith(held[:6]):  # held back: it may become an error line
             sys.stderr.buffer.write(held)  # a bar redrawn in place (no newline yet)
             held = b""
         sys.stderr.flush()

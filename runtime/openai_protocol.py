@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from runtime.engine import RequestOutput
 from runtime.errors import RequestError
-from runtime.sampling import RANGES, SamplingParams
+from runtime.sampling import RANGES, SamplingParams, check_range, range_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 128  # OpenAI's limit on n
@@ -182,9 +182,13 @@ def _common(body, known: tuple[str, ...]) -> tuple[str, bool, bool]:
 
 
 def _logprobs(body: dict, name: str) -> int | None:
+    """`logprobs` (completions) or `top_logprobs` (chat), in sampling.RANGES' logprobs range."""
     value = _get(body, name, (int,))
-    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
-        raise ProtocolError(f"'{name}' must be between 0 and {MAX_TOP_LOGPROBS}, got {value}", name)
+    if value is not None:
+        try:
+            check_range("logprobs", value)
+        except RequestError:
+            raise ProtocolError(f"'{name}' {range_text('logprobs')}, got {value}", name) from None
     return value
 
 

@@ -17,6 +17,8 @@ from runtime.kv_blocks import kv_bytes_per_token
 from runtime.package import ModelPackage
 from runtime.step_batch import StepBatch, StepResult
 
+STEP_DTYPES = {name: np.dtype(dtype) for name, dtype in C.STEP_INPUT_DTYPES.items()}
+
 DEVICE_PROVIDERS = {
     "cpu": ["CPUExecutionProvider"],
     "cuda": ["CUDAExecutionProvider", "CPUExecutionProvider"],
@@ -136,7 +138,6 @@ class NativeBackend:
         for i in range(self.num_layers):
             self._io.bind_ortvalue_input(C.past_key(i), self._ort.OrtValue.ortvalue_from_numpy(self.k_pool[i]))
             self._io.bind_ortvalue_input(C.past_value(i), self._ort.OrtValue.ortvalue_from_numpy(self.v_pool[i]))
-        self._dtypes = {name: np.dtype(dtype) for name, dtype in C.STEP_INPUT_DTYPES.items()}
         self._bound: tuple | None = None  # the output shapes currently bound
         self._bound_inputs: dict[str, tuple] = {}  # input name -> (the values it is bound to, their array)
         self._table_version = 0
@@ -186,7 +187,7 @@ class NativeBackend:
         table_key = (tuple(batch.slots), batch.max_blocks, self._table_version)
         self._bind(C.BLOCK_TABLES, table_key, lambda _: self.block_tables[batch.slots, :batch.max_blocks])
         for name, (values, dims) in batch.feeds(None, top_k).items():
-            self._bind(name, (values, dims), lambda key, t=self._dtypes[name]: np.array(key[0], t).reshape(key[1]))
+            self._bind(name, (values, dims), lambda key, t=STEP_DTYPES[name]: np.array(key[0], t).reshape(key[1]))
         for name, arr in (extra_inputs or {}).items():
             io.bind_cpu_input(name, arr)
             self._bound_inputs[name] = (object(), arr)  # never equal: rebound whenever given
