@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter import __version__
+from exporter import __version__, gguf_blocks
 from exporter.awq import apply_awq, calibration_ids
+from exporter.block_matmul import apply_grids
 from exporter.browser_format import SESSION_CONFIG, dequantize_at_load
 from exporter.decoder_graph import LoraSlots, build_decoder
 from exporter.external_data import save_with_shared_data
@@ -58,7 +60,7 @@ AWQ_INT4_BLOCK = 64  # int4's default block with a calibrated method (AWQ, GPTQ)
 RESCORE_TOP = 32  # candidates the int4 head hands to the exact pass (64 measured no better)
 
 
-def weight_plan(opts: ConvertOptions) -> ConvertOptions:
+def weight_plan(opts: ConvertOptions, source_kind: str = "folder") -> ConvertOptions:
     """Resolve the weights' quantization method and block sizes. int4 defaults to AWQ in blocks of 64:
     on SmolLM2 it is closer to fp32 than RTN in blocks of 32 on every measure (7k tokens: KL 0.24 vs
     0.38, perplexity 15.7 vs 16.3 against fp32's 12.7, top-1 80% vs 74%) while reading 11% fewer bytes a
@@ -66,15 +68,26 @@ def weight_plan(opts: ConvertOptions) -> ConvertOptions:
     at 1 stream and 10% at 16. --mlp-block-size 128 (the MLP is three quarters of the weights) is
     faster still (a step +5-9% at 1 stream, +3-11% at 16) but costs ~15% more KL to fp32 on longer texts
     and fails the quality test's bounds on its short one, so it is not the default (ARCHITECTURE.md).
-    int8 loses almost nothing with RTN (KL 0.004), so it keeps RTN."""
-    method = opts.method or ("awq" if opts.quant == "int4" else "rtn")
-    if method not in METHODS:
+    int8 loses almost nothing with RTN (KL 0.004), so it keeps RTN.
+
+    A GGUF source is already quantized: int4 and int8 default to "gguf", the file's own blocks carried
+    over exactly (gguf_blocks.py); another method dequantizes them and quantizes a second time."""
+    gguf = source_kind == "gguf" and opts.quant in ("int8", "int4")
+    method = opts.method or ("gguf" if gguf else "awq" if opts.quant == "int4" else "rtn")
+    if method == "gguf" and not gguf:
+        raise RuvLLMError("--method gguf carries a GGUF file's blocks over: it needs a .gguf source and --quant int4/int8")
+    if gguf and method != "gguf":
+        print(f"warning: --method {method} quantizes this GGUF's already quantized weights a second time (a "
+              f"lossier model than the file); leave --method out to carry its blocks over exactly", file=sys.stderr)
+    if method not in (*METHODS, "gguf"):
         raise RuvLLMError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
     if method != "rtn" and opts.quant not in ("int8", "int4"):
         raise RuvLLMError(f"--method {method} applies to --quant int8/int4, not {opts.quant}")
     block, mlp_block = opts.block_size, opts.mlp_block_size
+    if method == "gguf" and (block or mlp_block):
+        raise RuvLLMError("--block-size and --mlp-block-size do not apply to a GGUF's own blocks (--method gguf)")
     if block is None:
-        block = AWQ_INT4_BLOCK if method != "rtn" and opts.quant == "int4" else 32
+        block = AWQ_INT4_BLOCK if method not in ("rtn", "gguf") and opts.quant == "int4" else 32
     for flag, size in (("--block-size", block), ("--mlp-block-size", mlp_block)):
         if size is not None and (size < 16 or size & (size - 1)):
             raise RuvLLMError(f"{flag} must be a power of two, at least 16 (got {size})")
@@ -96,7 +109,8 @@ def head_plan(opts: ConvertOptions, tied: bool) -> ConvertOptions:
     at int4's speed.
     Browser packages dequantize to fp32 at load, so their head stays int8 (the download's size)."""
     quantized, native = opts.quant in ("int8", "int4", "w8a8"), opts.target not in BROWSER_TARGETS
-    rescore_default = opts.quant in ("int4", "w8a8") and native and tied and opts.head_quant in (None, "int4")
+    rescore_default = (opts.quant in ("int4", "w8a8") and native and tied and opts.head_quant in (None, "int4")
+                       and opts.method != "gguf")
     head_quant = opts.head_quant or ("int4" if rescore_default else "int8")
     rescore = opts.head_rescore if opts.head_rescore is not None else (RESCORE_TOP if rescore_default else 0)
     if rescore and not (quantized and native):
@@ -114,11 +128,11 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
         raise RuvLLMError(f"unknown --quant {opts.quant!r}; choose one of {', '.join(QUANTS)}")
     if opts.target not in TARGETS:
         raise RuvLLMError(f"unknown --target {opts.target!r}; choose one of {', '.join(TARGETS)}")
-    opts = weight_plan(opts)
+    source = resolve(source_name)
+    opts = weight_plan(opts, source.kind)
     if opts.head_quant not in (None, "int8", "int4"):
         raise RuvLLMError(f"unknown --head-quant {opts.head_quant!r}; choose int8 or int4")
     out = Path(out_dir)
-    source = resolve(source_name)
     check_architecture(load_config(source))  # fail fast, before loading any weights
     started = time.time()
     on = opts.progress
@@ -128,7 +142,7 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     bar.close()
 
     lora_scales, grids, gptq_calibration = None, None, None
-    calibration = calibration_ids(tok, opts.calibration) if opts.method != "rtn" else []
+    calibration = calibration_ids(tok, opts.calibration) if opts.method not in ("rtn", "gguf") else []
     if "gptq" in opts.method and not opts.calibration:  # sampled before AWQ's clipping changes the weights
         bar = stage("sampling GPTQ calibration", enabled=on)
         own = model_samples(model)
@@ -155,10 +169,18 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     opts = head_plan(opts, spec.tie_word_embeddings)
     if opts.head_rescore > spec.vocab_size:
         raise RuvLLMError(f"--head-rescore {opts.head_rescore} is more than the vocabulary ({spec.vocab_size} tokens)")
+    carried = None
+    if opts.method == "gguf":  # the file's blocks, checked bit for bit against what transformers loaded
+        carried = gguf_blocks.graph_grids(gguf_blocks.read(source.path, weights, spec.num_layers), spec.num_layers,
+                                          BITS[opts.quant], spec.tie_word_embeddings, exact_head=not opts.head_rescore)
+        if carried.requantized:
+            print(f"warning: {len(carried.requantized)} of the GGUF's matrices have no exact {opts.quant} layout here "
+                  f"(e.g. {carried.requantized[0]}): quantized with RTN in blocks of 32", file=sys.stderr)
 
     def build(lora_slots: LoraSlots | None, kv_write: str):
         return build_decoder(spec, weights, lora_slots, weight_dtype, embed_dtype, tied_gemm=True,
-                             kv_write=kv_write, head_rescore=opts.head_rescore, lora_scales=lora_scales)
+                             kv_write=kv_write, head_rescore=opts.head_rescore, lora_scales=lora_scales,
+                             embed_grid=carried and carried.embedding)
 
     graphs = {GRAPH_FILE: build(None, kv_write_op(opts.target))}
     if opts.lora:
@@ -171,10 +193,14 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     if quantized:
         tied = "model.embed_tokens.weight" if spec.tie_word_embeddings else None
         for name in stage(f"quantizing ({opts.quant}, graphs)", list(graphs), enabled=on):
+            own = carried.projections if carried else {}
+            skip = frozenset(n.name for n in graphs[name].graph.node if n.op_type == "MatMul" and n.input[-1] in own)
             graphs[name] = quantize_weights(graphs[name], opts.quant, opts.block_size, head_quant=opts.head_quant,
-                                            mlp_block_size=opts.mlp_block_size, grids=grids)
+                                            mlp_block_size=opts.mlp_block_size, grids=grids, skip=skip)
+            if own:
+                graphs[name] = apply_grids(graphs[name], own)
             if opts.target in BROWSER_TARGETS:  # storage stays quantized, compute becomes fp32 (browser_format)
-                graphs[name] = dequantize_at_load(graphs[name], tied)
+                graphs[name] = dequantize_at_load(graphs[name], tied, exact=carried is not None)
 
     bar = stage("writing package", enabled=on)
     # stage beside the destination: a rename from another filesystem (a tmpfs /tmp) would fail
@@ -184,7 +210,7 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
         save_with_shared_data(graphs, tmp, DATA_FILE)
         tokenizer_meta = _write_tokenizer(tok, tmp, source)
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2, default=str))
-        manifest = _manifest(source, spec, opts, tokenizer_meta, gen_cfg, graphs, started, gptq_calibration)
+        manifest = _manifest(source, spec, opts, tokenizer_meta, gen_cfg, graphs, started, gptq_calibration, carried)
         manifest["files"] = {f.name: {"size": f.stat().st_size, "sha256": file_digest(f)}
                              for f in sorted(tmp.iterdir()) if f.name != C.MANIFEST}
         (tmp / C.MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -229,7 +255,7 @@ def _write_tokenizer(tok, out: Path, source) -> dict:
 
 
 def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict, graphs: dict, started: float,
-              gptq_calibration: str | None = None) -> dict:
+              gptq_calibration: str | None = None, carried=None) -> dict:
     eos = set()
     for value in (gen_cfg.get("eos_token_id"), tok_meta.get("eos_token_id")):
         if isinstance(value, int):
@@ -257,7 +283,12 @@ def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict,
                                     "activations": "uint8 around 128, symmetric, per row (dynamic)"}
         if opts.mlp_block_size:
             quant["mlp_block_size"] = opts.mlp_block_size
-        if opts.method != "rtn":
+        if carried is not None:
+            quant.update(block_size=min((g.block for g in carried.projections.values()), default=32),
+                         gguf=_carried_summary(carried, opts))
+            if carried.embedding is not None:
+                quant["embeddings"] = f"the file's blocks ({gguf_blocks.describe(carried.embedding)})"
+        if opts.method not in ("rtn", "gguf"):
             quant["calibration"] = opts.calibration and Path(opts.calibration).name or "python-stdlib-docs"
         if "gptq" in opts.method:
             quant["gptq"] = {"act_order": ACT_ORDER, "damp": DAMP, "calibration": gptq_calibration}
@@ -266,7 +297,7 @@ def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict,
         if opts.target in BROWSER_TARGETS:
             quant.update(op="DequantizeLinear+MatMul", compute="fp32", dequantized="at session creation",
                          session_config=dict(SESSION_CONFIG))
-            if spec.tie_word_embeddings:
+            if spec.tie_word_embeddings and not (carried and carried.embedding is not None):
                 quant["embeddings"] = f"tied to the {opts.head_quant} lm_head"
     n_params = _count_params(spec)
     return {
@@ -305,6 +336,19 @@ def _manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
     }
+
+
+def _carried_summary(carried, opts: ConvertOptions) -> dict:
+    """What the package carries from the GGUF, for the manifest and `inspect`."""
+    layouts: dict[str, int] = {}
+    for grid in carried.projections.values():
+        key = gguf_blocks.describe(grid)
+        layouts[key] = layouts.get(key, 0) + 1
+    head = "the file's own, exact" if "lm_head" in carried.projections else (
+        f"{opts.head_quant} RTN, its best {opts.head_rescore} rescored from the file's exact embedding rows")
+    return {"exact": not carried.requantized, "projections": layouts, "lm_head": head,
+            "embeddings": gguf_blocks.describe(carried.embedding) if carried.embedding is not None else None,
+            "requantized": carried.requantized}
 
 
 def _count_params(spec) -> int:

@@ -35,6 +35,12 @@ class DecoderSpec:
     tie_word_embeddings: bool = False
 
 
+# the graph's projection weights (`layers.{i}.{name}`) and the Hugging Face projections stacked in each
+FUSED_PROJECTIONS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                     "o_proj": ("self_attn.o_proj",), "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                     "down_proj": ("mlp.down_proj",)}
+
+
 @dataclass
 class LoraSlots:
     """Shape of the LoRA inputs of the LoRA graph variant."""
@@ -114,7 +120,7 @@ def _step_indices(b: GraphBuilder, spec: DecoderSpec, kv_write: str, input_ids: 
 
 def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraSlots | None = None,
                   weight_dtype: type = np.float32, embed_dtype: type = np.float32, tied_gemm: bool = False,
-                  kv_write: str = "TensorScatter", head_rescore: int = 0, lora_scales=None):
+                  kv_write: str = "TensorScatter", head_rescore: int = 0, lora_scales=None, embed_grid=None):
     """Return an onnx.ModelProto. `weights` uses Hugging Face names, float32, [out, in] layout.
 
     kv_write: how this step's K/V enter the gathered context. "TensorScatter" writes in place (CPU and
@@ -128,6 +134,9 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
     again against their rows of the embedding table, so a cheap (int4) head picks the candidates while
     the logits that decide sampling carry the table's precision.
     lora_scales (an awq.LoraScales) undoes, on the LoRA path only, the AWQ scales folded into the weights.
+    embed_grid (a grid.Grid of the embedding table, e.g. a GGUF's Q8_0) stores the table as its integers
+    and scales and dequantizes only the gathered rows, exactly as the grid defines them (embedding and
+    head rescoring alike).
     """
     b = GraphBuilder(f"ruvllm_{spec.architecture}_decoder")
     nl, hq, hkv, d = spec.num_layers, spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -224,12 +233,16 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
 
     # ---- embeddings: the residual stream is [N, hidden] ----
     embed = weights["model.embed_tokens.weight"]
-    if embed_dtype == np.float32:
+    if embed_grid is not None:
+        embed_name = None
+        embed_rows = _grid_rows(b, "model.embed_tokens", embed_grid)
+    elif embed_dtype == np.float32:
         embed_name = b.weight("model.embed_tokens.weight", embed.astype(np.float32))
-        x = b.op("Gather", [embed_name, input_ids], axis=0)
+        embed_rows = lambda ids: b.op("Gather", [embed_name, ids], axis=0)  # noqa: E731
     else:  # fp16 table, cast only the gathered rows
         embed_name = b.weight("model.embed_tokens.weight", embed.astype(np.float16))
-        x = b.op("Cast", [b.op("Gather", [embed_name, input_ids], axis=0)], to=FLOAT)
+        embed_rows = lambda ids: b.op("Cast", [b.op("Gather", [embed_name, ids], axis=0)], to=FLOAT)  # noqa: E731
+    x = embed_rows(input_ids)
 
     residual = x
     hidden = b.op("SimplifiedLayerNormalization",
@@ -240,7 +253,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
     for i in range(nl):
         p = f"model.layers.{i}."
         # -- attention --
-        wqkv = np.concatenate([weights[p + f"self_attn.{n}.weight"] for n in ("q_proj", "k_proj", "v_proj")], 0)
+        wqkv = np.concatenate([weights[f"{p}{n}.weight"] for n in FUSED_PROJECTIONS["qkv_proj"]], 0)
         qkv = b.op("MatMul", [hidden, matmul_weight(f"layers.{i}.qkv_proj", wqkv)])
         if spec.attention_bias:
             bias = np.concatenate([weights[p + f"self_attn.{n}.bias"] for n in ("q_proj", "k_proj", "v_proj")])
@@ -278,7 +291,7 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
         hidden, _, _, residual = b.op("SkipSimplifiedLayerNormalization", [o, residual, post_ln], n_out=4,
                                       domain=MS_DOMAIN, epsilon=spec.rms_norm_eps)
         # -- MLP --
-        wgu = np.concatenate([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]], 0)
+        wgu = np.concatenate([weights[f"{p}{n}.weight"] for n in FUSED_PROJECTIONS["gate_up_proj"]], 0)
         gu = b.op("MatMul", [hidden, matmul_weight(f"layers.{i}.gate_up_proj", wgu)])
         gate, up = b.op("Split", [gu, b.const([spec.intermediate_size] * 2)], n_out=2, axis=1)
         gate = with_lora(i, "gate_proj", hidden, gate)
@@ -301,16 +314,14 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
 
     # ---- logits only where wanted, then in-graph processing and top-K ----
     last = b.op("Gather", [hidden, logits_index], axis=0)  # [R, H]
-    if tied_gemm and spec.tie_word_embeddings and embed_dtype == np.float32:
+    if tied_gemm and spec.tie_word_embeddings and embed_name and embed_dtype == np.float32:
         b.op("Gemm", [last, embed_name], transB=1, out=C.LOGITS)
     elif head_rescore:
         if not spec.tie_word_embeddings:
             raise ValueError("head_rescore needs tied embeddings: the exact rows come from the embedding table")
         coarse = b.op("MatMul", [last, matmul_weight("lm_head", embed)], name="lm_head/MatMul")
         _, cand = b.op("TopK", [coarse, b.const([head_rescore])], n_out=2, axis=1, largest=1, sorted=0)
-        rows = b.op("Gather", [embed_name, cand], axis=0)  # [R, K, H]
-        if embed_dtype != np.float32:
-            rows = b.op("Cast", [rows], to=FLOAT)
+        rows = embed_rows(cand)  # [R, K, H]
         exact = b.op("MatMul", [rows, b.op("Unsqueeze", [last, b.const([2])])])  # [R, K, 1]
         b.op("ScatterElements", [coarse, cand, b.op("Squeeze", [exact, b.const([2])])], axis=1, out=C.LOGITS)
     else:
@@ -337,3 +348,27 @@ def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraS
     b.output(C.TOPK_IDS, INT64, ["num_logits", "top_k"])
     return b.model()
 
+
+
+def _grid_rows(b: GraphBuilder, name: str, grid):
+    """A function of token ids (any shape) -> their rows of a gridded table, [*ids.shape, hidden], computed
+    as grid.Grid.dequantize does: (q - zero) * scale (+ mins), in fp32."""
+    rows, cols = grid.q.shape
+    nblk = cols // grid.block
+    q = b.weight(f"{name}.q", np.ascontiguousarray(grid.q, np.uint8))
+    scale = b.weight(f"{name}.scales", np.ascontiguousarray(grid.scale, np.float32))
+    uniform = bool(np.all(grid.zero == grid.zero.flat[0]))
+    zero = None if uniform else b.weight(f"{name}.zero_points", np.ascontiguousarray(grid.zero, np.uint8))
+    mins = None if grid.mins is None else b.weight(f"{name}.mins", np.ascontiguousarray(grid.mins, np.float32))
+
+    def gather(ids: str) -> str:
+        flat = b.op("Reshape", [ids, b.const([-1])])
+        picked = lambda t: b.op("Unsqueeze", [b.op("Gather", [t, flat], axis=0), b.const([2])])  # noqa: E731
+        v = b.op("Reshape", [b.op("Cast", [b.op("Gather", [q, flat], axis=0)], to=FLOAT), b.const([-1, nblk, grid.block])])
+        z = b.const(float(grid.zero.flat[0]), np.float32) if uniform else b.op("Cast", [picked(zero)], to=FLOAT)
+        v = b.op("Mul", [b.op("Sub", [v, z]), picked(scale)])
+        if mins is not None:
+            v = b.op("Add", [v, picked(mins)])
+        shape = b.op("Concat", [b.op("Shape", [ids]), b.const([cols])], axis=0)
+        return b.op("Reshape", [v, shape])
+    return gather

@@ -17,11 +17,10 @@ another grid; the float weights the graph is built from are replaced by their de
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from exporter.awq import block_grid
+from exporter.grid import Grid
 
 # of H's mean diagonal, added to its diagonal. 0.1 rather than the paper's 0.01: a few thousand
 # calibration tokens overfit, and text unlike them (chat answers, licence text) suffered (SmolLM2, AWQ
@@ -30,24 +29,6 @@ DAMP = 0.1
 SELF_SAMPLES, SELF_SAMPLE_LEN = 8, 512  # the model's own text added to the default calibration (model_samples)
 ACT_ORDER = True  # SmolLM2, AWQ then GPTQ in blocks of 128, 7k tokens of pydoc: KL 0.140 with, 0.145 without
 LAZY_COLUMNS = 128  # columns whose updates are applied together (GPTQ's lazy batch)
-
-
-@dataclass
-class Grid:
-    """One projection on MatMulNBits' grid: w ~ (q - zero) * scale, blocks of `block` along the input."""
-
-    q: np.ndarray  # uint8 [out, in]
-    scale: np.ndarray  # float32 [out, blocks]
-    zero: np.ndarray  # uint8 [out, blocks]
-    block: int
-    bits: int
-
-    def dequantize(self) -> np.ndarray:
-        out_f, in_f = self.q.shape
-        pad = -in_f % self.block
-        q = np.pad(self.q, ((0, 0), (0, pad))).reshape(out_f, -1, self.block).astype(np.float32)
-        w = (q - self.zero[..., None]) * self.scale[..., None]
-        return w.reshape(out_f, -1)[:, :in_f]
 
 
 def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER) -> Grid:
@@ -97,21 +78,6 @@ def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER) -> G
         w[:, i2:] -= err @ u[i1:i2, i2:]
     q = q[:, torch.argsort(perm)]
     return Grid(q.numpy(), scales.numpy().astype(np.float32), zeros.numpy().astype(np.uint8), block, bits)
-
-
-def pack_nbits(grid: Grid) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """MatMulNBits' B [N, blocks, block*bits/8], scales [N, blocks] and zero points ([N, ceil(blocks/2)]
-    for 4 bits, low nibble first; [N, blocks] for 8)."""
-    out_f, in_f = grid.q.shape
-    pad = -in_f % grid.block
-    q = np.pad(grid.q, ((0, 0), (0, pad))).reshape(out_f, -1, grid.block)
-    if grid.bits == 8:
-        return q, grid.scale, grid.zero.copy()
-    if grid.bits != 4:
-        raise ValueError(f"MatMulNBits packing is implemented for 4 and 8 bits, not {grid.bits}")
-    b = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-    z = grid.zero if grid.zero.shape[1] % 2 == 0 else np.pad(grid.zero, ((0, 0), (0, 1)))
-    return b, grid.scale, (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8)
 
 
 def model_samples(model, n: int = SELF_SAMPLES, length: int = SELF_SAMPLE_LEN, seed: int = 0) -> list[list[int]]:

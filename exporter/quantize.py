@@ -67,10 +67,12 @@ def mlp_nodes(model: onnx.ModelProto) -> list[str]:
 
 def quantize_weights(model: onnx.ModelProto, quant: str, block_size: int = 32,
                      accuracy_level: int = 4, head_quant: str = "int8",
-                     mlp_block_size: int | None = None, grids: dict | None = None) -> onnx.ModelProto:
+                     mlp_block_size: int | None = None, grids: dict | None = None,
+                     skip: frozenset[str] = frozenset()) -> onnx.ModelProto:
     """Block-wise asymmetric RTN; the LM head gets its own bits (convert.head_plan chooses them),
     the MLP's projections their own block size if given (convert.weight_plan says why). `grids`
     (gptq.Grid by graph weight name) replace RTN's integers, scales and zero points where given.
+    MatMuls named in `skip` stay as they are (a GGUF's own blocks take their place, block_matmul.py).
 
     accuracy_level=4 lets the CPU kernel compute in int8, the fast path on x86 and ARM.
     """
@@ -95,7 +97,7 @@ def quantize_weights(model: onnx.ModelProto, quant: str, block_size: int = 32,
         q.process()
         return q.model.model
 
-    matmuls = {n.name for n in model.graph.node if n.op_type == "MatMul"}
+    matmuls = {n.name for n in model.graph.node if n.op_type == "MatMul"} - skip
     mlp = set(mlp_nodes(model)) if mlp_block_size and mlp_block_size != block_size else set()
     copy = onnx.ModelProto()
     copy.CopyFrom(model)  # the quantizer rewrites the graph it is given
@@ -117,7 +119,7 @@ def with_grids(model: onnx.ModelProto, grids: dict) -> onnx.ModelProto:
     initializers quantized from the same weight (named `<weight>_Q<bits>`, `_scales`, `_zero_points`)."""
     from onnx import numpy_helper
 
-    from exporter.gptq import pack_nbits
+    from exporter.grid import pack_nbits
 
     inits = {t.name: t for t in model.graph.initializer}
     done = set()

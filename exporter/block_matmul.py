@@ -1,0 +1,92 @@
+"""Grids into the graph: MatMulNBits over the grid's own integers, plus the blocks' float minimums.
+
+MatMulNBits computes x . ((q - z) * s). A grid with minimums (llama.cpp's Q4_1, Q4_K: w = d * q + m)
+needs x . m per block as well, which is m times the sum of the block's activations: the graph computes
+`Gemm(MatMul(x, block_ones), mins, C=MatMulNBits(x))`, two operators beside the projection, the
+product 1/block the size of the main one (the native backend folds it into its own kernel, the page's
+format into the dequantized weights). The nodes are named after the weight (`{w}/MatMulNBits`,
+`{w}/block_sums`, `{w}/add_mins`), which is how the runtime finds them. Minimums that fp16 holds exactly are stored as fp16 (half the bytes),
+the others (Q4_K's dmin * m) as fp32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from exporter.grid import Grid, fp16_exact, pack_nbits
+
+MS_DOMAIN = "com.microsoft"
+
+
+def apply_grids(model: onnx.ModelProto, grids: dict[str, Grid], accuracy_level: int = 4) -> onnx.ModelProto:
+    """Replace every MatMul whose weight initializer is named in `grids` (stored [K, N], a Grid [N, K])."""
+    nodes, added, done = [], [], set()
+    for node in model.graph.node:
+        grid = grids.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
+        if grid is None:
+            nodes.append(node)
+            continue
+        w, x, y = node.input[1], node.input[0], node.output[0]
+        n, k = grid.q.shape
+        if k % grid.block:
+            raise ValueError(f"{w}: K={k} is not a whole number of blocks of {grid.block}")
+        names = (f"{w}_Q{grid.bits}", f"{w}_scales", f"{w}_zero_points")
+        mins = f"{w}_mins"
+        if w not in done:
+            b, s, z = pack_nbits(grid)
+            added += [numpy_helper.from_array(np.ascontiguousarray(v), name) for v, name in
+                      zip((b.astype(np.uint8), s.astype(np.float32), z.astype(np.uint8)), names)]
+            if grid.mins is not None:
+                m = np.ascontiguousarray(grid.mins.T, np.float32)  # [blocks, N]: the sums' MatMul reads it as it is
+                if fp16_exact(m):
+                    added.append(numpy_helper.from_array(m.astype(np.float16), f"{mins}_fp16"))
+                    nodes.append(helper.make_node("Cast", [f"{mins}_fp16"], [mins], name=f"{w}/mins_fp32",
+                                                  to=TensorProto.FLOAT))
+                else:
+                    added.append(numpy_helper.from_array(m, mins))
+            done.add(w)
+        out = y if grid.mins is None else f"{w}/nbits_out"
+        nodes.append(helper.make_node("MatMulNBits", [x, *names], [out], name=f"{w}/MatMulNBits", domain=MS_DOMAIN,
+                                      K=k, N=n, bits=grid.bits, block_size=grid.block, accuracy_level=accuracy_level))
+        if grid.mins is not None:  # [K, blocks]: column b sums block b's activations
+            ones = f"{w}/block_ones"
+            added.append(numpy_helper.from_array(np.kron(np.eye(k // grid.block, dtype=np.float32),
+                                                         np.ones((grid.block, 1), np.float32)), ones))
+            nodes += [helper.make_node("MatMul", [x, ones], [f"{w}/block_sums"], name=f"{w}/block_sums"),
+                      helper.make_node("Gemm", [f"{w}/block_sums", mins, out], [y], name=f"{w}/add_mins")]
+    missing = set(grids) - done
+    if missing:
+        raise ValueError(f"no MatMul reads {len(missing)} gridded weights, e.g. {sorted(missing)[0]}")
+    inits = [t for t in model.graph.initializer if t.name not in done]
+    model.graph.ClearField("node")
+    model.graph.node.extend(nodes)
+    model.graph.ClearField("initializer")
+    model.graph.initializer.extend(inits + added)
+    return model
+
+
+def take_minimum_terms(model: onnx.ModelProto) -> dict[str, tuple[np.ndarray, str]]:
+    """Remove every block-minimum term apply_grids added; return, by MatMulNBits node name, its
+    minimums ([blocks, N] float32) and the output name the term wrote (the projection's result): for a
+    format that folds the minimums into its dequantized weights instead (browser_format)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    terms, drop_nodes, drop_inits = {}, set(), set()
+    for node in model.graph.node:
+        if node.op_type != "Gemm" or not node.name.endswith("/add_mins"):
+            continue
+        w = node.name[:-len("/add_mins")]
+        fp16 = inits.get(f"{w}_mins_fp16")
+        mins = numpy_helper.to_array(fp16 if fp16 is not None else inits[f"{w}_mins"]).astype(np.float32)
+        terms[f"{w}/MatMulNBits"] = (mins, node.output[0])
+        drop_nodes.update(f"{w}/{part}" for part in ("block_sums", "add_mins", "mins_fp32"))
+        drop_inits.update((f"{w}_mins_fp16", f"{w}_mins", f"{w}/block_ones"))
+    if terms:
+        keep = [n for n in model.graph.node if n.name not in drop_nodes]
+        model.graph.ClearField("node")
+        model.graph.node.extend(keep)
+        kept = [t for t in model.graph.initializer if t.name not in drop_inits]
+        model.graph.ClearField("initializer")
+        model.graph.initializer.extend(kept)
+    return terms
