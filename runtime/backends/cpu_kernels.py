@@ -121,6 +121,7 @@ def rewrite_graph(graph: Path, config: dict | None = None) -> tuple[bytes, int, 
 
     Only 4-bit nodes with int8 compute (accuracy_level 4), packed uint8 zero points and fp32 scales,
     all initializers, qualify; the rest (fp32-compute test packages, fp16 scales) keep MLAS's kernel.
+    A GGUF package's block minimums are folded into the kernel where fp16 holds them (fuse_minimums).
     """
     import onnx
 
@@ -139,8 +140,10 @@ def rewrite_graph(graph: Path, config: dict | None = None) -> tuple[bytes, int, 
                 or s.data_type != onnx.TensorProto.FLOAT or z.data_type != onnx.TensorProto.UINT8):
             continue
         node.op_type, node.domain = OP, DOMAIN
+        node.attribute.append(onnx.helper.make_attribute("mins", 0))
         count += 1
     if count:
+        fuse_minimums(model)
         fuse_epilogues(model)
     layers = 0
     head_dim = (config or {}).get("head_dim", 0)
@@ -161,6 +164,46 @@ def _consumers(nodes) -> dict[str, list]:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
     return consumers
+
+
+def fuse_minimums(model) -> int:
+    """Fold each block-minimum term the exporter adds beside a 4-bit projection (exporter/block_matmul.py:
+    Gemm(MatMul(x, block_ones), Cast(fp16 minimums), C=MatMulNBits(x))) into its ruvllm.MatMulQ4,
+    which then reads the minimums as a fifth input. Terms with fp32 minimums (not exact in fp16) stay
+    as they are, beside the kernel. Returns how many were folded."""
+    import onnx
+
+    nodes = list(model.graph.node)
+    inits = {i.name: i for i in model.graph.initializer}
+    consumers = _consumers(nodes)
+    producer = {name: node for node in nodes for name in node.output}
+    graph_outputs = {o.name for o in model.graph.output}
+    removed, count = set(), 0
+    for node in nodes:
+        if node.op_type != OP or node.domain != DOMAIN:
+            continue
+        users = consumers.get(node.output[0], [])
+        gemm = users[0] if len(users) == 1 and users[0].op_type == "Gemm" and len(users[0].input) == 3 else None
+        plain = gemm and not any(a.name in ("transA", "transB") and a.i or a.name in ("alpha", "beta") and a.f != 1
+                                 for a in gemm.attribute)
+        sums = plain and gemm.input[2] == node.output[0] and producer.get(gemm.input[0])
+        cast = plain and producer.get(gemm.input[1])
+        mins = cast and cast.op_type == "Cast" and inits.get(cast.input[0])
+        if not (sums and sums.op_type == "MatMul" and sums.input[0] == node.input[0] and mins
+                and mins.data_type == onnx.TensorProto.FLOAT16 and node.output[0] not in graph_outputs):
+            continue
+        node.input.append(mins.name)
+        next(a for a in node.attribute if a.name == "mins").i = 1
+        node.output[0] = gemm.output[0]
+        removed.update((id(gemm), id(sums)))
+        if consumers.get(cast.output[0]) == [gemm]:
+            removed.add(id(cast))
+        count += 1
+    if removed:
+        keep = [n for n in nodes if id(n) not in removed]
+        del model.graph.node[:]
+        model.graph.node.extend(keep)
+    return count
 
 
 def fuse_norms(model) -> int:

@@ -437,3 +437,73 @@ def test_paged_attention_computes_what_the_graph_computes(tiny_package, monkeypa
     want, got = two_steps(plain, first, second, other), two_steps(fused, first, second, other)
     assert want.shape == got.shape == (lengths[1] + lengths[2], pkg.config["vocab_size"])
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+
+
+def minimums_model(K: int, N: int, fp16_minimums: bool = True, seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
+    """A projection on a GGUF-style grid with block minimums (w = d * q + m, blocks of 32), as the
+    exporter writes it (exporter/block_matmul.py), and its fp32 weights [K, N]."""
+    from onnx import numpy_helper
+
+    from exporter.block_matmul import apply_grids
+    from exporter.grid import Grid
+
+    rng = np.random.default_rng(seed)
+    nblk = K // 32
+    half = lambda a: a.astype(np.float16).astype(np.float32)  # noqa: E731
+    mins = (rng.standard_normal((N, nblk)) * 0.05).astype(np.float32)
+    grid = Grid(rng.integers(0, 16, (N, K)).astype(np.uint8), half(rng.random((N, nblk)) * 0.02 + 1e-3),
+                np.zeros((N, nblk), np.uint8), 32, 4, half(mins) if fp16_minimums else mins + 1e-7)
+    w = np.ascontiguousarray(grid.dequantize().T)
+    graph = helper.make_graph([helper.make_node("MatMul", ["X", "w"], ["Y"])], "g",
+                              [helper.make_tensor_value_info("X", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    return apply_grids(model, {"w": grid}), w
+
+
+def test_block_minimums_fold_into_the_kernel_where_fp16_holds_them(tmp_path):
+    """The rewrite gives MatMulQ4 the fp16 minimums as a fifth input and drops the term's operators;
+    fp32 minimums (a Q4_K's) keep their operators beside the kernel."""
+    for fp16, want in ((True, [("ruvllm", "MatMulQ4", 5)]),
+                       (False, [("ruvllm", "MatMulQ4", 4), ("", "MatMul", 2), ("", "Gemm", 3)])):
+        model, _ = minimums_model(64, 32, fp16)
+        path = tmp_path / f"mins-{fp16}.onnx"
+        onnx.save(model, path)
+        rewritten, count, _ = cpu_kernels.rewrite_graph(path)
+        nodes = onnx.load_from_string(rewritten).graph.node
+        assert count == 1 and sorted((n.domain, n.op_type, len(n.input)) for n in nodes if n.op_type != "Cast") == sorted(want)
+        assert [a.i for n in nodes if n.op_type == "MatMulQ4" for a in n.attribute if a.name == "mins"] == [int(fp16)]
+
+
+def test_block_minimums_are_exact_on_onnxruntimes_own_kernel(tmp_path):
+    """The plain graph (MatMulNBits + the minimums' Gemm) computes x . (d * q + m), with fp32 compute."""
+    model, w = minimums_model(576, 96)
+    for node in model.graph.node:
+        for a in node.attribute:
+            if a.name == "accuracy_level":
+                a.i = 0
+    sess = ort.InferenceSession(model.SerializeToString())
+    x = np.random.default_rng(1).standard_normal((5, 576)).astype(np.float32)
+    want = x @ w
+    assert np.abs(sess.run(None, {"X": x})[0] - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@needs_kernel
+def test_minimums_kernel_computes_what_the_plain_graph_computes(tmp_path):
+    """MatMulQ4 with minimums against MatMulNBits + Gemm (the same int8 activations; the kernel adds
+    m times the fp32 block sums, onnxruntime the same in its Gemm), for 1 to 37 rows and a 3-D input."""
+    model, w = minimums_model(576, 960)
+    path = tmp_path / "mins.onnx"
+    onnx.save(model, path)
+    rewritten, count, _ = cpu_kernels.rewrite_graph(path)
+    assert count == 1
+    ours_opts = ort.SessionOptions()
+    ours_opts.register_custom_ops_library(str(LIB))
+    plain, ours = ort.InferenceSession(str(path)), ort.InferenceSession(rewritten, ours_opts)
+    rng = np.random.default_rng(2)
+    for shape in ((1, 576), (3, 576), (16, 576), (37, 576), (2, 5, 576)):
+        x = rng.standard_normal(shape, dtype=np.float32)
+        want, got = plain.run(None, {"X": x})[0], ours.run(None, {"X": x})[0]
+        assert got.shape == want.shape == (*shape[:-1], 960)
+        assert np.abs(got - want).max() <= 1e-4 * np.abs(x @ w).max(), shape
