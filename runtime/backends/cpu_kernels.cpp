@@ -15,7 +15,9 @@
 // a.w = s * sa * (qa.q - z * sum(qa)); qa.q is exact in int32 (vpdpbusd), the rest fp32. Every row is
 // computed the same way whatever the batch, so a row's result does not depend on the other rows.
 // With a fifth input, the blocks' float minimums m (llama.cpp's Q4_1 and Q4_K, w = s * q + m; zero
-// points must then be 0): a.w = s * sa * qa.q + m * sum(a), the block's sum of the fp32 activations.
+// points must then be 0): a.w = s * sa * qa.q + m * sa * sum(qa), the quantized activations' sum (as
+// llama.cpp's Q8_1 carries it). Not the fp32 sum: the error would then be e.(w - m) instead of e.w, and
+// a Q4_1 block's m sits ~8 steps below its weights (SmolLM2: 2.3x the error per layer, KL 0.018 vs 0.003).
 // The exporter writes that as MatMulNBits + a small MatMul over block sums; this is its fused form.
 // Scales and minimums are kept as fp16 pairs, one 64-byte line per tile and block (they must be exact
 // in fp16, as a GGUF's are), so a block of 32 reads 256 bytes of weights and 64 of scales.
@@ -26,6 +28,18 @@
 // tests/runtime/test_cpu_kernels.py checks both operators against what they replace.
 
 #include <immintrin.h>
+
+// The full set (MatMulQ4 and its variants, PagedAttention, SkipRMSNorm) is AVX-512 (BW, VL, VNNI). On a
+// CPU with AVX2, FMA and F16C only, the library holds MatMulQ4 and its variants alone, computed with
+// AVX2 (vpmaddubsw + vpmaddwd where AVX-512 VNNI has vpdpbusd): the same arithmetic, rows for rows.
+// `ruvllm_kernel_ops` says which operators a build has.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define RUVLLM_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RUVLLM_AVX512 0
+#else
+#error "cpu_kernels.cpp needs AVX-512 (F, BW, VL, VNNI) or AVX2 with FMA and F16C"
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -122,6 +136,7 @@ OrtStatus* output_data(OrtKernelContext* ctx, size_t i, const int64_t* dims, siz
   return tensor_data(v, data);
 }
 
+#if RUVLLM_AVX512
 inline __m512 exp512(__m512 x) {  // e^x, ~1e-7 relative: 2^(x log2 e) as 2^n * 2^f, |f| <= 0.5
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
@@ -137,11 +152,12 @@ inline __m512 exp512(__m512 x) {  // e^x, ~1e-7 relative: 2^(x log2 e) as 2^n * 
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+#endif
 
 // ---- the kernel ----
 
 constexpr int kTile = 16;      // output columns per zmm of int32 / fp32 lanes
-constexpr int kTilesPer = 2;   // tiles sharing one broadcast activation word
+constexpr int kTilesPer = RUVLLM_AVX512 ? 2 : 1;  // tiles sharing one broadcast activation word
 constexpr int kRowsPer = 4;    // rows sharing one unpacked weight register
 
 struct PackedWeights {
@@ -204,15 +220,14 @@ void pack(PackedWeights& p, int N, int K, int block, const uint8_t* B, const flo
 struct QuantizedRows {  // the activations, per row and block
   std::vector<int8_t> q;
   std::vector<float> scale, sum;
-  std::vector<float> fsum;  // the fp32 activations' sum per block (for minimums)
 };
 
+#if RUVLLM_AVX512
 void quantize_rows(QuantizedRows& out, const float* A, int64_t M, int K, int block) {
   const int nblk = (K + block - 1) / block, Kp = nblk * block;  // a short last block reads as zeros
   out.q.resize((size_t)M * Kp);
   out.scale.resize((size_t)M * nblk);
   out.sum.resize((size_t)M * nblk);
-  out.fsum.resize((size_t)M * nblk);
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t m = 0; m < M; m++)
     for (int b = 0; b < nblk; b++) {
@@ -222,13 +237,8 @@ void quantize_rows(QuantizedRows& out, const float* A, int64_t M, int K, int blo
         const int n = std::clamp(valid - k, 0, 16);
         return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), a + k);
       };
-      __m512 mx = _mm512_setzero_ps(), fs = _mm512_setzero_ps();
-      for (int k = 0; k < block; k += 16) {
-        const __m512 v = load(k);
-        mx = _mm512_max_ps(mx, _mm512_and_ps(v, abs_mask));
-        fs = _mm512_add_ps(fs, v);
-      }
-      out.fsum[m * nblk + b] = _mm512_reduce_add_ps(fs);
+      __m512 mx = _mm512_setzero_ps();
+      for (int k = 0; k < block; k += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(load(k), abs_mask));
       const float amax = _mm512_reduce_max_ps(mx);
       const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
       __m512i sum = _mm512_setzero_si512();
@@ -242,6 +252,51 @@ void quantize_rows(QuantizedRows& out, const float* A, int64_t M, int K, int blo
       out.sum[m * nblk + b] = (float)_mm512_reduce_add_epi32(sum);
     }
 }
+#else
+inline float hmax(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+inline int hsum_epi32(__m256i v) {
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1)));
+}
+
+void quantize_rows(QuantizedRows& out, const float* A, int64_t M, int K, int block) {
+  const int nblk = (K + block - 1) / block, Kp = nblk * block;  // a short last block reads as zeros
+  out.q.resize((size_t)M * Kp);
+  out.scale.resize((size_t)M * nblk);
+  out.sum.resize((size_t)M * nblk);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  std::vector<float> pad(block);
+  for (int64_t m = 0; m < M; m++)
+    for (int b = 0; b < nblk; b++) {
+      const int valid = std::min(block, K - b * block);
+      const float* a = A + m * K + (size_t)b * block;
+      if (valid < block) {  // the short last block, zero-padded
+        std::fill(pad.begin(), pad.end(), 0.f);
+        std::copy(a, a + valid, pad.begin());
+        a = pad.data();
+      }
+      __m256 mx = _mm256_setzero_ps();
+      for (int k = 0; k < block; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(a + k), abs_mask));
+      const float amax = hmax(mx);
+      const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.f / amax : 0.f);
+      __m256i sum = _mm256_setzero_si256();
+      int8_t* q = out.q.data() + m * Kp + (size_t)b * block;
+      for (int k = 0; k < block; k += 8) {
+        const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + k), inv));  // nearest, ties to even
+        sum = _mm256_add_epi32(sum, v);
+        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(w16, w16));
+      }
+      out.scale[m * nblk + b] = amax / 127.f;
+      out.sum[m * nblk + b] = (float)hsum_epi32(sum);
+    }
+}
+#endif
 
 // Where output tile t's 16 columns of row m go: tiles before `split` to c0 (row stride ld0), the rest
 // to c1 (MatMulQ4Split: the q/k and v parts of a fused projection as two tensors, no Split copying).
@@ -254,7 +309,27 @@ struct Output {
   }
 };
 
+#if RUVLLM_AVX512
 inline __m512 silu(__m512 x) { return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), x)))); }
+#else
+inline __m256 exp256(__m256 x) {  // as exp512, 2^n built in the exponent bits (x clamped so n fits)
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147181f));
+  __m256 p = _mm256_set1_ps(1.f / 5040);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 720));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline __m256 silu(__m256 x) { return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), exp256(_mm256_sub_ps(_mm256_setzero_ps(), x)))); }
+#endif
 
 // What a group of rows prefetches while it computes a tile group. The weights' scales and zero points
 // are arrays apart from the weights, a line per tile and block that the hardware does not fetch ahead:
@@ -275,6 +350,7 @@ inline void prefetch_row(const float* row, int lines) {  // lines of 16 floats
 // T tiles (weight tiles t0 + i * stride) x R rows. SwiGLU: T = 2, tile t0 of the gate half and its
 // partner of the up half, stored as one tile silu(gate) * up (MatMulQ4SwiGLU: no Split, Sigmoid, Muls).
 // `next`: how far the next tile group starts (in tiles), for Prefetch::kNext.
+#if RUVLLM_AVX512
 template <int T, int R, bool SwiGLU, Prefetch F, bool Mins>
 inline void tiles_rows(const PackedWeights& p, const QuantizedRows& a, int t0, int64_t m0, const Output& out,
                        int stride, int next) {
@@ -328,7 +404,7 @@ inline void tiles_rows(const PackedWeights& p, const QuantizedRows& a, int t0, i
         for (int r = 0; r < R; r++) {
           const size_t mb = (size_t)(m0 + r) * nblk + b;
           acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][r]), _mm512_mul_ps(s, _mm512_set1_ps(a.scale[mb])), acc[i][r]);
-          acc[i][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.fsum[mb]), acc[i][r]);
+          acc[i][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.scale[mb] * a.sum[mb]), acc[i][r]);
         }
         continue;
       }
@@ -349,6 +425,90 @@ inline void tiles_rows(const PackedWeights& p, const QuantizedRows& a, int t0, i
       for (int r = 0; r < R; r++) _mm512_storeu_ps(out.at(m0 + r, t0 + i), acc[i][r]);
   }
 }
+
+#else
+// AVX2: a tile's 16 columns are two halves of 8 (bytes 0-31 and 32-63 of each 64-byte group); a byte pair
+// product sum (vpmaddubsw: weight 0..15 times activation -127..127, twice: no int16 saturation) then
+// summed in pairs into int32 (vpmaddwd by ones) is vpdpbusd's result. Tiles go one after another within
+// a block, so that R rows' accumulators stay in the 16 registers.
+template <int T, int R, bool SwiGLU, Prefetch F, bool Mins>
+inline void tiles_rows(const PackedWeights& p, const QuantizedRows& a, int t0, int64_t m0, const Output& out,
+                       int stride, int next) {
+  const int nblk = p.nblk, block = p.block, K = p.Kp;
+  const size_t tile_bytes = (size_t)nblk * (block / 8) * 64;
+  const size_t last_block = (size_t)p.ntiles * nblk - 1;
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[T][R][2];
+  for (int i = 0; i < T; i++)
+    for (int r = 0; r < R; r++) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_ps();
+  for (int b = 0; b < nblk; b++) {
+    const int8_t* ap = a.q.data() + m0 * K + (size_t)b * block;
+    for (int i = 0; i < T; i++) {
+      const size_t tb = (size_t)(t0 + i * stride) * nblk + b;
+      const uint8_t* wp = p.w.get() + tb * (block / 8) * 64;
+      if constexpr (F != Prefetch::kNone) {
+        const size_t ahead = std::min(last_block, (size_t)(t0 + i * stride + (F == Prefetch::kNext ? next : 0)) * nblk + b +
+                                                      (F == Prefetch::kAhead ? 4 : 0));
+        if constexpr (Mins) prefetch(p.scale_min.data() + ahead * 2 * kTile);
+        else {
+          prefetch(p.scale.data() + ahead * kTile);
+          prefetch(p.zero.data() + ahead * kTile);
+        }
+      }
+      __m256i dot[R][2];
+      for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+      for (int g = 0; g < block / 8; g++) {
+        if constexpr (F == Prefetch::kAhead) prefetch(wp + g * 64 + 2048);
+        if constexpr (F == Prefetch::kNext) prefetch(wp + next * tile_bytes + g * 64);
+        const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + g * 64));
+        const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + g * 64 + 32));
+        for (int h = 0; h < 2; h++) {
+          const __m256i w0 = h ? _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4) : _mm256_and_si256(v0, low4);
+          const __m256i w1 = h ? _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4) : _mm256_and_si256(v1, low4);
+          for (int r = 0; r < R; r++) {
+            int32_t word;
+            std::memcpy(&word, ap + (size_t)r * K + g * 8 + h * 4, 4);
+            const __m256i x = _mm256_set1_epi32(word);
+            dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x), ones));
+            dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x), ones));
+          }
+        }
+      }
+      for (int c = 0; c < 2; c++) {
+        __m256 s, z_or_min;
+        if constexpr (Mins) {
+          const uint16_t* sm = p.scale_min.data() + tb * 2 * kTile;
+          s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 8 * c)));
+          z_or_min = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kTile + 8 * c)));
+        } else {
+          s = _mm256_loadu_ps(p.scale.data() + tb * kTile + 8 * c);
+          z_or_min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.zero.data() + tb * kTile + 8 * c))));
+        }
+        for (int r = 0; r < R; r++) {
+          const size_t mb = (size_t)(m0 + r) * nblk + b;
+          const __m256 d = _mm256_cvtepi32_ps(dot[r][c]);
+          if constexpr (Mins) {
+            acc[i][r][c] = _mm256_fmadd_ps(d, _mm256_mul_ps(s, _mm256_set1_ps(a.scale[mb])), acc[i][r][c]);
+            acc[i][r][c] = _mm256_fmadd_ps(z_or_min, _mm256_set1_ps(a.scale[mb] * a.sum[mb]), acc[i][r][c]);
+          } else {
+            const __m256 x = _mm256_fnmadd_ps(z_or_min, _mm256_set1_ps(a.sum[mb]), d);
+            acc[i][r][c] = _mm256_fmadd_ps(x, _mm256_mul_ps(s, _mm256_set1_ps(a.scale[mb])), acc[i][r][c]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < 2; c++) {
+      if constexpr (SwiGLU) {
+        static_assert(T == 2);
+        _mm256_storeu_ps(out.at(m0 + r, t0) + 8 * c, _mm256_mul_ps(silu(acc[0][r][c]), acc[1][r][c]));
+      } else {
+        for (int i = 0; i < T; i++) _mm256_storeu_ps(out.at(m0 + r, t0 + i) + 8 * c, acc[i][r][c]);
+      }
+    }
+}
+#endif
 
 template <int T, bool SwiGLU, bool Mins>
 void tiles_all_rows(const PackedWeights& p, const QuantizedRows& a, int t0, int64_t M, const Output& out, int stride) {
@@ -536,6 +696,7 @@ OrtStatus* compute_rows(void* kernel, OrtKernelContext* ctx) {
 }
 
 
+#if RUVLLM_AVX512
 // ---- paged attention: each row's context read from the KV pool in place ----
 //
 // Replaces the exported graph's per-layer attention path (gather every row's blocks into a contiguous
@@ -1344,6 +1505,8 @@ OrtStatus* skip_rms_norm(void* kernel, OrtKernelContext* ctx) {
       kKernelContext_ParallelFor)(ctx, norm_item, items, 0, &j);
 }
 
+#endif  // RUVLLM_AVX512: attention and norm
+
 // onnxruntime's OrtCustomOp, version 18 layout
 struct CustomOp {
   uint32_t version;
@@ -1445,6 +1608,7 @@ CustomOp matmul_op() {
   return op;
 }
 
+#if RUVLLM_AVX512
 CustomOp attention_op() {
   CustomOp op = kernel_op<AttnKernel, create_attention, attend_step, kAttentionName>();
   op.GetName = [](const CustomOp*) { return "PagedAttention"; };
@@ -1462,6 +1626,8 @@ CustomOp norm_op() {
   return op;
 }
 
+#endif
+
 CustomOp matmul_split_op() {
   CustomOp op = matmul_op();
   op.GetName = [](const CustomOp*) { return "MatMulQ4Split"; };
@@ -1478,8 +1644,10 @@ CustomOp matmul_swiglu_op() {
 const CustomOp g_matmul = matmul_op();
 const CustomOp g_matmul_split = matmul_split_op();
 const CustomOp g_matmul_swiglu = matmul_swiglu_op();
+#if RUVLLM_AVX512
 const CustomOp g_attention = attention_op();
 const CustomOp g_norm = norm_op();
+#endif
 
 }  // namespace
 
@@ -1492,8 +1660,17 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   OrtCustomOpDomain* domain = nullptr;  // kept for the process's life, as sessions refer to it
   RETURN_IF(api<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ruvllm", &domain));
   auto add = api<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomain_Add);
+#if RUVLLM_AVX512
   for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_attention, &g_norm}) RETURN_IF(add(domain, op));
+#else
+  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu}) RETURN_IF(add(domain, op));
+#endif
   return api<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
+}
+
+// Which operators this build registers (AVX-512: all; AVX2: the 4-bit matmuls).
+__attribute__((visibility("default"))) const char* ruvllm_kernel_ops() {
+  return RUVLLM_AVX512 ? "MatMulQ4,PagedAttention,SkipRMSNorm" : "MatMulQ4";
 }
 
 // For the library's own test: the kernel on plain buffers, without onnxruntime.

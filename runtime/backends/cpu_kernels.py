@@ -8,10 +8,12 @@ layer's attention path, which gathers every row's context out of the KV pool int
 with one operator that reads the blocks in place. Two variants of MatMulQ4 also do what follows a
 projection in the exported graph (fuse_epilogues): MatMulQ4SwiGLU the MLP's silu(gate) * up,
 MatMulQ4Split the q/k/v split. `ruvllm.SkipRMSNorm` replaces onnxruntime's residual add + RMS norm,
-whose kernel is ~10x slower per row (fuse_norms). All need AVX-512 VNNI and a C++ compiler: the
-library is built once per source, compiler and CPU into the cache (RUVLLM_CACHE_DIR or
-~/.cache/ruvllm, under kernels/), as torch's cpp_extension does; where either is missing the native
-backend runs the package's graph as it is. RUVLLM_CPU_KERNELS=0 turns them all off,
+whose kernel is ~10x slower per row (fuse_norms). All need AVX-512 VNNI and a C++ compiler; on a CPU
+with AVX2, FMA and F16C only, the library holds the 4-bit matmuls alone (`operators()` says which), in
+AVX2, where onnxruntime's own AVX2 int8 kernel quantizes activations ~2.5x less exactly than rounding
+each block to nearest (see docs/PERFORMANCE.md). The library is built once per source, compiler and CPU
+into the cache (RUVLLM_CACHE_DIR or ~/.cache/ruvllm, under kernels/), as torch's cpp_extension does;
+where the CPU or compiler is missing the native backend runs the package's graph as it is. RUVLLM_CPU_KERNELS=0 turns them all off,
 RUVLLM_PAGED_ATTENTION=0 the attention only.
 """
 
@@ -28,7 +30,8 @@ from runtime.aliases import cache_dir
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 DOMAIN, OP = "ruvllm", "MatMulQ4"
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # the full set of operators
+AVX2_FLAGS = ("avx2", "fma", "f16c")  # the 4-bit matmuls alone
 COMPILE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden"]
 
 # The kernels reach onnxruntime's C API by positions in its function table (no registry package ships
@@ -37,6 +40,7 @@ COMPILE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvi
 TESTED_ONNXRUNTIME = ((1, 32), (1, 32))  # lowest and highest (major, minor), inclusive
 
 _library: tuple[Path | None, str] | None = None  # (path, why not) once decided in this process
+_operators: dict[Path, frozenset[str]] = {}
 
 
 def onnxruntime_supported(version: str) -> tuple[bool, str]:
@@ -82,8 +86,8 @@ def _build() -> tuple[Path | None, str]:
         return None, why
     flags = _cpu_flags()
     missing = [f for f in CPU_FLAGS if f not in flags]
-    if missing:
-        return None, f"this CPU lacks {', '.join(missing)}"
+    if missing and any(f not in flags for f in AVX2_FLAGS):
+        return None, f"this CPU lacks {', '.join(missing)} and {', '.join(f for f in AVX2_FLAGS if f not in flags)}"
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not compiler:
         return None, "no C++ compiler (g++) on PATH"
@@ -113,18 +117,34 @@ def _build() -> tuple[Path | None, str]:
     return out, ""
 
 
-def rewrite_graph(graph: Path, config: dict | None = None) -> tuple[bytes, int, int]:
+def operators(lib: Path | None = None) -> frozenset[str]:
+    """The operators the compiled library registers: all of them with AVX-512, the 4-bit matmuls with AVX2."""
+    lib = lib or library()[0]
+    if lib is None:
+        return frozenset()
+    if lib not in _operators:
+        import ctypes
+
+        fn = ctypes.CDLL(str(lib)).ruvllm_kernel_ops
+        fn.restype = ctypes.c_char_p
+        _operators[lib] = frozenset(fn().decode().split(","))
+    return _operators[lib]
+
+
+def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] | None = None) -> tuple[bytes, int, int]:
     """The graph with every MatMulNBits the kernel computes the same way replaced by ruvllm.MatMulQ4
     (weights stay where they are: the model's external data is read from the package's folder), and,
     given the package's config, each layer's attention by ruvllm.PagedAttention (fuse_attention).
     Returns the graph and how many projections and layers were replaced.
 
+    `ops`: the operators to use (default: all); an AVX2 build has MatMulQ4 alone (`operators`).
     Only 4-bit nodes with int8 compute (accuracy_level 4), packed uint8 zero points and fp32 scales,
     all initializers, qualify; the rest (fp32-compute test packages, fp16 scales) keep MLAS's kernel.
     A GGUF package's block minimums are folded into the kernel where fp16 holds them (fuse_minimums).
     """
     import onnx
 
+    ops = frozenset(("MatMulQ4", "PagedAttention", "SkipRMSNorm")) if ops is None else ops
     model = onnx.load(str(graph), load_external_data=False)
     inits = {i.name: i for i in model.graph.initializer}
     count = 0
@@ -133,7 +153,8 @@ def rewrite_graph(graph: Path, config: dict | None = None) -> tuple[bytes, int, 
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         block, n = attrs.get("block_size", 0), attrs.get("N", 0)
-        if attrs.get("bits", 4) != 4 or attrs.get("accuracy_level", 0) != 4 or not block or block % 32 or n % 16:
+        if ("MatMulQ4" not in ops or attrs.get("bits", 4) != 4 or attrs.get("accuracy_level", 0) != 4 or not block
+                or block % 32 or n % 16):
             continue
         b, s, z = (inits.get(name) for name in node.input[1:])
         if (b is None or s is None or z is None or b.data_type != onnx.TensorProto.UINT8
@@ -147,11 +168,11 @@ def rewrite_graph(graph: Path, config: dict | None = None) -> tuple[bytes, int, 
         fuse_epilogues(model)
     layers = 0
     head_dim = (config or {}).get("head_dim", 0)
-    if (config is not None and head_dim % 16 == 0 and (head_dim <= 128 or head_dim == 256)
+    if ("PagedAttention" in ops and config is not None and head_dim % 16 == 0 and (head_dim <= 128 or head_dim == 256)
             and os.environ.get("RUVLLM_PAGED_ATTENTION", "1") != "0"):
         layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"],
                                 config.get("sliding_window"))
-    norms = fuse_norms(model)
+    norms = fuse_norms(model) if "SkipRMSNorm" in ops else 0
     if count or layers or norms:
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     return model.SerializeToString(), count, layers
@@ -203,6 +224,10 @@ def fuse_minimums(model) -> int:
         keep = [n for n in nodes if id(n) not in removed]
         del model.graph.node[:]
         model.graph.node.extend(keep)
+        used = {name for n in keep for name in n.input}
+        unused = [t for t in model.graph.initializer if t.name not in used]  # the block-sum matrices
+        for t in unused:
+            model.graph.initializer.remove(t)
     return count
 
 

@@ -100,7 +100,8 @@ class NativeBackend:
             self.attention_kernel += f" ({why})"
             return None
         try:
-            model, count, layers = cpu_kernels.rewrite_graph(graph, self.pkg.config)
+            ops = cpu_kernels.operators(lib)
+            model, count, layers = cpu_kernels.rewrite_graph(graph, self.pkg.config, ops)
         except Exception as err:  # a graph onnx cannot parse: the plain load below reports it
             self.matmul_kernel += f" (graph not rewritten: {str(err)[:200]})"
             return None
@@ -118,8 +119,10 @@ class NativeBackend:
             self.attention_kernel += why
             return None
         if count:
-            self.matmul_kernel = f"ruvllm.MatMulQ4 ({count} of the graph's MatMulNBits, AVX-512 VNNI)"
-        self.attention_kernel = f"ruvllm.PagedAttention ({layers} layers)" if layers else "the graph's own"
+            isa = "AVX-512 VNNI" if "PagedAttention" in ops else "AVX2"
+            self.matmul_kernel = f"ruvllm.MatMulQ4 ({count} of the graph's MatMulNBits, {isa})"
+        self.attention_kernel = (f"ruvllm.PagedAttention ({layers} layers)" if layers else
+                                 "the graph's own" + ("" if "PagedAttention" in ops else " (AVX2 build: no PagedAttention)"))
         return session
 
     def allocate(self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int) -> None:

@@ -12,6 +12,9 @@ from runtime.backends import cpu_kernels
 
 LIB, WHY = cpu_kernels.library()
 needs_kernel = pytest.mark.skipif(LIB is None, reason=f"the 4-bit kernel is not used here: {WHY}")
+OPS = cpu_kernels.operators(LIB)
+needs_avx512 = pytest.mark.skipif("PagedAttention" not in OPS,
+                                  reason=f"PagedAttention and SkipRMSNorm need AVX-512 (this build: {sorted(OPS) or WHY})")
 
 
 def matmul_model(K: int, N: int, block: int, *, accuracy_level: int = 4, seed: int = 0) -> bytes:
@@ -42,9 +45,14 @@ def sessions(tmp_path, K: int, N: int, block: int) -> tuple[ort.InferenceSession
 
 
 def test_built_wherever_the_cpu_can_run_it():
+    """Every operator with AVX-512 VNNI; the 4-bit matmuls alone with AVX2, FMA and F16C; else none."""
     flags = cpu_kernels._cpu_flags()
     if all(f in flags for f in cpu_kernels.CPU_FLAGS):
         assert LIB is not None and LIB.exists(), WHY
+        assert OPS == {"MatMulQ4", "PagedAttention", "SkipRMSNorm"}
+    elif all(f in flags for f in cpu_kernels.AVX2_FLAGS):
+        assert LIB is not None and LIB.exists(), WHY
+        assert OPS == {"MatMulQ4"}
     else:
         assert LIB is None and "lacks" in WHY
 
@@ -153,7 +161,7 @@ def residual_norm_model(H: int, read_inverse: bool) -> bytes:
                                                    helper.make_opsetid("com.microsoft", 1)]).SerializeToString()
 
 
-@needs_kernel
+@needs_avx512
 @pytest.mark.parametrize("H", [576, 40])
 def test_residual_add_and_rms_norm_computed_as_onnxruntime_does(tmp_path, H):
     """ruvllm.SkipRMSNorm gives both outputs onnxruntime's kernel gives: one row, a batch, rows enough to
@@ -187,11 +195,12 @@ def test_a_norm_whose_statistics_are_read_is_left_alone(tmp_path):
 def test_smollm2_on_the_kernels_is_as_close_to_fp32_as_on_onnxruntimes_own(smol_fp32, smol_int4, monkeypatch):
     """The default package teacher-forced on real text, against the fp32 export, on both kernels.
 
-    The two differ in the last bits of an activation's int8 scale and of the fp32 sums, and such a
-    difference can move an activation across a rounding edge of the next layer's int8 quantization,
-    so they do not give bit-equal logits; what must hold is equal quality. Measured here (MatMulQ4 and
-    PagedAttention against MLAS and the exported attention): KL to fp32 0.181 vs 0.180, top-1 85% vs
-    83%, KL between the two 0.003, top-1 between them 99%.
+    They do not give bit-equal logits (an activation's int8 scale can differ in its last bit and move a
+    value across a rounding edge of the next layer), so what must hold is quality at least as good. For
+    the default package (a GGUF's Q4_1 blocks with minimums) the kernel is the closer one: it adds the
+    minimums times the quantized activations' sum, as llama.cpp does, where onnxruntime's plain graph
+    adds them times the fp32 sum beside its int8 product (an error on w - m instead of w). Measured
+    here (AVX2 build, MatMulQ4 only): KL to fp32 0.0034 vs 0.0143 on this text.
     """
     from runtime.package import load_package
     from runtime.tokenizer import Tokenizer
@@ -205,9 +214,9 @@ def test_smollm2_on_the_kernels_is_as_close_to_fp32_as_on_onnxruntimes_own(smol_
     mlas = teacher_forced_logprobs(smol_int4, ids)
     q_ours, q_mlas, between = quality(ref, ours, ids), quality(ref, mlas, ids), quality(mlas, ours, ids)
     print(f"ours {q_ours}\nmlas {q_mlas}\nbetween {between}")
-    assert abs(q_ours["kl"] - q_mlas["kl"]) < 0.1 * q_mlas["kl"], (q_ours, q_mlas)
-    assert abs(q_ours["top1"] - q_mlas["top1"]) <= 0.03 and q_ours["ppl"] < 1.03 * q_mlas["ppl"], (q_ours, q_mlas)
-    assert between["kl"] < 0.02 and between["top1"] >= 0.95, between
+    assert q_ours["kl"] < 1.1 * q_mlas["kl"] and q_ours["kl"] < 0.01, (q_ours, q_mlas)
+    assert q_ours["top1"] >= q_mlas["top1"] - 0.03 and q_ours["ppl"] < 1.03 * q_mlas["ppl"], (q_ours, q_mlas)
+    assert between["kl"] < 0.03 and between["top1"] >= 0.9, between
 
 
 @needs_kernel
@@ -308,7 +317,7 @@ def shared_prefix_steps(backend, prefix: list[int], own: list[list[int]], block:
     return run_step(backend, [chunk(r, [7 + r], len(prefix) + len(own[r])) for r in range(rows)])
 
 
-@needs_kernel
+@needs_avx512
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_decode_rows_sharing_prefix_blocks_attend_to_them_together_exactly(tiny_package, monkeypatch, arch):
     """fp32 packages: the cascade (shared keys once for all rows, then each row's own, merged) against
@@ -370,7 +379,7 @@ def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: floa
     return out
 
 
-@needs_kernel
+@needs_avx512
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
 @pytest.mark.parametrize("Hq,Hkv,D,bs,window", [(9, 3, 64, 16, 0), (8, 2, 128, 16, 0), (4, 4, 32, 8, 0),
                                                 (16, 2, 16, 4, 0), (6, 1, 256, 16, 0), (8, 2, 64, 16, 24)])
@@ -415,7 +424,7 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, la
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
 
 
-@needs_kernel
+@needs_avx512
 @pytest.mark.parametrize("arch,lengths", [("llama", (30, 3, 9)), ("mistral", (30, 3, 9)), ("qwen2", (30, 3, 9)),
                                           ("llama", (150, 1, 40)), ("mistral", (150, 1, 40))])
 def test_paged_attention_computes_what_the_graph_computes(tiny_package, monkeypatch, arch, lengths):
@@ -489,21 +498,31 @@ def test_block_minimums_are_exact_on_onnxruntimes_own_kernel(tmp_path):
     assert np.abs(sess.run(None, {"X": x})[0] - want).max() <= 1e-5 * np.abs(want).max()
 
 
+def int8_blocks(x: np.ndarray, block: int) -> np.ndarray:
+    """x with each row's blocks rounded to int8 steps of their absolute maximum / 127, to nearest (ties to
+    even), in fp32 as the kernel computes them: the activations every int8 product here multiplies."""
+    xb = x.reshape(*x.shape[:-1], -1, block).astype(np.float32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(xb * inv) * (amax / np.float32(127))).reshape(x.shape)
+
+
 @needs_kernel
-def test_minimums_kernel_computes_what_the_plain_graph_computes(tmp_path):
-    """MatMulQ4 with minimums against MatMulNBits + Gemm (the same int8 activations; the kernel adds
-    m times the fp32 block sums, onnxruntime the same in its Gemm), for 1 to 37 rows and a 3-D input."""
+def test_minimums_kernel_computes_the_int8_product_with_the_files_weights(tmp_path):
+    """MatMulQ4 with minimums gives (x rounded to int8 per block) . (d * q + m): the minimums times the
+    quantized activations' sum, as llama.cpp's Q8_1 carries it, for 1 to 37 rows and a 3-D input. (The
+    plain graph adds them times the fp32 sum, a larger error: see the SmolLM2 test above.)"""
     model, w = minimums_model(576, 960)
     path = tmp_path / "mins.onnx"
     onnx.save(model, path)
-    rewritten, count, _ = cpu_kernels.rewrite_graph(path)
+    rewritten, count, _ = cpu_kernels.rewrite_graph(path, ops=OPS)
     assert count == 1
-    ours_opts = ort.SessionOptions()
-    ours_opts.register_custom_ops_library(str(LIB))
-    plain, ours = ort.InferenceSession(str(path)), ort.InferenceSession(rewritten, ours_opts)
+    opts = ort.SessionOptions()
+    opts.register_custom_ops_library(str(LIB))
+    ours = ort.InferenceSession(rewritten, opts)
     rng = np.random.default_rng(2)
     for shape in ((1, 576), (3, 576), (16, 576), (37, 576), (2, 5, 576)):
         x = rng.standard_normal(shape, dtype=np.float32)
-        want, got = plain.run(None, {"X": x})[0], ours.run(None, {"X": x})[0]
+        got, want = ours.run(None, {"X": x})[0], int8_blocks(x, 32).astype(np.float64) @ w
         assert got.shape == want.shape == (*shape[:-1], 960)
-        assert np.abs(got - want).max() <= 1e-4 * np.abs(x @ w).max(), shape
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), shape
