@@ -16,6 +16,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from exporter.grid import Grid, fp16_exact, pack_nbits
+from exporter.onnx_builder import replace_graph
 
 MS_DOMAIN = "com.microsoft"
 
@@ -59,12 +60,7 @@ def apply_grids(model: onnx.ModelProto, grids: dict[str, Grid], accuracy_level: 
     missing = set(grids) - done
     if missing:
         raise ValueError(f"no MatMul reads {len(missing)} gridded weights, e.g. {sorted(missing)[0]}")
-    inits = [t for t in model.graph.initializer if t.name not in done]
-    model.graph.ClearField("node")
-    model.graph.node.extend(nodes)
-    model.graph.ClearField("initializer")
-    model.graph.initializer.extend(inits + added)
-    return model
+    return replace_graph(model, nodes, [t for t in model.graph.initializer if t.name not in done] + added)
 
 
 def take_minimum_terms(model: onnx.ModelProto) -> dict[str, tuple[np.ndarray, str]]:
@@ -83,10 +79,6 @@ def take_minimum_terms(model: onnx.ModelProto) -> dict[str, tuple[np.ndarray, st
         drop_nodes.update(f"{w}/{part}" for part in ("block_sums", "add_mins", "mins_fp32"))
         drop_inits.update((f"{w}_mins_fp16", f"{w}_mins", f"{w}/block_ones"))
     if terms:
-        keep = [n for n in model.graph.node if n.name not in drop_nodes]
-        model.graph.ClearField("node")
-        model.graph.node.extend(keep)
-        kept = [t for t in model.graph.initializer if t.name not in drop_inits]
-        model.graph.ClearField("initializer")
-        model.graph.initializer.extend(kept)
+        replace_graph(model, [n for n in model.graph.node if n.name not in drop_nodes],
+                      [t for t in model.graph.initializer if t.name not in drop_inits])
     return terms

@@ -128,7 +128,11 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
         raise RuvLLMError(f"unknown --quant {opts.quant!r}; choose one of {', '.join(QUANTS)}")
     if opts.target not in TARGETS:
         raise RuvLLMError(f"unknown --target {opts.target!r}; choose one of {', '.join(TARGETS)}")
-    source = resolve(source_name)
+    try:
+        source = resolve(source_name)
+    except RuvLLMError:
+        weight_plan(opts)  # a wrong option is named before a missing source
+        raise
     opts = weight_plan(opts, source.kind)
     if opts.head_quant not in (None, "int8", "int4"):
         raise RuvLLMError(f"unknown --head-quant {opts.head_quant!r}; choose int8 or int4")

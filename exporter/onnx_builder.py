@@ -71,5 +71,14 @@ class GraphBuilder:
         return helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name="ruvllm-exporter")
 
 
+def replace_graph(model: onnx.ModelProto, nodes: list, initializers: list) -> onnx.ModelProto:
+    """`model` with its nodes and initializers replaced (a rewrite's result), in place."""
+    model.graph.ClearField("node")
+    model.graph.node.extend(nodes)
+    model.graph.ClearField("initializer")
+    model.graph.initializer.extend(initializers)
+    return model
+
+
 FLOAT = TensorProto.FLOAT
 INT64 = TensorProto.INT64

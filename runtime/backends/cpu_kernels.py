@@ -221,13 +221,7 @@ def fuse_minimums(model) -> int:
             removed.add(id(cast))
         count += 1
     if removed:
-        keep = [n for n in nodes if id(n) not in removed]
-        del model.graph.node[:]
-        model.graph.node.extend(keep)
-        used = {name for n in keep for name in n.input}
-        unused = [t for t in model.graph.initializer if t.name not in used]  # the block-sum matrices
-        for t in unused:
-            model.graph.initializer.remove(t)
+        _drop(model, nodes, removed)
     return count
 
 
@@ -312,14 +306,22 @@ def fuse_epilogues(model) -> tuple[int, int]:
             removed.add(id(split))
             qkv += 1
     if removed:
-        keep = [node for node in nodes if id(node) not in removed]
-        del model.graph.node[:]
-        model.graph.node.extend(keep)
-        live = {name for node in keep for name in (*node.input, *node.output)}
-        kept_info = [v for v in model.graph.value_info if v.name in live]
-        del model.graph.value_info[:]
-        model.graph.value_info.extend(kept_info)
+        _drop(model, nodes, removed)
     return swiglu, qkv
+
+
+def _drop(model, nodes: list, removed: set[int]) -> None:
+    """The graph without the nodes whose id() is in `removed`, and without the value infos and
+    initializers (e.g. the minimums' block-sum matrices) that only those nodes used."""
+    keep = [node for node in nodes if id(node) not in removed]
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    live = {name for node in keep for name in (*node.input, *node.output)}
+    kept_info = [v for v in model.graph.value_info if v.name in live]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(kept_info)
+    for t in [t for t in model.graph.initializer if t.name not in live]:
+        model.graph.initializer.remove(t)
 
 
 def fuse_attention(model, num_layers: int, num_heads: int, num_kv_heads: int, sliding_window: int | None) -> int:
