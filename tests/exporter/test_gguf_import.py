@@ -209,10 +209,12 @@ def test_smollm2_default_package_is_as_good_as_its_gguf(smol_fp32, smol_int4, wo
     exact dequantization), teacher-forced on 2,048 tokens the project did not write (CPython's LICENSE.txt).
 
     The weights are the file's bit for bit, so what is left natively is the int8 quantization of the
-    activations (accuracy level 4, in blocks of 32, as llama.cpp's Q8_1 does for Q4_1): measured here
-    KL 0.018, perplexity 7.82 vs 7.67 (+2.0%), top-1 93%; with fp32 compute the same package gives KL
-    0.0000. The page computes in fp32: KL ~0. Before (AWQ re-quantizing the file in blocks of 64): KL
-    0.265, perplexity 9.15 (+19%), top-1 78%.
+    activations (accuracy level 4, in blocks of 32, as llama.cpp's Q8_1 does for Q4_1). On RuvLLM's
+    MatMulQ4 (AVX2 or AVX-512), measured here: KL 0.0034, perplexity 7.692 vs 7.666 (+0.34%), top-1 97%,
+    as llama.cpp on the same file (0.0034, +0.13%): the issue's bound is KL <= 0.01 and perplexity within
+    1%. On onnxruntime's own kernels (no AVX2, or RUVLLM_CPU_KERNELS=0) its AVX2 int8 path and the fp32
+    block sums beside it give KL 0.018, +2.0%: a looser bound there. The page computes in fp32: KL ~0.
+    Before (AWQ re-quantizing the file in blocks of 64): KL 0.265, perplexity 9.15 (+19%), top-1 78%.
     """
     from benchmarks.quality import held_out_text
     from exporter.convert import ConvertOptions, convert
@@ -231,4 +233,9 @@ def test_smollm2_default_package_is_as_good_as_its_gguf(smol_fp32, smol_int4, wo
     in_page = quality(ref, teacher_forced_logprobs(page, ids), ids)
     print(f"native int4: {native}\npage format: {in_page}")
     assert in_page["kl"] < 1e-3 and in_page["ppl"] < 1.002 * in_page["ppl_ref"] and in_page["top1"] > 0.99, in_page
-    assert native["kl"] < 0.025 and native["ppl"] < 1.03 * native["ppl_ref"] and native["top1"] > 0.91, native
+    from runtime.backends.native import NativeBackend
+
+    if NativeBackend(pkg).matmul_kernel.startswith("ruvllm.MatMulQ4"):
+        assert native["kl"] <= 0.01 and native["ppl"] <= 1.01 * native["ppl_ref"] and native["top1"] > 0.95, native
+    else:
+        assert native["kl"] < 0.025 and native["ppl"] < 1.03 * native["ppl_ref"] and native["top1"] > 0.91, native
