@@ -175,8 +175,17 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
         raise RuvLLMError(f"--head-rescore {opts.head_rescore} is more than the vocabulary ({spec.vocab_size} tokens)")
     carried = None
     if opts.method == "gguf":  # the file's blocks, checked bit for bit against what transformers loaded
-        carried = gguf_blocks.graph_grids(gguf_blocks.read(source.path, weights, spec.num_layers), spec.num_layers,
-                                          BITS[opts.quant], spec.tie_word_embeddings, exact_head=not opts.head_rescore)
+        read = gguf_blocks.read(source.path, weights, spec.num_layers)
+        carried = gguf_blocks.graph_grids(read, spec.num_layers, BITS[opts.quant], spec.tie_word_embeddings,
+                                          exact_head=not opts.head_rescore)
+        if on:
+            types: dict[str, int] = {}
+            for t in read.types.values():
+                types[t] = types.get(t, 0) + 1
+            layouts = _carried_summary(carried, opts)["projections"]
+            print("export: the GGUF's blocks carried over exactly: "
+                  + ", ".join(f"{n} {t}" for t, n in sorted(types.items())) + " -> "
+                  + "; ".join(f"{n} x {layout}" for layout, n in layouts.items()), file=sys.stderr)
         if carried.requantized:
             print(f"warning: {len(carried.requantized)} of the GGUF's matrices have no exact {opts.quant} layout here "
                   f"(e.g. {carried.requantized[0]}): quantized with RTN in blocks of 32", file=sys.stderr)
