@@ -84,13 +84,14 @@ def weight_plan(opts: ConvertOptions, source_kind: str = "folder") -> ConvertOpt
     if method != "rtn" and opts.quant not in ("int8", "int4"):
         raise RuvLLMError(f"--method {method} applies to --quant int8/int4, not {opts.quant}")
     block, mlp_block = opts.block_size, opts.mlp_block_size
-    if method == "gguf" and (block or mlp_block):
-        raise RuvLLMError("--block-size and --mlp-block-size do not apply to a GGUF's own blocks (--method gguf)")
     if block is None:
         block = AWQ_INT4_BLOCK if method not in ("rtn", "gguf") and opts.quant == "int4" else 32
     for flag, size in (("--block-size", block), ("--mlp-block-size", mlp_block)):
         if size is not None and (size < 16 or size & (size - 1)):
             raise RuvLLMError(f"{flag} must be a power of two, at least 16 (got {size})")
+    if method == "gguf" and (opts.block_size or mlp_block):
+        raise RuvLLMError("--block-size and --mlp-block-size do not apply to a GGUF's own blocks (--method gguf); "
+                          "name another --method to re-quantize the file")
     if opts.quant == "w8a8" and opts.target in BROWSER_TARGETS:
         raise RuvLLMError("--quant w8a8 is for native targets (onnxruntime-web has no fast int8 GEMM); "
                           "browser packages use int4")

@@ -57,7 +57,7 @@ def test_smollm2_fp32_greedy_equals_transformers(smol_fp32, smol_hf):
 
 @pytest.mark.slow
 def test_smollm2_int4_answers_paris(smol_int4):
-    out = generate_json(smol_int4, "What is the capital of France?", "--chat")
+    out = generate_json(smol_int4, "Name the capital of France.", "--chat")
     assert "Paris" in out["text"]
     assert out["finish_reason"] in ("stop", "length")
 
@@ -65,7 +65,7 @@ def test_smollm2_int4_answers_paris(smol_int4):
 @pytest.mark.slow
 def test_default_model_comes_from_the_cache(smol_cache):
     """With PKG omitted, generate uses the embedded model's cached int4 export (no re-export)."""
-    proc = run_cli("generate", "What is the capital of France?", "--chat", "--temperature", "0", "--json",
+    proc = run_cli("generate", "Name the capital of France.", "--chat", "--temperature", "0", "--json",
                    env={"RUVLLM_CACHE_DIR": str(smol_cache)}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "exporting" not in proc.stderr
@@ -115,4 +115,4 @@ def test_download_with_a_recipe_gets_its_own_folder(smol_cache):
     assert (smol_cache / "packages" / "smollm2-135m-int4-cpu" / "manifest.json").exists()
     again = run_cli("download", "smollm2-135m", "--quant", "int8", "--method", "rtn", "--block-size", "64", env=env)
     assert again.returncode == 0 and "already in the cache" in again.stdout
-    assert "Paris" in generate_json(folder, "What is the capital of France?", "--chat")["text"]
+    assert "Paris" in generate_json(folder, "Name the capital of France.", "--chat")["text"]

@@ -70,7 +70,9 @@ def test_our_pages_and_scripts_point_nowhere_off_origin(web_bundle):
 def test_browser_package_is_small_and_says_what_it_chose(web_bundle):
     models = json.loads((web_bundle / "models.json").read_text())["models"]
     smol = next(m for m in models if m["id"] == "smollm2-135m")
-    assert smol["bytes"] <= 100e6  # the download, int4 weights on the wire
+    # the download: the GGUF's Q4_1 blocks on the wire (4 bits + an fp16 scale and minimum per 32 weights: 5
+    # bits a weight, 108 MB; AWQ's blocks of 64 with 4-bit zero points were 4.6 bits, 98 MB)
+    assert smol["bytes"] <= 110e6
     q = smol["quantization"]
     assert q["weights"] == "int4" and q["compute"] == "fp32" and q["session_config"]
 

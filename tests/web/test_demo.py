@@ -30,7 +30,7 @@ def test_demo_answers_paris_with_the_network_cut_off(offline_page):
     info = p.evaluate("window.ruvllm.engine.info")
     assert info["device"] == "wasm" and info["crossOriginIsolated"] and info["threads"] >= 1
     assert p.page.inner_text("#i-device") == "WASM (CPU)"  # the choice is visible
-    answer = ask(p, "What is the capital of France?")
+    answer = ask(p, "Name the capital of France.")
     assert "Paris" in answer
     usage = p.evaluate("window.ruvllm.lastUsage")
     assert usage["completion_tokens"] > 1
@@ -39,7 +39,7 @@ def test_demo_answers_paris_with_the_network_cut_off(offline_page):
 
 def test_second_turn_reuses_the_first_turns_kv(offline_page):
     p = open_demo(offline_page)
-    ask(p, "What is the capital of France?")
+    ask(p, "Name the capital of France.")
     first = p.evaluate("window.ruvllm.lastUsage")
     ask(p, "And of Italy?")
     second = p.evaluate("window.ruvllm.lastUsage")
@@ -63,4 +63,4 @@ def test_stop_button_aborts_and_the_page_keeps_working(offline_page):
     assert usage["completion_tokens"] < 1024
     stats = p.evaluate("window.ruvllm.engine.stats()")
     assert stats["aborted"] == 1 and stats["running"] == 0 and stats["kv_blocks_used"] == 0
-    assert "Paris" in ask(p, "What is the capital of France?")  # nothing was lost
+    assert "Paris" in ask(p, "Name the capital of France.")  # nothing was lost
