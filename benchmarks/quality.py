@@ -16,29 +16,15 @@ import sys
 import sysconfig
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.package import load_package  # noqa: E402
 from runtime.tokenizer import Tokenizer  # noqa: E402
+from tests.exporter.test_quantization import quality, teacher_forced_logprobs  # noqa: E402
 
 
 def held_out_text() -> str:
     return (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text(encoding="utf-8")
-
-
-def teacher_forced_logprobs(pkg_dir, ids: list[int]) -> np.ndarray:
-    """log-softmax of the next-token logits at every position, from one prefill step."""
-    from tests.exporter.test_quantization import teacher_forced_logprobs as run
-
-    return run(pkg_dir, ids)
-
-
-def compare(ref: np.ndarray, test: np.ndarray, ids: list[int]) -> dict:
-    from tests.exporter.test_quantization import quality
-
-    return {k: float(v) for k, v in quality(ref, test, ids).items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     ids = tok.encode(text)[:args.tokens]
     ref = teacher_forced_logprobs(args.reference, ids)
     for pkg in args.packages:
-        q = compare(ref, teacher_forced_logprobs(pkg, ids), ids)
-        print(json.dumps({"package": pkg, "tokens": len(ids), **{k: round(v, 5) for k, v in q.items()}}), flush=True)
+        q = quality(ref, teacher_forced_logprobs(pkg, ids), ids)
+        print(json.dumps({"package": pkg, "tokens": len(ids), **{k: round(float(v), 5) for k, v in q.items()}}), flush=True)
     return 0
 
 
