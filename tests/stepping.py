@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-from runtime.kv_blocks import BlockAllocator
-from runtime.step_batch import Chunk, build_step
+from runtime.core.kv_blocks import BlockAllocator
+from runtime.core.step_batch import Chunk, build_step
 
 
 class Stepper:
     """Minimal block bookkeeping around a backend: sequences by slot, no scheduling."""
 
-    def __init__(self, backend, block_size: int = 4, num_blocks: int = 256, max_seqs: int = 8,
-                 max_blocks_per_seq: int = 64) -> None:
+    def __init__(self, backend, block_size: int = 4, num_blocks: int = 256) -> None:
         self.backend = backend
         self.bs = block_size
         self.alloc = BlockAllocator(num_blocks, block_size)
-        backend.allocate(num_blocks, block_size, max_seqs, max_blocks_per_seq)
+        backend.allocate(num_blocks, block_size)
         self.blocks: dict[int, list[int]] = {}
         self.length: dict[int, int] = {}
 
@@ -25,10 +24,8 @@ class Stepper:
             start = self.length.get(slot, 0)
             blocks = self.blocks.setdefault(slot, [])
             while len(blocks) * self.bs < start + len(tokens):
-                b = self.alloc.allocate()
-                self.backend.set_block(slot, len(blocks), b)
-                blocks.append(b)
-            plan.append(Chunk(slot=slot, tokens=tokens, start=start, num_blocks=len(blocks),
+                blocks.append(self.alloc.allocate())
+            plan.append(Chunk(tokens=tokens, start=start, block_table=blocks,
                               kv_slots=[blocks[t // self.bs] * self.bs + t % self.bs
                                         for t in range(start, start + len(tokens))],
                               want_logits=True, top_k=5))

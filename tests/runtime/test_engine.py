@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from runtime.async_engine import AsyncEngine
-from runtime.engine import Engine
+from runtime.core.async_engine import AsyncEngine
+from runtime.core.engine import Engine
+from runtime.core.sampling import SamplingParams
 from runtime.errors import RequestError
-from runtime.sampling import SamplingParams
 
 WORDS = ("apple river stone cloud seven orange music window paper tiger light north garden silver "
          "bridge summer castle ocean forest engine candle mirror").split()
@@ -55,8 +55,8 @@ def test_32_concurrent_staggered_requests_equal_their_solo_runs(tiny_package, th
     got = run_staggered(engine, texts)
     for i in range(len(texts)):
         assert got[i] == solo[i], f"request {i} differs"
-    assert engine.allocator.num_used == 0  # finished requests hold nothing; their prefixes stay evictable
-    assert engine.allocator.num_cached > 0
+    assert engine.scheduler.allocator.num_used == 0  # finished requests hold nothing; their prefixes stay evictable
+    assert engine.scheduler.allocator.num_cached > 0
 
 
 def test_w8a8_batched_requests_equal_their_solo_runs(tiny_package):
@@ -99,7 +99,7 @@ def test_shared_system_prompt_hits_the_prefix_cache(tiny_package):
     assert stats["prompt_tokens"] + stats["cached_prompt_tokens"] == sum(o[-1].prompt_tokens for o in outs)
     # a reset forgets every prefix: the pool is all free again and the next prompt computes from scratch
     assert cached.reset_prefix_cache() == stats["prefix_cache_blocks"] > 0
-    assert cached.allocator.num_free == cached.allocator.num_blocks and cached.allocator.num_cached == 0
+    assert cached.scheduler.allocator.num_free == cached.scheduler.allocator.num_blocks and cached.scheduler.allocator.num_cached == 0
     again = list(cached.generate(messages=chats[1], params=greedy()))
     assert again[-1].cached_tokens == 0 and [t for o in again for t in o.token_ids] == expected[1]
 
@@ -152,14 +152,14 @@ def test_resetting_the_prefix_cache_mid_run_leaves_running_requests_whole(tiny_p
     for _ in range(4):
         for out in engine.step():
             tokens[out.request_id].extend(out.token_ids)
-    held = engine.allocator.num_used
+    held = engine.scheduler.allocator.num_used
     assert engine.reset_prefix_cache() > 0  # their computed prompt blocks were cached
-    assert engine.allocator.num_cached == 0 and engine.allocator.num_used == held  # still theirs
+    assert engine.scheduler.allocator.num_cached == 0 and engine.scheduler.allocator.num_used == held  # still theirs
     while engine.has_unfinished():
         for out in engine.step():
             tokens[out.request_id].extend(out.token_ids)
     assert [tokens[r] for r in rids] == solo[:4]
-    assert engine.allocator.num_used == 0  # every block back in the pool: free, or cached and evictable
+    assert engine.scheduler.allocator.num_used == 0  # every block back in the pool: free, or cached and evictable
 
 
 def test_abort_frees_blocks_at_once_and_others_finish_unchanged(tiny_package, thirty_two):
@@ -172,9 +172,9 @@ def test_abort_frees_blocks_at_once_and_others_finish_unchanged(tiny_package, th
             tokens[out.request_id].extend(out.token_ids)
     victim = rids[1]
     held = len(engine.seqs[victim].blocks)
-    used = engine.allocator.num_used
+    used = engine.scheduler.allocator.num_used
     assert engine.abort(victim)
-    assert engine.allocator.num_used == used - held
+    assert engine.scheduler.allocator.num_used == used - held
     assert victim not in engine.seqs
     while engine.has_unfinished():
         for out in engine.step():
@@ -183,7 +183,7 @@ def test_abort_frees_blocks_at_once_and_others_finish_unchanged(tiny_package, th
     for i, r in enumerate(rids):
         if r != victim:
             assert tokens[r] == solo[i]
-    assert engine.allocator.num_used == 0
+    assert engine.scheduler.allocator.num_used == 0
 
 
 def test_stop_string_across_tokens_and_deltas_concatenate(tiny_package):
@@ -255,28 +255,29 @@ def test_a_prompts_blocks_restored_into_a_new_engine_are_hits_with_unchanged_out
     chat = [{"role": "system", "content": " ".join(WORDS[:60])}, {"role": "user", "content": "and then?"}]
     first = Engine.from_package(pkg)
     expected = [t for o in first.generate(messages=chat, params=greedy()) for t in o.token_ids]
-    saved = first.recent_prompt_blocks(max_blocks=8)
+    saved = first.scheduler.recent_prompt_blocks(max_blocks=8)
     prompt_len = len(first.encode_prompt(messages=chat))
     assert len(saved) == min(8, prompt_len // first.block_size) > 1
 
     fresh = Engine.from_package(pkg)
     for _ in range(3):  # blocks in use elsewhere: the restored ones land on other ids
-        fresh.allocator.allocate()
-    blocks = fresh.restore_prompt_blocks([key for key, _ in saved])
+        fresh.scheduler.allocator.allocate()
+    blocks = fresh.scheduler.restore_prompt_blocks([key for key, _ in saved])
     assert len(blocks) == len(saved) and not set(blocks) & {0, 1, 2}
     for (_, src), dst in zip(saved, blocks):  # the backend's part: the K/V themselves
-        fresh.backend.k_pool[:, :, dst] = first.backend.k_pool[:, :, src]
-        fresh.backend.v_pool[:, :, dst] = first.backend.v_pool[:, :, src]
+        (fk, fv), (k, v) = fresh.backend.pool.host_view(), first.backend.pool.host_view()
+        fk[:, :, dst] = k[:, :, src]
+        fv[:, :, dst] = v[:, :, src]
     outs = list(fresh.generate(messages=chat, params=greedy()))
     assert outs[-1].cached_tokens == len(saved) * fresh.block_size
     assert [t for o in outs for t in o.token_ids] == expected
-    assert fresh.restore_prompt_blocks([key for key, _ in saved]) == []  # already cached: nothing to restore
+    assert fresh.scheduler.restore_prompt_blocks([key for key, _ in saved]) == []  # already cached: nothing to restore
 
     wrong = Engine.from_package(pkg)  # restored keys without their K/V would be a silent corruption:
-    wrong.restore_prompt_blocks([key for key, _ in saved])  # this test must see the difference
+    wrong.scheduler.restore_prompt_blocks([key for key, _ in saved])  # this test must see the difference
     assert [t for o in wrong.generate(messages=chat, params=greedy()) for t in o.token_ids] != expected
 
     undone = Engine.from_package(pkg)  # what the page does when the K/V cannot be written after all
-    undone.forget_prompt_blocks(undone.restore_prompt_blocks([key for key, _ in saved]))
+    undone.scheduler.forget_prompt_blocks(undone.scheduler.restore_prompt_blocks([key for key, _ in saved]))
     outs = list(undone.generate(messages=chat, params=greedy()))
     assert outs[-1].cached_tokens == 0 and [t for o in outs for t in o.token_ids] == expected

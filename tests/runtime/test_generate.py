@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime.package import load_package
-from runtime.tokenizer import Tokenizer
+from runtime.text.tokenizer import Tokenizer
 from tests.conftest import TINY_ARCHS, run_cli
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.engine import Engine
-from runtime.sampling import SamplingParams
-from runtime.speculative import PromptLookup
+from runtime.core.engine import Engine
+from runtime.core.sampling import SamplingParams
+from runtime.core.speculative import PromptLookup
 from tests.runtime.test_engine import greedy, prompts, run_staggered, solo_outputs
 
 
@@ -41,7 +41,7 @@ def test_speculative_outputs_equal_plain_greedy_and_drafts_are_accepted(tiny_pac
     stats = engine.stats_snapshot()
     assert stats["accepted_draft_tokens"] > 0
     assert stats["steps"] < stats["generated_tokens"]  # verified drafts saved steps
-    assert engine.allocator.num_used == 0
+    assert engine.scheduler.allocator.num_used == 0
     if num_blocks:
         assert stats["preemptions"] > 0
 

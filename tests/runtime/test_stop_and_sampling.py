@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 import random
 
-from runtime.sampling import SamplingParams, choose
-from runtime.stop import StopChecker
+from runtime.core.sampling import SamplingParams, choose
+from runtime.core.stop import StopChecker
 
 
 def run(stopper: StopChecker, deltas: list[str]) -> tuple[str, bool]:

@@ -1,8 +1,8 @@
 """asyncio front of the engine: per-request streams of deltas while one loop steps the batch.
 
 Natively each step runs on a single worker thread so the event loop stays free to accept and
-stream requests; under Pyodide (no threads) the step runs inline, and a backend with `run_async`
-(onnxruntime-web) is awaited between Engine.prepare_step and finish_step. A consumer that
+stream requests; under Pyodide (no threads) the backend's `run_async` (onnxruntime-web) is awaited
+between Engine.prepare_step and finish_step. A consumer that
 stops iterating (a client that disconnects) has its request aborted and its KV freed at once.
 """
 
@@ -15,9 +15,10 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
-from runtime.engine import Engine, RequestOutput
+from runtime.core.engine import Engine
+from runtime.core.sampling import SamplingParams
+from runtime.core.sequence import RequestOutput
 from runtime.errors import RequestError
-from runtime.sampling import SamplingParams
 
 
 class AsyncEngine:
@@ -85,10 +86,8 @@ class AsyncEngine:
             try:
                 if self._executor is not None:
                     outputs = await loop.run_in_executor(self._executor, self._step)
-                elif hasattr(self.engine.backend, "run_async"):  # onnxruntime-web: await the step's promise
-                    outputs = await self._step_async()
                 else:
-                    outputs = self._step()
+                    outputs = await self._step_async()
                     await asyncio.sleep(0)
             except Exception as err:  # a backend failure ends every request in flight, loudly
                 self.step_error = err
@@ -107,14 +106,14 @@ class AsyncEngine:
 
     # ---- requests ----
     def add_request(self, prompt=None, params: SamplingParams | None = None, *, messages=None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, adapter: str | None = None) -> str:
         """Validate and queue a request; raises RequestError for a bad one (nothing is queued then)."""
         if self._closed:
             raise RequestError("the engine is shutting down")
         self.start()
-        ids = self.engine.encode_prompt(prompt, messages)  # tokenizing needs no lock
+        prepared = self.engine.prepare_request(prompt, params, messages=messages, adapter=adapter)  # no lock needed
         with self._lock:
-            rid = self.engine.add_request(ids, params, request_id=request_id)
+            rid = self.engine.submit(prepared, request_id)
             self._queues[rid] = asyncio.Queue()
         self._wakeup.set()
         return rid
@@ -141,8 +140,8 @@ class AsyncEngine:
         self._queues.pop(request_id, None)
 
     async def generate(self, prompt=None, params: SamplingParams | None = None, *, messages=None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        rid = self.add_request(prompt, params, messages=messages, request_id=request_id)
+                       request_id: str | None = None, adapter: str | None = None) -> AsyncIterator[RequestOutput]:
+        rid = self.add_request(prompt, params, messages=messages, request_id=request_id, adapter=adapter)
         async with contextlib.aclosing(self.stream(rid)) as outputs:  # leaving early aborts at once
             async for out in outputs:
                 yield out

@@ -1,7 +1,8 @@
 """Turns one step's scheduled chunks into the graph's flat inputs, as plain Python lists.
 
-Everything here is O(tokens in the step): block tables live in the backend and change only when
-a block is added, and penalty state is kept incrementally per sequence.
+Everything here is O(tokens in the step) plus the step's block tables, which the scheduler hands
+over in the chunks (the backend keeps no table of its own); penalty state is kept incrementally
+per sequence.
 """
 
 from __future__ import annotations
@@ -57,10 +58,9 @@ class PenaltyState:
 class Chunk:
     """One sequence's share of a step."""
 
-    slot: int  # row of the backend's block-table array
     tokens: list[int]
     start: int  # position of tokens[0]
-    num_blocks: int  # blocks the sequence holds after this step
+    block_table: list[int]  # the sequence's KV blocks after this step, in order
     kv_slots: list[int]  # pool slot (block * block_size + offset) of each new token
     want_logits: bool
     logits_rows: int = 1  # with want_logits: how many trailing tokens want next-token logits (drafts + 1)
@@ -70,6 +70,7 @@ class Chunk:
     frequency_penalty: float = 0.0
     penalties: PenaltyState | None = None
     top_k: int = 1
+    adapter_slot: int = 0  # the LoRA graph's adapter slot of the sequence (0: the base model)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class StepBatch:
     position_ids: list[int]
     query_index: list[list[int]]
     flat_index: list[int]
-    slots: list[int]
+    block_tables: list[list[int]]  # [batch, max_blocks], rows padded with block 0
     max_blocks: int
     kv_slots: list[int]
     logits_index: list[int]
@@ -92,12 +93,12 @@ class StepBatch:
     sparse_bias: list[list[float]]
     top_k: int
     want_full_logits: bool = False
+    adapter_slots: list[int] | None = None  # per token, when any sequence runs on an adapter (the LoRA graph)
 
-    def feeds(self, block_tables: list[list[int]] | None, top_k: int) -> dict[str, tuple[list, list[int]]]:
+    def feeds(self, top_k: int) -> dict[str, tuple[list, list[int]]]:
         """Every per-step graph input (runtime.contract.STEP_INPUTS) as (values, dims): values nested as
         the rank says, dims given explicitly so that an empty input keeps its rank (a step of prompt
-        chunks only has no logits rows, and its sparse inputs are [0, 1]). block_tables None: the
-        backend binds its own."""
+        chunks only has no logits rows, and its sparse inputs are [0, 1])."""
         rows = len(self.logits_index)
         sparse = [rows, len(self.sparse_ids[0]) if rows else 1]
         feeds = {
@@ -105,6 +106,7 @@ class StepBatch:
             C.POSITION_IDS: (self.position_ids, [len(self.position_ids)]),
             C.QUERY_INDEX: (self.query_index, [len(self.query_index), len(self.query_index[0])]),
             C.FLAT_INDEX: (self.flat_index, [len(self.flat_index)]),
+            C.BLOCK_TABLES: (self.block_tables, [len(self.block_tables), self.max_blocks]),
             C.LOGITS_INDEX: (self.logits_index, [rows]),
             C.TEMPERATURE: (self.temperature, [rows]),
             C.REPETITION_PENALTY: (self.repetition_penalty, [rows]),
@@ -116,15 +118,7 @@ class StepBatch:
             C.SPARSE_BIAS: (self.sparse_bias, sparse),
             C.TOP_K: ([top_k], [1]),
         }
-        if block_tables is not None:
-            feeds[C.BLOCK_TABLES] = (block_tables, [len(block_tables), self.max_blocks])
         return feeds
-
-
-def table_width(max_context: int, max_batch_tokens: int, block_size: int) -> int:
-    """Block-table columns a backend needs: the graph reads every row up to its first new position
-    plus the step's query_len (see build_step), which can pass the row's own last block."""
-    return -(-(max_context + max_batch_tokens) // block_size)
 
 
 def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = False) -> StepBatch:
@@ -168,10 +162,12 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
         sp_seen.append(p.seen + [p.seen[0]] * pad)
         sp_counts.append(p.counts + [p.counts[0]] * pad)
         sp_bias.append(p.bias + [p.bias[0]] * pad)
+    max_blocks = max(max(len(c.block_table) for c in chunks),
+                     -(-(max(c.start for c in chunks) + query_len) // block_size))
     return StepBatch(
         input_ids=ids, position_ids=pos, query_index=qidx, flat_index=flat,
-        slots=[c.slot for c in chunks], kv_slots=kv,
-        max_blocks=max(max(c.num_blocks for c in chunks), -(-(max(c.start for c in chunks) + query_len) // block_size)),
+        block_tables=[c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks],
+        kv_slots=kv, max_blocks=max_blocks,
         logits_index=logits_index,
         temperature=[c.temperature for c, _ in rows],
         repetition_penalty=[c.repetition_penalty for c, _ in rows],
@@ -180,6 +176,7 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
         sparse_ids=sp_ids, sparse_seen=sp_seen, sparse_counts=sp_counts, sparse_bias=sp_bias,
         top_k=max([c.top_k for c, _ in rows] + [1]),
         want_full_logits=want_full_logits,
+        adapter_slots=[c.adapter_slot for c in chunks for _ in c.tokens] if any(c.adapter_slot for c in chunks) else None,
     )
 
 

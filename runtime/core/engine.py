@@ -1,0 +1,190 @@
+"""The engine: requests in, token deltas out, many sequences batched per step on paged KV.
+
+A step is schedule -> run -> process: the Scheduler decides what runs and in which KV blocks, the
+backend (native onnxruntime, or onnxruntime-web in the page) runs the graph, and the
+OutputProcessor chooses tokens, stops and detokenizes. Pure standard library.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from runtime.core.adapters import AdapterInfo, AdapterRegistry
+from runtime.core.backend import Backend
+from runtime.core.config import DEFAULT_KV_MEMORY, EngineConfig, ModelConfig
+from runtime.core.output_processor import OutputProcessor
+from runtime.core.sampling import SamplingParams
+from runtime.core.scheduler import Scheduler, SchedulerOutput
+from runtime.core.sequence import RequestOutput, Sequence, TokenLogprob
+from runtime.core.stats import EngineStats
+from runtime.core.step_batch import StepBatch, StepResult, build_step
+from runtime.errors import ContextLengthError, RequestError
+from runtime.package import ModelPackage, load_package
+from runtime.text.chat_template import ChatTemplate
+from runtime.text.tokenizer import Tokenizer
+
+__all__ = ["DEFAULT_KV_MEMORY", "Engine", "PreparedRequest", "PreparedStep", "RequestOutput", "TokenLogprob"]
+
+
+@dataclass
+class PreparedRequest:
+    """A request tokenized and validated, not yet queued."""
+
+    ids: list[int]
+    params: SamplingParams
+    adapter: AdapterInfo | None = None
+
+
+@dataclass
+class PreparedStep:
+    """A scheduled step and its graph inputs, between prepare_step and finish_step."""
+
+    scheduled: SchedulerOutput
+    batch: StepBatch
+
+
+class Engine:
+    def __init__(self, package: ModelPackage, backend: Backend, config: EngineConfig | None = None, *,
+                 tokenizer: Tokenizer | None = None, **options) -> None:
+        """options: EngineConfig fields (num_blocks, kv_memory, max_num_seqs, ...) over `config`."""
+        self.config = config = EngineConfig(**{**(config.__dict__ if config else {}), **options})
+        self.pkg = package
+        self.backend = backend
+        self.model = ModelConfig.from_manifest(package.manifest)
+        self.max_context = self.model.max_context
+        self.vocab_size = self.model.vocab_size
+        self.block_size = config.block_size or self.model.block_size
+        num_blocks = config.pool_blocks(self.block_size, backend.kv_bytes_per_token(package.config), self.max_context)
+        backend.allocate(num_blocks, self.block_size)
+        self.stats = EngineStats()
+        self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_context, self.vocab_size, self.stats)
+        meta = package.manifest["tokenizer"]
+        self.tokenizer = tokenizer or Tokenizer.from_file(package.file(meta["file"]), meta)
+        tmpl = package.chat_template
+        self.chat_template = ChatTemplate(tmpl, meta.get("bos_token"), meta.get("eos_token")) if tmpl else None
+        self.processor = OutputProcessor(self.tokenizer, self.model, self.stats)
+        self._ids = itertools.count()
+        self.adapters = AdapterRegistry(package, backend, self.config)
+
+    @classmethod
+    def from_package(cls, path, device: str = "cpu", threads: int | None = None, verify: bool = True,
+                     **options) -> Engine:
+        """verify: check every file's sha256 first (cached by size and mtime; see package.verify_files)."""
+        from runtime.backends.native import NativeBackend
+
+        pkg = load_package(path, verify_hashes=verify)
+        return cls(pkg, NativeBackend(pkg, device=device, threads=threads), **options)
+
+    # ---- requests ----
+    def encode_prompt(self, prompt=None, messages: list[dict] | None = None) -> list[int]:
+        """The request's token ids: a chat rendered through the template, text encoded, or ids checked."""
+        if messages is not None:
+            if self.chat_template is None:
+                raise RequestError("this model package has no chat template")
+            text = self.chat_template.render(messages, add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_bos=False)
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary")
+            return list(prompt)
+        raise RequestError("a request needs a prompt (text or token ids) or chat messages")
+
+    def prepare_request(self, prompt=None, params: SamplingParams | None = None, *,
+                        messages: list[dict] | None = None, adapter: str | None = None) -> PreparedRequest:
+        """Tokenize and validate a request, touching no engine state (AsyncEngine calls it outside its lock)."""
+        info = self.adapters.named(adapter)
+        params = params or SamplingParams()
+        params.validate(self.vocab_size)
+        ids = self.encode_prompt(prompt, messages)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.max_context:
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens; this model's context is "
+                                     f"{self.max_context} tokens")
+        alloc = self.scheduler.allocator
+        if alloc.blocks_for(len(ids) + 1) > alloc.num_blocks:
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens, more than the KV cache holds "
+                                     f"({alloc.num_blocks * self.block_size} tokens)")
+        return PreparedRequest(ids, params, info)
+
+    def submit(self, request: PreparedRequest, request_id: str | None = None) -> str:
+        """Queue a prepared request; returns its id."""
+        rid = request_id or f"req-{next(self._ids)}"
+        if rid in self.scheduler.seqs:
+            raise RequestError(f"request id {rid!r} is already in use")
+        seq = Sequence(rid, request.ids, request.params, tokens=list(request.ids),
+                       adapter=request.adapter.id if request.adapter else None)
+        self.processor.admit(seq)
+        self.scheduler.add(seq)
+        return rid
+
+    def add_request(self, prompt=None, params: SamplingParams | None = None, *, messages: list[dict] | None = None,
+                    request_id: str | None = None, adapter: str | None = None) -> str:
+        """adapter: the name of an adapter added with adapters.add (None: the base model)."""
+        return self.submit(self.prepare_request(prompt, params, messages=messages, adapter=adapter), request_id)
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    @property
+    def seqs(self) -> dict[str, Sequence]:
+        return self.scheduler.seqs
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> int:
+        return self.scheduler.reset_prefix_cache()
+
+    # ---- the step: schedule -> run -> process ----
+    def step(self) -> list[RequestOutput]:
+        prepared = self.prepare_step()
+        if prepared is None:
+            return []
+        return self.finish_step(prepared, self.backend.run(prepared.batch))
+
+    def prepare_step(self) -> PreparedStep | None:
+        """Schedule the next step and build its graph inputs; None when there is nothing to run.
+        An asynchronous caller awaits the backend between this and finish_step, with requests added
+        or aborted meanwhile."""
+        scheduled = self.scheduler.schedule()
+        if scheduled is None:
+            return None
+        self.adapters.load_slots(self.scheduler.slots.take_loads())
+        return PreparedStep(scheduled, build_step(scheduled.chunks, self.block_size))
+
+    def finish_step(self, prepared: PreparedStep, result: StepResult) -> list[RequestOutput]:
+        """Choose tokens from the step's candidates, then let the scheduler account what was computed."""
+        self.stats.steps += 1
+        outputs: list[RequestOutput] = []
+        rows = iter(zip(result.topk_ids, result.topk_logprobs))  # per chunk that wanted logits, in order
+        for (seq, n), chunk in zip(prepared.scheduled.scheduled, prepared.scheduled.chunks):
+            candidates = [next(rows) for _ in range(chunk.logits_rows)] if chunk.want_logits else []
+            if seq.finished:  # aborted while the step ran: its blocks are gone already
+                continue
+            drafted = len(seq.draft)
+            emitted = self.processor.process(seq, candidates, seq.draft)
+            accepted = max(0, len(emitted) - 1)  # every emitted token but the last confirmed its draft
+            self.scheduler.update(seq, n - drafted + accepted, accepted, bool(emitted) and emitted[-1].finished)
+            outputs.extend(emitted)
+        return outputs
+
+    def stats_snapshot(self) -> dict:
+        return self.stats.snapshot(self.scheduler)
+
+    # ---- convenience ----
+    def generate(self, prompt=None, params: SamplingParams | None = None, *, messages=None, adapter: str | None = None):
+        """Run one request to completion, yielding its outputs (other queued requests run too)."""
+        rid = self.add_request(prompt, params, messages=messages, adapter=adapter)
+        while True:
+            for out in self.step():
+                if out.request_id == rid:
+                    yield out
+                    if out.finished:
+                        return
+            if rid not in self.seqs:
+                return

@@ -1,0 +1,70 @@
+"""After the graph: choose each token, check stops, detokenize, and say what the client sees.
+
+The graph has already applied penalties, bias and temperature and returned top-K candidates per
+logits row (runtime/core/sampling.py says why that is exact); what is left per token is cheap and
+per request, so it lives here, apart from the scheduler's KV bookkeeping.
+"""
+
+from __future__ import annotations
+
+from runtime.core.config import ModelConfig
+from runtime.core.sampling import choose, make_rng
+from runtime.core.sequence import RequestOutput, Sequence, TokenLogprob
+from runtime.core.stats import EngineStats
+from runtime.core.step_batch import PenaltyState
+from runtime.core.stop import StopChecker
+from runtime.text.tokenizer import IncrementalDecoder, Tokenizer
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer, model: ModelConfig, stats: EngineStats) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.stats = stats
+
+    def admit(self, seq: Sequence) -> None:
+        """Give a new request its sampler, detokenizer, stop checker and penalty state."""
+        p = seq.params
+        seq.decoder = IncrementalDecoder(self.tokenizer)
+        seq.stopper = StopChecker(p.stop, p.include_stop_str_in_output)
+        seq.rng = make_rng(p.seed)
+        if p.penalized:
+            seq.penalties = PenaltyState()
+            seq.penalties.add_prompt(seq.prompt_ids)
+            seq.penalties.add_bias(p.logit_bias)
+
+    def process(self, seq: Sequence, rows: list[tuple[list[int], list[float]]], draft: list[int]) -> list[RequestOutput]:
+        """Choose a token per logits row, in order, while each choice equals the draft the next row
+        assumed (row j follows j drafted tokens); stop at a mismatch or when the request finishes."""
+        outputs = []
+        for j, (ids, lps) in enumerate(rows):
+            out = self._accept(seq, ids, lps)
+            outputs.append(out)
+            if out.finished or j == len(draft) or out.token_ids[0] != draft[j]:
+                break
+        return outputs
+
+    def _accept(self, seq: Sequence, ids: list[int], lps: list[float]) -> RequestOutput:
+        p = seq.params
+        token = choose(ids, lps, p, seq.rng)
+        seq.tokens.append(token)
+        self.stats.generated_tokens += 1
+        if seq.penalties is not None:
+            seq.penalties.add_generated(token)
+        logprobs = []
+        if p.logprobs is not None:
+            lp = dict(zip(ids, lps)).get(token, float("-inf"))
+            logprobs.append(TokenLogprob(token, lp, list(zip(ids, lps))[: p.logprobs]))
+        reason, by_string = None, False
+        if (token in self.model.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+            reason, text = "stop", ""
+        else:
+            text, by_string = seq.stopper.feed(seq.decoder.add(token))
+            reason = "stop" if by_string else None
+        if reason is None and (seq.num_generated >= p.max_tokens or len(seq.tokens) >= self.model.max_context):
+            reason = "length"
+        if reason is not None and not by_string:  # release text held back for a stop string that never came
+            tail, hit = seq.stopper.feed(seq.decoder.flush())
+            text += tail if hit else tail + seq.stopper.flush()
+        return RequestOutput(seq.id, text, [token], reason is not None, reason, len(seq.prompt_ids),
+                             seq.num_generated, logprobs, cached_tokens=seq.cached_tokens)

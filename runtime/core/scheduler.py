@@ -1,0 +1,301 @@
+"""Decides each step: which sequences run, how many of their tokens, in which KV blocks.
+
+FCFS with a per-step token budget: running sequences first (decodes, then unfinished prompt chunks),
+then waiting ones admitted while KV blocks last; a waiting prompt whose next blocks this step
+computes for another waits a step and takes them from the prefix cache. When the pool runs out,
+the newest running sequence is preempted and later recomputed. Greedy and low-temperature decodes
+may carry prompt-lookup drafts (runtime/core/speculative.py) for the step to verify.
+
+The scheduler owns the block allocator and the prefix cache, and hands the backend each
+sequence's block table in the step's chunks; it never touches a model, so it is tested alone.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from runtime.core.adapters import AdapterSlots
+from runtime.core.config import SPECULATIVE_MAX_TEMPERATURE, EngineConfig
+from runtime.core.kv_blocks import BlockAllocator, block_key
+from runtime.core.sequence import Sequence
+from runtime.core.speculative import PromptLookup
+from runtime.core.stats import EngineStats
+from runtime.core.step_batch import Chunk
+
+# A waiting prompt whose next full blocks this step computes for another (the same system prompt, n
+# copies of one prompt) waits a step for them when they are all its uncached blocks or at least this many
+IN_BATCH_SHARE_BLOCKS = 2
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's decision: the sequences that run, with what each computes (drafts included)."""
+
+    scheduled: list[tuple[Sequence, int]]  # (sequence, tokens computed this step)
+    chunks: list[Chunk]  # the same order: tokens, positions, block table, KV slots, logits rows
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, block_size: int, max_context: int, vocab_size: int,
+                 stats: EngineStats | None = None) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.max_context = max_context
+        self.vocab_size = vocab_size
+        self.allocator = BlockAllocator(num_blocks, block_size, config.enable_prefix_cache)
+        self.stats = stats or EngineStats()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.seqs: dict[str, Sequence] = {}
+        self.slots = AdapterSlots(config.max_loras)  # which adapter each of the LoRA graph's slots holds
+        self._recent_prompt: list[bytes] = []  # prefix keys of the last finished prompt's full blocks
+
+    # ---- requests ----
+    def add(self, seq: Sequence) -> None:
+        self.seqs[seq.id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return False
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.finish(seq)
+        self.stats.aborted += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a finished (or aborted) sequence and give back its blocks; its full prompt blocks stay
+        cached and are remembered as the most recent prompt."""
+        if seq in self.running:
+            self.running.remove(seq)
+        full = len(seq.prompt_ids) // self.block_size
+        if full and len(seq.block_keys) >= full:
+            self._recent_prompt = seq.block_keys[:full]
+        self._release(seq)
+        seq.finished = True
+        self.seqs.pop(seq.id, None)
+
+    # ---- the step ----
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step, or None when nothing can run."""
+        budget = self.config.max_batch_tokens
+        plan: list[tuple[Sequence, int]] = []
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq not in self.running:  # preempted below to make room
+                continue
+            n = min(len(seq.tokens) - seq.num_computed, budget)
+            while not self._grow(seq, seq.num_computed + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            seq.draft = self._draft(seq, budget - n) if n == 1 == len(seq.tokens) - seq.num_computed else []
+            n += len(seq.draft)
+            plan.append((seq, n))
+            budget -= n
+        self._admit(plan, budget)
+        if not plan:
+            return None
+        for seq, n in plan:
+            if seq.num_generated == 0:
+                self.stats.prompt_tokens += n
+        self.stats.peak_running = max(self.stats.peak_running, len(plan))
+        return SchedulerOutput(plan, [self._chunk(seq, n) for seq, n in plan])
+
+    def _admit(self, plan: list[tuple[Sequence, int]], budget: int) -> None:
+        # prefix keys of the prompt blocks this step's chunks complete: a waiting prompt that starts with
+        # them waits a step and then reads them from the cache instead of computing them again
+        sharing = self.allocator.enable_prefix_cache and bool(self.waiting)
+        pending: set[bytes] = set()
+        if sharing:
+            for seq, n in plan:
+                if seq.num_computed < len(seq.prompt_ids):
+                    pending.update(self._chunk_keys(seq, seq.block_keys, seq.num_computed + n))
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            keys = self._prefix_keys(seq)
+            if pending and self._waits_for(keys, pending):
+                continue
+            slot = self.slots.acquire(seq.adapter)
+            if slot is None:  # every adapter slot is taken by running sequences of other adapters
+                continue
+            cached = self.allocator.lookup(keys)
+            seq.block_keys = keys[:len(cached)]  # a copy: update() appends to it
+            start = len(cached) * self.block_size
+            n = min(len(seq.tokens) - start, budget)
+            if self.allocator.blocks_for(start + n) - len(cached) > self.allocator.num_free:
+                for block in cached:  # not admitted after all: give the hits back
+                    self.allocator.release(block)
+                self.slots.release(slot)
+                break
+            seq.adapter_slot = slot
+            self.waiting.remove(seq)
+            seq.prefix_keys = None
+            seq.draft = []
+            seq.blocks = list(cached)
+            seq.num_computed = start
+            if seq.num_generated == 0:
+                seq.cached_tokens = start
+                self.stats.cached_prompt_tokens += start
+            self._grow(seq, start + n)
+            self.running.append(seq)
+            plan.append((seq, n))
+            budget -= n
+            if sharing:
+                pending.update(keys[len(cached):(start + n) // self.block_size])
+
+    def _chunk(self, seq: Sequence, n: int) -> Chunk:
+        bs, start, p, draft = self.block_size, seq.num_computed, seq.params, seq.draft
+        return Chunk(
+            tokens=seq.tokens[start:start + n - len(draft)] + draft, start=start, block_table=seq.blocks,
+            kv_slots=[seq.blocks[t // bs] * bs + t % bs for t in range(start, start + n)],
+            want_logits=start + n - len(draft) == len(seq.tokens), logits_rows=1 + len(draft),
+            temperature=1.0 if p.greedy else p.temperature,
+            repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty, penalties=seq.penalties, top_k=p.candidates(self.vocab_size),
+            adapter_slot=seq.adapter_slot)
+
+    def update(self, seq: Sequence, computed: int, accepted_drafts: int, finished: bool) -> None:
+        """After the step: `computed` of the sequence's tokens now have K/V (its accepted drafts
+        included); publish the blocks they completed, and finish the sequence if it is done."""
+        seq.num_computed += computed
+        if seq.draft:
+            seq.lookup.record(len(seq.draft), accepted_drafts)
+            self.stats.accepted_draft_tokens += accepted_drafts
+        if self.allocator.enable_prefix_cache:
+            for key in self._chunk_keys(seq, seq.block_keys, seq.num_computed):
+                self.allocator.register(seq.blocks[len(seq.block_keys)], key)
+                seq.block_keys.append(key)
+        if finished:
+            self.finish(seq)
+
+    # ---- KV blocks ----
+    def _release(self, seq: Sequence) -> None:
+        for b in seq.blocks:
+            self.allocator.release(b)
+        seq.blocks = []
+        seq.block_keys = []
+        seq.num_computed = 0
+        if seq.adapter_slot >= 0:
+            self.slots.release(seq.adapter_slot)
+            seq.adapter_slot = -1
+
+    def _grow(self, seq: Sequence, upto_tokens: int) -> bool:
+        need = self.allocator.blocks_for(upto_tokens) - len(seq.blocks)
+        if need > self.allocator.num_free:
+            return False
+        for _ in range(need):
+            seq.blocks.append(self.allocator.allocate())
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's KV; it will recompute prompt + generated tokens later."""
+        self.running.remove(seq)
+        self._release(seq)
+        self.waiting.appendleft(seq)
+        self.stats.preemptions += 1
+
+    def _draft(self, seq: Sequence, budget: int) -> list[int]:
+        """Tokens to verify after a decode step's real one, with KV room for them; [] when not worth it.
+
+        Each drafted position gets its own logits row (with penalties counting the drafts before it as
+        generated), and the output processor chooses row by row, as plain decoding would, while the choice
+        equals the draft. A sampled request draws once per emitted token either way, so even a seeded
+        sample is the same with or without drafts; above SPECULATIVE_MAX_TEMPERATURE drafts rarely pay.
+        """
+        p, cfg = seq.params, self.config
+        if (not cfg.speculative_tokens or len(self.running) > cfg.speculative_max_batch
+                or p.temperature > SPECULATIVE_MAX_TEMPERATURE):
+            return []
+        k = min(cfg.speculative_tokens, budget, p.max_tokens - seq.num_generated - 1,
+                self.max_context - len(seq.tokens) - 1)
+        if k <= 0:
+            return []
+        if seq.lookup is None:
+            seq.lookup = PromptLookup(*cfg.ngram)
+        draft = seq.lookup.draft(seq.tokens, k)
+        if not draft:
+            return []
+        need = self.allocator.blocks_for(len(seq.tokens) + len(draft)) - len(seq.blocks)
+        if need > 0 and self.allocator.num_free - need < len(self.running):
+            return []  # keep a block per running sequence for its real token: never preempt for a guess
+        self._grow(seq, len(seq.tokens) + len(draft))
+        self.stats.draft_tokens += len(draft)
+        return draft
+
+    # ---- the prefix cache ----
+    def _waits_for(self, keys: list[bytes], pending: set[bytes]) -> bool:
+        """Whether a waiting prompt should let this step's chunks compute its next blocks first: they
+        cover all its uncached full blocks, or at least IN_BATCH_SHARE_BLOCKS of them. It then waits
+        one step (vLLM defers the same way where a step cannot read blocks it is writing): here a row
+        attends to its own context only, so blocks computed in a step are shared from the next one."""
+        first = 0
+        while first < len(keys) and self.allocator.cached_block(keys[first]) is not None:
+            first += 1
+        shared = 0
+        while first + shared < len(keys) and keys[first + shared] in pending:
+            shared += 1
+        return shared > 0 and (shared >= IN_BATCH_SHARE_BLOCKS or first + shared == len(keys))
+
+    def _prefix_keys(self, seq: Sequence) -> list[bytes]:
+        """Chained prefix keys of the sequence's full blocks, leaving at least one token to compute;
+        kept while it waits (its tokens change only by preemption, which appends)."""
+        if not self.allocator.enable_prefix_cache:
+            return []
+        if seq.prefix_keys is None or seq.prefix_keys[0] != len(seq.tokens):
+            seq.prefix_keys = (len(seq.tokens), self._chunk_keys(seq, [], len(seq.tokens) - 1))
+        return seq.prefix_keys[1]
+
+    def _chunk_keys(self, seq: Sequence, known: list[bytes], upto_tokens: int) -> list[bytes]:
+        """Keys of the full blocks within the first upto_tokens tokens, after the `known` ones."""
+        bs, keys = self.block_size, []
+        parent = known[-1] if known else None
+        for j in range(len(known), upto_tokens // bs):
+            parent = block_key(parent, seq.tokens[j * bs:(j + 1) * bs], seq.adapter)
+            keys.append(parent)
+        return keys
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix (as vLLM's reset_prefix_cache): later prompts compute from scratch.
+        Running sequences keep their blocks. Returns the number of cached blocks forgotten."""
+        self._recent_prompt = []
+        return self.allocator.reset()
+
+    # a prompt's cached blocks outside the engine (the page keeps them across reloads)
+    def recent_prompt_blocks(self, max_blocks: int) -> list[tuple[bytes, int]]:
+        """(key, block) of the last finished request's full prompt blocks that are still cached, in
+        order: what a backend can save, to restore after a restart with the same package."""
+        out = []
+        for key in self._recent_prompt[:max_blocks]:
+            block = self.allocator.cached_block(key)
+            if block is None:
+                break
+            out.append((key, block))
+        return out
+
+    def restore_prompt_blocks(self, keys: list[bytes]) -> list[int]:
+        """Cache blocks under these chained keys (a prefix, in order) for K/V the backend is about to
+        write into them; returns their blocks, fewer when the pool has no free block left."""
+        blocks = []
+        for key in keys:
+            block = self.allocator.restore(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def forget_prompt_blocks(self, blocks: list[int]) -> None:
+        """Undo restore_prompt_blocks when the backend could not write their K/V."""
+        for block in blocks:
+            self.allocator.forget(block)

@@ -1,0 +1,60 @@
+"""A request as the step sees it, and what each step hands back for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from runtime.core.sampling import SamplingParams
+from runtime.core.speculative import PromptLookup
+from runtime.core.step_batch import PenaltyState
+from runtime.core.stop import StopChecker
+from runtime.text.tokenizer import IncrementalDecoder
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    delta: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+@dataclass(eq=False)  # identity: the scheduler's list lookups compare sequences, not their token lists
+class Sequence:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    tokens: list[int] = field(default_factory=list)  # prompt + generated
+    adapter: str | None = None  # the adapter's id (a digest of its weights): prefix-cache keys include it
+    finished: bool = False
+    # the scheduler's: KV blocks, what of the tokens they hold, prefix-cache keys, drafts
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix keys of its computed full blocks
+    prefix_keys: tuple[int, list[bytes]] | None = None  # (token count, keys) while waiting
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    lookup: PromptLookup | None = None  # n-gram index for drafting (speculative decoding)
+    draft: list[int] = field(default_factory=list)  # tokens drafted for the step being run
+    penalties: PenaltyState | None = None  # the graph's penalty inputs, kept incrementally
+    adapter_slot: int = -1  # the LoRA graph's slot holding its adapter while it runs (0: none)
+    # the output processor's: sampling, detokenizing, stop strings
+    rng: object = None
+    decoder: IncrementalDecoder | None = None
+    stopper: StopChecker | None = None
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt_ids)

@@ -1,0 +1,199 @@
+"""The scheduler alone, with no model: budgets, chunked prefill, preemption, fairness, prefix hits, abort.
+
+Each test plays the engine's part by hand: schedule, pretend the step ran (append a token to every
+sequence whose chunk wanted logits), update.
+"""
+
+from __future__ import annotations
+
+from runtime.core.config import EngineConfig
+from runtime.core.sampling import SamplingParams
+from runtime.core.scheduler import Scheduler
+from runtime.core.sequence import Sequence
+
+BS = 4
+
+
+def make(num_blocks: int = 64, **cfg) -> Scheduler:
+    cfg.setdefault("speculative_tokens", 0)
+    return Scheduler(EngineConfig(**cfg), num_blocks, BS, max_context=256, vocab_size=100)
+
+
+def add(s: Scheduler, rid: str, prompt: list[int], max_tokens: int = 8, **params) -> Sequence:
+    seq = Sequence(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, **params),
+                   tokens=list(prompt))
+    s.add(seq)
+    return seq
+
+
+def run_step(s: Scheduler, token: int = 7, finish: set[str] = frozenset()):
+    """One step as the engine runs it: every chunk that wanted logits gets `token`; returns the output."""
+    out = s.schedule()
+    if out is None:
+        return None
+    for (seq, n), chunk in zip(out.scheduled, out.chunks):
+        if chunk.want_logits:
+            seq.tokens.append(token)
+        s.update(seq, n, 0, seq.id in finish)
+    return out
+
+
+def check_blocks(s: Scheduler) -> None:
+    """Every running sequence holds blocks for its computed tokens, no block twice unless shared by
+    the prefix cache, and the allocator's counts add up."""
+    held: dict[int, int] = {}
+    for seq in s.running:
+        assert len(seq.blocks) * BS >= seq.num_computed
+        for b in seq.blocks:
+            held[b] = held.get(b, 0) + 1
+    for b, n in held.items():
+        assert s.allocator.refcount[b] == n
+    assert s.allocator.num_used == len(held)
+
+
+def test_token_budget_splits_a_long_prompt_into_chunks():
+    s = make(max_batch_tokens=16)
+    seq = add(s, "a", list(range(40)))
+    sizes = []
+    while seq.num_computed < 40:
+        out = run_step(s)
+        sizes.append(out.scheduled[0][1])
+        assert out.chunks[0].want_logits == (seq.num_computed == 40)
+        check_blocks(s)
+    assert sizes == [16, 16, 8]
+    assert seq.num_generated == 1  # only the last chunk asked for logits
+
+
+def test_decodes_come_before_new_prompts_and_share_the_budget():
+    s = make(max_batch_tokens=10)
+    a = add(s, "a", list(range(6)))
+    run_step(s)  # a's prompt
+    add(s, "b", list(range(30, 50)))
+    out = run_step(s)
+    assert [(seq.id, n) for seq, n in out.scheduled] == [("a", 1), ("b", 9)]  # a's decode first, b fills the rest
+    assert out.chunks[0].tokens == [a.tokens[-2]] and out.chunks[0].start == 6
+
+
+def test_chunk_carries_block_table_and_kv_slots():
+    s = make()
+    add(s, "a", list(range(10)))
+    out = s.schedule()
+    chunk = out.chunks[0]
+    blocks = out.scheduled[0][0].blocks
+    assert len(chunk.block_table) == 3 and chunk.block_table == blocks
+    assert chunk.kv_slots == [blocks[t // BS] * BS + t % BS for t in range(10)]
+
+
+def test_max_num_seqs_caps_running_and_waiting_ones_get_in_fcfs():
+    s = make(max_num_seqs=2)
+    for i in range(4):
+        add(s, f"r{i}", [i + 1] * 3, max_tokens=2)
+    out = run_step(s)
+    assert [seq.id for seq, _ in out.scheduled] == ["r0", "r1"]
+    finished = set()
+    while s.has_unfinished():
+        out = run_step(s, finish={seq.id for seq in s.running if seq.num_generated >= 1})
+        finished |= {seq.id for seq, _ in out.scheduled}
+        assert len(s.running) <= 2
+    assert finished == {"r0", "r1", "r2", "r3"}
+    assert s.allocator.num_used == 0
+
+
+def test_preemption_frees_the_newest_and_it_recomputes_later():
+    s = make(num_blocks=6, max_batch_tokens=64, enable_prefix_cache=False)
+    a = add(s, "a", list(range(8)), max_tokens=50)  # 2 blocks, grows
+    b = add(s, "b", list(range(20, 28)), max_tokens=50)
+    run_step(s)
+    assert {seq.id for seq in s.running} == {"a", "b"}
+    preempted = False
+    for _ in range(12):
+        run_step(s)
+        check_blocks(s)
+        if b in s.waiting:
+            preempted = True
+            assert b.num_computed == 0 and b.blocks == []  # its KV is gone, its tokens are not
+            break
+    assert preempted and s.stats.preemptions == 1
+    s.finish(a)
+    out = s.schedule()
+    (seq, n), = out.scheduled
+    assert seq is b and n == len(b.tokens)  # prompt + generated, recomputed in one chunk
+
+
+def test_prefix_cache_hit_skips_cached_blocks_and_shares_them():
+    s = make()
+    prompt = list(range(1, 14))  # 3 full blocks + 1 token
+    a = add(s, "a", prompt)
+    run_step(s)
+    b = add(s, "b", prompt)
+    out = s.schedule()
+    (seq, n), = [x for x in out.scheduled if x[0] is b]
+    assert b.cached_tokens == 12 and n == 1  # only the last token is computed
+    assert b.blocks[:3] == a.blocks[:3]
+    assert s.allocator.stats.hits == 3
+
+
+def test_prefix_keys_depend_on_the_adapter():
+    s = make()
+    prompt = list(range(1, 14))
+    add(s, "a", prompt)
+    run_step(s)
+    other = Sequence("b", list(prompt), SamplingParams(max_tokens=4, temperature=0.0), tokens=list(prompt),
+                     adapter="sql")
+    s.add(other)
+    s.schedule()
+    assert other.cached_tokens == 0
+
+
+def test_waiting_prompt_defers_a_step_to_share_blocks_computed_in_this_one():
+    s = make()
+    prompt = list(range(1, 18))
+    a = add(s, "a", prompt)
+    b = add(s, "b", prompt)
+    out = run_step(s)
+    assert [seq for seq, _ in out.scheduled] == [a]  # b waits: a computes the blocks it would compute
+    out = s.schedule()
+    assert b in [seq for seq, _ in out.scheduled] and b.cached_tokens == 16
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests():
+    s = make(max_num_seqs=1)
+    add(s, "a", list(range(9)))
+    add(s, "b", list(range(9)))
+    run_step(s)
+    assert s.allocator.num_used > 0
+    assert s.abort("a") and s.abort("b") and not s.abort("c")
+    assert not s.has_unfinished() and s.allocator.num_used == 0 and s.stats.aborted == 2
+    assert s.schedule() is None
+
+
+def test_drafts_are_scheduled_only_for_greedy_decodes_with_room():
+    s = make(speculative_tokens=3)
+    seq = add(s, "a", [5, 6, 7, 8, 5, 6, 7, 8, 5, 6], max_tokens=20)
+    run_step(s, token=7)  # prompt ... 5 6 -> 7: lookup now predicts 8 5 6
+    out = s.schedule()
+    (seq_, n), = out.scheduled
+    assert seq_.draft == [8, 5, 6] and n == 4
+    chunk = out.chunks[0]
+    assert chunk.tokens == [7, 8, 5, 6] and chunk.logits_rows == 4
+    s.update(seq, 1 + 2, 2, False)  # two drafts confirmed, the third not
+    assert seq.num_computed == 11 + 2 and s.stats.accepted_draft_tokens == 2
+
+
+def test_a_long_prompt_does_not_stall_running_decodes_and_arrivals_keep_their_order():
+    """Fairness: every running decode gets its token each step while a long prompt is chunked in the
+    budget left over, and waiting requests are admitted in arrival order."""
+    s = make(max_batch_tokens=8, max_num_seqs=8)
+    for i in range(3):
+        add(s, f"e{i}", [i + 1] * 3, max_tokens=30)
+    run_step(s)
+    long = add(s, "long", list(range(10, 50)), max_tokens=4)
+    late = add(s, "late", [9, 9], max_tokens=4)
+    admitted = []
+    for _ in range(12):
+        out = run_step(s)
+        ids = [seq.id for seq, _ in out.scheduled]
+        assert ids[:3] == ["e0", "e1", "e2"]  # the decodes, every step, first
+        admitted += [i for i in ids[3:] if i not in admitted]
+    assert admitted == ["long", "late"]
+    assert long.num_computed >= 40 and late.num_generated >= 1
