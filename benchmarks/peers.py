@@ -192,7 +192,7 @@ def llamacpp_batch(llm, prompt_ids: list[int], streams: int, tokens: int, thread
 
 # RuvLLM's other exports of SmolLM2 (name -> exporter flags): genai's layout (RTN, blocks of 32, plain
 # int4 LM head: what genai's builder writes); the MLP in blocks of 128 (faster, a little further from fp32);
-# int8 weights with per-row int8 activations (see docs/ARCHITECTURE.md)
+# int8 weights with per-row int8 activations (see docs/PERFORMANCE.md)
 VARIANTS = {
     "ruvllm-int4-genai-layout": ["--quant", "int4", "--method", "rtn", "--block-size", "32", "--head-quant", "int4",
                                  "--head-rescore", "0"],
@@ -217,9 +217,9 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int, lookup: bool = True)
     """lookup=True is the engine as served: prompt-lookup drafts and the prefix cache, emptied before
     every run (a repeat would otherwise find its prompt cached), so 16 copies of the prompt submitted
     together compute it once. lookup=False is like for like with the peers: neither."""
-    from runtime.cli import resolve_package
-    from runtime.engine import Engine
-    from runtime.sampling import SamplingParams
+    from runtime.core.engine import Engine
+    from runtime.core.sampling import SamplingParams
+    from runtime.serve.cli import resolve_package
 
     engine = Engine.from_package(resolve_package(pkg), threads=threads, max_num_seqs=64, enable_prefix_cache=lookup,
                                  **({} if lookup else {"speculative_tokens": 0}))
@@ -268,7 +268,7 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int, lookup: bool = True)
         method = f" w8a8 (head{method})"
     if quant.get("mlp_block_size"):
         method += f" (MLP {quant['mlp_block_size']})"
-    spec = (f", prompt lookup {engine.speculative_tokens}, prefix cache" if engine.speculative_tokens
+    spec = (f", prompt lookup {engine.config.speculative_tokens}, prefix cache" if engine.config.speculative_tokens
             else ", no lookup, no prefix cache")
     return f"ruvllm {quant['weights']}{method} ({head}{spec})", once
 

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.package import load_package  # noqa: E402
-from runtime.tokenizer import Tokenizer  # noqa: E402
+from runtime.text.tokenizer import Tokenizer  # noqa: E402
 from tests.exporter.test_quantization import quality, teacher_forced_logprobs  # noqa: E402
 
 

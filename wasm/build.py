@@ -88,7 +88,7 @@ def _project_version() -> str:
 
 def export_model(alias: str, quant: str) -> Path:
     from runtime.aliases import cached_package_dir
-    from runtime.cli import export_into_cache
+    from runtime.serve.cli import export_into_cache
 
     dest = cached_package_dir(alias, quant, "wasm")
     if not (dest / "manifest.json").exists():

@@ -1,7 +1,7 @@
 // node make_snapshot.mjs PYODIDE_MJS PYTHON_DIR OUT: Pyodide's memory snapshot of the page's Python.
 // Boots the bundle's Pyodide, installs the wheels the page uses (pyodide-lock.json's closure of
 // "ruvllm") with the page's own web/src/wheels.js, imports everything the page can reach
-// (runtime/web_preload.py) and writes the heap, gzipped, to OUT. Prints its byte counts as JSON.
+// (runtime/serve/web_preload.py) and writes the heap, gzipped, to OUT. Prints its byte counts as JSON.
 import fs from 'node:fs';
 import path from 'node:path';
 import zlib from 'node:zlib';
@@ -17,7 +17,7 @@ installWheels(py, wheelClosure(lock, 'ruvllm').map(({ file_name: name }) => ({
 })));
 py.runPython(`
 import os, sys
-import runtime.web_preload as _p
+import runtime.serve.web_preload as _p
 _skipped = _p.preload_modules()
 del _p
 # nothing of this build machine in the heap: what Emscripten says when the page boots Python itself

@@ -29,7 +29,7 @@ def zip_entry(arc: str) -> zipfile.ZipInfo:
 
 def write_wheel(out_dir: Path, name: str, version: str, files: dict[str, bytes],
                 requires: list[str] = ()) -> Path:
-    """files maps archive paths (e.g. 'runtime/engine.py') to contents."""
+    """files maps archive paths (e.g. 'runtime/core/engine.py') to contents."""
     dist = f"{name.lower().replace('-', '_')}-{version}"
     meta = [f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"]
     meta += [f"Requires-Dist: {r}\n" for r in requires]

@@ -10,9 +10,9 @@ through AsyncEngine; there is no synchronous `run`. LoRA adapters are native-onl
 from __future__ import annotations
 
 from runtime import contract as C
-from runtime.kv_blocks import kv_bytes_per_token
+from runtime.core.kv_blocks import kv_bytes_per_token
+from runtime.core.step_batch import StepBatch, StepResult
 from runtime.package import ModelPackage
-from runtime.step_batch import StepBatch, StepResult
 
 
 class WebBackend:
@@ -23,31 +23,32 @@ class WebBackend:
         self.pkg = package
         self.runner = runner
         self.vocab_size = package.config["vocab_size"]
-        self.block_tables: list[list[int]] = []
 
     kv_bytes_per_token = staticmethod(kv_bytes_per_token)
 
-    def allocate(self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int) -> None:
+    def allocate(self, num_blocks: int, block_size: int) -> None:
         from js import Object
         from pyodide.ffi import to_js
 
-        self.block_tables = [[0] * max_blocks_per_seq for _ in range(max_seqs)]
-        layers = range(self.pkg.config["num_layers"])
-        io = {"past_keys": [C.past_key(i) for i in layers], "past_values": [C.past_value(i) for i in layers],
-              "present_key": C.PRESENT_KEY, "present_value": C.PRESENT_VALUE, "logits": C.LOGITS,
-              "topk_ids": C.TOPK_IDS, "topk_logprobs": C.TOPK_LOGPROBS}
-        self.runner.allocate(num_blocks, block_size, to_js(io, dict_converter=Object.fromEntries))
+        self.runner.allocate(num_blocks, block_size, to_js(self.pkg.io_roles, dict_converter=Object.fromEntries))
 
-    def set_block(self, slot: int, index: int, block: int) -> None:
-        self.block_tables[slot][index] = block
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        from runtime.core.adapters import AdapterError
+
+        raise AdapterError("LoRA adapters run natively only for now (not yet in the page)")
+
+    def set_adapter(self, slot: int, adapter) -> None:
+        self.enable_lora(0, 0)
+
+    def run(self, batch: StepBatch) -> StepResult:
+        raise RuntimeError("a page step runs in another worker: await run_async (AsyncEngine does)")
 
     async def run_async(self, batch: StepBatch) -> StepResult:
         """The page's path (AsyncEngine awaits it): nothing of Python's stack is held while the model runs."""
         from js import Object
         from pyodide.ffi import to_js
 
-        tables = [self.block_tables[s][:batch.max_blocks] for s in batch.slots]
-        feeds = batch.feeds(tables, min(batch.top_k, self.vocab_size))
+        feeds = batch.feeds(min(batch.top_k, self.vocab_size))
         if not batch.logits_index:
             # onnxruntime-web's WASM TopK traps ("divide by zero") on a [0, vocab] input, which a step of
             # prompt chunks only would give it: score one placeholder row (the last token) and drop it
@@ -58,7 +59,7 @@ class WebBackend:
                                                              C.SPARSE_BIAS)})
         step = {
             "feeds": feeds, "rows": len(batch.logits_index),
-            "kv_slots": batch.kv_slots, "blocks_needed": 1 + max(max(t) for t in tables),
+            "kv_slots": batch.kv_slots, "blocks_needed": 1 + max(max(t) for t in batch.block_tables),
             "want_logits": batch.want_full_logits,
         }
         reply = (await self.runner.run(to_js(step, dict_converter=Object.fromEntries))).to_py()

@@ -27,8 +27,8 @@ def test_chat_commands_and_turns(tiny_package):
 
 def test_second_turn_reuses_the_first_turns_kv(tiny_package):
     """The second turn's prompt contains the first exchange, and its blocks come from the prefix cache."""
-    from runtime.engine import Engine
-    from runtime.sampling import SamplingParams
+    from runtime.core.engine import Engine
+    from runtime.core.sampling import SamplingParams
 
     engine = Engine.from_package(tiny_package("llama"))
     first = [{"role": "user", "content": "hello"}]

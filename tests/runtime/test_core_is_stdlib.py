@@ -22,9 +22,9 @@ BLOCKER = textwrap.dedent("""
 
 def test_core_modules_import_without_native_libraries(smol_tokenizer_dir):
     code = BLOCKER + textwrap.dedent(f"""
-        import runtime.engine, runtime.tokenizer, runtime.sampling, runtime.stop, runtime.package
-        import runtime.kv_blocks, runtime.step_batch, runtime.chat_template, runtime.contract, runtime.cli
-        from runtime.tokenizer import Tokenizer
+        import runtime.core.engine, runtime.text.tokenizer, runtime.core.sampling, runtime.core.stop, runtime.package
+        import runtime.core.kv_blocks, runtime.core.step_batch, runtime.text.chat_template, runtime.contract, runtime.serve.cli
+        from runtime.text.tokenizer import Tokenizer
         tok = Tokenizer.from_file({str(smol_tokenizer_dir / "tokenizer.json")!r})
         assert tok.backend == "pure-python", tok.backend
         ids = tok.encode("Hello, world! 123")
@@ -40,7 +40,7 @@ def test_core_modules_import_without_native_libraries(smol_tokenizer_dir):
 
 def test_native_backend_reports_missing_onnxruntime(tiny_package):
     code = BLOCKER + textwrap.dedent(f"""
-        from runtime.cli import main
+        from runtime.serve.cli import main
         sys.exit(main(["generate", {str(tiny_package("llama"))!r}, "hi", "--max-tokens", "2"]))
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))

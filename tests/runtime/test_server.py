@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from runtime.engine import Engine
-from runtime.sampling import SamplingParams
-from runtime.server import create_app, load_models
+from runtime.core.engine import Engine
+from runtime.core.sampling import SamplingParams
+from runtime.serve.server import create_app, load_models
 
 PROMPTS = [f"Tell me about {w} number {i}" for i, w in enumerate(
     "apple river stone cloud seven orange music window paper tiger light north garden silver bridge summer".split() * 2)]

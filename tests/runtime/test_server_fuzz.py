@@ -8,8 +8,8 @@ import pytest
 import schemathesis
 from schemathesis import GenerationMode
 
-from runtime import openai_protocol as P
-from runtime.server import create_app, load_models
+from runtime.serve import openai_protocol as P
+from runtime.serve.server import create_app, load_models
 from tests.runtime.test_server import LiveServer
 
 pytestmark = pytest.mark.slow

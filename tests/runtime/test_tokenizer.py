@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.tokenizer import IncrementalDecoder, Tokenizer
+from runtime.text.tokenizer import IncrementalDecoder, Tokenizer
 
 TRICKY = [
     "Hello world", "", " ", "   ", "\n", "a \x85b", "\x1c\x1d\x1e\x1f separators", "\x00\x01\x7f control",
@@ -65,7 +65,7 @@ def test_unicode_class_tables_stop_early_without_losing_a_character():
     """The \\p{L} / \\p{N} tables scan up to plane 3 only; a full scan of every code point must agree."""
     import sys
 
-    from runtime import pretokenize
+    from runtime.text import pretokenize
 
     full = pretokenize._category_tables.__wrapped__(sys.maxunicode + 1)
     assert pretokenize._category_tables() == full

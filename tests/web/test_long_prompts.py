@@ -20,7 +20,7 @@ MAX_TOKENS = 6
 @pytest.fixture(scope="module")
 def native(web_bundle):
     """The same browser package on the native backend, stepping with the page's budget."""
-    from runtime.engine import Engine
+    from runtime.core.engine import Engine
 
     return Engine.from_package(web_bundle / "models" / "smollm2-135m", max_batch_tokens=256,
                                speculative_tokens=0)
@@ -38,7 +38,7 @@ def messages_of_length(engine, n: int) -> list[dict]:
 
 
 def native_ids(engine, messages: list[dict]) -> list[int]:
-    from runtime.sampling import SamplingParams
+    from runtime.core.sampling import SamplingParams
 
     return [t for o in engine.generate(messages=messages, params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
             for t in o.token_ids]

@@ -1,7 +1,7 @@
 // The last prompt's K/V blocks, kept in OPFS across page loads (model worker side).
 //
 // After a request the engine names the cached full blocks of its prompt (chained prefix keys, see
-// runtime/kv_blocks.py); the model worker copies them out of the KV pool into one file per package
+// runtime/core/kv_blocks.py); the model worker copies them out of the KV pool into one file per package
 // and device. After a reload the engine parks blocks under those keys and the worker writes the K/V
 // back, so a returning visitor's first prompt skips the prefill of what it shares with the last one
 // (the system prompt at least). The K/V were computed by this browser's own kernels on this very

@@ -8,7 +8,7 @@ import { findSnapshot, readSnapshot } from './python_snapshot.js';
 import { RemoteRunner } from './remote_runner.js';
 import { installWheels, wheelClosure } from './wheels.js';
 
-let engine = null; // runtime.web_api.WebEngine (a PyProxy)
+let engine = null; // runtime.serve.web_api.WebEngine (a PyProxy)
 let runner = null; // RemoteRunner
 let info = null;
 
@@ -45,7 +45,7 @@ async function bootPython(pyodideURL, pythonURL, mark = () => {}) {
   mark('pyodide');
   installWheels(pyodide, await wheels);
   mark('wheels');
-  pyodide.runPython('import runtime.web_api'); // import (and compile) the engine while the model loads
+  pyodide.runPython('import runtime.serve.web_api'); // import (and compile) the engine while the model loads
   return { pyodide, python: 'booted' };
 }
 
@@ -82,15 +82,15 @@ async function load(opts) {
   pyodide.FS.mkdirTree(dir);
   pyodide.FS.writeFile(`${dir}/manifest.json`, JSON.stringify(manifest));
   for (const [name, bytes] of Object.entries(files)) pyodide.FS.writeFile(`${dir}/${name}`, bytes);
-  const api = pyodide.pyimport('runtime.web_api');
+  const api = pyodide.pyimport('runtime.serve.web_api');
   const name = opts.modelName ?? manifest.name;
   // the engine (tokenizer, template, scheduler) is built while the session may still be in creation;
   // the model worker holds the KV-pool allocation until its session is open
-  engine = api.WebEngine.callKwargs(dir, runner, graphFiles, name, {
-    kv_memory_mb: opts.kvMemoryMB ?? 256, max_num_seqs: opts.maxNumSeqs ?? 16,
-    max_batch_tokens: opts.maxBatchTokens ?? 256,
-    ...(opts.speculativeTokens != null ? { speculative_tokens: opts.speculativeTokens } : {}),
-  });
+  // only what the caller chose: the page's defaults are Python's (runtime/core/config.py, EngineConfig.web)
+  const chosen = { kv_memory_mb: opts.kvMemoryMB, max_num_seqs: opts.maxNumSeqs,
+    max_batch_tokens: opts.maxBatchTokens, speculative_tokens: opts.speculativeTokens };
+  engine = api.WebEngine.callKwargs(dir, runner, graphFiles, name,
+    Object.fromEntries(Object.entries(chosen).filter(([, v]) => v != null)));
   mark('engine');
   const { device, graph, sessionSeconds, cache, warmupSteps } = await opened;
   keepPromptKV = opts.promptCache !== false;

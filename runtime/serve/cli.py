@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from runtime.aliases import ALIASES, DEFAULT_ALIAS, cache_dir, cached_package_dir, is_hub_id
+from runtime.core.sampling import SamplingParams, check_range, range_text
 from runtime.errors import RuvLLMError
-from runtime.sampling import SamplingParams, check_range, range_text
 
 
 # ---- resolving a package argument ----
@@ -107,7 +107,7 @@ def engine_options(args) -> dict:
 
 def make_engine(args, **kwargs):
     try:
-        from runtime.engine import Engine
+        from runtime.core.engine import Engine
         pkg = resolve_package(getattr(args, "package", None), quiet=getattr(args, "json", False))
         return Engine.from_package(pkg, device=args.device, threads=getattr(args, "threads", None),
                                    **engine_options(args), **kwargs)
@@ -320,7 +320,7 @@ def cmd_download(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from runtime.bench import run_bench
+    from runtime.serve.bench import run_bench
 
     engine = make_engine(args, max_num_seqs=max([1] + [int(c) for c in args.concurrency.split(",")]),
                          max_batch_tokens=args.max_batch_tokens)
@@ -331,7 +331,7 @@ def cmd_bench(args) -> int:
 
 def cmd_serve(args) -> int:
     try:
-        from runtime.server import load_models, serve
+        from runtime.serve.server import load_models, serve
     except ImportError as err:
         raise RuvLLMError(f"serving needs FastAPI, uvicorn and prometheus_client ({err.name} is missing): "
                           "pip install 'ruvllm[serve]'") from err

@@ -16,7 +16,7 @@ import pkgutil
 PACKAGES = ("runtime", "jinja2", "markupsafe")
 EXTRA_MODULES = ("pyodide.ffi", "json", "asyncio")
 # never used in the page: the CLI (argparse alone costs ~0.1 s here), and what needs native libraries
-NOT_IN_THE_PAGE = ("runtime.cli", "runtime.server", "runtime.bench", "runtime.backends.native")
+NOT_IN_THE_PAGE = ("runtime.serve.cli", "runtime.serve.server", "runtime.serve.bench", "runtime.backends.native")
 
 
 def preload_modules() -> list[str]:
@@ -36,7 +36,7 @@ def preload_modules() -> list[str]:
                 importlib.import_module(info.name)
             except ImportError:
                 skipped.append(info.name)
-    from runtime.pretokenize import _category_tables
+    from runtime.text.pretokenize import _category_tables
 
     _category_tables()
     return skipped

@@ -17,9 +17,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from runtime.engine import RequestOutput
+from runtime.core.sampling import RANGES, SamplingParams, check_range, range_text
+from runtime.core.sequence import RequestOutput
 from runtime.errors import RequestError
-from runtime.sampling import RANGES, SamplingParams, check_range, range_text
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_CHOICES = 128  # OpenAI's limit on n

@@ -12,9 +12,9 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
-from runtime import openai_protocol as P
-from runtime.async_engine import AsyncEngine
-from runtime.engine import RequestOutput
+from runtime.core.async_engine import AsyncEngine
+from runtime.core.sequence import RequestOutput
+from runtime.serve import openai_protocol as P
 
 
 async def merged(aengine: AsyncEngine, rids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:

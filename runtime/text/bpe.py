@@ -12,7 +12,7 @@ import unicodedata
 from operator import methodcaller
 
 from runtime.errors import PackageError
-from runtime.pretokenize import GPT2_PATTERN, compile_pattern, split_digits, split_isolated
+from runtime.text.pretokenize import GPT2_PATTERN, compile_pattern, split_digits, split_isolated
 
 
 def bytes_to_unicode() -> dict[int, str]:

@@ -10,23 +10,25 @@ from __future__ import annotations
 
 import json
 
-from runtime import openai_protocol as P
-from runtime.async_engine import AsyncEngine
 from runtime.backends.web import WebBackend
-from runtime.engine import Engine
+from runtime.core.async_engine import AsyncEngine
+from runtime.core.config import EngineConfig
+from runtime.core.engine import Engine
 from runtime.errors import ContextLengthError, RequestError
-from runtime.openai_stream import ChunkStream, collect, queue_request
 from runtime.package import load_package
+from runtime.serve import openai_protocol as P
+from runtime.serve.openai_stream import ChunkStream, collect, queue_request
 
 
 class WebEngine:
     def __init__(self, package_dir: str, runner, graph_files: list[str], model_name: str,
-                 kv_memory_mb: int = 256, max_num_seqs: int = 16, max_batch_tokens: int = 256,
-                 **engine_options) -> None:
+                 kv_memory_mb: int | None = None, **engine_options) -> None:
+        """engine_options: EngineConfig fields the page's caller chose; the rest are EngineConfig.web()'s."""
         pkg = load_package(package_dir, elsewhere=tuple(graph_files))
         self.model_name = model_name
-        engine = Engine(pkg, WebBackend(pkg, runner), kv_memory=kv_memory_mb << 20, max_num_seqs=max_num_seqs,
-                        max_batch_tokens=max_batch_tokens, **engine_options)
+        if kv_memory_mb is not None:
+            engine_options["kv_memory"] = int(kv_memory_mb) << 20
+        engine = Engine(pkg, WebBackend(pkg, runner), EngineConfig.web(**engine_options))
         self.aengine = AsyncEngine(engine, use_thread=False)
         self._jobs: dict[str, list[str]] = {}  # the page's request id -> the engine's (one per choice)
 
@@ -65,16 +67,16 @@ class WebEngine:
     # the page saves the last prompt's cached K/V blocks and restores them after a reload
     def recent_prompt_blocks(self, max_blocks: int) -> str:
         """JSON [[key hex, block], ...]: what the model worker should save."""
-        blocks = self.aengine.engine.recent_prompt_blocks(int(max_blocks))
+        blocks = self.aengine.engine.scheduler.recent_prompt_blocks(int(max_blocks))
         return json.dumps([[key.hex(), block] for key, block in blocks])
 
     def restore_prompt_blocks(self, keys_json: str) -> str:
         """JSON [block, ...] for saved keys (hex): the model worker writes their K/V there next."""
         keys = [bytes.fromhex(k) for k in json.loads(keys_json)]
-        return json.dumps(self.aengine.engine.restore_prompt_blocks(keys))
+        return json.dumps(self.aengine.engine.scheduler.restore_prompt_blocks(keys))
 
     def forget_prompt_blocks(self, blocks_json: str) -> None:
-        self.aengine.engine.forget_prompt_blocks(json.loads(blocks_json))
+        self.aengine.engine.scheduler.forget_prompt_blocks(json.loads(blocks_json))
 
     def stats(self) -> str:
         return json.dumps(self.aengine.stats())

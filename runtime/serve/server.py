@@ -18,10 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime import openai_protocol as P
-from runtime.async_engine import AsyncEngine
+from runtime.core.async_engine import AsyncEngine
 from runtime.errors import ContextLengthError, RequestError
-from runtime.openai_stream import ChunkStream, collect, queue_request
+from runtime.serve import openai_protocol as P
+from runtime.serve.openai_stream import ChunkStream, collect, queue_request
 
 
 @dataclass
@@ -88,10 +88,86 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+def error_response(status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
+    return JSONResponse(P.error_body(message, kind, param, code), status_code=status)
+
+
+async def read_json(request: Request):
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise P.ProtocolError("the request body is not valid UTF-8") from None
+    return P.parse_body(text)
+
+
+class Completions:
+    """POST /v1/chat/completions and /v1/completions: parse, queue, then stream or collect."""
+
+    def __init__(self, models: dict[str, ServedModel], metrics: Metrics, max_queue: int | None,
+                 defaults: dict | None) -> None:
+        self.models, self.metrics, self.max_queue, self.defaults = models, metrics, max_queue, defaults
+
+    def _queue(self, body, chat: bool) -> tuple[ServedModel, object, list[str]]:
+        parsed = P.parse_chat(body, self.defaults) if chat else P.parse_completion(body, self.defaults)
+        served = self.models.get(parsed.model)
+        if served is None:
+            raise P.ProtocolError(f"the model '{parsed.model}' does not exist; see GET /v1/models", "model",
+                                  status=404, code="model_not_found")
+        if self.max_queue is not None and len(served.engine.engine.scheduler.waiting) >= self.max_queue:
+            raise P.ProtocolError("the server is busy: the request queue is full, retry later", status=429,
+                                  kind="rate_limit_exceeded", code="queue_full")
+        return served, parsed, queue_request(served.engine, parsed)
+
+    async def handle(self, request: Request, chat: bool):
+        try:
+            served, parsed, rids = self._queue(await read_json(request), chat)
+        except P.ProtocolError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        except ContextLengthError as err:
+            return error_response(400, str(err), param="messages" if chat else "prompt", code="context_length_exceeded")
+        except RequestError as err:
+            return error_response(400, str(err), param=err.param)
+        started = time.monotonic()
+        if parsed.stream:
+            return StreamingResponse(self._events(served, rids, parsed, chat, started), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await self._complete(request, served, rids, parsed, chat, started)
+
+    async def _complete(self, request: Request, served: ServedModel, rids: list[str], parsed, chat: bool,
+                        started: float):
+        watcher = asyncio.create_task(_abort_on_disconnect(request, served.engine, rids))
+        try:
+            body, lasts, first = await collect(served.engine, rids, parsed, served.name, chat)
+        finally:
+            watcher.cancel()
+        if lasts is None:
+            return JSONResponse(body, status_code=503)
+        self._observe(served.name, lasts, started, first)
+        return body
+
+    async def _events(self, served: ServedModel, rids: list[str], parsed, chat: bool, started: float):
+        chunks = ChunkStream(served.engine, rids, parsed, served.name, chat)
+        async for payload in chunks:  # leaving this loop early (disconnect) aborts the request
+            yield f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        if chunks.complete:
+            self._observe(served.name, chunks.lasts, started, chunks.first)
+        yield "data: [DONE]\n\n"
+
+    def _observe(self, model: str, lasts, started: float, first: float | None) -> None:
+        m = self.metrics
+        m.prompt_tokens.labels(model).inc(lasts[0].prompt_tokens)
+        m.generation_tokens.labels(model).inc(sum(o.completion_tokens for o in lasts))
+        if first is not None:
+            m.ttft.labels(model).observe(first - started)
+        m.latency.labels(model).observe(time.monotonic() - started)
+
+
 def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_queue: int | None = None,
                shutdown_timeout: float = 30.0, defaults: dict | None = None):
     """defaults: sampling values for requests that leave a field out (`ruvllm serve --temperature ...`)."""
     metrics = Metrics(models)
+    handler = Completions(models, metrics, max_queue, defaults)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -104,16 +180,14 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
     app.state.models = models
     app.state.metrics = metrics
 
-    def error(status: int, message: str, kind: str = "invalid_request_error", param=None, code=None):
-        return JSONResponse(P.error_body(message, kind, param, code), status_code=status)
-
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request, exc):
-        return error(exc.status_code, str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "server_error")
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(exc.status_code, str(exc.detail), kind)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request, exc):
-        return error(400, str(exc))
+        return error_response(400, str(exc))
 
     app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics, routes=app.routes)
 
@@ -131,76 +205,16 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
         return {"object": "list", "data": [{"id": m.name, "object": "model", "created": m.created,
                                             "owned_by": "ruvllm"} for m in models.values()]}
 
-    async def read_json(request: Request):
-        raw = await request.body()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise P.ProtocolError("the request body is not valid UTF-8") from None
-        return P.parse_body(text)
-
-    async def handle(request: Request, chat: bool):
-        try:
-            body = await read_json(request)
-            parsed = P.parse_chat(body, defaults) if chat else P.parse_completion(body, defaults)
-            served = models.get(parsed.model)
-            if served is None:
-                raise P.ProtocolError(f"the model '{parsed.model}' does not exist; see GET /v1/models", "model",
-                                      status=404, code="model_not_found")
-            aengine = served.engine
-            engine = aengine.engine
-            if max_queue is not None and len(engine.waiting) >= max_queue:
-                raise P.ProtocolError("the server is busy: the request queue is full, retry later", status=429,
-                                      kind="rate_limit_exceeded", code="queue_full")
-            rids = queue_request(aengine, parsed)
-        except P.ProtocolError as err:
-            return JSONResponse(err.body(), status_code=err.status)
-        except ContextLengthError as err:
-            return error(400, str(err), param="messages" if chat else "prompt", code="context_length_exceeded")
-        except RequestError as err:
-            return error(400, str(err), param=err.param)
-        started = time.monotonic()
-        if parsed.stream:
-            return StreamingResponse(stream_events(served, rids, parsed, chat, started), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await complete(request, served, rids, parsed, chat, started)
-
-    async def complete(request: Request, served: ServedModel, rids: list[str], parsed, chat: bool, started: float):
-        watcher = asyncio.create_task(_abort_on_disconnect(request, served.engine, rids))
-        try:
-            body, lasts, first = await collect(served.engine, rids, parsed, served.name, chat)
-        finally:
-            watcher.cancel()
-        if lasts is None:
-            return JSONResponse(body, status_code=503)
-        _observe(served.name, lasts, started, first)
-        return body
-
-    async def stream_events(served: ServedModel, rids: list[str], parsed, chat: bool, started: float):
-        chunks = ChunkStream(served.engine, rids, parsed, served.name, chat)
-        async for payload in chunks:  # leaving this loop early (disconnect) aborts the request
-            yield f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-        if chunks.complete:
-            _observe(served.name, chunks.lasts, started, chunks.first)
-        yield "data: [DONE]\n\n"
-
-    def _observe(model: str, lasts, started: float, first: float | None) -> None:
-        metrics.prompt_tokens.labels(model).inc(lasts[0].prompt_tokens)
-        metrics.generation_tokens.labels(model).inc(sum(o.completion_tokens for o in lasts))
-        if first is not None:
-            metrics.ttft.labels(model).observe(first - started)
-        metrics.latency.labels(model).observe(time.monotonic() - started)
-
     def body_schema(chat: bool) -> dict:  # published for clients and fuzzers; parsing stays openai_protocol's
         return {"requestBody": {"required": True, "content": {"application/json": {"schema": P.request_schema(chat, list(models))}}}}
 
     @app.post("/v1/chat/completions", openapi_extra=body_schema(True))
     async def chat_completions(request: Request):
-        return await handle(request, chat=True)
+        return await handler.handle(request, chat=True)
 
     @app.post("/v1/completions", openapi_extra=body_schema(False))
     async def completions(request: Request):
-        return await handle(request, chat=False)
+        return await handler.handle(request, chat=False)
 
     return app
 
@@ -260,7 +274,7 @@ async def _abort_on_disconnect(request, aengine: AsyncEngine, rids: list[str]) -
 
 
 def load_models(packages: list[str], device: str, max_concurrent: int, engine_kwargs: dict) -> dict[str, ServedModel]:
-    from runtime.engine import Engine
+    from runtime.core.engine import Engine
 
     models: dict[str, ServedModel] = {}
     for path in packages:

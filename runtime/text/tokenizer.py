@@ -10,8 +10,8 @@ import codecs
 import json
 from pathlib import Path
 
-from runtime.bpe import CHAR_TO_BYTE, PureBPE
 from runtime.errors import PackageError
+from runtime.text.bpe import CHAR_TO_BYTE, PureBPE
 
 
 class Tokenizer:

@@ -10,7 +10,7 @@ import statistics
 import sys
 import time
 
-from runtime.sampling import SamplingParams
+from runtime.core.sampling import SamplingParams
 
 LONG_PROMPT = 512  # tokens of the long-prefill measurement and of the prefix-cache one (480 of them shared)
 SHORT_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -63,7 +63,7 @@ def concurrent(engine, streams: int, max_tokens: int, prefix: list[int] | None =
     tokens = peak = 0
     while engine.has_unfinished():
         outs = engine.step()
-        peak = max(peak, engine.allocator.num_used)
+        peak = max(peak, engine.scheduler.allocator.num_used)
         now = time.perf_counter()
         for out in outs:
             tokens += len(out.token_ids)
@@ -119,8 +119,8 @@ def run_bench(engine, args) -> dict:
         "backend": engine.backend.name, "device": ",".join(getattr(engine.backend, "providers", [])),
         "matmul_kernel": getattr(engine.backend, "matmul_kernel", None),
         "attention_kernel": getattr(engine.backend, "attention_kernel", None),
-        "kv_blocks": engine.allocator.num_blocks, "kv_block_size": engine.block_size,
-        "speculative_tokens": engine.speculative_tokens, "speculative_max_batch": engine.speculative_max_batch,
+        "kv_blocks": engine.scheduler.allocator.num_blocks, "kv_block_size": engine.block_size,
+        "speculative_tokens": engine.config.speculative_tokens, "speculative_max_batch": engine.config.speculative_max_batch,
         "ttft_ms": round(1000 * med(r["ttft"] for r in short), 1),
         "prefill_tps_short": round(med(r["prompt_tokens"] / r["ttft"] for r in short), 1),
         f"prefill_tps_{long}": round(med(r["prompt_tokens"] / r["ttft"] for r in long_runs), 1),
@@ -132,7 +132,7 @@ def run_bench(engine, args) -> dict:
     if levels != [1]:
         prefix = _text_tokens(engine, args.shared_prefix, salt="System: you are a storyteller.") \
             if args.shared_prefix else None
-        result["kv_budget_mb"] = round(engine.allocator.num_blocks * engine.block_size
+        result["kv_budget_mb"] = round(engine.scheduler.allocator.num_blocks * engine.block_size
                                        * engine.backend.kv_bytes_per_token(engine.pkg.config) / 2**20, 1)
         result["concurrency"] = [concurrent(engine, c, args.decode_tokens, prefix) for c in levels]
     if args.shared_prefix:
