@@ -1,4 +1,4 @@
-"""RuvLLM's 4-bit kernel (runtime/backends/cpu_kernels.cpp) against onnxruntime's own MatMulNBits."""
+"""RuvLLM's CPU kernels (runtime/backends/kernels/) against what they replace, and the graph rewrite onto them."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from runtime.backends import cpu_kernels
+from runtime.backends import graph_fusion, kernel_library
 
-LIB, WHY = cpu_kernels.library()
+LIB, WHY = kernel_library.library()
 needs_kernel = pytest.mark.skipif(LIB is None, reason=f"the 4-bit kernel is not used here: {WHY}")
-OPS = cpu_kernels.operators(LIB)
+OPS = kernel_library.operators(LIB)
 needs_avx512 = pytest.mark.skipif("PagedAttention" not in OPS,
                                   reason=f"PagedAttention and SkipRMSNorm need AVX-512 (this build: {sorted(OPS) or WHY})")
 
@@ -36,8 +36,8 @@ def matmul_model(K: int, N: int, block: int, *, accuracy_level: int = 4, seed: i
 def sessions(tmp_path, K: int, N: int, block: int) -> tuple[ort.InferenceSession, ort.InferenceSession]:
     path = tmp_path / f"mm-{K}-{N}-{block}.onnx"
     path.write_bytes(matmul_model(K, N, block))
-    rewritten, count, layers = cpu_kernels.rewrite_graph(path)
-    assert (count, layers) == (1, 0)
+    rewritten, counts = graph_fusion.rewrite_graph(path)
+    assert (counts["MatMulQ4"], counts["PagedAttention"]) == (1, 0)
     plain, ours = ort.SessionOptions(), ort.SessionOptions()
     plain.intra_op_num_threads = ours.intra_op_num_threads = 2
     ours.register_custom_ops_library(str(LIB))
@@ -46,11 +46,11 @@ def sessions(tmp_path, K: int, N: int, block: int) -> tuple[ort.InferenceSession
 
 def test_built_wherever_the_cpu_can_run_it():
     """Every operator with AVX-512 VNNI; the 4-bit matmuls alone with AVX2, FMA and F16C; else none."""
-    flags = cpu_kernels._cpu_flags()
-    if all(f in flags for f in cpu_kernels.CPU_FLAGS):
+    flags = kernel_library._cpu_flags()
+    if all(f in flags for f in kernel_library.CPU_FLAGS):
         assert LIB is not None and LIB.exists(), WHY
         assert OPS == {"MatMulQ4", "PagedAttention", "SkipRMSNorm"}
-    elif all(f in flags for f in cpu_kernels.AVX2_FLAGS):
+    elif all(f in flags for f in kernel_library.AVX2_FLAGS):
         assert LIB is not None and LIB.exists(), WHY
         assert OPS == {"MatMulQ4"}
     else:
@@ -90,9 +90,9 @@ def test_rewrite_leaves_what_the_kernel_does_not_compute(tmp_path):
     for name, (model, want) in cases.items():
         path = tmp_path / f"{name}.onnx"
         path.write_bytes(model)
-        rewritten, count, layers = cpu_kernels.rewrite_graph(path, {"head_dim": 64, "num_layers": 1, "num_heads": 2,
+        rewritten, counts = graph_fusion.rewrite_graph(path, {"head_dim": 64, "num_layers": 1, "num_heads": 2,
                                                                    "num_kv_heads": 1})
-        assert (count, layers) == (want, 0), name  # no attention path here to fuse
+        assert (counts["MatMulQ4"], counts["PagedAttention"]) == (want, 0), name  # no attention path here to fuse
         ops = [(n.domain, n.op_type) for n in onnx.load_from_string(rewritten).graph.node]
         assert ops == [("ruvllm", "MatMulQ4")] if want else ops == [("com.microsoft", "MatMulNBits")]
 
@@ -130,8 +130,8 @@ def test_what_follows_a_projection_is_computed_in_its_kernel(tmp_path, tail, fus
     K, N = 576, 960
     path = tmp_path / f"{tail}.onnx"
     path.write_bytes(projection_then(K, N, 64, tail))
-    rewritten, count, _ = cpu_kernels.rewrite_graph(path)
-    assert count == 1
+    rewritten, counts = graph_fusion.rewrite_graph(path)
+    assert counts["MatMulQ4"] == 1
     ops = [n.op_type for n in onnx.load_from_string(rewritten).graph.node]
     assert ops == ([fused] if tail == "swiglu" else [fused, "Unsqueeze", "Reshape"])
     plain, ours = ort.SessionOptions(), ort.SessionOptions()
@@ -169,7 +169,7 @@ def test_residual_add_and_rms_norm_computed_as_onnxruntime_does(tmp_path, H):
     epsilon matters."""
     path = tmp_path / "norm.onnx"
     path.write_bytes(residual_norm_model(H, read_inverse=False))
-    rewritten, _, _ = cpu_kernels.rewrite_graph(path)
+    rewritten, _ = graph_fusion.rewrite_graph(path)
     assert [(n.domain, n.op_type) for n in onnx.load_from_string(rewritten).graph.node] == [("ruvllm", "SkipRMSNorm")]
     opts = ort.SessionOptions()
     opts.register_custom_ops_library(str(LIB))
@@ -186,7 +186,7 @@ def test_a_norm_whose_statistics_are_read_is_left_alone(tmp_path):
     path = tmp_path / "norm.onnx"
     path.write_bytes(residual_norm_model(64, read_inverse=True))
     model = onnx.load(str(path))
-    assert cpu_kernels.fuse_norms(model) == 0
+    assert graph_fusion.fuse_norms(model) == 0
     assert model.graph.node[0].op_type == "SkipSimplifiedLayerNormalization"
 
 
@@ -203,14 +203,14 @@ def test_smollm2_on_the_kernels_is_as_close_to_fp32_as_on_onnxruntimes_own(smol_
     here (AVX2 build, MatMulQ4 only): KL to fp32 0.0034 vs 0.0143 on this text.
     """
     from runtime.package import load_package
-    from runtime.tokenizer import Tokenizer
+    from runtime.text.tokenizer import Tokenizer
     from tests.exporter.test_quantization import TEXT, quality, teacher_forced_logprobs
 
     pkg = load_package(smol_fp32)
     ids = Tokenizer.from_file(pkg.file("tokenizer.json"), pkg.manifest["tokenizer"]).encode(TEXT)
     ref = teacher_forced_logprobs(smol_fp32, ids)
     ours = teacher_forced_logprobs(smol_int4, ids)
-    monkeypatch.setattr(cpu_kernels, "_library", (None, "compared"))
+    monkeypatch.setattr(kernel_library, "_library", (None, "compared"))
     mlas = teacher_forced_logprobs(smol_int4, ids)
     q_ours, q_mlas, between = quality(ref, ours, ids), quality(ref, mlas, ids), quality(mlas, ours, ids)
     print(f"ours {q_ours}\nmlas {q_mlas}\nbetween {between}")
@@ -227,7 +227,7 @@ def test_the_native_backend_says_which_kernel_it_runs(tiny_package, monkeypatch)
 
     pkg = load_package(tiny_package("llama", "int4"))
     assert NativeBackend(pkg).matmul_kernel.startswith("ruvllm.MatMulQ4 (")
-    monkeypatch.setattr(cpu_kernels, "_library", None)
+    monkeypatch.setattr(kernel_library, "_library", None)
     monkeypatch.setenv("RUVLLM_CPU_KERNELS", "0")
     assert NativeBackend(pkg).matmul_kernel == "onnxruntime MatMulNBits (turned off by RUVLLM_CPU_KERNELS=0)"
 
@@ -237,22 +237,22 @@ def test_an_untested_onnxruntime_gets_the_plain_graph_with_the_reason(tiny_packa
     from runtime.backends.native import NativeBackend
     from runtime.package import load_package
 
-    assert cpu_kernels.onnxruntime_supported(ort.__version__) == (True, "")  # the pin and the check agree
-    assert not cpu_kernels.onnxruntime_supported("1.31.1")[0] and not cpu_kernels.onnxruntime_supported("2.32.0")[0]
-    monkeypatch.setattr(cpu_kernels, "_library", None)
+    assert kernel_library.onnxruntime_supported(ort.__version__) == (True, "")  # the pin and the check agree
+    assert not kernel_library.onnxruntime_supported("1.31.1")[0] and not kernel_library.onnxruntime_supported("2.32.0")[0]
+    monkeypatch.setattr(kernel_library, "_library", None)
     monkeypatch.setattr(ort, "__version__", "1.99.0")
     backend = NativeBackend(load_package(tiny_package("llama", "int4")))
     assert backend.matmul_kernel.startswith("onnxruntime MatMulNBits (onnxruntime 1.99.0 is not a version")
     assert backend.attention_kernel.startswith("the graph's own (onnxruntime 1.99.0")
-    from runtime.step_batch import Chunk
+    from runtime.core.step_batch import Chunk
 
-    backend.allocate(8, 4, 1, 4)  # and it runs
-    assert np.isfinite(run_step(backend, [Chunk(0, [5, 6, 7], 0, 1, [0, 1, 2], True)])).all()
+    backend.allocate(8, 4)  # and it runs
+    assert np.isfinite(run_step(backend, [Chunk([5, 6, 7], 0, [0], [0, 1, 2], True)])).all()
 
 
 def run_step(backend, chunks, block: int = 4) -> np.ndarray:
     """One step's raw logits for every token."""
-    from runtime.step_batch import build_step
+    from runtime.core.step_batch import build_step
 
     batch = build_step(chunks, block, want_full_logits=True)
     batch.logits_index = list(range(len(batch.input_ids)))
@@ -267,17 +267,13 @@ def run_step(backend, chunks, block: int = 4) -> np.ndarray:
 def two_steps(backend, first: list[int], second_a: list[int], b_prompt: list[int], block: int = 4) -> np.ndarray:
     """Step 1 prefills sequence A; step 2 extends A (its context now in the pool, in blocks scattered
     through it) and prefills B: the raw logits of every token of step 2."""
-    from runtime.step_batch import Chunk
+    from runtime.core.step_batch import Chunk
 
     a_len, b_len = len(first) + len(second_a), len(b_prompt)
     a_blocks, b_blocks = -(-a_len // block), -(-b_len // block)
-    backend.allocate(2 * (a_blocks + b_blocks) + 1, block, 2, a_blocks + b_blocks + 4)
+    backend.allocate(2 * (a_blocks + b_blocks) + 1, block)
     a_table = [2 * (a_blocks - i) - 1 for i in range(a_blocks)]  # descending, interleaved with B's
     b_table = [2 * i + 2 for i in range(b_blocks)]
-    for i, blk in enumerate(a_table):
-        backend.set_block(0, i, blk)
-    for i, blk in enumerate(b_table):
-        backend.set_block(1, i, blk)
 
     def slots(table, start, n):
         return [table[p // block] * block + p % block for p in range(start, start + n)]
@@ -285,11 +281,11 @@ def two_steps(backend, first: list[int], second_a: list[int], b_prompt: list[int
     def run(chunks):
         return run_step(backend, chunks, block)
 
-    run([Chunk(slot=0, tokens=first, start=0, num_blocks=a_blocks, kv_slots=slots(a_table, 0, len(first)),
+    run([Chunk(tokens=first, start=0, block_table=a_table, kv_slots=slots(a_table, 0, len(first)),
                want_logits=True)])
-    return run([Chunk(slot=0, tokens=second_a, start=len(first), num_blocks=a_blocks,
+    return run([Chunk(tokens=second_a, start=len(first), block_table=a_table,
                       kv_slots=slots(a_table, len(first), len(second_a)), want_logits=True),
-                Chunk(slot=1, tokens=b_prompt, start=0, num_blocks=b_blocks, kv_slots=slots(b_table, 0, b_len),
+                Chunk(tokens=b_prompt, start=0, block_table=b_table, kv_slots=slots(b_table, 0, b_len),
                       want_logits=True)])
 
 
@@ -297,20 +293,17 @@ def shared_prefix_steps(backend, prefix: list[int], own: list[list[int]], block:
     """Three sequences whose block tables start with the same blocks (a prefix computed once, as the
     prefix cache shares it), each with tokens of its own after it; then one decode step of all three:
     its logits. The decode rows attend to the shared blocks together (cascade) where the kernel runs."""
-    from runtime.step_batch import Chunk
+    from runtime.core.step_batch import Chunk
 
     rows = len(own)
     shared = len(prefix) // block
-    backend.allocate(64, block, rows, 32)
+    backend.allocate(64, block)
     tables = [list(range(shared)) + [shared + 8 * r + i for i in range(8)] for r in range(rows)]
-    for r, table in enumerate(tables):
-        for i, blk in enumerate(table):
-            backend.set_block(r, i, blk)
 
     def chunk(r, tokens, start):
         n = -(-(start + len(tokens)) // block)
         slots = [tables[r][p // block] * block + p % block for p in range(start, start + len(tokens))]
-        return Chunk(slot=r, tokens=tokens, start=start, num_blocks=n, kv_slots=slots, want_logits=True)
+        return Chunk(tokens=tokens, start=start, block_table=tables[r][:n], kv_slots=slots, want_logits=True)
 
     run_step(backend, [chunk(0, prefix, 0)])
     run_step(backend, [chunk(r, own[r], len(prefix)) for r in range(rows)])
@@ -450,11 +443,11 @@ def test_paged_attention_computes_what_the_graph_computes(tiny_package, monkeypa
 
 def minimums_model(K: int, N: int, fp16_minimums: bool = True, seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
     """A projection on a GGUF-style grid with block minimums (w = d * q + m, blocks of 32), as the
-    exporter writes it (exporter/block_matmul.py), and its fp32 weights [K, N]."""
+    exporter writes it (exporter/quantizers/block_matmul.py), and its fp32 weights [K, N]."""
     from onnx import numpy_helper
 
-    from exporter.block_matmul import apply_grids
-    from exporter.grid import Grid
+    from exporter.quantizers.block_matmul import apply_grids
+    from exporter.quantizers.grid import Grid
 
     rng = np.random.default_rng(seed)
     nblk = K // 32
@@ -479,9 +472,9 @@ def test_block_minimums_fold_into_the_kernel_where_fp16_holds_them(tmp_path):
         model, _ = minimums_model(64, 32, fp16)
         path = tmp_path / f"mins-{fp16}.onnx"
         onnx.save(model, path)
-        rewritten, count, _ = cpu_kernels.rewrite_graph(path)
+        rewritten, counts = graph_fusion.rewrite_graph(path)
         nodes = onnx.load_from_string(rewritten).graph.node
-        assert count == 1 and sorted((n.domain, n.op_type, len(n.input)) for n in nodes if n.op_type != "Cast") == sorted(want)
+        assert counts["MatMulQ4"] == 1 and sorted((n.domain, n.op_type, len(n.input)) for n in nodes if n.op_type != "Cast") == sorted(want)
         assert [a.i for n in nodes if n.op_type == "MatMulQ4" for a in n.attribute if a.name == "mins"] == [int(fp16)]
 
 
@@ -515,8 +508,8 @@ def test_minimums_kernel_computes_the_int8_product_with_the_files_weights(tmp_pa
     model, w = minimums_model(576, 960)
     path = tmp_path / "mins.onnx"
     onnx.save(model, path)
-    rewritten, count, _ = cpu_kernels.rewrite_graph(path, ops=OPS)
-    assert count == 1
+    rewritten, counts = graph_fusion.rewrite_graph(path, ops=OPS)
+    assert counts["MatMulQ4"] == 1
     opts = ort.SessionOptions()
     opts.register_custom_ops_library(str(LIB))
     ours = ort.InferenceSession(rewritten, opts)
@@ -526,3 +519,26 @@ def test_minimums_kernel_computes_the_int8_product_with_the_files_weights(tmp_pa
         got, want = ours.run(None, {"X": x})[0], int8_blocks(x, 32).astype(np.float64) @ w
         assert got.shape == want.shape == (*shape[:-1], 960)
         assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), shape
+
+
+@needs_kernel
+def test_a_declared_fusion_that_does_not_apply_is_refused(tiny_package, tmp_path):
+    """The exporter declares what the graph's shape lets the runtime fuse; a graph that no longer has
+    that shape (here: a manifest claiming one more projection) fails loudly instead of running slower."""
+    import json
+    import shutil
+
+    from runtime.backends.native import NativeBackend
+    from runtime.errors import PackageError
+    from runtime.package import load_package
+
+    pkg_dir = tmp_path / "pkg"
+    shutil.copytree(tiny_package("llama", "int4"), pkg_dir)
+    manifest = json.loads((pkg_dir / "manifest.json").read_text())
+    declared = manifest["graphs"]["decoder"]["fusions"]
+    assert declared["MatMulQ4"] > 0
+    assert NativeBackend(load_package(pkg_dir)).matmul_kernel.startswith(f"ruvllm.MatMulQ4 ({declared['MatMulQ4']} of")
+    declared["MatMulQ4"] += 1
+    (pkg_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackageError, match="declares fusions this runtime could not apply"):
+        NativeBackend(load_package(pkg_dir))

@@ -1,151 +1,37 @@
-"""RuvLLM's own CPU kernels (cpu_kernels.cpp, onnxruntime custom operators), compiled for this CPU on
-first use, and the rewrite of a package's graph onto them.
+"""Rewrites a package's graph onto RuvLLM's CPU kernels (kernel_library.py), and counts what can be
+rewritten, so that the exporter can declare it in the manifest and the runtime can refuse to run a
+declared fusion silently slower.
 
-`ruvllm.MatMulQ4` computes what MatMulNBits (4-bit, int8 compute) does, but unpacks the weights once
-per block for several rows where MLAS's kernel unpacks them for every row, so batches of decode
-streams and prefill chunks stop being bound by the unpacking. `ruvllm.PagedAttention` replaces each
-layer's attention path, which gathers every row's context out of the KV pool into a copy each step,
-with one operator that reads the blocks in place. Two variants of MatMulQ4 also do what follows a
-projection in the exported graph (fuse_epilogues): MatMulQ4SwiGLU the MLP's silu(gate) * up,
-MatMulQ4Split the q/k/v split. `ruvllm.SkipRMSNorm` replaces onnxruntime's residual add + RMS norm,
-whose kernel is ~10x slower per row (fuse_norms). All need AVX-512 VNNI and a C++ compiler; on a CPU
-with AVX2, FMA and F16C only, the library holds the 4-bit matmuls alone (`operators()` says which), in
-AVX2, where onnxruntime's own AVX2 int8 kernel quantizes activations ~2.5x less exactly than rounding
-each block to nearest (see docs/PERFORMANCE.md). The library is built once per source, compiler and CPU
-into the cache (RUVLLM_CACHE_DIR or ~/.cache/ruvllm, under kernels/), as torch's cpp_extension does;
-where the CPU or compiler is missing the native backend runs the package's graph as it is. RUVLLM_CPU_KERNELS=0 turns them all off,
-RUVLLM_PAGED_ATTENTION=0 the attention only.
+Each fuser matches the shape the exporter builds (exporter/builders/, exporter/quantizers/block_matmul.py)
+and replaces it with one of the `ruvllm` operators; a graph of another shape is left as it is, and
+the count says so.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
-from runtime.aliases import cache_dir
-
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 DOMAIN, OP = "ruvllm", "MatMulQ4"
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # the full set of operators
-AVX2_FLAGS = ("avx2", "fma", "f16c")  # the 4-bit matmuls alone
-COMPILE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden"]
-
-# The kernels reach onnxruntime's C API by positions in its function table (no registry package ships
-# its header), so they run only on the onnxruntime minor versions they were tested with; pyproject pins
-# the same range. Another version runs the package's graph as exported, and says why.
-TESTED_ONNXRUNTIME = ((1, 32), (1, 32))  # lowest and highest (major, minor), inclusive
-
-_library: tuple[Path | None, str] | None = None  # (path, why not) once decided in this process
-_operators: dict[Path, frozenset[str]] = {}
+ALL_OPS = frozenset(("MatMulQ4", "PagedAttention", "SkipRMSNorm"))
 
 
-def onnxruntime_supported(version: str) -> tuple[bool, str]:
-    """Whether RuvLLM's kernels may load into this onnxruntime, and if not, why."""
-    try:
-        major, minor = (int(p) for p in version.split(".")[:2])
-    except ValueError:
-        return False, f"cannot read the onnxruntime version {version!r}"
-    (lo, hi) = TESTED_ONNXRUNTIME
-    if not lo <= (major, minor) <= hi:
-        tested = ".".join(map(str, lo)) + ("" if lo == hi else " to " + ".".join(map(str, hi)))
-        return False, (f"onnxruntime {version} is not a version these kernels were tested with ({tested}.x; "
-                       f"pip install 'onnxruntime=={tested}.*')")
-    return True, ""
+def fusable_head_dim(head_dim: int) -> bool:
+    """Head sizes ruvllm.PagedAttention is compiled for."""
+    return head_dim % 16 == 0 and (head_dim <= 128 or head_dim == 256)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS) -> dict[str, int]:
+    """Rewrite `model` in place with the operators in `ops`: every MatMulNBits the kernel computes the
+    same way becomes ruvllm.MatMulQ4 (with its epilogues and block minimums folded in), and, given the
+    package's config, each layer's attention ruvllm.PagedAttention (fuse_attention) and each residual
+    add + RMS norm ruvllm.SkipRMSNorm. Returns how many of each were replaced.
 
-
-def library() -> tuple[Path | None, str]:
-    """The compiled custom-op library, or None and why it is not used here."""
-    global _library
-    if _library is None:
-        _library = _build()
-    return _library
-
-
-def _build() -> tuple[Path | None, str]:
-    if os.environ.get("RUVLLM_CPU_KERNELS", "1") == "0":
-        return None, "turned off by RUVLLM_CPU_KERNELS=0"
-    import onnxruntime
-
-    ok, why = onnxruntime_supported(onnxruntime.__version__)
-    if not ok:
-        return None, why
-    flags = _cpu_flags()
-    missing = [f for f in CPU_FLAGS if f not in flags]
-    if missing and any(f not in flags for f in AVX2_FLAGS):
-        return None, f"this CPU lacks {', '.join(missing)} and {', '.join(f for f in AVX2_FLAGS if f not in flags)}"
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if not compiler:
-        return None, "no C++ compiler (g++) on PATH"
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as err:
-        return None, f"{compiler} does not run: {err}"
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(), " ".join(COMPILE_FLAGS).encode(),
-                                     " ".join(sorted(flags)).encode()])).hexdigest()[:16]
-    out = cache_dir() / "kernels" / f"libruvllm_cpu_{key}.so"
-    if out.exists():
-        return out, ""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run([compiler, *COMPILE_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                              timeout=300)
-        if proc.returncode != 0:
-            return None, f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-500:]}"
-        os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same file
-    except (OSError, subprocess.SubprocessError) as err:
-        return None, f"compiling {SOURCE.name} failed: {err}"
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out, ""
-
-
-def operators(lib: Path | None = None) -> frozenset[str]:
-    """The operators the compiled library registers: all of them with AVX-512, the 4-bit matmuls with AVX2."""
-    lib = lib or library()[0]
-    if lib is None:
-        return frozenset()
-    if lib not in _operators:
-        import ctypes
-
-        fn = ctypes.CDLL(str(lib)).ruvllm_kernel_ops
-        fn.restype = ctypes.c_char_p
-        _operators[lib] = frozenset(fn().decode().split(","))
-    return _operators[lib]
-
-
-def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] | None = None) -> tuple[bytes, int, int]:
-    """The graph with every MatMulNBits the kernel computes the same way replaced by ruvllm.MatMulQ4
-    (weights stay where they are: the model's external data is read from the package's folder), and,
-    given the package's config, each layer's attention by ruvllm.PagedAttention (fuse_attention).
-    Returns the graph and how many projections and layers were replaced.
-
-    `ops`: the operators to use (default: all); an AVX2 build has MatMulQ4 alone (`operators`).
     Only 4-bit nodes with int8 compute (accuracy_level 4), packed uint8 zero points and fp32 scales,
     all initializers, qualify; the rest (fp32-compute test packages, fp16 scales) keep MLAS's kernel.
     A GGUF package's block minimums are folded into the kernel where fp16 holds them (fuse_minimums).
     """
     import onnx
 
-    ops = frozenset(("MatMulQ4", "PagedAttention", "SkipRMSNorm")) if ops is None else ops
-    model = onnx.load(str(graph), load_external_data=False)
     inits = {i.name: i for i in model.graph.initializer}
     count = 0
     for node in model.graph.node:
@@ -167,15 +53,30 @@ def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] |
         fuse_minimums(model)
         fuse_epilogues(model)
     layers = 0
-    head_dim = (config or {}).get("head_dim", 0)
-    if ("PagedAttention" in ops and config is not None and head_dim % 16 == 0 and (head_dim <= 128 or head_dim == 256)
-            and os.environ.get("RUVLLM_PAGED_ATTENTION", "1") != "0"):
+    if "PagedAttention" in ops and config is not None and fusable_head_dim(config.get("head_dim", 0)):
         layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"],
                                 config.get("sliding_window"))
     norms = fuse_norms(model) if "SkipRMSNorm" in ops else 0
     if count or layers or norms:
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
-    return model.SerializeToString(), count, layers
+    return {"MatMulQ4": count, "PagedAttention": layers, "SkipRMSNorm": norms}
+
+
+def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] = ALL_OPS) -> tuple[bytes, dict[str, int]]:
+    """The graph file rewritten by fuse() (weights stay where they are: the model's external data is
+    read from the package's folder), serialized, and the counts."""
+    import onnx
+
+    model = onnx.load(str(graph), load_external_data=False)
+    counts = fuse(model, config, ops)
+    return model.SerializeToString(), counts
+
+
+def declared_fusions(graph: Path, config: dict) -> dict[str, int]:
+    """What fuse() replaces in this graph with every operator: the exporter writes it into the manifest."""
+    import onnx
+
+    return fuse(onnx.load(str(graph), load_external_data=False), config)
 
 
 def _consumers(nodes) -> dict[str, list]:

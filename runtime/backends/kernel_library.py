@@ -1,0 +1,132 @@
+"""RuvLLM's own CPU kernels (runtime/backends/kernels/, onnxruntime custom operators), compiled for
+this CPU on first use.
+
+`ruvllm.MatMulQ4` computes what MatMulNBits (4-bit, int8 compute) does, but unpacks the weights once
+per block for several rows where MLAS's kernel unpacks them for every row, so batches of decode
+streams and prefill chunks stop being bound by the unpacking; its variants MatMulQ4SwiGLU and
+MatMulQ4Split also do what follows a projection. `ruvllm.PagedAttention` reads each row's KV blocks
+in place instead of the graph gathering every context into a copy, and `ruvllm.SkipRMSNorm` replaces
+onnxruntime's residual add + RMS norm, ~10x slower per row. graph_fusion.py rewrites a graph onto
+them. All need AVX-512 VNNI and a C++ compiler; on a CPU with AVX2, FMA and F16C only, the library
+holds the 4-bit matmuls alone (`operators()` says which), in AVX2, where onnxruntime's own AVX2 int8
+kernel quantizes activations ~2.5x less exactly than rounding each block to nearest (see
+docs/PERFORMANCE.md). The library is built once per source, compiler and CPU into the cache
+(RUVLLM_CACHE_DIR or ~/.cache/ruvllm, under kernels/), as torch's cpp_extension does; where the CPU
+or compiler is missing the native backend runs the package's graph as it is. RUVLLM_CPU_KERNELS=0
+turns them all off, RUVLLM_PAGED_ATTENTION=0 the attention only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from runtime.aliases import cache_dir
+
+KERNELS = Path(__file__).with_name("kernels")
+SOURCE = KERNELS / "register.cpp"  # one translation unit over the op families' headers
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # the full set of operators
+AVX2_FLAGS = ("avx2", "fma", "f16c")  # the 4-bit matmuls alone
+COMPILE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden"]
+
+# The kernels reach onnxruntime's C API by positions in its function table (no registry package ships
+# its header), so they run only on the onnxruntime minor versions they were tested with; pyproject pins
+# the same range. Another version runs the package's graph as exported, and says why.
+TESTED_ONNXRUNTIME = ((1, 32), (1, 32))  # lowest and highest (major, minor), inclusive
+
+_library: tuple[Path | None, str] | None = None  # (path, why not) once decided in this process
+_operators: dict[Path, frozenset[str]] = {}
+
+
+def onnxruntime_supported(version: str) -> tuple[bool, str]:
+    """Whether RuvLLM's kernels may load into this onnxruntime, and if not, why."""
+    try:
+        major, minor = (int(p) for p in version.split(".")[:2])
+    except ValueError:
+        return False, f"cannot read the onnxruntime version {version!r}"
+    (lo, hi) = TESTED_ONNXRUNTIME
+    if not lo <= (major, minor) <= hi:
+        tested = ".".join(map(str, lo)) + ("" if lo == hi else " to " + ".".join(map(str, hi)))
+        return False, (f"onnxruntime {version} is not a version these kernels were tested with ({tested}.x; "
+                       f"pip install 'onnxruntime=={tested}.*')")
+    return True, ""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def library() -> tuple[Path | None, str]:
+    """The compiled custom-op library, or None and why it is not used here."""
+    global _library
+    if _library is None:
+        _library = _build()
+    return _library
+
+
+def _build() -> tuple[Path | None, str]:
+    if os.environ.get("RUVLLM_CPU_KERNELS", "1") == "0":
+        return None, "turned off by RUVLLM_CPU_KERNELS=0"
+    import onnxruntime
+
+    ok, why = onnxruntime_supported(onnxruntime.__version__)
+    if not ok:
+        return None, why
+    flags = _cpu_flags()
+    missing = [f for f in CPU_FLAGS if f not in flags]
+    if missing and any(f not in flags for f in AVX2_FLAGS):
+        return None, f"this CPU lacks {', '.join(missing)} and {', '.join(f for f in AVX2_FLAGS if f not in flags)}"
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not compiler:
+        return None, "no C++ compiler (g++) on PATH"
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        return None, f"{compiler} does not run: {err}"
+    sources = b"".join(f.read_bytes() for f in sorted(KERNELS.iterdir()) if f.suffix in (".cpp", ".h"))
+    key = hashlib.sha256(b"\0".join([sources, version.encode(), " ".join(COMPILE_FLAGS).encode(),
+                                     " ".join(sorted(flags)).encode()])).hexdigest()[:16]
+    out = cache_dir() / "kernels" / f"libruvllm_cpu_{key}.so"
+    if out.exists():
+        return out, ""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *COMPILE_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            return None, f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-500:]}"
+        os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same file
+    except (OSError, subprocess.SubprocessError) as err:
+        return None, f"compiling {SOURCE.name} failed: {err}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out, ""
+
+
+def operators(lib: Path | None = None) -> frozenset[str]:
+    """The operators the compiled library registers: all of them with AVX-512, the 4-bit matmuls with AVX2."""
+    lib = lib or library()[0]
+    if lib is None:
+        return frozenset()
+    if lib not in _operators:
+        import ctypes
+
+        fn = ctypes.CDLL(str(lib)).ruvllm_kernel_ops
+        fn.restype = ctypes.c_char_p
+        _operators[lib] = frozenset(fn().decode().split(","))
+    return _operators[lib]
+

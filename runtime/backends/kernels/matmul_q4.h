@@ -1,0 +1,547 @@
+// RuvLLM's CPU kernels, as onnxruntime custom operators in the domain `ruvllm` (AVX-512 VNNI):
+//
+// MatMulQ4 computes what `com.microsoft.MatMulNBits` (bits=4, zero points, fp32 scales, accuracy_level
+// 4) does. Why: MLAS's int8-compute kernel costs ~3.5x its one-row time at 16 rows (it unpacks the int4
+// weights again for every row), so a batch of 16 decode streams spent most of its step there. Here
+// each 16-column tile of weights is unpacked once per block and used for up to 4 rows and 2 tiles per
+// broadcast activation word. MatMulQ4SwiGLU pairs each gate tile with its up tile and writes
+// silu(gate) * up; MatMulQ4Split writes its columns as two tensors (q+k, v): the Split, Sigmoid and
+// Mul operators after those projections, each a pass over their output, are gone.
+//
+// PagedAttention (further down) reads each row's keys and values from the KV pool's blocks in place.
+//
+// Arithmetic, per row and per quantization block of `block_size` along K (as MLAS's CompInt8):
+// activations a ~ sa * qa (qa int8, symmetric, sa = max|a| / 127), weights w = s * (q - z), so
+// a.w = s * sa * (qa.q - z * sum(qa)); qa.q is exact in int32 (vpdpbusd), the rest fp32. Every row is
+// computed the same way whatever the batch, so a row's result does not depend on the other rows.
+// With a fifth input, the blocks' float minimums m (llama.cpp's Q4_1 and Q4_K, w = s * q + m; zero
+// points must then be 0): a.w = s * sa * qa.q + m * sa * sum(qa), the quantized activations' sum (as
+// llama.cpp's Q8_1 carries it). Not the fp32 sum: the error would then be e.(w - m) instead of e.w, and
+// a Q4_1 block's m sits ~8 steps below its weights (SmolLM2: 2.3x the error per layer, KL 0.018 vs 0.003).
+// The exporter writes that as MatMulNBits + a small MatMul over block sums; this is its fused form.
+// Scales and minimums are kept as fp16 pairs, one 64-byte line per tile and block (they must be exact
+// in fp16, as a GGUF's are), so a block of 32 reads 256 bytes of weights and 64 of scales.
+#pragma once
+
+#include "ort_api.h"
+#include "simd_math.h"
+
+namespace {
+
+// ---- the kernel ----
+
+constexpr int kTile = 16;      // output columns per zmm of int32 / fp32 lanes
+constexpr int kTilesPer = RUVLLM_AVX512 ? 2 : 1;  // tiles sharing one broadcast activation word
+constexpr int kRowsPer = 4;    // rows sharing one unpacked weight register
+
+struct PackedWeights {
+  int N = 0, K = 0, block = 0, nblk = 0, ntiles = 0;
+  int Kp = 0;  // K padded to whole blocks (MatMulNBits pads the last block)
+  // per tile, per block, per 8 k: 64 bytes, byte 4j+i = q(col j, k+i) | q(col j, k+4+i) << 4
+  std::unique_ptr<uint8_t[], void (*)(void*)> w{nullptr, std::free};
+  std::vector<float> scale;    // per tile, per block: 16 columns each
+  std::vector<uint8_t> zero;   // the same, as bytes (a quarter of fp32's: a single row is memory-bound)
+  bool mins = false;           // minimums mode: scale and zero unused, scale_min holds both
+  std::vector<uint16_t> scale_min;  // per tile, per block: 16 fp16 scales, then 16 fp16 minimums
+};
+
+inline bool fp16_exact(float x, uint16_t* h) {
+  *h = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+  return _cvtsh_ss(*h) == x;
+}
+
+// M: the minimums, fp16 [K/block, N] (as the exporter's MatMul over block sums reads them), or null
+void pack(PackedWeights& wts, int N, int K, int block, const uint8_t* B, const float* S, const uint8_t* Z,
+          const uint16_t* M = nullptr) {
+  wts.N = N; wts.K = K; wts.block = block; wts.nblk = (K + block - 1) / block; wts.ntiles = N / kTile;
+  wts.Kp = wts.nblk * block;
+  const size_t bytes = (size_t)N * wts.Kp / 2;
+  wts.w.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
+  if (!wts.w) throw std::bad_alloc();
+  wts.mins = M != nullptr;
+  if (wts.mins) wts.scale_min.resize((size_t)N * wts.nblk * 2);
+  else {
+    wts.scale.resize((size_t)N * wts.nblk);
+    wts.zero.resize((size_t)N * wts.nblk);
+  }
+  const int zp_stride = (wts.nblk + 1) / 2;
+  for (int t = 0; t < wts.ntiles; t++)
+    for (int b = 0; b < wts.nblk; b++) {
+      const size_t tb = (size_t)t * wts.nblk + b;
+      uint8_t* dst = wts.w.get() + tb * (block / 8) * 64;
+      for (int j = 0; j < kTile; j++) {
+        const int n = t * kTile + j;
+        const uint8_t* src = B + ((size_t)n * wts.nblk + b) * (block / 2);  // k even in the low nibble
+        auto q = [&](int k) -> uint8_t { return (k & 1) ? (src[k / 2] >> 4) : (src[k / 2] & 15); };
+        const uint8_t zb = Z[(size_t)n * zp_stride + b / 2];
+        const uint8_t z = (uint8_t)((b & 1) ? (zb >> 4) : (zb & 15));
+        if (wts.mins) {
+          if (z) throw std::invalid_argument("zero points must be 0 where the blocks have minimums");
+          if (!fp16_exact(S[(size_t)n * wts.nblk + b], &wts.scale_min[tb * 2 * kTile + j]))
+            throw std::invalid_argument("scales must be exact in fp16 where the blocks have minimums");
+          wts.scale_min[tb * 2 * kTile + kTile + j] = M[(size_t)b * N + n];
+        } else {
+          wts.scale[tb * kTile + j] = S[(size_t)n * wts.nblk + b];
+          wts.zero[tb * kTile + j] = z;
+        }
+        for (int g = 0; g < block / 8; g++)
+          for (int i = 0; i < 4; i++)
+            dst[g * 64 + 4 * j + i] = (uint8_t)(q(8 * g + i) | (q(8 * g + 4 + i) << 4));
+      }
+    }
+}
+
+struct QuantizedRows {  // the activations, per row and block
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum;
+};
+
+#if RUVLLM_AVX512
+void quantize_rows(QuantizedRows& out, const float* A, int64_t M, int K, int block) {
+  const int nblk = (K + block - 1) / block, Kp = nblk * block;  // a short last block reads as zeros
+  out.q.resize((size_t)M * Kp);
+  out.scale.resize((size_t)M * nblk);
+  out.sum.resize((size_t)M * nblk);
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t m = 0; m < M; m++)
+    for (int b = 0; b < nblk; b++) {
+      const float* a = A + m * K + (size_t)b * block;
+      const int valid = std::min(block, K - b * block);
+      auto load = [&](int k) {
+        const int n = std::clamp(valid - k, 0, 16);
+        return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), a + k);
+      };
+      __m512 mx = _mm512_setzero_ps();
+      for (int k = 0; k < block; k += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(load(k), abs_mask));
+      const float amax = _mm512_reduce_max_ps(mx);
+      const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
+      __m512i sum = _mm512_setzero_si512();
+      int8_t* q = out.q.data() + m * Kp + (size_t)b * block;
+      for (int k = 0; k < block; k += 16) {
+        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load(k), inv));  // nearest, ties to even
+        sum = _mm512_add_epi32(sum, v);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(v));
+      }
+      out.scale[m * nblk + b] = amax / 127.f;
+      out.sum[m * nblk + b] = (float)_mm512_reduce_add_epi32(sum);
+    }
+}
+#else
+inline float hmax(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+inline int hsum_epi32(__m256i v) {
+  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1)));
+}
+
+void quantize_rows(QuantizedRows& out, const float* A, int64_t M, int K, int block) {
+  const int nblk = (K + block - 1) / block, Kp = nblk * block;  // a short last block reads as zeros
+  out.q.resize((size_t)M * Kp);
+  out.scale.resize((size_t)M * nblk);
+  out.sum.resize((size_t)M * nblk);
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  std::vector<float> pad(block);
+  for (int64_t m = 0; m < M; m++)
+    for (int b = 0; b < nblk; b++) {
+      const int valid = std::min(block, K - b * block);
+      const float* a = A + m * K + (size_t)b * block;
+      if (valid < block) {  // the short last block, zero-padded
+        std::fill(pad.begin(), pad.end(), 0.f);
+        std::copy(a, a + valid, pad.begin());
+        a = pad.data();
+      }
+      __m256 mx = _mm256_setzero_ps();
+      for (int k = 0; k < block; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(a + k), abs_mask));
+      const float amax = hmax(mx);
+      const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.f / amax : 0.f);
+      __m256i sum = _mm256_setzero_si256();
+      int8_t* q = out.q.data() + m * Kp + (size_t)b * block;
+      for (int k = 0; k < block; k += 8) {
+        const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + k), inv));  // nearest, ties to even
+        sum = _mm256_add_epi32(sum, v);
+        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(w16, w16));
+      }
+      out.scale[m * nblk + b] = amax / 127.f;
+      out.sum[m * nblk + b] = (float)hsum_epi32(sum);
+    }
+}
+#endif
+
+// Where output tile t's 16 columns of row m go: tiles before `split` to c0 (row stride ld0), the rest
+// to c1 (MatMulQ4Split: the q/k and v parts of a fused projection as two tensors, no Split copying).
+struct Output {
+  float *c0, *c1;
+  int64_t ld0, ld1;
+  int split;
+  float* at(int64_t m, int t) const {
+    return t < split ? c0 + m * ld0 + (int64_t)t * kTile : c1 + m * ld1 + (int64_t)(t - split) * kTile;
+  }
+};
+
+
+// What a group of rows prefetches while it computes a tile group. The weights' scales and zero points
+// are arrays apart from the weights, a line per tile and block that the hardware does not fetch ahead:
+// left to demand misses they stalled each block of the first row group, most of what a 16-32 row
+// product paid beyond its arithmetic when the weights come from DRAM.
+//   kAhead (the first row group, which streams the tiles in): the weights 2 KB ahead, scales and zero
+//     points 4 blocks ahead;
+//   kNext (the second row group): the next tile group's weights, scales and zero points, so its first
+//     row group finds them in cache (a thread's work items are consecutive tile groups);
+//   kNone (the rest: the tiles are in L1 by then).
+enum class Prefetch { kAhead, kNext, kNone };
+
+// T tiles (weight tiles t0 + i * stride) x R rows. SwiGLU: T = 2, tile t0 of the gate half and its
+// partner of the up half, stored as one tile silu(gate) * up (MatMulQ4SwiGLU: no Split, Sigmoid, Muls).
+// `next`: how far the next tile group starts (in tiles), for Prefetch::kNext.
+#if RUVLLM_AVX512
+template <int T, int R, bool SwiGLU, Prefetch F, bool Mins>
+inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0, int64_t m0, const Output& out,
+                       int stride, int next) {
+  const int nblk = wts.nblk, block = wts.block, K = wts.Kp;  // rows of qa are padded to whole blocks
+  const size_t tile_bytes = (size_t)nblk * (block / 8) * 64;
+  const size_t last_block = (size_t)wts.ntiles * nblk - 1;
+  const __m512i low4 = _mm512_set1_epi8(15);
+  __m512 acc[T][R];
+  for (int i = 0; i < T; i++)
+    for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_ps();
+  for (int b = 0; b < nblk; b++) {
+    __m512i dot[T][R];
+    for (int i = 0; i < T; i++)
+      for (int r = 0; r < R; r++) dot[i][r] = _mm512_setzero_si512();
+    const uint8_t* wp = wts.w.get() + ((size_t)t0 * nblk + b) * (block / 8) * 64;
+    const int8_t* ap = acts.q.data() + m0 * K + (size_t)b * block;
+    if constexpr (F != Prefetch::kNone)
+      for (int i = 0; i < T; i++) {
+        const size_t tb = std::min(last_block, (size_t)(t0 + i * stride + (F == Prefetch::kNext ? next : 0)) * nblk + b +
+                                                   (F == Prefetch::kAhead ? 4 : 0));
+        if constexpr (Mins) {
+          prefetch(wts.scale_min.data() + tb * 2 * kTile);
+        } else {
+          prefetch(wts.scale.data() + tb * kTile);
+          prefetch(wts.zero.data() + tb * kTile);
+        }
+      }
+    for (int g = 0; g < block / 8; g++) {
+      __m512i w[T][2];
+      for (int i = 0; i < T; i++) {
+        if constexpr (F == Prefetch::kAhead) prefetch(wp + i * stride * tile_bytes + g * 64 + 2048);
+        if constexpr (F == Prefetch::kNext) prefetch(wp + (next + i * stride) * tile_bytes + g * 64);
+        const __m512i v = _mm512_load_si512(wp + i * stride * tile_bytes + g * 64);
+        w[i][0] = _mm512_and_si512(v, low4);
+        w[i][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+      for (int h = 0; h < 2; h++)
+        for (int r = 0; r < R; r++) {
+          int32_t word;
+          std::memcpy(&word, ap + (size_t)r * K + g * 8 + h * 4, 4);
+          const __m512i x = _mm512_set1_epi32(word);
+          for (int i = 0; i < T; i++) dot[i][r] = _mm512_dpbusd_epi32(dot[i][r], w[i][h], x);
+        }
+    }
+    for (int i = 0; i < T; i++) {
+      const size_t tb = (size_t)(t0 + i * stride) * nblk + b;
+      if constexpr (Mins) {
+        const __m512i sm = _mm512_loadu_si512(wts.scale_min.data() + tb * 2 * kTile);
+        const __m512 s = _mm512_cvtph_ps(_mm512_castsi512_si256(sm));
+        const __m512 mn = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(sm, 1));
+        for (int r = 0; r < R; r++) {
+          const size_t mb = (size_t)(m0 + r) * nblk + b;
+          acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][r]), _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[i][r]);
+          acc[i][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(acts.scale[mb] * acts.sum[mb]), acc[i][r]);
+        }
+        continue;
+      }
+      const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wts.zero.data() + tb * kTile))));
+      const __m512 s = _mm512_loadu_ps(wts.scale.data() + tb * kTile);
+      for (int r = 0; r < R; r++) {
+        const size_t mb = (size_t)(m0 + r) * nblk + b;
+        const __m512 x = _mm512_fnmadd_ps(z, _mm512_set1_ps(acts.sum[mb]), _mm512_cvtepi32_ps(dot[i][r]));
+        acc[i][r] = _mm512_fmadd_ps(x, _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[i][r]);
+      }
+    }
+  }
+  if constexpr (SwiGLU) {
+    static_assert(T == 2);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out.at(m0 + r, t0), _mm512_mul_ps(silu(acc[0][r]), acc[1][r]));
+  } else {
+    for (int i = 0; i < T; i++)
+      for (int r = 0; r < R; r++) _mm512_storeu_ps(out.at(m0 + r, t0 + i), acc[i][r]);
+  }
+}
+
+#else
+// AVX2: a tile's 16 columns are two halves of 8 (bytes 0-31 and 32-63 of each 64-byte group); a byte pair
+// product sum (vpmaddubsw: weight 0..15 times activation -127..127, twice: no int16 saturation) then
+// summed in pairs into int32 (vpmaddwd by ones) is vpdpbusd's result. Tiles go one after another within
+// a block, so that R rows' accumulators stay in the 16 registers.
+template <int T, int R, bool SwiGLU, Prefetch F, bool Mins>
+inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0, int64_t m0, const Output& out,
+                       int stride, int next) {
+  const int nblk = wts.nblk, block = wts.block, K = wts.Kp;
+  const size_t tile_bytes = (size_t)nblk * (block / 8) * 64;
+  const size_t last_block = (size_t)wts.ntiles * nblk - 1;
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  __m256 acc[T][R][2];
+  for (int i = 0; i < T; i++)
+    for (int r = 0; r < R; r++) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_ps();
+  for (int b = 0; b < nblk; b++) {
+    const int8_t* ap = acts.q.data() + m0 * K + (size_t)b * block;
+    for (int i = 0; i < T; i++) {
+      const size_t tb = (size_t)(t0 + i * stride) * nblk + b;
+      const uint8_t* wp = wts.w.get() + tb * (block / 8) * 64;
+      if constexpr (F != Prefetch::kNone) {
+        const size_t ahead = std::min(last_block, (size_t)(t0 + i * stride + (F == Prefetch::kNext ? next : 0)) * nblk + b +
+                                                      (F == Prefetch::kAhead ? 4 : 0));
+        if constexpr (Mins) prefetch(wts.scale_min.data() + ahead * 2 * kTile);
+        else {
+          prefetch(wts.scale.data() + ahead * kTile);
+          prefetch(wts.zero.data() + ahead * kTile);
+        }
+      }
+      __m256i dot[R][2];
+      for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+      for (int g = 0; g < block / 8; g++) {
+        if constexpr (F == Prefetch::kAhead) prefetch(wp + g * 64 + 2048);
+        if constexpr (F == Prefetch::kNext) prefetch(wp + next * tile_bytes + g * 64);
+        const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + g * 64));
+        const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + g * 64 + 32));
+        for (int h = 0; h < 2; h++) {
+          const __m256i w0 = h ? _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4) : _mm256_and_si256(v0, low4);
+          const __m256i w1 = h ? _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4) : _mm256_and_si256(v1, low4);
+          for (int r = 0; r < R; r++) {
+            int32_t word;
+            std::memcpy(&word, ap + (size_t)r * K + g * 8 + h * 4, 4);
+            const __m256i x = _mm256_set1_epi32(word);
+            dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x), ones));
+            dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x), ones));
+          }
+        }
+      }
+      for (int c = 0; c < 2; c++) {
+        __m256 s, z_or_min;
+        if constexpr (Mins) {
+          const uint16_t* sm = wts.scale_min.data() + tb * 2 * kTile;
+          s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 8 * c)));
+          z_or_min = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kTile + 8 * c)));
+        } else {
+          s = _mm256_loadu_ps(wts.scale.data() + tb * kTile + 8 * c);
+          z_or_min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wts.zero.data() + tb * kTile + 8 * c))));
+        }
+        for (int r = 0; r < R; r++) {
+          const size_t mb = (size_t)(m0 + r) * nblk + b;
+          const __m256 d = _mm256_cvtepi32_ps(dot[r][c]);
+          if constexpr (Mins) {
+            acc[i][r][c] = _mm256_fmadd_ps(d, _mm256_mul_ps(s, _mm256_set1_ps(acts.scale[mb])), acc[i][r][c]);
+            acc[i][r][c] = _mm256_fmadd_ps(z_or_min, _mm256_set1_ps(acts.scale[mb] * acts.sum[mb]), acc[i][r][c]);
+          } else {
+            const __m256 x = _mm256_fnmadd_ps(z_or_min, _mm256_set1_ps(acts.sum[mb]), d);
+            acc[i][r][c] = _mm256_fmadd_ps(x, _mm256_mul_ps(s, _mm256_set1_ps(acts.scale[mb])), acc[i][r][c]);
+          }
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int c = 0; c < 2; c++) {
+      if constexpr (SwiGLU) {
+        static_assert(T == 2);
+        _mm256_storeu_ps(out.at(m0 + r, t0) + 8 * c, _mm256_mul_ps(silu(acc[0][r][c]), acc[1][r][c]));
+      } else {
+        for (int i = 0; i < T; i++) _mm256_storeu_ps(out.at(m0 + r, t0 + i) + 8 * c, acc[i][r][c]);
+      }
+    }
+}
+#endif
+
+template <int T, bool SwiGLU, bool Mins>
+void tiles_all_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0, int64_t M, const Output& out, int stride) {
+  const int next = SwiGLU ? 1 : T;  // the next tile group: the next gate tile (and its up partner), or the next T
+  const bool has_next = t0 + next < (SwiGLU ? stride : wts.ntiles);
+  int64_t m = 0;
+  for (; m + kRowsPer <= M; m += kRowsPer) {
+    if (m == 0) tiles_rows<T, kRowsPer, SwiGLU, Prefetch::kAhead, Mins>(wts, acts, t0, m, out, stride, next);
+    else if (m == kRowsPer && has_next) tiles_rows<T, kRowsPer, SwiGLU, Prefetch::kNext, Mins>(wts, acts, t0, m, out, stride, next);
+    else tiles_rows<T, kRowsPer, SwiGLU, Prefetch::kNone, Mins>(wts, acts, t0, m, out, stride, next);
+  }
+  // the last 1-3 rows as one group: row by row, each would unpack the weights again (2 rows cost ~1.3x 4)
+  auto tail = [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    if (m == 0) tiles_rows<T, R, SwiGLU, Prefetch::kAhead, Mins>(wts, acts, t0, m, out, stride, next);
+    else tiles_rows<T, R, SwiGLU, Prefetch::kNone, Mins>(wts, acts, t0, m, out, stride, next);
+  };
+  switch (M - m) {
+    case 1: return tail(std::integral_constant<int, 1>{});
+    case 2: return tail(std::integral_constant<int, 2>{});
+    case 3: return tail(std::integral_constant<int, 3>{});
+    default: return;
+  }
+}
+
+// output tiles [t_begin, t_end) of every row (with SwiGLU, an output tile is a gate tile and its up tile)
+template <bool Mins>
+void gemm_tiles_as(const PackedWeights& wts, const QuantizedRows& acts, int64_t M, const Output& out, int t_begin,
+                   int t_end, bool swiglu) {
+  int t = t_begin;
+  if (swiglu) {
+    for (; t < t_end; t++) tiles_all_rows<2, true, Mins>(wts, acts, t, M, out, wts.ntiles / 2);
+    return;
+  }
+  for (; t + kTilesPer <= t_end; t += kTilesPer) tiles_all_rows<kTilesPer, false, Mins>(wts, acts, t, M, out, 1);
+  for (; t < t_end; t++) tiles_all_rows<1, false, Mins>(wts, acts, t, M, out, 1);
+}
+
+void gemm_tiles(const PackedWeights& wts, const QuantizedRows& acts, int64_t M, const Output& out, int t_begin, int t_end,
+                bool swiglu) {
+  if (wts.mins) gemm_tiles_as<true>(wts, acts, M, out, t_begin, t_end, swiglu);
+  else gemm_tiles_as<false>(wts, acts, M, out, t_begin, t_end, swiglu);
+}
+
+// ---- the custom operator ----
+
+enum class Epilogue { kOne, kSplit, kSwiGLU };  // MatMulQ4, MatMulQ4Split, MatMulQ4SwiGLU
+
+struct Kernel {
+  PackedWeights w;
+  Epilogue epilogue = Epilogue::kOne;
+  int64_t split = 0;  // MatMulQ4Split: columns of the first output
+};
+
+struct CustomOp;
+extern const CustomOp g_matmul_split, g_matmul_swiglu;
+
+struct Work {
+  const PackedWeights* w;
+  const QuantizedRows* a;
+  int64_t M;
+  Output out;
+  int tiles, tiles_per_item;
+  bool swiglu;
+};
+
+void run_item(void* data, size_t i) {
+  const Work& job = *static_cast<Work*>(data);
+  const int begin = (int)i * job.tiles_per_item;
+  gemm_tiles(*job.w, *job.a, job.M, job.out, begin, std::min(job.tiles, begin + job.tiles_per_item), job.swiglu);
+}
+
+OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* info, void** out) {
+  int64_t K = 0, N = 0, bits = 0, block = 0;
+  auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
+  RETURN_IF(attr(info, "K", &K));
+  RETURN_IF(attr(info, "N", &N));
+  RETURN_IF(attr(info, "bits", &bits));
+  RETURN_IF(attr(info, "block_size", &block));
+  if (bits != 4 || block % 32 != 0 || N % kTile != 0)
+    return fail("ruvllm.MatMulQ4: needs bits=4, block_size a multiple of 32, N a multiple of 16");
+  const OrtValue* consts[5] = {};
+  auto constant = api<OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**)>(kKernelInfoGetConstantInput_tensor);
+  int64_t has_mins = 0;  // set by the graph rewrite on every node (1: a fifth input, the minimums)
+  RETURN_IF(attr(info, "mins", &has_mins));
+  for (size_t i = 1; i < (has_mins ? 5u : 4u); i++) {
+    int is_const = 0;
+    RETURN_IF(constant(info, i, &is_const, &consts[i]));
+    if (!is_const) return fail("ruvllm.MatMulQ4: weights, scales, zero points and minimums must be initializers");
+  }
+  const uint8_t *B = nullptr, *Z = nullptr;
+  const float* S = nullptr;
+  RETURN_IF(tensor_data(consts[1], &B));
+  RETURN_IF(tensor_data(consts[2], &S));
+  RETURN_IF(tensor_data(consts[3], &Z));
+  std::vector<int64_t> dims;
+  RETURN_IF(tensor_shape(consts[1], dims));
+  const int64_t nblk = (K + block - 1) / block;
+  if (dims.size() != 3 || dims[0] != N || dims[1] != nblk || dims[2] != block / 2)
+    return fail("ruvllm.MatMulQ4: B is not [N, K/block_size, block_size/2]");
+  RETURN_IF(tensor_shape(consts[2], dims));
+  int64_t count = 1;
+  for (int64_t d : dims) count *= d;
+  if (count != N * nblk) return fail("ruvllm.MatMulQ4: scales are not N * K/block_size");
+  RETURN_IF(tensor_shape(consts[3], dims));
+  count = 1;
+  for (int64_t d : dims) count *= d;
+  if (count != N * ((nblk + 1) / 2)) return fail("ruvllm.MatMulQ4: zero points are not packed 4-bit");
+  const uint16_t* Mn = nullptr;
+  if (consts[4]) {
+    RETURN_IF(tensor_shape(consts[4], dims));
+    if (dims.size() != 2 || dims[0] != nblk || dims[1] != N) return fail("ruvllm.MatMulQ4: minimums are not [K/block_size, N]");
+    RETURN_IF(tensor_data(consts[4], &Mn));
+  }
+  const Epilogue epilogue = op == &g_matmul_split ? Epilogue::kSplit : op == &g_matmul_swiglu ? Epilogue::kSwiGLU
+                                                                                              : Epilogue::kOne;
+  int64_t split = 0;
+  if (epilogue == Epilogue::kSplit) {
+    RETURN_IF(attr(info, "split", &split));
+    if (split <= 0 || split >= N || split % kTile) return fail("ruvllm.MatMulQ4Split: split must be a multiple of 16 in (0, N)");
+  }
+  if (epilogue == Epilogue::kSwiGLU && N % (2 * kTile)) return fail("ruvllm.MatMulQ4SwiGLU: N must be a multiple of 32");
+  auto* k = new (std::nothrow) Kernel();
+  if (!k) return fail("ruvllm.MatMulQ4: out of memory");
+  k->epilogue = epilogue;
+  k->split = split;
+  try {
+    pack(k->w, (int)N, (int)K, (int)block, B, S, Z, Mn);
+  } catch (const std::bad_alloc&) {
+    delete k;
+    return fail("ruvllm.MatMulQ4: out of memory packing weights");
+  } catch (const std::invalid_argument& e) {
+    delete k;
+    return fail(std::string("ruvllm.MatMulQ4: ") + e.what());
+  }
+  *out = k;
+  return nullptr;
+}
+
+OrtStatus* compute_rows(void* kernel, OrtKernelContext* ctx) {
+  const Kernel& k = *static_cast<Kernel*>(kernel);
+  const PackedWeights& w = k.w;
+  const OrtValue* in = nullptr;
+  RETURN_IF(api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput)(ctx, 0, &in));
+  std::vector<int64_t> dims;
+  RETURN_IF(tensor_shape(in, dims));
+  if (dims.empty() || dims.back() != w.K) return fail("ruvllm.MatMulQ4: A's last dimension is not K");
+  int64_t M = 1;
+  for (size_t i = 0; i + 1 < dims.size(); i++) M *= dims[i];
+  auto output = [&](size_t i, int64_t cols, float** data) -> OrtStatus* {
+    dims.back() = cols;
+    return output_data(ctx, i, dims.data(), dims.size(), data);
+  };
+  Output out{nullptr, nullptr, w.N, 0, w.ntiles};
+  int tiles = w.ntiles;
+  if (k.epilogue == Epilogue::kSplit) {
+    RETURN_IF(output(0, k.split, &out.c0));
+    RETURN_IF(output(1, w.N - k.split, &out.c1));
+    out.ld0 = k.split;
+    out.ld1 = w.N - k.split;
+    out.split = (int)(k.split / kTile);
+  } else if (k.epilogue == Epilogue::kSwiGLU) {
+    RETURN_IF(output(0, w.N / 2, &out.c0));
+    out.ld0 = w.N / 2;
+    tiles = out.split = w.ntiles / 2;
+  } else {
+    RETURN_IF(output(0, w.N, &out.c0));
+  }
+  const float* A = nullptr;
+  RETURN_IF(tensor_data(in, &A));
+  if (M == 0) return nullptr;
+  thread_local QuantizedRows rows;  // one session may run on several threads at once
+  quantize_rows(rows, A, M, w.K, w.block);
+  const bool swiglu = k.epilogue == Epilogue::kSwiGLU;
+  // items of 8 weight tiles (128 columns; 4 output tiles with SwiGLU); a small product stays on this
+  // thread, where a handoff costs more
+  Work job{&w, &rows, M, out, tiles, swiglu ? 4 : 8, swiglu};
+  const size_t items = (size_t)(tiles + job.tiles_per_item - 1) / job.tiles_per_item;
+  if (items == 1 || (double)M * w.N * w.K < 2e5) {
+    gemm_tiles(w, rows, M, out, 0, tiles, swiglu);
+    return nullptr;
+  }
+  return api<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
+      kKernelContext_ParallelFor)(ctx, run_item, items, 0, &job);
+}
+
+
+}  // namespace

@@ -1,0 +1,89 @@
+// onnxruntime's C API is reached through the function table it hands to RegisterCustomOps. Its
+// header is not shipped with the Python wheel, so the few entries used are declared here by their
+// fixed position in that table (the table is append-only: an entry never moves between releases).
+#pragma once
+
+#include "isa.h"
+
+extern "C" {
+struct OrtStatus;
+struct OrtKernelInfo;
+struct OrtKernelContext;
+struct OrtValue;
+struct OrtTensorTypeAndShapeInfo;
+struct OrtSessionOptions;
+struct OrtCustomOpDomain;
+struct OrtApiBase {
+  const void* (*GetApi)(uint32_t version);
+  const char* (*GetVersionString)();
+};
+}
+
+namespace {
+
+// Positions in onnxruntime's OrtApi function table.
+enum ApiEntry : size_t {
+  kCreateStatus = 0,
+  kCreateCustomOpDomain = 26,
+  kCustomOpDomain_Add = 27,
+  kAddCustomOpDomain = 28,
+  kGetTensorMutableData = 51,
+  kGetDimensionsCount = 61,
+  kGetDimensions = 62,
+  kGetTensorTypeAndShape = 65,
+  kKernelInfoGetAttribute_float = 85,
+  kKernelInfoGetAttribute_int64 = 86,
+  kKernelContext_GetInput = 90,
+  kKernelContext_GetOutput = 91,
+  kReleaseTensorTypeAndShapeInfo = 99,
+  kKernelInfoGetConstantInput_tensor = 249,
+  kKernelContext_ParallelFor = 274,
+};
+constexpr uint32_t kApiVersion = 18;  // KernelContext_ParallelFor (the last entry used) exists from 17 on
+constexpr int kOrtFail = 1;           // OrtErrorCode ORT_FAIL
+constexpr int kFloat = 1, kUint8 = 2, kInt64 = 7, kFloat16 = 10;  // ONNXTensorElementDataType
+
+const void* const* g_api = nullptr;
+
+template <typename F>
+F api(ApiEntry e) { return reinterpret_cast<F>(const_cast<void*>(g_api[e])); }
+
+OrtStatus* fail(const std::string& msg) {
+  return api<OrtStatus* (*)(int, const char*)>(kCreateStatus)(kOrtFail, msg.c_str());
+}
+
+#define RETURN_IF(call) \
+  do {                  \
+    OrtStatus* st_ = (call); \
+    if (st_) return st_;     \
+  } while (0)
+
+OrtStatus* tensor_shape(const OrtValue* v, std::vector<int64_t>& dims) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  RETURN_IF(api<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(kGetTensorTypeAndShape)(v, &info));
+  size_t n = 0;
+  OrtStatus* st = api<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(kGetDimensionsCount)(info, &n);
+  if (!st) {
+    dims.resize(n);
+    st = api<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(kGetDimensions)(info, dims.data(), n);
+  }
+  api<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
+  return st;
+}
+
+template <typename T>
+OrtStatus* tensor_data(const OrtValue* v, T** out) {
+  void* p = nullptr;
+  RETURN_IF(api<OrtStatus* (*)(OrtValue*, void**)>(kGetTensorMutableData)(const_cast<OrtValue*>(v), &p));
+  *out = static_cast<T*>(p);
+  return nullptr;
+}
+
+// output i of the given shape, allocated by onnxruntime, as floats
+OrtStatus* output_data(OrtKernelContext* ctx, size_t i, const int64_t* dims, size_t rank, float** data) {
+  OrtValue* v = nullptr;
+  RETURN_IF(api<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContext_GetOutput)(
+      ctx, i, dims, rank, &v));
+  return tensor_data(v, data);
+}
+}  // namespace

@@ -1,0 +1,730 @@
+#pragma once
+
+#include "ort_api.h"
+#include "simd_math.h"
+
+#if RUVLLM_AVX512
+namespace {
+
+// ---- paged attention: each row's context read from the KV pool in place ----
+//
+// Replaces the exported graph's per-layer attention path (gather every row's blocks into a contiguous
+// copy, write this step's K/V into it, scores, mask, softmax, weighted values): the copy is what a
+// long context costs there. Inputs: qk [N*(Hq+Hkv), D] (token n's query head j at row n*(Hq+Hkv)+j,
+// its key head h at n*(Hq+Hkv)+Hq+h, rotated), v [N*Hkv, D], the layer's pools [Hkv, blocks,
+// block_size, D] (positions before this step), block_tables [B, max_blocks], query_index [B, S]
+// (row b's tokens are query_index[b][0] .. query_index[b][S-1], consecutive), position_ids [N].
+// Output [N, Hq*D]. Causal, optionally a sliding window; a row's keys before its first new position
+// come from the pool, the rest from this step's rows.
+
+// sc[t] = e^(sc[t] - mx) for t in [first, last]; returns 1 / their sum
+inline float exp_in_place(float* sc, int64_t first, int64_t last, float mx) {
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  int64_t t = first;
+  for (; t + 16 <= last + 1; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(&sc[t]), vmx));
+    _mm512_storeu_ps(&sc[t], e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  if (t <= last) {
+    const __mmask16 m = (__mmask16)((1u << (last + 1 - t)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &sc[t]), vmx));
+    _mm512_mask_storeu_ps(&sc[t], m, e);
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+  }
+  return 1.f / _mm512_reduce_add_ps(vsum);
+}
+
+struct AttnKernel {
+  int64_t num_heads = 0, num_kv_heads = 0, window = 0;
+  float scale = 1.f;
+};
+
+struct AttnJob {
+  const AttnKernel* k;
+  const float *qk, *v, *pool_k, *pool_v;
+  const int64_t *tables, *qidx, *pos;
+  float* out;
+  int64_t B, S, MB, NB, bs, D;
+  std::atomic<bool> failed{false};
+  int64_t N = 0;  // tokens this step
+};
+
+// Row b's kv head h (item b * Hkv + h). Its keys and values before the row's first new position (start)
+// are in the pool's blocks, the rest are this step's rows.
+struct RowHead {
+  int64_t Hq, Hkv, G, D, b, h, base, count, start;
+  const AttnJob* j;
+  const int64_t* table;
+  const float *pk, *pv;
+  RowHead(const AttnJob& job, size_t item, int64_t head_dim)
+      : Hq(job.k->num_heads), Hkv(job.k->num_kv_heads), G(Hq / Hkv), D(head_dim), b((int64_t)item / Hkv),
+        h((int64_t)item % Hkv), base(job.qidx[b * job.S]), count(job.qidx[b * job.S + job.S - 1] - base + 1),
+        start(job.pos[base]), j(&job), table(job.tables + b * job.MB),
+        pk(job.pool_k + h * job.NB * job.bs * D), pv(job.pool_v + h * job.NB * job.bs * D) {}
+  int64_t slot(int64_t t) const { return table[t / j->bs] * j->bs + t % j->bs; }  // pool row of position t < start
+  const float* key(int64_t t) const {
+    return t < start ? pk + slot(t) * D : j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D;
+  }
+  const float* value(int64_t t) const {
+    return t < start ? pv + slot(t) * D : j->v + ((base + t - start) * Hkv + h) * D;
+  }
+  int64_t lowest(int64_t p) const { return j->k->window > 0 ? std::max<int64_t>(0, p - j->k->window + 1) : 0; }
+};
+
+// lane i = the sum of v[i]'s lanes: halves of pairs added level by level (45 operations, no scalar sums)
+inline __m512 sum16(const __m512 v[16]) {
+  __m512 b[8], c[4];
+  for (int k = 0; k < 8; k++)  // per 128 bits: v2k, v2k+1, v2k, v2k+1 (two lanes each)
+    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; k++) {  // per 128 bits: v4k .. v4k+3, a quarter of each
+    const __m512d x = _mm512_castps_pd(b[2 * k]), y = _mm512_castps_pd(b[2 * k + 1]);
+    c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+// out row g = f[g] * sum over keys lo + u of sc[g * stride + u] * value (+ fp[g] * pre[g], a partial
+// result over earlier keys, when pre is given); NG heads share each value row read
+template <int DV, int NG>
+inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, const float* sc, int64_t stride, const float* f,
+                         const float* const* pre, const float* fp, float* out) {
+  __m512 acc[NG][DV];
+  for (int g = 0; g < NG; g++)
+    for (int d = 0; d < DV; d++) acc[g][d] = _mm512_setzero_ps();
+  for (int64_t u = 0; u < nk; u++) {
+    const float* vr = r.value(lo + u);
+    if (u + 16 < nk) prefetch_row(r.value(lo + u + 16), DV);
+    __m512 v[DV];
+    for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
+    for (int g = 0; g < NG; g++) {
+      const __m512 w = _mm512_set1_ps(sc[g * stride + u]);
+      for (int d = 0; d < DV; d++) acc[g][d] = _mm512_fmadd_ps(w, v[d], acc[g][d]);
+    }
+  }
+  for (int g = 0; g < NG; g++) {
+    const __m512 s = _mm512_set1_ps(f[g]);
+    for (int d = 0; d < DV; d++) {
+      __m512 o = _mm512_mul_ps(acc[g][d], s);
+      if (pre) o = _mm512_fmadd_ps(_mm512_loadu_ps(pre[g] + 16 * d), _mm512_set1_ps(fp[g]), o);
+      _mm512_storeu_ps(out + g * DV * 16 + 16 * d, o);
+    }
+  }
+}
+
+// What attention over part of a query's keys (a shared prefix, or a range of a lone row's keys) left
+// for it, per query: sum of e^(score - max) * value (not divided), that sum of e^(score - max), the max.
+struct Partial {
+  float* o;  // D floats per query
+  float *sum, *max;
+};
+
+// A lone decode row's keys cut across threads (as flash-decoding does): this part reads keys
+// [from, to] of the row's one token and leaves Partial results at slot * G + g, merged afterwards.
+struct KeyRange {
+  const Partial* into;
+  int64_t from, to, slot;
+};
+
+// One row's one kv head, few queries (decode, or a token and its drafts): for each token, its G query
+// heads' scores 16 keys at a time (a key's D/16 FMAs per head, then one 16-way sum), and the weighted
+// values with each value row read once for up to 4 heads. With `shared` (a row of a group sharing its first `from` keys, whose attention over them is in
+// `shared`), only keys from `from` on are read here, and the two parts are merged. With `range`,
+// only that range's keys, left undivided in its Partial.
+template <int DV>
+void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr, int64_t from = 0,
+            const KeyRange* range = nullptr) {
+  constexpr int D = DV * 16;
+  const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, count = r.count, start = r.start;
+  thread_local std::vector<float> scores, inv, qs, mx, f, fp;
+  thread_local std::vector<const float*> pre;
+  const __m512 scale = _mm512_set1_ps(j.k->scale);
+  for (int64_t s = 0; s < count; s++) {
+    const int64_t n = base + s, p = range ? range->to : start + s;
+    const int64_t lo = range ? range->from : shared ? from : r.lowest(p), nk = p - lo + 1;
+    const int64_t width = (nk + 15) / 16 * 16;
+    scores.resize((size_t)G * width);
+    inv.resize((size_t)G);
+    qs.resize((size_t)G * D);
+    mx.assign((size_t)G, -INFINITY);
+    for (int64_t g = 0; g < G; g++) {  // the token's query heads, scaled
+      const float* qp = j.qk + (n * (Hq + Hkv) + h * G + g) * D;
+      for (int d = 0; d < DV; d++) _mm512_storeu_ps(&qs[g * D + 16 * d], _mm512_mul_ps(_mm512_loadu_ps(qp + 16 * d), scale));
+    }
+    for (int64_t t0 = 0; t0 < nk; t0 += 16) {  // 16 keys at a time for every head: read from memory once
+      const int nt = (int)std::min<int64_t>(16, nk - t0);
+      const float* kr[16];
+      for (int i = 0; i < nt; i++) kr[i] = r.key(lo + t0 + i);
+      for (int64_t i = t0 + 16; i < std::min(nk, t0 + 32); i++) prefetch_row(r.key(lo + i), DV);  // a pool block apart
+      const __mmask16 valid = (__mmask16)((1u << nt) - 1);
+      for (int64_t g = 0; g < G; g++) {
+        __m512 q[DV], part[16];
+        for (int d = 0; d < DV; d++) q[d] = _mm512_loadu_ps(&qs[g * D + 16 * d]);
+        for (int i = 0; i < nt; i++) {
+          part[i] = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr[i]));
+          for (int d = 1; d < DV; d++) part[i] = _mm512_fmadd_ps(q[d], _mm512_loadu_ps(kr[i] + 16 * d), part[i]);
+        }
+        for (int i = nt; i < 16; i++) part[i] = _mm512_setzero_ps();
+        const __m512 v = sum16(part);
+        _mm512_storeu_ps(&scores[g * width + t0], v);
+        mx[g] = std::max(mx[g], _mm512_mask_reduce_max_ps(valid, v));
+      }
+    }
+    for (int64_t g = 0; g < G; g++) inv[g] = exp_in_place(&scores[g * width], 0, nk - 1, mx[g]);
+    f.resize((size_t)G);
+    fp.resize((size_t)G);
+    pre.resize((size_t)G);
+    for (int64_t g = 0; g < G; g++) {
+      f[g] = range ? 1.f : inv[g];
+      if (range) {
+        range->into->max[range->slot * G + g] = mx[g];
+        range->into->sum[range->slot * G + g] = 1.f / inv[g];
+      }
+      if (!shared) continue;
+      const int64_t q = n * Hq + h * G + g;  // merge: both parts rescaled to the larger max
+      const float m = std::max(mx[g], shared->max[q]);
+      const float a = std::exp(mx[g] - m), b = std::exp(shared->max[q] - m);
+      const float denom = a / inv[g] + b * shared->sum[q];
+      f[g] = a / denom;
+      fp[g] = b / denom;
+      pre[g] = shared->o + q * D;
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+      float* o = range ? range->into->o + (range->slot * G + g0) * D : j.out + n * Hq * D + (h * G + g0) * D;
+      const float* sc = &scores[g0 * width];
+      const float* const* pp = shared ? &pre[g0] : nullptr;
+      switch (std::min<int64_t>(4, G - g0)) {
+        case 1: weigh_values<DV, 1>(r, lo, nk, sc, width, &f[g0], pp, &fp[g0], o); break;
+        case 2: weigh_values<DV, 2>(r, lo, nk, sc, width, &f[g0], pp, &fp[g0], o); break;
+        case 3: weigh_values<DV, 3>(r, lo, nk, sc, width, &f[g0], pp, &fp[g0], o); break;
+        default: weigh_values<DV, 4>(r, lo, nk, sc, width, &f[g0], pp, &fp[g0], o);
+      }
+    }
+  }
+}
+
+// r[i] = row i of a 16x16 block in, column i out
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {  // lane j of r[4i+k]: rows 4i..4i+3 of column 4j+k
+    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  __m512 out[16];
+  for (int k = 0; k < 4; k++) {
+    const __m512 ab_lo = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), ab_hi = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD);
+    const __m512 cd_lo = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88), cd_hi = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
+    out[k] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0x88);
+    out[8 + k] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0xDD);
+    out[4 + k] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0x88);
+    out[12 + k] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0xDD);
+  }
+  for (int i = 0; i < 16; i++) r[i] = out[i];
+}
+
+// The same for many queries at once (a prefill chunk: tokens x G heads >= 16): the row's keys are
+// first transposed 16 at a time into [D][16] (one parallel pass over all such rows, before any query), so a
+// query's 16 scores are D broadcast FMAs with no horizontal sums; queries then go in groups of up to
+// QG, each group a work item of its own, so one long prompt keeps every thread busy.
+constexpr int64_t QG = 24;  // a multiple of the score and value row groups (8, 6)
+
+// keys key0 + 16c .. +15 (zeros past `last`) for c in [c_begin, c_end), into kt (block c at kt + c * D * 16)
+template <int DV>
+void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int64_t c_begin, int64_t c_end) {
+  constexpr int D = DV * 16;
+  for (int64_t c = c_begin; c < c_end; c++) {
+    float* dst = kt + c * D * 16;
+    const float* rows[16];
+    for (int64_t i = 0; i < 16; i++) rows[i] = key0 + c * 16 + i <= last ? r.key(key0 + c * 16 + i) : nullptr;
+    for (int64_t i = 0; i < 16 && key0 + c * 16 + 16 + i <= last; i++)  // the next 16 keys: a pool block apart
+      prefetch_row(r.key(key0 + c * 16 + 16 + i), DV);
+    for (int d0 = 0; d0 < D; d0 += 16) {
+      __m512 block[16];
+      for (int i = 0; i < 16; i++) block[i] = rows[i] ? _mm512_loadu_ps(rows[i] + d0) : _mm512_setzero_ps();
+      transpose16(block);
+      for (int d = 0; d < 16; d++) _mm512_storeu_ps(&dst[(d0 + d) * 16], block[d]);
+    }
+  }
+}
+
+constexpr int kScoreRows = 8;  // queries per score_blocks call
+
+// scores of up to kScoreRows queries (q: rows of D; all kScoreRows rows are read) against NB blocks of
+// 16 transposed keys, into rows of `stride`
+template <int D, int NB>
+inline void score_blocks(const float* q, const float* blk, float* out, int64_t stride, int64_t nr) {
+  __m512 acc[kScoreRows][NB];
+  for (int r = 0; r < kScoreRows; r++)
+    for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
+  for (int d = 0; d < D; d++) {
+    __m512 k[NB];
+    for (int b = 0; b < NB; b++) k[b] = _mm512_loadu_ps(blk + (b * D + d) * 16);
+    for (int r = 0; r < kScoreRows; r++) {
+      const __m512 x = _mm512_set1_ps(q[r * D + d]);
+      for (int b = 0; b < NB; b++) acc[r][b] = _mm512_fmadd_ps(x, k[b], acc[r][b]);
+    }
+  }
+  for (int r = 0; r < nr; r++)
+    for (int b = 0; b < NB; b++) _mm512_storeu_ps(out + r * stride + 16 * b, acc[r][b]);
+}
+
+// the same against `blocks` (1 or 2) blocks
+template <int D>
+inline void score(const float* q, const float* blk, float* out, int64_t stride, int64_t nr, int64_t blocks) {
+  if (blocks == 2)
+    score_blocks<D, 2>(q, blk, out, stride, nr);
+  else
+    score_blocks<D, 1>(q, blk, out, stride, nr);
+}
+
+// queries per value row read: as many as keep their accumulators (DV registers each) in registers
+template <int DV>
+constexpr int kValueRows = std::clamp(24 / DV, 1, 8);
+
+// acc[i] = sum over positions u in [u_lo, u_hi] of sc[i][u] * value(u), for kValueRows queries per value row read
+template <int DV>
+inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, const float* const* sc, __m512 acc[][DV]) {
+  constexpr int NQ = kValueRows<DV>;
+  for (int i = 0; i < NQ; i++)
+    for (int d = 0; d < DV; d++) acc[i][d] = _mm512_setzero_ps();
+  for (int64_t u = u_lo; u <= u_hi; u++) {
+    const float* vr = r.value(u);
+    if (u + 16 <= u_hi) prefetch_row(r.value(u + 16), DV);
+    __m512 v[DV];
+    for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
+    for (int i = 0; i < NQ; i++) {
+      const __m512 w = _mm512_set1_ps(sc[i][u]);
+      for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
+    }
+  }
+}
+
+// queries q0 .. q0 + nq - 1 of the row's kv head (query i: token i / G, head h * G + i % G)
+template <int DV>
+void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t key0, int64_t q0, int64_t nq) {
+  constexpr int D = DV * 16;
+  const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, start = r.start;
+  thread_local std::vector<float> qs, scores, inv;
+  qs.resize((size_t)(QG + kScoreRows) * D);  // rows past nq are read, not stored
+  const int64_t p_first = start + q0 / G, p_last = start + (q0 + nq - 1) / G;
+  const int64_t c_first = (r.lowest(p_first) - key0) / 16, lo = key0 + c_first * 16;
+  const int64_t width = (p_last - lo + 16) / 16 * 16;
+  scores.resize((size_t)nq * width);
+  for (int64_t i = 0; i < nq; i++) {  // the group's queries, scaled
+    const int64_t qi = q0 + i, n = base + qi / G, head = h * G + qi % G;
+    const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
+    for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
+  }
+  for (int64_t t0 = lo; t0 <= p_last; t0 += 32) {  // 2 key blocks x 8 queries: a key row load serves 8 FMAs
+    const float* blk = kt + (t0 - key0) / 16 * D * 16;
+    const int64_t blocks = t0 + 16 - lo < width ? 2 : 1;
+    for (int64_t i0 = 0; i0 < nq; i0 += kScoreRows) {
+      const int64_t nr = std::min<int64_t>(kScoreRows, nq - i0);
+      const int64_t p_lo = start + (q0 + i0) / G, p_hi = start + (q0 + i0 + nr - 1) / G;
+      if (t0 > p_hi || t0 + 32 <= r.lowest(p_lo)) continue;  // wholly outside these queries' keys
+      score<D>(&qs[i0 * D], blk, &scores[i0 * width + (t0 - lo)], width, nr, blocks);
+    }
+  }
+  inv.resize((size_t)nq);
+  for (int64_t i = 0; i < nq; i++) {  // softmax of each query's scores; zero outside its keys
+    const int64_t p = start + (q0 + i) / G, first = r.lowest(p);
+    float* sc = &scores[i * width] - lo;  // sc[t] for t in [lo, lo + width)
+    float mx = -INFINITY;
+    for (int64_t t = first; t <= p; t++) mx = std::max(mx, sc[t]);
+    inv[i] = exp_in_place(sc, first, p, mx);
+    std::fill(sc + lo, sc + first, 0.f);
+    std::fill(sc + p + 1, sc + lo + width, 0.f);
+  }
+  constexpr int NQ = kValueRows<DV>;
+  for (int64_t i0 = 0; i0 < nq; i0 += NQ) {  // weighted values, NQ queries per value row read
+    const int64_t nr = std::min<int64_t>(NQ, nq - i0);
+    const int64_t u_lo = r.lowest(start + (q0 + i0) / G), u_hi = start + (q0 + i0 + nr - 1) / G;
+    const float* sc[NQ];
+    for (int rr = 0; rr < NQ; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, nr - 1)) * width] - lo;
+    __m512 acc[NQ][DV];
+    weigh<DV>(r, u_lo, u_hi, sc, acc);
+    for (int rr = 0; rr < nr; rr++) {
+      const int64_t qi = q0 + i0 + rr, n = base + qi / G, head = h * G + qi % G;
+      const __m512 s = _mm512_set1_ps(inv[i0 + rr]);
+      float* o = j.out + n * Hq * D + head * D;
+      for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[rr][d], s));
+    }
+  }
+}
+
+// Decode rows whose first `keys` positions are the same pool blocks (a prompt prefix they share through
+// the prefix cache): their queries attend to those keys together, each key block read and transposed
+// once for all of them, as a prefill chunk's are (cascade attention); each row then reads only its own
+// later keys and merges the two parts.
+struct SharedGroup {
+  std::vector<int64_t> rows;
+  int64_t keys = 0;  // a multiple of 16
+  float* kt = nullptr;  // kv head h's transposed keys at kt + h * keys * D
+};
+
+// Queries q0 .. q0 + nq - 1 of a group's kv head h (query i: row rows[i / G]'s one token, head
+// h * G + i % G) over the group's shared keys: Partial results.
+template <int DV>
+void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t q0, int64_t nq, const Partial& out) {
+  constexpr int D = DV * 16;
+  const int64_t Hq = j.k->num_heads, Hkv = j.k->num_kv_heads, G = Hq / Hkv, keys = grp.keys;
+  const float* kt = grp.kt + h * keys * D;
+  const RowHead r(j, (size_t)(grp.rows[0] * Hkv + h), D);  // the pool rows of the shared positions
+  thread_local std::vector<float> qs, scores;
+  qs.resize((size_t)(QG + kScoreRows) * D);  // rows past nq are read, not stored
+  scores.resize((size_t)nq * keys);
+  auto query = [&](int64_t i) { return j.qidx[grp.rows[(q0 + i) / G] * j.S] * Hq + h * G + (q0 + i) % G; };
+  for (int64_t i = 0; i < nq; i++) {
+    const int64_t q = query(i), n = q / Hq, head = q % Hq;
+    const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
+    for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
+  }
+  for (int64_t t0 = 0; t0 < keys; t0 += 32)
+    for (int64_t i0 = 0; i0 < nq; i0 += kScoreRows)
+      score<D>(&qs[i0 * D], kt + t0 * D, &scores[i0 * keys + t0], keys, std::min<int64_t>(kScoreRows, nq - i0),
+               t0 + 16 < keys ? 2 : 1);
+  for (int64_t i = 0; i < nq; i++) {
+    float* sc = &scores[i * keys];
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < keys; t += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(sc + t));
+    const int64_t q = query(i);
+    out.max[q] = _mm512_reduce_max_ps(vmx);
+    out.sum[q] = 1.f / exp_in_place(sc, 0, keys - 1, out.max[q]);
+  }
+  constexpr int NQ = kValueRows<DV>;
+  for (int64_t i0 = 0; i0 < nq; i0 += NQ) {  // NQ queries per value row read
+    const int64_t nr = std::min<int64_t>(NQ, nq - i0);
+    const float* sc[NQ];
+    for (int rr = 0; rr < NQ; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, nr - 1)) * keys];
+    __m512 acc[NQ][DV];
+    weigh<DV>(r, 0, keys - 1, sc, acc);
+    for (int rr = 0; rr < nr; rr++)
+      for (int d = 0; d < DV; d++) _mm512_storeu_ps(out.o + query(i0 + rr) * D + 16 * d, acc[rr][d]);
+  }
+}
+
+// Keys to transpose: blocks [c0, c1) of 16 keys from key0 (the last real one `last`) of a row/kv head.
+struct KeyChunk {
+  int64_t row_head, key0, last;
+  float* kt;
+  int64_t c0, c1;
+};
+
+// A row/kv head on the prefill path: where its transposed keys are.
+struct ManyRow {
+  int64_t row_head, key0, nblocks;
+  float* kt;
+};
+
+// A work item: a prefill row/kv head's group of queries (many), a group's queries over its shared keys
+// (shared), a decode row/kv head's every query, or, after the shared parts, those of a group's row.
+enum class PartKind {
+  kPrefill,     // a prompt row/kv head's queries a .. a + b - 1
+  kSharedKeys,  // a group's queries a .. a + b - 1 of kv head `row_head` over its shared keys
+  kDecode,      // a decode row/kv head
+  kSharedRow,   // a row of a shared group, after the shared keys: its own keys, merged
+  kKeyRange,    // a lone decode row/kv head's keys a .. b into Partial slot `slot`
+  kMerge,       // a lone decode row/kv head: the b ranges from slot a merged
+};
+
+struct Part {
+  PartKind kind;
+  int64_t row_head;  // b * Hkv + h
+  int64_t a = 0, b = 0, slot = 0;
+  const ManyRow* many = nullptr;
+  const SharedGroup* shared = nullptr;
+};
+
+struct Plan {
+  std::vector<ManyRow> many;
+  std::vector<SharedGroup> groups;
+  std::vector<KeyChunk> chunks;
+  std::vector<Part> parts, after;  // `after` run once every part has: rows of the shared groups, merges
+  std::vector<float> kt, partial, ranges;
+  Partial shared{}, split{};
+  std::vector<int8_t> role;  // per row: 0 decode, 1 prefill, 2 in a shared group
+};
+
+constexpr int64_t kChunkBlocks = 8;  // key blocks (of 16) per transposition work item
+
+template <int DV>
+void transpose_item(const AttnJob& j, const Plan& plan, size_t item) {
+  const KeyChunk& c = plan.chunks[item];
+  const RowHead r(j, (size_t)c.row_head, DV * 16);
+  transpose_keys<DV>(r, c.key0, c.last, c.kt, c.c0, c.c1);
+}
+
+// the ranges' results rescaled to their largest max, summed and divided by their summed weights
+template <int DV>
+void merge_ranges(const AttnJob& j, const Plan& plan, const RowHead& r, int64_t first, int64_t count) {
+  constexpr int D = DV * 16;
+  const Partial& p = plan.split;
+  for (int64_t g = 0; g < r.G; g++) {
+    float m = -INFINITY, den = 0.f;
+    for (int64_t c = 0; c < count; c++) m = std::max(m, p.max[(first + c) * r.G + g]);
+    __m512 acc[DV];
+    for (int d = 0; d < DV; d++) acc[d] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < count; c++) {
+      const int64_t i = (first + c) * r.G + g;
+      const float w = std::exp(p.max[i] - m);
+      den += w * p.sum[i];
+      for (int d = 0; d < DV; d++) acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(p.o + i * D + 16 * d), acc[d]);
+    }
+    float* o = j.out + r.base * r.Hq * D + (r.h * r.G + g) * D;
+    for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[d], _mm512_set1_ps(1.f / den)));
+  }
+}
+
+template <int DV>
+void run_part(const AttnJob& j, const Plan& plan, const Part& part) {
+  if (part.kind == PartKind::kSharedKeys) {
+    attend_shared<DV>(j, *part.shared, part.row_head, part.a, part.b, plan.shared);
+    return;
+  }
+  const RowHead r(j, (size_t)part.row_head, DV * 16);
+  switch (part.kind) {
+    case PartKind::kPrefill: return attend_group<DV>(j, r, part.many->kt, part.many->key0, part.a, part.b);
+    case PartKind::kSharedRow: return attend<DV>(j, r, &plan.shared, part.shared->keys);
+    case PartKind::kKeyRange: {
+      const KeyRange range{&plan.split, part.a, part.b, part.slot};
+      return attend<DV>(j, r, nullptr, 0, &range);
+    }
+    case PartKind::kMerge: return merge_ranges<DV>(j, plan, r, part.a, part.b);
+    default: return attend<DV>(j, r);
+  }
+}
+
+// head_dim / 16 as a template argument
+template <template <int> class F, typename... Args>
+void by_head_dim(int64_t D, Args&&... args) {
+  switch (D / 16) {
+    case 1: return F<1>::run(args...);
+    case 2: return F<2>::run(args...);
+    case 3: return F<3>::run(args...);
+    case 4: return F<4>::run(args...);
+    case 5: return F<5>::run(args...);
+    case 6: return F<6>::run(args...);
+    case 7: return F<7>::run(args...);
+    case 8: return F<8>::run(args...);
+    default: return F<16>::run(args...);  // head_dim 256
+  }
+}
+template <int DV>
+struct TransposeItem {
+  static void run(const AttnJob& j, const Plan& p, size_t i) { transpose_item<DV>(j, p, i); }
+};
+template <int DV>
+struct PartItem {
+  static void run(const AttnJob& j, const Plan& p, size_t i) { run_part<DV>(j, p, p.parts[i]); }
+};
+template <int DV>
+struct AfterItem {
+  static void run(const AttnJob& j, const Plan& p, size_t i) { run_part<DV>(j, p, p.after[i]); }
+};
+
+struct PhaseJob {
+  AttnJob* job;
+  const Plan* plan;
+};
+
+template <template <int> class F>
+void phase_item(void* data, size_t item) {
+  const PhaseJob& pj = *static_cast<PhaseJob*>(data);
+  try {
+    by_head_dim<F>(pj.job->D, *pj.job, *pj.plan, item);
+  } catch (...) {
+    pj.job->failed = true;
+  }
+}
+
+// Decode rows (one token) grouped by their first pool block; a group of 2 or more keeps the blocks all
+// its rows have in common before their first new positions (whole 16-key groups of them, 32 at least).
+void find_shared(const AttnJob& j, Plan& plan) {
+  plan.groups.clear();
+  if (j.k->window > 0) return;  // a window may start inside the prefix
+  std::vector<std::pair<int64_t, int64_t>> first;  // (first block, row)
+  std::vector<int64_t> start((size_t)j.B);  // each row's first new position
+  for (int64_t b = 0; b < j.B; b++) {
+    const RowHead r(j, (size_t)(b * j.k->num_kv_heads), j.D);
+    start[b] = r.start;
+    if (plan.role[b] == 0 && r.count == 1 && r.start >= 32) first.emplace_back(r.table[0], b);
+  }
+  std::sort(first.begin(), first.end());
+  for (size_t i = 0; i < first.size();) {
+    size_t e = i;
+    while (e < first.size() && first[e].first == first[i].first) e++;
+    if (e - i >= 2) {
+      SharedGroup grp;
+      const int64_t b0 = first[i].second;
+      int64_t blocks = start[b0] / j.bs;  // whole blocks before the row's new token
+      for (size_t k = i + 1; k < e; k++) {
+        const int64_t b = first[k].second;
+        int64_t same = 0;
+        const int64_t limit = std::min(blocks, start[b] / j.bs);
+        while (same < limit && j.tables[b * j.MB + same] == j.tables[b0 * j.MB + same]) same++;
+        blocks = same;
+      }
+      grp.keys = blocks * j.bs / 16 * 16;
+      if (grp.keys >= 32) {
+        for (size_t k = i; k < e; k++) grp.rows.push_back(first[k].second);
+        plan.groups.push_back(std::move(grp));
+      }
+    }
+    i = e;
+  }
+}
+
+// Rows on the prefill path get their keys' storage and query groups, the latest (longest) groups
+// first so the longest items start early; rows sharing a prefix their shared parts, then their own;
+// other decode rows are one item per kv head.
+void make_plan(const AttnJob& j, Plan& plan) {
+  const int64_t Hkv = j.k->num_kv_heads, G = j.k->num_heads / Hkv, D = j.D;
+  plan.many.clear();
+  plan.chunks.clear();
+  plan.parts.clear();
+  plan.after.clear();
+  plan.role.assign((size_t)j.B, 0);
+  size_t floats = 0;
+  for (int64_t i = 0; i < j.B * Hkv; i++) {
+    const RowHead r(j, (size_t)i, D);
+    if (r.count * r.G < 16) continue;
+    plan.role[r.b] = 1;
+    const int64_t key0 = r.lowest(r.start), nblocks = (r.start + r.count - 1 - key0 + 16) / 16;
+    plan.many.push_back({i, key0, nblocks, nullptr});
+    floats += (size_t)nblocks * D * 16;
+  }
+  find_shared(j, plan);
+  for (const SharedGroup& grp : plan.groups) {
+    floats += (size_t)(Hkv * grp.keys * D);
+    for (int64_t b : grp.rows) plan.role[b] = 2;
+  }
+  plan.kt.resize(floats);
+  float* at = plan.kt.data();
+  for (ManyRow& mr : plan.many) {
+    mr.kt = at;
+    at += mr.nblocks * D * 16;
+    const RowHead r(j, (size_t)mr.row_head, D);
+    for (int64_t c = 0; c < mr.nblocks; c += kChunkBlocks)
+      plan.chunks.push_back({mr.row_head, mr.key0, r.start + r.count - 1, mr.kt, c, std::min(mr.nblocks, c + kChunkBlocks)});
+  }
+  for (SharedGroup& grp : plan.groups) {
+    grp.kt = at;
+    at += Hkv * grp.keys * D;
+    for (int64_t h = 0; h < Hkv; h++)
+      for (int64_t c = 0; c < grp.keys / 16; c += kChunkBlocks)
+        plan.chunks.push_back({grp.rows[0] * Hkv + h, 0, grp.keys - 1, grp.kt + h * grp.keys * D, c,
+                               std::min(grp.keys / 16, c + kChunkBlocks)});
+  }
+  if (!plan.groups.empty()) {
+    const int64_t N = j.N, Hq = j.k->num_heads;
+    plan.partial.resize((size_t)(N * Hq * (D + 2)));
+    plan.shared = {plan.partial.data(), plan.partial.data() + N * Hq * D, plan.partial.data() + N * Hq * (D + 1)};
+  }
+  for (const ManyRow& mr : plan.many) {  // latest groups first, across rows
+    const RowHead r(j, (size_t)mr.row_head, D);
+    for (int64_t q0 = (r.count * r.G - 1) / QG * QG; q0 >= 0; q0 -= QG)
+      plan.parts.push_back({PartKind::kPrefill, mr.row_head, q0, std::min(QG, r.count * r.G - q0), 0, &mr});
+  }
+  for (const SharedGroup& grp : plan.groups) {
+    const int64_t total = (int64_t)grp.rows.size() * G;
+    for (int64_t h = 0; h < Hkv; h++)
+      for (int64_t q0 = 0; q0 < total; q0 += QG)
+        plan.parts.push_back({PartKind::kSharedKeys, h, q0, std::min(QG, total - q0), 0, nullptr, &grp});
+    for (int64_t h = 0; h < Hkv; h++)
+      for (int64_t b : grp.rows) plan.after.push_back({PartKind::kSharedRow, b * Hkv + h, 0, 0, 0, nullptr, &grp});
+  }
+  // Decode rows alone in a step (nothing else to keep the threads busy): a long context's keys in
+  // ranges of 256 or more, enough of them for ~8 items, merged afterwards.
+  int64_t decode_rows = 0;
+  for (int64_t b = 0; b < j.B; b++) decode_rows += plan.role[b] == 0;
+  const bool cut = decode_rows == j.B && decode_rows * Hkv < 8 && j.k->window == 0;
+  int64_t slots = 0;
+  for (int64_t h = 0; h < Hkv; h++)  // kv head by kv head: rows sharing prefix blocks read them while cached
+    for (int64_t b = 0; b < j.B; b++) {
+      if (plan.role[b] != 0) continue;
+      const RowHead r(j, (size_t)(b * Hkv + h), D);
+      const int64_t keys = r.start + 1, ranges = std::min<int64_t>(keys / 256, (8 + decode_rows * Hkv - 1) / (decode_rows * Hkv));
+      if (!cut || r.count != 1 || ranges < 2) {
+        plan.parts.push_back({PartKind::kDecode, b * Hkv + h});
+        continue;
+      }
+      for (int64_t c = 0; c < ranges; c++)
+        plan.parts.push_back({PartKind::kKeyRange, b * Hkv + h, keys * c / ranges, keys * (c + 1) / ranges - 1, slots + c});
+      plan.after.push_back({PartKind::kMerge, b * Hkv + h, slots, ranges});
+      slots += ranges;
+    }
+  if (slots) {
+    plan.ranges.resize((size_t)(slots * G * (D + 2)));
+    plan.split = {plan.ranges.data(), plan.ranges.data() + slots * G * D, plan.ranges.data() + slots * G * (D + 1)};
+  }
+}
+
+OrtStatus* create_attention(const CustomOp*, const void*, const OrtKernelInfo* info, void** out) {
+  auto* k = new (std::nothrow) AttnKernel();
+  if (!k) return fail("ruvllm.PagedAttention: out of memory");
+  auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
+  OrtStatus* st = attr(info, "num_heads", &k->num_heads);
+  if (!st) st = attr(info, "num_kv_heads", &k->num_kv_heads);
+  if (!st) st = attr(info, "sliding_window", &k->window);
+  if (!st) st = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttribute_float)(info, "scale", &k->scale);
+  if (!st && (k->num_heads <= 0 || k->num_kv_heads <= 0 || k->num_heads % k->num_kv_heads))
+    st = fail("ruvllm.PagedAttention: num_heads must be a multiple of num_kv_heads");
+  if (st) {
+    delete k;
+    return st;
+  }
+  *out = k;
+  return nullptr;
+}
+
+OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
+  const AttnKernel& k = *static_cast<AttnKernel*>(kernel);
+  auto input = api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput);
+  const OrtValue* in[7] = {};
+  std::vector<int64_t> dims[7];
+  for (size_t i = 0; i < 7; i++) {
+    RETURN_IF(input(ctx, i, &in[i]));
+    RETURN_IF(tensor_shape(in[i], dims[i]));
+  }
+  if (dims[0].size() != 2 || dims[2].size() != 4 || dims[4].size() != 2 || dims[5].size() != 2 || dims[6].size() != 1)
+    return fail("ruvllm.PagedAttention: unexpected input ranks");
+  const int64_t D = dims[0][1], N = dims[6][0];
+  if (D % 16 || D > 256 || (D > 128 && D != 256) || dims[2][0] != k.num_kv_heads || dims[2][3] != D)
+    return fail("ruvllm.PagedAttention: head_dim must be 16..128 in steps of 16, or 256, and match the pool");
+  AttnJob job{&k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
+              dims[5][0], dims[5][1], dims[4][1], dims[2][1], dims[2][2], D};
+  job.N = N;
+  RETURN_IF(tensor_data(in[0], const_cast<float**>(&job.qk)));
+  RETURN_IF(tensor_data(in[1], const_cast<float**>(&job.v)));
+  RETURN_IF(tensor_data(in[2], const_cast<float**>(&job.pool_k)));
+  RETURN_IF(tensor_data(in[3], const_cast<float**>(&job.pool_v)));
+  RETURN_IF(tensor_data(in[4], const_cast<int64_t**>(&job.tables)));
+  RETURN_IF(tensor_data(in[5], const_cast<int64_t**>(&job.qidx)));
+  RETURN_IF(tensor_data(in[6], const_cast<int64_t**>(&job.pos)));
+  const int64_t out_dims[2] = {N, k.num_heads * D};
+  RETURN_IF(output_data(ctx, 0, out_dims, 2, &job.out));
+  if (N == 0 || job.B * k.num_kv_heads == 0) return nullptr;
+  thread_local Plan plan;  // the calling thread's; its workers only read it
+  make_plan(job, plan);
+  auto parallel_for = api<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
+      kKernelContext_ParallelFor);
+  PhaseJob phase{&job, &plan};
+  if (!plan.chunks.empty()) RETURN_IF(parallel_for(ctx, phase_item<TransposeItem>, plan.chunks.size(), 0, &phase));
+  if (!job.failed) RETURN_IF(parallel_for(ctx, phase_item<PartItem>, plan.parts.size(), 0, &phase));
+  if (!job.failed && !plan.after.empty()) RETURN_IF(parallel_for(ctx, phase_item<AfterItem>, plan.after.size(), 0, &phase));
+  return job.failed ? fail("ruvllm.PagedAttention: out of memory") : nullptr;
+}
+
+}  // namespace
+#endif  // RUVLLM_AVX512

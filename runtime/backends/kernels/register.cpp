@@ -1,0 +1,194 @@
+// RuvLLM's CPU kernels as onnxruntime custom operators in the domain `ruvllm`: one translation unit
+// (built by runtime/backends/kernel_library.py) over the op families' headers. This file holds the
+// registration: onnxruntime's OrtCustomOp layout, each operator's types and entry points, and the
+// library's exported functions. tests/runtime/test_cpu_kernels.py checks every operator against what
+// it replaces.
+
+#include "matmul_q4.h"
+#include "paged_attention.h"
+#include "skip_rms_norm.h"
+
+namespace {
+
+// onnxruntime's OrtCustomOp, version 18 layout
+struct CustomOp {
+  uint32_t version;
+  void* (*CreateKernel)(const CustomOp*, const void*, const OrtKernelInfo*);
+  const char* (*GetName)(const CustomOp*);
+  const char* (*GetExecutionProviderType)(const CustomOp*);
+  int (*GetInputType)(const CustomOp*, size_t);
+  size_t (*GetInputTypeCount)(const CustomOp*);
+  int (*GetOutputType)(const CustomOp*, size_t);
+  size_t (*GetOutputTypeCount)(const CustomOp*);
+  void (*KernelCompute)(void*, OrtKernelContext*);
+  void (*KernelDestroy)(void*);
+  int (*GetInputCharacteristic)(const CustomOp*, size_t);
+  int (*GetOutputCharacteristic)(const CustomOp*, size_t);
+  int (*GetInputMemoryType)(const CustomOp*, size_t);
+  int (*GetVariadicInputMinArity)(const CustomOp*);
+  int (*GetVariadicInputHomogeneity)(const CustomOp*);
+  int (*GetVariadicOutputMinArity)(const CustomOp*);
+  int (*GetVariadicOutputHomogeneity)(const CustomOp*);
+  OrtStatus* (*CreateKernelV2)(const CustomOp*, const void*, const OrtKernelInfo*, void**);
+  OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
+  OrtStatus* (*InferOutputShapeFn)(const CustomOp*, void*);
+  int (*GetStartVersion)(const CustomOp*);
+  int (*GetEndVersion)(const CustomOp*);
+  size_t (*GetMayInplace)(int**, int**);
+  void (*ReleaseMayInplace)(int*, int*);
+  size_t (*GetAliasMap)(int**, int**);
+  void (*ReleaseAliasMap)(int*, int*);
+};
+
+// The version-1 entry points, which cannot report errors: onnxruntime calls the V2 ones (version >= 16)
+using CreateFn = OrtStatus* (*)(const CustomOp*, const void*, const OrtKernelInfo*, void**);
+using ComputeFn = OrtStatus* (*)(void*, OrtKernelContext*);
+template <CreateFn create>
+void* create_v1(const CustomOp* self, const void* a, const OrtKernelInfo* info) {
+  void* k = nullptr;
+  return create(self, a, info, &k) ? nullptr : k;
+}
+template <ComputeFn run>
+void compute_v1(void* k, OrtKernelContext* ctx) {
+  (void)run(k, ctx);
+}
+
+// the fields the operators share; each sets its name, types and entry points
+CustomOp base_op() {
+  CustomOp op{};
+  op.version = kApiVersion;
+  op.GetExecutionProviderType = [](const CustomOp*) { return "CPUExecutionProvider"; };
+  op.GetOutputType = [](const CustomOp*, size_t) { return kFloat; };
+  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 1; };
+  op.GetInputCharacteristic = [](const CustomOp*, size_t) { return 0; };   // required
+  op.GetOutputCharacteristic = [](const CustomOp*, size_t) { return 0; };
+  op.GetInputMemoryType = [](const CustomOp*, size_t) { return 0; };       // OrtMemTypeDefault
+  op.GetVariadicInputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicInputHomogeneity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputMinArity = [](const CustomOp*) { return 1; };
+  op.GetVariadicOutputHomogeneity = [](const CustomOp*) { return 1; };
+  op.InferOutputShapeFn = nullptr;
+  op.GetStartVersion = [](const CustomOp*) { return 1; };
+  op.GetEndVersion = [](const CustomOp*) { return INT_MAX; };
+  op.GetMayInplace = [](int**, int**) -> size_t { return 0; };
+  op.ReleaseMayInplace = [](int*, int*) {};
+  op.GetAliasMap = [](int**, int**) -> size_t { return 0; };
+  op.ReleaseAliasMap = [](int*, int*) {};
+  return op;
+}
+
+// `run`, with nothing unwinding into onnxruntime: running out of memory is `what`'s error status
+template <ComputeFn run, const char* what>
+OrtStatus* guarded(void* kernel, OrtKernelContext* ctx) {
+  try {
+    return run(kernel, ctx);
+  } catch (const std::bad_alloc&) {
+    return fail(std::string(what) + ": out of memory");
+  }
+}
+
+constexpr char kMatMulName[] = "ruvllm.MatMulQ4", kAttentionName[] = "ruvllm.PagedAttention",
+               kNormName[] = "ruvllm.SkipRMSNorm";
+
+// the entry points of an operator whose kernel object (a K) `create` makes and `run` computes with
+template <typename K, CreateFn create, ComputeFn run, const char* what>
+CustomOp kernel_op() {
+  CustomOp op = base_op();
+  op.CreateKernel = create_v1<create>;
+  op.KernelCompute = compute_v1<guarded<run, what>>;
+  op.KernelDestroy = [](void* k) { delete static_cast<K*>(k); };
+  op.CreateKernelV2 = create;
+  op.KernelComputeV2 = guarded<run, what>;
+  return op;
+}
+
+CustomOp matmul_op() {
+  CustomOp op = kernel_op<Kernel, create_kernel, compute_rows, kMatMulName>();
+  op.GetName = [](const CustomOp*) { return "MatMulQ4"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return (i == 1 || i == 3) ? kUint8 : i == 4 ? kFloat16 : kFloat; };
+  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 5; };
+  op.GetInputCharacteristic = [](const CustomOp*, size_t i) { return i == 4 ? 1 : 0; };  // minimums: optional
+  return op;
+}
+
+#if RUVLLM_AVX512
+CustomOp attention_op() {
+  CustomOp op = kernel_op<AttnKernel, create_attention, attend_step, kAttentionName>();
+  op.GetName = [](const CustomOp*) { return "PagedAttention"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return i < 4 ? kFloat : kInt64; };
+  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 7; };
+  return op;
+}
+
+CustomOp norm_op() {
+  CustomOp op = kernel_op<NormKernel, create_norm, skip_rms_norm, kNormName>();
+  op.GetName = [](const CustomOp*) { return "SkipRMSNorm"; };
+  op.GetInputType = [](const CustomOp*, size_t) { return kFloat; };
+  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 3; };
+  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 2; };
+  return op;
+}
+
+#endif
+
+CustomOp matmul_split_op() {
+  CustomOp op = matmul_op();
+  op.GetName = [](const CustomOp*) { return "MatMulQ4Split"; };
+  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 2; };
+  return op;
+}
+
+CustomOp matmul_swiglu_op() {
+  CustomOp op = matmul_op();
+  op.GetName = [](const CustomOp*) { return "MatMulQ4SwiGLU"; };
+  return op;
+}
+
+const CustomOp g_matmul = matmul_op();
+const CustomOp g_matmul_split = matmul_split_op();
+const CustomOp g_matmul_swiglu = matmul_swiglu_op();
+#if RUVLLM_AVX512
+const CustomOp g_attention = attention_op();
+const CustomOp g_norm = norm_op();
+#endif
+
+}  // namespace
+
+extern "C" {
+
+__attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+  const void* table = base->GetApi(kApiVersion);
+  if (!table) return nullptr;  // an onnxruntime older than 1.17 has no ParallelFor; nothing registered
+  g_api = static_cast<const void* const*>(table);
+  OrtCustomOpDomain* domain = nullptr;  // kept for the process's life, as sessions refer to it
+  RETURN_IF(api<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ruvllm", &domain));
+  auto add = api<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomain_Add);
+#if RUVLLM_AVX512
+  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_attention, &g_norm}) RETURN_IF(add(domain, op));
+#else
+  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu}) RETURN_IF(add(domain, op));
+#endif
+  return api<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
+}
+
+// Which operators this build registers (AVX-512: all; AVX2: the 4-bit matmuls).
+__attribute__((visibility("default"))) const char* ruvllm_kernel_ops() {
+  return RUVLLM_AVX512 ? "MatMulQ4,PagedAttention,SkipRMSNorm" : "MatMulQ4";
+}
+
+// For the library's own test: the kernel on plain buffers, without onnxruntime.
+__attribute__((visibility("default"))) int ruvllm_q4_matmul(const float* A, int64_t M, int K, int N, int block,
+                                                          const uint8_t* B, const float* S, const uint8_t* Z, float* C) {
+  try {
+    PackedWeights w;
+    pack(w, N, K, block, B, S, Z);
+    QuantizedRows rows;
+    quantize_rows(rows, A, M, K, block);
+    gemm_tiles(w, rows, M, Output{C, nullptr, N, 0, w.ntiles}, 0, w.ntiles, false);
+  } catch (...) {
+    return 1;
+  }
+  return 0;
+}
+
+}  // extern "C"
