@@ -1,21 +1,25 @@
 """The native backend: onnxruntime + numpy. The only module here that touches an ONNX Runtime API.
 
-The KV pool is one numpy array per layer and kind, bound to the session as an OrtValue that
-shares its memory, so writing this step's K/V into blocks is a numpy scatter of num_tokens rows
-and nothing is copied per step. Block tables live here too, updated a block at a time.
+The KV pool (kv_pool.py) lives on the execution provider's device and is bound once; a step's K/V
+are scattered into their blocks there, and only the candidates come back to the host. Block tables arrive with each step's batch (the scheduler owns
+them); an input equal to the last step's is not converted or bound again.
 """
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from runtime import contract as C
+from runtime.core.kv_blocks import kv_bytes_per_token
+from runtime.core.step_batch import StepBatch, StepResult
 from runtime.errors import DeviceError, PackageError
-from runtime.kv_blocks import kv_bytes_per_token
 from runtime.package import ModelPackage
-from runtime.step_batch import StepBatch, StepResult
+
+if TYPE_CHECKING:
+    from runtime.backends.adapter_weights import AdapterTensors
 
 STEP_DTYPES = {name: np.dtype(dtype) for name, dtype in C.STEP_INPUT_DTYPES.items()}
 
@@ -65,49 +69,71 @@ class NativeBackend:
         opts.log_severity_level = 3
         for key, value in package.session_config.items():  # e.g. the browser format's QDQ switch
             opts.add_session_config_entry(key, str(value))
-        self._ort = ort
-        graph = package.graph_path
-        if lora:
-            if package.lora_graph_path is None:
-                raise PackageError(f"{package.path}: this package was exported without the LoRA graph")
-            graph = package.lora_graph_path
+        self._ort, self._opts = ort, opts
         self.matmul_kernel = "onnxruntime's own"  # what runs the 4-bit projections; _kernel_session may say more
         self.attention_kernel = "the graph's own"  # the exported gather + attention, or ruvllm.PagedAttention
-        self.session = self._kernel_session(graph, opts) if self.providers == DEVICE_PROVIDERS["cpu"] else None
-        if self.session is None:
+        self.session = self._open(lora)
+        self.runner = GraphRunner(self, self.session)
+        self.lora_runner: GraphRunner | None = self.runner if lora else None
+        self.adapters: AdapterTensors | None = None
+        self.pool = None
+
+    def _open(self, lora: bool):
+        """A session on the package's graph (or its LoRA graph), on RuvLLM's CPU kernels where they apply."""
+        package, ort = self.pkg, self._ort
+        entry = package.manifest["graphs"].get("decoder_lora" if lora else "decoder")
+        if entry is None:
+            raise PackageError(f"{package.path}: this package was exported without the LoRA graph")
+        graph = package.file(entry["file"])
+        cpu = self.providers == DEVICE_PROVIDERS["cpu"]
+        session = self._kernel_session(graph, self._opts, entry.get("fusions")) if cpu else None
+        if session is None:
             try:
-                self.session = ort.InferenceSession(str(graph), sess_options=opts, providers=self.providers)
+                session = ort.InferenceSession(str(graph), sess_options=self._opts, providers=self.providers)
             except Exception as err:  # onnxruntime raises its own exception types
                 raise PackageError(f"{package.path}: onnxruntime cannot load {graph.name}: "
                                    f"{str(err).splitlines()[0][:300]}") from err
-        names = [i.name for i in self.session.get_inputs()]
+        names = [i.name for i in session.get_inputs()]
         from runtime.package import expected_inputs
 
         contract = expected_inputs(self.num_layers, lora=lora)
         if names[:len(contract)] != contract or (not lora and len(names) != len(contract)):
             raise PackageError(f"{package.path}: the graph's inputs do not match its manifest")
-        self.block_tables: np.ndarray | None = None
+        return session
 
-    def _kernel_session(self, graph, opts):
-        """The graph on RuvLLM's CPU kernels (runtime/backends/cpu_kernels.py), or None to run it as it is;
-        `self.matmul_kernel` and `self.attention_kernel` say which and why."""
-        from runtime.backends import cpu_kernels
+    def _kernel_session(self, graph, opts, declared: dict[str, int] | None):
+        """The graph on RuvLLM's CPU kernels (kernel_library, graph_fusion), or None to run it as it is;
+        `self.matmul_kernel` and `self.attention_kernel` say which and why.
+
+        `declared`: what the exporter found fusable in this graph (the manifest's graph entry). A fusion
+        this host's kernels could run but that does not apply to the graph is an error, not a silent
+        fallback to the slower path: the graph and this runtime disagree about its shape."""
+        from runtime.backends import graph_fusion, kernel_library
 
         self.matmul_kernel = "onnxruntime MatMulNBits"
-        lib, why = cpu_kernels.library()
+        lib, why = kernel_library.library()
         if lib is None:
             self.matmul_kernel += f" ({why})"
             self.attention_kernel += f" ({why})"
             return None
+        ops = kernel_library.operators(lib)
+        if os.environ.get("RUVLLM_PAGED_ATTENTION", "1") == "0":
+            ops -= {"PagedAttention"}
         try:
-            ops = cpu_kernels.operators(lib)
-            model, count, layers = cpu_kernels.rewrite_graph(graph, self.pkg.config, ops)
+            model, counts = graph_fusion.rewrite_graph(graph, self.pkg.config, ops)
         except Exception as err:  # a graph onnx cannot parse: the plain load below reports it
             self.matmul_kernel += f" (graph not rewritten: {str(err)[:200]})"
             return None
+        missed = {op: (n, counts.get(op, 0)) for op, n in (declared or {}).items() if op in ops and counts.get(op, 0) < n}
+        if missed:
+            what = ", ".join(f"{op} {got} of {n}" for op, (n, got) in missed.items())
+            raise PackageError(f"{self.pkg.path}: {graph.name} declares fusions this runtime could not apply ({what}): "
+                               "the graph does not have the shape its manifest says; re-export it, or set "
+                               "RUVLLM_CPU_KERNELS=0 to run it as exported")
+        count, layers = counts["MatMulQ4"], counts["PagedAttention"]
         if not count:
             self.matmul_kernel += " (no 4-bit MatMulNBits here that ruvllm.MatMulQ4 computes)"
-        if not count and not layers:
+        if not any(counts.values()):
             return None
         opts.register_custom_ops_library(str(lib))
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph.parent))
@@ -119,57 +145,81 @@ class NativeBackend:
             self.attention_kernel += why
             return None
         if count:
-            isa = "AVX-512 VNNI" if "PagedAttention" in ops else "AVX2"
+            isa = "AVX-512 VNNI" if "PagedAttention" in kernel_library.operators(lib) else "AVX2"
             self.matmul_kernel = f"ruvllm.MatMulQ4 ({count} of the graph's MatMulNBits, {isa})"
         self.attention_kernel = (f"ruvllm.PagedAttention ({layers} layers)" if layers else
                                  "the graph's own" + ("" if "PagedAttention" in ops else " (AVX2 build: no PagedAttention)"))
         return session
 
-    def allocate(self, num_blocks: int, block_size: int, max_seqs: int, max_blocks_per_seq: int) -> None:
-        shape = (self.num_layers, self.kv_heads, num_blocks, block_size, self.head_dim)
-        # np.zeros would map pages lazily and each first write would fault (~1.7 ms/step on SmolLM2):
-        # commit the pool up front, as a server reserves its KV memory. One array per kind; each layer's
-        # graph input is a contiguous view of it, so a step's K/V are written with one assignment.
-        self.k_pool, self.v_pool = np.empty(shape, np.float32), np.empty(shape, np.float32)
-        self.k_pool.fill(0.0)
-        self.v_pool.fill(0.0)
-        flat = (self.num_layers, self.kv_heads, num_blocks * block_size, self.head_dim)  # [layer, head, slot, dim]
-        self._k_flat, self._v_flat = self.k_pool.reshape(flat), self.v_pool.reshape(flat)
-        self.block_tables = np.zeros((max_seqs, max_blocks_per_seq), np.int64)
-        # one binding for the session's life: the pools are bound once, as OrtValues sharing their memory
-        self._io = self.session.io_binding()
-        for i in range(self.num_layers):
-            self._io.bind_ortvalue_input(C.past_key(i), self._ort.OrtValue.ortvalue_from_numpy(self.k_pool[i]))
-            self._io.bind_ortvalue_input(C.past_value(i), self._ort.OrtValue.ortvalue_from_numpy(self.v_pool[i]))
-        self._bound: tuple | None = None  # the output shapes currently bound
-        self._bound_inputs: dict[str, tuple] = {}  # input name -> (the values it is bound to, their array)
-        self._table_version = 0
-        self._outputs: dict[str, np.ndarray] = {}
+    def allocate(self, num_blocks: int, block_size: int) -> None:
+        from runtime.backends.kv_pool import DeviceKVPool
 
-    def _bind_outputs(self, num_tokens: int, rows: int, top_k: int, want_logits: bool) -> dict[str, np.ndarray]:
-        """Bind every output to a preallocated array; a step shaped like the last one rebinds nothing."""
-        key = (num_tokens, rows, top_k, want_logits)
-        if key == self._bound:
-            return self._outputs
-        io = self._io
-        io.clear_binding_outputs()
-        shape = (self.num_layers, num_tokens, self.kv_heads, self.head_dim)
-        outs = {C.PRESENT_KEY: np.empty(shape, np.float32), C.PRESENT_VALUE: np.empty(shape, np.float32)}
-        if rows:
-            outs[C.TOPK_LOGPROBS] = np.empty((rows, top_k), np.float32)
-            outs[C.TOPK_IDS] = np.empty((rows, top_k), np.int64)
-            if want_logits:
-                outs[C.LOGITS] = np.empty((rows, self.vocab_size), np.float32)
-        for name, buf in outs.items():
-            io.bind_output(name, "cpu", 0, buf.dtype, buf.shape, buf.ctypes.data)
-        self._bound, self._outputs = key, outs
-        return outs
+        self.pool = DeviceKVPool(self._ort, self.providers, self.num_layers, self.kv_heads, self.head_dim,
+                                 num_blocks, block_size)
+        self.runner.bind_pool(self.pool)
+        if self.lora_runner is not None and self.lora_runner is not self.runner:
+            self.lora_runner.bind_pool(self.pool)
 
     kv_bytes_per_token = staticmethod(kv_bytes_per_token)
 
-    def set_block(self, slot: int, index: int, block: int) -> None:
-        self.block_tables[slot, index] = block
-        self._table_version += 1
+    # ---- adapters ----
+    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+        """Open the LoRA graph beside the base one (steps with no adapter stay on the base graph) and
+        its stacked adapter inputs, max_loras slots after slot 0 (no adapter), rank max_rank."""
+        from runtime.backends.adapter_weights import AdapterTensors
+
+        if self.adapters is not None:
+            return
+        if self.lora_runner is None:
+            self.lora_runner = GraphRunner(self, self._open(lora=True))
+            if self.pool is not None:
+                self.lora_runner.bind_pool(self.pool)
+        self.adapters = AdapterTensors(self.pkg.config, max_loras, max_rank)
+        self.lora_runner.bind_static(self.adapters.inputs)
+
+    def set_adapter(self, slot: int, info) -> None:
+        """Put an adapter's weights (a runtime.core.adapters.AdapterInfo) into a slot of the LoRA inputs."""
+        self.adapters.put(slot, info)
+
+    def run(self, batch: StepBatch, extra_inputs: dict | None = None) -> StepResult:
+        """Run one step; a batch with adapter slots runs on the LoRA graph. extra_inputs binds further
+        graph inputs (tests drive the LoRA graph's adapter tensors directly with it)."""
+        runner = self.runner
+        if batch.adapter_slots is not None:
+            if self.adapters is None:
+                raise RuntimeError("a step names adapter slots, but no adapter was enabled (enable_lora)")
+            runner = self.lora_runner
+            extra_inputs = {**(extra_inputs or {}), C.LORA_WEIGHTS: self.adapters.mixing(batch.adapter_slots)}
+        outs = runner.run(batch, extra_inputs)
+        self.pool.write(outs[C.PRESENT_KEY], outs[C.PRESENT_VALUE], batch.kv_slots)
+        if not batch.logits_index:
+            return StepResult([], [])
+        logits = outs[C.LOGITS].copy() if batch.want_full_logits else None
+        return StepResult(outs[C.TOPK_IDS].tolist(), outs[C.TOPK_LOGPROBS].tolist(), logits)
+
+    async def run_async(self, batch: StepBatch) -> StepResult:
+        return self.run(batch)
+
+
+class GraphRunner:
+    """One session and its IOBinding for the session's life: the KV pool bound once, outputs bound to
+    preallocated buffers, inputs equal to the last step's neither converted nor bound again."""
+
+    def __init__(self, backend: NativeBackend, session) -> None:
+        self.backend, self.session = backend, session
+        self.io = session.io_binding()
+        self._bound: tuple | None = None  # the output shapes currently bound
+        self._bound_inputs: dict[str, tuple] = {}  # input name -> (the values it is bound to, their array)
+        self._outputs: dict[str, object] = {}
+
+    def bind_pool(self, pool) -> None:
+        pool.bind_layers(self.io, self.backend.num_layers)
+
+    def bind_static(self, inputs: dict[str, np.ndarray]) -> None:
+        """Bind arrays once, by reference: writing into them changes what the next run reads."""
+        ort = self.backend._ort
+        for name, arr in inputs.items():
+            self.io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
 
     def _bind(self, name: str, key, make) -> None:
         """Bind make(key) to a graph input unless the same key is bound already. The array is kept:
@@ -177,33 +227,42 @@ class NativeBackend:
         bound = self._bound_inputs.get(name)
         if bound is None or bound[0] != key:
             arr = make(key)
-            self._io.bind_cpu_input(name, arr)
+            self.io.bind_cpu_input(name, arr)
             self._bound_inputs[name] = (key, arr)
 
-    def run(self, batch: StepBatch, extra_inputs: dict | None = None) -> StepResult:
-        """Run one step; extra_inputs binds further graph inputs (the LoRA graph's adapter tensors)."""
-        io = self._io
+    def _bind_outputs(self, num_tokens: int, rows: int, top_k: int, want_logits: bool) -> dict[str, object]:
+        """Bind every output to a preallocated buffer; a step shaped like the last one rebinds nothing.
+        This step's K/V stay on the pool's device; the candidates (and logits) come to the host."""
+        key = (num_tokens, rows, top_k, want_logits)
+        if key == self._bound:
+            return self._outputs
+        b, io = self.backend, self.io
+        io.clear_binding_outputs()
+        shape = [b.num_layers, num_tokens, b.kv_heads, b.head_dim]
+        outs: dict[str, object] = {}
+        for name in (C.PRESENT_KEY, C.PRESENT_VALUE):
+            outs[name] = b._ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, b.pool.device, 0)
+            io.bind_ortvalue_output(name, outs[name])
+        if rows:
+            host = {C.TOPK_LOGPROBS: np.empty((rows, top_k), np.float32), C.TOPK_IDS: np.empty((rows, top_k), np.int64)}
+            if want_logits:
+                host[C.LOGITS] = np.empty((rows, b.vocab_size), np.float32)
+            for name, buf in host.items():
+                io.bind_output(name, "cpu", 0, buf.dtype, buf.shape, buf.ctypes.data)
+            outs.update(host)
+        self._bound, self._outputs = key, outs
+        return outs
+
+    def run(self, batch: StepBatch, extra_inputs: dict | None = None) -> dict[str, object]:
         rows = len(batch.logits_index)
-        top_k = min(batch.top_k, self.vocab_size)
+        top_k = min(batch.top_k, self.backend.vocab_size)
         # a decode step repeats most inputs of the last one (sampling settings, padding, indices):
         # rebinding only what changed saves ~10 array conversions and bindings per step
-        table_key = (tuple(batch.slots), batch.max_blocks, self._table_version)
-        self._bind(C.BLOCK_TABLES, table_key, lambda _: self.block_tables[batch.slots, :batch.max_blocks])
-        for name, (values, dims) in batch.feeds(None, top_k).items():
+        for name, (values, dims) in batch.feeds(top_k).items():
             self._bind(name, (values, dims), lambda key, t=STEP_DTYPES[name]: np.array(key[0], t).reshape(key[1]))
         for name, arr in (extra_inputs or {}).items():
-            io.bind_cpu_input(name, arr)
+            self.io.bind_cpu_input(name, arr)
             self._bound_inputs[name] = (object(), arr)  # never equal: rebound whenever given
         outs = self._bind_outputs(len(batch.input_ids), rows, top_k, batch.want_full_logits)
-        self.session.run_with_iobinding(io)
-        first, n = batch.kv_slots[0], len(batch.kv_slots)
-        if batch.kv_slots[-1] - first == n - 1 and batch.kv_slots == list(range(first, first + n)):
-            slots = slice(first, first + n)  # one run of slots (every decode, most chunks): no fancy indexing
-        else:
-            slots = np.array(batch.kv_slots, np.int64)
-        self._k_flat[:, :, slots] = outs[C.PRESENT_KEY].transpose(0, 2, 1, 3)
-        self._v_flat[:, :, slots] = outs[C.PRESENT_VALUE].transpose(0, 2, 1, 3)
-        if not rows:
-            return StepResult([], [])
-        logits = outs[C.LOGITS].copy() if batch.want_full_logits else None
-        return StepResult(outs[C.TOPK_IDS].tolist(), outs[C.TOPK_LOGPROBS].tolist(), logits)
+        self.session.run_with_iobinding(self.io)
+        return outs

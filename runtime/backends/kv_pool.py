@@ -1,0 +1,109 @@
+"""The native KV pool: one buffer per kind on the execution provider's device, written there.
+
+Each kind (keys, values) is one OrtValue [layers, kv_heads, blocks * block_size, head_dim] allocated on
+the device the session runs on (host memory on CPU, GPU memory under CUDA); each layer's graph input
+is bound by pointer to its slice, once. A step's K/V (the graph's present.key / present.value, bound
+on the same device) go into their slots through a small ONNX graph, one ScatterND per kind, whose
+output is bound to the pool itself: onnxruntime then scatters in place (its ScatterND copies the input
+only when the output is another buffer), so no KV tensor crosses to the host. On CPU this is the path
+that runs and is tested; under CUDA the same bindings name the GPU (verified here on CPU only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime import contract as C
+
+POOL_KEY, POOL_VALUE, SLOTS = "pool.key", "pool.value", "kv_slots"
+
+
+def device_of(providers: list[str]) -> str:
+    """onnxruntime's device name for memory the first provider computes on."""
+    return "cuda" if providers[0] == "CUDAExecutionProvider" else "cpu"
+
+
+def writer_graph(num_layers: int, kv_heads: int, head_dim: int) -> bytes:
+    """pool[l, h, slot[n], :] = present[l, n, h, :] for every layer, head and new token, per kind."""
+    from onnx import TensorProto, helper
+
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    pool_shape = [num_layers, kv_heads, "pool_slots", head_dim]
+    present_shape = [num_layers, "num_tokens", kv_heads, head_dim]
+    inputs = [helper.make_tensor_value_info(n, f32, pool_shape) for n in (POOL_KEY, POOL_VALUE)]
+    inputs += [helper.make_tensor_value_info(n, f32, present_shape) for n in (C.PRESENT_KEY, C.PRESENT_VALUE)]
+    inputs.append(helper.make_tensor_value_info(SLOTS, i64, ["num_tokens"]))
+    outputs = [helper.make_tensor_value_info(n + ".out", f32, pool_shape) for n in (POOL_KEY, POOL_VALUE)]
+
+    def const(name: str, values, dims) -> object:
+        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, i64, dims, values))
+
+    nodes = [
+        const("layer_ids", list(range(num_layers)), [num_layers, 1, 1, 1]),
+        const("head_ids", list(range(kv_heads)), [1, kv_heads, 1, 1]),
+        const("lead", [num_layers, kv_heads], [2]),
+        const("one", [1], [1]),
+        const("slot_shape", [1, 1, -1, 1], [4]),
+        helper.make_node("Shape", [SLOTS], ["n"]),
+        helper.make_node("Concat", ["lead", "n", "one"], ["index_shape"], axis=0),  # [L, Hkv, N, 1]
+        helper.make_node("Reshape", [SLOTS, "slot_shape"], ["slot_col"]),
+        helper.make_node("Expand", ["layer_ids", "index_shape"], ["l"]),
+        helper.make_node("Expand", ["head_ids", "index_shape"], ["h"]),
+        helper.make_node("Expand", ["slot_col", "index_shape"], ["s"]),
+        helper.make_node("Concat", ["l", "h", "s"], ["index"], axis=3),  # [L, Hkv, N, 3]
+    ]
+    for pool, present in ((POOL_KEY, C.PRESENT_KEY), (POOL_VALUE, C.PRESENT_VALUE)):
+        nodes.append(helper.make_node("Transpose", [present], [present + ".t"], perm=[0, 2, 1, 3]))
+        nodes.append(helper.make_node("ScatterND", [pool, "index", present + ".t"], [pool + ".out"]))
+    graph = helper.make_graph(nodes, "ruvllm_kv_writer", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10).SerializeToString()
+
+
+class DeviceKVPool:
+    def __init__(self, ort, providers: list[str], num_layers: int, kv_heads: int, head_dim: int,
+                 num_blocks: int, block_size: int) -> None:
+        self.device = device_of(providers)
+        self.layer_shape = [kv_heads, num_blocks, block_size, head_dim]  # what each layer's graph input sees
+        shape = [num_layers, kv_heads, num_blocks * block_size, head_dim]
+        self.layer_bytes = kv_heads * num_blocks * block_size * head_dim * 4
+        self.keys = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self.device, 0)
+        self.values = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self.device, 0)
+        # commit the memory up front (zeros), as a server reserves its KV memory: a lazily mapped page
+        # would fault at its first write (~1.7 ms/step on SmolLM2)
+        for pool in (self.keys, self.values):
+            if self.device == "cpu":
+                pool.numpy().fill(0.0)
+            else:
+                pool.update_inplace(np.zeros(shape, np.float32))
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        opts.intra_op_num_threads = 1  # a few kilobytes a step
+        self.writer = ort.InferenceSession(writer_graph(num_layers, kv_heads, head_dim), sess_options=opts,
+                                           providers=providers)
+        self._io = self.writer.io_binding()
+        for name, pool in ((POOL_KEY, self.keys), (POOL_VALUE, self.values)):
+            self._io.bind_ortvalue_input(name, pool)
+            self._io.bind_ortvalue_output(name + ".out", pool)  # the same buffer: scattered in place
+
+    def bind_layers(self, io, num_layers: int) -> None:
+        """Bind each layer's past.{i}.key / .value graph input to its slice of the pool."""
+        for i in range(num_layers):
+            for name, pool in ((C.past_key(i), self.keys), (C.past_value(i), self.values)):
+                io.bind_input(name, self.device, 0, np.float32, self.layer_shape,
+                              pool.data_ptr() + i * self.layer_bytes)
+
+    def write(self, present_key, present_value, kv_slots: list[int]) -> None:
+        """Scatter a step's K/V ([layers, tokens, kv_heads, head_dim] OrtValues on the device) into the slots."""
+        io = self._io
+        io.bind_ortvalue_input(C.PRESENT_KEY, present_key)
+        io.bind_ortvalue_input(C.PRESENT_VALUE, present_value)
+        io.bind_cpu_input(SLOTS, np.asarray(kv_slots, np.int64))
+        self.writer.run_with_iobinding(io)
+
+    def host_view(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pools as numpy arrays [layers, kv_heads, blocks, block_size, head_dim] sharing their memory
+        (CPU only: for tests and for restoring saved blocks)."""
+        if self.device != "cpu":
+            raise RuntimeError("the KV pool lives on the GPU: it has no host view")
+        shape = (self.keys.shape()[0], *self.layer_shape)
+        return self.keys.numpy().reshape(shape), self.values.numpy().reshape(shape)
