@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="quantization block size (int8/int4; default 64 for int4 with AWQ or GPTQ, else 32)")
     c.add_argument("--mlp-block-size", type=int, default=None,
                    help="the MLP projections' own block size (three quarters of the weights; default: --block-size). "
-                        "128 with AWQ's 64: a step 5-11%% faster, a little further from fp32 (docs/ARCHITECTURE.md)")
+                        "128 with AWQ's 64: a step 5-11%% faster, a little further from fp32 (docs/PERFORMANCE.md)")
     c.add_argument("--method", default=None, choices=["rtn", "awq", "gptq", "awq+gptq"],
                    help="int8/int4 weight quantization: round to nearest; AWQ (activation-aware scales and "
                         "clipping searched on calibration text; ~2 minutes more for SmolLM2, closer to fp32); GPTQ "

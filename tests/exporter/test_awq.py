@@ -42,8 +42,8 @@ def test_folded_scales_keep_the_model_and_its_lora(outlier_model_dir, workdir, m
     """Export with AWQ's scales folded in but nothing quantized or clipped: the graph must equal
     transformers on the original weights, and with a peft adapter active must equal peft: the LoRA
     graph undoes the scales that the base weights absorbed."""
-    import exporter.awq as awq
     import exporter.convert as conv
+    import exporter.quantizers.awq as awq
     from runtime import contract as C
 
     found = {}
@@ -112,7 +112,7 @@ def test_awq_options_errors(tiny_model_dir, workdir, tmp_path):
 def test_weight_plan_defaults():
     """int4 defaults to AWQ in blocks of AWQ_INT4_BLOCK, the MLP too, and so do GPTQ and AWQ+GPTQ; int8
     and explicit RTN keep blocks of 32; --mlp-block-size gives the MLP its own."""
-    from exporter.convert import AWQ_INT4_BLOCK, ConvertOptions, weight_plan
+    from exporter.options import AWQ_INT4_BLOCK, ConvertOptions, weight_plan
 
     def plan(**kw):
         o = weight_plan(ConvertOptions(**kw))

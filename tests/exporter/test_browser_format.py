@@ -6,7 +6,7 @@ import onnx
 import pytest
 
 from runtime.package import load_package
-from runtime.tokenizer import Tokenizer
+from runtime.text.tokenizer import Tokenizer
 from tests.conftest import run_cli
 from tests.exporter.test_quantization import TEXT, quality, teacher_forced_logprobs
 

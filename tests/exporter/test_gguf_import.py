@@ -8,8 +8,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from exporter import gguf_blocks
-from exporter.grid import Grid, stack_rows
+from exporter.quantizers.grid import Grid, stack_rows
+from exporter.sources import gguf_blocks
 
 TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 
@@ -137,8 +137,8 @@ def test_tiny_gguf_package_is_the_file_bit_for_bit(type_name, smol_gguf, workdir
     import torch
     from transformers import AutoModelForCausalLM
 
+    from exporter.builders import FUSED_PROJECTIONS
     from exporter.convert import ConvertOptions, convert
-    from exporter.decoder_graph import FUSED_PROJECTIONS
     from runtime.package import load_package
     from tests.exporter.test_quantization import teacher_forced_logits
 
@@ -219,7 +219,7 @@ def test_smollm2_default_package_is_as_good_as_its_gguf(smol_fp32, smol_int4, wo
     from benchmarks.quality import held_out_text
     from exporter.convert import ConvertOptions, convert
     from runtime.package import load_package
-    from runtime.tokenizer import Tokenizer
+    from runtime.text.tokenizer import Tokenizer
     from tests.exporter.test_quantization import quality, teacher_forced_logprobs
 
     pkg = load_package(smol_int4)

@@ -8,11 +8,11 @@ import onnx
 import pytest
 import torch
 
-from exporter.awq import block_grid, fake_quantize
-from exporter.gptq import gptq_quantize
-from exporter.grid import Grid, pack_nbits
+from exporter.quantizers.awq import block_grid, fake_quantize
+from exporter.quantizers.gptq import gptq_quantize
+from exporter.quantizers.grid import Grid, pack_nbits
 from runtime.package import load_package
-from runtime.tokenizer import Tokenizer
+from runtime.text.tokenizer import Tokenizer
 from tests.exporter.test_quantization import TEXT, quality, teacher_forced_logprobs
 
 

@@ -84,9 +84,8 @@ def test_shared_prefix_blocks_are_read_through_block_tables(tiny_model_dir, tiny
     # sequence 1 reuses sequence 0's two blocks and only computes its own suffix
     shared = stepper.blocks[0][:2]
     stepper.blocks[1] = list(shared)
-    for i, blk in enumerate(shared):
+    for blk in shared:
         stepper.alloc.retain(blk)
-        backend.set_block(1, i, blk)
     stepper.length[1] = 8
     tail_a = [int(t) for t in rng.integers(3, model.config.vocab_size, 3)]
     tail_b = [int(t) for t in rng.integers(3, model.config.vocab_size, 6)]
@@ -101,9 +100,9 @@ def peft_adapter(model_dir) -> tuple:
     from peft import LoraConfig, get_peft_model
     from peft.utils import get_peft_model_state_dict
 
-    from exporter.decoder_graph import _proj_features
-    from exporter.hf_model import decoder_spec
+    from exporter.builders import proj_features as _proj_features
     from exporter.lora import adapter_from_peft, stack_adapters
+    from exporter.sources.hf_model import decoder_spec
     from runtime import contract as C
 
     torch.manual_seed(7)
@@ -140,19 +139,17 @@ def test_lora_inputs_match_peft(tiny_model_dir, tiny_package):
 
 def test_in_graph_penalties_temperature_and_bias(tiny_package):
     """The processed top-K equals the same processing done in numpy on the raw logits."""
-    from runtime.step_batch import Chunk, PenaltyState, build_step
+    from runtime.core.step_batch import Chunk, PenaltyState, build_step
 
     backend = NativeBackend(load_package(tiny_package("llama")))
-    backend.allocate(16, 4, 2, 8)
+    backend.allocate(16, 4)
     prompt = [5, 6, 7, 5, 9]
     pen = PenaltyState()
     pen.add_prompt(prompt)
     pen.add_generated(9)
     pen.add_generated(9)
     pen.add_bias({11: 5.0, 12: -100.0})
-    for i in range(2):
-        backend.set_block(0, i, i)
-    chunk = Chunk(slot=0, tokens=prompt, start=0, num_blocks=2, kv_slots=list(range(5)), want_logits=True,
+    chunk = Chunk(tokens=prompt, start=0, block_table=[0, 1], kv_slots=list(range(5)), want_logits=True,
                   temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25,
                   penalties=pen, top_k=20)
     res = backend.run(build_step([chunk], 4, want_full_logits=True))

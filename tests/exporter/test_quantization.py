@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from runtime.backends.native import NativeBackend
+from runtime.core.step_batch import Chunk, build_step
 from runtime.package import load_package
-from runtime.step_batch import Chunk, build_step
-from runtime.tokenizer import Tokenizer
+from runtime.text.tokenizer import Tokenizer
 
 TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
         "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. "
@@ -19,10 +19,8 @@ def teacher_forced_logits(pkg_dir, ids: list[int]) -> np.ndarray:
     """The raw next-token logits at every position, from one prefill step."""
     backend = NativeBackend(load_package(pkg_dir))
     blocks = -(-len(ids) // 16)
-    backend.allocate(blocks, 16, 1, blocks)
-    for i in range(blocks):
-        backend.set_block(0, i, i)
-    batch = build_step([Chunk(slot=0, tokens=ids, start=0, num_blocks=blocks, kv_slots=list(range(len(ids))),
+    backend.allocate(blocks, 16)
+    batch = build_step([Chunk(tokens=ids, start=0, block_table=list(range(blocks)), kv_slots=list(range(len(ids))),
                               want_logits=True)], 16, want_full_logits=True)
     n = len(ids)  # ask for logits at every position, not only the last
     batch.logits_index = list(range(n))
@@ -73,7 +71,8 @@ def test_smollm2_requantized_quality(smol_fp32, workdir):
     This text is short, so its perplexity moves by a few percent with the calibration's details (7.60
     with another calibration sample of the same quality on 7k tokens): KL and top-1 are the telling bounds.
     """
-    from exporter.convert import RESCORE_TOP, ConvertOptions, convert
+    from exporter.convert import ConvertOptions, convert
+    from exporter.options import RESCORE_TOP
 
     int8 = convert("smollm2-135m", workdir / "smol-int8-rtn",
                    ConvertOptions(quant="int8", method="rtn", progress=False, lora=False))
@@ -96,7 +95,7 @@ def test_int4_head_on_request(tiny_model_dir, tiny_package, workdir):
     import onnx
 
     from exporter.convert import ConvertOptions, convert
-    from exporter.quantize import LM_HEAD_NODE
+    from exporter.quantizers.quantize import LM_HEAD_NODE
 
     def head_bits(pkg) -> int:
         graph = onnx.load(str(pkg.graph_path), load_external_data=False).graph
@@ -122,7 +121,7 @@ def test_mlp_block_size(method, tiny_model_dir, tiny_package, workdir):
     import onnx
 
     from exporter.convert import ConvertOptions, convert
-    from exporter.quantize import LM_HEAD_NODE
+    from exporter.quantizers.quantize import LM_HEAD_NODE
 
     pkg = load_package(convert(str(tiny_model_dir("llama")), workdir / f"pkg-llama-int4-mlp32-{method}",
                                ConvertOptions(quant="int4", method=method, block_size=16, mlp_block_size=32,
@@ -182,7 +181,8 @@ def test_rescored_head_is_exact_on_its_candidates(tiny_package, tiny_model_dir, 
     """Default int4 head of a tied model: the coarse int4 logits everywhere, except the coarse head's
     best 32 tokens, which carry the fp16 embedding table's logits (a package rescoring the whole
     vocabulary is that reference). Untied models keep an int8 head."""
-    from exporter.convert import RESCORE_TOP, ConvertOptions, convert
+    from exporter.convert import ConvertOptions, convert
+    from exporter.options import RESCORE_TOP
 
     assert "lm_head_rescore" not in load_package(tiny_package("llama", "int4")).manifest["quantization"]
     default = load_package(tiny_package("qwen2", "int4"))
@@ -209,7 +209,7 @@ def test_rescored_head_is_exact_on_its_candidates(tiny_package, tiny_model_dir, 
 
 def test_head_plan_defaults_and_errors():
     """Which head each export gets, and the clear errors for rescoring where it cannot apply."""
-    from exporter.convert import RESCORE_TOP, ConvertOptions, head_plan
+    from exporter.options import RESCORE_TOP, ConvertOptions, head_plan
     from runtime.errors import RuvLLMError
 
     def plan(tied: bool, **kw):

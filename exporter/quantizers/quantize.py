@@ -6,11 +6,11 @@ import logging
 
 import onnx
 
-from exporter.onnx_builder import replace_graph
+from exporter.builders.onnx_builder import replace_graph
 
 QUANTS = ("fp32", "fp16", "int8", "int4", "w8a8")
 LM_HEAD_NODE = "lm_head/MatMul"
-MLP_WEIGHTS = (".gate_up_proj", ".down_proj")  # initializer names of the MLP's projections (decoder_graph)
+MLP_WEIGHTS = (".gate_up_proj", ".down_proj")  # initializer names of the MLP's projections (exporter/builders)
 BITS = {"int8": 8, "int4": 4}
 # w8a8 weights in [-63, 63] (7 bits, "reduce_range"): MLAS's u8 x s8 GEMM on CPUs without AVX-512 VNNI
 # sums pairs of products in int16 (vpmaddubsw), and activations stored as uint8 around 128 times weights
@@ -121,7 +121,7 @@ def with_grids(model: onnx.ModelProto, grids: dict) -> onnx.ModelProto:
     initializers quantized from the same weight (named `<weight>_Q<bits>`, `_scales`, `_zero_points`)."""
     from onnx import numpy_helper
 
-    from exporter.grid import pack_nbits
+    from exporter.quantizers.grid import pack_nbits
 
     inits = {t.name: t for t in model.graph.initializer}
     done = set()

@@ -16,9 +16,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from exporter.block_matmul import take_minimum_terms
-from exporter.grid import fp16_exact
-from exporter.quantize import LM_HEAD_NODE
+from exporter.quantizers.block_matmul import take_minimum_terms
+from exporter.quantizers.grid import fp16_exact
+from exporter.quantizers.quantize import LM_HEAD_NODE
 
 # The session option a runtime must set for this format (documented in docs/ARCHITECTURE.md).
 SESSION_CONFIG = {"session.disable_quant_qdq": "1"}

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from exporter.grid import Grid, fp16_exact
+from exporter.quantizers.grid import Grid, fp16_exact
 from runtime.errors import RuvLLMError
 
 QK = 256  # a K-quant super-block
@@ -179,7 +179,7 @@ def _in_order_of(grid: Grid, want: np.ndarray, hf_name: str, gguf_name: str) -> 
 class GraphGrids:
     """What the decoder graph carries from the file."""
 
-    projections: dict[str, Grid]  # by the graph's weight name (decoder_graph.FUSED_PROJECTIONS, "lm_head")
+    projections: dict[str, Grid]  # by the graph's weight name (exporter.builders.FUSED_PROJECTIONS, "lm_head")
     embedding: Grid | None  # the embedding table, gathered and dequantized by row in the graph
     requantized: list[str]  # Hugging Face names of matrices not carried over (types without a grid here)
 
@@ -188,8 +188,8 @@ def graph_grids(gw: GgufWeights, num_layers: int, bits: int, tied: bool, exact_h
     """The file's grids under the graph's names, fused as the graph fuses them, widened to `bits` where
     they are narrower (int8 packages). exact_head: the LM head is the file's own (else the caller
     quantizes a coarse head and rescores its best candidates from the exact table)."""
-    from exporter.decoder_graph import FUSED_PROJECTIONS
-    from exporter.grid import stack_rows
+    from exporter.builders import FUSED_PROJECTIONS
+    from exporter.quantizers.grid import stack_rows
 
     widen = lambda g: g.with_bits(max(g.bits, bits))  # noqa: E731
     out: dict[str, Grid] = {}

@@ -15,8 +15,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from exporter.grid import Grid, fp16_exact, pack_nbits
-from exporter.onnx_builder import replace_graph
+from exporter.builders.onnx_builder import replace_graph
+from exporter.quantizers.grid import Grid, fp16_exact, pack_nbits
 
 MS_DOMAIN = "com.microsoft"
 

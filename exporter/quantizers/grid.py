@@ -1,9 +1,9 @@
 """A projection's weights on a block grid, and how MatMulNBits stores it.
 
-GPTQ produces grids; a GGUF file already is one (exporter/gguf_blocks.py). Both reach the graph as
+GPTQ produces grids; a GGUF file already is one (exporter/sources/gguf_blocks.py). Both reach the graph as
 MatMulNBits integers, scales and zero points. A grid may also carry a float minimum per block, as
 llama.cpp's Q4_1 and K-quants do (w = d * q + m): MatMulNBits has no such input, so the graph adds
-m * (the block's sum of the activations) beside it (exporter/block_matmul.py).
+m * (the block's sum of the activations) beside it (exporter/quantizers/block_matmul.py).
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from exporter.awq import block_grid
-from exporter.grid import Grid
+from exporter.quantizers.awq import block_grid
+from exporter.quantizers.grid import Grid
 
 # of H's mean diagonal, added to its diagonal. 0.1 rather than the paper's 0.01: a few thousand
 # calibration tokens overfit, and text unlike them (chat answers, licence text) suffered (SmolLM2, AWQ

@@ -1,0 +1,267 @@
+"""Builds the paged-KV decoder graph straight from the weights: the parts every family shares.
+
+One step runs a batch of sequences whose new tokens are flattened to `num_tokens`; projections and
+MLPs work on the flat tokens (no padding waste), attention on a padded [batch, query_len] view.
+Past K/V is read only through block tables, so blocks can be shared between sequences; the graph
+returns this step's K/V and the runtime writes it into its blocks. A family (llama.py) subclasses
+DecoderBuilder and overrides the hooks where it differs: its config checks, its spec options, its
+MLP activation. See docs/ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from exporter.builders.embedding import grid_rows
+from exporter.builders.logits import process_logits
+from exporter.builders.lora_path import LoraPath
+from exporter.builders.onnx_builder import FLOAT, INT64, MS_DOMAIN, GraphBuilder
+from exporter.builders.spec import FUSED_PROJECTIONS, DecoderSpec, LoraSlots
+from exporter.builders.step_indices import StepIndices, step_indices
+from runtime import contract as C
+from runtime.errors import UnsupportedModelError
+
+
+@dataclass
+class BuildOptions:
+    """How the graph stores and computes what the weights give it (see DecoderBuilder)."""
+
+    lora: LoraSlots | None = None
+    weight_dtype: type = np.float32
+    embed_dtype: type = np.float32
+    tied_gemm: bool = False
+    kv_write: str = "TensorScatter"
+    head_rescore: int = 0
+    lora_scales: object = None
+    embed_grid: object = None
+
+
+class DecoderBuilder:
+    """One graph per instance: `build()` returns the onnx.ModelProto.
+
+    `weights` uses Hugging Face names, float32, [out, in] layout. Options (BuildOptions):
+    kv_write: how this step's K/V enter the gathered context. "TensorScatter" writes in place (CPU and
+    WASM); "ScatterND" copies the context but has a WebGPU kernel in onnxruntime-web, which
+    TensorScatter lacks (it would run on the CPU there, with the context copied off the GPU and back).
+    weight_dtype=np.float16 stores matmul weights as fp16 behind a Cast (ORT folds it at load);
+    embed_dtype=np.float16 stores the embedding table as fp16 and casts only the gathered rows.
+    tied_gemm=True reads the LM head from the embedding table (Gemm transB) instead of a copy.
+    head_rescore=K (tied embeddings only) makes the LM head a coarse pass: its K best tokens are scored
+    again against their rows of the embedding table, so a cheap (int4) head picks the candidates while
+    the logits that decide sampling carry the table's precision.
+    lora_scales (an awq.LoraScales) undoes, on the LoRA path only, the AWQ scales folded into the weights.
+    embed_grid (a grid.Grid of the embedding table, e.g. a GGUF's Q8_0) stores the table as its integers
+    and scales and dequantizes only the gathered rows, exactly as the grid defines them (embedding and
+    head rescoring alike).
+    """
+
+    architectures: tuple[str, ...] = ()  # the Hugging Face model_type values this class builds
+
+    # ---- what a family says about its transformers config ----
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Refuse, with UnsupportedModelError, a config this family's graph would compute wrongly."""
+        arch = config.model_type
+        if getattr(config, "mlp_bias", False):
+            raise UnsupportedModelError(f"{arch} with mlp_bias=True is not supported yet")
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"activation {act!r} is not supported (only silu)")
+
+    @classmethod
+    def spec_options(cls, config) -> dict:
+        """DecoderSpec fields this family reads from its config beyond the shared ones."""
+        return {"attention_bias": bool(getattr(config, "attention_bias", False))}
+
+    # ---- the graph ----
+    def __init__(self, spec: DecoderSpec, weights: dict[str, np.ndarray], options: BuildOptions | None = None) -> None:
+        self.spec, self.weights = spec, weights
+        self.opts = options or BuildOptions()
+        self.b = GraphBuilder(f"ruvllm_{spec.architecture}_decoder")
+
+    def build(self):
+        b, spec = self.b, self.spec
+        self.step_inputs()
+        self.lora = LoraPath(b, spec, self.opts.lora, self.opts.lora_scales)
+        self.step_values()
+        x = self.embed_rows(self.step[C.INPUT_IDS])
+        hidden, residual = self.first_norm(x), x
+        self.presents: tuple[list[str], list[str]] = ([], [])
+        for i in range(spec.num_layers):
+            hidden, residual = self.layer(i, hidden, residual)
+        self.kv_outputs()
+        process_logits(b, self.lm_head(hidden), self.step)
+        return b.model()
+
+    def step_inputs(self) -> None:
+        b, spec = self.b, self.spec
+        dtypes = {C.INT64: INT64, C.FLOAT32: FLOAT}
+        self.step = {name: b.input(name, dtypes[dtype], list(dims)) for name, dtype, dims in C.STEP_INPUTS}
+        pool_shape = [spec.num_kv_heads, "num_blocks", "block_size", spec.head_dim]
+        self.past = [(b.input(C.past_key(i), FLOAT, pool_shape), b.input(C.past_value(i), FLOAT, pool_shape))
+                     for i in range(spec.num_layers)]
+
+    def matmul_weight(self, name: str, w_out_in: np.ndarray) -> str:
+        b, dtype = self.b, self.opts.weight_dtype
+        wt = np.ascontiguousarray(w_out_in.T)
+        if dtype == np.float32:
+            return b.weight(name, wt.astype(np.float32))
+        stored = b.weight(name, wt.astype(dtype))
+        return b.op("Cast", [stored], to=FLOAT, name=f"{name}/cast")
+
+    def step_values(self) -> None:
+        """What every layer shares: the causal (and sliding-window) mask, the index tensors, the rotary tables."""
+        b, spec, step = self.b, self.spec, self.step
+        hkv, group = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
+        query_index, position_ids = step[C.QUERY_INDEX], step[C.POSITION_IDS]
+        query_len = b.op("Gather", [b.op("Shape", [query_index]), b.const(1)], axis=0)  # scalar
+        max_blocks = b.op("Gather", [b.op("Shape", [step[C.BLOCK_TABLES]]), b.const(1)], axis=0)
+        block_size = b.op("Gather", [b.op("Shape", [self.past[0][0]]), b.const(2)], axis=0)
+        total_len = b.op("Mul", [max_blocks, block_size])
+        key_pos = b.op("Range", [b.const(0), total_len, b.const(1)])  # [T]
+        q_pos = b.op("Gather", [position_ids, query_index], axis=0)  # [B, S]
+        q_pos3 = b.op("Unsqueeze", [q_pos, b.const([2])])  # [B, S, 1]
+        allowed = b.op("LessOrEqual", [key_pos, q_pos3])  # [B, S, T]
+        if spec.sliding_window:
+            lower = b.op("Sub", [q_pos3, b.const(spec.sliding_window)])
+            allowed = b.op("And", [allowed, b.op("Greater", [key_pos, lower])])
+        neg = b.const(np.finfo(np.float32).min, np.float32)
+        mask = b.op("Where", [allowed, b.const(0.0, np.float32), neg])  # [B, S, T]
+        # attention runs on [Hkv*B] batches (row h*B + b: kv head h of sequence b) with the group's queries
+        # as rows: [Hkv*B, G*S, D] against [Hkv*B, T, D]
+        self.mask = b.op("Tile", [mask, b.const([hkv, group, 1])])  # [Hkv*B, G*S, T]
+        self.idx: StepIndices = step_indices(b, spec, self.opts.kv_write, step[C.INPUT_IDS], position_ids,
+                                             query_index, step[C.FLAT_INDEX], query_len, total_len)
+        # the residual stream is [N, hidden], so every MatMul is one GEMM with M = N. RotaryEmbedding gets
+        # [N, 1, heads*D]: flat tokens as its batch, since it reads the second dimension as a sequence
+        # length that its cos/sin cache must cover
+        self.pos_2d = b.op("Unsqueeze", [position_ids, b.const([1])])  # [N, 1]
+        self.cos_cache = b.weight("rope.cos", spec.rope_cos.astype(np.float32))
+        self.sin_cache = b.weight("rope.sin", spec.rope_sin.astype(np.float32))
+
+    def rotary(self, x: str, num_heads: int) -> str:  # x: [N, 1, heads * D]
+        return self.b.op("RotaryEmbedding", [x, self.pos_2d, self.cos_cache, self.sin_cache], domain=MS_DOMAIN,
+                         interleaved=0, num_heads=num_heads)
+
+    def embed_rows(self, ids: str) -> str:
+        """The residual stream's first value [N, hidden]; sets self.gather_rows for the head's rescoring."""
+        b, embed, dtype = self.b, self.weights["model.embed_tokens.weight"], self.opts.embed_dtype
+        self.embed_name = None
+        if self.opts.embed_grid is not None:
+            self.gather_rows = grid_rows(b, "model.embed_tokens", self.opts.embed_grid)
+        elif dtype == np.float32:
+            self.embed_name = name = b.weight("model.embed_tokens.weight", embed.astype(np.float32))
+            self.gather_rows = lambda t: b.op("Gather", [name, t], axis=0)
+        else:  # fp16 table, cast only the gathered rows
+            self.embed_name = name = b.weight("model.embed_tokens.weight", embed.astype(np.float16))
+            self.gather_rows = lambda t: b.op("Cast", [b.op("Gather", [name, t], axis=0)], to=FLOAT)
+        return self.gather_rows(ids)
+
+    def first_norm(self, x: str) -> str:
+        w = self.weights["model.layers.0.input_layernorm.weight"]
+        return self.b.op("SimplifiedLayerNormalization", [x, self.b.weight("layers.0.input_layernorm", w)],
+                         axis=-1, epsilon=self.spec.rms_norm_eps, stash_type=1)
+
+    def layer(self, i: int, hidden: str, residual: str) -> tuple[str, str]:
+        b, spec, w = self.b, self.spec, self.weights
+        p = f"model.layers.{i}."
+        o = self.attention(i, hidden)
+        post_ln = b.weight(f"layers.{i}.post_attention_layernorm", w[p + "post_attention_layernorm.weight"])
+        hidden, _, _, residual = b.op("SkipSimplifiedLayerNormalization", [o, residual, post_ln], n_out=4,
+                                      domain=MS_DOMAIN, epsilon=spec.rms_norm_eps)
+        down = self.mlp(i, hidden)
+        if i + 1 < spec.num_layers:
+            ln_name, ln = f"layers.{i + 1}.input_layernorm", w[f"model.layers.{i + 1}.input_layernorm.weight"]
+        else:
+            ln_name, ln = "model.norm", w["model.norm.weight"]
+        hidden, _, _, residual = b.op("SkipSimplifiedLayerNormalization", [down, residual, b.weight(ln_name, ln)],
+                                      n_out=4, domain=MS_DOMAIN, epsilon=spec.rms_norm_eps)
+        return hidden, residual
+
+    def attention(self, i: int, hidden: str) -> str:
+        """Layer i's attention over its paged KV, output projection included: [N, hidden]."""
+        b, spec, w, idx, lora = self.b, self.spec, self.weights, self.idx, self.lora
+        hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        p = f"model.layers.{i}."
+        wqkv = np.concatenate([w[f"{p}{n}.weight"] for n in FUSED_PROJECTIONS["qkv_proj"]], 0)
+        qkv = b.op("MatMul", [hidden, self.matmul_weight(f"layers.{i}.qkv_proj", wqkv)])
+        if spec.attention_bias:
+            bias = np.concatenate([w[p + f"self_attn.{n}.bias"] for n in ("q_proj", "k_proj", "v_proj")])
+            qkv = b.op("Add", [qkv, b.weight(f"layers.{i}.qkv_bias", bias.astype(np.float32))])
+        if not lora.enabled:  # [N, 1, *] for RotaryEmbedding: one Unsqueeze, one split into q+k and v
+            qk, v = b.op("Split", [b.op("Unsqueeze", [qkv, b.const([1])]), b.const([(hq + hkv) * d, hkv * d])],
+                         n_out=2, axis=2)
+        else:
+            q, k, v = b.op("Split", [qkv, b.const([hq * d, hkv * d, hkv * d])], n_out=3, axis=1)
+            q, k, v = (lora.apply(i, f"{t}_proj", hidden, x) for t, x in (("q", q), ("k", k), ("v", v)))
+            qk = b.op("Unsqueeze", [b.op("Concat", [q, k], axis=1), b.const([1])])
+        qk = b.op("Reshape", [self.rotary(qk, hq + hkv), b.const([-1, d])])  # [N*(Hq+Hkv), D]
+        v = b.op("Reshape", [v, b.const([-1, d])])  # [N*Hkv, D]
+        self.presents[0].append(b.op("Gather", [qk, idx.key_rows], axis=0))
+        self.presents[1].append(v)
+        ctx = []
+        for pool, rows_of, index in ((self.past[i][0], qk, idx.k_update), (self.past[i][1], v, idx.v_update)):
+            gathered = b.op("Gather", [pool, self.step[C.BLOCK_TABLES]], axis=1)  # [Hkv, B, MB, bs, D]
+            rows = b.annotate(b.op("Reshape", [gathered, idx.ctx_shape]), FLOAT, ["kv_rows", "kv_len", d])
+            update = b.op("Gather", [rows_of, index], axis=0)  # [Hkv*B, S, D]
+            if idx.scatter_at:
+                ctx.append(b.op("ScatterND", [rows, idx.scatter_at, update]))
+                continue
+            # same symbolic shape in and out: onnxruntime then writes into the gathered copy in place
+            ctx.append(b.annotate(b.op("TensorScatter", [rows, update, idx.write_at], axis=1),
+                                  FLOAT, ["kv_rows", "kv_len", d]))
+        qp = b.op("Gather", [qk, idx.q_rows], axis=0)  # [Hkv*B, G*S, D]
+        scores = b.op("FusedMatMul", [qp, ctx[0]], domain=MS_DOMAIN, transB=1, alpha=float(1.0 / np.sqrt(d)))
+        probs = b.op("Softmax", [b.op("Add", [scores, self.mask])], axis=-1)  # [Hkv*B, G*S, T]
+        attn = b.op("MatMul", [probs, ctx[1]])  # [Hkv*B, G*S, D]
+        attn = b.op("Reshape", [b.op("GatherND", [attn, idx.out_index]), b.const([-1, hq * d])])  # [N, Hq*D]
+        o = b.op("MatMul", [attn, self.matmul_weight(f"layers.{i}.o_proj", w[p + "self_attn.o_proj.weight"])])
+        return lora.apply(i, "o_proj", attn, o)
+
+    def mlp(self, i: int, hidden: str) -> str:
+        """Layer i's gated MLP: down(act(gate(x)) * up(x)), gate and up as one fused projection."""
+        b, w, lora = self.b, self.weights, self.lora
+        p = f"model.layers.{i}."
+        wgu = np.concatenate([w[f"{p}{n}.weight"] for n in FUSED_PROJECTIONS["gate_up_proj"]], 0)
+        gu = b.op("MatMul", [hidden, self.matmul_weight(f"layers.{i}.gate_up_proj", wgu)])
+        gate, up = b.op("Split", [gu, b.const([self.spec.intermediate_size] * 2)], n_out=2, axis=1)
+        gate = lora.apply(i, "gate_proj", hidden, gate)
+        up = lora.apply(i, "up_proj", hidden, up)
+        act = b.op("Mul", [self.activation(gate), up])
+        down = b.op("MatMul", [act, self.matmul_weight(f"layers.{i}.down_proj", w[p + "mlp.down_proj.weight"])])
+        return lora.apply(i, "down_proj", act, down)
+
+    def activation(self, gate: str) -> str:
+        """SiLU, as Sigmoid and Mul (the pattern runtime/backends/graph_fusion.py folds into the kernel)."""
+        return self.b.op("Mul", [gate, self.b.op("Sigmoid", [gate])])
+
+    def kv_outputs(self) -> None:
+        """This step's K/V of every layer in one tensor each: the runtime writes them into its blocks at once."""
+        b, spec = self.b, self.spec
+        for kind, name in ((0, C.PRESENT_KEY), (1, C.PRESENT_VALUE)):
+            stacked = b.op("Concat", self.presents[kind], axis=0)  # [L*N*Hkv, D]
+            b.op("Reshape", [stacked, b.const([spec.num_layers, -1, spec.num_kv_heads, spec.head_dim])], out=name)
+            b.output(name, FLOAT, [spec.num_layers, "num_tokens", spec.num_kv_heads, spec.head_dim])
+
+    def lm_head(self, hidden: str) -> str:
+        """Raw logits of the rows logits_index picks (C.LOGITS)."""
+        b, spec, opts = self.b, self.spec, self.opts
+        embed = self.weights["model.embed_tokens.weight"]
+        last = b.op("Gather", [hidden, self.step[C.LOGITS_INDEX]], axis=0)  # [R, H]
+        if opts.tied_gemm and spec.tie_word_embeddings and self.embed_name and opts.embed_dtype == np.float32:
+            b.op("Gemm", [last, self.embed_name], transB=1, out=C.LOGITS)
+        elif opts.head_rescore:
+            if not spec.tie_word_embeddings:
+                raise ValueError("head_rescore needs tied embeddings: the exact rows come from the embedding table")
+            coarse = b.op("MatMul", [last, self.matmul_weight("lm_head", embed)], name="lm_head/MatMul")
+            _, cand = b.op("TopK", [coarse, b.const([opts.head_rescore])], n_out=2, axis=1, largest=1, sorted=0)
+            rows = self.gather_rows(cand)  # [R, K, H]
+            exact = b.op("MatMul", [rows, b.op("Unsqueeze", [last, b.const([2])])])  # [R, K, 1]
+            b.op("ScatterElements", [coarse, cand, b.op("Squeeze", [exact, b.const([2])])], axis=1, out=C.LOGITS)
+        else:
+            head = self.weights.get("lm_head.weight", embed) if not spec.tie_word_embeddings else embed
+            b.op("MatMul", [last, self.matmul_weight("lm_head", head)], name="lm_head/MatMul", out=C.LOGITS)
+        b.output(C.LOGITS, FLOAT, ["num_logits", spec.vocab_size])
+        return C.LOGITS
