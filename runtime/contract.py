@@ -1,12 +1,13 @@
 """The exporter -> runtime contract: package format version and graph I/O names.
 
 The runtime owns this module; the exporter imports it, so both sides agree by construction.
-docs/ARCHITECTURE.md documents every name here with its shape and meaning.
+docs/ARCHITECTURE.md documents every name here with its shape and meaning; io_roles() goes into
+the manifest so that a step runner in another language reads names from there.
 """
 
 FORMAT_NAME = "ruvllm-package"
 FORMAT_VERSION = 2  # 2: the graph writes this step's K/V into its gathered context itself (TensorScatter),
-# and needs block tables as wide as every row's first new position + query_len (runtime.step_batch)
+# and needs block tables as wide as every row's first new position + query_len (runtime.core.step_batch)
 READABLE_FORMAT_VERSIONS = (1, 2)  # a version-1 graph reads the same inputs; wider tables are harmless
 MANIFEST = "manifest.json"
 
@@ -81,5 +82,17 @@ PRESENT_VALUE = "present.value"  # float [num_layers, num_tokens, kv_heads, head
 LOGITS = "logits"  # float [num_logits, vocab]: raw logits, before any processing
 TOPK_LOGPROBS = "topk_logprobs"  # float [num_logits, top_k]: log-softmax of the processed logits
 TOPK_IDS = "topk_ids"  # int64 [num_logits, top_k]
+
+
+
+def io_roles(num_layers: int) -> dict:
+    """Which graph input or output plays each part of a step, for a step runner that must not spell the
+    names itself (the page's, in JS): the exporter writes this into the manifest's io section."""
+    return {"past_keys": [past_key(i) for i in range(num_layers)],
+            "past_values": [past_value(i) for i in range(num_layers)],
+            "present_key": PRESENT_KEY, "present_value": PRESENT_VALUE, "logits": LOGITS,
+            "topk_ids": TOPK_IDS, "topk_logprobs": TOPK_LOGPROBS,
+            "step_inputs": [name for name, _, _ in STEP_INPUTS]}
+
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -41,6 +41,12 @@ class ModelPackage:
         return self.file(g["file"]) if g else None
 
     @property
+    def io_roles(self) -> dict:
+        """Which graph input or output plays each part of a step (runtime.contract.io_roles); packages
+        exported before the manifest carried it follow the same contract."""
+        return self.manifest["io"].get("roles") or C.io_roles(self.config["num_layers"])
+
+    @property
     def eos_token_ids(self) -> list[int]:
         return list(self.manifest.get("special_tokens", {}).get("eos_token_ids", []))
 

@@ -29,7 +29,7 @@ def test_markupsafe_is_pure_python_and_the_runtime_wheel_has_no_native_code(web_
         with zipfile.ZipFile(web_bundle / "python" / lock["packages"][name]["file_name"]) as z:
             names = z.namelist()
         assert not [n for n in names if n.endswith((".so", ".c", ".pyd"))]
-    assert "runtime/backends/web.py" in names and "runtime/engine.py" in names
+    assert "runtime/backends/web.py" in names and "runtime/core/engine.py" in names
 
 
 def test_the_imported_wheels_carry_bytecode_for_pyodides_python(web_bundle):
@@ -55,7 +55,7 @@ def test_the_python_snapshot_is_indexed_with_its_real_sha256_and_holds_every_pag
     index = json.loads((web_bundle / "python" / "snapshot.json").read_text())
     data = (web_bundle / "python" / index["file"]).read_bytes()
     assert len(data) == index["size"] and hashlib.sha256(data).hexdigest() == index["sha256"]
-    assert index["not_imported"] == []  # every module runtime/web_preload.py wants imported in Pyodide
+    assert index["not_imported"] == []  # every module runtime/serve/web_preload.py wants imported in Pyodide
     heap = gzip.decompress(data)
     assert len(heap) == index["heap_bytes"] > 10 << 20
 
@@ -91,3 +91,17 @@ def test_the_warmup_model_follows_the_graph_contract(web_bundle):
     session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
     assert names == expected_inputs(sum(n.startswith("past.") and n.endswith(".key") for n in names))
+    # the steps the worker runs come from warmup.json: each runs here as the worker feeds it
+    import json
+
+    import numpy as np
+
+    plan = json.loads(path.with_suffix(".json").read_text())
+    types = {i["name"]: {1: np.float32, 7: np.int64}[i["dtype"]] for i in plan["io"]["inputs"]}
+    assert len(plan["steps"]) >= 8
+    for step in plan["steps"][:8]:
+        feeds = {name: np.array(values, types[name]).reshape(dims) for name, (values, dims) in step["feeds"].items()}
+        for name in plan["io"]["roles"]["past_keys"] + plan["io"]["roles"]["past_values"]:
+            feeds[name] = np.zeros(step["pool_dims"], np.float32)
+        ids, lps = session.run([plan["io"]["roles"]["topk_ids"], plan["io"]["roles"]["topk_logprobs"]], feeds)
+        assert ids.shape == (1, 1) and np.isfinite(lps).all()

@@ -5,7 +5,7 @@
 
 import { loadPackage, pageGraph } from './model_store.js';
 import { promptKVName, readPromptKV, fits, writePromptKV } from './prompt_kv.js';
-import { StepRunner } from './step_runner.js';
+import { StepRunner, inputSpec, makeTensor } from './step_runner.js';
 
 let runner = null;
 let opening = null; // the 'open' in flight: allocate and run wait for it
@@ -54,45 +54,36 @@ const isGraphFile = (name) => name.endsWith('.onnx') || name.endsWith('.data');
 // tiered up onnxruntime-web's hot WASM functions before the first generation instead of during it
 // (a first visit's first ~60 steps ran 1.3-2.5x slower). Only while bytes come from the network: a
 // reload reads the package from storage in well under a second and V8 has cached its optimized code.
-// Optional: without the file, no warm-up.
+// warmup.json holds its I/O spec and its steps' inputs, written by the Python that builds real steps.
+// Optional: without the files, no warm-up.
 const WARMUP_URL = new URL('./warmup.onnx', import.meta.url);
+const WARMUP_STEPS_URL = new URL('./warmup.json', import.meta.url);
 const WARMUP_MAX_STEPS = 600; // ~0.8 s: enough for the tier-up (Node), no longer competing with the download
 const WARMUP_MAX_MS = 2000;
 
-function warmupFeeds(ort, meta, step) {
-  const pos = 8 + (step % 48), tokens = step % 4 === 0 ? 4 : 1; // mostly decodes, some short chunks
-  const blocks = Math.ceil((pos + tokens) / 16);
-  const i64 = (a, d) => new ort.Tensor('int64', BigInt64Array.from(a, BigInt), d);
-  const f32 = (v, d) => new ort.Tensor('float32', new Float32Array(d.reduce((x, y) => x * y, 1)).fill(v), d);
-  const seq = [...Array(tokens).keys()];
-  const feeds = {
-    input_ids: i64(seq.map((i) => 3 + i), [tokens]), position_ids: i64(seq.map((i) => pos + i), [tokens]),
-    query_index: i64(seq, [1, tokens]), flat_index: i64(seq, [tokens]), block_tables: i64([...Array(blocks).keys()], [1, blocks]),
-    logits_index: i64([tokens - 1], [1]), temperature: f32(1, [1]), repetition_penalty: f32(1, [1]),
-    presence_penalty: f32(0, [1]), frequency_penalty: f32(0, [1]), sparse_token_ids: i64([3], [1, 1]),
-    sparse_token_seen: f32(1, [1, 1]), sparse_token_counts: f32(0, [1, 1]), sparse_logit_bias: f32(0, [1, 1]),
-    top_k: i64([1], [1]),
-  };
-  for (const { name, shape } of meta) {
-    if (name.startsWith('past.')) feeds[name] = f32(0, [shape[0], blocks, 16, shape[3]]);
-  }
+function warmupFeeds(ort, spec, roles, { feeds: values, pool_dims: dims }) {
+  const feeds = {};
+  for (const [name, value] of Object.entries(values)) feeds[name] = makeTensor(ort, spec, name, value);
+  const zeros = new Float32Array(dims.reduce((a, b) => a * b, 1));
+  for (const name of [...roles.past_keys, ...roles.past_values]) feeds[name] = new ort.Tensor('float32', zeros, dims);
   return feeds;
 }
 
 /** Run the warm-up model until stop.requested (or a time cap); resolves to the steps run. */
 async function warmUp(ort, stop) {
-  const bytes = await fetch(WARMUP_URL).then((r) => (r.ok ? r.arrayBuffer() : null)).catch(() => null);
-  if (!bytes || stop.requested) return 0;
+  const get = (url, as) => fetch(url).then((r) => (r.ok ? r[as]() : null)).catch(() => null);
+  const [bytes, plan] = await Promise.all([get(WARMUP_URL, 'arrayBuffer'), get(WARMUP_STEPS_URL, 'json')]);
+  if (!bytes || !plan || stop.requested) return 0;
   const session = await ort.InferenceSession.create(new Uint8Array(bytes), {
     executionProviders: ['wasm'], graphOptimizationLevel: 'basic', logSeverityLevel: 3,
     extra: { session: { disable_quant_qdq: '1' } },
   });
-  const meta = session.inputMetadata;
+  const spec = inputSpec(plan);
   const deadline = performance.now() + WARMUP_MAX_MS;
   let steps = 0;
   try {
     while (!stop.requested && steps < WARMUP_MAX_STEPS && performance.now() < deadline) {
-      await session.run(warmupFeeds(ort, meta, steps++));
+      await session.run(warmupFeeds(ort, spec, plan.io.roles, plan.steps[steps++ % plan.steps.length]));
       await new Promise((resolve) => setTimeout(resolve, 0)); // let the download's reads and digests in
     }
   } finally {

@@ -10,13 +10,24 @@ const ELEMENT_TYPES = { 1: ['float32', Float32Array.from.bind(Float32Array)], 7:
 
 /** name -> { type, make, rank } for every graph input the manifest declares (the exporter writes them
  * from runtime/contract.py): a step's tensors get their dtype and rank from here, never from a copy. */
-function inputSpec(manifest) {
+export function inputSpec(manifest) {
   const spec = {};
   for (const { name, dtype, shape } of manifest.io.inputs) {
     const [type, make] = ELEMENT_TYPES[dtype] ?? [];
     if (type) spec[name] = { type, make, rank: shape.length };
   }
   return spec;
+}
+
+/** A graph input from Python's [values, dims], with the dtype and rank `spec` (inputSpec) declares. */
+export function makeTensor(ort, spec, name, [values, dims]) {
+  const input = spec[name];
+  if (!input) throw new Error(`the step feeds ${name}, which this model's graph does not declare`);
+  const data = dims.length > 1 ? values.flat(dims.length - 1) : values;
+  if (dims.length !== input.rank || data.length !== dims.reduce((a, b) => a * b, 1)) {
+    throw new Error(`graph input ${name}: ${data.length} values as [${dims}], the graph declares rank ${input.rank}`);
+  }
+  return new ort.Tensor(input.type, input.make(data), dims);
 }
 
 export class StepRunner {
@@ -27,7 +38,7 @@ export class StepRunner {
     this.spec = inputSpec(manifest);
     this.config = { numLayers: config.num_layers, kvHeads: config.num_kv_heads, headDim: config.head_dim };
     this.vocabSize = config.vocab_size;
-    this.io = null; // the KV pools' input names and the outputs' names, sent by Python (runtime/contract.py)
+    this.io = null; // which inputs and outputs play which part (the manifest's io.roles), sent by Python
     this.pool = null;
     this.steps = 0;
     this.sessionMs = 0; // inside onnxruntime-web's run
@@ -43,23 +54,12 @@ export class StepRunner {
     this.io = io;
   }
 
-  /** A graph input from Python's [values, dims], with the dtype and rank the manifest declares. */
-  tensor(name, [values, dims]) {
-    const spec = this.spec[name];
-    if (!spec) throw new Error(`the step feeds ${name}, which this model's graph does not declare`);
-    const data = dims.length > 1 ? values.flat(dims.length - 1) : values;
-    if (dims.length !== spec.rank || data.length !== dims.reduce((a, b) => a * b, 1)) {
-      throw new Error(`graph input ${name}: ${data.length} values as [${dims}], the graph declares rank ${spec.rank}`);
-    }
-    return new this.ort.Tensor(spec.type, spec.make(data), dims);
-  }
-
   async run(step) {
     const started = performance.now();
     const { ort, pool } = this;
     pool.ensure(step.blocks_needed);
     const feeds = {};
-    for (const [name, value] of Object.entries(step.feeds)) feeds[name] = this.tensor(name, value);
+    for (const [name, value] of Object.entries(step.feeds)) feeds[name] = makeTensor(ort, this.spec, name, value);
     const { io } = this;
     const dims = pool.dims;
     for (let l = 0; l < this.config.numLayers; l++) {
