@@ -153,6 +153,15 @@ class AsyncEngine:
             self._push(RequestOutput(request_id, "", [], True, "abort", 0, 0))
         return done
 
+    def add_adapter(self, name: str, path):
+        """Register an adapter while requests run (blocking: call it off the event loop)."""
+        with self._lock:
+            return self.engine.adapters.add(name, path)
+
+    def remove_adapter(self, name: str) -> bool:
+        with self._lock:
+            return self.engine.adapters.remove(name)
+
     def stats(self) -> dict:
         with self._lock:
             return self.engine.stats_snapshot()

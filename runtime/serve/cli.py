@@ -97,7 +97,7 @@ def engine_options(args) -> dict:
         opts["num_blocks"] = args.num_blocks
     if getattr(args, "block_size", None):
         opts["block_size"] = args.block_size
-    for name in ("speculative_tokens", "speculative_max_batch"):
+    for name in ("speculative_tokens", "speculative_max_batch", "max_loras", "max_lora_rank", "max_cpu_loras"):
         if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)
     if getattr(args, "no_verify", False):
@@ -138,6 +138,7 @@ def cmd_generate(args) -> int:
     params = sampling_from(args)
     engine = make_engine(args)
     kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    kwargs["adapter"] = add_lora(engine, args)
     started = time.perf_counter()
     first = None
     text, ids, last, logprobs = [], [], None, []
@@ -174,9 +175,17 @@ CHAT_HELP = """commands:
   /quit, /exit     leave"""
 
 
+def add_lora(engine, args) -> str | None:
+    """--lora PATH: the adapter every request of generate / chat runs on."""
+    if not getattr(args, "lora", None):
+        return None
+    return engine.adapters.add("lora", args.lora).name
+
+
 def cmd_chat(args) -> int:
     params = sampling_from(args)
     engine = make_engine(args)
+    adapter = add_lora(engine, args)
     system = args.system
     history: list[dict] = []
     interactive = sys.stdin.isatty()
@@ -220,7 +229,7 @@ def cmd_chat(args) -> int:
         messages = ([{"role": "system", "content": system}] if system else []) + history
         reply = []
         try:
-            for out in engine.generate(params=SamplingParams(**vars(params)), messages=messages):
+            for out in engine.generate(params=SamplingParams(**vars(params)), messages=messages, adapter=adapter):
                 reply.append(out.delta)
                 sys.stdout.write(out.delta)
                 sys.stdout.flush()
@@ -340,11 +349,29 @@ def cmd_serve(args) -> int:
     packages = [str(resolve_package(p)) for p in (args.packages or [None])]
     defaults = sampling_given(args)
     sampling_from(args)  # the defaults are checked before anything loads
-    models = load_models(packages, args.device, args.max_concurrent, engine_options(args))
+    models = load_models(packages, args.device, args.max_concurrent, engine_options(args), lora_modules(args))
     print(f"serving {', '.join(models)} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve(models, args.host, args.port, args.api_key or os.environ.get("RUVLLM_API_KEY"), args.max_queue,
           log_level=args.log_level, defaults=defaults)
     return 0
+
+
+def lora_modules(args) -> dict[str, str]:
+    """--lora-modules name=path ... (vLLM's form; a JSON object with name and path works too)."""
+    out = {}
+    for item in getattr(args, "lora_modules", None) or []:
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+                name, path = spec["name"], spec["path"]
+            except (ValueError, KeyError, TypeError):
+                raise RuvLLMError(f"--lora-modules {item!r}: a JSON module needs \"name\" and \"path\"") from None
+        else:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise RuvLLMError(f"--lora-modules {item!r}: expected name=path")
+        out[name] = path
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -367,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def run_args(p, temperature: float) -> None:
         sampling_args(p, temperature)
+        p.add_argument("--lora", default=None, help="a LoRA adapter folder (PEFT's, or `python -m exporter adapter`'s)")
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
         p.add_argument("--threads", type=int, default=None)
         engine_args(p)
@@ -381,6 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="draft only while at most this many sequences run (default 2)")
         p.add_argument("--no-verify", action="store_true",
                        help="skip checking the package's files against their sha256 (checked once per file change)")
+        p.add_argument("--max-loras", type=int, default=None, help="adapters one batch can mix (default 4)")
+        p.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank served (default 16)")
+        p.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="adapters' weights kept in memory (default: --max-loras)")
 
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
     g.add_argument("package", nargs="?", help="package folder or alias (default: the embedded SmolLM2-135M)")
@@ -427,6 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-batch-tokens", type=int, default=512)
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
     b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--adapters", default=None,
+                   help="comma-separated LoRA adapter folders: the concurrent streams also run spread over them")
     engine_args(b)
     b.set_defaults(func=cmd_bench)
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
@@ -438,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before answering 429")
     sv.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
     sv.add_argument("--log-level", default="info")
+    sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                    help="LoRA adapters to serve; a request selects one by its model field")
     engine_args(sv)
     sampling_args(sv, None, None)  # given ones are the defaults of requests that leave the field out
     sv.set_defaults(func=cmd_serve)

@@ -132,7 +132,7 @@ async def collect(aengine: AsyncEngine, rids: list[str], parsed: P.ParsedRequest
     return P.response(P.new_id("chatcmpl" if chat else "cmpl"), model, chat, choices, lasts), lasts, first
 
 
-def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest) -> list[str]:
+def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest, adapter: str | None = None) -> list[str]:
     """Tokenize, fit max_tokens into the context and queue one engine request per choice; returns their
     ids. Raises ProtocolError/ContextLengthError. With a seed, choice i samples with seed + i: the
     choices differ and each is reproducible."""
@@ -145,7 +145,7 @@ def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest) -> list[str]:
     try:
         for i in range(parsed.n):
             choice = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
-            rids.append(aengine.add_request(ids, choice))
+            rids.append(aengine.add_request(ids, choice, adapter=adapter))
     except BaseException:
         for rid in rids:  # all or nothing
             aengine.release(rid)

@@ -18,6 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runtime.core.adapters import AdapterError, UnknownAdapterError
 from runtime.core.async_engine import AsyncEngine
 from runtime.errors import ContextLengthError, RequestError
 from runtime.serve import openai_protocol as P
@@ -110,14 +111,14 @@ class Completions:
 
     def _queue(self, body, chat: bool) -> tuple[ServedModel, object, list[str]]:
         parsed = P.parse_chat(body, self.defaults) if chat else P.parse_completion(body, self.defaults)
-        served = self.models.get(parsed.model)
-        if served is None:
-            raise P.ProtocolError(f"the model '{parsed.model}' does not exist; see GET /v1/models", "model",
-                                  status=404, code="model_not_found")
+        served, adapter = resolve_model(self.models, parsed.model)
         if self.max_queue is not None and len(served.engine.engine.scheduler.waiting) >= self.max_queue:
             raise P.ProtocolError("the server is busy: the request queue is full, retry later", status=429,
                                   kind="rate_limit_exceeded", code="queue_full")
-        return served, parsed, queue_request(served.engine, parsed)
+        try:
+            return served, parsed, queue_request(served.engine, parsed, adapter)
+        except UnknownAdapterError:  # unloaded since resolve_model looked
+            raise model_not_found(parsed.model) from None
 
     async def handle(self, request: Request, chat: bool):
         try:
@@ -163,6 +164,80 @@ class Completions:
         m.latency.labels(model).observe(time.monotonic() - started)
 
 
+def model_not_found(name: str) -> P.ProtocolError:
+    return P.ProtocolError(f"the model '{name}' does not exist; see GET /v1/models", "model", status=404,
+                           code="model_not_found")
+
+
+def resolve_model(models: dict[str, ServedModel], name: str) -> tuple[ServedModel, str | None]:
+    """A request's `model`: a served package, or one of its LoRA adapters (then the adapter's name)."""
+    served = models.get(name)
+    if served is not None:
+        return served, None
+    for served in models.values():
+        if name in served.engine.engine.adapters:
+            return served, name
+    raise model_not_found(name)
+
+
+def model_cards(models: dict[str, ServedModel]) -> list[dict]:
+    """GET /v1/models: each package, then its adapters with their `parent` (as vLLM lists them)."""
+    cards = []
+    for m in models.values():
+        cards.append({"id": m.name, "object": "model", "created": m.created, "owned_by": "ruvllm", "root": m.name,
+                      "parent": None})
+        for info in m.engine.engine.adapters:
+            cards.append({"id": info.name, "object": "model", "created": m.created, "owned_by": "ruvllm",
+                          "root": str(info.path), "parent": m.name})
+    return cards
+
+
+class AdapterRoutes:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), while requests stream."""
+
+    def __init__(self, models: dict[str, ServedModel]) -> None:
+        self.models = models
+
+    async def _body(self, request: Request, *fields: str) -> dict:
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise P.ProtocolError("the request body must be a JSON object")
+        for f in fields:
+            if not isinstance(body.get(f), str) or not body[f]:
+                raise P.ProtocolError(f"{f!r} is required (a non-empty string)", f)
+        return body
+
+    async def load(self, request: Request):
+        try:
+            body = await self._body(request, "lora_name", "lora_path")
+            name, base = body["lora_name"], body.get("base_model_name")
+            try:
+                resolve_model(self.models, name)
+                raise P.ProtocolError(f"the adapter '{name}' is already loaded", "lora_name")
+            except P.ProtocolError as err:
+                if err.status != 404:
+                    raise
+            served = self.models.get(base) if base else next(iter(self.models.values()))
+            if served is None:
+                raise model_not_found(base)
+            await asyncio.to_thread(served.engine.add_adapter, name, body["lora_path"])
+        except P.ProtocolError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        except AdapterError as err:
+            return error_response(400, str(err), param="lora_path")
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    async def unload(self, request: Request):
+        try:
+            name = (await self._body(request, "lora_name"))["lora_name"]
+            if not any(m.engine.remove_adapter(name) for m in self.models.values()):
+                raise P.ProtocolError(f"no LoRA adapter named '{name}' is loaded", "lora_name", status=404,
+                                      code="model_not_found")
+        except P.ProtocolError as err:
+            return JSONResponse(err.body(), status_code=err.status)
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
+
+
 def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_queue: int | None = None,
                shutdown_timeout: float = 30.0, defaults: dict | None = None):
     """defaults: sampling values for requests that leave a field out (`ruvllm serve --temperature ...`)."""
@@ -202,8 +277,11 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [{"id": m.name, "object": "model", "created": m.created,
-                                            "owned_by": "ruvllm"} for m in models.values()]}
+        return {"object": "list", "data": model_cards(models)}
+
+    adapters = AdapterRoutes(models)
+    app.post("/v1/load_lora_adapter")(adapters.load)
+    app.post("/v1/unload_lora_adapter")(adapters.unload)
 
     def body_schema(chat: bool) -> dict:  # published for clients and fuzzers; parsing stays openai_protocol's
         return {"requestBody": {"required": True, "content": {"application/json": {"schema": P.request_schema(chat, list(models))}}}}
@@ -273,7 +351,9 @@ async def _abort_on_disconnect(request, aengine: AsyncEngine, rids: list[str]) -
             return
 
 
-def load_models(packages: list[str], device: str, max_concurrent: int, engine_kwargs: dict) -> dict[str, ServedModel]:
+def load_models(packages: list[str], device: str, max_concurrent: int, engine_kwargs: dict,
+                lora_modules: dict[str, str] | None = None) -> dict[str, ServedModel]:
+    """One engine per package; --lora-modules are the first package's adapters."""
     from runtime.core.engine import Engine
 
     models: dict[str, ServedModel] = {}
@@ -282,6 +362,9 @@ def load_models(packages: list[str], device: str, max_concurrent: int, engine_kw
         name = engine.pkg.name
         if name in models:
             name = f"{name}-{len(models)}"
+        if not models:
+            for adapter, folder in (lora_modules or {}).items():
+                engine.adapters.add(adapter, folder)
         models[name] = ServedModel(name, AsyncEngine(engine), int(time.time()))
     return models
 

@@ -1,0 +1,287 @@
+"""LoRA adapters end to end, with PEFT as the reference: PEFT folders read as PEFT saves them, one batch
+mixing adapters and the base model, prefix-cache isolation by content, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.core.adapters import AdapterError
+from runtime.core.engine import Engine
+from runtime.core.sampling import SamplingParams
+
+TOL = 1e-3
+# three adapters: different ranks, target sets and scalings (rsLoRA, a per-module rank and alpha)
+ADAPTERS = {
+    "attn4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+    "mlp8": dict(r=8, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"], use_rslora=True),
+    "all16": dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                       "up_proj", "down_proj"],
+                  rank_pattern={"o_proj": 8}, alpha_pattern={"down_proj": 8}),
+}
+
+
+def load_hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def peft_adapters(workdir, tiny_model_dir):
+    """Factory: arch -> {name: folder} of PEFT adapters saved with save_pretrained (random, non-zero B)."""
+    from peft import LoraConfig, get_peft_model
+
+    made = {}
+
+    def make(arch: str) -> dict:
+        if arch not in made:
+            out = {}
+            for i, (name, cfg) in enumerate(ADAPTERS.items()):
+                torch.manual_seed(100 + i)
+                model = get_peft_model(load_hf(tiny_model_dir(arch)), LoraConfig(init_lora_weights=False, **cfg))
+                with torch.no_grad():  # PEFT's random init is small: make each adapter change the tokens
+                    for n, p in model.named_parameters():
+                        if "lora_B" in n:
+                            p.mul_(8.0)
+                folder = workdir / f"adapter-{arch}-{name}"
+                model.save_pretrained(folder)
+                out[name] = folder
+            made[arch] = out
+        return made[arch]
+    return make
+
+
+def peft_model(model_dir, folder):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_hf(model_dir), folder).eval()
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+def greedy(n: int = 8) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def run(engine: Engine, prompt: list[int], adapter: str | None = None, n: int = 8) -> list[int]:
+    return [t for o in engine.generate(prompt, greedy(n), adapter=adapter) for t in o.token_ids]
+
+
+PROMPT = [5, 17, 99, 3, 250, 41, 7, 8, 1000, 12, 13]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_peft_adapters_match_peft_logits_and_greedy_tokens(arch, tiny_model_dir, tiny_package, peft_adapters):
+    from runtime.backends.native import NativeBackend
+    from runtime.core.adapters import read_adapter
+    from runtime.core.step_batch import Chunk, build_step
+    from runtime.package import load_package
+
+    pkg = load_package(tiny_package(arch))
+    base = load_hf(tiny_model_dir(arch))
+    with torch.no_grad():
+        base_logits = base(torch.tensor([PROMPT])).logits[0, -1].numpy()
+    engine = Engine(pkg, NativeBackend(pkg), speculative_tokens=0, max_loras=3)
+    backend = NativeBackend(pkg)
+    backend.allocate(64, 4)
+    backend.enable_lora(3, 16)
+    for slot, (name, folder) in enumerate(peft_adapters(arch).items(), start=1):
+        ref = peft_model(tiny_model_dir(arch), folder)
+        with torch.no_grad():
+            want = ref(torch.tensor([PROMPT])).logits[0, -1].numpy()
+        assert np.abs(want - base_logits).max() > 50 * TOL, name  # the adapter really changes the model
+        backend.set_adapter(slot, read_adapter(name, folder, pkg.config, arch))
+        table = list(range(4 * slot, 4 * slot + 3))
+        chunk = Chunk(PROMPT, 0, table, [table[t // 4] * 4 + t % 4 for t in range(len(PROMPT))], True,
+                      top_k=5, adapter_slot=slot)
+        got = backend.run(build_step([chunk], 4, want_full_logits=True)).logits[0]
+        assert np.abs(got - want).max() < TOL, (name, np.abs(got - want).max())
+        engine.adapters.add(name, folder)
+        assert run(engine, PROMPT, name) == hf_greedy(ref, PROMPT, 8), name
+    assert run(engine, PROMPT) == hf_greedy(base, PROMPT, 8)  # the base model, with adapters loaded
+
+
+def test_one_batch_mixes_the_base_model_and_three_adapters(tiny_package, peft_adapters):
+    """12 requests over the base model and 3 adapters, 2 adapter slots (so some wait for a slot), run
+    together: each equals its solo run."""
+    pkg = tiny_package("llama")
+    rng = np.random.default_rng(5)
+    prompts = [[int(t) for t in rng.integers(3, 2000, int(rng.integers(4, 20)))] for _ in range(12)]
+    names = [None, "attn4", "mlp8", "all16"] * 3
+    solo = Engine.from_package(pkg, speculative_tokens=0, enable_prefix_cache=False)
+    for name, folder in peft_adapters("llama").items():
+        solo.adapters.add(name, folder)
+    expected = [run(solo, p, a) for p, a in zip(prompts, names)]
+    assert len({tuple(e) for e in expected}) == 12
+    engine = Engine.from_package(pkg, speculative_tokens=0, max_loras=2)
+    for name, folder in peft_adapters("llama").items():
+        engine.adapters.add(name, folder)
+    rids = [engine.add_request(p, greedy(), adapter=a) for p, a in zip(prompts, names)]
+    got = {rid: [] for rid in rids}
+    mixed = 0
+    while engine.has_unfinished():
+        slots = {s.adapter_slot for s in engine.scheduler.running}
+        mixed = max(mixed, len(slots))
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    assert mixed == 3  # the base model and both slots in one step
+    assert [got[r] for r in rids] == expected
+
+
+def test_prefix_cache_keys_blocks_by_adapter_content(tiny_package, peft_adapters, tmp_path):
+    """The same prompt under two adapters shares no blocks; one adapter under two names shares them."""
+    pkg = tiny_package("llama")
+    folders = peft_adapters("llama")
+    shutil.copytree(folders["attn4"], tmp_path / "copy")
+    engine = Engine.from_package(pkg, speculative_tokens=0, block_size=4)
+    for name in ("attn4", "mlp8"):
+        engine.adapters.add(name, folders[name])
+    engine.adapters.add("attn4-again", tmp_path / "copy")
+    prompt = list(range(10, 27))  # 4 full blocks and one token
+    stats = engine.scheduler.allocator.stats
+    run(engine, prompt, "attn4", 2)
+    hits = stats.hits
+    run(engine, prompt, "mlp8", 2)
+    assert stats.hits == hits  # another adapter: nothing shared
+    run(engine, prompt, None, 2)
+    assert stats.hits == hits  # nor with the base model
+    out = list(engine.generate(prompt, greedy(2), adapter="attn4-again"))
+    assert stats.hits == hits + 4 and out[-1].cached_tokens == 16  # the same weights under another name
+
+
+def test_adapter_errors_are_clear_and_leave_the_engine_serving(tiny_package, peft_adapters, tmp_path):
+    pkg = tiny_package("llama")
+    engine = Engine.from_package(pkg, speculative_tokens=0, max_lora_rank=8)
+    folders = peft_adapters("llama")
+    with pytest.raises(AdapterError, match="rank 16, more than --max-lora-rank 8"):
+        engine.adapters.add("big", folders["all16"])
+    with pytest.raises(AdapterError, match="no such adapter folder"):
+        engine.adapters.add("nope", tmp_path / "missing")
+    other = peft_adapters("qwen2")["attn4"]  # same shapes here: a wrong base is caught by its shapes...
+    wrong = tmp_path / "wrong"
+    shutil.copytree(other, wrong)
+    cfg = json.loads((wrong / "adapter_config.json").read_text())
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(wrong / "adapter_model.safetensors")
+    tensors = {k: np.concatenate([v, v], axis=1) if "lora_A" in k else v for k, v in tensors.items()}
+    save_file(tensors, wrong / "adapter_model.safetensors")  # ...an input width of 128 is another model
+    with pytest.raises(AdapterError, match="another base model"):
+        engine.adapters.add("wrong", wrong)
+    cut = tmp_path / "cut"
+    shutil.copytree(folders["attn4"], cut)
+    data = (cut / "adapter_model.safetensors").read_bytes()
+    (cut / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(AdapterError, match="corrupt safetensors|not a readable safetensors"):
+        engine.adapters.add("cut", cut)
+    dora = tmp_path / "dora"
+    shutil.copytree(folders["attn4"], dora)
+    (dora / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
+    with pytest.raises(AdapterError, match="DoRA"):
+        engine.adapters.add("dora", dora)
+    with pytest.raises(Exception, match="no adapter named 'nope'"):
+        engine.add_request([5, 6, 7], greedy(), adapter="nope")
+    engine.adapters.add("attn4", folders["attn4"])  # and it still serves
+    assert len(run(engine, PROMPT, "attn4", 3)) == 3
+    assert engine.adapters.remove("attn4") and "attn4" not in engine.adapters
+
+
+def test_server_serves_adapters_by_model_and_hot_loads_them_while_requests_stream(tiny_package, peft_adapters,
+                                                                                   tmp_path):
+    """vLLM's interface: --lora-modules, `model` selects an adapter, /v1/models lists it with its parent,
+    load and unload while 8 requests stream; a request on an unloaded adapter gets 404, bad loads 400."""
+    import asyncio
+
+    import httpx
+    from openai import OpenAI
+
+    from runtime.serve.server import create_app, load_models
+    from tests.runtime.test_server import LiveServer
+
+    pkg = tiny_package("llama")
+    folders = peft_adapters("llama")
+    solo = Engine.from_package(pkg, speculative_tokens=0, enable_prefix_cache=False)
+    for name, folder in folders.items():
+        solo.adapters.add(name, folder)
+    prompt = "one two three four"
+    want = {a: solo.tokenizer.decode(run(solo, solo.encode_prompt(prompt), a, 12)) for a in (None, "attn4", "mlp8")}
+    assert len(set(want.values())) == 3
+    models = load_models([str(pkg)], "cpu", 16, {"speculative_tokens": 0}, {"attn4": str(folders["attn4"])})
+    live = LiveServer(create_app(models))
+    try:
+        base = next(iter(models))
+        client = OpenAI(base_url=live.url + "/v1", api_key="unused")
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {base, "attn4"} and cards["attn4"].model_extra["parent"] == base
+
+        def complete(model: str) -> str:
+            return client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
+
+        assert complete("attn4") == want["attn4"] and complete(base) == want[None]
+
+        async def streams_during_load() -> list[str]:
+            async def one(model: str) -> str:
+                text = ""
+                async with httpx.AsyncClient(timeout=120) as http:
+                    async with http.stream("POST", live.url + "/v1/completions", json={
+                            "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True}) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                text += json.loads(line[6:])["choices"][0]["text"]
+                return text
+
+            tasks = [asyncio.create_task(one(m)) for m in [base, "attn4"] * 4]
+            await asyncio.sleep(0.05)
+            async with httpx.AsyncClient(timeout=120) as http:
+                r = await http.post(live.url + "/v1/load_lora_adapter",
+                                    json={"lora_name": "mlp8", "lora_path": str(folders["mlp8"])})
+                assert r.status_code == 200, r.text
+            return await asyncio.gather(*tasks)
+
+        assert asyncio.run(streams_during_load()) == [want[None], want["attn4"]] * 4
+        assert complete("mlp8") == want["mlp8"]
+        # unload while one request is in flight: it finishes; new ones get 404
+        with httpx.Client(timeout=120) as http:
+            with http.stream("POST", live.url + "/v1/completions", json={
+                    "model": "mlp8", "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True}) as r:
+                lines = r.iter_lines()
+                first = next(line for line in lines if line.startswith("data: {"))
+                assert http.post(live.url + "/v1/unload_lora_adapter", json={"lora_name": "mlp8"}).status_code == 200
+                text = json.loads(first[6:])["choices"][0]["text"] + "".join(
+                    json.loads(line[6:])["choices"][0]["text"] for line in lines if line.startswith("data: {"))
+            assert text == want["mlp8"]
+            r = http.post(live.url + "/v1/completions", json={"model": "mlp8", "prompt": prompt, "max_tokens": 4})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+            assert http.post(live.url + "/v1/unload_lora_adapter", json={"lora_name": "mlp8"}).status_code == 404
+            bad = http.post(live.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
+            assert bad.status_code == 400 and "not a LoRA adapter" in bad.json()["error"]["message"]
+            bad = http.post(live.url + "/v1/load_lora_adapter", json={"lora_name": "attn4", "lora_path": str(tmp_path)})
+            assert bad.status_code == 400 and "already loaded" in bad.json()["error"]["message"]
+            assert http.post(live.url + "/v1/load_lora_adapter", content=b"{").status_code == 400
+        assert complete(base) == want[None] and complete("attn4") == want["attn4"]  # nothing else disturbed
+    finally:
+        live.stop()
+
+
+def test_cli_generate_with_lora(tiny_package, peft_adapters):
+    from tests.conftest import run_cli
+
+    pkg = tiny_package("llama")
+    folder = peft_adapters("llama")["attn4"]
+    proc = run_cli("generate", str(pkg), "one two three", "--lora", str(folder), "--temperature", "0",
+                   "--max-tokens", "6", "--json", "--speculative-tokens", "0")
+    assert proc.returncode == 0, proc.stderr
+    solo = Engine.from_package(pkg, speculative_tokens=0)
+    solo.adapters.add("a", folder)
+    ids = [t for o in solo.generate("one two three", SamplingParams(max_tokens=6, temperature=0), adapter="a")
+           for t in o.token_ids]
+    assert json.loads(proc.stdout)["token_ids"] == ids
