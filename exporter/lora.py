@@ -28,18 +28,30 @@ def adapter_from_peft(state_dict: dict, alpha: float, rank: int, use_rslora: boo
 
 
 def stack_adapters(adapters: list[dict], num_layers: int, features: dict[str, tuple[int, int]]) -> dict:
-    """Graph inputs lora.<target>.A/B for these adapters, zero where an adapter lacks a layer/target."""
+    """The LoRA graph's per-layer inputs for these adapters side by side in adapter columns (adapter j's
+    rank taking columns j*rank ..), zero where an adapter lacks a layer or target."""
     rank = max([a.shape[1] for ad in adapters for a, _ in ad.values()] + [1])
+    cols = rank * len(adapters)
     out = {}
-    for target in C.LORA_TARGETS:
-        fin, fout = features[target]
-        a_all = np.zeros((num_layers, len(adapters), fin, rank), np.float32)
-        b_all = np.zeros((num_layers, len(adapters), rank, fout), np.float32)
-        for j, ad in enumerate(adapters):
-            for (layer, tgt), (a, b) in ad.items():
-                if tgt == target:
-                    a_all[layer, j, :, : a.shape[1]] = a
-                    b_all[layer, j, : b.shape[0], :] = b
-        out[C.lora_a(target)] = a_all
-        out[C.lora_b(target)] = b_all
+    for layer in range(num_layers):
+        for target in C.LORA_TARGETS:
+            fin, fout = features[target]
+            a_all = np.zeros((cols, fin), np.float32)
+            b_all = np.zeros((cols, fout), np.float32)
+            for j, ad in enumerate(adapters):
+                if (layer, target) in ad:
+                    a, b = ad[layer, target]
+                    a_all[j * rank: j * rank + a.shape[1]] = a.T
+                    b_all[j * rank: j * rank + b.shape[0]] = b
+            out[C.lora_a(layer, target)] = a_all
+            out[C.lora_b(layer, target)] = b_all
     return out
+
+
+def adapter_weights(token_adapters: list[int | None], num_adapters: int, rank: int) -> np.ndarray:
+    """lora_weights for tokens on these adapters (None: the base model), with stack_adapters' columns."""
+    w = np.zeros((len(token_adapters), num_adapters * rank), np.float32)
+    for n, j in enumerate(token_adapters):
+        if j is not None:
+            w[n, j * rank:(j + 1) * rank] = 1.0
+    return w

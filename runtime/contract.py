@@ -34,7 +34,10 @@ SPARSE_BIAS = "sparse_logit_bias"  # float [num_logits, num_sparse]
 TOP_K = "top_k"  # int64 [1]: how many candidates to return
 
 # --- graph inputs: LoRA (only in the LoRA graph variant) ---
-LORA_WEIGHTS = "lora_weights"  # float [num_tokens, num_adapters]: per-token mixing weights
+# The adapters of a step sit side by side as "adapter columns": adapter j's rank-r factors take columns
+# j*r .. (j+1)*r - 1. A token's delta on a target is ((x A^T) * w) B, w its row of LORA_WEIGHTS: one
+# adapter's weight repeated over its columns (one-hot per token for multi-LoRA, X-LoRA's mixture).
+LORA_WEIGHTS = "lora_weights"  # float [num_tokens, lora_columns]
 
 # The step's per-step graph inputs with their dtype and symbolic shape, in the graph's input order: the
 # exporter declares them from this table, the manifest carries them, and both backends build each
@@ -68,12 +71,12 @@ def past_value(layer: int) -> str:
     return f"past.{layer}.value"
 
 
-def lora_a(target: str) -> str:
-    return f"lora.{target}.A"  # float [num_layers, num_adapters, in_features, rank]
+def lora_a(layer: int, target: str) -> str:
+    return f"lora.{layer}.{target}.A"  # float [lora_columns, in_features]: the adapters' A, transposed
 
 
-def lora_b(target: str) -> str:
-    return f"lora.{target}.B"  # float [num_layers, num_adapters, rank, out_features], scale folded in
+def lora_b(layer: int, target: str) -> str:
+    return f"lora.{layer}.{target}.B"  # float [lora_columns, out_features], scale folded in
 
 
 # --- graph outputs ---

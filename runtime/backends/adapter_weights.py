@@ -50,19 +50,22 @@ def adapter_arrays(info: AdapterInfo, config: dict) -> dict[str, tuple[np.ndarra
 
 
 class AdapterTensors:
-    """The LoRA graph's adapter inputs, allocated once and bound by reference."""
+    """The LoRA graph's adapter inputs, allocated once: per target, A^T and B of every slot side by side,
+    [layers, columns, in] and [layers, columns, out]. Each slot takes `rank` columns, the largest rank of
+    the adapters loaded so far (slot s: columns (s-1)*rank .. s*rank - 1; slot 0, the base model, none),
+    and a step binds, as contiguous views, only the columns up to its highest slot: one rank-8 adapter
+    costs 8 columns of work, not max_loras * max_lora_rank."""
 
     def __init__(self, config: dict, max_loras: int, max_rank: int, max_cpu_loras: int | None = None) -> None:
-        self.config, self.max_rank = config, max_rank
-        self.slots = max_loras + 1
-        layers = config["num_layers"]
-        self.inputs: dict[str, np.ndarray] = {}
+        self.config, self.max_rank, self.max_loras = config, max_rank, max_loras
+        layers, cols = config["num_layers"], max_loras * max_rank
+        self.stacked: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for target, (fin, fout) in target_features(config).items():
-            self.inputs[C.lora_a(target)] = np.zeros((layers, self.slots, fin, max_rank), np.float32)
-            self.inputs[C.lora_b(target)] = np.zeros((layers, self.slots, max_rank, fout), np.float32)
+            self.stacked[target] = (np.zeros((layers, cols, fin), np.float32), np.zeros((layers, cols, fout), np.float32))
+        self.rank = 0  # columns per slot
+        self.holders: dict[int, AdapterInfo] = {}
         self._cache: OrderedDict[str, dict] = OrderedDict()
         self._cache_size = max(max_cpu_loras or max_loras, 1)
-        self._eye = np.eye(self.slots, dtype=np.float32)
 
     def _arrays(self, info: AdapterInfo) -> dict:
         arrays = self._cache.get(info.id)
@@ -75,20 +78,48 @@ class AdapterTensors:
         return arrays
 
     def put(self, slot: int, info: AdapterInfo) -> None:
-        if not 0 < slot < self.slots:
-            raise ValueError(f"adapter slot {slot} is outside 1..{self.slots - 1}")
+        if not 0 < slot <= self.max_loras:
+            raise ValueError(f"adapter slot {slot} is outside 1..{self.max_loras}")
         if info.rank > self.max_rank:
             raise AdapterError(f"adapter {info.name!r} has rank {info.rank}, more than the maximum {self.max_rank}")
-        arrays = self._arrays(info)
-        for target in C.LORA_TARGETS:
-            a_all, b_all = self.inputs[C.lora_a(target)], self.inputs[C.lora_b(target)]
-            a_all[:, slot] = 0.0
-            b_all[:, slot] = 0.0
-            if target in arrays:
-                a, b = arrays[target]
-                a_all[:, slot, :, :a.shape[2]] = a
-                b_all[:, slot, :b.shape[1], :] = b
+        self.holders[slot] = info
+        if info.rank > self.rank:  # wider slots: lay every loaded adapter out again
+            self.rank = info.rank
+            for a_all, b_all in self.stacked.values():
+                a_all[:] = 0.0
+                b_all[:] = 0.0
+            for s, held in self.holders.items():
+                self._write(s, held)
+        else:
+            self._write(slot, info)
 
-    def mixing(self, token_slots: list[int]) -> np.ndarray:
-        """One-hot mixing weights [tokens, slots]: each token on its sequence's adapter (slot 0: none)."""
-        return self._eye[np.asarray(token_slots, np.int64)]
+    def _write(self, slot: int, info: AdapterInfo) -> None:
+        arrays = self._arrays(info)
+        start = (slot - 1) * self.rank
+        for target, (a_all, b_all) in self.stacked.items():
+            a_all[:, start:start + self.rank] = 0.0
+            b_all[:, start:start + self.rank] = 0.0
+            if target in arrays:
+                a, b = arrays[target]  # [layers, in, r], [layers, r, out]
+                r = a.shape[2]
+                a_all[:, start:start + r] = a.transpose(0, 2, 1)
+                b_all[:, start:start + r] = b
+
+    def columns(self, token_slots: list[int]) -> int:
+        """Columns a step with these slots needs bound: up to its highest slot's."""
+        return max(token_slots) * self.rank
+
+    def views(self, columns: int) -> dict[str, np.ndarray]:
+        """Every layer's A and B inputs over the first `columns` columns (contiguous views, no copy)."""
+        out = {}
+        for target, (a_all, b_all) in self.stacked.items():
+            for layer in range(a_all.shape[0]):
+                out[C.lora_a(layer, target)] = a_all[layer, :columns]
+                out[C.lora_b(layer, target)] = b_all[layer, :columns]
+        return out
+
+    def mixing(self, token_slots: list[int], columns: int) -> np.ndarray:
+        """lora_weights [tokens, columns]: each token weighs its sequence's slot's columns 1, the rest 0."""
+        slots = np.asarray(token_slots, np.int64)
+        col_slot = np.arange(columns) // max(self.rank, 1) + 1  # the slot each column belongs to
+        return (slots[:, None] == col_slot[None, :]).astype(np.float32)

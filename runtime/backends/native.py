@@ -62,14 +62,8 @@ class NativeBackend:
         self.head_dim = cfg["head_dim"]
         self.vocab_size = cfg["vocab_size"]
         self.providers = providers_for(device)
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.intra_op_num_threads = threads or int(os.environ.get("RUVLLM_THREADS", 0)) or (os.cpu_count() or 1)
-        opts.inter_op_num_threads = 1
-        opts.log_severity_level = 3
-        for key, value in package.session_config.items():  # e.g. the browser format's QDQ switch
-            opts.add_session_config_entry(key, str(value))
-        self._ort, self._opts = ort, opts
+        self._threads = threads or int(os.environ.get("RUVLLM_THREADS", 0)) or (os.cpu_count() or 1)
+        self._ort = ort
         self.matmul_kernel = "onnxruntime's own"  # what runs the 4-bit projections; _kernel_session may say more
         self.attention_kernel = "the graph's own"  # the exported gather + attention, or ruvllm.PagedAttention
         self.session = self._open(lora)
@@ -78,18 +72,30 @@ class NativeBackend:
         self.adapters: AdapterTensors | None = None
         self.pool = None
 
+    def _options(self):
+        """Fresh session options per session (a custom-op library registers its domain once per options)."""
+        ort = self._ort
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.intra_op_num_threads = self._threads
+        opts.inter_op_num_threads = 1
+        opts.log_severity_level = 3
+        for key, value in self.pkg.session_config.items():  # e.g. the browser format's QDQ switch
+            opts.add_session_config_entry(key, str(value))
+        return opts
+
     def _open(self, lora: bool):
         """A session on the package's graph (or its LoRA graph), on RuvLLM's CPU kernels where they apply."""
-        package, ort = self.pkg, self._ort
+        package, ort, opts = self.pkg, self._ort, self._options()
         entry = package.manifest["graphs"].get("decoder_lora" if lora else "decoder")
         if entry is None:
             raise PackageError(f"{package.path}: this package was exported without the LoRA graph")
         graph = package.file(entry["file"])
         cpu = self.providers == DEVICE_PROVIDERS["cpu"]
-        session = self._kernel_session(graph, self._opts, entry.get("fusions")) if cpu else None
+        session = self._kernel_session(graph, opts, entry.get("fusions")) if cpu else None
         if session is None:
             try:
-                session = ort.InferenceSession(str(graph), sess_options=self._opts, providers=self.providers)
+                session = ort.InferenceSession(str(graph), sess_options=self._options(), providers=self.providers)
             except Exception as err:  # onnxruntime raises its own exception types
                 raise PackageError(f"{package.path}: onnxruntime cannot load {graph.name}: "
                                    f"{str(err).splitlines()[0][:300]}") from err
@@ -99,6 +105,9 @@ class NativeBackend:
         contract = expected_inputs(self.num_layers, lora=lora)
         if names[:len(contract)] != contract or (not lora and len(names) != len(contract)):
             raise PackageError(f"{package.path}: the graph's inputs do not match its manifest")
+        if lora and C.lora_a(0, C.LORA_TARGETS[0]) not in names:
+            raise PackageError(f"{package.path}: its LoRA graph takes adapters stacked over layers, an earlier "
+                               "layout this runtime no longer feeds; re-export the package")
         return session
 
     def _kernel_session(self, graph, opts, declared: dict[str, int] | None):
@@ -175,7 +184,7 @@ class NativeBackend:
             if self.pool is not None:
                 self.lora_runner.bind_pool(self.pool)
         self.adapters = AdapterTensors(self.pkg.config, max_loras, max_rank)
-        self.lora_runner.bind_static(self.adapters.inputs)
+        self._lora_columns = -1  # the adapter columns the LoRA session has bound
 
     def set_adapter(self, slot: int, info) -> None:
         """Put an adapter's weights (a runtime.core.adapters.AdapterInfo) into a slot of the LoRA inputs."""
@@ -189,7 +198,11 @@ class NativeBackend:
             if self.adapters is None:
                 raise RuntimeError("a step names adapter slots, but no adapter was enabled (enable_lora)")
             runner = self.lora_runner
-            extra_inputs = {**(extra_inputs or {}), C.LORA_WEIGHTS: self.adapters.mixing(batch.adapter_slots)}
+            columns = self.adapters.columns(batch.adapter_slots)
+            if columns != self._lora_columns:  # bound by reference: only when the highest slot or rank moves
+                runner.bind_static(self.adapters.views(columns))
+                self._lora_columns = columns
+            extra_inputs = {**(extra_inputs or {}), C.LORA_WEIGHTS: self.adapters.mixing(batch.adapter_slots, columns)}
         outs = runner.run(batch, extra_inputs)
         self.pool.write(outs[C.PRESENT_KEY], outs[C.PRESENT_VALUE], batch.kv_slots)
         if not batch.logits_index:

@@ -29,6 +29,11 @@ DEFAULT_MAX_LORA_RANK = 16
 _PEFT_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
+def own_tensor(target: str, which: str) -> str:
+    """A tensor's name in the exporter's adapter file: [layers, in, rank] for A, [layers, rank, out] for B."""
+    return f"{target}.{which}"
+
+
 class AdapterError(RequestError):
     """An adapter that cannot serve this package: a wrong base, too large a rank, missing or corrupt files."""
 
@@ -224,7 +229,7 @@ def _read_own(name: str, p: Path, config: dict, architecture: str) -> AdapterInf
     for target in manifest["targets"]:
         if target not in features:
             raise AdapterError(f"{p}: LoRA target {target} is not one of {', '.join(C.LORA_TARGETS)}")
-        a, b = index.get(C.lora_a(target)), index.get(C.lora_b(target))
+        a, b = index.get(own_tensor(target, "A")), index.get(own_tensor(target, "B"))
         fin, fout = features[target]
         if a is None or b is None or a.shape != (layers, fin, rank) or b.shape != (layers, rank, fout):
             raise AdapterError(f"{p}: {target}'s tensors do not fit this model ({layers} layers, {fin} -> {fout}, "

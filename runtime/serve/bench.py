@@ -50,15 +50,18 @@ def _text_tokens(engine, tokens: int, salt: str = "") -> list[int]:
     return ids[:tokens]
 
 
-def concurrent(engine, streams: int, max_tokens: int, prefix: list[int] | None = None) -> dict:
-    """`streams` requests at once; aggregate decode throughput, TTFT and inter-token latency percentiles."""
+def concurrent(engine, streams: int, max_tokens: int, prefix: list[int] | None = None,
+               adapters: list[str] | None = None) -> dict:
+    """`streams` requests at once; aggregate decode throughput, TTFT and inter-token latency percentiles.
+    adapters: the streams run round-robin on these adapters' names (a mixed-adapter batch)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     starts, last, firsts = {}, {}, {}
     itl: list[float] = []
     t0 = time.perf_counter()
     for i in range(streams):
         question = engine.tokenizer.encode(f" Question {i}: tell me a story about the number {i}.")
-        rid = engine.add_request((prefix or []) + question, SamplingParams(**vars(params)))
+        rid = engine.add_request((prefix or []) + question, SamplingParams(**vars(params)),
+                                 adapter=adapters[i % len(adapters)] if adapters else None)
         starts[rid] = time.perf_counter()
     tokens = peak = 0
     while engine.has_unfinished():
@@ -76,7 +79,7 @@ def concurrent(engine, streams: int, max_tokens: int, prefix: list[int] | None =
     ttfts = [firsts[r] - starts[r] for r in starts]
     decode_wall = max(last.values()) - min(firsts.values())
     return {
-        "streams": streams,
+        "streams": streams, **({"adapters": len(adapters)} if adapters else {}),
         "aggregate_tps": round(tokens / wall, 1),
         "aggregate_decode_tps": round((tokens - streams) / decode_wall, 1) if decode_wall > 0 else None,
         "wall_s": round(wall, 2),
@@ -85,6 +88,23 @@ def concurrent(engine, streams: int, max_tokens: int, prefix: list[int] | None =
         "kv_blocks_peak": peak,
         "kv_mb_peak": round(peak * engine.block_size * engine.backend.kv_bytes_per_token(engine.pkg.config) / 2**20, 1),
     }
+
+
+def adapter_levels(engine, args, levels: list[int], prefix: list[int] | None) -> dict:
+    """The same concurrency levels with the streams spread over the adapters, beside the base model's, in
+    alternating runs (base, mixed, base, mixed) so that a drift of the host's speed hits both alike."""
+    names = []
+    for i, folder in enumerate(a for a in args.adapters.split(",") if a.strip()):
+        names.append(engine.adapters.add(f"bench-{i}", folder.strip()).name)
+    out = {"names": names, "levels": []}
+    for c in levels:
+        runs = [(concurrent(engine, c, args.decode_tokens, prefix), concurrent(engine, c, args.decode_tokens, prefix,
+                                                                              names)) for _ in range(2)]
+        base = statistics.median(r[0]["aggregate_decode_tps"] or r[0]["aggregate_tps"] for r in runs)
+        mixed = statistics.median(r[1]["aggregate_decode_tps"] or r[1]["aggregate_tps"] for r in runs)
+        out["levels"].append({"streams": c, "base_decode_tps": round(base, 1), "mixed_decode_tps": round(mixed, 1),
+                              "ratio": round(mixed / base, 3) if base else None, "mixed": runs[-1][1]})
+    return out
 
 
 def prefix_effect(engine, total: int, shared: int) -> dict:
@@ -129,12 +149,14 @@ def run_bench(engine, args) -> dict:
         "decode_tokens": args.decode_tokens,
     }
     levels = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    prefix = _text_tokens(engine, args.shared_prefix, salt="System: you are a storyteller.") \
+        if args.shared_prefix else None
     if levels != [1]:
-        prefix = _text_tokens(engine, args.shared_prefix, salt="System: you are a storyteller.") \
-            if args.shared_prefix else None
         result["kv_budget_mb"] = round(engine.scheduler.allocator.num_blocks * engine.block_size
                                        * engine.backend.kv_bytes_per_token(engine.pkg.config) / 2**20, 1)
         result["concurrency"] = [concurrent(engine, c, args.decode_tokens, prefix) for c in levels]
+    if getattr(args, "adapters", None):
+        result["adapters"] = adapter_levels(engine, args, levels, prefix)
     if args.shared_prefix:
         result["prefix_cache"] = prefix_effect(engine, long, min(args.shared_prefix, long - 32))
     result["engine_stats"] = engine.stats_snapshot()

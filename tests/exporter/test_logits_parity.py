@@ -125,7 +125,9 @@ def test_lora_inputs_match_peft(tiny_model_dir, tiny_package):
     rng = np.random.default_rng(3)
     a = [int(t) for t in rng.integers(3, base.config.vocab_size, 9)]
     b = [int(t) for t in rng.integers(3, base.config.vocab_size, 6)]
-    weights = np.array([[1.0]] * len(a) + [[0.0]] * len(b), np.float32)  # row a on the adapter, b off
+    from exporter.lora import adapter_weights
+
+    weights = adapter_weights([0] * len(a) + [None] * len(b), 1, 4)  # row a on the adapter, b off
     res = stepper.step({0: a, 1: b}, extra_inputs={**lora_inputs, C.LORA_WEIGHTS: weights})
     with_lora, without = hf_last_logits(peft_model, a), hf_last_logits(base, b)
     assert np.abs(res.logits[0] - with_lora).max() < TOL
@@ -133,7 +135,7 @@ def test_lora_inputs_match_peft(tiny_model_dir, tiny_package):
     assert np.abs(with_lora - hf_last_logits(base, a)).max() > 10 * TOL  # the adapter really changes a
     for _ in range(3):  # decode steps keep using the adapter's K/V
         a.append(int(np.argmax(res.logits[0])))
-        res = stepper.step({0: [a[-1]]}, extra_inputs={**lora_inputs, C.LORA_WEIGHTS: np.ones((1, 1), np.float32)})
+        res = stepper.step({0: [a[-1]]}, extra_inputs={**lora_inputs, C.LORA_WEIGHTS: adapter_weights([0], 1, 4)})
         assert np.abs(res.logits[0] - hf_last_logits(peft_model, a)).max() < TOL
 
 

@@ -285,3 +285,22 @@ def test_cli_generate_with_lora(tiny_package, peft_adapters):
     ids = [t for o in solo.generate("one two three", SamplingParams(max_tokens=6, temperature=0), adapter="a")
            for t in o.token_ids]
     assert json.loads(proc.stdout)["token_ids"] == ids
+
+
+def test_adapters_on_an_int4_package_run_beside_the_base_graph(tiny_package, peft_adapters):
+    """The LoRA graph opens as a second session on the same KV pool (on RuvLLM's kernels where the host has
+    them, as the base graph); on an int4 package a batch mixing base and adapter rows gives each its solo
+    tokens."""
+    folder = peft_adapters("llama")["attn4"]
+    engine = Engine.from_package(tiny_package("llama", "int4"), speculative_tokens=0)
+    engine.adapters.add("a", folder)
+    backend = engine.backend
+    assert backend.lora_runner is not backend.runner
+    solo = {a: run(engine, PROMPT, a, 6) for a in (None, "a")}
+    assert solo[None] != solo["a"]
+    rids = {engine.add_request(PROMPT, greedy(6), adapter=a): a for a in (None, "a", None, "a")}
+    got = {r: [] for r in rids}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    assert all(got[r] == solo[a] for r, a in rids.items())
