@@ -1,4 +1,4 @@
-"""`python -m exporter convert|inspect`."""
+"""`python -m exporter convert|adapter|inspect`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--max-context", type=int, default=None, help="cap the context length (rotary table size)")
     c.add_argument("--no-lora", action="store_true", help="skip the LoRA graph variant")
     c.add_argument("--quiet", action="store_true")
+    a = sub.add_parser("adapter", help="convert a PEFT LoRA folder into the package's adapter format")
+    a.add_argument("peft_dir")
+    a.add_argument("-o", "--output", required=True, help="adapter folder to write")
+    a.add_argument("--base", required=True, help="the model package the adapter will run on (checked against it)")
+    a.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"], help="stored precision (fp16: half the bytes)")
+    a.add_argument("--max-lora-rank", type=int, default=None, help="refuse adapters of a larger rank (default 16)")
     i = sub.add_parser("inspect", help="summarize a package: manifest and graph inputs/outputs")
     i.add_argument("package")
     i.add_argument("--json", action="store_true")
@@ -59,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
                                   target=args.target, lora=not args.no_lora, max_context=args.max_context,
                                   progress=not args.quiet)
             out = convert(args.source, args.output, opts)
+            print(f"wrote {out}")
+        elif args.cmd == "adapter":
+            from exporter.adapter import convert_adapter
+            from runtime.core.adapters import DEFAULT_MAX_LORA_RANK
+
+            out = convert_adapter(args.peft_dir, args.base, args.output, args.dtype,
+                                  args.max_lora_rank or DEFAULT_MAX_LORA_RANK)
             print(f"wrote {out}")
         else:
             inspect_package(args.package, args.json)

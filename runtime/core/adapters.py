@@ -106,12 +106,14 @@ class AdapterInfo:
     base: str | None = None  # the base model it was trained on, as its config names it
 
 
-def _digest(weights: Path, scaling: dict) -> str:
-    h = hashlib.sha256(json.dumps(scaling, sort_keys=True).encode())
+def _digest(weights: Path, scaling: dict | None) -> str:
+    """sha256 of the weights file, after the scaling settings' JSON when there are any (a PEFT folder's
+    numbers mean nothing without them): the adapter's id, or (scaling None) a file's plain sha256."""
+    h = hashlib.sha256(json.dumps(scaling, sort_keys=True).encode() if scaling is not None else b"")
     with open(weights, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
-    return h.hexdigest()[:32]
+    return h.hexdigest() if scaling is None else h.hexdigest()[:32]
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -223,6 +225,8 @@ def _read_own(name: str, p: Path, config: dict, architecture: str) -> AdapterInf
     if weights.stat().st_size != meta.get("size"):
         raise AdapterError(f"{p}: corrupt adapter, {OWN_WEIGHTS} has {weights.stat().st_size} bytes, "
                            f"its manifest says {meta.get('size')}")
+    if _digest(weights, None) != meta.get("sha256"):
+        raise AdapterError(f"{p}: corrupt adapter, {OWN_WEIGHTS} does not match the sha256 in its manifest")
     index = safetensors_index(weights)
     features, layers, rank = target_features(config), config["num_layers"], int(manifest["rank"])
     stacked = {}
@@ -235,7 +239,7 @@ def _read_own(name: str, p: Path, config: dict, architecture: str) -> AdapterInf
             raise AdapterError(f"{p}: {target}'s tensors do not fit this model ({layers} layers, {fin} -> {fout}, "
                                f"rank {rank}): an adapter for another base model?")
         stacked[target] = (a, b)
-    return AdapterInfo(name, p, "ruvllm", str(meta.get("sha256", ""))[:32] or _digest(weights, {}), rank,
+    return AdapterInfo(name, p, "ruvllm", str(meta["sha256"])[:32], rank,
                        tuple(stacked), weights, stacked=stacked, base=base.get("name"))
 
 

@@ -13,49 +13,9 @@ import torch
 from runtime.core.adapters import AdapterError
 from runtime.core.engine import Engine
 from runtime.core.sampling import SamplingParams
+from tests.conftest import load_hf
 
 TOL = 1e-3
-# three adapters: different ranks, target sets and scalings (rsLoRA, a per-module rank and alpha)
-ADAPTERS = {
-    "attn4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
-    "mlp8": dict(r=8, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"], use_rslora=True),
-    "all16": dict(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                       "up_proj", "down_proj"],
-                  rank_pattern={"o_proj": 8}, alpha_pattern={"down_proj": 8}),
-}
-
-
-def load_hf(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="session")
-def peft_adapters(workdir, tiny_model_dir):
-    """Factory: arch -> {name: folder} of PEFT adapters saved with save_pretrained (random, non-zero B)."""
-    from peft import LoraConfig, get_peft_model
-
-    made = {}
-
-    def make(arch: str) -> dict:
-        if arch not in made:
-            out = {}
-            for i, (name, cfg) in enumerate(ADAPTERS.items()):
-                torch.manual_seed(100 + i)
-                model = get_peft_model(load_hf(tiny_model_dir(arch)), LoraConfig(init_lora_weights=False, **cfg))
-                with torch.no_grad():  # PEFT's random init is small: make each adapter change the tokens
-                    for n, p in model.named_parameters():
-                        if "lora_B" in n:
-                            p.mul_(8.0)
-                folder = workdir / f"adapter-{arch}-{name}"
-                model.save_pretrained(folder)
-                out[name] = folder
-            made[arch] = out
-        return made[arch]
-    return make
-
-
 def peft_model(model_dir, folder):
     from peft import PeftModel
 
