@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 DOMAIN, OP = "ruvllm", "MatMulQ4"
-ALL_OPS = frozenset(("MatMulQ4", "PagedAttention", "SkipRMSNorm"))
+ALL_OPS = frozenset(("MatMulQ4", "PagedAttention", "SkipRMSNorm", "LoraDelta"))
 
 
 def fusable_head_dim(head_dim: int) -> bool:
@@ -57,9 +57,10 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS) -> di
         layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"],
                                 config.get("sliding_window"))
     norms = fuse_norms(model) if "SkipRMSNorm" in ops else 0
-    if count or layers or norms:
+    loras = fuse_lora(model) if "LoraDelta" in ops else 0
+    if count or layers or norms or loras:
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
-    return {"MatMulQ4": count, "PagedAttention": layers, "SkipRMSNorm": norms}
+    return {"MatMulQ4": count, "PagedAttention": layers, "SkipRMSNorm": norms, "LoraDelta": loras}
 
 
 def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] = ALL_OPS) -> tuple[bytes, dict[str, int]]:
@@ -120,6 +121,46 @@ def fuse_minimums(model) -> int:
         removed.update((id(gemm), id(sums)))
         if consumers.get(cast.output[0]) == [gemm]:
             removed.add(id(cast))
+        count += 1
+    if removed:
+        _drop(model, nodes, removed)
+    return count
+
+
+def fuse_lora(model) -> int:
+    """Each LoRA target's delta in the LoRA graph, Add(y, MatMul(Mul(Gemm(x, A^T, transB), w), B)) with A^T
+    and B graph inputs (exporter/builders/lora_path.py), becomes one ruvllm.LoraDelta(y, x, A^T, B, w), which
+    computes only the adapter columns each token's w selects. Returns how many."""
+    from runtime import contract as C
+
+    nodes = list(model.graph.node)
+    consumers = _consumers(nodes)
+    inputs = {i.name for i in model.graph.input}
+    graph_outputs = {o.name for o in model.graph.output}
+
+    def only(name: str, op_type: str):
+        users = consumers.get(name, [])
+        ok = len(users) == 1 and users[0].op_type == op_type and name not in graph_outputs
+        return users[0] if ok else None
+
+    removed, count = set(), 0
+    for gemm in nodes:
+        if gemm.op_type != "Gemm" or len(gemm.input) != 2 or gemm.input[1] not in inputs:
+            continue
+        if [(a.name, a.i) for a in gemm.attribute] != [("transB", 1)]:
+            continue
+        mul = only(gemm.output[0], "Mul")
+        weights = mul and next((n for n in mul.input if n != gemm.output[0]), None)
+        matmul = weights == C.LORA_WEIGHTS and only(mul.output[0], "MatMul")
+        add = matmul and matmul.input[1] in inputs and only(matmul.output[0], "Add")
+        if not add:
+            continue
+        base = next(n for n in add.input if n != matmul.output[0])
+        add.op_type, add.domain = "LoraDelta", DOMAIN
+        del add.input[:]
+        add.input.extend([base, gemm.input[0], gemm.input[1], matmul.input[1], C.LORA_WEIGHTS])
+        add.name = add.name or f"lora_delta_{count}"
+        removed.update((id(gemm), id(mul), id(matmul)))
         count += 1
     if removed:
         _drop(model, nodes, removed)

@@ -66,6 +66,7 @@ class NativeBackend:
         self._ort = ort
         self.matmul_kernel = "onnxruntime's own"  # what runs the 4-bit projections; _kernel_session may say more
         self.attention_kernel = "the graph's own"  # the exported gather + attention, or ruvllm.PagedAttention
+        self.lora_kernel: str | None = None  # what computes the LoRA graph's adapter deltas, when it is ours
         self.session = self._open(lora)
         self.runner = GraphRunner(self, self.session)
         self.lora_runner: GraphRunner | None = self.runner if lora else None
@@ -144,6 +145,7 @@ class NativeBackend:
             self.matmul_kernel += " (no 4-bit MatMulNBits here that ruvllm.MatMulQ4 computes)"
         if not any(counts.values()):
             return None
+        self.lora_kernel = f"ruvllm.LoraDelta ({counts['LoraDelta']} targets)" if counts.get("LoraDelta") else None
         opts.register_custom_ops_library(str(lib))
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph.parent))
         try:

@@ -96,7 +96,8 @@ def adapter_levels(engine, args, levels: list[int], prefix: list[int] | None) ->
     names = []
     for i, folder in enumerate(a for a in args.adapters.split(",") if a.strip()):
         names.append(engine.adapters.add(f"bench-{i}", folder.strip()).name)
-    out = {"names": names, "levels": []}
+    out = {"names": names, "lora_kernel": getattr(engine.backend, "lora_kernel", None) or "the graph's own",
+           "levels": []}
     for c in levels:
         runs = [(concurrent(engine, c, args.decode_tokens, prefix), concurrent(engine, c, args.decode_tokens, prefix,
                                                                               names)) for _ in range(2)]

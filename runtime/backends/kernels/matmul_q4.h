@@ -411,7 +411,6 @@ struct Kernel {
   int64_t split = 0;  // MatMulQ4Split: columns of the first output
 };
 
-struct CustomOp;
 extern const CustomOp g_matmul_split, g_matmul_swiglu;
 
 struct Work {

@@ -45,6 +45,8 @@ constexpr int kFloat = 1, kUint8 = 2, kInt64 = 7, kFloat16 = 10;  // ONNXTensorE
 
 const void* const* g_api = nullptr;
 
+struct CustomOp;  // onnxruntime's OrtCustomOp, laid out in register.cpp
+
 template <typename F>
 F api(ApiEntry e) { return reinterpret_cast<F>(const_cast<void*>(g_api[e])); }
 

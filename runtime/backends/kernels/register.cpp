@@ -4,6 +4,7 @@
 // library's exported functions. tests/runtime/test_cpu_kernels.py checks every operator against what
 // it replaces.
 
+#include "lora_delta.h"
 #include "matmul_q4.h"
 #include "paged_attention.h"
 #include "skip_rms_norm.h"
@@ -88,7 +89,7 @@ OrtStatus* guarded(void* kernel, OrtKernelContext* ctx) {
 }
 
 constexpr char kMatMulName[] = "ruvllm.MatMulQ4", kAttentionName[] = "ruvllm.PagedAttention",
-               kNormName[] = "ruvllm.SkipRMSNorm";
+               kNormName[] = "ruvllm.SkipRMSNorm", kLoraName[] = "ruvllm.LoraDelta";
 
 // the entry points of an operator whose kernel object (a K) `create` makes and `run` computes with
 template <typename K, CreateFn create, ComputeFn run, const char* what>
@@ -131,6 +132,14 @@ CustomOp norm_op() {
 
 #endif
 
+CustomOp lora_op() {
+  CustomOp op = kernel_op<LoraKernel, create_lora, lora_delta, kLoraName>();
+  op.GetName = [](const CustomOp*) { return "LoraDelta"; };
+  op.GetInputType = [](const CustomOp*, size_t) { return kFloat; };
+  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 5; };
+  return op;
+}
+
 CustomOp matmul_split_op() {
   CustomOp op = matmul_op();
   op.GetName = [](const CustomOp*) { return "MatMulQ4Split"; };
@@ -147,6 +156,7 @@ CustomOp matmul_swiglu_op() {
 const CustomOp g_matmul = matmul_op();
 const CustomOp g_matmul_split = matmul_split_op();
 const CustomOp g_matmul_swiglu = matmul_swiglu_op();
+const CustomOp g_lora = lora_op();
 #if RUVLLM_AVX512
 const CustomOp g_attention = attention_op();
 const CustomOp g_norm = norm_op();
@@ -164,16 +174,17 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   RETURN_IF(api<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ruvllm", &domain));
   auto add = api<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomain_Add);
 #if RUVLLM_AVX512
-  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_attention, &g_norm}) RETURN_IF(add(domain, op));
+  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_attention, &g_norm, &g_lora})
+    RETURN_IF(add(domain, op));
 #else
-  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu}) RETURN_IF(add(domain, op));
+  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_lora}) RETURN_IF(add(domain, op));
 #endif
   return api<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
 }
 
-// Which operators this build registers (AVX-512: all; AVX2: the 4-bit matmuls).
+// Which operators this build registers (AVX-512: all; AVX2: the 4-bit matmuls and the LoRA delta).
 __attribute__((visibility("default"))) const char* ruvllm_kernel_ops() {
-  return RUVLLM_AVX512 ? "MatMulQ4,PagedAttention,SkipRMSNorm" : "MatMulQ4";
+  return RUVLLM_AVX512 ? "MatMulQ4,PagedAttention,SkipRMSNorm,LoraDelta" : "MatMulQ4,LoraDelta";
 }
 
 // For the library's own test: the kernel on plain buffers, without onnxruntime.
