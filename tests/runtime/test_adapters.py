@@ -256,6 +256,10 @@ def test_adapters_on_an_int4_package_run_beside_the_base_graph(tiny_package, pef
     engine.adapters.add("a", folder)
     backend = engine.backend
     assert backend.lora_runner is not backend.runner
+    from runtime.backends import kernel_library
+
+    if kernel_library.library()[0] is not None:  # every target's delta on ruvllm.LoraDelta
+        assert backend.lora_kernel == "ruvllm.LoraDelta (42 targets)", backend.lora_kernel
     solo = {a: run(engine, PROMPT, a, 6) for a in (None, "a")}
     assert solo[None] != solo["a"]
     rids = {engine.add_request(PROMPT, greedy(6), adapter=a): a for a in (None, "a", None, "a")}
