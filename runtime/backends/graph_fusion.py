@@ -130,12 +130,16 @@ def fuse_minimums(model) -> int:
 def fuse_lora(model) -> int:
     """Each LoRA target's delta in the LoRA graph, Add(y, MatMul(Mul(Gemm(x, A^T, transB), w), B)) with A^T
     and B graph inputs (exporter/builders/lora_path.py), becomes one ruvllm.LoraDelta(y, x, A^T, B, w), which
-    computes only the adapter columns each token's w selects. Returns how many."""
+    computes only the adapter columns each token's w selects; a constant Mul on the delta (an AWQ output
+    scale) becomes its sixth input. Returns how many."""
+    from onnx import helper
+
     from runtime import contract as C
 
     nodes = list(model.graph.node)
     consumers = _consumers(nodes)
     inputs = {i.name for i in model.graph.input}
+    inits = {i.name for i in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
 
     def only(name: str, op_type: str):
@@ -152,15 +156,23 @@ def fuse_lora(model) -> int:
         mul = only(gemm.output[0], "Mul")
         weights = mul and next((n for n in mul.input if n != gemm.output[0]), None)
         matmul = weights == C.LORA_WEIGHTS and only(mul.output[0], "MatMul")
-        add = matmul and matmul.input[1] in inputs and only(matmul.output[0], "Add")
+        delta = matmul and matmul.input[1] in inputs and matmul.output[0]
+        scale = delta and only(delta, "Mul")  # an AWQ package's output scale (lora_path.LoraPath.apply)
+        scale_init = scale and next((n for n in scale.input if n != delta and n in inits), None)
+        if scale_init:
+            delta = scale.output[0]
+        add = delta and only(delta, "Add")
         if not add:
             continue
-        base = next(n for n in add.input if n != matmul.output[0])
+        base = next(n for n in add.input if n != delta)
         add.op_type, add.domain = "LoraDelta", DOMAIN
         del add.input[:]
-        add.input.extend([base, gemm.input[0], gemm.input[1], matmul.input[1], C.LORA_WEIGHTS])
+        add.input.extend([base, gemm.input[0], gemm.input[1], matmul.input[1], C.LORA_WEIGHTS]
+                         + ([scale_init] if scale_init else []))
+        del add.attribute[:]
+        add.attribute.append(helper.make_attribute("scaled", int(bool(scale_init))))
         add.name = add.name or f"lora_delta_{count}"
-        removed.update((id(gemm), id(mul), id(matmul)))
+        removed.update((id(gemm), id(mul), id(matmul)) + ((id(scale),) if scale_init else ()))
         count += 1
     if removed:
         _drop(model, nodes, removed)

@@ -259,7 +259,7 @@ def test_adapters_on_an_int4_package_run_beside_the_base_graph(tiny_package, pef
     from runtime.backends import kernel_library
 
     if kernel_library.library()[0] is not None:  # every target's delta on ruvllm.LoraDelta
-        assert backend.lora_kernel == "ruvllm.LoraDelta (42 targets)", backend.lora_kernel
+        assert backend.lora_kernel == "ruvllm.LoraDelta (14 targets)", backend.lora_kernel
     solo = {a: run(engine, PROMPT, a, 6) for a in (None, "a")}
     assert solo[None] != solo["a"]
     rids = {engine.add_request(PROMPT, greedy(6), adapter=a): a for a in (None, "a", None, "a")}
@@ -268,3 +268,36 @@ def test_adapters_on_an_int4_package_run_beside_the_base_graph(tiny_package, pef
         for out in engine.step():
             got[out.request_id] += out.token_ids
     assert all(got[r] == solo[a] for r, a in rids.items())
+
+
+def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapters, monkeypatch):
+    """ruvllm.LoraDelta against the LoRA graph's Gemm/Mul/MatMul/Add on the same int4 package (an AWQ one:
+    up_proj's delta carries an output scale), two adapters and the base model in one step."""
+    from runtime.backends import kernel_library
+    from runtime.backends.native import NativeBackend
+    from runtime.core.adapters import read_adapter
+    from runtime.core.step_batch import Chunk, build_step
+    from runtime.package import load_package
+
+    if kernel_library.library()[0] is None:
+        pytest.skip("RuvLLM's kernels do not build here")
+    pkg = load_package(tiny_package("llama", "int4"))
+    folders = peft_adapters("llama")
+    logits = []
+    for ops in (None, "without LoraDelta"):
+        if ops:
+            all_ops = kernel_library.operators()
+            monkeypatch.setattr(kernel_library, "operators", lambda lib=None, o=all_ops: o - {"LoraDelta"})
+        backend = NativeBackend(pkg)
+        backend.allocate(64, 4)
+        backend.enable_lora(2, 16)
+        assert (backend.lora_kernel is None) == bool(ops)
+        for slot, name in ((1, "all16"), (2, "mlp8")):
+            backend.set_adapter(slot, read_adapter(name, folders[name], pkg.config, "llama"))
+        chunks = []
+        for row, slot in enumerate((1, 0, 2)):
+            table = list(range(8 * row, 8 * row + 3))
+            chunks.append(Chunk(PROMPT, 0, table, [table[t // 4] * 4 + t % 4 for t in range(len(PROMPT))], True,
+                                top_k=5, adapter_slot=slot))
+        logits.append(backend.run(build_step(chunks, 4, want_full_logits=True)).logits)
+    assert np.abs(logits[0] - logits[1]).max() < 1e-4 * max(1.0, np.abs(logits[1]).max())

@@ -3,24 +3,31 @@
 // weighs each token's columns (one-hot per token for a batch of different adapters). The graph's
 // Gemm -> Mul -> MatMul -> Add computes every column for every token; here a token computes only the
 // columns its w does not zero, so a batch over four rank-16 adapters does a quarter of the work, in one
-// operator instead of four. Plain loops, vectorized by the compiler for the build's ISA.
+// operator instead of four. With attribute scaled=1 a sixth input s [out] scales the delta (an AWQ
+// package's up_proj, whose output rows carry the next projection's input scale): z = y + s * delta.
+// Plain loops, vectorized by the compiler for the build's ISA.
 #pragma once
 
 #include "ort_api.h"
 
 namespace {
 
-struct LoraKernel {};
+struct LoraKernel {
+  bool scaled = false;
+};
 
-OrtStatus* create_lora(const CustomOp*, const void*, const OrtKernelInfo*, void** out) {
-  auto* k = new (std::nothrow) LoraKernel{};
+OrtStatus* create_lora(const CustomOp*, const void*, const OrtKernelInfo* info, void** out) {
+  int64_t scaled = 0;
+  RETURN_IF(api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64)(
+      info, "scaled", &scaled));
+  auto* k = new (std::nothrow) LoraKernel{scaled != 0};
   if (!k) return fail("ruvllm.LoraDelta: out of memory");
   *out = k;
   return nullptr;
 }
 
 struct LoraJob {
-  const float *y, *x, *at, *b, *w;
+  const float *y, *x, *at, *b, *w, *scale;  // scale: null, or [out]
   float* z;
   int64_t N, in, out, cols, rows_per_item;
 };
@@ -40,13 +47,17 @@ void lora_rows(const LoraJob& j, int64_t n0, int64_t n1) {
     float* z = j.z + n * j.out;
     const float* x = j.x + n * j.in;
     const float* w = j.w + n * j.cols;
-    std::memcpy(z, j.y + n * j.out, sizeof(float) * j.out);
+    const float* y = j.y + n * j.out;
+    if (!j.scale) std::memcpy(z, y, sizeof(float) * j.out);
+    else std::fill(z, z + j.out, 0.f);  // the delta alone first, scaled below
     for (int64_t c = 0; c < j.cols; c++) {
       if (w[c] == 0.f) continue;
       const float s = w[c] * dot(x, j.at + c * j.in, j.in);
       const float* b = j.b + c * j.out;
       for (int64_t o = 0; o < j.out; o++) z[o] += s * b[o];
     }
+    if (j.scale)
+      for (int64_t o = 0; o < j.out; o++) z[o] = y[o] + j.scale[o] * z[o];
   }
 }
 
@@ -56,11 +67,12 @@ void lora_item(void* data, size_t i) {
   lora_rows(j, n0, std::min(j.N, n0 + j.rows_per_item));
 }
 
-OrtStatus* lora_delta(void*, OrtKernelContext* ctx) {
-  const OrtValue* in[5] = {};
+OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
+  const bool scaled = static_cast<LoraKernel*>(kernel)->scaled;
+  const OrtValue* in[6] = {};
   auto input = api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput);
-  std::vector<int64_t> dy, dx, da, db, dw;
-  for (size_t i = 0; i < 5; i++) RETURN_IF(input(ctx, i, &in[i]));
+  std::vector<int64_t> dy, dx, da, db, dw, ds;
+  for (size_t i = 0; i < (scaled ? 6u : 5u); i++) RETURN_IF(input(ctx, i, &in[i]));
   RETURN_IF(tensor_shape(in[0], dy));
   RETURN_IF(tensor_shape(in[1], dx));
   RETURN_IF(tensor_shape(in[2], da));
@@ -71,6 +83,11 @@ OrtStatus* lora_delta(void*, OrtKernelContext* ctx) {
     return fail("ruvllm.LoraDelta: expected y [N, out], x [N, in], A^T [C, in], B [C, out], w [N, C]");
   LoraJob j{};
   j.N = dy[0], j.out = dy[1], j.in = dx[1], j.cols = da[0];
+  if (scaled) {
+    RETURN_IF(tensor_shape(in[5], ds));
+    if (ds.size() != 1 || ds[0] != j.out) return fail("ruvllm.LoraDelta: the scale must be [out]");
+    RETURN_IF(tensor_data(in[5], const_cast<float**>(&j.scale)));
+  }
   RETURN_IF(tensor_data(in[0], const_cast<float**>(&j.y)));
   RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.x)));
   RETURN_IF(tensor_data(in[2], const_cast<float**>(&j.at)));

@@ -136,7 +136,8 @@ CustomOp lora_op() {
   CustomOp op = kernel_op<LoraKernel, create_lora, lora_delta, kLoraName>();
   op.GetName = [](const CustomOp*) { return "LoraDelta"; };
   op.GetInputType = [](const CustomOp*, size_t) { return kFloat; };
-  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 5; };
+  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 6; };
+  op.GetInputCharacteristic = [](const CustomOp*, size_t i) { return i == 5 ? 1 : 0; };  // the scale: optional
   return op;
 }
 
