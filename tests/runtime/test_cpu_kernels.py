@@ -45,14 +45,14 @@ def sessions(tmp_path, K: int, N: int, block: int) -> tuple[ort.InferenceSession
 
 
 def test_built_wherever_the_cpu_can_run_it():
-    """Every operator with AVX-512 VNNI; the 4-bit matmuls alone with AVX2, FMA and F16C; else none."""
+    """Every operator with AVX-512 VNNI; the 4-bit matmuls and the LoRA delta with AVX2, FMA and F16C; else none."""
     flags = kernel_library._cpu_flags()
     if all(f in flags for f in kernel_library.CPU_FLAGS):
         assert LIB is not None and LIB.exists(), WHY
-        assert OPS == {"MatMulQ4", "PagedAttention", "SkipRMSNorm"}
+        assert OPS == {"MatMulQ4", "PagedAttention", "SkipRMSNorm", "LoraDelta"}
     elif all(f in flags for f in kernel_library.AVX2_FLAGS):
         assert LIB is not None and LIB.exists(), WHY
-        assert OPS == {"MatMulQ4"}
+        assert OPS == {"MatMulQ4", "LoraDelta"}
     else:
         assert LIB is None and "lacks" in WHY
 

@@ -70,21 +70,15 @@ void lora_item(void* data, size_t i) {
 OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
   const bool scaled = static_cast<LoraKernel*>(kernel)->scaled;
   const OrtValue* in[6] = {};
-  auto input = api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput);
-  std::vector<int64_t> dy, dx, da, db, dw, ds;
-  for (size_t i = 0; i < (scaled ? 6u : 5u); i++) RETURN_IF(input(ctx, i, &in[i]));
-  RETURN_IF(tensor_shape(in[0], dy));
-  RETURN_IF(tensor_shape(in[1], dx));
-  RETURN_IF(tensor_shape(in[2], da));
-  RETURN_IF(tensor_shape(in[3], db));
-  RETURN_IF(tensor_shape(in[4], dw));
+  std::vector<int64_t> d[6];
+  RETURN_IF(read_inputs(ctx, scaled ? 6 : 5, in, d));
+  const auto &dy = d[0], &dx = d[1], &da = d[2], &db = d[3], &dw = d[4], &ds = d[5];
   if (dy.size() != 2 || dx.size() != 2 || da.size() != 2 || db.size() != 2 || dw.size() != 2 || dx[0] != dy[0] ||
       dw[0] != dy[0] || da[1] != dx[1] || db[1] != dy[1] || da[0] != db[0] || dw[1] != da[0])
     return fail("ruvllm.LoraDelta: expected y [N, out], x [N, in], A^T [C, in], B [C, out], w [N, C]");
   LoraJob j{};
   j.N = dy[0], j.out = dy[1], j.in = dx[1], j.cols = da[0];
   if (scaled) {
-    RETURN_IF(tensor_shape(in[5], ds));
     if (ds.size() != 1 || ds[0] != j.out) return fail("ruvllm.LoraDelta: the scale must be [out]");
     RETURN_IF(tensor_data(in[5], const_cast<float**>(&j.scale)));
   }
@@ -101,8 +95,7 @@ OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
     lora_rows(j, 0, j.N);
     return nullptr;
   }
-  return api<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
-      kKernelContext_ParallelFor)(ctx, lora_item, items, 0, &j);
+  return parallel_for(ctx, lora_item, items, &j);
 }
 
 }  // namespace

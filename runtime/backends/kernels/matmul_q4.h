@@ -538,8 +538,7 @@ OrtStatus* compute_rows(void* kernel, OrtKernelContext* ctx) {
     gemm_tiles(w, rows, M, out, 0, tiles, swiglu);
     return nullptr;
   }
-  return api<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
-      kKernelContext_ParallelFor)(ctx, run_item, items, 0, &job);
+  return parallel_for(ctx, run_item, items, &job);
 }
 
 

@@ -88,4 +88,20 @@ OrtStatus* output_data(OrtKernelContext* ctx, size_t i, const int64_t* dims, siz
       ctx, i, dims, rank, &v));
   return tensor_data(v, data);
 }
+// inputs 0..n-1 of the kernel's context, with their shapes
+OrtStatus* read_inputs(OrtKernelContext* ctx, size_t n, const OrtValue** in, std::vector<int64_t>* dims) {
+  auto input = api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput);
+  for (size_t i = 0; i < n; i++) {
+    RETURN_IF(input(ctx, i, &in[i]));
+    RETURN_IF(tensor_shape(in[i], dims[i]));
+  }
+  return nullptr;
+}
+
+// fn(job, item) for items 0..items-1 on onnxruntime's intra-op thread pool
+OrtStatus* parallel_for(OrtKernelContext* ctx, void (*fn)(void*, size_t), size_t items, void* job) {
+  return api<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
+      kKernelContext_ParallelFor)(ctx, fn, items, 0, job);
+}
+
 }  // namespace

@@ -717,12 +717,10 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   if (N == 0 || job.B * k.num_kv_heads == 0) return nullptr;
   thread_local Plan plan;  // the calling thread's; its workers only read it
   make_plan(job, plan);
-  auto parallel_for = api<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
-      kKernelContext_ParallelFor);
   PhaseJob phase{&job, &plan};
-  if (!plan.chunks.empty()) RETURN_IF(parallel_for(ctx, phase_item<TransposeItem>, plan.chunks.size(), 0, &phase));
-  if (!job.failed) RETURN_IF(parallel_for(ctx, phase_item<PartItem>, plan.parts.size(), 0, &phase));
-  if (!job.failed && !plan.after.empty()) RETURN_IF(parallel_for(ctx, phase_item<AfterItem>, plan.after.size(), 0, &phase));
+  if (!plan.chunks.empty()) RETURN_IF(parallel_for(ctx, phase_item<TransposeItem>, plan.chunks.size(), &phase));
+  if (!job.failed) RETURN_IF(parallel_for(ctx, phase_item<PartItem>, plan.parts.size(), &phase));
+  if (!job.failed && !plan.after.empty()) RETURN_IF(parallel_for(ctx, phase_item<AfterItem>, plan.after.size(), &phase));
   return job.failed ? fail("ruvllm.PagedAttention: out of memory") : nullptr;
 }
 

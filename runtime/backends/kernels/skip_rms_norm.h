@@ -64,12 +64,9 @@ void norm_item(void* data, size_t i) {
 OrtStatus* skip_rms_norm(void* kernel, OrtKernelContext* ctx) {
   const NormKernel& k = *static_cast<NormKernel*>(kernel);
   const OrtValue* in[3] = {};
-  auto input = api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput);
-  std::vector<int64_t> dims, skip_dims, gamma_dims;
-  for (size_t i = 0; i < 3; i++) RETURN_IF(input(ctx, i, &in[i]));
-  RETURN_IF(tensor_shape(in[0], dims));
-  RETURN_IF(tensor_shape(in[1], skip_dims));
-  RETURN_IF(tensor_shape(in[2], gamma_dims));
+  std::vector<int64_t> d[3];
+  RETURN_IF(read_inputs(ctx, 3, in, d));
+  const auto &dims = d[0], &skip_dims = d[1], &gamma_dims = d[2];
   if (dims.empty() || skip_dims != dims || gamma_dims.size() != 1 || gamma_dims[0] != dims.back())
     return fail("ruvllm.SkipRMSNorm: input and skip must have one shape, gamma its last dimension");
   NormJob j{};
@@ -89,8 +86,7 @@ OrtStatus* skip_rms_norm(void* kernel, OrtKernelContext* ctx) {
     norm_rows(j, 0, j.M);
     return nullptr;
   }
-  return api<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(
-      kKernelContext_ParallelFor)(ctx, norm_item, items, 0, &j);
+  return parallel_for(ctx, norm_item, items, &j);
 }
 
 }  // namespace
