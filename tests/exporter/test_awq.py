@@ -65,7 +65,9 @@ def test_folded_scales_keep_the_model_and_its_lora(outlier_model_dir, workdir, m
     rng = np.random.default_rng(3)
     a = [int(t) for t in rng.integers(3, base.config.vocab_size, 9)]
     b = [int(t) for t in rng.integers(3, base.config.vocab_size, 6)]
-    weights = np.array([[1.0]] * len(a) + [[0.0]] * len(b), np.float32)
+    from exporter.lora import adapter_weights
+
+    weights = adapter_weights([0] * len(a) + [None] * len(b), 1, 4)  # row a on the adapter (rank 4), b off
     res = stepper.step({0: a, 1: b}, extra_inputs={**lora_inputs, C.LORA_WEIGHTS: weights})
     scale = np.abs(hf_last_logits(base, b)).max()  # the outliers make logits large: compare relatively
     assert np.abs(res.logits[1] - hf_last_logits(base, b)).max() < TOL * scale
