@@ -52,7 +52,8 @@ class NativeBackend:
     name = "onnxruntime"
 
     def __init__(self, package: ModelPackage, device: str = "cpu", threads: int | None = None,
-                 lora: bool = False) -> None:
+                 lora: bool = False, kv_device_writes: bool | None = None) -> None:
+        """kv_device_writes: write K/V with the pool's device graph even on CPU (kv_pool.py; tests)."""
         import onnxruntime as ort
 
         self.pkg = package
@@ -72,6 +73,7 @@ class NativeBackend:
         self.lora_runner: GraphRunner | None = self.runner if lora else None
         self.adapters: AdapterTensors | None = None
         self.pool = None
+        self._kv_device_writes = kv_device_writes
 
     def _options(self):
         """Fresh session options per session (a custom-op library registers its domain once per options)."""
@@ -166,7 +168,7 @@ class NativeBackend:
         from runtime.backends.kv_pool import DeviceKVPool
 
         self.pool = DeviceKVPool(self._ort, self.providers, self.num_layers, self.kv_heads, self.head_dim,
-                                 num_blocks, block_size)
+                                 num_blocks, block_size, self._kv_device_writes)
         self.runner.bind_pool(self.pool)
         if self.lora_runner is not None and self.lora_runner is not self.runner:
             self.lora_runner.bind_pool(self.pool)
