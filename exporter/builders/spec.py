@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime import contract as C
+from runtime.core.adapters import target_features
 
 
 @dataclass
@@ -42,10 +43,6 @@ class LoraSlots:
 
 
 def proj_features(spec: DecoderSpec) -> dict[str, tuple[int, int]]:
-    h, d = spec.hidden_size, spec.head_dim
-    return {
-        "q_proj": (h, spec.num_heads * d), "k_proj": (h, spec.num_kv_heads * d),
-        "v_proj": (h, spec.num_kv_heads * d), "o_proj": (spec.num_heads * d, h),
-        "gate_proj": (h, spec.intermediate_size), "up_proj": (h, spec.intermediate_size),
-        "down_proj": (spec.intermediate_size, h),
-    }
+    """(in, out) features of each LoRA target: the runtime's own table, which adapters are checked against."""
+    return target_features({"hidden_size": spec.hidden_size, "head_dim": spec.head_dim, "num_heads": spec.num_heads,
+                            "num_kv_heads": spec.num_kv_heads, "intermediate_size": spec.intermediate_size})

@@ -18,10 +18,13 @@ from runtime.core.adapters import AdapterError, AdapterInfo, TensorRef, target_f
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
 
-def read_tensor(path, ref: TensorRef) -> np.ndarray:
-    with open(path, "rb") as fh:
-        fh.seek(ref.start)
-        raw = fh.read(ref.end - ref.start)
+def read_tensor(path, ref: TensorRef, fh=None) -> np.ndarray:
+    """One tensor of a safetensors file, as fp32; fh: the file, already open (an adapter reads hundreds)."""
+    if fh is None:
+        with open(path, "rb") as f:
+            return read_tensor(path, ref, f)
+    fh.seek(ref.start)
+    raw = fh.read(ref.end - ref.start)
     dtype = _DTYPES[ref.dtype]
     if len(raw) != int(np.prod(ref.shape)) * np.dtype(dtype).itemsize:
         raise AdapterError(f"{path}: corrupt safetensors file (a tensor is cut short)")
@@ -33,16 +36,22 @@ def read_tensor(path, ref: TensorRef) -> np.ndarray:
 
 def adapter_arrays(info: AdapterInfo, config: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """target -> (A [layers, in, rank], B [layers, rank, out] times the scale), for the adapter's targets."""
+    with open(info.weights, "rb") as fh:
+        return _adapter_arrays(info, config, fh)
+
+
+def _adapter_arrays(info: AdapterInfo, config: dict, fh) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     if info.kind == "ruvllm":
-        return {t: (read_tensor(info.weights, a), read_tensor(info.weights, b)) for t, (a, b) in info.stacked.items()}
+        return {t: (read_tensor(info.weights, a, fh), read_tensor(info.weights, b, fh))
+                for t, (a, b) in info.stacked.items()}
     features, layers = target_features(config), config["num_layers"]
     out = {}
     for target in info.targets:
         fin, fout = features[target]
         out[target] = (np.zeros((layers, fin, info.rank), np.float32), np.zeros((layers, info.rank, fout), np.float32))
     for (layer, target), part in info.parts.items():
-        a = read_tensor(info.weights, part.a)  # [r, in]
-        b = read_tensor(info.weights, part.b)  # [out, r]
+        a = read_tensor(info.weights, part.a, fh)  # [r, in]
+        b = read_tensor(info.weights, part.b, fh)  # [out, r]
         r = a.shape[0]
         out[target][0][layer, :, :r] = a.T
         out[target][1][layer, :r, :] = b.T * part.scale
