@@ -9,10 +9,11 @@ the count says so.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 DOMAIN, OP = "ruvllm", "MatMulQ4"
-ALL_OPS = frozenset(("MatMulQ4", "PagedAttention", "SkipRMSNorm", "LoraDelta"))
+ALL_OPS = frozenset(("MatMulQ4", "MatMulQ8", "PagedAttention", "SkipRMSNorm", "LoraDelta"))
 
 
 def fusable_head_dim(head_dim: int) -> bool:
@@ -20,7 +21,7 @@ def fusable_head_dim(head_dim: int) -> bool:
     return head_dim % 16 == 0 and (head_dim <= 128 or head_dim == 256)
 
 
-def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS) -> dict[str, int]:
+def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_dir: Path | None = None) -> dict[str, int]:
     """Rewrite `model` in place with the operators in `ops`: every MatMulNBits the kernel computes the
     same way becomes ruvllm.MatMulQ4 (with its epilogues and block minimums folded in), and, given the
     package's config, each layer's attention ruvllm.PagedAttention (fuse_attention) and each residual
@@ -29,22 +30,31 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS) -> di
     Only 4-bit nodes with int8 compute (accuracy_level 4), packed uint8 zero points and fp32 scales,
     all initializers, qualify; the rest (fp32-compute test packages, fp16 scales) keep MLAS's kernel.
     A GGUF package's block minimums are folded into the kernel where fp16 holds them (fuse_minimums).
+    8-bit nodes of that kind whose zero points are all 128 (a GGUF's Q8_0: the integers minus 128 fit a
+    signed byte whatever they are) become ruvllm.MatMulQ8; `base_dir` is where the graph's external
+    data lives, to read those zero points.
     """
     import onnx
 
     inits = {i.name: i for i in model.graph.initializer}
-    count = 0
+    count = q8 = 0
     for node in model.graph.node:
         if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.input) != 4:
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         block, n = attrs.get("block_size", 0), attrs.get("N", 0)
-        if ("MatMulQ4" not in ops or attrs.get("bits", 4) != 4 or attrs.get("accuracy_level", 0) != 4 or not block
-                or block % 32 or n % 16):
+        bits = attrs.get("bits", 4)
+        op = {4: "MatMulQ4", 8: "MatMulQ8"}.get(bits)
+        if op not in ops or attrs.get("accuracy_level", 0) != 4 or not block or block % 32 or n % 16:
             continue
         b, s, z = (inits.get(name) for name in node.input[1:])
         if (b is None or s is None or z is None or b.data_type != onnx.TensorProto.UINT8
                 or s.data_type != onnx.TensorProto.FLOAT or z.data_type != onnx.TensorProto.UINT8):
+            continue
+        if op == "MatMulQ8":
+            if _all_128(z, base_dir):
+                node.op_type, node.domain = op, DOMAIN
+                q8 += 1
             continue
         node.op_type, node.domain = OP, DOMAIN
         node.attribute.append(onnx.helper.make_attribute("mins", 0))
@@ -58,9 +68,28 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS) -> di
                                 config.get("sliding_window"))
     norms = fuse_norms(model) if "SkipRMSNorm" in ops else 0
     loras = fuse_lora(model) if "LoraDelta" in ops else 0
-    if count or layers or norms or loras:
+    if count or q8 or layers or norms or loras:
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
-    return {"MatMulQ4": count, "PagedAttention": layers, "SkipRMSNorm": norms, "LoraDelta": loras}
+    return {"MatMulQ4": count, "MatMulQ8": q8, "PagedAttention": layers, "SkipRMSNorm": norms, "LoraDelta": loras}
+
+
+def _all_128(tensor, base_dir: Path | None) -> bool:
+    """Whether an initializer's bytes (in the graph, or in its external data under base_dir) are all 128."""
+    import onnx
+
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        data = tensor.raw_data or bytes(tensor.int32_data)
+    else:
+        info = {e.key: e.value for e in tensor.external_data}
+        if base_dir is None:
+            return False
+        try:
+            with open(base_dir / info["location"], "rb") as f:
+                f.seek(int(info.get("offset", 0)))
+                data = f.read(math.prod(tensor.dims))
+        except (OSError, KeyError, ValueError):
+            return False
+    return bool(data) and data.count(128) == len(data)
 
 
 def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] = ALL_OPS) -> tuple[bytes, dict[str, int]]:
@@ -69,7 +98,7 @@ def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] =
     import onnx
 
     model = onnx.load(str(graph), load_external_data=False)
-    counts = fuse(model, config, ops)
+    counts = fuse(model, config, ops, graph.parent)
     return model.SerializeToString(), counts
 
 
@@ -77,7 +106,7 @@ def declared_fusions(graph: Path, config: dict) -> dict[str, int]:
     """What fuse() replaces in this graph with every operator: the exporter writes it into the manifest."""
     import onnx
 
-    return fuse(onnx.load(str(graph), load_external_data=False), config)
+    return fuse(onnx.load(str(graph), load_external_data=False), config, base_dir=graph.parent)
 
 
 def _consumers(nodes) -> dict[str, list]:

@@ -4,11 +4,12 @@ this CPU on first use.
 `ruvllm.MatMulQ4` computes what MatMulNBits (4-bit, int8 compute) does, but unpacks the weights once
 per block for several rows where MLAS's kernel unpacks them for every row, so batches of decode
 streams and prefill chunks stop being bound by the unpacking; its variants MatMulQ4SwiGLU and
-MatMulQ4Split also do what follows a projection. `ruvllm.PagedAttention` reads each row's KV blocks
+MatMulQ4Split also do what follows a projection; `ruvllm.MatMulQ8` is its 8-bit twin for grids with
+zero points of 128 (a GGUF's Q8_0 LM head), one pass over the bytes. `ruvllm.PagedAttention` reads each row's KV blocks
 in place instead of the graph gathering every context into a copy, and `ruvllm.SkipRMSNorm` replaces
 onnxruntime's residual add + RMS norm, ~10x slower per row. graph_fusion.py rewrites a graph onto
 them. All need AVX-512 VNNI and a C++ compiler; on a CPU with AVX2, FMA and F16C only, the library
-holds the 4-bit matmuls alone (`operators()` says which), in AVX2, where onnxruntime's own AVX2 int8
+holds the block matmuls and the LoRA delta alone (`operators()` says which), in AVX2, where onnxruntime's own AVX2 int8
 kernel quantizes activations ~2.5x less exactly than rounding each block to nearest (see
 docs/PERFORMANCE.md). The library is built once per source, compiler and CPU into the cache
 (RUVLLM_CACHE_DIR or ~/.cache/ruvllm, under kernels/), as torch's cpp_extension does; where the CPU
@@ -30,7 +31,7 @@ from runtime.aliases import cache_dir
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "register.cpp"  # one translation unit over the op families' headers
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # the full set of operators
-AVX2_FLAGS = ("avx2", "fma", "f16c")  # the 4-bit matmuls alone
+AVX2_FLAGS = ("avx2", "fma", "f16c")  # the block matmuls and the LoRA delta
 COMPILE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden"]
 
 # The kernels reach onnxruntime's C API by positions in its function table (no registry package ships

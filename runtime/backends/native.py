@@ -160,6 +160,8 @@ class NativeBackend:
         if count:
             isa = "AVX-512 VNNI" if "PagedAttention" in kernel_library.operators(lib) else "AVX2"
             self.matmul_kernel = f"ruvllm.MatMulQ4 ({count} of the graph's MatMulNBits, {isa})"
+            if counts.get("MatMulQ8"):
+                self.matmul_kernel += f" + ruvllm.MatMulQ8 ({counts['MatMulQ8']} 8-bit)"
         self.attention_kernel = (f"ruvllm.PagedAttention ({layers} layers)" if layers else
                                  "the graph's own" + ("" if "PagedAttention" in ops else " (AVX2 build: no PagedAttention)"))
         return session

@@ -45,14 +45,14 @@ def sessions(tmp_path, K: int, N: int, block: int) -> tuple[ort.InferenceSession
 
 
 def test_built_wherever_the_cpu_can_run_it():
-    """Every operator with AVX-512 VNNI; the 4-bit matmuls and the LoRA delta with AVX2, FMA and F16C; else none."""
+    """Every operator with AVX-512 VNNI; the block matmuls and the LoRA delta with AVX2, FMA and F16C; else none."""
     flags = kernel_library._cpu_flags()
     if all(f in flags for f in kernel_library.CPU_FLAGS):
         assert LIB is not None and LIB.exists(), WHY
-        assert OPS == {"MatMulQ4", "PagedAttention", "SkipRMSNorm", "LoraDelta"}
+        assert OPS == {"MatMulQ4", "MatMulQ8", "PagedAttention", "SkipRMSNorm", "LoraDelta"}
     elif all(f in flags for f in kernel_library.AVX2_FLAGS):
         assert LIB is not None and LIB.exists(), WHY
-        assert OPS == {"MatMulQ4", "LoraDelta"}
+        assert OPS == {"MatMulQ4", "MatMulQ8", "LoraDelta"}
     else:
         assert LIB is None and "lacks" in WHY
 
@@ -95,6 +95,63 @@ def test_rewrite_leaves_what_the_kernel_does_not_compute(tmp_path):
         assert (counts["MatMulQ4"], counts["PagedAttention"]) == (want, 0), name  # no attention path here to fuse
         ops = [(n.domain, n.op_type) for n in onnx.load_from_string(rewritten).graph.node]
         assert ops == [("ruvllm", "MatMulQ4")] if want else ops == [("com.microsoft", "MatMulNBits")]
+
+
+def q8_model(K: int, N: int, block: int, zero: np.ndarray | None = None, seed: int = 0) -> tuple[bytes, np.ndarray]:
+    """An 8-bit MatMulNBits (zero points 128 unless given, as a GGUF's Q8_0 is written) and its fp32 weights [K, N]."""
+    rng = np.random.default_rng(seed)
+    nblk = K // block
+    B = rng.integers(0, 256, (N, nblk, block), dtype=np.uint8)
+    S = rng.random((N, nblk), dtype=np.float32) * 0.02
+    Z = np.full((N, nblk), 128, np.uint8) if zero is None else zero
+    inits = [helper.make_tensor(name, dtype, a.shape, a.tobytes(), raw=True)
+             for name, dtype, a in (("B", TensorProto.UINT8, B), ("S", TensorProto.FLOAT, S), ("Z", TensorProto.UINT8, Z))]
+    node = helper.make_node("MatMulNBits", ["X", "B", "S", "Z"], ["Y"], domain="com.microsoft", K=K, N=N, bits=8,
+                            block_size=block, accuracy_level=4)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
+    w = ((B.astype(np.float32) - Z[..., None].astype(np.float32)) * S[..., None]).reshape(N, K).T
+    return model.SerializeToString(), w
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N,block", [(576, 49152, 32), (576, 960, 64), (256, 48, 32)])
+def test_q8_kernel_computes_the_int8_product_of_a_q8_0_grid(tmp_path, K, N, block):
+    """MatMulQ8 (a GGUF package's Q8_0 LM head) gives (x rounded to int8 per block) . (d * (q - 128))
+    exactly up to fp32 rounding, for 1 to 37 rows and a 3-D input, every weight byte 0..255 included:
+    the int16 pair sums of its AVX2 products cannot saturate."""
+    model, w = q8_model(K, N, block)
+    path = tmp_path / "q8.onnx"
+    path.write_bytes(model)
+    rewritten, counts = graph_fusion.rewrite_graph(path, ops=OPS)
+    assert (counts["MatMulQ8"], counts["MatMulQ4"]) == (1, 0)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    opts.register_custom_ops_library(str(LIB))
+    ours = ort.InferenceSession(rewritten, opts)
+    rng = np.random.default_rng(K + N)
+    for shape in ((1, K), (3, K), (16, K), (37, K), (2, 5, K)):
+        x = rng.standard_normal(shape, dtype=np.float32) * 4
+        got, want = ours.run(None, {"X": x})[0], int8_blocks(x, block).astype(np.float64) @ w
+        assert got.shape == want.shape == (*shape[:-1], N)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), shape
+    x = rng.standard_normal((16, K), dtype=np.float32)
+    together = ours.run(None, {"X": x})[0]
+    assert all(np.array_equal(ours.run(None, {"X": x[i:i + 1]})[0][0], together[i]) for i in (0, 5, 15))
+
+
+def test_q8_rewrite_needs_zero_points_of_128(tmp_path):
+    """Other zero points could put q - z outside a signed byte: those grids keep onnxruntime's kernel."""
+    zero = np.full((64, 256 // 32), 128, np.uint8)
+    zero[3, 2] = 0
+    for name, model in (("q8_0", q8_model(256, 64, 32)[0]), ("other", q8_model(256, 64, 32, zero)[0])):
+        path = tmp_path / f"{name}.onnx"
+        path.write_bytes(model)
+        _, counts = graph_fusion.rewrite_graph(path, ops=frozenset({"MatMulQ4", "MatMulQ8"}))
+        assert counts["MatMulQ8"] == (name == "q8_0"), name
+    _, counts = graph_fusion.rewrite_graph(tmp_path / "q8_0.onnx", ops=frozenset({"MatMulQ4"}))
+    assert counts["MatMulQ8"] == 0
 
 
 def projection_then(K: int, N: int, block: int, tail: str) -> bytes:

@@ -6,6 +6,7 @@
 
 #include "lora_delta.h"
 #include "matmul_q4.h"
+#include "matmul_q8.h"
 #include "paged_attention.h"
 #include "skip_rms_norm.h"
 
@@ -89,7 +90,8 @@ OrtStatus* guarded(void* kernel, OrtKernelContext* ctx) {
 }
 
 constexpr char kMatMulName[] = "ruvllm.MatMulQ4", kAttentionName[] = "ruvllm.PagedAttention",
-               kNormName[] = "ruvllm.SkipRMSNorm", kLoraName[] = "ruvllm.LoraDelta";
+               kNormName[] = "ruvllm.SkipRMSNorm", kLoraName[] = "ruvllm.LoraDelta",
+               kMatMulQ8Name[] = "ruvllm.MatMulQ8";
 
 // the entry points of an operator whose kernel object (a K) `create` makes and `run` computes with
 template <typename K, CreateFn create, ComputeFn run, const char* what>
@@ -141,6 +143,14 @@ CustomOp lora_op() {
   return op;
 }
 
+CustomOp matmul_q8_op() {
+  CustomOp op = kernel_op<Q8Kernel, create_q8, compute_q8, kMatMulQ8Name>();
+  op.GetName = [](const CustomOp*) { return "MatMulQ8"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return (i == 1 || i == 3) ? kUint8 : kFloat; };
+  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 4; };
+  return op;
+}
+
 CustomOp matmul_split_op() {
   CustomOp op = matmul_op();
   op.GetName = [](const CustomOp*) { return "MatMulQ4Split"; };
@@ -158,6 +168,7 @@ const CustomOp g_matmul = matmul_op();
 const CustomOp g_matmul_split = matmul_split_op();
 const CustomOp g_matmul_swiglu = matmul_swiglu_op();
 const CustomOp g_lora = lora_op();
+const CustomOp g_matmul_q8 = matmul_q8_op();
 #if RUVLLM_AVX512
 const CustomOp g_attention = attention_op();
 const CustomOp g_norm = norm_op();
@@ -175,17 +186,18 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   RETURN_IF(api<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ruvllm", &domain));
   auto add = api<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomain_Add);
 #if RUVLLM_AVX512
-  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_attention, &g_norm, &g_lora})
+  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_matmul_q8, &g_attention, &g_norm, &g_lora})
     RETURN_IF(add(domain, op));
 #else
-  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_lora}) RETURN_IF(add(domain, op));
+  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_matmul_q8, &g_lora})
+    RETURN_IF(add(domain, op));
 #endif
   return api<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
 }
 
-// Which operators this build registers (AVX-512: all; AVX2: the 4-bit matmuls and the LoRA delta).
+// Which operators this build registers (AVX-512: all; AVX2: the block matmuls and the LoRA delta).
 __attribute__((visibility("default"))) const char* ruvllm_kernel_ops() {
-  return RUVLLM_AVX512 ? "MatMulQ4,PagedAttention,SkipRMSNorm,LoraDelta" : "MatMulQ4,LoraDelta";
+  return RUVLLM_AVX512 ? "MatMulQ4,MatMulQ8,PagedAttention,SkipRMSNorm,LoraDelta" : "MatMulQ4,MatMulQ8,LoraDelta";
 }
 
 // For the library's own test: the kernel on plain buffers, without onnxruntime.
