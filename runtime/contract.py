@@ -85,6 +85,9 @@ PRESENT_VALUE = "present.value"  # float [num_layers, num_tokens, kv_heads, head
 LOGITS = "logits"  # float [num_logits, vocab]: raw logits, before any processing
 TOPK_LOGPROBS = "topk_logprobs"  # float [num_logits, top_k]: log-softmax of the processed logits
 TOPK_IDS = "topk_ids"  # int64 [num_logits, top_k]
+# the LoRA graph's only: every token's last hidden state (after the final norm), what an X-LoRA
+# classifier reads in its scaling pass
+HIDDEN_STATES = "hidden_states"  # float [num_tokens, hidden_size]
 
 
 

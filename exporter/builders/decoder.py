@@ -92,6 +92,9 @@ class DecoderBuilder:
         for i in range(spec.num_layers):
             hidden, residual = self.layer(i, hidden, residual)
         self.kv_outputs()
+        if self.lora.enabled:
+            b.op("Identity", [hidden], out=C.HIDDEN_STATES)
+            b.output(C.HIDDEN_STATES, FLOAT, ["num_tokens", spec.hidden_size])
         process_logits(b, self.lm_head(hidden), self.step)
         return b.model()
 

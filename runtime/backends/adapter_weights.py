@@ -127,8 +127,15 @@ class AdapterTensors:
                 out[C.lora_b(layer, target)] = b_all[layer, :columns]
         return out
 
-    def mixing(self, token_slots: list[int], columns: int) -> np.ndarray:
-        """lora_weights [tokens, columns]: each token weighs its sequence's slot's columns 1, the rest 0."""
+    def mixing(self, token_slots: list[int], columns: int, mix: dict | None = None) -> np.ndarray:
+        """lora_weights [tokens, columns]: each token weighs its sequence's slot's columns 1, the rest 0;
+        a token in `mix` (X-LoRA: token -> [(slot, weight)]) weighs each of those slots' columns instead."""
         slots = np.asarray(token_slots, np.int64)
         col_slot = np.arange(columns) // max(self.rank, 1) + 1  # the slot each column belongs to
-        return (slots[:, None] == col_slot[None, :]).astype(np.float32)
+        weights = (slots[:, None] == col_slot[None, :]).astype(np.float32)
+        for token, pairs in (mix or {}).items():
+            row = weights[token]
+            row[:] = 0.0
+            for slot, w in pairs:
+                row[(slot - 1) * self.rank:slot * self.rank] = w
+        return weights

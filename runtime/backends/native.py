@@ -192,6 +192,15 @@ class NativeBackend:
         self.adapters = AdapterTensors(self.pkg.config, max_loras, max_rank)
         self._lora_columns = -1  # the adapter columns the LoRA session has bound
 
+    def enable_xlora(self, max_loras: int, max_rank: int, xlora) -> None:
+        """enable_lora, with the LoRA graph's hidden states (the scaling pass's output) checked."""
+        from runtime.core.adapters import AdapterError
+
+        self.enable_lora(max_loras, max_rank)
+        if C.HIDDEN_STATES not in {o.name for o in self.lora_runner.session.get_outputs()}:
+            raise AdapterError(f"{self.pkg.path}: its LoRA graph has no {C.HIDDEN_STATES} output, which X-LoRA's "
+                               "classifier reads; re-export the package")
+
     def set_adapter(self, slot: int, info) -> None:
         """Put an adapter's weights (a runtime.core.adapters.AdapterInfo) into a slot of the LoRA inputs."""
         self.adapters.put(slot, info)
@@ -204,11 +213,10 @@ class NativeBackend:
             if self.adapters is None:
                 raise RuntimeError("a step names adapter slots, but no adapter was enabled (enable_lora)")
             runner = self.lora_runner
-            columns = self.adapters.columns(batch.adapter_slots)
-            if columns != self._lora_columns:  # bound by reference: only when the highest slot or rank moves
-                runner.bind_static(self.adapters.views(columns))
-                self._lora_columns = columns
-            extra_inputs = {**(extra_inputs or {}), C.LORA_WEIGHTS: self.adapters.mixing(batch.adapter_slots, columns)}
+            columns = self._bind_columns(batch.lora_slots())
+            mix = self._xlora_pass(batch.xlora, columns) if batch.xlora else None
+            weights = self.adapters.mixing(batch.adapter_slots, columns, mix)
+            extra_inputs = {**(extra_inputs or {}), C.LORA_WEIGHTS: weights}
         outs = runner.run(batch, extra_inputs)
         self.pool.write(outs[C.PRESENT_KEY], outs[C.PRESENT_VALUE], batch.kv_slots)
         if not batch.logits_index:
@@ -218,6 +226,57 @@ class NativeBackend:
 
     async def run_async(self, batch: StepBatch) -> StepResult:
         return self.run(batch)
+
+    def _bind_columns(self, slots: list[int]) -> int:
+        """Bind the adapter columns up to the highest of these slots (by reference: only when the highest
+        slot or the rank moves); returns how many."""
+        columns = self.adapters.columns(slots)
+        if columns != self._lora_columns:
+            self.lora_runner.bind_static(self.adapters.views(columns))
+            self._lora_columns = columns
+        return columns
+
+    def _xlora_pass(self, xp, columns: int) -> dict[int, list[tuple[int, float]]]:
+        """Run the X-LoRA chunks' scaling pass (their experts at PEFT's dummy weights, K/V into their
+        shadow blocks), their classifiers on its hidden states; returns each of their tokens' experts'
+        weights, by the token's index in the step."""
+        from runtime.core.xlora import expert_weights, scaling_pass_weights
+
+        dummy = {}
+        for g in xp.groups:
+            pairs = list(zip(g.expert_slots, scaling_pass_weights(len(g.expert_slots), g.xlora.settings)))
+            dummy.update((t, pairs) for t in range(g.scaling_start, g.scaling_start + g.n))
+        weights = self.adapters.mixing([0] * len(xp.batch.input_ids), columns, dummy)
+        outs = self.lora_runner.run(xp.batch, {C.LORA_WEIGHTS: weights}, want_hidden=True)
+        self.pool.write(outs[C.PRESENT_KEY], outs[C.PRESENT_VALUE], xp.batch.kv_slots)
+        hidden = outs[C.HIDDEN_STATES]
+        mix: dict[int, list[tuple[int, float]]] = {}
+        self.last_xlora_weights = []  # per X-LoRA chunk: [tokens][experts], what the step mixed (tests read it)
+        for g in xp.groups:
+            logits = self._classifier(g.xlora)(hidden[g.scaling_start:g.scaling_start + g.n])
+            rows = [expert_weights(row, g.xlora.settings) for row in logits.tolist()]
+            self.last_xlora_weights.append(rows)
+            mix.update((g.step_start + j, list(zip(g.expert_slots, w))) for j, w in enumerate(rows))
+        return mix
+
+    def _classifier(self, xlora):
+        """The X-LoRA's classifier as a function of hidden states [n, hidden] -> [n, experts]; its
+        weights read once."""
+        from runtime.backends.adapter_weights import read_tensor
+
+        cache = self.__dict__.setdefault("_classifiers", {})
+        if xlora.id not in cache:
+            layers = [(read_tensor(f, w), read_tensor(f, b)) for f, w, b in xlora.classifier]
+
+            def classify(x: np.ndarray) -> np.ndarray:
+                for i, (w, b) in enumerate(layers):
+                    x = x @ w.T + b
+                    if i + 1 < len(layers):
+                        x = np.maximum(x, 0.0)  # ReLU (dropout is off at inference)
+                return x
+
+            cache[xlora.id] = classify
+        return cache[xlora.id]
 
 
 class GraphRunner:
@@ -249,10 +308,11 @@ class GraphRunner:
             self.io.bind_cpu_input(name, arr)
             self._bound_inputs[name] = (key, arr)
 
-    def _bind_outputs(self, num_tokens: int, rows: int, top_k: int, want_logits: bool) -> dict[str, object]:
+    def _bind_outputs(self, num_tokens: int, rows: int, top_k: int, want_logits: bool,
+                      want_hidden: bool = False) -> dict[str, object]:
         """Bind every output to a preallocated buffer; a step shaped like the last one rebinds nothing.
-        This step's K/V stay on the pool's device; the candidates (and logits) come to the host."""
-        key = (num_tokens, rows, top_k, want_logits)
+        This step's K/V stay on the pool's device; the candidates (and logits, hidden states) come to the host."""
+        key = (num_tokens, rows, top_k, want_logits, want_hidden)
         if key == self._bound:
             return self._outputs
         b, io = self.backend, self.io
@@ -269,10 +329,13 @@ class GraphRunner:
             for name, buf in host.items():
                 io.bind_output(name, "cpu", 0, buf.dtype, buf.shape, buf.ctypes.data)
             outs.update(host)
+        if want_hidden:
+            buf = outs[C.HIDDEN_STATES] = np.empty((num_tokens, b.pkg.config["hidden_size"]), np.float32)
+            io.bind_output(C.HIDDEN_STATES, "cpu", 0, buf.dtype, buf.shape, buf.ctypes.data)
         self._bound, self._outputs = key, outs
         return outs
 
-    def run(self, batch: StepBatch, extra_inputs: dict | None = None) -> dict[str, object]:
+    def run(self, batch: StepBatch, extra_inputs: dict | None = None, want_hidden: bool = False) -> dict[str, object]:
         rows = len(batch.logits_index)
         top_k = min(batch.top_k, self.backend.vocab_size)
         # a decode step repeats most inputs of the last one (sampling settings, padding, indices):
@@ -282,6 +345,6 @@ class GraphRunner:
         for name, arr in (extra_inputs or {}).items():
             self.io.bind_cpu_input(name, arr)
             self._bound_inputs[name] = (object(), arr)  # never equal: rebound whenever given
-        outs = self._bind_outputs(len(batch.input_ids), rows, top_k, batch.want_full_logits)
+        outs = self._bind_outputs(len(batch.input_ids), rows, top_k, batch.want_full_logits, want_hidden)
         self.session.run_with_iobinding(self.io)
         return outs

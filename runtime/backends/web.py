@@ -37,6 +37,9 @@ class WebBackend:
 
         raise AdapterError("LoRA adapters run natively only for now (not yet in the page)")
 
+    def enable_xlora(self, max_loras: int, max_rank: int, xlora) -> None:
+        self.enable_lora(max_loras, max_rank)
+
     def set_adapter(self, slot: int, adapter) -> None:
         self.enable_lora(0, 0)
 

@@ -251,11 +251,24 @@ class AdapterRegistry:
         self.by_name: dict[str, AdapterInfo] = {}
         self._by_id: dict[str, AdapterInfo] = {}  # kept after a removal: running sequences may need a slot again
 
-    def add(self, name: str, path) -> AdapterInfo:
-        """Register a LoRA adapter folder (PEFT's or `python -m exporter adapter`'s) under a name; its
-        weights are read when a request first needs a slot for it. AdapterError says what does not fit."""
-        info = read_adapter(name, path, self.pkg.config, self.pkg.manifest["architecture"], self.config.max_lora_rank)
-        self.backend.enable_lora(self.config.max_loras, self.config.max_lora_rank)
+    def add(self, name: str, path, experts: dict | None = None):
+        """Register a LoRA adapter folder (PEFT's or `python -m exporter adapter`'s), or a PEFT X-LoRA
+        folder (its experts from its config, or `experts`: name -> folder), under a name; weights are
+        read when a request first needs slots for them. AdapterError says what does not fit."""
+        from runtime.core.xlora import is_xlora, read_xlora
+
+        arch, rank = self.pkg.manifest["architecture"], self.config.max_lora_rank
+        if is_xlora(path):
+            info = read_xlora(name, path, self.pkg.config, arch, rank, experts)
+            if len(info.experts) > self.config.max_loras:
+                raise AdapterError(f"X-LoRA {name!r} has {len(info.experts)} experts, more than --max-loras "
+                                   f"{self.config.max_loras} adapter slots")
+            self.backend.enable_xlora(self.config.max_loras, self.config.max_lora_rank, info)
+            for expert in info.experts:
+                self._by_id.setdefault(expert.id, expert)
+        else:
+            info = read_adapter(name, path, self.pkg.config, arch, rank)
+            self.backend.enable_lora(self.config.max_loras, self.config.max_lora_rank)
         self.by_name[name] = info
         self._by_id.setdefault(info.id, info)
         return info
@@ -264,7 +277,8 @@ class AdapterRegistry:
         """New requests can no longer name it; those running on it finish."""
         return self.by_name.pop(name, None) is not None
 
-    def named(self, name: str | None) -> AdapterInfo | None:
+    def named(self, name: str | None):
+        """The adapter (an AdapterInfo, or an XLoraInfo) requests call `name`."""
         if name is None:
             return None
         info = self.by_name.get(name)

@@ -27,12 +27,18 @@ class Backend(Protocol):
         """Get ready to run steps whose batch names adapter slots (the LoRA graph); AdapterError if it cannot."""
         ...
 
+    def enable_xlora(self, max_loras: int, max_rank: int, xlora) -> None:
+        """enable_lora, and get ready to run an X-LoRA's classifier (runtime.core.xlora.XLoraInfo) on the
+        scaling pass's hidden states; AdapterError if it cannot."""
+        ...
+
     def set_adapter(self, slot: int, adapter) -> None:
         """Put an adapter (runtime.core.adapters.AdapterInfo) into one of the LoRA graph's slots."""
         ...
 
     def run(self, batch: StepBatch) -> StepResult:
-        """Run one step: write its K/V into the pool and return the candidates of its logits rows."""
+        """Run one step: write its K/V into the pool and return the candidates of its logits rows (with
+        X-LoRA chunks: their scaling pass first, its K/V into their shadow blocks)."""
         ...
 
     async def run_async(self, batch: StepBatch) -> StepResult:

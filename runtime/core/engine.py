@@ -19,6 +19,7 @@ from runtime.core.scheduler import Scheduler, SchedulerOutput
 from runtime.core.sequence import RequestOutput, Sequence, TokenLogprob
 from runtime.core.stats import EngineStats
 from runtime.core.step_batch import StepBatch, StepResult, build_step
+from runtime.core.xlora import XLoraInfo
 from runtime.errors import ContextLengthError, RequestError
 from runtime.package import ModelPackage, load_package
 from runtime.text.chat_template import ChatTemplate
@@ -33,7 +34,7 @@ class PreparedRequest:
 
     ids: list[int]
     params: SamplingParams
-    adapter: AdapterInfo | None = None
+    adapter: AdapterInfo | XLoraInfo | None = None
 
 
 @dataclass
@@ -106,9 +107,11 @@ class Engine:
             raise ContextLengthError(f"the prompt has {len(ids)} tokens; this model's context is "
                                      f"{self.max_context} tokens")
         alloc = self.scheduler.allocator
-        if alloc.blocks_for(len(ids) + 1) > alloc.num_blocks:
+        passes = 2 if info is not None and info.kind == "xlora" else 1  # X-LoRA: the scaling pass's K/V too
+        if passes * alloc.blocks_for(len(ids) + 1) > alloc.num_blocks:
             raise ContextLengthError(f"the prompt has {len(ids)} tokens, more than the KV cache holds "
-                                     f"({alloc.num_blocks * self.block_size} tokens)")
+                                     f"({alloc.num_blocks * self.block_size // passes} tokens"
+                                     f"{' with X-LoRA' if passes == 2 else ''})")
         return PreparedRequest(ids, params, info)
 
     def submit(self, request: PreparedRequest, request_id: str | None = None) -> str:
@@ -116,8 +119,9 @@ class Engine:
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.scheduler.seqs:
             raise RequestError(f"request id {rid!r} is already in use")
-        seq = Sequence(rid, request.ids, request.params, tokens=list(request.ids),
-                       adapter=request.adapter.id if request.adapter else None)
+        info = request.adapter
+        seq = Sequence(rid, request.ids, request.params, tokens=list(request.ids), adapter=info.id if info else None,
+                       xlora=info if info is not None and info.kind == "xlora" else None)
         self.processor.admit(seq)
         self.scheduler.add(seq)
         return rid

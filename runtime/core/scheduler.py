@@ -119,7 +119,7 @@ class Scheduler:
         pending: set[bytes] = set()
         if sharing:
             for seq, n in plan:
-                if seq.num_computed < len(seq.prompt_ids):
+                if seq.num_computed < len(seq.prompt_ids) and not seq.xlora:
                     pending.update(self._chunk_keys(seq, seq.block_keys, seq.num_computed + n))
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
@@ -127,19 +127,24 @@ class Scheduler:
             keys = self._prefix_keys(seq)
             if pending and self._waits_for(keys, pending):
                 continue
-            slot = self.slots.acquire(seq.adapter)
-            if slot is None:  # every adapter slot is taken by running sequences of other adapters
+            slots = self._acquire_slots(seq)
+            if slots is None:  # every adapter slot is taken by running sequences of other adapters
                 continue
             cached = self.allocator.lookup(keys)
             seq.block_keys = keys[:len(cached)]  # a copy: update() appends to it
             start = len(cached) * self.block_size
             n = min(len(seq.tokens) - start, budget)
-            if self.allocator.blocks_for(start + n) - len(cached) > self.allocator.num_free:
+            passes = 2 if seq.xlora else 1  # X-LoRA: the scaling pass's blocks too
+            if passes * self.allocator.blocks_for(start + n) - len(cached) > self.allocator.num_free:
                 for block in cached:  # not admitted after all: give the hits back
                     self.allocator.release(block)
-                self.slots.release(slot)
+                for slot in slots:
+                    self.slots.release(slot)
                 break
-            seq.adapter_slot = slot
+            if seq.xlora:
+                seq.adapter_slot, seq.expert_slots = 0, slots
+            else:
+                seq.adapter_slot = slots[0]
             self.waiting.remove(seq)
             seq.prefix_keys = None
             seq.draft = []
@@ -155,9 +160,24 @@ class Scheduler:
             if sharing:
                 pending.update(keys[len(cached):(start + n) // self.block_size])
 
+    def _acquire_slots(self, seq: Sequence) -> list[int] | None:
+        """The adapter slot of the sequence's adapter, or its X-LoRA experts' slots; None when one is busy."""
+        if not seq.xlora:
+            slot = self.slots.acquire(seq.adapter)
+            return None if slot is None else [slot]
+        got: list[int] = []
+        for expert in seq.xlora.experts:
+            slot = self.slots.acquire(expert.id)
+            if slot is None:
+                for s in got:
+                    self.slots.release(s)
+                return None
+            got.append(slot)
+        return got
+
     def _chunk(self, seq: Sequence, n: int) -> Chunk:
         bs, start, p, draft = self.block_size, seq.num_computed, seq.params, seq.draft
-        return Chunk(
+        chunk = Chunk(
             tokens=seq.tokens[start:start + n - len(draft)] + draft, start=start, block_table=seq.blocks,
             kv_slots=[seq.blocks[t // bs] * bs + t % bs for t in range(start, start + n)],
             want_logits=start + n - len(draft) == len(seq.tokens), logits_rows=1 + len(draft),
@@ -165,6 +185,10 @@ class Scheduler:
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, penalties=seq.penalties, top_k=p.candidates(self.vocab_size),
             adapter_slot=seq.adapter_slot)
+        if seq.xlora:
+            chunk.xlora, chunk.expert_slots, chunk.shadow_table = seq.xlora, seq.expert_slots, seq.shadow_blocks
+            chunk.shadow_kv_slots = [seq.shadow_blocks[t // bs] * bs + t % bs for t in range(start, start + n)]
+        return chunk
 
     def update(self, seq: Sequence, computed: int, accepted_drafts: int, finished: bool) -> None:
         """After the step: `computed` of the sequence's tokens now have K/V (its accepted drafts
@@ -173,7 +197,7 @@ class Scheduler:
         if seq.draft:
             seq.lookup.record(len(seq.draft), accepted_drafts)
             self.stats.accepted_draft_tokens += accepted_drafts
-        if self.allocator.enable_prefix_cache:
+        if self.allocator.enable_prefix_cache and not seq.xlora:
             for key in self._chunk_keys(seq, seq.block_keys, seq.num_computed):
                 self.allocator.register(seq.blocks[len(seq.block_keys)], key)
                 seq.block_keys.append(key)
@@ -182,21 +206,27 @@ class Scheduler:
 
     # ---- KV blocks ----
     def _release(self, seq: Sequence) -> None:
-        for b in seq.blocks:
+        for b in seq.blocks + seq.shadow_blocks:
             self.allocator.release(b)
         seq.blocks = []
+        seq.shadow_blocks = []
         seq.block_keys = []
         seq.num_computed = 0
         if seq.adapter_slot >= 0:
             self.slots.release(seq.adapter_slot)
             seq.adapter_slot = -1
+        for slot in seq.expert_slots:
+            self.slots.release(slot)
+        seq.expert_slots = []
 
     def _grow(self, seq: Sequence, upto_tokens: int) -> bool:
         need = self.allocator.blocks_for(upto_tokens) - len(seq.blocks)
-        if need > self.allocator.num_free:
+        if (2 if seq.xlora else 1) * need > self.allocator.num_free:
             return False
         for _ in range(need):
             seq.blocks.append(self.allocator.allocate())
+            if seq.xlora:
+                seq.shadow_blocks.append(self.allocator.allocate())
         return True
 
     def _preempt(self, seq: Sequence) -> None:
@@ -215,7 +245,7 @@ class Scheduler:
         sample is the same with or without drafts; above SPECULATIVE_MAX_TEMPERATURE drafts rarely pay.
         """
         p, cfg = seq.params, self.config
-        if (not cfg.speculative_tokens or len(self.running) > cfg.speculative_max_batch
+        if (not cfg.speculative_tokens or seq.xlora or len(self.running) > cfg.speculative_max_batch
                 or p.temperature > SPECULATIVE_MAX_TEMPERATURE):
             return []
         k = min(cfg.speculative_tokens, budget, p.max_tokens - seq.num_generated - 1,
@@ -251,7 +281,7 @@ class Scheduler:
     def _prefix_keys(self, seq: Sequence) -> list[bytes]:
         """Chained prefix keys of the sequence's full blocks, leaving at least one token to compute;
         kept while it waits (its tokens change only by preemption, which appends)."""
-        if not self.allocator.enable_prefix_cache:
+        if not self.allocator.enable_prefix_cache or seq.xlora:  # X-LoRA: two passes' blocks, not cached yet
             return []
         if seq.prefix_keys is None or seq.prefix_keys[0] != len(seq.tokens):
             seq.prefix_keys = (len(seq.tokens), self._chunk_keys(seq, [], len(seq.tokens) - 1))

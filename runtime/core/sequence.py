@@ -50,6 +50,9 @@ class Sequence:
     draft: list[int] = field(default_factory=list)  # tokens drafted for the step being run
     penalties: PenaltyState | None = None  # the graph's penalty inputs, kept incrementally
     adapter_slot: int = -1  # the LoRA graph's slot holding its adapter while it runs (0: none)
+    xlora: object = None  # an X-LoRA (runtime.core.xlora.XLoraInfo): its experts mixed per token
+    expert_slots: list[int] = field(default_factory=list)  # X-LoRA: the slots holding its experts
+    shadow_blocks: list[int] = field(default_factory=list)  # X-LoRA: the scaling pass's KV blocks
     # the output processor's: sampling, detokenizing, stop strings
     rng: object = None
     decoder: IncrementalDecoder | None = None

@@ -71,6 +71,30 @@ class Chunk:
     penalties: PenaltyState | None = None
     top_k: int = 1
     adapter_slot: int = 0  # the LoRA graph's adapter slot of the sequence (0: the base model)
+    xlora: object = None  # X-LoRA (runtime.core.xlora.XLoraInfo): a scaling pass first, on shadow blocks
+    expert_slots: list[int] | None = None  # X-LoRA: its experts' slots, in the classifier's order
+    shadow_table: list[int] | None = None  # X-LoRA: the scaling pass's block table
+    shadow_kv_slots: list[int] | None = None  # X-LoRA: the scaling pass's pool slot per new token
+
+
+@dataclass
+class XLoraGroup:
+    """One X-LoRA chunk's tokens in the scaling pass and in the step."""
+
+    xlora: object  # runtime.core.xlora.XLoraInfo
+    expert_slots: list[int]
+    scaling_start: int  # its first token in the scaling pass's batch
+    step_start: int  # its first token in the step's batch
+    n: int
+
+
+@dataclass
+class XLoraPass:
+    """What a step with X-LoRA chunks runs first: those chunks on their shadow blocks, no logits rows;
+    the classifier reads its last hidden states and weighs each token's experts in the step."""
+
+    batch: StepBatch
+    groups: list[XLoraGroup]
 
 
 @dataclass
@@ -94,6 +118,14 @@ class StepBatch:
     top_k: int
     want_full_logits: bool = False
     adapter_slots: list[int] | None = None  # per token, when any sequence runs on an adapter (the LoRA graph)
+    xlora: XLoraPass | None = None  # the scaling pass, when X-LoRA sequences run
+
+    def lora_slots(self) -> list[int]:
+        """Every adapter slot the step reads: the tokens' own and the X-LoRA experts'."""
+        slots = list(self.adapter_slots or [0])
+        for g in self.xlora.groups if self.xlora else []:
+            slots.extend(g.expert_slots)
+        return slots
 
     def feeds(self, top_k: int) -> dict[str, tuple[list, list[int]]]:
         """Every per-step graph input (runtime.contract.STEP_INPUTS) as (values, dims): values nested as
@@ -176,8 +208,21 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
         sparse_ids=sp_ids, sparse_seen=sp_seen, sparse_counts=sp_counts, sparse_bias=sp_bias,
         top_k=max([c.top_k for c, _ in rows] + [1]),
         want_full_logits=want_full_logits,
-        adapter_slots=[c.adapter_slot for c in chunks for _ in c.tokens] if any(c.adapter_slot for c in chunks) else None,
+        adapter_slots=([c.adapter_slot for c in chunks for _ in c.tokens]
+                       if any(c.adapter_slot or c.xlora for c in chunks) else None),
+        xlora=_xlora_pass(chunks, block_size),
     )
+
+
+def _xlora_pass(chunks: list[Chunk], block_size: int) -> XLoraPass | None:
+    groups, shadows, scaling_start, step_start = [], [], 0, 0
+    for c in chunks:
+        if c.xlora:
+            shadows.append(Chunk(c.tokens, c.start, c.shadow_table, c.shadow_kv_slots, False))
+            groups.append(XLoraGroup(c.xlora, c.expert_slots, scaling_start, step_start, len(c.tokens)))
+            scaling_start += len(c.tokens)
+        step_start += len(c.tokens)
+    return XLoraPass(build_step(shadows, block_size), groups) if groups else None
 
 
 @dataclass

@@ -197,3 +197,35 @@ def test_a_long_prompt_does_not_stall_running_decodes_and_arrivals_keep_their_or
         admitted += [i for i in ids[3:] if i not in admitted]
     assert admitted == ["long", "late"]
     assert long.num_computed >= 40 and late.num_generated >= 1
+
+
+def test_xlora_sequences_get_expert_slots_and_shadow_blocks_and_give_them_back():
+    """An X-LoRA sequence holds a slot per expert and, for its scaling pass, a shadow block per block;
+    it neither reads nor fills the prefix cache; preemption and finishing free everything."""
+    from types import SimpleNamespace
+
+    xlora = SimpleNamespace(experts=[SimpleNamespace(id="e1"), SimpleNamespace(id="e2")])
+    s = make(num_blocks=32, max_loras=2, max_batch_tokens=64)
+    plain = add(s, "p", list(range(8)))
+    x = add(s, "x", list(range(8)))
+    x.adapter, x.xlora = "xl", xlora
+    out = run_step(s)
+    chunk = out.chunks[[seq for seq, _ in out.scheduled].index(x)]
+    assert sorted(x.expert_slots) == [1, 2] and chunk.expert_slots == x.expert_slots
+    assert len(x.shadow_blocks) == len(x.blocks) == 2 and not set(x.shadow_blocks) & set(x.blocks)
+    assert chunk.shadow_table == x.shadow_blocks and len(chunk.shadow_kv_slots) == 8
+    assert [k // BS for k in chunk.shadow_kv_slots] == [x.shadow_blocks[t // BS] for t in range(8)]
+    assert x.block_keys == [] and len(plain.block_keys) == 2
+    assert s.allocator.num_used == 2 + 2 * 2
+    other = add(s, "y", list(range(8)))  # the same experts' slots are shared; a third expert would wait
+    other.adapter, other.xlora = "xl", xlora
+    run_step(s)
+    assert set(other.expert_slots) == {1, 2} and s.slots.users[1] == 2 and other in s.running
+    s._preempt(other)
+    assert not other.shadow_blocks and not other.expert_slots and s.slots.users[1] == 1
+    run_step(s)
+    assert other in s.running and len(other.shadow_blocks) == len(other.blocks)
+    for seq in list(s.running):
+        s.finish(seq)
+    assert s.slots.users == [0, 0, 0] and s.allocator.num_used == 0
+    assert all(not seq.shadow_blocks and not seq.expert_slots for seq in (x, other))

@@ -1,0 +1,193 @@
+"""X-LoRA (PEFT's `XLoraConfig`): a classifier over N LoRA experts that mixes them per token.
+
+Each step runs twice for an X-LoRA sequence, as PEFT's X-LoRA model does: a scaling pass (the experts
+weighted by `scaling_pass_value`, 0 by default: the base model) whose last hidden states feed the
+classifier, then the real pass with the classifier's per-token weights on the experts' adapter slots.
+PEFT recomputes the whole sequence each step (it refuses a KV cache); both passes are causal, so the
+engine keeps a KV cache per pass instead (the scheduler's shadow blocks) and gets the same numbers.
+
+Everything here reads JSON and safetensors headers only (it runs in Pyodide); the backend runs the
+classifier (its numbers) and `expert_weights` turns its outputs into the experts' weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.core.adapters import (
+    PEFT_CONFIG,
+    PEFT_WEIGHTS,
+    AdapterError,
+    AdapterInfo,
+    TensorRef,
+    read_adapter,
+    safetensors_index,
+)
+
+CLASSIFIER_FILE = "xlora_classifier.safetensors"  # keys layers.{i}.weight / .bias: the classifier's state_dict
+_KEY = re.compile(r"internal_xlora_classifier\.layers(?:\.(\d+))?\.(weight|bias)$")
+
+
+def is_xlora(path: str | Path) -> bool:
+    """Whether a folder holds a PEFT X-LoRA model (its adapter_config.json says peft_type XLORA)."""
+    try:
+        cfg = json.loads((Path(path).expanduser() / PEFT_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and cfg.get("peft_type") == "XLORA"
+
+
+@dataclass(frozen=True)
+class XLoraSettings:
+    """PEFT's settings that shape the experts' weights from the classifier's outputs."""
+
+    enable_softmax: bool = True
+    softmax_temperature: float = 1.0
+    top_k_lora: int | None = None
+    enable_softmax_topk: bool = False
+    scaling_pass_value: float = 0.0
+    global_scaling_weight: float = 1.0
+
+
+@dataclass
+class XLoraInfo:
+    name: str
+    path: Path
+    id: str  # digest of the classifier, the settings and the experts' ids
+    experts: list[AdapterInfo]
+    settings: XLoraSettings
+    classifier: list[tuple[Path, TensorRef, TensorRef]]  # the Linear layers in order: (file, weight, bias)
+    kind: str = "xlora"
+
+    @property
+    def rank(self) -> int:
+        return max(e.rank for e in self.experts)
+
+
+def expert_weights(logits: list[float], s: XLoraSettings) -> list[float]:
+    """One token's classifier outputs -> each expert's weight, as PEFT's XLoraClassifier (softmax at a
+    temperature) and XLoraLayer (top-k mask, softmax over the kept ones) compute it, times the global
+    scaling weight."""
+    w = list(logits)
+    if s.enable_softmax:
+        w = _softmax([x / s.softmax_temperature for x in w])
+    if s.top_k_lora is not None:
+        keep = set(sorted(range(len(w)), key=lambda i: -w[i])[:s.top_k_lora])
+        w = [x if i in keep else 0.0 for i, x in enumerate(w)]
+    if s.enable_softmax_topk:
+        kept = [i for i, x in enumerate(w) if x != 0.0]
+        soft = _softmax([w[i] for i in kept]) if kept else []
+        w = [0.0] * len(w)
+        for i, x in zip(kept, soft):
+            w[i] = x
+    return [x * s.global_scaling_weight for x in w]
+
+
+def scaling_pass_weights(n: int, s: XLoraSettings) -> list[float]:
+    """The experts' weights in the scaling pass: PEFT's dummy scalings, all scaling_pass_value."""
+    return [s.scaling_pass_value * s.global_scaling_weight] * n
+
+
+def _softmax(xs: list[float]) -> list[float]:
+    if not xs:
+        return []
+    top = max(xs)
+    e = [math.exp(x - top) for x in xs]
+    total = sum(e)
+    return [x / total for x in e]
+
+
+def read_xlora(name: str, path: str | Path, config: dict, architecture: str, max_rank: int,
+               experts: dict[str, str | Path] | None = None) -> XLoraInfo:
+    """Read a PEFT X-LoRA folder: its config, its classifier's weights and its expert adapters (the
+    `adapters` its config names, or `experts` given here, by the same names; relative paths are taken
+    from the folder). AdapterError says what is missing or does not fit the package."""
+    p = Path(path).expanduser()
+    try:
+        cfg = json.loads((p / PEFT_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise AdapterError(f"{p}: unreadable {PEFT_CONFIG} ({err})") from None
+    if cfg.get("peft_type") != "XLORA":
+        raise AdapterError(f"{p}: not an X-LoRA model (peft_type {cfg.get('peft_type')!r})")
+    if cfg.get("hidden_size") != config["hidden_size"]:
+        raise AdapterError(f"{p}: an X-LoRA classifier for hidden size {cfg.get('hidden_size')}, this model's is "
+                           f"{config['hidden_size']} (another base model?)")
+    if cfg.get("layerwise_scalings"):
+        raise AdapterError(f"{p}: X-LoRA with layerwise_scalings (a weight per LoRA layer) is not supported yet; "
+                           "the same weights for every layer (PEFT's default) are")
+    top_k = cfg.get("top_k_lora")
+    settings = XLoraSettings(bool(cfg.get("enable_softmax", True)), float(cfg.get("softmax_temperature", 1.0)),
+                             int(top_k) if top_k is not None else None, bool(cfg.get("enable_softmax_topk", False)),
+                             float(cfg.get("scaling_pass_value", 0.0)), float(cfg.get("global_scaling_weight", 1.0)))
+    if settings.top_k_lora is not None and settings.scaling_pass_value != 0:
+        raise AdapterError(f"{p}: top_k_lora with a non-zero scaling_pass_value picks among equal dummy scalings "
+                           "in an order PEFT leaves to torch.topk; not supported")
+    named = dict(cfg.get("adapters") or {})
+    named.update(experts or {})
+    if not named:
+        raise AdapterError(f"{p}: the X-LoRA config names no expert adapters")
+    loaded = []
+    for expert, where in named.items():
+        folder = Path(where).expanduser()
+        folder = folder if folder.is_absolute() else p / folder
+        if not (folder / PEFT_CONFIG).exists() and not (folder / "adapter.json").exists():
+            raise AdapterError(f"{p}: X-LoRA expert {expert!r} is not at {folder}; give its LoRA folder "
+                               f"(experts={{{expert!r}: PATH}})")
+        loaded.append(read_adapter(f"{name}/{expert}", folder, config, architecture, max_rank))
+    layers = _classifier(p, cfg, len(loaded), config["hidden_size"])
+    h = hashlib.sha256(json.dumps(settings.__dict__, sort_keys=True).encode())
+    for e in loaded:
+        h.update(e.id.encode())
+    for file, w, b in layers:
+        with open(file, "rb") as fh:
+            for ref in (w, b):
+                fh.seek(ref.start)
+                h.update(fh.read(ref.end - ref.start))
+    return XLoraInfo(name, p, h.hexdigest()[:32], loaded, settings, layers)
+
+
+def _classifier(p: Path, cfg: dict, n_experts: int, hidden: int) -> list[tuple[Path, TensorRef, TensorRef]]:
+    """The classifier's Linear layers. PEFT's save_pretrained (0.21) keeps some of them only in the
+    experts' subfolders, with the subfolder's name (an index) cut out of the key: `layers.0.weight` is
+    `layers.weight` in subfolder 0. Read them from wherever they are, checked by shape."""
+    depth = int(cfg.get("xlora_depth", 1))
+    size = int(cfg.get("xlora_size", 2048))
+    stride = 3 if float(cfg.get("xlora_dropout_p", 0.2)) > 0 else 2  # Linear, ReLU (, Dropout)
+    want = [i * stride for i in range(depth)]
+    dims = [hidden] + [size] * (depth - 1) + [n_experts]
+    found: dict[int, dict[str, tuple[Path, TensorRef]]] = {}
+    own = p / CLASSIFIER_FILE
+    files = [(own, None)] if own.exists() else []
+    files.append((p / PEFT_WEIGHTS, None))
+    files += [(d / PEFT_WEIGHTS, int(d.name)) for d in sorted(p.iterdir()) if d.is_dir() and d.name.isdigit()]
+    for file, sub in files:
+        if not file.exists():
+            continue
+        for key, ref in safetensors_index(file).items():
+            m = _KEY.search(key) or (re.fullmatch(r"layers\.(\d+)\.(weight|bias)", key) if file == own else None)
+            if not m:
+                continue
+            index = int(m.group(1)) if m.group(1) is not None else sub
+            if index is not None:
+                found.setdefault(index, {}).setdefault(m.group(2), (file, ref))
+    layers = []
+    for n, index in enumerate(want):
+        parts = found.get(index, {})
+        if set(parts) != {"weight", "bias"}:
+            raise AdapterError(f"{p}: the X-LoRA classifier's layer {index} is missing (PEFT's save_pretrained "
+                               "drops some of its weights in some versions): save "
+                               "model.base_model.internal_xlora_classifier.state_dict() with safetensors as "
+                               f"{CLASSIFIER_FILE} in the folder")
+        (wf, w), (bf, b) = parts["weight"], parts["bias"]
+        if w.shape != (dims[n + 1], dims[n]) or b.shape != (dims[n + 1],) or wf != bf:
+            raise AdapterError(f"{p}: the X-LoRA classifier's layer {index} is {list(w.shape)}, expected "
+                               f"{[dims[n + 1], dims[n]]} ({n_experts} experts, xlora_size {size})")
+        if w.dtype not in ("F32", "F16", "BF16"):
+            raise AdapterError(f"{p}: classifier dtype {w.dtype} is not supported")
+        layers.append((wf, w, b))
+    return layers

@@ -1,0 +1,165 @@
+"""X-LoRA end to end, with PEFT's XLoraModel as the reference: the classifier's per-token mixing weights,
+the logits and greedy tokens, X-LoRA requests batched with plain adapters and the base model, and
+clear errors for what is not supported."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from runtime.core.adapters import AdapterError
+from runtime.core.engine import Engine
+from runtime.core.sampling import SamplingParams
+from tests.conftest import load_hf
+
+TOL = 1e-3
+PROMPT = [5, 17, 99, 3, 250, 41, 7, 8, 1000, 12, 13]
+VARIANTS = {
+    "dense": dict(xlora_depth=2, xlora_size=16, softmax_temperature=0.7),
+    "top1": dict(xlora_depth=1, enable_softmax=False, top_k_lora=2, enable_softmax_topk=True, xlora_dropout_p=0.0),
+}
+
+
+@pytest.fixture(scope="session")
+def xlora_models(workdir, tiny_model_dir, peft_adapters):
+    """Factory: variant -> (the PEFT X-LoRA model over the three test adapters, its save_pretrained folder)."""
+    from peft import XLoraConfig, get_peft_model
+
+    made = {}
+
+    def make(variant: str):
+        if variant not in made:
+            model = load_hf(tiny_model_dir("llama"))
+            model.config.use_cache = False
+            cfg = XLoraConfig(task_type="CAUSAL_LM", hidden_size=model.config.hidden_size,
+                              adapters={str(i): str(v) for i, v in enumerate(peft_adapters("llama").values())},
+                              **VARIANTS[variant])  # PEFT names X-LoRA's experts "0", "1", ...
+            torch.manual_seed(7)
+            xmodel = get_peft_model(model, cfg).eval()
+            with torch.no_grad():  # PEFT's init gives near-uniform mixing: sharpen it so the mixing matters
+                for name, p in xmodel.named_parameters():
+                    if "internal_xlora_classifier" in name:
+                        p.mul_(6.0)
+            folder = workdir / f"xlora-{variant}"
+            xmodel.save_pretrained(folder)
+            made[variant] = (xmodel, folder)
+        return made[variant]
+
+    return make
+
+
+def peft_forward(xmodel, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """PEFT's logits [seq, vocab] and mixing weights [seq, experts] (the same for every LoRA layer)."""
+    with torch.no_grad():
+        logits = xmodel(input_ids=torch.tensor([ids])).logits[0].numpy()
+    scalings = xmodel.get_latest_scalings()  # [1, seq, lora layers, experts]
+    assert torch.equal(scalings, scalings[:, :, :1].expand_as(scalings))
+    layer = xmodel.base_model.lora_model.model.model.layers[0].self_attn.q_proj.forward.__self__  # an XLoraLayer
+    return logits, layer.get_maybe_topk_scalings(scalings)[0].numpy()
+
+
+def peft_greedy(xmodel, ids: list[int], n: int) -> list[int]:
+    out = list(ids)
+    for _ in range(n):  # PEFT's X-LoRA keeps no KV cache: each token recomputes the sequence
+        with torch.no_grad():
+            out.append(int(xmodel(input_ids=torch.tensor([out])).logits[0, -1].argmax()))
+    return out[len(ids):]
+
+
+def greedy(n: int = 8) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def run(engine: Engine, prompt: list[int], adapter: str | None = None, n: int = 8) -> list[int]:
+    return [t for o in engine.generate(prompt, greedy(n), adapter=adapter) for t in o.token_ids]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_xlora_matches_peft_mixing_logits_and_greedy_tokens(variant, tiny_model_dir, tiny_package, xlora_models):
+    from runtime.backends.native import NativeBackend
+    from runtime.package import load_package
+
+    xmodel, folder = xlora_models(variant)
+    want_logits, want_weights = peft_forward(xmodel, PROMPT)
+    with torch.no_grad():
+        base = load_hf(tiny_model_dir("llama"))(torch.tensor([PROMPT])).logits[0, -1].numpy()
+    assert np.abs(want_logits[-1] - base).max() > 50 * TOL  # the experts really change the model
+    pkg = load_package(tiny_package("llama"))
+    engine = Engine(pkg, NativeBackend(pkg), speculative_tokens=0, max_loras=3)
+    info = engine.adapters.add("mix", folder)
+    assert info.kind == "xlora" and [e.rank for e in info.experts] == [4, 8, 16]
+    engine.add_request(PROMPT, greedy(1), adapter="mix")
+    prepared = engine.prepare_step()
+    prepared.batch.want_full_logits = True
+    got = engine.backend.run(prepared.batch)
+    weights = np.array(engine.backend.last_xlora_weights[0])
+    assert weights.shape == want_weights.shape == (len(PROMPT), 3)
+    assert np.abs(weights - want_weights).max() < TOL, np.abs(weights - want_weights).max()
+    assert weights.std(axis=0).max() > 0.05  # tokens really weigh the experts differently
+    assert np.abs(got.logits[0] - want_logits[-1]).max() < TOL, np.abs(got.logits[0] - want_logits[-1]).max()
+    engine.finish_step(prepared, got)
+    assert run(engine, PROMPT, "mix") == peft_greedy(xmodel, PROMPT, 8)
+
+
+def test_xlora_batched_with_adapters_and_the_base_model_equals_solo_runs(tiny_package, peft_adapters, xlora_models):
+    """Nine requests over the base model, a plain adapter and the X-LoRA (whose experts include that
+    adapter) run together with a small KV pool (so some wait or are preempted): each equals its solo run."""
+    _, folder = xlora_models("dense")
+    pkg = tiny_package("llama")
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(3, 2000, int(rng.integers(4, 20)))] for _ in range(9)]
+    names = [None, "attn4", "mix"] * 3
+
+    def engine(**kw) -> Engine:
+        e = Engine.from_package(pkg, speculative_tokens=0, max_loras=4, **kw)
+        e.adapters.add("attn4", peft_adapters("llama")["attn4"])
+        e.adapters.add("mix", folder)
+        return e
+
+    solo = engine()
+    want = [run(solo, p, a) for p, a in zip(prompts, names)]
+    together = engine(num_blocks=10, max_batch_tokens=32)
+    ids = [together.add_request(p, greedy(), adapter=a) for p, a in zip(prompts, names)]
+    got = {i: [] for i in ids}
+    while together.has_unfinished():
+        for out in together.step():
+            got[out.request_id].extend(out.token_ids)
+    assert [got[i] for i in ids] == want
+    assert together.stats.preemptions > 0 or together.stats.peak_running < 9  # the pool was really tight
+
+
+def test_xlora_errors_are_clear(tiny_package, xlora_models, tmp_path):
+    _, folder = xlora_models("dense")
+    pkg = tiny_package("llama")
+    engine = Engine.from_package(pkg, speculative_tokens=0, max_loras=3)
+
+    def variant(name: str, edit) -> str:
+        dst = tmp_path / name
+        shutil.copytree(folder, dst)
+        edit(dst)
+        return str(dst)
+
+    def config(**changes):
+        def edit(dst):
+            cfg = json.loads((dst / "adapter_config.json").read_text())
+            cfg.update(changes)
+            (dst / "adapter_config.json").write_text(json.dumps(cfg))
+        return edit
+
+    cases = {
+        "layerwise": (config(layerwise_scalings=True), "layerwise_scalings"),
+        "hidden": (config(hidden_size=7), "hidden size 7"),
+        "expert": (config(adapters={"gone": str(tmp_path / "nowhere")}), "expert 'gone' is not at"),
+        "classifier": (lambda d: [shutil.rmtree(s) for s in d.iterdir() if s.is_dir()], "classifier's layer 0 is missing"),
+    }
+    for name, (edit, match) in cases.items():
+        with pytest.raises(AdapterError, match=match):
+            engine.adapters.add(name, variant(name, edit))
+    small = Engine.from_package(pkg, speculative_tokens=0, max_loras=2)
+    with pytest.raises(AdapterError, match="3 experts, more than --max-loras 2"):
+        small.adapters.add("mix", folder)
+    assert run(engine, PROMPT) == run(Engine.from_package(pkg, speculative_tokens=0), PROMPT)  # still serving
