@@ -4,7 +4,8 @@ The session and the KV pool live in the model's worker (web/src/ort_worker.js, s
 kv_pool.js); a step sends only the small per-step arrays and gets back the top-K candidates, so
 Python never copies a KV tensor. The AsyncEngine awaits `run_async` between Engine.prepare_step and
 Engine.finish_step (the same scheduling and sampling code as natively), so the page drives steps
-through AsyncEngine; there is no synchronous `run`. LoRA adapters are native-only for now.
+through AsyncEngine; there is no synchronous `run`. With an adapter added, every step runs on the LoRA
+graph (web/src/lora_store.js holds the adapters' columns); X-LoRA is native-only for now.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class WebBackend:
         self.pkg = package
         self.runner = runner
         self.vocab_size = package.config["vocab_size"]
+        self.lora: dict | None = None  # once an adapter is added: slots, columns per slot, what each holds
 
     kv_bytes_per_token = staticmethod(kv_bytes_per_token)
 
@@ -33,15 +35,67 @@ class WebBackend:
         self.runner.allocate(num_blocks, block_size, to_js(self.pkg.io_roles, dict_converter=Object.fromEntries))
 
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
-        from runtime.core.adapters import AdapterError
+        """Have the model worker open the LoRA graph, which then runs every step (adapter columns at zero
+        weight for the base model): one session's weights in the page's memory, not two."""
+        from js import Object
+        from pyodide.ffi import to_js
 
-        raise AdapterError("LoRA adapters run natively only for now (not yet in the page)")
+        from runtime.core.adapters import AdapterError, target_features
+
+        if self.lora is not None:
+            return
+        if "decoder_lora" not in self.pkg.manifest.get("graphs", {}):
+            raise AdapterError("this model package has no LoRA graph (exported with --no-lora); re-export it")
+        features = target_features(self.pkg.config)
+        layers = self.pkg.config["num_layers"]
+        self.lora = {"max_loras": max_loras, "max_rank": max_rank, "rank": 0, "holders": {}}
+        spec = {"maxColumns": max_loras * max_rank, "weights": C.LORA_WEIGHTS,
+                "targets": [[t, fin, fout, [[C.lora_a(i, t), C.lora_b(i, t)] for i in range(layers)]]
+                            for t, (fin, fout) in features.items()]}
+        self.runner.enable_lora(to_js(spec, dict_converter=Object.fromEntries))
 
     def enable_xlora(self, max_loras: int, max_rank: int, xlora) -> None:
-        self.enable_lora(max_loras, max_rank)
+        from runtime.core.adapters import AdapterError
+
+        raise AdapterError("X-LoRA runs natively only for now (not yet in the page)")
 
     def set_adapter(self, slot: int, adapter) -> None:
-        self.enable_lora(0, 0)
+        """Send an adapter's weights (the file's bytes and where each tensor is) into a slot of the model
+        worker's LoRA inputs; each slot takes the largest rank loaded so far, so a wider one lays every
+        loaded adapter out again."""
+        lora = self.lora
+        lora["holders"][slot] = adapter
+        if adapter.rank > lora["rank"]:
+            lora["rank"] = adapter.rank
+            for s, held in lora["holders"].items():
+                self._send_adapter(s, held)
+        else:
+            self._send_adapter(slot, adapter)
+
+    def _send_adapter(self, slot: int, info) -> None:
+        from js import Object, Uint8Array
+        from pyodide.ffi import to_js
+
+        def ref(r):
+            return [r.start, r.end, r.dtype, list(r.shape)]
+
+        if info.kind == "peft":  # per layer and target: A [r, in], B [out, r], the scale apart
+            parts = [[layer, t, "peft", ref(p.a), ref(p.b), p.scale] for (layer, t), p in info.parts.items()]
+        else:  # the exporter's: per target A [layers, in, r], B [layers, r, out], the scale folded in
+            parts = [[-1, t, "stacked", ref(a), ref(b), 1.0] for t, (a, b) in info.stacked.items()]
+        data = info.weights.read_bytes()
+        self.runner.set_adapter(to_js({"slot": slot, "columns": self.lora["rank"], "rank": info.rank, "parts": parts},
+                                      dict_converter=Object.fromEntries), Uint8Array.new(to_js(data)))
+
+    def _lora_feed(self, batch: StepBatch) -> dict | None:
+        """The step's adapter columns and per-token weights (one-hot by slot; base tokens all zero)."""
+        if self.lora is None:
+            return None
+        rank = max(self.lora["rank"], 1)
+        slots = batch.adapter_slots or [0] * len(batch.input_ids)
+        columns = max(max(slots) * rank, 1)
+        weights = [1.0 if s and (s - 1) * rank <= c < s * rank else 0.0 for s in slots for c in range(columns)]
+        return {"columns": columns, "weights": weights}
 
     def run(self, batch: StepBatch) -> StepResult:
         raise RuntimeError("a page step runs in another worker: await run_async (AsyncEngine does)")
@@ -63,7 +117,7 @@ class WebBackend:
         step = {
             "feeds": feeds, "rows": len(batch.logits_index),
             "kv_slots": batch.kv_slots, "blocks_needed": 1 + max(max(t) for t in batch.block_tables),
-            "want_logits": batch.want_full_logits,
+            "want_logits": batch.want_full_logits, "lora": self._lora_feed(batch),
         }
         reply = (await self.runner.run(to_js(step, dict_converter=Object.fromEntries))).to_py()
         if not batch.logits_index:

@@ -374,3 +374,8 @@ def completion_chunk(rid: str, model: str, created: int, text: str, reason: str 
 def usage_chunk(rid: str, model: str, created: int, obj: str, lasts: list[RequestOutput]) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
             "choices": [], "usage": usage(lasts)}
+
+
+def model_not_found(name: str) -> ProtocolError:
+    return ProtocolError(f"the model '{name}' does not exist; see GET /v1/models", "model", status=404,
+                         code="model_not_found")

@@ -118,7 +118,7 @@ class Completions:
         try:
             return served, parsed, queue_request(served.engine, parsed, adapter)
         except UnknownAdapterError:  # unloaded since resolve_model looked
-            raise model_not_found(parsed.model) from None
+            raise P.model_not_found(parsed.model) from None
 
     async def handle(self, request: Request, chat: bool):
         try:
@@ -164,11 +164,6 @@ class Completions:
         m.latency.labels(model).observe(time.monotonic() - started)
 
 
-def model_not_found(name: str) -> P.ProtocolError:
-    return P.ProtocolError(f"the model '{name}' does not exist; see GET /v1/models", "model", status=404,
-                           code="model_not_found")
-
-
 def resolve_model(models: dict[str, ServedModel], name: str) -> tuple[ServedModel, str | None]:
     """A request's `model`: a served package, or one of its LoRA adapters (then the adapter's name)."""
     served = models.get(name)
@@ -177,7 +172,7 @@ def resolve_model(models: dict[str, ServedModel], name: str) -> tuple[ServedMode
     for served in models.values():
         if name in served.engine.engine.adapters:
             return served, name
-    raise model_not_found(name)
+    raise P.model_not_found(name)
 
 
 def model_cards(models: dict[str, ServedModel]) -> list[dict]:
@@ -219,7 +214,7 @@ class AdapterRoutes:
                     raise
             served = self.models.get(base) if base else next(iter(self.models.values()))
             if served is None:
-                raise model_not_found(base)
+                raise P.model_not_found(base)
             await asyncio.to_thread(served.engine.add_adapter, name, body["lora_path"])
         except P.ProtocolError as err:
             return JSONResponse(err.body(), status_code=err.status)

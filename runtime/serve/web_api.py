@@ -39,7 +39,7 @@ class WebEngine:
             if isinstance(body, dict):
                 body.setdefault("model", self.model_name)
             parsed = P.parse_chat(body)
-            rids = queue_request(self.aengine, parsed)
+            rids = queue_request(self.aengine, parsed, self._adapter(body.get("model")))
         except P.ProtocolError as err:
             emit("error", json.dumps(err.body()))
             return
@@ -59,6 +59,24 @@ class WebEngine:
                 emit("error" if lasts is None else "response", json.dumps(body, ensure_ascii=False))
         finally:
             self._jobs.pop(job, None)
+
+    def _adapter(self, model) -> str | None:
+        """A request's `model`: this package (or no name), or an adapter loaded under that name."""
+        if model in (None, self.model_name):
+            return None
+        if model in self.aengine.engine.adapters:
+            return model
+        raise P.model_not_found(str(model))
+
+    # adapters: web/src/worker.js writes an adapter's files into Pyodide's file system, then adds it here
+    def add_adapter(self, name: str, path: str) -> str:
+        """JSON {name, rank, targets} of the adapter now served under `name`; AdapterError says why not."""
+        info = self.aengine.add_adapter(name, path)
+        return json.dumps({"name": info.name, "rank": info.rank, "targets": list(info.targets)})
+
+    def remove_adapter(self, name: str) -> bool:
+        """New requests can no longer name it; those running on it finish."""
+        return self.aengine.remove_adapter(name)
 
     def abort(self, job: str) -> bool:
         rids = self._jobs.get(job) or []

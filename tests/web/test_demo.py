@@ -64,3 +64,37 @@ def test_stop_button_aborts_and_the_page_keeps_working(offline_page):
     stats = p.evaluate("window.ruvllm.engine.stats()")
     assert stats["aborted"] == 1 and stats["running"] == 0 and stats["kv_blocks_used"] == 0
     assert "Paris" in ask(p, "Name the capital of France.")  # nothing was lost
+
+
+def test_a_users_adapter_files_answer_instead_of_the_base_model(offline_page, tmp_path):
+    """A PEFT adapter picked from the user's files (here a random rank-4 one on q_proj and v_proj, as PEFT
+    lays out its safetensors) is listed, selected, and changes the greedy answer; the base model is one
+    choice away."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for layer in range(30):
+        for target, out in (("q_proj", 576), ("v_proj", 192)):
+            key = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((4, 576)) * 0.1).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((out, 4)) * 0.5).astype(np.float32)
+    save_file(tensors, tmp_path / "adapter_model.safetensors")
+    (tmp_path / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
+    p = open_demo(offline_page)
+    base = ask(p, "Name the capital of France.")
+    p.page.set_input_files("#adapter-files", [str(tmp_path / "adapter_config.json"),
+                                              str(tmp_path / "adapter_model.safetensors")])
+    p.page.wait_for_function("document.querySelector('#adapter').options.length === 2")
+    assert p.page.input_value("#adapter") == "adapter-1"
+    assert p.page.inner_text("#adapter-status") == "adapter-1: q_proj, v_proj"
+    p.page.click("#clear")
+    tuned = ask(p, "Name the capital of France.")
+    assert tuned != base
+    p.page.select_option("#adapter", "")
+    p.page.click("#clear")
+    assert ask(p, "Name the capital of France.") == base

@@ -51,7 +51,7 @@ async function send(text) {
   let first = null, reply = '', tokens = 0, usage = null;
   try {
     state.stream = await state.engine.chat.completions.create({
-      messages, stream: true, stream_options: { include_usage: true },
+      messages, stream: true, stream_options: { include_usage: true }, model: $('adapter').value || undefined,
       temperature: Number($('temperature').value), max_tokens: Number($('max-tokens').value),
     });
     for await (const chunk of state.stream) {
@@ -147,3 +147,22 @@ for (const b of document.querySelectorAll('.suggest')) b.addEventListener('click
 $('temperature').addEventListener('input', () => { $('temp-out').textContent = Number($('temperature').value).toFixed(1); });
 $('max-tokens').addEventListener('input', () => { $('max-out').textContent = $('max-tokens').value; });
 main();
+
+// A LoRA adapter from the user's own files: served from then on, picked per request in the select
+$('adapter-files').addEventListener('change', async (e) => {
+  const picked = [...e.target.files];
+  if (!picked.length || !state.engine) return;
+  const folder = picked[0].webkitRelativePath?.split('/')[0];
+  const name = folder || `adapter-${$('adapter').options.length}`;
+  $('adapter-status').textContent = `loading ${name}…`;
+  try {
+    const info = await state.engine.loadAdapter(name, Object.fromEntries(picked.map((f) => [f.name, f])));
+    const option = new Option(`${info.name} (rank ${info.rank})`, info.name);
+    $('adapter').append(option);
+    $('adapter').value = info.name;
+    $('adapter-status').textContent = `${info.name}: ${info.targets.join(', ')}`;
+  } catch (err) {
+    $('adapter-status').textContent = `not loaded: ${err.message}`;
+  }
+  e.target.value = '';
+});

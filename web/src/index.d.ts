@@ -157,6 +157,12 @@ export interface EngineStats {
   [key: string]: unknown;
 }
 
+export interface AdapterInfo {
+  name: string;
+  rank: number;
+  targets: string[];
+}
+
 export interface Engine {
   readonly info: EngineInfo;
   chat: {
@@ -168,6 +174,14 @@ export interface Engine {
   /** Abort one request (a stream's id) or, with no argument, every request in flight. */
   abort(id?: number): Promise<boolean>;
   stats(): Promise<EngineStats>;
+  /**
+   * Serve a LoRA adapter under `name` (requests pick it with `model: name`): the URL of its folder
+   * (PEFT's adapter_config.json + adapter_model.safetensors, or `python -m exporter adapter`'s
+   * adapter.json + adapter.safetensors), or its files by name.
+   */
+  loadAdapter(name: string, source: string | URL | Record<string, ArrayBuffer | ArrayBufferView | Blob>): Promise<AdapterInfo>;
+  /** Stop serving an adapter: new requests naming it fail with model_not_found; running ones finish. */
+  unloadAdapter(name: string): Promise<boolean>;
   /** Stop the worker and free the model. */
   unload(): Promise<void>;
 }

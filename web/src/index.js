@@ -113,6 +113,26 @@ class Engine {
     return results.some((r) => r.ok);
   }
 
+  /**
+   * Serve a LoRA adapter under `name`: requests then pick it with `model: name`. `source` is the URL of
+   * its folder (PEFT's adapter_config.json + adapter_model.safetensors, or `python -m exporter adapter`'s
+   * adapter.json + adapter.safetensors, whose sha256 is checked) or its files as { fileName: bytes | Blob }.
+   * Resolves to { name, rank, targets }; rejects with the reason when it does not fit the model.
+   */
+  async loadAdapter(name, source) {
+    const files = typeof source === 'string' || source instanceof URL ? await fetchAdapter(source) : source;
+    const bytes = {};
+    for (const [file, data] of Object.entries(files ?? {})) {
+      bytes[file] = data instanceof Blob ? await data.arrayBuffer() : ArrayBuffer.isView(data) ? data.slice().buffer : data;
+    }
+    return (await this.#call('loadAdapter', { name, files: bytes })).adapter;
+  }
+
+  /** Stop serving an adapter: new requests naming it fail with model_not_found; running ones finish. */
+  async unloadAdapter(name) {
+    return (await this.#call('unloadAdapter', { name })).ok;
+  }
+
   /** Engine counters: running/waiting, KV blocks, prefix-cache hits, tokens. */
   async stats() {
     return (await this.#call('stats')).stats;
@@ -124,6 +144,23 @@ class Engine {
     this.worker.terminate();
     this.worker = null;
   }
+}
+
+// An adapter folder's files by URL: PEFT's, or else the exporter's format
+async function fetchAdapter(url) {
+  const base = new URL(String(url).endsWith('/') ? String(url) : `${url}/`, location.href);
+  const get = async (file) => {
+    const res = await fetch(new URL(file, base));
+    return res.ok ? new Uint8Array(await res.arrayBuffer()) : null;
+  };
+  for (const [config, weights] of [['adapter_config.json', 'adapter_model.safetensors'], ['adapter.json', 'adapter.safetensors']]) {
+    const cfg = await get(config);
+    if (!cfg) continue;
+    const data = await get(weights);
+    if (!data) throw new Error(`${base}: ${config} without ${weights}`);
+    return { [config]: cfg, [weights]: data };
+  }
+  throw new Error(`${base}: no adapter_config.json or adapter.json there`);
 }
 
 /**

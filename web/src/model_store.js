@@ -136,8 +136,8 @@ export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck =
   const t0 = performance.now();
   const manifest = await readJSON(new URL('manifest.json', base).href, cache);
   if (manifest.format !== 'ruvllm-package') throw new Error(`${base}: not a RuvLLM model package`);
-  // one graph is used: `graph` (e.g. a GPU's variant) where the package has it, else the decoder; not
-  // the LoRA variant (adapters are native-only for now)
+  // one graph is used: `graph` (e.g. a GPU's variant, or the LoRA variant once an adapter is added)
+  // where the package has it, else the decoder
   const used = pageGraph(manifest, graph);
   const unused = new Set(Object.entries(manifest.graphs).filter(([k]) => k !== used).map(([, g]) => g.file));
   const entries = Object.entries(manifest.files).filter(([name]) => !unused.has(name));

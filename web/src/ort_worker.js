@@ -8,6 +8,7 @@ import { promptKVName, readPromptKV, fits, writePromptKV } from './prompt_kv.js'
 import { StepRunner, inputSpec, makeTensor } from './step_runner.js';
 
 let runner = null;
+let opened = null; // { ort, manifest, model, device }: what opening the LoRA graph needs
 let opening = null; // the 'open' in flight: allocate and run wait for it
 let promptKV = null; // { name, saved: Promise<{keys, data} | null> }: the last prompt's blocks (prompt_kv.js)
 const post = (msg, transfer = []) => self.postMessage(msg, transfer);
@@ -107,6 +108,14 @@ async function createSession(ort, manifest, graph, files, device) {
   });
 }
 
+// The package's LoRA graph, read from storage (or fetched) like the rest, with the same weights file
+async function openLoraGraph() {
+  const { ort, model, device } = opened;
+  const { manifest, files } = await loadPackage(model, () => {}, { graph: 'decoder_lora' });
+  if (!manifest.graphs.decoder_lora) throw new Error('this model package has no LoRA graph');
+  return createSession(ort, manifest, manifest.graphs.decoder_lora.file, files, device);
+}
+
 async function open({ model, ortURL, device: wanted, threads }) {
   const t0 = performance.now();
   const device = await chooseDevice(wanted);
@@ -153,6 +162,7 @@ async function open({ model, ortURL, device: wanted, threads }) {
   }
   files = null; // onnxruntime-web holds its own copy now
   runner = new StepRunner(ort, session, manifest);
+  opened = { ort, model, device };
   return { device, threads, graph, cache: stats, warmupSteps, sessionSeconds: (performance.now() - t0) / 1000 };
 }
 
@@ -165,6 +175,12 @@ self.onmessage = async ({ data }) => {
     } else if (type === 'allocate') {
       await opening;
       runner.allocate(data.numBlocks, data.blockSize, data.io);
+    } else if (type === 'enableLora') {
+      await opening;
+      runner.enableLora(data.spec, openLoraGraph);
+    } else if (type === 'setAdapter') {
+      await opening;
+      runner.lora.set(data.meta, data.bytes);
     } else if (type === 'run') {
       await opening;
       post({ type: 'result', id, result: await runner.run(data.step) });
@@ -184,6 +200,7 @@ self.onmessage = async ({ data }) => {
       post({ type: 'promptKVSaved', id, ok: await writePromptKV(await promptKV.name, runner.pool, data.keys, data.ids) });
     }
   } catch (err) {
+    if (runner && (type === 'enableLora' || type === 'setAdapter')) runner.loraError = err; // no caller waits: the next step throws it
     post({ type: 'failed', id, message: String(err?.message ?? err) });
   }
 };

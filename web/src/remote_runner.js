@@ -35,6 +35,14 @@ export class RemoteRunner {
     this.worker.postMessage({ type: 'allocate', numBlocks, blockSize, io });
   }
 
+  enable_lora(spec) { // in order with the steps after it: the model worker opens the LoRA graph
+    this.worker.postMessage({ type: 'enableLora', spec });
+  }
+
+  set_adapter(meta, bytes) {
+    this.worker.postMessage({ type: 'setAdapter', meta, bytes }, [bytes.buffer]);
+  }
+
   async run(step) {
     return (await this.call('run', { step })).result;
   }

@@ -4,6 +4,7 @@
 // KV pool never leaves JS. The reply holds only the top-K candidates (and full logits on request).
 
 import { KvPool } from './kv_pool.js';
+import { LoraStore } from './lora_store.js';
 
 // ONNX TensorProto element types of the graph inputs a step builds (the manifest's io.inputs say which)
 const ELEMENT_TYPES = { 1: ['float32', Float32Array.from.bind(Float32Array)], 7: ['int64', (d) => BigInt64Array.from(d, BigInt)] };
@@ -40,6 +41,8 @@ export class StepRunner {
     this.vocabSize = config.vocab_size;
     this.io = null; // which inputs and outputs play which part (the manifest's io.roles), sent by Python
     this.pool = null;
+    this.lora = null; // LoraStore, once Python enabled adapters
+    this.loraSession = null; // Promise<InferenceSession> of the LoRA graph, which then runs every step
     this.steps = 0;
     this.sessionMs = 0; // inside onnxruntime-web's run
     this.stepMs = 0; // the whole bridge call: feeds, run, KV write, reply
@@ -54,12 +57,28 @@ export class StepRunner {
     this.io = io;
   }
 
+  /** Open the LoRA graph (openGraph: the worker's loader) and keep the adapters' columns for it. */
+  enableLora(spec, openGraph) {
+    this.lora ??= new LoraStore(spec);
+    this.loraSession ??= openGraph();
+    this.loraSession.catch(() => {}); // surfaces at the next step
+  }
+
   async run(step) {
     const started = performance.now();
     const { ort, pool } = this;
+    if (step.lora) { // the LoRA graph runs every step from now on: the base session's memory goes
+      if (this.loraError) throw this.loraError;
+      const lora = await this.loraSession;
+      if (this.session !== lora) {
+        await this.session.release();
+        this.session = lora;
+      }
+    }
     pool.ensure(step.blocks_needed);
     const feeds = {};
     for (const [name, value] of Object.entries(step.feeds)) feeds[name] = makeTensor(ort, this.spec, name, value);
+    if (step.lora) this.lora.addFeeds(ort, feeds, step.lora);
     const { io } = this;
     const dims = pool.dims;
     for (let l = 0; l < this.config.numLayers; l++) {

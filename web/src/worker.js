@@ -82,6 +82,7 @@ async function load(opts) {
   pyodide.FS.mkdirTree(dir);
   pyodide.FS.writeFile(`${dir}/manifest.json`, JSON.stringify(manifest));
   for (const [name, bytes] of Object.entries(files)) pyodide.FS.writeFile(`${dir}/${name}`, bytes);
+  self.pyodideFS = pyodide.FS; // adapters' files are written there later
   const api = pyodide.pyimport('runtime.serve.web_api');
   const name = opts.modelName ?? manifest.name;
   // the engine (tokenizer, template, scheduler) is built while the session may still be in creation;
@@ -151,10 +152,28 @@ async function create(id, body) {
   }
 }
 
+// An adapter's files go into Pyodide's file system, one fresh folder per load; Python reads and checks
+// them (runtime/core/adapters.py) and sends the numbers to the model worker when a request needs them.
+let adapterLoads = 0;
+
+function loadAdapter(name, files) {
+  if (!engine) throw new Error('the engine is not loaded');
+  const dir = `/adapters/${adapterLoads++}`;
+  const FS = self.pyodideFS;
+  FS.mkdirTree(dir);
+  for (const [file, bytes] of Object.entries(files)) {
+    if (file.includes('/') || file.startsWith('.')) throw new Error(`adapter file name ${file} is not allowed`);
+    FS.writeFile(`${dir}/${file}`, new Uint8Array(bytes));
+  }
+  return JSON.parse(engine.add_adapter(name, dir));
+}
+
 self.onmessage = async ({ data }) => {
   const { type, id } = data;
   try {
     if (type === 'load') post({ type: 'loaded', id, info: await load(data.options) });
+    else if (type === 'loadAdapter') post({ type: 'adapterLoaded', id, adapter: loadAdapter(data.name, data.files) });
+    else if (type === 'unloadAdapter') post({ type: 'adapterUnloaded', id, ok: engine ? engine.remove_adapter(data.name) : false });
     else if (type === 'create') create(data.id, data.body);
     else if (type === 'abort') post({ type: 'aborted', id, ok: engine ? engine.abort(String(data.target)) : false });
     else if (type === 'stats') {

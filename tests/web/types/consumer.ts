@@ -1,7 +1,7 @@
 // A consumer of ruvllm-web's published types: every exported function and type is used here, and
 // `tsc --noEmit` (tests/web/test_types.py) must accept it.
 import {
-  createEngine, type ChatCompletion, type ChatCompletionChunk, type ChatCompletionRequest, type ChatMessage,
+  createEngine, type AdapterInfo, type ChatCompletion, type ChatCompletionChunk, type ChatCompletionRequest, type ChatMessage,
   type ChunkStream, type CreateEngineOptions, type Device, type Engine, type EngineInfo, type EngineStats,
   type LoadProgress, type Usage,
 } from 'ruvllm-web';
@@ -27,7 +27,10 @@ export async function main(): Promise<void> {
     if (c.choices[0]?.delta.content) await stream.abort();
   }
   await engine.abort(id);
+  const adapter: AdapterInfo = await engine.loadAdapter('mine', '/adapters/mine/');
+  await engine.chat.completions.create({ messages, model: adapter.name });
+  const unloaded: boolean = await engine.unloadAdapter('mine');
   const stats: EngineStats = await engine.stats();
-  console.log(info.device, usage.total_tokens, text, stats.running, stats.kv_blocks_used);
+  console.log(info.device, usage.total_tokens, text, stats.running, stats.kv_blocks_used, unloaded);
   await engine.unload();
 }

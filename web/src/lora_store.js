@@ -1,0 +1,86 @@
+// The LoRA graph's adapter inputs in the model worker: per layer and target, every slot's A (transposed)
+// and B side by side in columns, [columns, in] and [columns, out], as runtime/backends/web.py lays them
+// out (slot s: columns (s-1)*perSlot .. s*perSlot - 1). Python reads an adapter's folder and sends its
+// safetensors bytes with where each tensor lies; the numbers are decoded and placed here. A step feeds
+// views over the columns up to its highest slot, with Python's per-token weights.
+
+function halfToFloat(h) {
+  const sign = h & 0x8000 ? -1 : 1;
+  const exp = (h >> 10) & 0x1f;
+  const frac = h & 0x3ff;
+  if (exp === 0) return sign * frac * 2 ** -24;
+  if (exp === 31) return frac ? NaN : sign * Infinity;
+  return sign * (1 + frac / 1024) * 2 ** (exp - 15);
+}
+
+/** One tensor of a safetensors file, as float32: [start, end, dtype, shape] (absolute byte offsets). */
+export function decodeTensor(bytes, [start, end, dtype]) {
+  const raw = bytes.slice(start, end); // a copy: aligned for the typed-array views below
+  if (dtype === 'F32') return new Float32Array(raw.buffer, 0, raw.length / 4);
+  const u16 = new Uint16Array(raw.buffer, 0, raw.length / 2);
+  if (dtype === 'BF16') return new Float32Array(Uint32Array.from(u16, (v) => v << 16).buffer);
+  if (dtype === 'F16') return Float32Array.from(u16, halfToFloat);
+  throw new Error(`adapter tensor dtype ${dtype} is not supported`);
+}
+
+export class LoraStore {
+  /** spec (from Python): { maxColumns, weights: input name, targets: [[target, in, out, [[A name, B name] per layer]]] } */
+  constructor(spec) {
+    this.weightsName = spec.weights;
+    this.maxColumns = spec.maxColumns;
+    this.perSlot = 0;
+    this.targets = {};
+    for (const [name, fin, fout, names] of spec.targets) {
+      this.targets[name] = { fin, fout, names, a: names.map(() => new Float32Array(spec.maxColumns * fin)),
+        b: names.map(() => new Float32Array(spec.maxColumns * fout)) };
+    }
+  }
+
+  /** Put an adapter into a slot: { slot, columns (per slot), parts: [[layer, target, layout, aRef, bRef, scale]] }. */
+  set({ slot, columns, parts }, bytes) {
+    if (columns !== this.perSlot) { // wider slots: Python sends every loaded adapter again
+      for (const t of Object.values(this.targets)) for (const arr of [...t.a, ...t.b]) arr.fill(0);
+      this.perSlot = columns;
+    }
+    const start = (slot - 1) * columns;
+    if (start < 0 || (slot * columns) > this.maxColumns) throw new Error(`adapter slot ${slot} is outside the LoRA inputs`);
+    for (const t of Object.values(this.targets)) {
+      for (const a of t.a) a.fill(0, start * t.fin, (start + columns) * t.fin);
+      for (const b of t.b) b.fill(0, start * t.fout, (start + columns) * t.fout);
+    }
+    for (const [layer, name, layout, aRef, bRef, scale] of parts) {
+      const t = this.targets[name];
+      if (!t) throw new Error(`adapter target ${name} is not in this model's LoRA graph`);
+      const A = decodeTensor(bytes, aRef), B = decodeTensor(bytes, bRef);
+      const { fin, fout } = t;
+      if (layout === 'peft') { // A [r, in], B [out, r], times the scale
+        const r = aRef[3][0];
+        for (let j = 0; j < r; j++) {
+          t.a[layer].set(A.subarray(j * fin, (j + 1) * fin), (start + j) * fin);
+          const row = (start + j) * fout;
+          for (let o = 0; o < fout; o++) t.b[layer][row + o] = B[o * r + j] * scale;
+        }
+      } else { // stacked: A [layers, in, r], B [layers, r, out], the scale folded in
+        const [layers, , r] = aRef[3];
+        for (let l = 0; l < layers; l++) {
+          for (let j = 0; j < r; j++) {
+            const a = t.a[l], at = (start + j) * fin;
+            for (let i = 0; i < fin; i++) a[at + i] = A[(l * fin + i) * r + j];
+            t.b[l].set(B.subarray((l * r + j) * fout, (l * r + j + 1) * fout), (start + j) * fout);
+          }
+        }
+      }
+    }
+  }
+
+  /** The LoRA inputs of a step: the first `columns` columns of every A and B, and the tokens' weights. */
+  addFeeds(ort, feeds, { columns, weights }) {
+    for (const t of Object.values(this.targets)) {
+      t.names.forEach(([aName, bName], l) => {
+        feeds[aName] = new ort.Tensor('float32', t.a[l].subarray(0, columns * t.fin), [columns, t.fin]);
+        feeds[bName] = new ort.Tensor('float32', t.b[l].subarray(0, columns * t.fout), [columns, t.fout]);
+      });
+    }
+    feeds[this.weightsName] = new ort.Tensor('float32', Float32Array.from(weights), [weights.length / columns, columns]);
+  }
+}
