@@ -168,3 +168,38 @@ def peft_adapters(workdir, tiny_model_dir):
             made[arch] = out
         return made[arch]
     return make
+
+
+XLORA_VARIANTS = {
+    "dense": dict(xlora_depth=2, xlora_size=16, softmax_temperature=0.7),
+    "top1": dict(xlora_depth=1, enable_softmax=False, top_k_lora=2, enable_softmax_topk=True, xlora_dropout_p=0.0),
+}
+
+
+@pytest.fixture(scope="session")
+def xlora_models(workdir, tiny_model_dir, peft_adapters):
+    """Factory: variant -> (the PEFT X-LoRA model over the three test adapters, its save_pretrained folder)."""
+    import torch
+    from peft import XLoraConfig, get_peft_model
+
+    made = {}
+
+    def make(variant: str):
+        if variant not in made:
+            model = load_hf(tiny_model_dir("llama"))
+            model.config.use_cache = False
+            cfg = XLoraConfig(task_type="CAUSAL_LM", hidden_size=model.config.hidden_size,
+                              adapters={str(i): str(v) for i, v in enumerate(peft_adapters("llama").values())},
+                              **XLORA_VARIANTS[variant])  # PEFT names X-LoRA's experts "0", "1", ...
+            torch.manual_seed(7)
+            xmodel = get_peft_model(model, cfg).eval()
+            with torch.no_grad():  # PEFT's init gives near-uniform mixing: sharpen it so the mixing matters
+                for name, p in xmodel.named_parameters():
+                    if "internal_xlora_classifier" in name:
+                        p.mul_(6.0)
+            folder = workdir / f"xlora-{variant}"
+            xmodel.save_pretrained(folder)
+            made[variant] = (xmodel, folder)
+        return made[variant]
+
+    return make

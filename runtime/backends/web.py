@@ -5,7 +5,7 @@ kv_pool.js); a step sends only the small per-step arrays and gets back the top-K
 Python never copies a KV tensor. The AsyncEngine awaits `run_async` between Engine.prepare_step and
 Engine.finish_step (the same scheduling and sampling code as natively), so the page drives steps
 through AsyncEngine; there is no synchronous `run`. With an adapter added, every step runs on the LoRA
-graph (web/src/lora_store.js holds the adapters' columns); X-LoRA is native-only for now.
+graph (web/src/lora_store.js holds the adapters' columns and X-LoRA classifiers).
 """
 
 from __future__ import annotations
@@ -55,9 +55,19 @@ class WebBackend:
         self.runner.enable_lora(to_js(spec, dict_converter=Object.fromEntries))
 
     def enable_xlora(self, max_loras: int, max_rank: int, xlora) -> None:
-        from runtime.core.adapters import AdapterError
+        """enable_lora, and send the X-LoRA's classifier (its Linear layers' bytes) to the model worker."""
+        from js import Uint8Array
+        from pyodide.ffi import to_js
 
-        raise AdapterError("X-LoRA runs natively only for now (not yet in the page)")
+        self.enable_lora(max_loras, max_rank)
+        layers, blobs = [], []
+        for file, w, b in xlora.classifier:
+            with open(file, "rb") as fh:
+                for ref in (w, b):
+                    fh.seek(ref.start)
+                    blobs.append(Uint8Array.new(to_js(fh.read(ref.end - ref.start))))
+            layers.append([[0, w.end - w.start, w.dtype, list(w.shape)], [0, b.end - b.start, b.dtype, list(b.shape)]])
+        self.runner.set_classifier(xlora.id, to_js(layers), to_js(blobs))
 
     def set_adapter(self, slot: int, adapter) -> None:
         """Send an adapter's weights (the file's bytes and where each tensor is) into a slot of the model
@@ -87,21 +97,35 @@ class WebBackend:
         self.runner.set_adapter(to_js({"slot": slot, "columns": self.lora["rank"], "rank": info.rank, "parts": parts},
                                       dict_converter=Object.fromEntries), Uint8Array.new(to_js(data)))
 
-    def _lora_feed(self, batch: StepBatch) -> dict | None:
-        """The step's adapter columns and per-token weights (one-hot by slot; base tokens all zero)."""
+    def _lora_feed(self, batch: StepBatch, mix: dict | None = None, slots: list[int] | None = None) -> dict | None:
+        """The step's adapter columns and per-token weights: one-hot by slot (base tokens all zero), or for
+        a token in `mix` (X-LoRA) each of its experts' slots at its weight."""
         if self.lora is None:
             return None
         rank = max(self.lora["rank"], 1)
-        slots = batch.adapter_slots or [0] * len(batch.input_ids)
-        columns = max(max(slots) * rank, 1)
-        weights = [1.0 if s and (s - 1) * rank <= c < s * rank else 0.0 for s in slots for c in range(columns)]
+        token_slots = batch.adapter_slots or [0] * len(batch.input_ids)
+        columns = max(max(slots or batch.lora_slots()) * rank, 1)
+        weights = []
+        for t, s in enumerate(token_slots):
+            row = [0.0] * columns
+            for slot, w in (mix or {}).get(t, [(s, 1.0)] if s else []):
+                row[(slot - 1) * rank:slot * rank] = [w] * rank
+            weights.extend(row)
         return {"columns": columns, "weights": weights}
 
     def run(self, batch: StepBatch) -> StepResult:
         raise RuntimeError("a page step runs in another worker: await run_async (AsyncEngine does)")
 
     async def run_async(self, batch: StepBatch) -> StepResult:
-        """The page's path (AsyncEngine awaits it): nothing of Python's stack is held while the model runs."""
+        """The page's path (AsyncEngine awaits it): nothing of Python's stack is held while the model runs.
+        X-LoRA chunks first run their scaling pass, whose hidden states the model worker classifies."""
+        mix = await self._xlora_pass(batch.xlora) if batch.xlora else None
+        reply = await self._run(batch, self._lora_feed(batch, mix))
+        if not batch.logits_index:
+            return StepResult([], [])
+        return StepResult(reply["topk_ids"], reply["topk_logprobs"], reply.get("logits"))
+
+    async def _run(self, batch: StepBatch, lora: dict | None, classify: list | None = None) -> dict:
         from js import Object
         from pyodide.ffi import to_js
 
@@ -117,9 +141,25 @@ class WebBackend:
         step = {
             "feeds": feeds, "rows": len(batch.logits_index),
             "kv_slots": batch.kv_slots, "blocks_needed": 1 + max(max(t) for t in batch.block_tables),
-            "want_logits": batch.want_full_logits, "lora": self._lora_feed(batch),
+            "want_logits": batch.want_full_logits, "lora": lora,
+            "classify": classify and {"hidden": C.HIDDEN_STATES, "groups": classify},
         }
-        reply = (await self.runner.run(to_js(step, dict_converter=Object.fromEntries))).to_py()
-        if not batch.logits_index:
-            return StepResult([], [])
-        return StepResult(reply["topk_ids"], reply["topk_logprobs"], reply.get("logits"))
+        return (await self.runner.run(to_js(step, dict_converter=Object.fromEntries))).to_py()
+
+    async def _xlora_pass(self, xp) -> dict[int, list[tuple[int, float]]]:
+        """The X-LoRA chunks' scaling pass (K/V into their shadow blocks); the model worker runs their
+        classifiers on its hidden states; returns each of their tokens' experts' weights by step index."""
+        from runtime.core.xlora import expert_weights, scaling_pass_weights
+
+        dummy = {}
+        for g in xp.groups:
+            pairs = list(zip(g.expert_slots, scaling_pass_weights(len(g.expert_slots), g.xlora.settings)))
+            dummy.update((t, pairs) for t in range(g.scaling_start, g.scaling_start + g.n))
+        slots = [s for g in xp.groups for s in g.expert_slots]
+        reply = await self._run(xp.batch, self._lora_feed(xp.batch, dummy, slots),
+                                [[g.xlora.id, g.scaling_start, g.n] for g in xp.groups])
+        mix: dict[int, list[tuple[int, float]]] = {}
+        for g, logits in zip(xp.groups, reply["classified"]):
+            for j, row in enumerate(logits):
+                mix[g.step_start + j] = list(zip(g.expert_slots, expert_weights(row, g.xlora.settings)))
+        return mix

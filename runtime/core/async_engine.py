@@ -153,10 +153,11 @@ class AsyncEngine:
             self._push(RequestOutput(request_id, "", [], True, "abort", 0, 0))
         return done
 
-    def add_adapter(self, name: str, path):
-        """Register an adapter while requests run (blocking: call it off the event loop)."""
+    def add_adapter(self, name: str, path, experts: dict | None = None):
+        """Register an adapter (or an X-LoRA, with `experts` overriding its config's expert folders) while
+        requests run (blocking: call it off the event loop)."""
         with self._lock:
-            return self.engine.adapters.add(name, path)
+            return self.engine.adapters.add(name, path, experts)
 
     def remove_adapter(self, name: str) -> bool:
         with self._lock:

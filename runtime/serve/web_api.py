@@ -69,10 +69,14 @@ class WebEngine:
         raise P.model_not_found(str(model))
 
     # adapters: web/src/worker.js writes an adapter's files into Pyodide's file system, then adds it here
-    def add_adapter(self, name: str, path: str) -> str:
-        """JSON {name, rank, targets} of the adapter now served under `name`; AdapterError says why not."""
-        info = self.aengine.add_adapter(name, path)
-        return json.dumps({"name": info.name, "rank": info.rank, "targets": list(info.targets)})
+    def add_adapter(self, name: str, path: str, experts_json: str | None = None) -> str:
+        """JSON {name, kind, rank, targets} of the adapter (or X-LoRA: experts_json names its experts'
+        folders) now served under `name`; AdapterError says why not."""
+        info = self.aengine.add_adapter(name, path, json.loads(experts_json) if experts_json else None)
+        experts = getattr(info, "experts", None)
+        targets = sorted({t for e in experts for t in e.targets}) if experts else list(info.targets)
+        return json.dumps({"name": info.name, "kind": info.kind, "rank": info.rank, "targets": targets,
+                           "experts": [e.name for e in experts] if experts else None})
 
     def remove_adapter(self, name: str) -> bool:
         """New requests can no longer name it; those running on it finish."""

@@ -14,44 +14,10 @@ import torch
 from runtime.core.adapters import AdapterError
 from runtime.core.engine import Engine
 from runtime.core.sampling import SamplingParams
-from tests.conftest import load_hf
+from tests.conftest import XLORA_VARIANTS, load_hf
 
 TOL = 1e-3
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 8, 1000, 12, 13]
-VARIANTS = {
-    "dense": dict(xlora_depth=2, xlora_size=16, softmax_temperature=0.7),
-    "top1": dict(xlora_depth=1, enable_softmax=False, top_k_lora=2, enable_softmax_topk=True, xlora_dropout_p=0.0),
-}
-
-
-@pytest.fixture(scope="session")
-def xlora_models(workdir, tiny_model_dir, peft_adapters):
-    """Factory: variant -> (the PEFT X-LoRA model over the three test adapters, its save_pretrained folder)."""
-    from peft import XLoraConfig, get_peft_model
-
-    made = {}
-
-    def make(variant: str):
-        if variant not in made:
-            model = load_hf(tiny_model_dir("llama"))
-            model.config.use_cache = False
-            cfg = XLoraConfig(task_type="CAUSAL_LM", hidden_size=model.config.hidden_size,
-                              adapters={str(i): str(v) for i, v in enumerate(peft_adapters("llama").values())},
-                              **VARIANTS[variant])  # PEFT names X-LoRA's experts "0", "1", ...
-            torch.manual_seed(7)
-            xmodel = get_peft_model(model, cfg).eval()
-            with torch.no_grad():  # PEFT's init gives near-uniform mixing: sharpen it so the mixing matters
-                for name, p in xmodel.named_parameters():
-                    if "internal_xlora_classifier" in name:
-                        p.mul_(6.0)
-            folder = workdir / f"xlora-{variant}"
-            xmodel.save_pretrained(folder)
-            made[variant] = (xmodel, folder)
-        return made[variant]
-
-    return make
-
-
 def peft_forward(xmodel, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """PEFT's logits [seq, vocab] and mixing weights [seq, experts] (the same for every LoRA layer)."""
     with torch.no_grad():
@@ -78,7 +44,7 @@ def run(engine: Engine, prompt: list[int], adapter: str | None = None, n: int = 
     return [t for o in engine.generate(prompt, greedy(n), adapter=adapter) for t in o.token_ids]
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(XLORA_VARIANTS))
 def test_xlora_matches_peft_mixing_logits_and_greedy_tokens(variant, tiny_model_dir, tiny_package, xlora_models):
     from runtime.backends.native import NativeBackend
     from runtime.package import load_package

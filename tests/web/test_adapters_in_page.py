@@ -58,3 +58,27 @@ def test_adapters_loaded_in_the_page_give_the_native_tokens(offline_page, tiny_p
     assert bad and "adapter_model.safetensors" in bad, bad
     again = p.evaluate(CHAT, {"messages": HELLO, **GREEDY, "model": "all16"})
     assert again["choices"][0]["token_ids"] == want["all16"]
+
+
+def test_xlora_in_the_page_gives_the_native_tokens(offline_page, tiny_package, peft_adapters, xlora_models,
+                                                    web_models):
+    """A PEFT X-LoRA folder (its classifier partly in the experts' subfolders, as PEFT saves it) with its
+    three experts by URL: the page runs the scaling pass, the classifier and the mixed pass as natively."""
+    pkg = tiny_package("llama", "fp32")
+    url = publish(web_models, pkg, "tiny-llama-fp32")
+    _, folder = xlora_models("dense")
+    xurl = publish(web_models, folder, "xlora-dense")
+    experts = {str(i): publish(web_models, path, f"adapter-{name}") for i, (name, path) in
+               enumerate(peft_adapters("llama").items())}
+    want = native_ids(pkg, folder)
+    assert want != native_ids(pkg)
+    p = offline_page()
+    p.api()
+    p.evaluate(LOAD_ENGINE, [url, {"device": "wasm", "speculativeTokens": 0}])
+    info = p.evaluate("async ([url, experts]) => engine.loadAdapter('mix', url, { experts })", [xurl, experts])
+    assert info["kind"] == "xlora" and info["experts"] == ["mix/0", "mix/1", "mix/2"] and info["rank"] == 16
+    replies = p.evaluate("""async ([req, names]) => Promise.all(names.map((model) =>
+      engine.chat.completions.create(model ? { ...req, model } : req)))""", [{"messages": HELLO, **GREEDY},
+                                                                           ["mix", None]])
+    assert replies[0]["choices"][0]["token_ids"] == want
+    assert replies[1]["choices"][0]["token_ids"] == native_ids(pkg)

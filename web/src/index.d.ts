@@ -157,10 +157,15 @@ export interface EngineStats {
   [key: string]: unknown;
 }
 
+export type AdapterSource = string | URL | Record<string, ArrayBuffer | ArrayBufferView | Blob>;
+
 export interface AdapterInfo {
   name: string;
+  kind: 'peft' | 'ruvllm' | 'xlora';
   rank: number;
   targets: string[];
+  /** X-LoRA: its experts' names */
+  experts: string[] | null;
 }
 
 export interface Engine {
@@ -177,9 +182,10 @@ export interface Engine {
   /**
    * Serve a LoRA adapter under `name` (requests pick it with `model: name`): the URL of its folder
    * (PEFT's adapter_config.json + adapter_model.safetensors, or `python -m exporter adapter`'s
-   * adapter.json + adapter.safetensors), or its files by name.
+   * adapter.json + adapter.safetensors), or its files by name. A PEFT X-LoRA folder also needs its
+   * expert adapters, by the names its adapter_config.json gives them.
    */
-  loadAdapter(name: string, source: string | URL | Record<string, ArrayBuffer | ArrayBufferView | Blob>): Promise<AdapterInfo>;
+  loadAdapter(name: string, source: AdapterSource, options?: { experts?: Record<string, AdapterSource> }): Promise<AdapterInfo>;
   /** Stop serving an adapter: new requests naming it fail with model_not_found; running ones finish. */
   unloadAdapter(name: string): Promise<boolean>;
   /** Stop the worker and free the model. */

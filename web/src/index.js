@@ -117,15 +117,15 @@ class Engine {
    * Serve a LoRA adapter under `name`: requests then pick it with `model: name`. `source` is the URL of
    * its folder (PEFT's adapter_config.json + adapter_model.safetensors, or `python -m exporter adapter`'s
    * adapter.json + adapter.safetensors, whose sha256 is checked) or its files as { fileName: bytes | Blob }.
-   * Resolves to { name, rank, targets }; rejects with the reason when it does not fit the model.
+   * A PEFT X-LoRA folder needs its expert adapters too: { experts: { name: url | files } }, by the names
+   * its adapter_config.json gives them. Resolves to { name, kind, rank, targets, experts }; rejects with
+   * the reason when it does not fit the model.
    */
-  async loadAdapter(name, source) {
-    const files = typeof source === 'string' || source instanceof URL ? await fetchAdapter(source) : source;
-    const bytes = {};
-    for (const [file, data] of Object.entries(files ?? {})) {
-      bytes[file] = data instanceof Blob ? await data.arrayBuffer() : ArrayBuffer.isView(data) ? data.slice().buffer : data;
-    }
-    return (await this.#call('loadAdapter', { name, files: bytes })).adapter;
+  async loadAdapter(name, source, { experts } = {}) {
+    const files = await adapterFiles(source);
+    const expertFiles = experts ? {} : undefined;
+    for (const [expert, src] of Object.entries(experts ?? {})) expertFiles[expert] = await adapterFiles(src);
+    return (await this.#call('loadAdapter', { name, files, experts: expertFiles })).adapter;
   }
 
   /** Stop serving an adapter: new requests naming it fail with model_not_found; running ones finish. */
@@ -146,19 +146,42 @@ class Engine {
   }
 }
 
-// An adapter folder's files by URL: PEFT's, or else the exporter's format
+// An adapter's files, as ArrayBuffers by name: fetched from its folder's URL, or given
+async function adapterFiles(source) {
+  const files = typeof source === 'string' || source instanceof URL ? await fetchAdapter(source) : source;
+  const bytes = {};
+  for (const [file, data] of Object.entries(files ?? {})) {
+    bytes[file] = data instanceof Blob ? await data.arrayBuffer() : ArrayBuffer.isView(data) ? data.slice().buffer : data;
+  }
+  return bytes;
+}
+
+// An adapter folder's files by URL: PEFT's (an X-LoRA's with its classifier's files), or the exporter's
 async function fetchAdapter(url) {
   const base = new URL(String(url).endsWith('/') ? String(url) : `${url}/`, location.href);
   const get = async (file) => {
     const res = await fetch(new URL(file, base));
     return res.ok ? new Uint8Array(await res.arrayBuffer()) : null;
   };
-  for (const [config, weights] of [['adapter_config.json', 'adapter_model.safetensors'], ['adapter.json', 'adapter.safetensors']]) {
-    const cfg = await get(config);
-    if (!cfg) continue;
-    const data = await get(weights);
-    if (!data) throw new Error(`${base}: ${config} without ${weights}`);
-    return { [config]: cfg, [weights]: data };
+  const peft = await get('adapter_config.json');
+  const config = peft && JSON.parse(new TextDecoder().decode(peft));
+  if (config?.peft_type === 'XLORA') { // the classifier's layers: at the top, or in the experts' subfolders
+    const files = { 'adapter_config.json': peft };
+    const wanted = ['adapter_model.safetensors', 'xlora_classifier.safetensors',
+      ...Object.keys(config.adapters ?? {}).map((k) => `${k}/adapter_model.safetensors`)];
+    for (const file of wanted) {
+      const data = await get(file);
+      if (data) files[file] = data;
+    }
+    return files;
+  }
+  for (const [cfgName, weights, cfg] of [['adapter_config.json', 'adapter_model.safetensors', peft],
+    ['adapter.json', 'adapter.safetensors', null]]) {
+    const data = cfg ?? await get(cfgName);
+    if (!data) continue;
+    const w = await get(weights);
+    if (!w) throw new Error(`${base}: ${cfgName} without ${weights}`);
+    return { [cfgName]: data, [weights]: w };
   }
   throw new Error(`${base}: no adapter_config.json or adapter.json there`);
 }

@@ -73,6 +73,35 @@ export class LoraStore {
     }
   }
 
+  /** An X-LoRA's classifier: layers [[weightRef, biasRef]] over blobs [weight, bias, weight, ...]. */
+  setClassifier(id, layers, blobs) {
+    this.classifiers ??= {};
+    this.classifiers[id] = layers.map(([w, b], i) => ({ w: decodeTensor(blobs[2 * i], w), b: decodeTensor(blobs[2 * i + 1], b),
+      out: w[3][0], in: w[3][1] }));
+  }
+
+  /** The classifier's outputs for rows [start, start + n) of hidden [tokens, H]: Linear, ReLU, ..., Linear. */
+  classify(id, hidden, start, n) {
+    const layers = this.classifiers?.[id];
+    if (!layers) throw new Error(`no X-LoRA classifier ${id} was sent to the model worker`);
+    const out = [];
+    for (let r = start; r < start + n; r++) {
+      let x = hidden.subarray(r * layers[0].in, (r + 1) * layers[0].in);
+      layers.forEach((layer, i) => {
+        const y = new Float32Array(layer.out);
+        for (let o = 0; o < layer.out; o++) {
+          let acc = layer.b[o];
+          const row = o * layer.in;
+          for (let k = 0; k < layer.in; k++) acc += layer.w[row + k] * x[k];
+          y[o] = i + 1 < layers.length && acc < 0 ? 0 : acc; // ReLU between layers (dropout is off)
+        }
+        x = y;
+      });
+      out.push(Array.from(x));
+    }
+    return out;
+  }
+
   /** The LoRA inputs of a step: the first `columns` columns of every A and B, and the tokens' weights. */
   addFeeds(ort, feeds, { columns, weights }) {
     for (const t of Object.values(this.targets)) {

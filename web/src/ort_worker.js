@@ -181,6 +181,9 @@ self.onmessage = async ({ data }) => {
     } else if (type === 'setAdapter') {
       await opening;
       runner.lora.set(data.meta, data.bytes);
+    } else if (type === 'setClassifier') {
+      await opening;
+      runner.lora.setClassifier(data.xlora, data.layers, data.blobs);
     } else if (type === 'run') {
       await opening;
       post({ type: 'result', id, result: await runner.run(data.step) });
@@ -200,7 +203,7 @@ self.onmessage = async ({ data }) => {
       post({ type: 'promptKVSaved', id, ok: await writePromptKV(await promptKV.name, runner.pool, data.keys, data.ids) });
     }
   } catch (err) {
-    if (runner && (type === 'enableLora' || type === 'setAdapter')) runner.loraError = err; // no caller waits: the next step throws it
+    if (runner && ['enableLora', 'setAdapter', 'setClassifier'].includes(type)) runner.loraError = err; // no caller waits: the next step throws it
     post({ type: 'failed', id, message: String(err?.message ?? err) });
   }
 };

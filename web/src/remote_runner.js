@@ -43,6 +43,10 @@ export class RemoteRunner {
     this.worker.postMessage({ type: 'setAdapter', meta, bytes }, [bytes.buffer]);
   }
 
+  set_classifier(id, layers, blobs) { // an X-LoRA's classifier: its Linear layers, [weight, bias] bytes each
+    this.worker.postMessage({ type: 'setClassifier', xlora: id, layers, blobs }, blobs.map((b) => b.buffer));
+  }
+
   async run(step) {
     return (await this.call('run', { step })).result;
   }

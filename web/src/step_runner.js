@@ -87,6 +87,7 @@ export class StepRunner {
     }
     const rows = step.rows;
     const fetches = [io.present_key, io.present_value];
+    if (step.classify) fetches.push(step.classify.hidden); // X-LoRA's scaling pass
     if (rows) fetches.push(io.topk_ids, io.topk_logprobs);
     if (rows && step.want_logits) fetches.push(io.logits);
     const t0 = performance.now();
@@ -95,6 +96,10 @@ export class StepRunner {
     pool.write(out[io.present_key].data, out[io.present_value].data, step.kv_slots);
     this.steps++;
     const result = { topk_ids: [], topk_logprobs: [] };
+    if (step.classify) {
+      const hidden = out[step.classify.hidden].data;
+      result.classified = step.classify.groups.map(([id, start, n]) => this.lora.classify(id, hidden, start, n));
+    }
     if (rows) {
       const ids = out[io.topk_ids], lps = out[io.topk_logprobs].data;
       const k = ids.dims[1];

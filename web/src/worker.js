@@ -156,23 +156,33 @@ async function create(id, body) {
 // them (runtime/core/adapters.py) and sends the numbers to the model worker when a request needs them.
 let adapterLoads = 0;
 
-function loadAdapter(name, files) {
+function writeFiles(FS, dir, files) {
+  for (const [file, bytes] of Object.entries(files)) {
+    const parts = file.split('/');
+    if (parts.length > 2 || parts.some((p) => !p || p.startsWith('.'))) throw new Error(`adapter file name ${file} is not allowed`);
+    FS.mkdirTree(parts.length === 2 ? `${dir}/${parts[0]}` : dir);
+    FS.writeFile(`${dir}/${file}`, new Uint8Array(bytes));
+  }
+}
+
+function loadAdapter(name, files, experts) {
   if (!engine) throw new Error('the engine is not loaded');
   const dir = `/adapters/${adapterLoads++}`;
   const FS = self.pyodideFS;
-  FS.mkdirTree(dir);
-  for (const [file, bytes] of Object.entries(files)) {
-    if (file.includes('/') || file.startsWith('.')) throw new Error(`adapter file name ${file} is not allowed`);
-    FS.writeFile(`${dir}/${file}`, new Uint8Array(bytes));
-  }
-  return JSON.parse(engine.add_adapter(name, dir));
+  writeFiles(FS, dir, files);
+  const paths = {};
+  Object.entries(experts ?? {}).forEach(([expert, expertFiles], i) => {
+    paths[expert] = `${dir}-experts/${i}`;
+    writeFiles(FS, paths[expert], expertFiles);
+  });
+  return JSON.parse(engine.add_adapter(name, dir, experts ? JSON.stringify(paths) : null));
 }
 
 self.onmessage = async ({ data }) => {
   const { type, id } = data;
   try {
     if (type === 'load') post({ type: 'loaded', id, info: await load(data.options) });
-    else if (type === 'loadAdapter') post({ type: 'adapterLoaded', id, adapter: loadAdapter(data.name, data.files) });
+    else if (type === 'loadAdapter') post({ type: 'adapterLoaded', id, adapter: loadAdapter(data.name, data.files, data.experts) });
     else if (type === 'unloadAdapter') post({ type: 'adapterUnloaded', id, ok: engine ? engine.remove_adapter(data.name) : false });
     else if (type === 'create') create(data.id, data.body);
     else if (type === 'abort') post({ type: 'aborted', id, ok: engine ? engine.abort(String(data.target)) : false });

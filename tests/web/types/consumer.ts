@@ -1,7 +1,7 @@
 // A consumer of ruvllm-web's published types: every exported function and type is used here, and
 // `tsc --noEmit` (tests/web/test_types.py) must accept it.
 import {
-  createEngine, type AdapterInfo, type ChatCompletion, type ChatCompletionChunk, type ChatCompletionRequest, type ChatMessage,
+  createEngine, type AdapterInfo, type AdapterSource, type ChatCompletion, type ChatCompletionChunk, type ChatCompletionRequest, type ChatMessage,
   type ChunkStream, type CreateEngineOptions, type Device, type Engine, type EngineInfo, type EngineStats,
   type LoadProgress, type Usage,
 } from 'ruvllm-web';
@@ -28,6 +28,9 @@ export async function main(): Promise<void> {
   }
   await engine.abort(id);
   const adapter: AdapterInfo = await engine.loadAdapter('mine', '/adapters/mine/');
+  const source: AdapterSource = { 'adapter_config.json': new Uint8Array(2) };
+  const mixed: AdapterInfo = await engine.loadAdapter('mixed', '/adapters/xlora/', { experts: { '0': source } });
+  console.log(mixed.kind, mixed.experts?.length);
   await engine.chat.completions.create({ messages, model: adapter.name });
   const unloaded: boolean = await engine.unloadAdapter('mine');
   const stats: EngineStats = await engine.stats();
