@@ -33,6 +33,11 @@ SPARSE_COUNTS = "sparse_token_counts"  # float [num_logits, num_sparse]: times g
 SPARSE_BIAS = "sparse_logit_bias"  # float [num_logits, num_sparse]
 TOP_K = "top_k"  # int64 [1]: how many candidates to return
 
+# --- graph input: structured output (graphs exported since format 2's logits_mask; the last input) ---
+# Added to the processed logits before the temperature: 0 for an allowed token, -inf for one a grammar
+# forbids. A step without constrained rows feeds [1, vocab] zeros (each backend keeps one bound).
+LOGITS_MASK = "logits_mask"  # float [num_logits | 1, vocab]
+
 # --- graph inputs: LoRA (only in the LoRA graph variant) ---
 # The adapters of a step sit side by side as "adapter columns": adapter j's rank-r factors take columns
 # j*r .. (j+1)*r - 1. A token's delta on a target is ((x A^T) * w) B, w its row of LORA_WEIGHTS: one
@@ -97,7 +102,7 @@ def io_roles(num_layers: int) -> dict:
     return {"past_keys": [past_key(i) for i in range(num_layers)],
             "past_values": [past_value(i) for i in range(num_layers)],
             "present_key": PRESENT_KEY, "present_value": PRESENT_VALUE, "logits": LOGITS,
-            "topk_ids": TOPK_IDS, "topk_logprobs": TOPK_LOGPROBS,
+            "topk_ids": TOPK_IDS, "topk_logprobs": TOPK_LOGPROBS, "logits_mask": LOGITS_MASK,
             "step_inputs": [name for name, _, _ in STEP_INPUTS]}
 
 

@@ -164,7 +164,7 @@ def load_package(path: str | Path, verify_hashes: bool = False, elsewhere: tuple
             raise PackageError(f"{path}: corrupt manifest, graph {g['file']} is not listed in files")
     n = manifest["config"].get("num_layers")
     declared = [i["name"] for i in manifest["io"].get("inputs", [])]
-    if declared != expected_inputs(n):
+    if declared not in (expected_inputs(n), expected_inputs(n) + [C.LOGITS_MASK]):  # older graphs: no mask
         raise PackageError(f"{path}: graph inputs do not follow the I/O contract of format {C.FORMAT_VERSION}")
     if manifest["io"].get("outputs") != expected_outputs(n):
         raise PackageError(f"{path}: graph outputs do not follow the I/O contract of format {C.FORMAT_VERSION}")

@@ -95,7 +95,7 @@ class DecoderBuilder:
         if self.lora.enabled:
             b.op("Identity", [hidden], out=C.HIDDEN_STATES)
             b.output(C.HIDDEN_STATES, FLOAT, ["num_tokens", spec.hidden_size])
-        process_logits(b, self.lm_head(hidden), self.step)
+        process_logits(b, self.lm_head(hidden), self.step, spec.vocab_size)
         return b.model()
 
     def step_inputs(self) -> None:

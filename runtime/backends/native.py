@@ -15,7 +15,7 @@ import numpy as np
 from runtime import contract as C
 from runtime.core.kv_blocks import kv_bytes_per_token
 from runtime.core.step_batch import StepBatch, StepResult
-from runtime.errors import DeviceError, PackageError
+from runtime.errors import DeviceError, PackageError, RequestError
 from runtime.package import ModelPackage
 
 if TYPE_CHECKING:
@@ -68,6 +68,8 @@ class NativeBackend:
         self.matmul_kernel = "onnxruntime's own"  # what runs the 4-bit projections; _kernel_session may say more
         self.attention_kernel = "the graph's own"  # the exported gather + attention, or ruvllm.PagedAttention
         self.lora_kernel: str | None = None  # what computes the LoRA graph's adapter deltas, when it is ours
+        self._guide = None  # structured output's llguidance tables, made on the first constrained request
+        self._no_mask = None  # the [1, vocab] zeros bound as logits_mask while no row is constrained
         self.session = self._open(lora)
         self.runner = GraphRunner(self, self.session)
         self.lora_runner: GraphRunner | None = self.runner if lora else None
@@ -106,6 +108,8 @@ class NativeBackend:
         from runtime.package import expected_inputs
 
         contract = expected_inputs(self.num_layers, lora=lora)
+        if names and names[-1] == C.LOGITS_MASK:  # a graph with structured output's mask input
+            names = names[:-1]
         if names[:len(contract)] != contract or (not lora and len(names) != len(contract)):
             raise PackageError(f"{package.path}: the graph's inputs do not match its manifest")
         if lora and C.lora_a(0, C.LORA_TARGETS[0]) not in names:
@@ -201,6 +205,22 @@ class NativeBackend:
             raise AdapterError(f"{self.pkg.path}: its LoRA graph has no {C.HIDDEN_STATES} output, which X-LoRA's "
                                "classifier reads; re-export the package")
 
+    def guide(self):
+        """The structured-output guide (runtime/backends/guidance.py) for this package, made on first use;
+        RequestError when this package's graph or this install cannot enforce a constraint."""
+        if self._guide is None:
+            if not self.runner.has_mask:
+                raise RequestError(f"{self.pkg.path.name}: this package's graph has no {C.LOGITS_MASK} input, "
+                                   "which structured output needs; re-export it", "response_format")
+            try:
+                from runtime.backends.guidance import Guide
+            except ImportError as err:
+                raise RequestError(f"structured output needs llguidance ({err})", "response_format") from None
+            meta = self.pkg.manifest["tokenizer"]
+            eos = self.pkg.manifest.get("special_tokens", {}).get("eos_token_ids", [])
+            self._guide = Guide(self.pkg.file(meta["file"]).read_text(encoding="utf-8"), self.vocab_size, eos)
+        return self._guide
+
     def set_adapter(self, slot: int, info) -> None:
         """Put an adapter's weights (a runtime.core.adapters.AdapterInfo) into a slot of the LoRA inputs."""
         self.adapters.put(slot, info)
@@ -217,6 +237,9 @@ class NativeBackend:
             mix = self._xlora_pass(batch.xlora, columns) if batch.xlora else None
             weights = self.adapters.mixing(batch.adapter_slots, columns, mix)
             extra_inputs = {**(extra_inputs or {}), C.LORA_WEIGHTS: weights}
+        if runner.has_mask and (batch.matchers is not None or runner.masked):
+            extra_inputs = {**(extra_inputs or {}), C.LOGITS_MASK: self._logits_mask(batch)}
+            runner.masked = batch.matchers is not None
         outs = runner.run(batch, extra_inputs)
         self.pool.write(outs[C.PRESENT_KEY], outs[C.PRESENT_VALUE], batch.kv_slots)
         if not batch.logits_index:
@@ -226,6 +249,23 @@ class NativeBackend:
 
     async def run_async(self, batch: StepBatch) -> StepResult:
         return self.run(batch)
+
+    def _logits_mask(self, batch: StepBatch) -> np.ndarray:
+        """[rows, vocab]: each constrained row's allowed tokens 0, the rest -inf; other rows 0. A step
+        after a constrained one binds the [1, vocab] zeros back (a binding outlives its step)."""
+        if batch.matchers is None:
+            return self.no_mask()
+        mask = np.zeros((len(batch.matchers), self.vocab_size), np.float32)
+        for row, matcher in zip(mask, batch.matchers):
+            if matcher is not None:
+                matcher.fill_mask(row)
+        return mask
+
+    def no_mask(self) -> np.ndarray:
+        """The [1, vocab] zeros bound as logits_mask while no row is constrained."""
+        if self._no_mask is None:
+            self._no_mask = np.zeros((1, self.vocab_size), np.float32)
+        return self._no_mask
 
     def _bind_columns(self, slots: list[int]) -> int:
         """Bind the adapter columns up to the highest of these slots (by reference: only when the highest
@@ -247,7 +287,11 @@ class NativeBackend:
             pairs = list(zip(g.expert_slots, scaling_pass_weights(len(g.expert_slots), g.xlora.settings)))
             dummy.update((t, pairs) for t in range(g.scaling_start, g.scaling_start + g.n))
         weights = self.adapters.mixing([0] * len(xp.batch.input_ids), columns, dummy)
-        outs = self.lora_runner.run(xp.batch, {C.LORA_WEIGHTS: weights}, want_hidden=True)
+        feeds = {C.LORA_WEIGHTS: weights}
+        if self.lora_runner.masked:  # no logits rows here: the [1, vocab] zeros back
+            feeds[C.LOGITS_MASK] = self._logits_mask(xp.batch)
+            self.lora_runner.masked = False
+        outs = self.lora_runner.run(xp.batch, feeds, want_hidden=True)
         self.pool.write(outs[C.PRESENT_KEY], outs[C.PRESENT_VALUE], xp.batch.kv_slots)
         hidden = outs[C.HIDDEN_STATES]
         mix: dict[int, list[tuple[int, float]]] = {}
@@ -288,6 +332,10 @@ class GraphRunner:
         self.io = session.io_binding()
         self._bound: tuple | None = None  # the output shapes currently bound
         self._bound_inputs: dict[str, tuple] = {}  # input name -> (the values it is bound to, their array)
+        self.has_mask = C.LOGITS_MASK in {i.name for i in session.get_inputs()}
+        if self.has_mask:  # zeros until a step has constrained rows
+            self.io.bind_cpu_input(C.LOGITS_MASK, backend.no_mask())
+        self.masked = False  # logits_mask is bound to a constrained step's rows
         self._outputs: dict[str, object] = {}
 
     def bind_pool(self, pool) -> None:

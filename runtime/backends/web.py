@@ -113,6 +113,11 @@ class WebBackend:
             weights.extend(row)
         return {"columns": columns, "weights": weights}
 
+    def guide(self):
+        from runtime.errors import RequestError
+
+        raise RequestError("structured output runs natively only for now (not yet in the page)", "response_format")
+
     def run(self, batch: StepBatch) -> StepResult:
         raise RuntimeError("a page step runs in another worker: await run_async (AsyncEngine does)")
 

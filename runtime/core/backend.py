@@ -36,6 +36,11 @@ class Backend(Protocol):
         """Put an adapter (runtime.core.adapters.AdapterInfo) into one of the LoRA graph's slots."""
         ...
 
+    def guide(self):
+        """What compiles a request's structured-output constraint (runtime.core.constraints.Constraint)
+        into a Matcher for this package: `.matcher(constraint)`; RequestError when it cannot."""
+        ...
+
     def run(self, batch: StepBatch) -> StepResult:
         """Run one step: write its K/V into the pool and return the candidates of its logits rows (with
         X-LoRA chunks: their scaling pass first, its K/V into their shadow blocks)."""

@@ -35,6 +35,7 @@ class PreparedRequest:
     ids: list[int]
     params: SamplingParams
     adapter: AdapterInfo | XLoraInfo | None = None
+    matcher: object = None  # structured output: the request's grammar matcher
 
 
 @dataclass
@@ -112,7 +113,8 @@ class Engine:
             raise ContextLengthError(f"the prompt has {len(ids)} tokens, more than the KV cache holds "
                                      f"({alloc.num_blocks * self.block_size // passes} tokens"
                                      f"{' with X-LoRA' if passes == 2 else ''})")
-        return PreparedRequest(ids, params, info)
+        matcher = self.backend.guide().matcher(params.constraint) if params.constraint is not None else None
+        return PreparedRequest(ids, params, info, matcher)
 
     def submit(self, request: PreparedRequest, request_id: str | None = None) -> str:
         """Queue a prepared request; returns its id."""
@@ -121,7 +123,7 @@ class Engine:
             raise RequestError(f"request id {rid!r} is already in use")
         info = request.adapter
         seq = Sequence(rid, request.ids, request.params, tokens=list(request.ids), adapter=info.id if info else None,
-                       xlora=info if info is not None and info.kind == "xlora" else None)
+                       xlora=info if info is not None and info.kind == "xlora" else None, matcher=request.matcher)
         self.processor.admit(seq)
         self.scheduler.add(seq)
         return rid

@@ -56,8 +56,19 @@ class OutputProcessor:
             lp = dict(zip(ids, lps)).get(token, float("-inf"))
             logprobs.append(TokenLogprob(token, lp, list(zip(ids, lps))[: p.logprobs]))
         reason, by_string = None, False
+        complete = False
+        if seq.matcher is not None:
+            if not seq.matcher.consume(token):  # the grammar's own mask allowed a token it then refuses
+                return RequestOutput(seq.id, "", [], True, "error", len(seq.prompt_ids), seq.num_generated - 1,
+                                     error=f"structured output: this model's tokens cannot continue the constraint "
+                                           f"(its mask allowed token {token}, which it then refused)",
+                                     error_param="response_format")
+            complete = seq.matcher.is_stopped()
         if (token in self.model.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason, text = "stop", ""
+        elif complete:  # the grammar is satisfied and allows nothing more: the text ends here
+            text, _ = seq.stopper.feed(seq.decoder.add(token))
+            reason = "stop"
         else:
             text, by_string = seq.stopper.feed(seq.decoder.add(token))
             reason = "stop" if by_string else None

@@ -66,6 +66,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # return this many alternatives per token
     include_stop_str_in_output: bool = False
+    constraint: object = None  # structured output: a runtime.core.constraints.Constraint the text must match
 
     def validate(self, vocab_size: int | None = None) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):

@@ -185,6 +185,8 @@ class Scheduler:
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, penalties=seq.penalties, top_k=p.candidates(self.vocab_size),
             adapter_slot=seq.adapter_slot)
+        if chunk.want_logits:
+            chunk.matcher = seq.matcher
         if seq.xlora:
             chunk.xlora, chunk.expert_slots, chunk.shadow_table = seq.xlora, seq.expert_slots, seq.shadow_blocks
             chunk.shadow_kv_slots = [seq.shadow_blocks[t // bs] * bs + t % bs for t in range(start, start + n)]
@@ -245,7 +247,7 @@ class Scheduler:
         sample is the same with or without drafts; above SPECULATIVE_MAX_TEMPERATURE drafts rarely pay.
         """
         p, cfg = seq.params, self.config
-        if (not cfg.speculative_tokens or seq.xlora or len(self.running) > cfg.speculative_max_batch
+        if (not cfg.speculative_tokens or seq.xlora or seq.matcher or len(self.running) > cfg.speculative_max_batch
                 or p.temperature > SPECULATIVE_MAX_TEMPERATURE):
             return []
         k = min(cfg.speculative_tokens, budget, p.max_tokens - seq.num_generated - 1,

@@ -30,6 +30,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error_param: str | None = None  # with error: the request's own field at fault (a 400), not the engine
 
 
 @dataclass(eq=False)  # identity: the scheduler's list lookups compare sequences, not their token lists
@@ -53,6 +54,7 @@ class Sequence:
     xlora: object = None  # an X-LoRA (runtime.core.xlora.XLoraInfo): its experts mixed per token
     expert_slots: list[int] = field(default_factory=list)  # X-LoRA: the slots holding its experts
     shadow_blocks: list[int] = field(default_factory=list)  # X-LoRA: the scaling pass's KV blocks
+    matcher: object = None  # structured output: its grammar's matcher (runtime.core.constraints.Matcher)
     # the output processor's: sampling, detokenizing, stop strings
     rng: object = None
     decoder: IncrementalDecoder | None = None

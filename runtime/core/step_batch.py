@@ -75,6 +75,7 @@ class Chunk:
     expert_slots: list[int] | None = None  # X-LoRA: its experts' slots, in the classifier's order
     shadow_table: list[int] | None = None  # X-LoRA: the scaling pass's block table
     shadow_kv_slots: list[int] | None = None  # X-LoRA: the scaling pass's pool slot per new token
+    matcher: object = None  # structured output (runtime.core.constraints.Matcher): masks its logits row
 
 
 @dataclass
@@ -119,6 +120,7 @@ class StepBatch:
     want_full_logits: bool = False
     adapter_slots: list[int] | None = None  # per token, when any sequence runs on an adapter (the LoRA graph)
     xlora: XLoraPass | None = None  # the scaling pass, when X-LoRA sequences run
+    matchers: list | None = None  # per logits row, its matcher or None, when any row is constrained
 
     def lora_slots(self) -> list[int]:
         """Every adapter slot the step reads: the tokens' own and the X-LoRA experts'."""
@@ -211,6 +213,7 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
         adapter_slots=([c.adapter_slot for c in chunks for _ in c.tokens]
                        if any(c.adapter_slot or c.xlora for c in chunks) else None),
         xlora=_xlora_pass(chunks, block_size),
+        matchers=[c.matcher for c, _ in rows] if any(c.matcher for c, _ in rows) else None,
     )
 
 

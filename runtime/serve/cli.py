@@ -128,6 +128,14 @@ def sampling_given(args) -> dict:
 def sampling_from(args) -> SamplingParams:
     params = SamplingParams(**sampling_given(args))
     params.validate()
+    if getattr(args, "json_schema", None):
+        from runtime.core.constraints import Constraint
+
+        try:
+            schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise RuvLLMError(f"--json-schema {args.json_schema}: not a readable JSON file ({err})") from None
+        params.constraint = Constraint("json_schema", schema)
     return params
 
 
@@ -395,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     def run_args(p, temperature: float) -> None:
         sampling_args(p, temperature)
         p.add_argument("--lora", default=None, help="a LoRA adapter folder (PEFT's, or `python -m exporter adapter`'s)")
+        p.add_argument("--json-schema", default=None, metavar="FILE",
+                       help="structured output: the reply is JSON valid under this JSON schema file")
         p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
         p.add_argument("--threads", type=int, default=None)
         engine_args(p)

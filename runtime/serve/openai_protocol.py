@@ -4,8 +4,8 @@ Every bad field becomes a ProtocolError naming the field, which the server turns
 OpenAI's error shape. The same module can shape the browser API's chunks, and it is the one place
 the request fields are defined: the server publishes request_schema() in its OpenAPI document.
 
-Field policy: a field that would change the output and is not implemented (response_format, tools,
-...) is refused with a 400 naming it, never ignored; purely informational fields (user, metadata,
+Field policy: a field that would change the output and is not implemented (tools, ...) is refused
+with a 400 naming it, never ignored; purely informational fields (user, metadata,
 store) are accepted; a field OpenAI does not define and RuvLLM does not add is refused as OpenAI does.
 """
 
@@ -17,6 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from runtime.core.constraints import Constraint
 from runtime.core.sampling import RANGES, SamplingParams, check_range, range_text
 from runtime.core.sequence import RequestOutput
 from runtime.errors import RequestError
@@ -26,9 +27,10 @@ MAX_CHOICES = 128  # OpenAI's limit on n
 MAX_TOP_LOGPROBS = int(RANGES["logprobs"][1])
 
 # Fields that would change the output, not implemented yet: refused, never silently ignored.
-UNSUPPORTED = ("response_format", "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
-               "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "suffix", "best_of",
-               "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+UNSUPPORTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+               "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "suffix", "best_of")
+# Structured output: OpenAI's response_format; vLLM's structured_outputs and its older guided_* fields
+STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 INFORMATIONAL = ("user", "metadata", "store", "service_tier")  # accepted; they change nothing generated
 
 
@@ -116,6 +118,7 @@ def _sampling(body: dict, logprobs: int | None, defaults: dict | None = None) ->
         ignore_eos=_get(body, "ignore_eos", (bool,), False),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
         stop_token_ids=_get(body, "stop_token_ids", (list,), []),
+        constraint=constraint(body),
     )
     try:
         params.validate()
@@ -125,6 +128,65 @@ def _sampling(body: dict, logprobs: int | None, defaults: dict | None = None) ->
             name = "max_completion_tokens"
         raise ProtocolError(f"'{name}' {str(err).split(': ', 1)[1]}", name) from None
     return params, given or "max_tokens" in d, n
+
+
+def constraint(body: dict) -> Constraint | None:
+    """The request's structured output, from whichever one of STRUCTURED fields it sets (None: free text).
+    Only the fields' shape is checked here; a schema or grammar the engine cannot compile is its 400."""
+    given = [name for name in STRUCTURED if body.get(name) is not None]
+    if len(given) > 1:
+        raise ProtocolError(f"give one of {', '.join(given)}, not several", given[1])
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    try:
+        if name == "response_format":
+            return _response_format(value)
+        if name == "structured_outputs":
+            if not isinstance(value, dict):
+                raise ProtocolError("'structured_outputs' must be an object", name)
+            keys = [k for k in ("json", "regex", "choice", "grammar", "json_object") if value.get(k) is not None]
+            unknown = sorted(set(value) - {"json", "regex", "choice", "grammar", "json_object"})
+            if unknown or len(keys) != 1:
+                raise ProtocolError("'structured_outputs' takes exactly one of json, regex, choice, grammar, "
+                                    f"json_object{f' (unknown: {unknown})' if unknown else ''}", name)
+            key = keys[0]
+            if key == "json_object":
+                if value[key] is not True:
+                    raise ProtocolError("'structured_outputs.json_object' must be true", name)
+                return Constraint("json_object")
+            return _constraint_of({"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice",
+                                   "grammar": "guided_grammar"}[key], value[key])
+        return _constraint_of(name, value)
+    except RequestError as err:
+        raise ProtocolError(f"'{name}': {err}", name) from None
+
+
+def _constraint_of(field_name: str, value) -> Constraint:
+    kind = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+            "guided_grammar": "grammar"}[field_name]
+    if kind == "json_schema" and isinstance(value, str):  # vLLM takes the schema as JSON text too
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise RequestError(f"the schema is not valid JSON: {err.msg}") from None
+    return Constraint(kind, value)
+
+
+def _response_format(value) -> Constraint | None:
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise RequestError("'type' must be text, json_object or json_schema")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return Constraint("json_object")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise RequestError("json_schema needs an object with a 'name'")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise RequestError("json_schema.schema must be an object")
+    return Constraint("json_schema", schema)
 
 
 def _check_fields(body: dict, known: tuple[str, ...]) -> None:
@@ -159,7 +221,7 @@ def parse_body(text: str):
 _COMMON = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
            "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
            "logit_bias", "n", "return_token_ids", "ignore_eos", "stop_token_ids", "include_stop_str_in_output"
-           ) + INFORMATIONAL
+           ) + INFORMATIONAL + STRUCTURED
 CHAT_FIELDS = _COMMON + ("messages", "logprobs", "top_logprobs")
 COMPLETION_FIELDS = _COMMON + ("prompt", "logprobs", "echo")
 
@@ -275,6 +337,23 @@ def request_schema(chat: bool, models: list[str] | None = None) -> dict:
         "include_stop_str_in_output": {"type": "boolean", "description": "as vLLM: keep the matched stop string"},
         "user": {"type": "string"}, "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
         "store": {"type": "boolean"}, "service_tier": {"type": "string"},
+        "response_format": {"anyOf": [
+            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "properties": {
+                "type": {"const": "json_schema"},
+                "json_schema": {"type": "object", "required": ["name"], "properties": {
+                    "name": text, "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]},
+                    "description": {"type": "string"}}}}}]},
+        "structured_outputs": {"type": "object", "minProperties": 1, "maxProperties": 1,
+                               "description": "as vLLM: one of json (a schema), regex, choice, grammar (Lark), "
+                                              "json_object (true)",
+                               "properties": {"json": {"type": ["object", "string"]}, "regex": text,
+                                              "choice": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                                              "grammar": text, "json_object": {"const": True}},
+                               "additionalProperties": False},
+        "guided_json": {"type": ["object", "string"], "description": "vLLM's older name of structured_outputs.json"},
+        "guided_regex": text, "guided_choice": {"type": "array", "minItems": 1, "items": {"type": "string"}},
+        "guided_grammar": text,
     }
     top = {"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}
     if chat:

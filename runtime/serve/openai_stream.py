@@ -79,7 +79,7 @@ class ChunkStream:
                     self.first = time.monotonic()
                 self.lasts[i] = out
                 if out.error:
-                    yield P.error_body(out.error, "server_error", code="unavailable")
+                    yield output_error(out)
                     return
                 reason = out.finish_reason if out.finished else None
                 ids = out.token_ids if self.parsed.return_token_ids else None
@@ -102,6 +102,13 @@ class ChunkStream:
         return all(o is not None and o.finished and not o.error for o in self.lasts)
 
 
+def output_error(out: RequestOutput) -> dict:
+    """The error body of a request that ended in error: its own field's fault (error_param), or the engine's."""
+    if out.error_param:
+        return P.error_body(out.error, param=out.error_param)
+    return P.error_body(out.error, "server_error", code="unavailable")
+
+
 async def collect(aengine: AsyncEngine, rids: list[str], parsed: P.ParsedRequest, model: str,
                   chat: bool) -> tuple[dict, list[RequestOutput] | None, float | None]:
     """The whole response of a request: (body, each choice's final output, time of the first output).
@@ -115,7 +122,7 @@ async def collect(aengine: AsyncEngine, rids: list[str], parsed: P.ParsedRequest
             if first is None:
                 first = time.monotonic()
             if out.error:
-                return P.error_body(out.error, "server_error", code="unavailable"), None, first
+                return output_error(out), None, first
             outs[i].append(out)
     decode = aengine.engine.tokenizer.decode_token
     choices = []

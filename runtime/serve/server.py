@@ -142,8 +142,8 @@ class Completions:
             body, lasts, first = await collect(served.engine, rids, parsed, served.name, chat)
         finally:
             watcher.cancel()
-        if lasts is None:
-            return JSONResponse(body, status_code=503)
+        if lasts is None:  # the request's own fault (400), or the engine's (503)
+            return JSONResponse(body, status_code=400 if body["error"]["type"] == "invalid_request_error" else 503)
         self._observe(served.name, lasts, started, first)
         return body
 

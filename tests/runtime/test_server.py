@@ -240,9 +240,9 @@ BAD = [
      400, "temperature"),
     ("lone surrogate", b'{"model": "MODEL", "messages": [{"role": "user", "content": "\\ud800"}]}', 400, None),
     ("deeply nested", b'{"model": "MODEL", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),
-    ("response_format", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
-                         "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-     400, "response_format"),
+    ("response_format with a bad schema", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
+                                           "response_format": {"type": "json_schema", "json_schema": {
+                                               "name": "x", "schema": {"type": "foo"}}}}, 400, "response_format"),
     ("tools", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
                "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("tool_choice", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
