@@ -5,10 +5,12 @@ Speed is measured here, never asserted in tests. Prints JSON.
 
 from __future__ import annotations
 
+import json
 import resource
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from runtime.core.sampling import SamplingParams
 
@@ -51,10 +53,11 @@ def _text_tokens(engine, tokens: int, salt: str = "") -> list[int]:
 
 
 def concurrent(engine, streams: int, max_tokens: int, prefix: list[int] | None = None,
-               adapters: list[str] | None = None) -> dict:
+               adapters: list[str] | None = None, constraint=None) -> dict:
     """`streams` requests at once; aggregate decode throughput, TTFT and inter-token latency percentiles.
-    adapters: the streams run round-robin on these adapters' names (a mixed-adapter batch)."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    adapters: the streams run round-robin on these adapters' names (a mixed-adapter batch); constraint:
+    each stream's structured output (runtime.core.constraints.Constraint)."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, constraint=constraint)
     starts, last, firsts = {}, {}, {}
     itl: list[float] = []
     t0 = time.perf_counter()
@@ -108,6 +111,43 @@ def adapter_levels(engine, args, levels: list[int], prefix: list[int] | None) ->
     return out
 
 
+# Structured output's bench schema: records that never close within a bench's tokens, so constrained
+# streams decode as long as free ones
+BENCH_SCHEMA = {"type": "array", "minItems": 10000, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99999},
+                                     "name": {"type": "string", "maxLength": 24}, "ok": {"type": "boolean"}},
+    "required": ["id", "name", "ok"], "additionalProperties": False}}
+
+
+def structured_levels(engine, args, levels: list[int], prefix: list[int] | None) -> dict:
+    """The concurrency levels constrained by a JSON schema beside free text, alternating (free,
+    constrained, free, constrained), with the token mask's time per constrained step."""
+    from runtime.core.constraints import Constraint
+
+    schema = BENCH_SCHEMA
+    if getattr(args, "json_schema", None):
+        schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+    constraint = Constraint("json_schema", schema)
+    backend = engine.backend
+    out = {"schema": "bench records" if schema is BENCH_SCHEMA else args.json_schema, "levels": []}
+    for c in levels:
+        runs = []
+        for _ in range(2):
+            free = concurrent(engine, c, args.decode_tokens, prefix)
+            before = (getattr(backend, "mask_seconds", 0.0), getattr(backend, "mask_steps", 0))
+            constrained = concurrent(engine, c, args.decode_tokens, prefix, constraint=constraint)
+            steps = getattr(backend, "mask_steps", 0) - before[1]
+            constrained["mask_ms_per_step"] = (round(1000 * (backend.mask_seconds - before[0]) / steps, 3)
+                                               if steps else None)
+            runs.append((free, constrained))
+        base = statistics.median(r[0]["aggregate_decode_tps"] or r[0]["aggregate_tps"] for r in runs)
+        con = statistics.median(r[1]["aggregate_decode_tps"] or r[1]["aggregate_tps"] for r in runs)
+        out["levels"].append({"streams": c, "free_decode_tps": round(base, 1), "constrained_decode_tps": round(con, 1),
+                              "ratio": round(con / base, 3) if base else None,
+                              "mask_ms_per_step": runs[-1][1]["mask_ms_per_step"], "constrained": runs[-1][1]})
+    return out
+
+
 def prefix_effect(engine, total: int, shared: int) -> dict:
     """TTFT of a `total`-token prompt whose first `shared` tokens are cached, against the uncached TTFT."""
     base = _text_tokens(engine, shared, salt="Shared context for the benchmark.")
@@ -158,6 +198,8 @@ def run_bench(engine, args) -> dict:
         result["concurrency"] = [concurrent(engine, c, args.decode_tokens, prefix) for c in levels]
     if getattr(args, "adapters", None):
         result["adapters"] = adapter_levels(engine, args, levels, prefix)
+    if getattr(args, "structured", False) or getattr(args, "json_schema", None):
+        result["structured"] = structured_levels(engine, args, levels, prefix)
     if args.shared_prefix:
         result["prefix_cache"] = prefix_effect(engine, long, min(args.shared_prefix, long - 32))
     result["engine_stats"] = engine.stats_snapshot()

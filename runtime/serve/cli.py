@@ -471,6 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--adapters", default=None,
                    help="comma-separated LoRA adapter folders: the concurrent streams also run spread over them")
+    b.add_argument("--structured", action="store_true",
+                   help="the concurrent streams also run constrained by a JSON schema (a long array of records; "
+                        "--json-schema FILE for another), beside free text, with the mask's time per step")
+    b.add_argument("--json-schema", default=None, metavar="FILE", help="the schema --structured constrains by")
     engine_args(b)
     b.set_defaults(func=cmd_bench)
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

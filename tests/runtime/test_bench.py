@@ -30,3 +30,15 @@ def test_bench_concurrency_prefix_cache_and_plot(tiny_package, tmp_path):
     stats = result["engine_stats"]
     assert stats["prefix_cache_hits"] > 0 and stats["running"] == 0 and stats["kv_blocks_used"] == 0
     assert result["plot"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_structured_output_beside_free_text(tiny_package):
+    """--structured: each level constrained and free, their ratio and the mask's time per step."""
+    proc = run_cli("bench", str(tiny_package("llama")), "--concurrency", "1,2", "--decode-tokens", "8",
+                   "--repeats", "1", "--structured", "--speculative-tokens", "0", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    levels = json.loads(proc.stdout.strip().splitlines()[-1])["structured"]["levels"]
+    assert [lv["streams"] for lv in levels] == [1, 2]
+    for lv in levels:
+        assert lv["constrained_decode_tps"] > 0 and lv["ratio"] > 0 and lv["mask_ms_per_step"] > 0, lv
+        assert lv["constrained"]["streams"] == lv["streams"]
