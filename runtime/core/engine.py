@@ -79,12 +79,14 @@ class Engine:
         return cls(pkg, NativeBackend(pkg, device=device, threads=threads), **options)
 
     # ---- requests ----
-    def encode_prompt(self, prompt=None, messages: list[dict] | None = None) -> list[int]:
-        """The request's token ids: a chat rendered through the template, text encoded, or ids checked."""
+    def encode_prompt(self, prompt=None, messages: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
+        """The request's token ids: a chat rendered through the template (with `tools` for a template that
+        takes them), text encoded, or ids checked."""
         if messages is not None:
             if self.chat_template is None:
                 raise RequestError("this model package has no chat template")
-            text = self.chat_template.render(messages, add_generation_prompt=True)
+            extra = {"tools": tools} if tools else {}
+            text = self.chat_template.render(messages, add_generation_prompt=True, **extra)
             return self.tokenizer.encode(text, add_bos=False)
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)

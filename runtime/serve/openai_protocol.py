@@ -27,7 +27,7 @@ MAX_CHOICES = 128  # OpenAI's limit on n
 MAX_TOP_LOGPROBS = int(RANGES["logprobs"][1])
 
 # Fields that would change the output, not implemented yet: refused, never silently ignored.
-UNSUPPORTED = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call",
+UNSUPPORTED = ("functions", "function_call",
                "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "suffix", "best_of")
 # Structured output: OpenAI's response_format; vLLM's structured_outputs and its older guided_* fields
 STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -61,6 +61,7 @@ class ParsedRequest:
     max_tokens_given: bool = False
     return_token_ids: bool = False  # extension (as vLLM's): each choice also carries its token ids
     n: int = 1  # choices: n requests on one prompt (computed once: the engine shares its blocks)
+    tools: object = None  # chat: runtime.serve.tools.Tools, when the request offers functions
 
 
 def _get(body: dict, name: str, types: tuple, default=None, allow_none: bool = True):
@@ -222,7 +223,7 @@ _COMMON = ("model", "stream", "stream_options", "max_tokens", "max_completion_to
            "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
            "logit_bias", "n", "return_token_ids", "ignore_eos", "stop_token_ids", "include_stop_str_in_output"
            ) + INFORMATIONAL + STRUCTURED
-CHAT_FIELDS = _COMMON + ("messages", "logprobs", "top_logprobs")
+CHAT_FIELDS = _COMMON + ("messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
 COMPLETION_FIELDS = _COMMON + ("prompt", "logprobs", "echo")
 
 
@@ -275,15 +276,52 @@ def parse_chat(body, defaults: dict | None = None) -> ParsedRequest:
             content = ""
         if not isinstance(content, str):
             raise ProtocolError(f"'messages[{i}].content' must be a string", f"messages[{i}].content")
-        clean.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        message = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+        if m["role"] == "assistant" and m.get("tool_calls") is not None:
+            message["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        if m["role"] == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ProtocolError(f"'messages[{i}].tool_call_id' must be a string", f"messages[{i}].tool_call_id")
+            message["tool_call_id"] = m["tool_call_id"]
+        clean.append(message)
     want_logprobs = _get(body, "logprobs", (bool,), False)
     top = _logprobs(body, "top_logprobs")
     if top is not None and not want_logprobs:
         raise ProtocolError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
     params, given, n = _sampling(body, logprobs, defaults)
+    from runtime.serve import tools as T
+
+    try:
+        tools = T.parse_tools(body)
+    except T.ToolError as err:
+        raise ProtocolError(str(err), err.param) from None
+    forced = T.constraint(tools) if tools is not None else None
+    if forced is not None:
+        if params.constraint is not None:
+            raise ProtocolError("a required or named tool call constrains the reply already; drop the structured "
+                                "output field", "tool_choice")
+        params.constraint = forced
     return ParsedRequest(model, params, stream, include_usage, messages=clean, logprobs=logprobs,
-                         max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False), n=n)
+                         max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False), n=n,
+                         tools=tools if tools is not None and tools.active else None)
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's past tool calls, as OpenAI sends them back."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise ProtocolError(f"'{where}' must be an array", where)
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (not isinstance(fn, dict) or not isinstance(fn.get("name"), str)
+                or not isinstance(fn.get("arguments", "{}"), str)):
+            raise ProtocolError(f"'{where}' items must be {{'id', 'type': 'function', 'function': {{'name', "
+                                "'arguments': a JSON string}}}}", where)
+        out.append({"id": str(call.get("id", "")), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn.get("arguments", "{}")}})
+    return out
 
 
 def parse_completion(body, defaults: dict | None = None) -> ParsedRequest:
@@ -362,8 +400,16 @@ def request_schema(chat: bool, models: list[str] | None = None) -> dict:
         message = {"type": "object", "required": ["role", "content"],
                    "properties": {"role": {"enum": list(ROLES)},
                                   "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
+        tool = {"type": "object", "required": ["type", "function"], "properties": {
+            "type": {"const": "function"}, "function": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+                "parameters": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}}}
+        choice = {"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object", "required": ["type", "function"],
+                  "properties": {"type": {"const": "function"}, "function": {"type": "object", "required": ["name"],
+                                 "properties": {"name": {"type": "string"}}}}}]}
         props.update(messages={"type": "array", "minItems": 1, "items": message}, logprobs={"type": "boolean"},
-                     top_logprobs=top)
+                     top_logprobs=top, tools={"type": "array", "minItems": 1, "items": tool}, tool_choice=choice,
+                     parallel_tool_calls={"type": "boolean"})
     else:
         props.update(prompt={"anyOf": [text, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
                                        {"type": "array", "minItems": 1, "maxItems": 1, "items": text}]},
@@ -423,9 +469,18 @@ def with_token_ids(choice: dict, token_ids: list[int] | None) -> dict:
     return choice
 
 
-def chat_choice(index: int, text: str, last: RequestOutput, logprobs: dict | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-            "logprobs": logprobs, "finish_reason": finish_reason(last.finish_reason)}
+def chat_choice(index: int, text: str, last: RequestOutput, logprobs: dict | None, tools=None) -> dict:
+    """One chat choice; with tools offered, the `<tool_call>` blocks of the text become its tool_calls."""
+    message = {"role": "assistant", "content": text, "refusal": None}
+    reason = finish_reason(last.finish_reason)
+    if tools is not None:
+        from runtime.serve.tools import parse_calls
+
+        content, calls = parse_calls(text, tools)
+        if calls:
+            message.update(content=content, tool_calls=calls)
+            reason = "tool_calls"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
 
 
 def completion_choice(index: int, text: str, last: RequestOutput, logprobs: dict | None) -> dict:

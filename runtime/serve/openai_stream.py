@@ -73,6 +73,7 @@ class ChunkStream:
         if chat:
             for i in range(len(self.rids)):
                 yield P.chat_chunk(oid, model, created, {"role": "assistant", "content": ""}, index=i)
+        held = [ToolCallStream(self, i, created) for i in range(len(self.rids))] if self.parsed.tools else []
         async with contextlib.aclosing(merged(self.aengine, self.rids)) as outs:
             async for i, out in outs:
                 if self.first is None:
@@ -83,6 +84,10 @@ class ChunkStream:
                     return
                 reason = out.finish_reason if out.finished else None
                 ids = out.token_ids if self.parsed.return_token_ids else None
+                if chat and self.parsed.tools is not None:
+                    for chunk in held[i].feed(out):
+                        yield chunk
+                    continue
                 if chat:
                     lp = P.chat_logprobs([out], decode) if want_lp else None
                     delta = {"content": out.delta} if out.delta or not out.finished else {}
@@ -100,6 +105,53 @@ class ChunkStream:
     def complete(self) -> bool:
         """Every choice reached its end without an error."""
         return all(o is not None and o.finished and not o.error for o in self.lasts)
+
+
+class ToolCallStream:
+    """One choice's chunks when tools are offered: text streams until it may be a `<tool_call>` block,
+    which is held to the end and sent as tool_calls deltas (OpenAI's shape: index, id, name, then the
+    arguments), with finish_reason "tool_calls"."""
+
+    def __init__(self, stream: ChunkStream, index: int, created: int) -> None:
+        self.s, self.index, self.created = stream, index, created
+        self.text, self.sent, self.ids = "", 0, []
+
+    def _chunk(self, delta: dict, reason: str | None = None) -> dict:
+        s = self.s
+        return P.chat_chunk(s.oid, s.model, self.created, delta, reason, index=self.index)
+
+    def feed(self, out: RequestOutput) -> list[dict]:
+        from runtime.serve.tools import CALL_OPEN, parse_calls
+
+        self.text += out.delta
+        self.ids.extend(out.token_ids)
+        chunks = []
+        if not out.finished:
+            start = self.text.find(CALL_OPEN, self.sent)
+            cut = start if start >= 0 else len(self.text) - _partial_suffix(self.text, CALL_OPEN)
+            if cut > self.sent:
+                chunks.append(self._chunk({"content": self.text[self.sent:cut]}))
+                self.sent = cut
+            return chunks
+        content, calls = parse_calls(self.text[self.sent:], self.s.parsed.tools)
+        if content:
+            chunks.append(self._chunk({"content": content}))
+        for k, call in enumerate(calls):
+            fn = call["function"]
+            chunks.append(self._chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                                       "function": {"name": fn["name"], "arguments": ""}}]}))
+            chunks.append(self._chunk({"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]}))
+        last = self._chunk({}, "tool_calls" if calls else out.finish_reason)
+        P.with_token_ids(last["choices"][0], self.ids if self.s.parsed.return_token_ids else None)
+        return chunks + [last]
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that begins `marker` (held: it may become the marker)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
 
 
 def output_error(out: RequestOutput) -> dict:
@@ -131,7 +183,7 @@ async def collect(aengine: AsyncEngine, rids: list[str], parsed: P.ParsedRequest
         ids = [t for o in choice for t in o.token_ids] if parsed.return_token_ids else None
         if chat:
             lp = P.chat_logprobs(choice, decode) if parsed.logprobs is not None else None
-            choices.append(P.with_token_ids(P.chat_choice(i, text, choice[-1], lp), ids))
+            choices.append(P.with_token_ids(P.chat_choice(i, text, choice[-1], lp, parsed.tools), ids))
         else:
             lp = P.completion_logprobs(choice, decode) if parsed.logprobs is not None else None
             choices.append(P.with_token_ids(P.completion_choice(i, text, choice[-1], lp), ids))
@@ -144,7 +196,19 @@ def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest, adapter: str | 
     ids. Raises ProtocolError/ContextLengthError. With a seed, choice i samples with seed + i: the
     choices differ and each is reproducible."""
     engine = aengine.engine
-    ids = engine.encode_prompt(parsed.prompt, parsed.messages)
+    messages = parsed.messages
+    if messages is not None:
+        from runtime.serve.tools import render_messages
+
+        takes = engine.chat_template is not None and engine.chat_template.takes_tools
+        messages = render_messages(messages, parsed.tools, takes)
+        if takes and parsed.tools is not None:
+            ids = engine.encode_prompt(None, messages, tools=[{"type": "function", "function": f}
+                                                             for f in parsed.tools.functions])
+        else:
+            ids = engine.encode_prompt(None, messages)
+    else:
+        ids = engine.encode_prompt(parsed.prompt, None)
     room = max(1, engine.max_context - len(ids))  # the engine refuses a prompt that leaves no room
     params = parsed.params
     params.max_tokens = min(params.max_tokens, room) if parsed.max_tokens_given else room

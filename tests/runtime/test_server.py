@@ -243,10 +243,12 @@ BAD = [
     ("response_format with a bad schema", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
                                            "response_format": {"type": "json_schema", "json_schema": {
                                                "name": "x", "schema": {"type": "foo"}}}}, 400, "response_format"),
-    ("tools", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
-               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("tool_choice", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
-     400, "tool_choice"),
+    ("a tool without a name", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
+                               "tools": [{"type": "function", "function": {"description": "f"}}]}, 400, "tools[0]"),
+    ("tool_choice required without tools", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
+                                            "tool_choice": "required"}, 400, "tool_choice"),
+    ("functions (the deprecated form)", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}],
+                                         "functions": [{"name": "f"}]}, 400, "functions"),
     ("unknown field", {"model": "MODEL", "messages": [{"role": "user", "content": "x"}], "temprature": 0},
      400, "temprature"),
 ]
