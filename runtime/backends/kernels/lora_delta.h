@@ -74,7 +74,7 @@ void dots(const float* const* x, const float* a, int64_t n, float* out) {
 }
 
 template <int G>
-void delta_rows(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>& cols, const std::vector<__m256>& dv) {
+void delta_rows(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>& cols, const float* d) {
   const float* y[G];
   float* z[G];
   for (int i = 0; i < G; i++) {
@@ -92,7 +92,7 @@ void delta_rows(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>&
       const float* bk = j.b + (int64_t)cols[k] * j.out + o;
       for (int v = 0; v < V; v++) {
         const __m256 b = _mm256_loadu_ps(bk + 8 * v);
-        for (int i = 0; i < G; i++) acc[i][v] = _mm256_fmadd_ps(dv[k * kGroup + i], b, acc[i][v]);
+        for (int i = 0; i < G; i++) acc[i][v] = _mm256_fmadd_ps(_mm256_broadcast_ss(d + k * kGroup + i), b, acc[i][v]);
       }
     }
     for (int i = 0; i < G; i++)
@@ -105,7 +105,7 @@ void delta_rows(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>&
   for (; o < j.out; o++)
     for (int i = 0; i < G; i++) {
       float acc = 0.f;
-      for (size_t k = 0; k < nc; k++) acc += _mm256_cvtss_f32(dv[k * kGroup + i]) * j.b[(int64_t)cols[k] * j.out + o];
+      for (size_t k = 0; k < nc; k++) acc += d[k * kGroup + i] * j.b[(int64_t)cols[k] * j.out + o];
       z[i][o] = y[i][o] + (j.scale ? j.scale[o] * acc : acc);
     }
 }
@@ -128,14 +128,11 @@ void lora_group(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>&
   }
   // z_i = y_i + sum_c d[c][i] * B[c], 8 outputs at a time kept in registers over every column: each
   // B load feeds G FMAs and z is written once (an axpy per column would load and store z each time)
-  std::vector<__m256> dv((size_t)cols.size() * kGroup);
-  for (size_t k = 0; k < cols.size(); k++)
-    for (int i = 0; i < G; i++) dv[k * kGroup + i] = _mm256_set1_ps(d[k * kGroup + i]);
   switch (G) {
-    case 1: return delta_rows<1>(j, g, cols, dv);
-    case 2: return delta_rows<2>(j, g, cols, dv);
-    case 3: return delta_rows<3>(j, g, cols, dv);
-    default: return delta_rows<4>(j, g, cols, dv);
+    case 1: return delta_rows<1>(j, g, cols, d.data());
+    case 2: return delta_rows<2>(j, g, cols, d.data());
+    case 3: return delta_rows<3>(j, g, cols, d.data());
+    default: return delta_rows<4>(j, g, cols, d.data());
   }
 }
 

@@ -428,6 +428,36 @@ void run_item(void* data, size_t i) {
   gemm_tiles(*job.w, *job.a, job.M, job.out, begin, std::min(job.tiles, begin + job.tiles_per_item), job.swiglu);
 }
 
+// A kernel object K made and its weights packed by pack(K&): running out of memory and a grid the kernel
+// cannot hold are errors naming the operator
+template <typename K, typename Pack>
+OrtStatus* make_kernel(const std::string& op, Pack pack, void** out) {
+  auto* k = new (std::nothrow) K();
+  if (!k) return fail(op + ": out of memory");
+  try {
+    pack(*k);
+  } catch (const std::bad_alloc&) {
+    delete k;
+    return fail(op + ": out of memory packing weights");
+  } catch (const std::invalid_argument& e) {
+    delete k;
+    return fail(op + ": " + e.what());
+  }
+  *out = k;
+  return nullptr;
+}
+
+// A matmul's input A [..., K]: the value, its dims and its rows (the product of the leading dims)
+OrtStatus* matmul_input(OrtKernelContext* ctx, int64_t K, const std::string& op, const OrtValue** in,
+                        std::vector<int64_t>& dims, int64_t* M) {
+  RETURN_IF(api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput)(ctx, 0, in));
+  RETURN_IF(tensor_shape(*in, dims));
+  if (dims.empty() || dims.back() != K) return fail(op + ": A's last dimension is not K");
+  *M = 1;
+  for (size_t i = 0; i + 1 < dims.size(); i++) *M *= dims[i];
+  return nullptr;
+}
+
 OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* info, void** out) {
   int64_t K = 0, N = 0, bits = 0, block = 0;
   auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
@@ -478,33 +508,20 @@ OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* i
     if (split <= 0 || split >= N || split % kTile) return fail("ruvllm.MatMulQ4Split: split must be a multiple of 16 in (0, N)");
   }
   if (epilogue == Epilogue::kSwiGLU && N % (2 * kTile)) return fail("ruvllm.MatMulQ4SwiGLU: N must be a multiple of 32");
-  auto* k = new (std::nothrow) Kernel();
-  if (!k) return fail("ruvllm.MatMulQ4: out of memory");
-  k->epilogue = epilogue;
-  k->split = split;
-  try {
-    pack(k->w, (int)N, (int)K, (int)block, B, S, Z, Mn);
-  } catch (const std::bad_alloc&) {
-    delete k;
-    return fail("ruvllm.MatMulQ4: out of memory packing weights");
-  } catch (const std::invalid_argument& e) {
-    delete k;
-    return fail(std::string("ruvllm.MatMulQ4: ") + e.what());
-  }
-  *out = k;
-  return nullptr;
+  return make_kernel<Kernel>("ruvllm.MatMulQ4", [&](Kernel& k) {
+    k.epilogue = epilogue;
+    k.split = split;
+    pack(k.w, (int)N, (int)K, (int)block, B, S, Z, Mn);
+  }, out);
 }
 
 OrtStatus* compute_rows(void* kernel, OrtKernelContext* ctx) {
   const Kernel& k = *static_cast<Kernel*>(kernel);
   const PackedWeights& w = k.w;
   const OrtValue* in = nullptr;
-  RETURN_IF(api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput)(ctx, 0, &in));
   std::vector<int64_t> dims;
-  RETURN_IF(tensor_shape(in, dims));
-  if (dims.empty() || dims.back() != w.K) return fail("ruvllm.MatMulQ4: A's last dimension is not K");
-  int64_t M = 1;
-  for (size_t i = 0; i + 1 < dims.size(); i++) M *= dims[i];
+  int64_t M = 0;
+  RETURN_IF(matmul_input(ctx, w.K, "ruvllm.MatMulQ4", &in, dims, &M));
   auto output = [&](size_t i, int64_t cols, float** data) -> OrtStatus* {
     dims.back() = cols;
     return output_data(ctx, i, dims.data(), dims.size(), data);

@@ -157,30 +157,16 @@ OrtStatus* create_q8(const CustomOp*, const void*, const OrtKernelInfo* info, vo
     for (int64_t d : dims) count *= d;
     if (count != N * nblk) return fail("ruvllm.MatMulQ8: scales and zero points are not N * K/block_size");
   }
-  auto* k = new (std::nothrow) Q8Kernel();
-  if (!k) return fail("ruvllm.MatMulQ8: out of memory");
-  try {
-    pack_q8(k->w, (int)N, (int)K, (int)block, B, S, Z);
-  } catch (const std::bad_alloc&) {
-    delete k;
-    return fail("ruvllm.MatMulQ8: out of memory packing weights");
-  } catch (const std::invalid_argument& e) {
-    delete k;
-    return fail(std::string("ruvllm.MatMulQ8: ") + e.what());
-  }
-  *out = k;
-  return nullptr;
+  return make_kernel<Q8Kernel>("ruvllm.MatMulQ8", [&](Q8Kernel& k) { pack_q8(k.w, (int)N, (int)K, (int)block, B, S, Z); },
+                               out);
 }
 
 OrtStatus* compute_q8(void* kernel, OrtKernelContext* ctx) {
   const PackedQ8& w = static_cast<Q8Kernel*>(kernel)->w;
   const OrtValue* in = nullptr;
-  RETURN_IF(api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput)(ctx, 0, &in));
   std::vector<int64_t> dims;
-  RETURN_IF(tensor_shape(in, dims));
-  if (dims.empty() || dims.back() != w.K) return fail("ruvllm.MatMulQ8: A's last dimension is not K");
-  int64_t M = 1;
-  for (size_t i = 0; i + 1 < dims.size(); i++) M *= dims[i];
+  int64_t M = 0;
+  RETURN_IF(matmul_input(ctx, w.K, "ruvllm.MatMulQ8", &in, dims, &M));
   dims.back() = w.N;
   Output out{nullptr, nullptr, w.N, 0, w.ntiles};
   RETURN_IF(output_data(ctx, 0, dims.data(), dims.size(), &out.c0));
