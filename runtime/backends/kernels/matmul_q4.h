@@ -458,24 +458,34 @@ OrtStatus* matmul_input(OrtKernelContext* ctx, int64_t K, const std::string& op,
   return nullptr;
 }
 
-OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* info, void** out) {
-  int64_t K = 0, N = 0, bits = 0, block = 0;
+// MatMulNBits' attributes K, N, block_size, checked for a kernel of `bits` (blocks of 32, tiles of 16 columns),
+// and its inputs 1..n-1 (weights, scales, zero points[, minimums]), which must be initializers
+OrtStatus* grid_inputs(const OrtKernelInfo* info, const std::string& op, int64_t bits, size_t n, int64_t* K,
+                       int64_t* N, int64_t* block, const OrtValue** consts) {
+  int64_t got_bits = 0;
   auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
-  RETURN_IF(attr(info, "K", &K));
-  RETURN_IF(attr(info, "N", &N));
-  RETURN_IF(attr(info, "bits", &bits));
-  RETURN_IF(attr(info, "block_size", &block));
-  if (bits != 4 || block % 32 != 0 || N % kTile != 0)
-    return fail("ruvllm.MatMulQ4: needs bits=4, block_size a multiple of 32, N a multiple of 16");
-  const OrtValue* consts[5] = {};
+  RETURN_IF(attr(info, "K", K));
+  RETURN_IF(attr(info, "N", N));
+  RETURN_IF(attr(info, "bits", &got_bits));
+  RETURN_IF(attr(info, "block_size", block));
+  if (got_bits != bits || *block % 32 != 0 || *N % kTile != 0)
+    return fail(op + ": needs bits=" + std::to_string(bits) + ", block_size a multiple of 32, N a multiple of 16");
   auto constant = api<OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**)>(kKernelInfoGetConstantInput_tensor);
-  int64_t has_mins = 0;  // set by the graph rewrite on every node (1: a fifth input, the minimums)
-  RETURN_IF(attr(info, "mins", &has_mins));
-  for (size_t i = 1; i < (has_mins ? 5u : 4u); i++) {
+  for (size_t i = 1; i < n; i++) {
     int is_const = 0;
     RETURN_IF(constant(info, i, &is_const, &consts[i]));
-    if (!is_const) return fail("ruvllm.MatMulQ4: weights, scales, zero points and minimums must be initializers");
+    if (!is_const) return fail(op + ": weights, scales, zero points and minimums must be initializers");
   }
+  return nullptr;
+}
+
+OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* info, void** out) {
+  int64_t K = 0, N = 0, block = 0, has_mins = 0;  // mins: set by the graph rewrite (1: a fifth input, the minimums)
+  RETURN_IF(api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64)(
+      info, "mins", &has_mins));
+  const OrtValue* consts[5] = {};
+  RETURN_IF(grid_inputs(info, "ruvllm.MatMulQ4", 4, has_mins ? 5 : 4, &K, &N, &block, consts));
+  auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
   const uint8_t *B = nullptr, *Z = nullptr;
   const float* S = nullptr;
   RETURN_IF(tensor_data(consts[1], &B));

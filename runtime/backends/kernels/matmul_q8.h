@@ -126,21 +126,9 @@ void run_q8_item(void* data, size_t i) {
 }
 
 OrtStatus* create_q8(const CustomOp*, const void*, const OrtKernelInfo* info, void** out) {
-  int64_t K = 0, N = 0, bits = 0, block = 0;
-  auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
-  RETURN_IF(attr(info, "K", &K));
-  RETURN_IF(attr(info, "N", &N));
-  RETURN_IF(attr(info, "bits", &bits));
-  RETURN_IF(attr(info, "block_size", &block));
-  if (bits != 8 || block % 32 != 0 || N % kTile != 0)
-    return fail("ruvllm.MatMulQ8: needs bits=8, block_size a multiple of 32, N a multiple of 16");
-  auto constant = api<OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**)>(kKernelInfoGetConstantInput_tensor);
+  int64_t K = 0, N = 0, block = 0;
   const OrtValue* consts[4] = {};
-  for (size_t i = 1; i < 4; i++) {
-    int is_const = 0;
-    RETURN_IF(constant(info, i, &is_const, &consts[i]));
-    if (!is_const) return fail("ruvllm.MatMulQ8: weights, scales and zero points must be initializers");
-  }
+  RETURN_IF(grid_inputs(info, "ruvllm.MatMulQ8", 8, 4, &K, &N, &block, consts));
   const uint8_t *B = nullptr, *Z = nullptr;
   const float* S = nullptr;
   RETURN_IF(tensor_data(consts[1], &B));
