@@ -89,8 +89,10 @@ def test_the_warmup_model_follows_the_graph_contract(web_bundle):
     opts = ort.SessionOptions()
     opts.add_session_config_entry("session.disable_quant_qdq", "1")
     session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    from runtime import contract as C
+
     names = [i.name for i in session.get_inputs()]
-    assert names == expected_inputs(sum(n.startswith("past.") and n.endswith(".key") for n in names))
+    assert names == expected_inputs(sum(n.startswith("past.") and n.endswith(".key") for n in names)) + [C.LOGITS_MASK]
     # the steps the worker runs come from warmup.json: each runs here as the worker feeds it
     import json
 
@@ -103,5 +105,7 @@ def test_the_warmup_model_follows_the_graph_contract(web_bundle):
         feeds = {name: np.array(values, types[name]).reshape(dims) for name, (values, dims) in step["feeds"].items()}
         for name in plan["io"]["roles"]["past_keys"] + plan["io"]["roles"]["past_values"]:
             feeds[name] = np.zeros(step["pool_dims"], np.float32)
+        mask = next(i for i in plan["io"]["inputs"] if i["name"] == plan["io"]["roles"]["logits_mask"])
+        feeds[mask["name"]] = np.zeros((1, mask["shape"][1]), np.float32)  # as the worker feeds it: none constrained
         ids, lps = session.run([plan["io"]["roles"]["topk_ids"], plan["io"]["roles"]["topk_logprobs"]], feeds)
         assert ids.shape == (1, 1) and np.isfinite(lps).all()

@@ -62,11 +62,13 @@ const WARMUP_STEPS_URL = new URL('./warmup.json', import.meta.url);
 const WARMUP_MAX_STEPS = 600; // ~0.8 s: enough for the tier-up (Node), no longer competing with the download
 const WARMUP_MAX_MS = 2000;
 
-function warmupFeeds(ort, spec, roles, { feeds: values, pool_dims: dims }) {
+function warmupFeeds(ort, spec, roles, { feeds: values, pool_dims: dims }, inputs) {
   const feeds = {};
   for (const [name, value] of Object.entries(values)) feeds[name] = makeTensor(ort, spec, name, value);
   const zeros = new Float32Array(dims.reduce((a, b) => a * b, 1));
   for (const name of [...roles.past_keys, ...roles.past_values]) feeds[name] = new ort.Tensor('float32', zeros, dims);
+  const mask = inputs.find((i) => i.name === roles.logits_mask); // structured output's mask: none constrained
+  if (mask && !feeds[mask.name]) feeds[mask.name] = new ort.Tensor('float32', new Float32Array(mask.shape[1]), [1, mask.shape[1]]);
   return feeds;
 }
 
@@ -84,7 +86,7 @@ async function warmUp(ort, stop) {
   let steps = 0;
   try {
     while (!stop.requested && steps < WARMUP_MAX_STEPS && performance.now() < deadline) {
-      await session.run(warmupFeeds(ort, spec, plan.io.roles, plan.steps[steps++ % plan.steps.length]));
+      await session.run(warmupFeeds(ort, spec, plan.io.roles, plan.steps[steps++ % plan.steps.length], plan.io.inputs));
       await new Promise((resolve) => setTimeout(resolve, 0)); // let the download's reads and digests in
     }
   } finally {

@@ -79,6 +79,11 @@ export class StepRunner {
     const feeds = {};
     for (const [name, value] of Object.entries(step.feeds)) feeds[name] = makeTensor(ort, this.spec, name, value);
     if (step.lora) this.lora.addFeeds(ort, feeds, step.lora);
+    const mask = this.io.logits_mask;
+    if (mask && !feeds[mask] && this.session.inputNames.includes(mask)) { // no constrained row: [1, vocab] zeros
+      this.noMask ??= new Float32Array(this.vocabSize);
+      feeds[mask] = new ort.Tensor('float32', this.noMask, [1, this.vocabSize]);
+    }
     const { io } = this;
     const dims = pool.dims;
     for (let l = 0; l < this.config.numLayers; l++) {
