@@ -13,13 +13,10 @@ from collections import OrderedDict
 
 import numpy as np
 
-from runtime.core.constraints import Constraint
+from runtime.core.constraints import JSON_LAYOUT, Constraint
 from runtime.errors import RequestError
 
 _GRAMMARS = 64  # compiled grammars kept
-# JSON as json.dumps writes it: one space after ',' and ':', none elsewhere. Flexible whitespace let small
-# models fill their budget with newlines between tokens (a schema's x-guidance options override this)
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class Guide:

@@ -72,6 +72,7 @@ class NativeBackend:
         self._guide = None  # structured output's llguidance tables, made on the first constrained request
         self._no_mask = None  # the [1, vocab] zeros bound as logits_mask while no row is constrained
         self.mask_seconds, self.mask_steps = 0.0, 0  # structured output's mask time (ruvllm bench reports it)
+        self._classifiers: dict[str, object] = {}  # X-LoRA id -> its classifier, weights read once
         self.session = self._open(lora)
         self.runner = GraphRunner(self, self.session)
         self.lora_runner: GraphRunner | None = self.runner if lora else None
@@ -285,13 +286,9 @@ class NativeBackend:
         """Run the X-LoRA chunks' scaling pass (their experts at PEFT's dummy weights, K/V into their
         shadow blocks), their classifiers on its hidden states; returns each of their tokens' experts'
         weights, by the token's index in the step."""
-        from runtime.core.xlora import expert_weights, scaling_pass_weights
+        from runtime.core.xlora import scaling_mix, step_mix
 
-        dummy = {}
-        for g in xp.groups:
-            pairs = list(zip(g.expert_slots, scaling_pass_weights(len(g.expert_slots), g.xlora.settings)))
-            dummy.update((t, pairs) for t in range(g.scaling_start, g.scaling_start + g.n))
-        weights = self.adapters.mixing([0] * len(xp.batch.input_ids), columns, dummy)
+        weights = self.adapters.mixing([0] * len(xp.batch.input_ids), columns, scaling_mix(xp))
         feeds = {C.LORA_WEIGHTS: weights}
         if self.lora_runner.masked:  # no logits rows here: the [1, vocab] zeros back
             feeds[C.LOGITS_MASK] = self._logits_mask(xp.batch)
@@ -299,13 +296,10 @@ class NativeBackend:
         outs = self.lora_runner.run(xp.batch, feeds, want_hidden=True)
         self.pool.write(outs[C.PRESENT_KEY], outs[C.PRESENT_VALUE], xp.batch.kv_slots)
         hidden = outs[C.HIDDEN_STATES]
-        mix: dict[int, list[tuple[int, float]]] = {}
-        self.last_xlora_weights = []  # per X-LoRA chunk: [tokens][experts], what the step mixed (tests read it)
-        for g in xp.groups:
-            logits = self._classifier(g.xlora)(hidden[g.scaling_start:g.scaling_start + g.n])
-            rows = [expert_weights(row, g.xlora.settings) for row in logits.tolist()]
-            self.last_xlora_weights.append(rows)
-            mix.update((g.step_start + j, list(zip(g.expert_slots, w))) for j, w in enumerate(rows))
+        outputs = [self._classifier(g.xlora)(hidden[g.scaling_start:g.scaling_start + g.n]).tolist()
+                   for g in xp.groups]
+        # per X-LoRA chunk: [tokens][experts], what the step mixed (tests read it)
+        mix, self.last_xlora_weights = step_mix(xp, outputs)
         return mix
 
     def _classifier(self, xlora):
@@ -313,7 +307,7 @@ class NativeBackend:
         weights read once."""
         from runtime.backends.adapter_weights import read_tensor
 
-        cache = self.__dict__.setdefault("_classifiers", {})
+        cache = self._classifiers
         if xlora.id not in cache:
             layers = [(read_tensor(f, w), read_tensor(f, b)) for f, w, b in xlora.classifier]
 

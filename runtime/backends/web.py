@@ -154,17 +154,9 @@ class WebBackend:
     async def _xlora_pass(self, xp) -> dict[int, list[tuple[int, float]]]:
         """The X-LoRA chunks' scaling pass (K/V into their shadow blocks); the model worker runs their
         classifiers on its hidden states; returns each of their tokens' experts' weights by step index."""
-        from runtime.core.xlora import expert_weights, scaling_pass_weights
+        from runtime.core.xlora import scaling_mix, step_mix
 
-        dummy = {}
-        for g in xp.groups:
-            pairs = list(zip(g.expert_slots, scaling_pass_weights(len(g.expert_slots), g.xlora.settings)))
-            dummy.update((t, pairs) for t in range(g.scaling_start, g.scaling_start + g.n))
         slots = [s for g in xp.groups for s in g.expert_slots]
-        reply = await self._run(xp.batch, self._lora_feed(xp.batch, dummy, slots),
+        reply = await self._run(xp.batch, self._lora_feed(xp.batch, scaling_mix(xp), slots),
                                 [[g.xlora.id, g.scaling_start, g.n] for g in xp.groups])
-        mix: dict[int, list[tuple[int, float]]] = {}
-        for g, logits in zip(xp.groups, reply["classified"]):
-            for j, row in enumerate(logits):
-                mix[g.step_start + j] = list(zip(g.expert_slots, expert_weights(row, g.xlora.settings)))
-        return mix
+        return step_mix(xp, reply["classified"])[0]

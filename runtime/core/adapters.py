@@ -141,7 +141,8 @@ def read_adapter(name: str, path: str | Path, config: dict, architecture: str,
     return info
 
 
-def _load_json(path: Path) -> dict:
+def load_json(path: Path) -> dict:
+    """A JSON object file of an adapter folder; AdapterError when unreadable or not an object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
@@ -152,7 +153,7 @@ def _load_json(path: Path) -> dict:
 
 
 def _read_peft(name: str, p: Path, config: dict) -> AdapterInfo:
-    cfg = _load_json(p / PEFT_CONFIG)
+    cfg = load_json(p / PEFT_CONFIG)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"{p}: a {cfg.get('peft_type')} adapter; only LoRA adapters are served")
     for flag, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) layers")):
@@ -212,7 +213,7 @@ def _read_peft(name: str, p: Path, config: dict) -> AdapterInfo:
 
 
 def _read_own(name: str, p: Path, config: dict, architecture: str) -> AdapterInfo:
-    manifest = _load_json(p / OWN_MANIFEST)
+    manifest = load_json(p / OWN_MANIFEST)
     if manifest.get("format") != ADAPTER_FORMAT:
         raise AdapterError(f"{p}: {OWN_MANIFEST} is not a RuvLLM adapter manifest")
     base = manifest.get("base") or {}

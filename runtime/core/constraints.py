@@ -17,6 +17,10 @@ from typing import Protocol
 from runtime.errors import RequestError
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# JSON as json.dumps writes it: one space after ',' and ':', none elsewhere (llguidance's compile options;
+# a schema's x-guidance overrides them). Flexible whitespace let small models fill their budget with newlines
+# between tokens.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)

@@ -66,12 +66,9 @@ class OutputProcessor:
             complete = seq.matcher.is_stopped()
         if (token in self.model.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             reason, text = "stop", ""
-        elif complete:  # the grammar is satisfied and allows nothing more: the text ends here
-            text, _ = seq.stopper.feed(seq.decoder.add(token))
-            reason = "stop"
-        else:
+        else:  # a stop string, or a grammar that is satisfied and allows nothing more, ends the text here
             text, by_string = seq.stopper.feed(seq.decoder.add(token))
-            reason = "stop" if by_string else None
+            reason = "stop" if by_string or complete else None
         if reason is None and (seq.num_generated >= p.max_tokens or len(seq.tokens) >= self.model.max_context):
             reason = "length"
         if reason is not None and not by_string:  # release text held back for a stop string that never came

@@ -134,8 +134,7 @@ class Scheduler:
             seq.block_keys = keys[:len(cached)]  # a copy: update() appends to it
             start = len(cached) * self.block_size
             n = min(len(seq.tokens) - start, budget)
-            passes = 2 if seq.xlora else 1  # X-LoRA: the scaling pass's blocks too
-            if passes * self.allocator.blocks_for(start + n) - len(cached) > self.allocator.num_free:
+            if seq.kv_passes * self.allocator.blocks_for(start + n) - len(cached) > self.allocator.num_free:
                 for block in cached:  # not admitted after all: give the hits back
                     self.allocator.release(block)
                 for slot in slots:
@@ -223,7 +222,7 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, upto_tokens: int) -> bool:
         need = self.allocator.blocks_for(upto_tokens) - len(seq.blocks)
-        if (2 if seq.xlora else 1) * need > self.allocator.num_free:
+        if seq.kv_passes * need > self.allocator.num_free:
             return False
         for _ in range(need):
             seq.blocks.append(self.allocator.allocate())

@@ -61,5 +61,10 @@ class Sequence:
     stopper: StopChecker | None = None
 
     @property
+    def kv_passes(self) -> int:
+        """KV blocks per block of tokens: 2 for an X-LoRA sequence (its scaling pass keeps its own)."""
+        return 2 if self.xlora else 1
+
+    @property
     def num_generated(self) -> int:
         return len(self.tokens) - len(self.prompt_ids)

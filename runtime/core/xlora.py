@@ -20,11 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.core.adapters import (
+    OWN_MANIFEST,
     PEFT_CONFIG,
     PEFT_WEIGHTS,
     AdapterError,
     AdapterInfo,
     TensorRef,
+    load_json,
     read_adapter,
     safetensors_index,
 )
@@ -93,6 +95,26 @@ def scaling_pass_weights(n: int, s: XLoraSettings) -> list[float]:
     return [s.scaling_pass_value * s.global_scaling_weight] * n
 
 
+def scaling_mix(xp) -> dict[int, list[tuple[int, float]]]:
+    """The scaling pass's weights (a step_batch.XLoraPass): each of its tokens' (expert slot, dummy weight)."""
+    mix = {}
+    for g in xp.groups:
+        pairs = list(zip(g.expert_slots, scaling_pass_weights(len(g.expert_slots), g.xlora.settings)))
+        mix.update((t, pairs) for t in range(g.scaling_start, g.scaling_start + g.n))
+    return mix
+
+
+def step_mix(xp, outputs: list[list[list[float]]]) -> tuple[dict[int, list[tuple[int, float]]], list]:
+    """The step's weights from each X-LoRA chunk's classifier outputs ([tokens][experts] per group, in
+    order): ({token's index in the step: [(expert slot, weight)]}, the weights per group)."""
+    mix, weights = {}, []
+    for g, rows in zip(xp.groups, outputs):
+        group = [expert_weights(row, g.xlora.settings) for row in rows]
+        weights.append(group)
+        mix.update((g.step_start + j, list(zip(g.expert_slots, w))) for j, w in enumerate(group))
+    return mix, weights
+
+
 def _softmax(xs: list[float]) -> list[float]:
     if not xs:
         return []
@@ -108,10 +130,7 @@ def read_xlora(name: str, path: str | Path, config: dict, architecture: str, max
     `adapters` its config names, or `experts` given here, by the same names; relative paths are taken
     from the folder). AdapterError says what is missing or does not fit the package."""
     p = Path(path).expanduser()
-    try:
-        cfg = json.loads((p / PEFT_CONFIG).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        raise AdapterError(f"{p}: unreadable {PEFT_CONFIG} ({err})") from None
+    cfg = load_json(p / PEFT_CONFIG)
     if cfg.get("peft_type") != "XLORA":
         raise AdapterError(f"{p}: not an X-LoRA model (peft_type {cfg.get('peft_type')!r})")
     if cfg.get("hidden_size") != config["hidden_size"]:
@@ -135,7 +154,7 @@ def read_xlora(name: str, path: str | Path, config: dict, architecture: str, max
     for expert, where in named.items():
         folder = Path(where).expanduser()
         folder = folder if folder.is_absolute() else p / folder
-        if not (folder / PEFT_CONFIG).exists() and not (folder / "adapter.json").exists():
+        if not (folder / PEFT_CONFIG).exists() and not (folder / OWN_MANIFEST).exists():
             raise AdapterError(f"{p}: X-LoRA expert {expert!r} is not at {folder}; give its LoRA folder "
                                f"(experts={{{expert!r}: PATH}})")
         loaded.append(read_adapter(f"{name}/{expert}", folder, config, architecture, max_rank))

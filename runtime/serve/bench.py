@@ -5,12 +5,10 @@ Speed is measured here, never asserted in tests. Prints JSON.
 
 from __future__ import annotations
 
-import json
 import resource
 import statistics
 import sys
 import time
-from pathlib import Path
 
 from runtime.core.sampling import SamplingParams
 
@@ -124,12 +122,9 @@ def structured_levels(engine, args, levels: list[int], prefix: list[int] | None)
     constrained, free, constrained), with the token mask's time per constrained step."""
     from runtime.core.constraints import Constraint
 
-    schema = BENCH_SCHEMA
-    if getattr(args, "json_schema", None):
-        schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
-    constraint = Constraint("json_schema", schema)
+    constraint = getattr(args, "constraint", None) or Constraint("json_schema", BENCH_SCHEMA)
     backend = engine.backend
-    out = {"schema": "bench records" if schema is BENCH_SCHEMA else args.json_schema, "levels": []}
+    out = {"schema": args.json_schema if getattr(args, "constraint", None) else "bench records", "levels": []}
     for c in levels:
         runs = []
         for _ in range(2):

@@ -129,14 +129,19 @@ def sampling_from(args) -> SamplingParams:
     params = SamplingParams(**sampling_given(args))
     params.validate()
     if getattr(args, "json_schema", None):
-        from runtime.core.constraints import Constraint
-
-        try:
-            schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:
-            raise RuvLLMError(f"--json-schema {args.json_schema}: not a readable JSON file ({err})") from None
-        params.constraint = Constraint("json_schema", schema)
+        params.constraint = json_schema_file(args.json_schema)
     return params
+
+
+def json_schema_file(path: str):
+    """--json-schema FILE as a structured-output Constraint; RuvLLMError when the file is not JSON."""
+    from runtime.core.constraints import Constraint
+
+    try:
+        schema = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise RuvLLMError(f"--json-schema {path}: not a readable JSON file ({err})") from None
+    return Constraint("json_schema", schema)
 
 
 # ---- commands ----
@@ -341,6 +346,7 @@ def cmd_bench(args) -> int:
 
     engine = make_engine(args, max_num_seqs=max([1] + [int(c) for c in args.concurrency.split(",")]),
                          max_batch_tokens=args.max_batch_tokens)
+    args.constraint = json_schema_file(args.json_schema) if args.json_schema else None
     result = run_bench(engine, args)
     print(json.dumps(result, indent=None if args.json else 2))
     return 0

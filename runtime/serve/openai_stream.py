@@ -196,19 +196,15 @@ def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest, adapter: str | 
     ids. Raises ProtocolError/ContextLengthError. With a seed, choice i samples with seed + i: the
     choices differ and each is reproducible."""
     engine = aengine.engine
-    messages = parsed.messages
+    messages, tools = parsed.messages, None
     if messages is not None:
         from runtime.serve.tools import render_messages
 
         takes = engine.chat_template is not None and engine.chat_template.takes_tools
         messages = render_messages(messages, parsed.tools, takes)
         if takes and parsed.tools is not None:
-            ids = engine.encode_prompt(None, messages, tools=[{"type": "function", "function": f}
-                                                             for f in parsed.tools.functions])
-        else:
-            ids = engine.encode_prompt(None, messages)
-    else:
-        ids = engine.encode_prompt(parsed.prompt, None)
+            tools = [{"type": "function", "function": f} for f in parsed.tools.functions]
+    ids = engine.encode_prompt(parsed.prompt, messages, tools)
     room = max(1, engine.max_context - len(ids))  # the engine refuses a prompt that leaves no room
     params = parsed.params
     params.max_tokens = min(params.max_tokens, room) if parsed.max_tokens_given else room

@@ -15,13 +15,11 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from runtime.core.constraints import Constraint
+from runtime.core.constraints import JSON_LAYOUT, Constraint
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _CALLS = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.S)
-# JSON as the structured-output guide lays it out (runtime/backends/guidance.py), inside the grammar too
-_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class ToolError(ValueError):
@@ -90,7 +88,7 @@ def constraint(tools: Tools) -> Constraint | None:
         return None
     fns = [f for f in tools.functions if tools.choice == "required" or f["name"] == tools.choice]
     calls = [json.dumps({"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-                         "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": _LAYOUT})
+                         "required": ["name", "arguments"], "additionalProperties": False, "x-guidance": JSON_LAYOUT})
              for f in fns]
     rules = "\n".join(f"call_{i}: %json {schema}" for i, schema in enumerate(calls))
     one = f'"{CALL_OPEN}\\n" (' + " | ".join(f"call_{i}" for i in range(len(calls))) + f') "\\n{CALL_CLOSE}"'
