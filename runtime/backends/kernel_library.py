@@ -14,7 +14,8 @@ kernel quantizes activations ~2.5x less exactly than rounding each block to near
 docs/PERFORMANCE.md). The library is built once per source, compiler and CPU into the cache
 (RUVLLM_CACHE_DIR or ~/.cache/ruvllm, under kernels/), as torch's cpp_extension does; where the CPU
 or compiler is missing the native backend runs the package's graph as it is. RUVLLM_CPU_KERNELS=0
-turns them all off, RUVLLM_PAGED_ATTENTION=0 the attention only.
+turns them all off, RUVLLM_PAGED_ATTENTION=0 the attention only; RUVLLM_KERNEL_ISA=avx2 builds the AVX2
+set on an AVX-512 host (so one host can test both builds).
 """
 
 from __future__ import annotations
@@ -85,6 +86,12 @@ def _build() -> tuple[Path | None, str]:
     if not ok:
         return None, why
     flags = _cpu_flags()
+    compile_flags = list(COMPILE_FLAGS)
+    isa = os.environ.get("RUVLLM_KERNEL_ISA", "native")
+    if isa == "avx2":
+        compile_flags.append("-mno-avx512f")  # drops every AVX-512 subset: the AVX2 build
+    elif isa != "native":
+        return None, f"RUVLLM_KERNEL_ISA={isa!r} is not 'native' or 'avx2'"
     missing = [f for f in CPU_FLAGS if f not in flags]
     if missing and any(f not in flags for f in AVX2_FLAGS):
         return None, f"this CPU lacks {', '.join(missing)} and {', '.join(f for f in AVX2_FLAGS if f not in flags)}"
@@ -96,7 +103,7 @@ def _build() -> tuple[Path | None, str]:
     except (OSError, subprocess.SubprocessError) as err:
         return None, f"{compiler} does not run: {err}"
     sources = b"".join(f.read_bytes() for f in sorted(KERNELS.iterdir()) if f.suffix in (".cpp", ".h"))
-    key = hashlib.sha256(b"\0".join([sources, version.encode(), " ".join(COMPILE_FLAGS).encode(),
+    key = hashlib.sha256(b"\0".join([sources, version.encode(), " ".join(compile_flags).encode(),
                                      " ".join(sorted(flags)).encode()])).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"libruvllm_cpu_{key}.so"
     if out.exists():
@@ -105,7 +112,7 @@ def _build() -> tuple[Path | None, str]:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *COMPILE_FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+        proc = subprocess.run([compiler, *compile_flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
                               timeout=300)
         if proc.returncode != 0:
             return None, f"compiling {SOURCE.name} failed: {proc.stderr.strip()[-500:]}"

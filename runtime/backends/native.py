@@ -136,8 +136,10 @@ class NativeBackend:
             self.attention_kernel += f" ({why})"
             return None
         ops = kernel_library.operators(lib)
+        no_attention = "" if "PagedAttention" in ops else " (AVX2 build: no PagedAttention)"
         if os.environ.get("RUVLLM_PAGED_ATTENTION", "1") == "0":
             ops -= {"PagedAttention"}
+            no_attention = ""  # asked for: the graph's own attention is the expected path
         try:
             model, counts = graph_fusion.rewrite_graph(graph, self.pkg.config, ops)
         except Exception as err:  # a graph onnx cannot parse: the plain load below reports it
@@ -169,8 +171,7 @@ class NativeBackend:
             self.matmul_kernel = f"ruvllm.MatMulQ4 ({count} of the graph's MatMulNBits, {isa})"
             if counts.get("MatMulQ8"):
                 self.matmul_kernel += f" + ruvllm.MatMulQ8 ({counts['MatMulQ8']} 8-bit)"
-        self.attention_kernel = (f"ruvllm.PagedAttention ({layers} layers)" if layers else
-                                 "the graph's own" + ("" if "PagedAttention" in ops else " (AVX2 build: no PagedAttention)"))
+        self.attention_kernel = f"ruvllm.PagedAttention ({layers} layers)" if layers else "the graph's own" + no_attention
         return session
 
     def allocate(self, num_blocks: int, block_size: int) -> None:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -47,6 +52,8 @@ def sessions(tmp_path, K: int, N: int, block: int) -> tuple[ort.InferenceSession
 def test_built_wherever_the_cpu_can_run_it():
     """Every operator with AVX-512 VNNI; the block matmuls and the LoRA delta with AVX2, FMA and F16C; else none."""
     flags = kernel_library._cpu_flags()
+    if os.environ.get("RUVLLM_KERNEL_ISA") == "avx2":
+        flags -= set(kernel_library.CPU_FLAGS)  # the AVX2 build, asked for on any host that has AVX2
     if all(f in flags for f in kernel_library.CPU_FLAGS):
         assert LIB is not None and LIB.exists(), WHY
         assert OPS == {"MatMulQ4", "MatMulQ8", "PagedAttention", "SkipRMSNorm", "LoraDelta"}
@@ -599,3 +606,16 @@ def test_a_declared_fusion_that_does_not_apply_is_refused(tiny_package, tmp_path
     (pkg_dir / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(PackageError, match="declares fusions this runtime could not apply"):
         NativeBackend(load_package(pkg_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("RUVLLM_KERNEL_ISA") == "avx2" or "PagedAttention" not in OPS,
+                    reason="this run already tests the only build this host has")
+def test_the_avx2_build_passes_these_tests_too():
+    """An AVX-512 host builds the AVX2 set as well (RUVLLM_KERNEL_ISA=avx2) and runs this file on it, so both
+    instruction sets' paths of the block matmuls and the LoRA delta are run on every such host."""
+    env = dict(os.environ, RUVLLM_KERNEL_ISA="avx2")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]

@@ -96,81 +96,38 @@ struct QuantizedRows {  // the activations, per row and block
   std::vector<float> scale, sum;
 };
 
-#if RUVLLM_AVX512
+// Each row's blocks rounded to int8 (symmetric, scale max|a| / 127) with their integer sums; a short last
+// block reads as zeros.
 void quantize_rows(QuantizedRows& out, const float* A, int64_t M, int K, int block) {
-  const int nblk = (K + block - 1) / block, Kp = nblk * block;  // a short last block reads as zeros
+  const int nblk = (K + block - 1) / block, Kp = nblk * block;
   out.q.resize((size_t)M * Kp);
   out.scale.resize((size_t)M * nblk);
   out.sum.resize((size_t)M * nblk);
-  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
-  for (int64_t m = 0; m < M; m++)
-    for (int b = 0; b < nblk; b++) {
-      const float* a = A + m * K + (size_t)b * block;
-      const int valid = std::min(block, K - b * block);
-      auto load = [&](int k) {
-        const int n = std::clamp(valid - k, 0, 16);
-        return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), a + k);
-      };
-      __m512 mx = _mm512_setzero_ps();
-      for (int k = 0; k < block; k += 16) mx = _mm512_max_ps(mx, _mm512_and_ps(load(k), abs_mask));
-      const float amax = _mm512_reduce_max_ps(mx);
-      const __m512 inv = _mm512_set1_ps(amax > 0 ? 127.f / amax : 0.f);
-      __m512i sum = _mm512_setzero_si512();
-      int8_t* q = out.q.data() + m * Kp + (size_t)b * block;
-      for (int k = 0; k < block; k += 16) {
-        const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load(k), inv));  // nearest, ties to even
-        sum = _mm512_add_epi32(sum, v);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(v));
-      }
-      out.scale[m * nblk + b] = amax / 127.f;
-      out.sum[m * nblk + b] = (float)_mm512_reduce_add_epi32(sum);
-    }
-}
-#else
-inline float hmax(__m256 v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
-inline int hsum_epi32(__m256i v) {
-  __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
-  return _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1)));
-}
-
-void quantize_rows(QuantizedRows& out, const float* A, int64_t M, int K, int block) {
-  const int nblk = (K + block - 1) / block, Kp = nblk * block;  // a short last block reads as zeros
-  out.q.resize((size_t)M * Kp);
-  out.scale.resize((size_t)M * nblk);
-  out.sum.resize((size_t)M * nblk);
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   std::vector<float> pad(block);
   for (int64_t m = 0; m < M; m++)
     for (int b = 0; b < nblk; b++) {
       const int valid = std::min(block, K - b * block);
       const float* a = A + m * K + (size_t)b * block;
-      if (valid < block) {  // the short last block, zero-padded
+      if (valid < block) {
         std::fill(pad.begin(), pad.end(), 0.f);
         std::copy(a, a + valid, pad.begin());
         a = pad.data();
       }
-      __m256 mx = _mm256_setzero_ps();
-      for (int k = 0; k < block; k += 8) mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(a + k), abs_mask));
-      const float amax = hmax(mx);
-      const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.f / amax : 0.f);
-      __m256i sum = _mm256_setzero_si256();
+      Vec::F mx = Vec::zero();
+      for (int k = 0; k < block; k += Vec::kLanes) mx = Vec::max(mx, Vec::abs(Vec::load(a + k)));
+      const float amax = Vec::reduce_max(mx);
+      const Vec::F inv = Vec::set1(amax > 0 ? 127.f / amax : 0.f);
+      Vec::I sum = Vec::izero();
       int8_t* q = out.q.data() + m * Kp + (size_t)b * block;
-      for (int k = 0; k < block; k += 8) {
-        const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(a + k), inv));  // nearest, ties to even
-        sum = _mm256_add_epi32(sum, v);
-        const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(q + k), _mm_packs_epi16(w16, w16));
+      for (int k = 0; k < block; k += Vec::kLanes) {
+        const Vec::I v = Vec::to_int(Vec::mul(Vec::load(a + k), inv));
+        sum = Vec::iadd(sum, v);
+        Vec::store_i8(q + k, v);
       }
       out.scale[m * nblk + b] = amax / 127.f;
-      out.sum[m * nblk + b] = (float)hsum_epi32(sum);
+      out.sum[m * nblk + b] = (float)Vec::reduce_iadd(sum);
     }
 }
-#endif
 
 // Where output tile t's 16 columns of row m go: tiles before `split` to c0 (row stride ld0), the rest
 // to c1 (MatMulQ4Split: the q/k and v parts of a fused projection as two tensors, no Split copying).

@@ -23,13 +23,13 @@ inline float exp_in_place(float* sc, int64_t first, int64_t last, float mx) {
   __m512 vsum = _mm512_setzero_ps();
   int64_t t = first;
   for (; t + 16 <= last + 1; t += 16) {
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(&sc[t]), vmx));
+    const __m512 e = vexp(_mm512_sub_ps(_mm512_loadu_ps(&sc[t]), vmx));
     _mm512_storeu_ps(&sc[t], e);
     vsum = _mm512_add_ps(vsum, e);
   }
   if (t <= last) {
     const __mmask16 m = (__mmask16)((1u << (last + 1 - t)) - 1);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &sc[t]), vmx));
+    const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &sc[t]), vmx));
     _mm512_mask_storeu_ps(&sc[t], m, e);
     vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
   }
