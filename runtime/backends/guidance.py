@@ -71,10 +71,9 @@ class LlgMatcher:
         self.vocab_size = vocab_size
         self._bits = np.empty((vocab_size + 31) // 32, np.int32)
 
-    def fill_mask(self, row: np.ndarray) -> None:
+    def allowed_bits(self) -> np.ndarray:
         self.m.unsafe_compute_mask_ptr(self._bits.ctypes.data, self._bits.nbytes)
-        allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[:self.vocab_size]
-        row[:] = np.where(allowed, np.float32(0.0), np.float32(-np.inf))
+        return self._bits
 
     def consume(self, token: int) -> bool:
         return bool(self.m.consume_token(token))

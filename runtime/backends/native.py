@@ -209,20 +209,30 @@ class NativeBackend:
             raise AdapterError(f"{self.pkg.path}: its LoRA graph has no {C.HIDDEN_STATES} output, which X-LoRA's "
                                "classifier reads; re-export the package")
 
-    def guide(self):
-        """The structured-output guide (runtime/backends/guidance.py) for this package, made on first use;
-        RequestError when this package's graph or this install cannot enforce a constraint."""
+    def guide(self, tokenizer):
+        """The structured-output guide for this package, made on first use: llguidance
+        (runtime/backends/guidance.py), or the page's pure-Python one (runtime/core/token_guide.py) with
+        RUVLLM_GUIDE=python or where llguidance is not installed; RequestError when this package's graph
+        cannot enforce a constraint."""
         if self._guide is None:
             if not self.runner.has_mask:
                 raise RequestError(f"{self.pkg.path.name}: this package's graph has no {C.LOGITS_MASK} input, "
                                    "which structured output needs; re-export it", "response_format")
-            try:
-                from runtime.backends.guidance import Guide
-            except ImportError as err:
-                raise RequestError(f"structured output needs llguidance ({err})", "response_format") from None
-            meta = self.pkg.manifest["tokenizer"]
             eos = self.pkg.manifest.get("special_tokens", {}).get("eos_token_ids", [])
-            self._guide = Guide(self.pkg.file(meta["file"]).read_text(encoding="utf-8"), self.vocab_size, eos)
+            which = os.environ.get("RUVLLM_GUIDE", "llguidance")
+            if which not in ("llguidance", "python"):
+                raise RequestError(f"RUVLLM_GUIDE={which!r} is not 'llguidance' or 'python'", "response_format")
+            try:
+                if which == "python":
+                    raise ImportError("RUVLLM_GUIDE=python")
+                from runtime.backends.guidance import Guide
+            except ImportError:
+                from runtime.core.token_guide import PyGuide
+
+                self._guide = PyGuide.from_tokenizer(tokenizer, self.vocab_size, eos)
+            else:
+                meta = self.pkg.manifest["tokenizer"]
+                self._guide = Guide(self.pkg.file(meta["file"]).read_text(encoding="utf-8"), self.vocab_size, eos)
         return self._guide
 
     def set_adapter(self, slot: int, info) -> None:
@@ -263,7 +273,8 @@ class NativeBackend:
         mask = np.zeros((len(batch.matchers), self.vocab_size), np.float32)
         for row, matcher in zip(mask, batch.matchers):
             if matcher is not None:
-                matcher.fill_mask(row)
+                allowed = np.unpackbits(np.frombuffer(matcher.allowed_bits(), np.uint8), bitorder="little")
+                row[allowed[:self.vocab_size] == 0] = -np.inf
         self.mask_seconds += time.perf_counter() - started
         self.mask_steps += 1
         return mask

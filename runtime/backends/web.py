@@ -25,6 +25,7 @@ class WebBackend:
         self.runner = runner
         self.vocab_size = package.config["vocab_size"]
         self.lora: dict | None = None  # once an adapter is added: slots, columns per slot, what each holds
+        self._guide = None  # structured output's guide, made on the first constrained request
 
     kv_bytes_per_token = staticmethod(kv_bytes_per_token)
 
@@ -113,10 +114,18 @@ class WebBackend:
             weights.extend(row)
         return {"columns": columns, "weights": weights}
 
-    def guide(self):
-        from runtime.errors import RequestError
+    def guide(self, tokenizer):
+        """The page's structured-output guide (runtime/core/token_guide.py: llguidance has no Pyodide
+        build), made on the first constrained request."""
+        if self._guide is None:
+            from runtime.core.token_guide import PyGuide
+            from runtime.errors import RequestError
 
-        raise RequestError("structured output runs natively only for now (not yet in the page)", "response_format")
+            if C.LOGITS_MASK not in {i["name"] for i in self.pkg.manifest.get("io", {}).get("inputs", [])}:
+                raise RequestError(f"this package's graph has no {C.LOGITS_MASK} input, which structured output "
+                                   "needs; re-export it", "response_format")
+            self._guide = PyGuide.from_tokenizer(tokenizer, self.vocab_size, self.pkg.eos_token_ids)
+        return self._guide
 
     def run(self, batch: StepBatch) -> StepResult:
         raise RuntimeError("a page step runs in another worker: await run_async (AsyncEngine does)")
@@ -148,6 +157,8 @@ class WebBackend:
             "kv_slots": batch.kv_slots, "blocks_needed": 1 + max(max(t) for t in batch.block_tables),
             "want_logits": batch.want_full_logits, "lora": lora,
             "classify": classify and {"hidden": C.HIDDEN_STATES, "groups": classify},
+            # structured output: per logits row its allowed tokens as a bitmask (None: unconstrained)
+            "mask": batch.matchers and [m and m.allowed_bits() for m in batch.matchers],
         }
         return (await self.runner.run(to_js(step, dict_converter=Object.fromEntries))).to_py()
 

@@ -36,9 +36,10 @@ class Backend(Protocol):
         """Put an adapter (runtime.core.adapters.AdapterInfo) into one of the LoRA graph's slots."""
         ...
 
-    def guide(self):
+    def guide(self, tokenizer):
         """What compiles a request's structured-output constraint (runtime.core.constraints.Constraint)
-        into a Matcher for this package: `.matcher(constraint)`; RequestError when it cannot."""
+        into a Matcher for this package and its tokenizer (runtime.text.tokenizer.Tokenizer):
+        `.matcher(constraint)`; RequestError when it cannot."""
         ...
 
     def run(self, batch: StepBatch) -> StepResult:

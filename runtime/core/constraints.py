@@ -1,11 +1,12 @@
 """Structured output: what a request's text must match, and the matcher that enforces it token by token.
 
 A Constraint says what (a JSON schema, any JSON object, a regex, one of some strings, a Lark grammar);
-the backend's guide (natively runtime/backends/guidance.py, on llguidance) compiles it into a Matcher
-per request. Each step the matcher writes its next-token mask into the step's logits_mask row (0 for
-an allowed token, -inf for a forbidden one; the graph adds it before the temperature, so sampling and
-log-probabilities see only allowed tokens) and consumes the token chosen. Pure standard library: the
-engine only holds the matcher and asks it these three things.
+the backend's guide (natively runtime/backends/guidance.py, on llguidance; in the page
+runtime/core/token_guide.py, pure Python) compiles it into a Matcher per request. Each step the
+matcher gives its next-token mask as a bitmask, which the backend turns into the step's logits_mask
+row (0 for an allowed token, -inf for a forbidden one; the graph adds it before the temperature, so
+sampling and log-probabilities see only allowed tokens), and consumes the token chosen. Pure standard
+library: the engine only holds the matcher and asks it these three things.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class Constraint:
 
 
 class Matcher(Protocol):
-    def fill_mask(self, row) -> None:
-        """Write the next token's mask into `row` (a [vocab] float buffer: 0 allowed, -inf forbidden)."""
+    def allowed_bits(self):
+        """The next token's mask: a little-endian bitmask over the vocabulary (bit i set: token i allowed),
+        as bytes or any buffer of them."""
         ...
 
     def consume(self, token: int) -> bool:

@@ -115,7 +115,7 @@ class Engine:
             raise ContextLengthError(f"the prompt has {len(ids)} tokens, more than the KV cache holds "
                                      f"({alloc.num_blocks * self.block_size // passes} tokens"
                                      f"{' with X-LoRA' if passes == 2 else ''})")
-        matcher = self.backend.guide().matcher(params.constraint) if params.constraint is not None else None
+        matcher = self.backend.guide(self.tokenizer).matcher(params.constraint) if params.constraint is not None else None
         return PreparedRequest(ids, params, info, matcher)
 
     def submit(self, request: PreparedRequest, request_id: str | None = None) -> str:

@@ -64,6 +64,18 @@ export class StepRunner {
     this.loraSession.catch(() => {}); // surfaces at the next step
   }
 
+  /** Structured output's [rows, vocab] logits mask: 0 where a row's bitmask (little-endian, bit i =
+   * token i; null for an unconstrained row) allows the token, -Infinity elsewhere. */
+  maskTensor(rows) {
+    const v = this.vocabSize;
+    const data = new Float32Array(rows.length * v);
+    rows.forEach((bits, r) => {
+      if (!bits) return;
+      for (let i = 0; i < v; i++) if (!((bits[i >> 3] >> (i & 7)) & 1)) data[r * v + i] = -Infinity;
+    });
+    return new this.ort.Tensor('float32', data, [rows.length, v]);
+  }
+
   async run(step) {
     const started = performance.now();
     const { ort, pool } = this;
@@ -80,6 +92,7 @@ export class StepRunner {
     for (const [name, value] of Object.entries(step.feeds)) feeds[name] = makeTensor(ort, this.spec, name, value);
     if (step.lora) this.lora.addFeeds(ort, feeds, step.lora);
     const mask = this.io.logits_mask;
+    if (step.mask) feeds[mask] = this.maskTensor(step.mask);
     if (mask && !feeds[mask] && this.session.inputNames.includes(mask)) { // no constrained row: [1, vocab] zeros
       this.noMask ??= new Float32Array(this.vocabSize);
       feeds[mask] = new ort.Tensor('float32', this.noMask, [1, this.vocabSize]);
