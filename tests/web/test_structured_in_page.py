@@ -1,7 +1,7 @@
 """Structured output in the page: the pure-Python guide (runtime/core/token_guide.py) drives
 onnxruntime-web's logits_mask. 10 of the 50 native schemas, each valid by jsonschema and token for token
 what the native engine writes on the same browser package with the same guide; streamed equal to whole;
-what the page cannot enforce is a clear error and the page keeps serving."""
+OpenAI tool calls; what the page cannot enforce is a clear error and the page keeps serving."""
 
 from __future__ import annotations
 
@@ -65,7 +65,11 @@ def test_ten_schemas_in_the_page_are_valid_and_equal_native(offline_page, native
     assert stream_ids(chunks) == replies[0]["choices"][0]["token_ids"]
 
 
-def test_what_the_page_cannot_enforce_is_an_error_and_the_page_keeps_serving(offline_page):
+def test_tool_calls_in_the_page_and_what_it_cannot_enforce(offline_page):
+    """A required weather call (the tool-call grammar, %json over the function's schema) gives OpenAI's
+    tool_calls with valid arguments; a format it cannot enforce is an error, and the page keeps serving."""
+    from tests.runtime.test_tools import ASK, WEATHER
+
     p = offline_page()
     p.api()
     p.evaluate(LOAD_ENGINE, [SMOL, {"device": "wasm", "speculativeTokens": 0}])
@@ -75,3 +79,10 @@ def test_what_the_page_cannot_enforce_is_an_error_and_the_page_keeps_serving(off
     assert err and "format" in err["message"] and err["param"] == "response_format", err
     reply = p.evaluate(CHAT, request({"enum": ["yes", "no"]}))
     assert reply["choices"][0]["message"]["content"] in ('"yes"', '"no"'), dump(reply)
+    reply = p.evaluate(CHAT, {"messages": ASK, "tools": [WEATHER], "tool_choice": "required", "temperature": 0,
+                              "max_tokens": 120})
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["tool_calls"], dump(reply)
+    for call in choice["message"]["tool_calls"]:
+        assert call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+        jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
