@@ -41,9 +41,36 @@ export interface CreateEngineOptions {
   modelName?: string;
 }
 
+export interface ToolCall {
+  id: string;
+  type: 'function';
+  function: { name: string; arguments: string };
+}
+
 export interface ChatMessage {
-  role: 'system' | 'developer' | 'user' | 'assistant';
-  content: string | { type: 'text'; text: string }[];
+  role: 'system' | 'developer' | 'user' | 'assistant' | 'tool';
+  content: string | { type: 'text'; text: string }[] | null;
+  /** An assistant turn's calls, sent back with the `tool` messages that answer them. */
+  tool_calls?: ToolCall[];
+  tool_call_id?: string;
+}
+
+export interface FunctionTool {
+  type: 'function';
+  function: { name: string; description?: string; parameters?: Record<string, unknown>; strict?: boolean };
+}
+
+/** As OpenAI: the reply is JSON (any object, or one that fits the schema). */
+export type ResponseFormat = { type: 'text' } | { type: 'json_object' } |
+  { type: 'json_schema'; json_schema: { name: string; schema?: Record<string, unknown>; strict?: boolean; description?: string } };
+
+/** As vLLM's structured_outputs: exactly one of these. */
+export interface StructuredOutputs {
+  json?: Record<string, unknown> | string;
+  regex?: string;
+  choice?: string[];
+  grammar?: string;
+  json_object?: boolean;
 }
 
 export interface ChatCompletionRequest {
@@ -73,6 +100,12 @@ export interface ChatCompletionRequest {
   ignore_eos?: boolean;
   stop_token_ids?: number[];
   include_stop_str_in_output?: boolean;
+  /** Structured output, enforced token by token (a keyword the page cannot enforce is an error naming it). */
+  response_format?: ResponseFormat;
+  structured_outputs?: StructuredOutputs;
+  tools?: FunctionTool[];
+  tool_choice?: 'none' | 'auto' | 'required' | { type: 'function'; function: { name: string } };
+  parallel_tool_calls?: boolean;
   /** Informational (as OpenAI): accepted, they change nothing generated. */
   user?: string;
   metadata?: Record<string, string>;
@@ -94,9 +127,9 @@ export interface ChatCompletion {
   model: string;
   choices: {
     index: number;
-    message: { role: 'assistant'; content: string; refusal: null };
+    message: { role: 'assistant'; content: string | null; refusal: null; tool_calls?: ToolCall[] };
     logprobs: unknown | null;
-    finish_reason: 'stop' | 'length' | null;
+    finish_reason: 'stop' | 'length' | 'tool_calls' | null;
     token_ids?: number[];
   }[];
   usage: Usage;
@@ -109,9 +142,10 @@ export interface ChatCompletionChunk {
   model: string;
   choices: {
     index: number;
-    delta: { role?: 'assistant'; content?: string };
+    delta: { role?: 'assistant'; content?: string;
+      tool_calls?: { index: number; id?: string; type?: 'function'; function: { name?: string; arguments?: string } }[] };
     logprobs: unknown | null;
-    finish_reason: 'stop' | 'length' | null;
+    finish_reason: 'stop' | 'length' | 'tool_calls' | null;
     token_ids?: number[];
   }[];
   usage?: Usage;

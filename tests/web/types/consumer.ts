@@ -3,7 +3,7 @@
 import {
   createEngine, type AdapterInfo, type AdapterSource, type ChatCompletion, type ChatCompletionChunk, type ChatCompletionRequest, type ChatMessage,
   type ChunkStream, type CreateEngineOptions, type Device, type Engine, type EngineInfo, type EngineStats,
-  type LoadProgress, type Usage,
+  type FunctionTool, type LoadProgress, type ResponseFormat, type StructuredOutputs, type ToolCall, type Usage,
 } from 'ruvllm-web';
 
 const device: Device = 'auto';
@@ -19,7 +19,15 @@ export async function main(): Promise<void> {
     logit_bias: { '42': -100 }, return_token_ids: true, ignore_eos: false, stop_token_ids: [2], user: 'u' } satisfies ChatCompletionRequest;
   const whole: ChatCompletion = await engine.chat.completions.create(request);
   const usage: Usage = whole.usage;
-  const text: string = whole.choices[0].message.content;
+  const text: string = whole.choices[0].message.content ?? '';
+  const format: ResponseFormat = { type: 'json_schema', json_schema: { name: 'n', schema: { type: 'object' }, strict: true } };
+  const outputs: StructuredOutputs = { regex: '[0-9]+' };
+  const tool: FunctionTool = { type: 'function', function: { name: 'get_weather', parameters: { type: 'object' } } };
+  const called = await engine.chat.completions.create({ messages, response_format: format, tools: [tool],
+    tool_choice: 'required', parallel_tool_calls: false });
+  const calls: ToolCall[] = called.choices[0].message.tool_calls ?? [];
+  await engine.chat.completions.create({ messages: [...messages, { role: 'assistant', content: null, tool_calls: calls },
+    { role: 'tool', content: '{}', tool_call_id: calls[0]?.id }], structured_outputs: outputs });
   const stream: ChunkStream = await engine.chat.completions.create({ ...request, stream: true });
   const id: number = stream.id;
   for await (const chunk of stream) {
