@@ -55,64 +55,38 @@ void pack_q8(PackedQ8& wts, int N, int K, int block, const uint8_t* B, const flo
 }
 
 #if RUVLLM_AVX512
-// T tiles x R rows. vpdpbusd multiplies unsigned by signed bytes with no int16 step, so each weight byte
+// One tile x R rows. vpdpbusd multiplies unsigned by signed bytes with no int16 step, so each weight byte
 // enters as q + 128 (one xor per line, shared by the rows) and the block's product is corrected by
 // 128 * sum(qa), the quantized activations' block sum: (q + 128).qa - 128 * sum(qa) = q.qa, exact in int32,
-// the same integers as the AVX2 path below.
-template <int T, int R>
-inline void q8_tiles_rows(const PackedQ8& wts, const QuantizedRows& acts, int t0, int64_t m0, const Output& out) {
+// the same integers as the AVX2 path below. One tile at a time streams the weights in order: two tiles
+// sharing each broadcast (as MatMulQ4 does) measured slower here.
+template <int R>
+inline void q8_tile_rows(const PackedQ8& wts, const QuantizedRows& acts, int t, int64_t m0, const Output& out) {
   const int K = wts.Kp, groups = wts.block / 4;
   const __m512i flip = _mm512_set1_epi8((char)0x80);
-  __m512 acc[T][R];
-  for (int i = 0; i < T; i++)
-    for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_ps();
+  __m512 acc[R];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
   for (int b = 0; b < wts.nblk; b++) {
     const int8_t* ap = acts.q.data() + m0 * K + (size_t)b * wts.block;
-    const uint8_t* wp[T];
-    __m512i dot[T][R];
-    for (int i = 0; i < T; i++) {
-      wp[i] = wts.at(t0 + i, b);
-      for (int r = 0; r < R; r++) dot[i][r] = _mm512_setzero_si512();
-    }
+    const uint8_t* wp = wts.at(t, b);
+    __m512i dot[R];
+    for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
     for (int g = 0; g < groups; g++) {
-      __m512i w[T];
-      for (int i = 0; i < T; i++) w[i] = _mm512_xor_si512(_mm512_load_si512(wp[i] + g * 64), flip);
+      const __m512i w = _mm512_xor_si512(_mm512_load_si512(wp + g * 64), flip);
       for (int r = 0; r < R; r++) {
         int32_t word;
         std::memcpy(&word, ap + (size_t)r * K + g * 4, 4);
-        const __m512i x = _mm512_set1_epi32(word);
-        for (int i = 0; i < T; i++) dot[i][r] = _mm512_dpbusd_epi32(dot[i][r], w[i], x);
+        dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(word));
       }
     }
-    for (int i = 0; i < T; i++) {
-      const __m512 s = _mm512_load_ps(reinterpret_cast<const float*>(wp[i] + (size_t)groups * 64));
-      for (int r = 0; r < R; r++) {
-        const size_t mb = (size_t)(m0 + r) * wts.nblk + b;
-        const __m512i exact = _mm512_sub_epi32(dot[i][r], _mm512_set1_epi32(128 * (int)acts.sum[mb]));
-        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[i][r]);
-      }
+    const __m512 s = _mm512_load_ps(reinterpret_cast<const float*>(wp + (size_t)groups * 64));
+    for (int r = 0; r < R; r++) {
+      const size_t mb = (size_t)(m0 + r) * wts.nblk + b;
+      const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * (int)acts.sum[mb]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[r]);
     }
   }
-  for (int i = 0; i < T; i++)
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(out.at(m0 + r, t0 + i), acc[i][r]);
-}
-
-template <int T>
-void q8_tiles_all_rows(const PackedQ8& wts, const QuantizedRows& acts, int64_t M, const Output& out, int t) {
-  int64_t m = 0;
-  for (; m + kRowsPer <= M; m += kRowsPer) q8_tiles_rows<T, kRowsPer>(wts, acts, t, m, out);
-  switch (M - m) {
-    case 1: q8_tiles_rows<T, 1>(wts, acts, t, m, out); break;
-    case 2: q8_tiles_rows<T, 2>(wts, acts, t, m, out); break;
-    case 3: q8_tiles_rows<T, 3>(wts, acts, t, m, out); break;
-    default: break;
-  }
-}
-
-void q8_tiles(const PackedQ8& wts, const QuantizedRows& acts, int64_t M, const Output& out, int t_begin, int t_end) {
-  int t = t_begin;
-  for (; t + kTilesPer <= t_end; t += kTilesPer) q8_tiles_all_rows<kTilesPer>(wts, acts, M, out, t);
-  for (; t < t_end; t++) q8_tiles_all_rows<1>(wts, acts, M, out, t);
+  for (int r = 0; r < R; r++) _mm512_storeu_ps(out.at(m0 + r, t), acc[r]);
 }
 
 #else
@@ -154,6 +128,7 @@ inline void q8_tile_rows(const PackedQ8& wts, const QuantizedRows& acts, int t, 
     _mm256_storeu_ps(c + 8, acc[r][1]);
   }
 }
+#endif
 
 void q8_tiles(const PackedQ8& wts, const QuantizedRows& acts, int64_t M, const Output& out, int t_begin, int t_end) {
   for (int t = t_begin; t < t_end; t++) {
@@ -167,7 +142,6 @@ void q8_tiles(const PackedQ8& wts, const QuantizedRows& acts, int64_t M, const O
     }
   }
 }
-#endif
 
 // ---- the custom operator ----
 
