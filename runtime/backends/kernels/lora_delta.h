@@ -5,7 +5,7 @@
 // columns its w does not zero, so a batch over four rank-16 adapters does a quarter of the work, in one
 // operator instead of four. With attribute scaled=1 a sixth input s [out] scales the delta (an AWQ
 // package's up_proj, whose output rows carry the next projection's input scale): z = y + s * delta.
-// Plain loops, vectorized by the compiler for the build's ISA.
+// AVX2 intrinsics (the AVX-512 build runs them too, 16 outputs a pass where it has 32 registers).
 #pragma once
 
 #include "ort_api.h"
@@ -29,42 +29,151 @@ OrtStatus* create_lora(const CustomOp*, const void*, const OrtKernelInfo* info, 
 struct LoraJob {
   const float *y, *x, *at, *b, *w, *scale;  // scale: null, or [out]
   float* z;
-  int64_t N, in, out, cols, rows_per_item;
+  int64_t N, in, out, cols;
 };
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int k = 0; k < 8; k++) acc[k] += a[i + k] * b[i + k];
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; i++) s += a[i] * b[i];
-  return s;
+// Rows whose w has the same nonzero columns (a batch's tokens of one adapter, or of one X-LoRA) go
+// through those columns together, up to kGroup rows at a time: each A^T and B row is read once per group
+// instead of once per token, and each row's outputs stay in registers over all the columns.
+constexpr int kGroup = 4;
+
+struct RowGroup {
+  int64_t rows[kGroup];
+  int count;
+};
+
+// the nonzero columns of row n's weights
+inline void nonzero_columns(const LoraJob& j, int64_t n, std::vector<int32_t>& cols) {
+  cols.clear();
+  const float* w = j.w + n * j.cols;
+  for (int64_t c = 0; c < j.cols; c++)
+    if (w[c] != 0.f) cols.push_back((int32_t)c);
 }
 
-void lora_rows(const LoraJob& j, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; n++) {
-    float* z = j.z + n * j.out;
-    const float* x = j.x + n * j.in;
-    const float* w = j.w + n * j.cols;
-    const float* y = j.y + n * j.out;
-    if (!j.scale) std::memcpy(z, y, sizeof(float) * j.out);
-    else std::fill(z, z + j.out, 0.f);  // the delta alone first, scaled below
-    for (int64_t c = 0; c < j.cols; c++) {
-      if (w[c] == 0.f) continue;
-      const float s = w[c] * dot(x, j.at + c * j.in, j.in);
-      const float* b = j.b + c * j.out;
-      for (int64_t o = 0; o < j.out; o++) z[o] += s * b[o];
+// x_i . a for G rows at once: each element of a loaded once, 2G independent accumulator chains (one
+// chain would wait on its adds' latency: ~4x slower)
+template <int G>
+void dots(const float* const* x, const float* a, int64_t n, float* out) {
+  __m256 acc[G][2];
+  for (int i = 0; i < G; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) {
+    const __m256 a0 = _mm256_loadu_ps(a + k), a1 = _mm256_loadu_ps(a + k + 8);
+    for (int i = 0; i < G; i++) {
+      acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k), a0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k + 8), a1, acc[i][1]);
     }
-    if (j.scale)
-      for (int64_t o = 0; o < j.out; o++) z[o] = y[o] + j.scale[o] * z[o];
+  }
+  for (int i = 0; i < G; i++) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_add_ps(acc[i][0], acc[i][1]));
+    float s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    for (int64_t r = k; r < n; r++) s += x[i][r] * a[r];
+    out[i] = s;
+  }
+}
+
+template <int G>
+void delta_rows(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>& cols, const std::vector<__m256>& dv) {
+  const float* y[G];
+  float* z[G];
+  for (int i = 0; i < G; i++) {
+    y[i] = j.y + g.rows[i] * j.out;
+    z[i] = j.z + g.rows[i] * j.out;
+  }
+  const size_t nc = cols.size();
+  constexpr int V = RUVLLM_AVX512 ? 2 : 1;  // outputs per pass: 16 (a B row's cache line) where 32 registers hold them
+  int64_t o = 0;
+  for (; o + 8 * V <= j.out; o += 8 * V) {
+    __m256 acc[G][V];
+    for (int i = 0; i < G; i++)
+      for (int v = 0; v < V; v++) acc[i][v] = _mm256_setzero_ps();
+    for (size_t k = 0; k < nc; k++) {
+      const float* bk = j.b + (int64_t)cols[k] * j.out + o;
+      for (int v = 0; v < V; v++) {
+        const __m256 b = _mm256_loadu_ps(bk + 8 * v);
+        for (int i = 0; i < G; i++) acc[i][v] = _mm256_fmadd_ps(dv[k * kGroup + i], b, acc[i][v]);
+      }
+    }
+    for (int i = 0; i < G; i++)
+      for (int v = 0; v < V; v++) {
+        const __m256 yv = _mm256_loadu_ps(y[i] + o + 8 * v);
+        _mm256_storeu_ps(z[i] + o + 8 * v, j.scale ? _mm256_fmadd_ps(_mm256_loadu_ps(j.scale + o + 8 * v), acc[i][v], yv)
+                                                   : _mm256_add_ps(yv, acc[i][v]));
+      }
+  }
+  for (; o < j.out; o++)
+    for (int i = 0; i < G; i++) {
+      float acc = 0.f;
+      for (size_t k = 0; k < nc; k++) acc += _mm256_cvtss_f32(dv[k * kGroup + i]) * j.b[(int64_t)cols[k] * j.out + o];
+      z[i][o] = y[i][o] + (j.scale ? j.scale[o] * acc : acc);
+    }
+}
+
+void lora_group(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>& cols) {
+  const int G = g.count;
+  thread_local std::vector<float> d;  // d[c][i] = w_i[c] * (x_i . A^T[c]); per thread, reused: no allocation per call
+  d.resize((size_t)cols.size() * kGroup);
+  const float* x[kGroup];
+  for (int i = 0; i < G; i++) x[i] = j.x + g.rows[i] * j.in;
+  for (size_t k = 0; k < cols.size(); k++) {
+    const float* a = j.at + (int64_t)cols[k] * j.in;
+    float* dk = d.data() + k * kGroup;
+    switch (G) {
+      case 1: dots<1>(x, a, j.in, dk); break;
+      case 2: dots<2>(x, a, j.in, dk); break;
+      case 3: dots<3>(x, a, j.in, dk); break;
+      default: dots<4>(x, a, j.in, dk); break;
+    }
+    for (int i = 0; i < G; i++) dk[i] *= j.w[g.rows[i] * j.cols + cols[k]];
+  }
+  // z_i = y_i + sum_c d[c][i] * B[c], 8 outputs at a time kept in registers over every column: each
+  // B load feeds G FMAs and z is written once (an axpy per column would load and store z each time)
+  thread_local std::vector<__m256> dv;
+  dv.resize((size_t)cols.size() * kGroup);
+  for (size_t k = 0; k < cols.size(); k++)
+    for (int i = 0; i < G; i++) dv[k * kGroup + i] = _mm256_set1_ps(d[k * kGroup + i]);
+  switch (G) {
+    case 1: return delta_rows<1>(j, g, cols, dv);
+    case 2: return delta_rows<2>(j, g, cols, dv);
+    case 3: return delta_rows<3>(j, g, cols, dv);
+    default: return delta_rows<4>(j, g, cols, dv);
+  }
+}
+
+struct LoraPlan {
+  const LoraJob* job;
+  std::vector<RowGroup> groups;
+  std::vector<std::vector<int32_t>> cols;  // per group
+};
+
+// group the rows by their nonzero columns, in first-seen order, kGroup rows at most per group
+void plan_groups(const LoraJob& j, LoraPlan& plan) {
+  std::vector<int32_t> cols;
+  std::vector<size_t> open;  // per distinct column set: its last group, while not full
+  for (int64_t n = 0; n < j.N; n++) {
+    nonzero_columns(j, n, cols);
+    size_t found = open.size();
+    for (size_t k = 0; k < open.size(); k++)
+      if (plan.cols[open[k]] == cols) {
+        found = k;
+        break;
+      }
+    if (found < open.size() && plan.groups[open[found]].count < kGroup) {
+      RowGroup& g = plan.groups[open[found]];
+      g.rows[g.count++] = n;
+      continue;
+    }
+    plan.groups.push_back(RowGroup{{n}, 1});
+    plan.cols.push_back(cols);
+    if (found < open.size()) open[found] = plan.groups.size() - 1;
+    else open.push_back(plan.groups.size() - 1);
   }
 }
 
 void lora_item(void* data, size_t i) {
-  const LoraJob& j = *static_cast<LoraJob*>(data);
-  const int64_t n0 = (int64_t)i * j.rows_per_item;
-  lora_rows(j, n0, std::min(j.N, n0 + j.rows_per_item));
+  const LoraPlan& plan = *static_cast<LoraPlan*>(data);
+  lora_group(*plan.job, plan.groups[i], plan.cols[i]);
 }
 
 OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
@@ -89,13 +198,16 @@ OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
   RETURN_IF(tensor_data(in[4], const_cast<float**>(&j.w)));
   RETURN_IF(output_data(ctx, 0, dy.data(), dy.size(), &j.z));
   if (j.N == 0 || j.out == 0) return nullptr;
-  j.rows_per_item = 2;  // a row's work is its own adapter's columns: small, but worth a handoff in pairs
-  const size_t items = (size_t)((j.N + j.rows_per_item - 1) / j.rows_per_item);
-  if (items < 2) {
-    lora_rows(j, 0, j.N);
+  thread_local LoraPlan plan;  // reused across calls on this thread (its vectors keep their capacity)
+  plan.job = &j;
+  plan.groups.clear();
+  plan.cols.clear();
+  plan_groups(j, plan);
+  if (plan.groups.size() < 2) {
+    for (size_t i = 0; i < plan.groups.size(); i++) lora_item(&plan, i);
     return nullptr;
   }
-  return parallel_for(ctx, lora_item, items, &j);
+  return parallel_for(ctx, lora_item, plan.groups.size(), &plan);
 }
 
 }  // namespace
