@@ -68,9 +68,11 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
                                 config.get("sliding_window"))
     norms = fuse_norms(model) if "SkipRMSNorm" in ops else 0
     loras = fuse_lora(model) if "LoraDelta" in ops else 0
+    lora_mlps = fuse_lora_swiglu(model) if loras else 0  # the same kernel file as LoraDelta: every build has it
     if count or q8 or layers or norms or loras:
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
-    return {"MatMulQ4": count, "MatMulQ8": q8, "PagedAttention": layers, "SkipRMSNorm": norms, "LoraDelta": loras}
+    return {"MatMulQ4": count, "MatMulQ8": q8, "PagedAttention": layers, "SkipRMSNorm": norms, "LoraDelta": loras,
+            "LoraSwiGLU": lora_mlps}
 
 
 def _all_128(tensor, base_dir: Path | None) -> bool:
@@ -202,6 +204,57 @@ def fuse_lora(model) -> int:
         add.attribute.append(helper.make_attribute("scaled", int(bool(scale_init))))
         add.name = add.name or f"lora_delta_{count}"
         removed.update((id(gemm), id(mul), id(matmul)) + ((id(scale),) if scale_init else ()))
+        count += 1
+    if removed:
+        _drop(model, nodes, removed)
+    return count
+
+
+def fuse_lora_swiglu(model) -> int:
+    """In the LoRA graph the MLP's Split of the gate/up output, its two LoraDelta targets, Sigmoid and two
+    Muls become one ruvllm.LoraSwiGLU(y, x, A_g^T, B_g, A_u^T, B_u, w) writing silu(gate) * up: the
+    epilogue MatMulQ4SwiGLU folds in the base graph, which the deltas keep out of the projection here.
+    Unscaled targets only (an AWQ package's scaled up_proj keeps the separate operators). Returns how many."""
+    import onnx
+    from onnx import numpy_helper
+
+    nodes = list(model.graph.node)
+    consumers = _consumers(nodes)
+    inits = {i.name: i for i in model.graph.initializer}
+    graph_outputs = {o.name for o in model.graph.output}
+
+    def only(name: str, op_type: str, domain: str = ""):
+        users = consumers.get(name, [])
+        ok = len(users) == 1 and users[0].op_type == op_type and users[0].domain in ((domain,) if domain else ("", "ai.onnx"))
+        return users[0] if ok and name not in graph_outputs else None
+
+    def unscaled_delta(name: str):
+        d = only(name, "LoraDelta", DOMAIN)
+        return d if d is not None and d.input[0] == name and len(d.input) == 5 else None
+
+    removed, count = set(), 0
+    for split in nodes:
+        if split.op_type != "Split" or len(split.output) != 2 or len(split.input) != 2 or split.input[1] not in inits:
+            continue
+        halves = [int(v) for v in numpy_helper.to_array(inits[split.input[1]]).reshape(-1)]
+        axis = next((onnx.helper.get_attribute_value(a) for a in split.attribute if a.name == "axis"), 0)
+        gate, up = (unscaled_delta(o) for o in split.output)
+        if axis not in (1, -1) or len(halves) != 2 or halves[0] != halves[1] or not (gate and up):
+            continue
+        if gate.input[1] != up.input[1] or gate.input[4] != up.input[4]:
+            continue
+        users = consumers.get(gate.output[0], [])
+        sig = next((u for u in users if u.op_type == "Sigmoid"), None)
+        silu = sig and only(sig.output[0], "Mul")
+        prod = silu and only(silu.output[0], "Mul")
+        if not (len(users) == 2 and silu in users and set(silu.input) == {gate.output[0], sig.output[0]} and prod
+                and set(prod.input) == {silu.output[0], up.output[0]} and consumers.get(up.output[0]) == [prod]):
+            continue
+        fused = onnx.helper.make_node("LoraSwiGLU", [split.input[0], gate.input[1], gate.input[2], gate.input[3],
+                                                     up.input[2], up.input[3], gate.input[4]], [prod.output[0]],
+                                      name=f"lora_swiglu_{count}", domain=DOMAIN, scaled=0)
+        prod.CopyFrom(fused)
+        removed.update(id(x) for x in (split, gate, up, sig, silu))
         count += 1
     if removed:
         _drop(model, nodes, removed)

@@ -157,6 +157,8 @@ class NativeBackend:
         if not any(counts.values()):
             return None
         self.lora_kernel = f"ruvllm.LoraDelta ({counts['LoraDelta']} targets)" if counts.get("LoraDelta") else None
+        if counts.get("LoraSwiGLU"):
+            self.lora_kernel += f", {counts['LoraSwiGLU']} MLPs' gate and up with their SwiGLU (ruvllm.LoraSwiGLU)"
         opts.register_custom_ops_library(str(lib))
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph.parent))
         try:

@@ -270,9 +270,11 @@ def test_adapters_on_an_int4_package_run_beside_the_base_graph(tiny_package, pef
     assert all(got[r] == solo[a] for r, a in rids.items())
 
 
-def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapters, monkeypatch):
-    """ruvllm.LoraDelta against the LoRA graph's Gemm/Mul/MatMul/Add on the same int4 package (an AWQ one:
-    up_proj's delta carries an output scale), two adapters and the base model in one step."""
+@pytest.mark.parametrize("quant", ["int4", "fp32"])
+def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapters, monkeypatch, quant):
+    """ruvllm.LoraDelta against the LoRA graph's Gemm/Mul/MatMul/Add on the same package, two adapters and
+    the base model in one step: an int4 AWQ package (up_proj's delta carries an output scale) and an fp32
+    one, whose MLPs (unscaled) run as ruvllm.LoraSwiGLU, the gate and up deltas and the SwiGLU fused."""
     from runtime.backends import kernel_library
     from runtime.backends.native import NativeBackend
     from runtime.core.adapters import read_adapter
@@ -281,7 +283,7 @@ def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapter
 
     if kernel_library.library()[0] is None:
         pytest.skip("RuvLLM's kernels do not build here")
-    pkg = load_package(tiny_package("llama", "int4"))
+    pkg = load_package(tiny_package("llama", quant))
     folders = peft_adapters("llama")
     logits = []
     for ops in (None, "without LoraDelta"):
@@ -292,6 +294,8 @@ def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapter
         backend.allocate(64, 4)
         backend.enable_lora(2, 16)
         assert (backend.lora_kernel is None) == bool(ops)
+        if not ops:
+            assert ("LoraSwiGLU" in backend.lora_kernel) == (quant == "fp32"), backend.lora_kernel
         for slot, name in ((1, "all16"), (2, "mlp8")):
             backend.set_adapter(slot, read_adapter(name, folders[name], pkg.config, "llama"))
         chunks = []

@@ -9,6 +9,7 @@
 #pragma once
 
 #include "ort_api.h"
+#include "simd_math.h"
 
 namespace {
 
@@ -30,6 +31,7 @@ struct LoraJob {
   const float *y, *x, *at, *b, *w, *scale;  // scale: null, or [out]
   float* z;
   int64_t N, in, out, cols;
+  int64_t ldy = 0, ldz = 0;  // row strides of y and z (LoraSwiGLU: y is the gate and up halves side by side)
 };
 
 // Rows whose w has the same nonzero columns (a batch's tokens of one adapter, or of one X-LoRA) go
@@ -78,8 +80,8 @@ void delta_rows(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>&
   const float* y[G];
   float* z[G];
   for (int i = 0; i < G; i++) {
-    y[i] = j.y + g.rows[i] * j.out;
-    z[i] = j.z + g.rows[i] * j.out;
+    y[i] = j.y + g.rows[i] * j.ldy;
+    z[i] = j.z + g.rows[i] * j.ldz;
   }
   const size_t nc = cols.size();
   constexpr int V = RUVLLM_AVX512 ? 2 : 1;  // outputs per pass: 16 (a B row's cache line) where 32 registers hold them
@@ -187,6 +189,7 @@ OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
     return fail("ruvllm.LoraDelta: expected y [N, out], x [N, in], A^T [C, in], B [C, out], w [N, C]");
   LoraJob j{};
   j.N = dy[0], j.out = dy[1], j.in = dx[1], j.cols = da[0];
+  j.ldy = j.ldz = j.out;
   if (scaled) {
     if (ds.size() != 1 || ds[0] != j.out) return fail("ruvllm.LoraDelta: the scale must be [out]");
     RETURN_IF(tensor_data(in[5], const_cast<float**>(&j.scale)));
@@ -208,6 +211,76 @@ OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
     return nullptr;
   }
   return parallel_for(ctx, lora_item, plan.groups.size(), &plan);
+}
+
+// ruvllm.LoraSwiGLU: the MLP's gate and up targets and what follows them in one operator,
+// out = silu(y_g + delta_g) * (y_u + delta_u) with y = [y_g | y_u] the fused gate/up projection's output.
+// Why: in the LoRA graph the projection's SwiGLU epilogue cannot fold into MatMulQ4 (the deltas come
+// between), and the Split, two deltas, Sigmoid and two Muls were six operators and passes per layer.
+// Inputs: y [N, 2F], x [N, in], A_g^T [C, in], B_g [C, F], A_u^T [C, in], B_u [C, F], w [N, C].
+struct SwigluWork {
+  const LoraPlan* plan;
+  LoraJob jobs[2];
+};
+
+void swiglu_item(void* data, size_t i) {
+  const SwigluWork& work = *static_cast<SwigluWork*>(data);
+  const size_t groups = work.plan->groups.size();
+  lora_group(work.jobs[i / groups], work.plan->groups[i % groups], work.plan->cols[i % groups]);
+}
+
+OrtStatus* lora_swiglu(void*, OrtKernelContext* ctx) {
+  const OrtValue* in[7] = {};
+  std::vector<int64_t> d[7];
+  RETURN_IF(read_inputs(ctx, 7, in, d));
+  const auto &dy = d[0], &dx = d[1], &dw = d[6];
+  if (dy.size() != 2 || dx.size() != 2 || dw.size() != 2 || dx[0] != dy[0] || dw[0] != dy[0] || dy[1] % 2)
+    return fail("ruvllm.LoraSwiGLU: expected y [N, 2F], x [N, in], w [N, C]");
+  const int64_t N = dy[0], F = dy[1] / 2;
+  for (int k : {2, 4})
+    if (d[k].size() != 2 || d[k + 1].size() != 2 || d[k][1] != dx[1] || d[k + 1][1] != F || d[k][0] != dw[1] ||
+        d[k + 1][0] != dw[1])
+      return fail("ruvllm.LoraSwiGLU: expected A^T [C, in] and B [C, F] for the gate and the up target");
+  SwigluWork work{};
+  const float* y = nullptr;
+  RETURN_IF(tensor_data(in[0], const_cast<float**>(&y)));
+  thread_local std::vector<float> halves;  // the gate's and up's outputs with their deltas, [2][N][F]
+  halves.resize((size_t)(2 * N * F));
+  for (int h = 0; h < 2; h++) {
+    LoraJob& j = work.jobs[h];
+    j.N = N, j.out = F, j.in = dx[1], j.cols = dw[1], j.ldy = 2 * F, j.ldz = F;
+    j.y = y + h * F;
+    j.z = halves.data() + (size_t)h * N * F;
+    RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.x)));
+    RETURN_IF(tensor_data(in[2 + 2 * h], const_cast<float**>(&j.at)));
+    RETURN_IF(tensor_data(in[3 + 2 * h], const_cast<float**>(&j.b)));
+    RETURN_IF(tensor_data(in[6], const_cast<float**>(&j.w)));
+  }
+  std::vector<int64_t> out_dims{N, F};
+  float* out = nullptr;
+  RETURN_IF(output_data(ctx, 0, out_dims.data(), out_dims.size(), &out));
+  if (N == 0 || F == 0) return nullptr;
+  thread_local LoraPlan plan;
+  plan.job = &work.jobs[0];
+  plan.groups.clear();
+  plan.cols.clear();
+  plan_groups(work.jobs[0], plan);  // the same w: the same groups for both targets
+  work.plan = &plan;
+  const size_t items = 2 * plan.groups.size();
+  if (items < 4) {
+    for (size_t i = 0; i < items; i++) swiglu_item(&work, i);
+  } else {
+    RETURN_IF(parallel_for(ctx, swiglu_item, items, &work));
+  }
+  const float *g = halves.data(), *u = halves.data() + N * F;
+  const int64_t n = N * F;
+  int64_t k = 0;
+  for (; k + Vec::kLanes <= n; k += Vec::kLanes) {
+    const Vec::F v = Vec::mul(silu(Vec::load(g + k)), Vec::load(u + k));
+    std::memcpy(out + k, &v, sizeof v);
+  }
+  for (; k < n; k++) out[k] = g[k] / (1.f + std::exp(-g[k])) * u[k];
+  return nullptr;
 }
 
 }  // namespace
