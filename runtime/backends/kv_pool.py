@@ -6,8 +6,8 @@ device the session runs on; each layer's graph input is bound by pointer to its 
 the same device) go into their slots through a small ONNX graph, one ScatterND per kind, whose output
 is bound to the pool itself: onnxruntime then scatters in place (its ScatterND copies the input only
 when the output is another buffer), so no KV tensor crosses to the host. On CPU the pool is numpy
-memory committed up front (onnxruntime's own allocation of it made a decode step ~1.3 ms slower here:
-the gathers over it), wrapped as OrtValues, and the K/V are written with one numpy assignment per kind
+memory committed as the blocks in use grow (onnxruntime's own allocation of it made a decode step
+~1.3 ms slower here: the gathers over it), wrapped as OrtValues, and the K/V are written with one numpy assignment per kind
 (0.05 ms where the ScatterND graph took ~0.3 ms a step); `device_writes=True` runs the device path on
 CPU, which is how it is tested here (CUDA itself is not, on these machines).
 """
@@ -19,6 +19,7 @@ import numpy as np
 from runtime import contract as C
 
 POOL_KEY, POOL_VALUE, SLOTS = "pool.key", "pool.value", "kv_slots"
+FIRST_BLOCKS = 16  # blocks committed when the pool is made; it doubles from there as blocks are used
 
 
 def device_of(providers: list[str]) -> str:
@@ -70,12 +71,16 @@ class DeviceKVPool:
         self.layer_shape = [kv_heads, num_blocks, block_size, head_dim]  # what each layer's graph input sees
         shape = [num_layers, kv_heads, num_blocks * block_size, head_dim]
         self.layer_bytes = kv_heads * num_blocks * block_size * head_dim * 4
-        # commit the memory up front (zeros), as a server reserves its KV memory: a lazily mapped page
-        # would fault at its first write (~1.7 ms/step on SmolLM2)
+        self.num_blocks, self.block_size, self.num_layers = num_blocks, block_size, num_layers
+        self.committed = num_blocks  # blocks whose memory is written (zeros) and so resident
         if self.device == "cpu":
+            # reserved, not committed: the pool's memory is zeroed (and so becomes resident) ahead of use,
+            # doubling as the blocks in use grow (ensure), so a short chat does not hold the whole budget.
+            # Committing a range at once keeps page faults out of the steps: a lazily mapped page faulting
+            # at its first write cost ~1.7 ms a step on SmolLM2.
             self._host = (np.empty(shape, np.float32), np.empty(shape, np.float32))
-            for arr in self._host:
-                arr.fill(0.0)
+            self.committed = 0
+            self.ensure(min(num_blocks, FIRST_BLOCKS))
             self.keys, self.values = (ort.OrtValue.ortvalue_from_numpy(arr) for arr in self._host)
         else:
             self._host = None
@@ -94,6 +99,22 @@ class DeviceKVPool:
         for name, pool in ((POOL_KEY, self.keys), (POOL_VALUE, self.values)):
             self._io.bind_ortvalue_input(name, pool)
             self._io.bind_ortvalue_output(name + ".out", pool)  # the same buffer: scattered in place
+
+    def ensure(self, blocks: int) -> None:
+        """Commit the pool's memory for its first `blocks` blocks (the allocator hands out the lowest free
+        block first, so the blocks in use stay at the front), at least doubling what is committed."""
+        if blocks <= self.committed:
+            return
+        new = min(self.num_blocks, max(blocks, 2 * self.committed))
+        lo, hi = self.committed * self.block_size, new * self.block_size
+        for arr in self._host:
+            arr[:, :, lo:hi] = 0.0
+        self.committed = new
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of K and V memory committed so far (the whole pool on a GPU)."""
+        return 2 * self.num_layers * self.layer_bytes * self.committed // self.num_blocks
 
     def bind_layers(self, io, num_layers: int) -> None:
         """Bind each layer's past.{i}.key / .value graph input to its slice of the pool."""
@@ -121,8 +142,9 @@ class DeviceKVPool:
 
     def host_view(self) -> tuple[np.ndarray, np.ndarray]:
         """The pools as numpy arrays [layers, kv_heads, blocks, block_size, head_dim] sharing their memory
-        (CPU only: for tests and for restoring saved blocks)."""
+        (CPU only: for tests and for restoring saved blocks); commits the whole pool."""
         if self.device != "cpu":
             raise RuntimeError("the KV pool lives on the GPU: it has no host view")
+        self.ensure(self.num_blocks)  # a writer through the view may touch any block: commit them all first
         shape = (self._host[0].shape[0], *self.layer_shape)
         return self._host[0].reshape(shape), self._host[1].reshape(shape)

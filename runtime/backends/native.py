@@ -256,6 +256,7 @@ class NativeBackend:
         if runner.has_mask and (batch.matchers is not None or runner.masked):
             extra_inputs = {**(extra_inputs or {}), C.LOGITS_MASK: self._logits_mask(batch)}
             runner.masked = batch.matchers is not None
+        self._ensure_pool(batch)
         outs = runner.run(batch, extra_inputs)
         self.pool.write(outs[C.PRESENT_KEY], outs[C.PRESENT_VALUE], batch.kv_slots)
         if not batch.logits_index:
@@ -265,6 +266,12 @@ class NativeBackend:
 
     async def run_async(self, batch: StepBatch) -> StepResult:
         return self.run(batch)
+
+    def _ensure_pool(self, batch: StepBatch) -> None:
+        """Commit the KV pool's memory up to the highest block this step writes (every block a step reads
+        was written by an earlier one)."""
+        if batch.kv_slots:
+            self.pool.ensure(max(batch.kv_slots) // self.pool.block_size + 1)
 
     def _logits_mask(self, batch: StepBatch) -> np.ndarray:
         """[rows, vocab]: each constrained row's allowed tokens 0, the rest -inf; other rows 0. A step
@@ -307,6 +314,7 @@ class NativeBackend:
         if self.lora_runner.masked:  # no logits rows here: the [1, vocab] zeros back
             feeds[C.LOGITS_MASK] = self._logits_mask(xp.batch)
             self.lora_runner.masked = False
+        self._ensure_pool(xp.batch)
         outs = self.lora_runner.run(xp.batch, feeds, want_hidden=True)
         self.pool.write(outs[C.PRESENT_KEY], outs[C.PRESENT_VALUE], xp.batch.kv_slots)
         hidden = outs[C.HIDDEN_STATES]

@@ -198,6 +198,11 @@ def run_bench(engine, args) -> dict:
     if args.shared_prefix:
         result["prefix_cache"] = prefix_effect(engine, long, min(args.shared_prefix, long - 32))
     result["engine_stats"] = engine.stats_snapshot()
+    pool = getattr(engine.backend, "pool", None)
+    result["kv"] = {"bytes_per_token": engine.backend.kv_bytes_per_token(engine.pkg.config),
+                    "blocks": engine.scheduler.allocator.num_blocks, "block_size": engine.block_size,
+                    # the pool's memory is committed as blocks are used (the native CPU pool)
+                    "committed_mb": round(pool.committed_bytes / 2**20, 1) if hasattr(pool, "committed_bytes") else None}
     result["peak_rss_mb"] = round(_peak_rss_mb(), 1)
     if getattr(args, "plot", None) and "concurrency" in result:
         plot(result, args.plot)

@@ -30,6 +30,9 @@ def test_bench_concurrency_prefix_cache_and_plot(tiny_package, tmp_path):
     stats = result["engine_stats"]
     assert stats["prefix_cache_hits"] > 0 and stats["running"] == 0 and stats["kv_blocks_used"] == 0
     assert result["plot"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    kv = result["kv"]  # the pool's memory grows with the blocks in use (16 first, then doubling), up to all 64
+    assert kv["blocks"] == 64 and kv["bytes_per_token"] > 0
+    assert 0 < kv["committed_mb"] <= 64 * kv["block_size"] * kv["bytes_per_token"] / 2**20
 
 
 def test_bench_structured_output_beside_free_text(tiny_package):

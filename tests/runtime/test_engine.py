@@ -304,3 +304,22 @@ def test_the_kv_pools_device_writes_equal_the_host_writes(tiny_package):
         outs.append([got[r] for r in rids])
         assert engine.stats.preemptions > 0
     assert outs[0] == outs[1]
+
+
+def test_the_kv_pools_memory_grows_with_the_blocks_in_use(tiny_package):
+    """The native CPU pool commits (zeroes) its memory ahead of use, doubling from 16 blocks, not the whole
+    budget at start; a long prompt grows it, and the output equals a pool committed whole from the start."""
+    pkg = tiny_package("llama")
+    engine = Engine.from_package(pkg, num_blocks=256, block_size=4)
+    pool = engine.backend.pool
+    assert pool.committed == 16 and pool.committed_bytes == 2 * pool.num_layers * pool.layer_bytes * 16 // 256
+    short = [t for o in engine.generate("one two three", greedy()) for t in o.token_ids]
+    assert pool.committed == 16
+    prompt = " ".join(WORDS * 4)  # ~90 tokens: over 16 blocks of 4
+    grown = [t for o in engine.generate(prompt, greedy()) for t in o.token_ids]
+    assert 16 < pool.committed < 256
+    whole = Engine.from_package(pkg, num_blocks=256, block_size=4)
+    whole.backend.pool.host_view()  # commits every block
+    assert whole.backend.pool.committed == 256
+    assert [t for o in whole.generate("one two three", greedy()) for t in o.token_ids] == short
+    assert [t for o in whole.generate(prompt, greedy()) for t in o.token_ids] == grown
