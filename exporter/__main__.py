@@ -1,4 +1,4 @@
-"""`python -m exporter convert|adapter|inspect`."""
+"""`python -m exporter convert|adapter|eval|inspect`."""
 
 from __future__ import annotations
 
@@ -49,6 +49,15 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--base", required=True, help="the model package the adapter will run on (checked against it)")
     a.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"], help="stored precision (fp16: half the bytes)")
     a.add_argument("--max-lora-rank", type=int, default=None, help="refuse adapters of a larger rank (default 16)")
+    e = sub.add_parser("eval", help="quality of packages: perplexity, KL and top-1 against a reference, size, speed")
+    e.add_argument("packages", nargs="+", metavar="PKG")
+    e.add_argument("--reference", default=None, metavar="PKG_OR_SOURCE",
+                   help="a package, or a source exported to fp32 for the comparison (HF folder or id, .gguf, alias)")
+    e.add_argument("--text", default=None, metavar="FILE", help="UTF-8 text (default: CPython's LICENSE.txt)")
+    e.add_argument("--tokens", type=int, default=2048, help="tokens of the text to use (default 2048)")
+    e.add_argument("--kv-dtype", default="fp32", choices=["fp32"], help="KV cache precision (fp32 only for now)")
+    e.add_argument("--no-speed", action="store_true", help="skip the decode tok/s column")
+    e.add_argument("--json", action="store_true")
     i = sub.add_parser("inspect", help="summarize a package: manifest and graph inputs/outputs")
     i.add_argument("package")
     i.add_argument("--json", action="store_true")
@@ -73,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             out = convert_adapter(args.peft_dir, args.base, args.output, args.dtype,
                                   args.max_lora_rank or DEFAULT_MAX_LORA_RANK)
             print(f"wrote {out}")
+        elif args.cmd == "eval":
+            from exporter.evaluate import main as evaluate_main
+
+            evaluate_main(args)
         else:
             inspect_package(args.package, args.json)
     except RuvLLMError as err:

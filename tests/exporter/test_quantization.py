@@ -5,46 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.backends.native import NativeBackend
-from runtime.core.step_batch import Chunk, build_step
+from exporter.evaluate import quality, teacher_forced_logits, teacher_forced_logprobs  # noqa: F401 (used by other tests)
 from runtime.package import load_package
 from runtime.text.tokenizer import Tokenizer
 
 TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
         "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. "
         "Locally nicknamed the Iron Lady, it was constructed as the centrepiece of the 1889 World's Fair.")
-
-
-def teacher_forced_logits(pkg_dir, ids: list[int]) -> np.ndarray:
-    """The raw next-token logits at every position, from one prefill step."""
-    backend = NativeBackend(load_package(pkg_dir))
-    blocks = -(-len(ids) // 16)
-    backend.allocate(blocks, 16)
-    batch = build_step([Chunk(tokens=ids, start=0, block_table=list(range(blocks)), kv_slots=list(range(len(ids))),
-                              want_logits=True)], 16, want_full_logits=True)
-    n = len(ids)  # ask for logits at every position, not only the last
-    batch.logits_index = list(range(n))
-    for name in ("temperature", "repetition_penalty"):
-        setattr(batch, name, [1.0] * n)
-    for name in ("presence_penalty", "frequency_penalty"):
-        setattr(batch, name, [0.0] * n)
-    batch.sparse_ids, batch.sparse_seen = [[0]] * n, [[0.0]] * n
-    batch.sparse_counts, batch.sparse_bias = [[0.0]] * n, [[0.0]] * n
-    return backend.run(batch).logits
-
-
-def teacher_forced_logprobs(pkg_dir, ids: list[int]) -> np.ndarray:
-    """log-softmax of the next-token logits at every position."""
-    logits = teacher_forced_logits(pkg_dir, ids).astype(np.float64)
-    logits -= logits.max(axis=1, keepdims=True)
-    return logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
-
-
-def quality(ref: np.ndarray, test: np.ndarray, ids: list[int]) -> dict:
-    kl = (np.exp(ref) * (ref - test)).sum(axis=1).mean()
-    nll = lambda lp: -np.mean([lp[i, ids[i + 1]] for i in range(len(ids) - 1)])  # noqa: E731
-    top1 = np.mean(ref.argmax(1) == test.argmax(1))
-    return {"kl": kl, "ppl_ref": np.exp(nll(ref)), "ppl": np.exp(nll(test)), "top1": top1}
 
 
 @pytest.mark.parametrize("quant", ["fp16", "int8", "int4"])
