@@ -216,8 +216,8 @@ def test_smollm2_default_package_is_as_good_as_its_gguf(smol_fp32, smol_int4, wo
     block sums beside it give KL 0.018, +2.0%: a looser bound there. The page computes in fp32: KL ~0.
     Before (AWQ re-quantizing the file in blocks of 64): KL 0.265, perplexity 9.15 (+19%), top-1 78%.
     """
-    from benchmarks.quality import held_out_text
     from exporter.convert import ConvertOptions, convert
+    from exporter.evaluate import held_out_text
     from runtime.package import load_package
     from runtime.text.tokenizer import Tokenizer
     from tests.exporter.test_quantization import quality, teacher_forced_logprobs
