@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import sysconfig
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -83,20 +82,16 @@ class Row:
 
 
 def decode_speed(pkg_dir, tokens: int = 64) -> float:
-    """One stream's greedy decode tok/s after a short prompt (the first token excluded)."""
+    """One stream's greedy decode tok/s after bench's short chat prompt (the first token excluded), measured
+    as `ruvllm bench` measures it."""
     from runtime.core.engine import Engine
     from runtime.core.sampling import SamplingParams
+    from runtime.serve.bench import SHORT_PROMPT, run_one
 
     engine = Engine.from_package(pkg_dir, verify=False, speculative_tokens=0)
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    list(engine.generate("Once upon a time", SamplingParams(max_tokens=4, temperature=0.0)))  # warm-up
-    first = None
-    count = 0
-    for out in engine.generate("Once upon a time", params):
-        count += len(out.token_ids)
-        if first is None and out.token_ids:
-            first = time.perf_counter()
-    return (count - 1) / (time.perf_counter() - first) if first and count > 1 else 0.0
+    run_one(engine, SamplingParams(temperature=0.0, max_tokens=4), messages=SHORT_PROMPT)  # warm-up
+    return run_one(engine, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
+                   messages=SHORT_PROMPT)["decode_tps"]
 
 
 def _size_mb(pkg) -> float:

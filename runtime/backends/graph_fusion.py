@@ -243,13 +243,10 @@ def fuse_lora_swiglu(model) -> int:
             continue
         if gate.input[1] != up.input[1] or gate.input[4] != up.input[4]:
             continue
-        users = consumers.get(gate.output[0], [])
-        sig = next((u for u in users if u.op_type == "Sigmoid"), None)
-        silu = sig and only(sig.output[0], "Mul")
-        prod = silu and only(silu.output[0], "Mul")
-        if not (len(users) == 2 and silu in users and set(silu.input) == {gate.output[0], sig.output[0]} and prod
-                and set(prod.input) == {silu.output[0], up.output[0]} and consumers.get(up.output[0]) == [prod]):
+        tail = _swiglu_tail(consumers, only, gate.output[0], up.output[0])
+        if not tail:
             continue
+        sig, silu, prod = tail
         fused = onnx.helper.make_node("LoraSwiGLU", [split.input[0], gate.input[1], gate.input[2], gate.input[3],
                                                      up.input[2], up.input[3], gate.input[4]], [prod.output[0]],
                                       name=f"lora_swiglu_{count}", domain=DOMAIN, scaled=0)
@@ -317,16 +314,11 @@ def fuse_epilogues(model) -> tuple[int, int]:
         n = next(a.i for a in node.attribute if a.name == "N")
         split = only(node.output[0], "Split")
         if split and attr(split, "axis") in (1, -1) and const(split, 1) == [n // 2, n // 2] and n % 32 == 0:
-            gate, up = split.output
-            users = consumers.get(gate, [])
-            sig = next((u for u in users if u.op_type == "Sigmoid"), None)
-            silu = sig and only(sig.output[0], "Mul")
-            prod = silu and only(silu.output[0], "Mul")
-            if (len(users) == 2 and silu in users and set(silu.input) == {gate, sig.output[0]} and prod
-                    and set(prod.input) == {silu.output[0], up} and consumers.get(up) == [prod]):
+            tail = _swiglu_tail(consumers, only, *split.output)
+            if tail:
                 node.op_type = "MatMulQ4SwiGLU"
-                node.output[0] = prod.output[0]
-                removed.update(id(x) for x in (split, sig, silu, prod))
+                node.output[0] = tail[-1].output[0]
+                removed.update(id(x) for x in (split, *tail))
                 swiglu += 1
             continue
         unsqueeze = only(node.output[0], "Unsqueeze")  # [tokens, 1, n], split along n into q+k and v
@@ -344,6 +336,19 @@ def fuse_epilogues(model) -> tuple[int, int]:
     if removed:
         _drop(model, nodes, removed)
     return swiglu, qkv
+
+
+def _swiglu_tail(consumers: dict, only, gate: str, up: str) -> tuple | None:
+    """(Sigmoid, Mul, Mul) computing silu(gate) * up from the tensors gate and up, when nothing else reads
+    them or what is between; `only(name, op_type)` is the caller's single-consumer test."""
+    users = consumers.get(gate, [])
+    sig = next((u for u in users if u.op_type == "Sigmoid"), None)
+    silu = sig and only(sig.output[0], "Mul")
+    prod = silu and only(silu.output[0], "Mul")
+    if (len(users) == 2 and silu in users and set(silu.input) == {gate, sig.output[0]} and prod
+            and set(prod.input) == {silu.output[0], up} and consumers.get(up) == [prod]):
+        return sig, silu, prod
+    return None
 
 
 def _drop(model, nodes: list, removed: set[int]) -> None:

@@ -5,10 +5,11 @@ device the session runs on; each layer's graph input is bound by pointer to its 
 (CUDA) the pool is allocated there and a step's K/V (the graph's present.key / present.value, bound on
 the same device) go into their slots through a small ONNX graph, one ScatterND per kind, whose output
 is bound to the pool itself: onnxruntime then scatters in place (its ScatterND copies the input only
-when the output is another buffer), so no KV tensor crosses to the host. On CPU the pool is numpy
-memory committed as the blocks in use grow (onnxruntime's own allocation of it made a decode step
-~1.3 ms slower here: the gathers over it), wrapped as OrtValues, and the K/V are written with one numpy assignment per kind
-(0.05 ms where the ScatterND graph took ~0.3 ms a step); `device_writes=True` runs the device path on
+when the output is another buffer), so no KV tensor crosses to the host. On CPU the pool is host
+memory (an anonymous mapping seen as numpy arrays), committed as the blocks in use grow (onnxruntime's
+own allocation of it made a decode step ~1.3 ms slower here: the gathers over it), wrapped as
+OrtValues, and the K/V are written with one numpy assignment per kind (0.05 ms where the ScatterND
+graph took ~0.3 ms a step); `device_writes=True` runs the device path on
 CPU, which is how it is tested here (CUDA itself is not, on these machines).
 """
 
@@ -70,11 +71,11 @@ def _reserved(shape: list[int]) -> np.ndarray:
     (SmolLM2: 400 MB for 256 tokens)."""
     import mmap
 
-    nbytes = int(np.prod(shape)) * 4
-    buf = mmap.mmap(-1, max(nbytes, 1))
+    count = int(np.prod(shape))
+    buf = mmap.mmap(-1, max(4 * count, 1))
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         buf.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(buf, np.float32, int(np.prod(shape))).reshape(shape)
+    return np.frombuffer(buf, np.float32, count).reshape(shape)
 
 
 class DeviceKVPool:

@@ -220,15 +220,17 @@ class NativeBackend:
             if not self.runner.has_mask:
                 raise RequestError(f"{self.pkg.path.name}: this package's graph has no {C.LOGITS_MASK} input, "
                                    "which structured output needs; re-export it", "response_format")
-            eos = self.pkg.manifest.get("special_tokens", {}).get("eos_token_ids", [])
             which = os.environ.get("RUVLLM_GUIDE", "llguidance")
             if which not in ("llguidance", "python"):
                 raise RequestError(f"RUVLLM_GUIDE={which!r} is not 'llguidance' or 'python'", "response_format")
-            try:
-                if which == "python":
-                    raise ImportError("RUVLLM_GUIDE=python")
-                from runtime.backends.guidance import Guide
-            except ImportError:
+            Guide = None
+            if which == "llguidance":
+                try:
+                    from runtime.backends.guidance import Guide
+                except ImportError:  # not installed: the pure-Python guide
+                    pass
+            eos = self.pkg.eos_token_ids
+            if Guide is None:
                 from runtime.core.token_guide import PyGuide
 
                 self._guide = PyGuide.from_tokenizer(tokenizer, self.vocab_size, eos)

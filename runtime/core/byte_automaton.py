@@ -12,8 +12,7 @@ from __future__ import annotations
 
 ACCEPT = (-1, ())  # the thread that stands for "the text may end here"
 MAX_DEPTH = 64  # calls deep: a schema that recurses without consuming a byte stops here
-Thread = tuple[int, tuple[int, ...]]
-StateSet = frozenset
+StateSet = frozenset  # of threads: (state, return stack) pairs
 
 
 class Net:

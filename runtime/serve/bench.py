@@ -30,7 +30,8 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def _run_one(engine, params: SamplingParams, **kwargs) -> dict:
+def run_one(engine, params: SamplingParams, **kwargs) -> dict:
+    """One request's time to first token and decode tok/s after it (exporter eval measures with it too)."""
     t0 = time.perf_counter()
     first = None
     n = prompt_tokens = cached = 0
@@ -151,10 +152,10 @@ def prefix_effect(engine, total: int, shared: int) -> dict:
     for i in range(3):
         tail = _text_tokens(engine, total - shared, salt=f"Variant {i} asks something else entirely.")
         fresh = _text_tokens(engine, total, salt=f"An unrelated document number {i}.")
-        uncached.append(_run_one(engine, SamplingParams(**vars(one)), prompt=fresh)["ttft"])
-        _run_one(engine, SamplingParams(**vars(one)), prompt=base + tail)  # warms the shared prefix
+        uncached.append(run_one(engine, SamplingParams(**vars(one)), prompt=fresh)["ttft"])
+        run_one(engine, SamplingParams(**vars(one)), prompt=base + tail)  # warms the shared prefix
         tail2 = _text_tokens(engine, total - shared, salt=f"Variant {i} then asks a second question.")
-        r = _run_one(engine, SamplingParams(**vars(one)), prompt=base + tail2)
+        r = run_one(engine, SamplingParams(**vars(one)), prompt=base + tail2)
         cached.append(r["ttft"])
     u, c = statistics.median(uncached), statistics.median(cached)
     return {"prompt_tokens": total, "shared_tokens": shared, "ttft_uncached_ms": round(1000 * u, 1),
@@ -163,10 +164,10 @@ def prefix_effect(engine, total: int, shared: int) -> dict:
 
 def run_bench(engine, args) -> dict:
     greedy = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
-    _run_one(engine, SamplingParams(temperature=0.0, max_tokens=4), messages=SHORT_PROMPT)  # warm up
-    short = [_run_one(engine, SamplingParams(**vars(greedy)), messages=SHORT_PROMPT) for _ in range(args.repeats)]
+    run_one(engine, SamplingParams(temperature=0.0, max_tokens=4), messages=SHORT_PROMPT)  # warm up
+    short = [run_one(engine, SamplingParams(**vars(greedy)), messages=SHORT_PROMPT) for _ in range(args.repeats)]
     long = min(LONG_PROMPT, engine.pkg.config["max_positions"] - 1)  # a short-context model: its longest prompt
-    long_runs = [_run_one(engine, SamplingParams(temperature=0.0, max_tokens=1),
+    long_runs = [run_one(engine, SamplingParams(temperature=0.0, max_tokens=1),
                           prompt=_text_tokens(engine, long, salt=f"Document {i}."))
                  for i in range(args.repeats)]
     med = statistics.median

@@ -149,8 +149,12 @@ struct LoraPlan {
   std::vector<std::vector<int32_t>> cols;  // per group
 };
 
-// group the rows by their nonzero columns, in first-seen order, kGroup rows at most per group
+// group the rows by their nonzero columns, in first-seen order, kGroup rows at most per group (`plan` is
+// reused across calls: its vectors keep their capacity)
 void plan_groups(const LoraJob& j, LoraPlan& plan) {
+  plan.job = &j;
+  plan.groups.clear();
+  plan.cols.clear();
   std::vector<int32_t> cols;
   std::vector<size_t> open;  // per distinct column set: its last group, while not full
   for (int64_t n = 0; n < j.N; n++) {
@@ -201,10 +205,7 @@ OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
   RETURN_IF(tensor_data(in[4], const_cast<float**>(&j.w)));
   RETURN_IF(output_data(ctx, 0, dy.data(), dy.size(), &j.z));
   if (j.N == 0 || j.out == 0) return nullptr;
-  thread_local LoraPlan plan;  // reused across calls on this thread (its vectors keep their capacity)
-  plan.job = &j;
-  plan.groups.clear();
-  plan.cols.clear();
+  thread_local LoraPlan plan;
   plan_groups(j, plan);
   if (plan.groups.size() < 2) {
     for (size_t i = 0; i < plan.groups.size(); i++) lora_item(&plan, i);
@@ -261,9 +262,6 @@ OrtStatus* lora_swiglu(void*, OrtKernelContext* ctx) {
   RETURN_IF(output_data(ctx, 0, out_dims.data(), out_dims.size(), &out));
   if (N == 0 || F == 0) return nullptr;
   thread_local LoraPlan plan;
-  plan.job = &work.jobs[0];
-  plan.groups.clear();
-  plan.cols.clear();
   plan_groups(work.jobs[0], plan);  // the same w: the same groups for both targets
   work.plan = &plan;
   const size_t items = 2 * plan.groups.size();
