@@ -60,6 +60,11 @@ class ModelPackage:
         """onnxruntime session config entries the graphs need (the browser weight format sets one)."""
         return dict((self.manifest.get("quantization") or {}).get("session_config") or {})
 
+    @property
+    def weights_quantized(self) -> bool:
+        """Whether the projections' weights are int4 or int8 (not fp32/fp16)."""
+        return (self.manifest.get("quantization") or {}).get("weights") in ("int4", "int8")
+
     def size_bytes(self) -> int:
         return sum(int(f["size"]) for f in self.manifest["files"].values())
 

@@ -65,12 +65,13 @@ class AdapterTensors:
     and a step binds, as contiguous views, only the columns up to its highest slot: one rank-8 adapter
     costs 8 columns of work, not max_loras * max_lora_rank."""
 
-    def __init__(self, config: dict, max_loras: int, max_rank: int, max_cpu_loras: int | None = None) -> None:
+    def __init__(self, config: dict, max_loras: int, max_rank: int, max_cpu_loras: int | None = None,
+                 dtype=np.float32) -> None:
         self.config, self.max_rank, self.max_loras = config, max_rank, max_loras
         layers, cols = config["num_layers"], max_loras * max_rank
-        self.stacked: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.stacked: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # in the graph's input dtype (fp16: see native)
         for target, (fin, fout) in target_features(config).items():
-            self.stacked[target] = (np.zeros((layers, cols, fin), np.float32), np.zeros((layers, cols, fout), np.float32))
+            self.stacked[target] = (np.zeros((layers, cols, fin), dtype), np.zeros((layers, cols, fout), dtype))
         self.rank = 0  # columns per slot
         self.holders: dict[int, AdapterInfo] = {}
         self._cache: OrderedDict[str, dict] = OrderedDict()

@@ -21,7 +21,8 @@ def fusable_head_dim(head_dim: int) -> bool:
     return head_dim % 16 == 0 and (head_dim <= 128 or head_dim == 256)
 
 
-def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_dir: Path | None = None) -> dict[str, int]:
+def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_dir: Path | None = None,
+         half_adapters: bool = False) -> dict[str, int]:
     """Rewrite `model` in place with the operators in `ops`: every MatMulNBits the kernel computes the
     same way becomes ruvllm.MatMulQ4 (with its epilogues and block minimums folded in), and, given the
     package's config, each layer's attention ruvllm.PagedAttention (fuse_attention) and each residual
@@ -32,7 +33,8 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     A GGUF package's block minimums are folded into the kernel where fp16 holds them (fuse_minimums).
     8-bit nodes of that kind whose zero points are all 128 (a GGUF's Q8_0: the integers minus 128 fit a
     signed byte whatever they are) become ruvllm.MatMulQ8; `base_dir` is where the graph's external
-    data lives, to read those zero points.
+    data lives, to read those zero points. `half_adapters`: the LoRA graph's adapter inputs that only
+    RuvLLM's LoRA operators read become fp16 (adapters_in_half).
     """
     import onnx
 
@@ -69,6 +71,8 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     norms = fuse_norms(model) if "SkipRMSNorm" in ops else 0
     loras = fuse_lora(model) if "LoraDelta" in ops else 0
     lora_mlps = fuse_lora_swiglu(model) if loras else 0  # the same kernel file as LoraDelta: every build has it
+    if loras and half_adapters:
+        adapters_in_half(model)
     if count or q8 or layers or norms or loras:
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     return {"MatMulQ4": count, "MatMulQ8": q8, "PagedAttention": layers, "SkipRMSNorm": norms, "LoraDelta": loras,
@@ -94,13 +98,14 @@ def _all_128(tensor, base_dir: Path | None) -> bool:
     return bool(data) and data.count(128) == len(data)
 
 
-def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] = ALL_OPS) -> tuple[bytes, dict[str, int]]:
+def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] = ALL_OPS,
+                  half_adapters: bool = False) -> tuple[bytes, dict[str, int]]:
     """The graph file rewritten by fuse() (weights stay where they are: the model's external data is
     read from the package's folder), serialized, and the counts."""
     import onnx
 
     model = onnx.load(str(graph), load_external_data=False)
-    counts = fuse(model, config, ops, graph.parent)
+    counts = fuse(model, config, ops, graph.parent, half_adapters)
     return model.SerializeToString(), counts
 
 
@@ -207,6 +212,29 @@ def fuse_lora(model) -> int:
         count += 1
     if removed:
         _drop(model, nodes, removed)
+    return count
+
+
+def adapters_in_half(model) -> int:
+    """Declare as fp16 each adapter input (lora.*.A / .B) that only ruvllm.LoraDelta and LoraSwiGLU read,
+    which take either type: the deltas then read half the bytes per step. The native backend asks for it
+    where the base weights are quantized, so that fp16's rounding of the adapters (~5e-4 relative) sits
+    far below the base's own; an fp32 package keeps them fp32. Returns how many inputs."""
+    import onnx
+
+    from runtime import contract as C
+
+    layers = range(len(model.graph.input))  # more than the graph has
+    names = {f(i, t) for i in layers for t in C.LORA_TARGETS for f in (C.lora_a, C.lora_b)}
+    consumers = _consumers(model.graph.node)
+    count = 0
+    for inp in model.graph.input:
+        if inp.name not in names:
+            continue
+        users = consumers.get(inp.name, [])
+        if users and all(n.domain == DOMAIN and n.op_type in ("LoraDelta", "LoraSwiGLU") for n in users):
+            inp.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+            count += 1
     return count
 
 

@@ -141,7 +141,9 @@ class NativeBackend:
             ops -= {"PagedAttention"}
             no_attention = ""  # asked for: the graph's own attention is the expected path
         try:
-            model, counts = graph_fusion.rewrite_graph(graph, self.pkg.config, ops)
+            # a quantized package's adapters in fp16: half the bytes each step's deltas read
+            model, counts = graph_fusion.rewrite_graph(graph, self.pkg.config, ops,
+                                                       half_adapters=self.pkg.weights_quantized)
         except Exception as err:  # a graph onnx cannot parse: the plain load below reports it
             self.matmul_kernel += f" (graph not rewritten: {str(err)[:200]})"
             return None
@@ -159,6 +161,8 @@ class NativeBackend:
         self.lora_kernel = f"ruvllm.LoraDelta ({counts['LoraDelta']} targets)" if counts.get("LoraDelta") else None
         if counts.get("LoraSwiGLU"):
             self.lora_kernel += f", {counts['LoraSwiGLU']} MLPs' gate and up with their SwiGLU (ruvllm.LoraSwiGLU)"
+        if counts.get("LoraDelta") and self.pkg.weights_quantized:
+            self.lora_kernel += ", adapters in fp16"
         opts.register_custom_ops_library(str(lib))
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph.parent))
         try:
@@ -199,7 +203,9 @@ class NativeBackend:
             self.lora_runner = GraphRunner(self, self._open(lora=True))
             if self.pool is not None:
                 self.lora_runner.bind_pool(self.pool)
-        self.adapters = AdapterTensors(self.pkg.config, max_loras, max_rank)
+        kind = {i.name: i.type for i in self.lora_runner.session.get_inputs()}.get(C.lora_a(0, C.LORA_TARGETS[0]))
+        dtype = np.float16 if kind == "tensor(float16)" else np.float32  # graph_fusion.adapters_in_half
+        self.adapters = AdapterTensors(self.pkg.config, max_loras, max_rank, dtype=dtype)
         self._lora_columns = -1  # the adapter columns the LoRA session has bound
 
     def enable_xlora(self, max_loras: int, max_rank: int, xlora) -> None:

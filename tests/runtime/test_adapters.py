@@ -259,7 +259,7 @@ def test_adapters_on_an_int4_package_run_beside_the_base_graph(tiny_package, pef
     from runtime.backends import kernel_library
 
     if kernel_library.library()[0] is not None:  # every target's delta on ruvllm.LoraDelta
-        assert backend.lora_kernel == "ruvllm.LoraDelta (14 targets)", backend.lora_kernel
+        assert backend.lora_kernel == "ruvllm.LoraDelta (14 targets), adapters in fp16", backend.lora_kernel
     solo = {a: run(engine, PROMPT, a, 6) for a in (None, "a")}
     assert solo[None] != solo["a"]
     rids = {engine.add_request(PROMPT, greedy(6), adapter=a): a for a in (None, "a", None, "a")}
@@ -270,11 +270,13 @@ def test_adapters_on_an_int4_package_run_beside_the_base_graph(tiny_package, pef
     assert all(got[r] == solo[a] for r, a in rids.items())
 
 
-@pytest.mark.parametrize("quant", ["int4", "fp32"])
+@pytest.mark.parametrize("quant", ["int4", "int8", "fp32"])
 def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapters, monkeypatch, quant):
     """ruvllm.LoraDelta against the LoRA graph's Gemm/Mul/MatMul/Add on the same package, two adapters and
-    the base model in one step: an int4 AWQ package (up_proj's delta carries an output scale) and an fp32
-    one, whose MLPs (unscaled) run as ruvllm.LoraSwiGLU, the gate and up deltas and the SwiGLU fused."""
+    the base model in one step: an int4 AWQ package (up_proj's delta carries an output scale), an int8 RTN
+    and an fp32 one, whose MLPs (unscaled) run as ruvllm.LoraSwiGLU, the gate and up deltas and the SwiGLU
+    fused. On the quantized packages the kernels read the adapters in fp16, and the graph's own path is
+    given the same fp16-rounded numbers."""
     from runtime.backends import kernel_library
     from runtime.backends.native import NativeBackend
     from runtime.core.adapters import read_adapter
@@ -295,9 +297,15 @@ def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapter
         backend.enable_lora(2, 16)
         assert (backend.lora_kernel is None) == bool(ops)
         if not ops:
-            assert ("LoraSwiGLU" in backend.lora_kernel) == (quant == "fp32"), backend.lora_kernel
+            assert ("LoraSwiGLU" in backend.lora_kernel) == (quant != "int4"), backend.lora_kernel
+            assert ("fp16" in backend.lora_kernel) == (quant != "fp32"), backend.lora_kernel
         for slot, name in ((1, "all16"), (2, "mlp8")):
             backend.set_adapter(slot, read_adapter(name, folders[name], pkg.config, "llama"))
+        held = {a.dtype for pair in backend.adapters.stacked.values() for a in pair}
+        assert held == {np.dtype(np.float16 if quant != "fp32" and not ops else np.float32)}
+        if ops and quant != "fp32":
+            for a, b in backend.adapters.stacked.values():
+                a[:], b[:] = a.astype(np.float16), b.astype(np.float16)
         chunks = []
         for row, slot in enumerate((1, 0, 2)):
             table = list(range(8 * row, 8 * row + 3))

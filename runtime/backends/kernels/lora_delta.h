@@ -5,6 +5,9 @@
 // columns its w does not zero, so a batch over four rank-16 adapters does a quarter of the work, in one
 // operator instead of four. With attribute scaled=1 a sixth input s [out] scales the delta (an AWQ
 // package's up_proj, whose output rows carry the next projection's input scale): z = y + s * delta.
+// A^T and B come as fp32, or as fp16 where the native backend holds a quantized package's adapters so:
+// the deltas read every column of a step's adapters from memory each step (four rank-16 adapters over
+// SmolLM2's targets: ~78 MB in fp32), and halving those bytes is most of what they cost at 16 streams.
 // AVX2 intrinsics (the AVX-512 build runs them too, 16 outputs a pass where it has 32 registers).
 #pragma once
 
@@ -28,7 +31,9 @@ OrtStatus* create_lora(const CustomOp*, const void*, const OrtKernelInfo* info, 
 }
 
 struct LoraJob {
-  const float *y, *x, *at, *b, *w, *scale;  // scale: null, or [out]
+  const float *y, *x, *w, *scale;  // scale: null, or [out]
+  const void *at, *b;              // float, or fp16 as uint16_t where `half`
+  bool half = false;
   float* z;
   int64_t N, in, out, cols;
   int64_t ldy = 0, ldz = 0;  // row strides of y and z (LoraSwiGLU: y is the gate and up halves side by side)
@@ -52,15 +57,21 @@ inline void nonzero_columns(const LoraJob& j, int64_t n, std::vector<int32_t>& c
     if (w[c] != 0.f) cols.push_back((int32_t)c);
 }
 
+// 8 adapter numbers as fp32, from fp32 or fp16
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
+
 // x_i . a for G rows at once: each element of a loaded once, 2G independent accumulator chains (one
 // chain would wait on its adds' latency: ~4x slower)
-template <int G>
-void dots(const float* const* x, const float* a, int64_t n, float* out) {
+template <int G, typename W>
+void dots(const float* const* x, const W* a, int64_t n, float* out) {
   __m256 acc[G][2];
   for (int i = 0; i < G; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= n; k += 16) {
-    const __m256 a0 = _mm256_loadu_ps(a + k), a1 = _mm256_loadu_ps(a + k + 8);
+    const __m256 a0 = load8(a + k), a1 = load8(a + k + 8);
     for (int i = 0; i < G; i++) {
       acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k), a0, acc[i][0]);
       acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k + 8), a1, acc[i][1]);
@@ -70,12 +81,12 @@ void dots(const float* const* x, const float* a, int64_t n, float* out) {
     alignas(32) float lanes[8];
     _mm256_store_ps(lanes, _mm256_add_ps(acc[i][0], acc[i][1]));
     float s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-    for (int64_t r = k; r < n; r++) s += x[i][r] * a[r];
+    for (int64_t r = k; r < n; r++) s += x[i][r] * load1(a + r);
     out[i] = s;
   }
 }
 
-template <int G>
+template <int G, typename W>
 void delta_rows(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>& cols, const std::vector<__m256>& dv) {
   const float* y[G];
   float* z[G];
@@ -91,9 +102,9 @@ void delta_rows(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>&
     for (int i = 0; i < G; i++)
       for (int v = 0; v < V; v++) acc[i][v] = _mm256_setzero_ps();
     for (size_t k = 0; k < nc; k++) {
-      const float* bk = j.b + (int64_t)cols[k] * j.out + o;
+      const W* bk = static_cast<const W*>(j.b) + (int64_t)cols[k] * j.out + o;
       for (int v = 0; v < V; v++) {
-        const __m256 b = _mm256_loadu_ps(bk + 8 * v);
+        const __m256 b = load8(bk + 8 * v);
         for (int i = 0; i < G; i++) acc[i][v] = _mm256_fmadd_ps(dv[k * kGroup + i], b, acc[i][v]);
       }
     }
@@ -107,19 +118,27 @@ void delta_rows(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>&
   for (; o < j.out; o++)
     for (int i = 0; i < G; i++) {
       float acc = 0.f;
-      for (size_t k = 0; k < nc; k++) acc += _mm256_cvtss_f32(dv[k * kGroup + i]) * j.b[(int64_t)cols[k] * j.out + o];
+      for (size_t k = 0; k < nc; k++)
+        acc += _mm256_cvtss_f32(dv[k * kGroup + i]) * load1(static_cast<const W*>(j.b) + (int64_t)cols[k] * j.out + o);
       z[i][o] = y[i][o] + (j.scale ? j.scale[o] * acc : acc);
     }
 }
 
-void lora_group(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>& cols) {
+template <typename W>
+void lora_group_as(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>& cols) {
   const int G = g.count;
   thread_local std::vector<float> d;  // d[c][i] = w_i[c] * (x_i . A^T[c]); per thread, reused: no allocation per call
   d.resize((size_t)cols.size() * kGroup);
   const float* x[kGroup];
   for (int i = 0; i < G; i++) x[i] = j.x + g.rows[i] * j.in;
+  // B's rows, read after the dots below as as many interleaved streams as columns (which the hardware
+  // prefetcher does not follow), are fetched while the dots compute
   for (size_t k = 0; k < cols.size(); k++) {
-    const float* a = j.at + (int64_t)cols[k] * j.in;
+    const char* bk = static_cast<const char*>(j.b) + ((int64_t)cols[k] * j.out) * sizeof(W);
+    for (int64_t off = 0; off < j.out * (int64_t)sizeof(W); off += 64) prefetch(bk + off);
+  }
+  for (size_t k = 0; k < cols.size(); k++) {
+    const W* a = static_cast<const W*>(j.at) + (int64_t)cols[k] * j.in;
     float* dk = d.data() + k * kGroup;
     switch (G) {
       case 1: dots<1>(x, a, j.in, dk); break;
@@ -136,11 +155,25 @@ void lora_group(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>&
   for (size_t k = 0; k < cols.size(); k++)
     for (int i = 0; i < G; i++) dv[k * kGroup + i] = _mm256_set1_ps(d[k * kGroup + i]);
   switch (G) {
-    case 1: return delta_rows<1>(j, g, cols, dv);
-    case 2: return delta_rows<2>(j, g, cols, dv);
-    case 3: return delta_rows<3>(j, g, cols, dv);
-    default: return delta_rows<4>(j, g, cols, dv);
+    case 1: return delta_rows<1, W>(j, g, cols, dv);
+    case 2: return delta_rows<2, W>(j, g, cols, dv);
+    case 3: return delta_rows<3, W>(j, g, cols, dv);
+    default: return delta_rows<4, W>(j, g, cols, dv);
   }
+}
+
+void lora_group(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>& cols) {
+  if (j.half) lora_group_as<uint16_t>(j, g, cols);
+  else lora_group_as<float>(j, g, cols);
+}
+
+// whether an adapter input is fp16 (else fp32; anything else is an error)
+OrtStatus* adapter_half(const OrtValue* v, const char* op, bool* half) {
+  int type = 0;
+  RETURN_IF(tensor_type(v, &type));
+  if (type != kFloat && type != kFloat16) return fail(std::string(op) + ": adapter A and B must be float or float16");
+  *half = type == kFloat16;
+  return nullptr;
 }
 
 struct LoraPlan {
@@ -200,8 +233,12 @@ OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
   }
   RETURN_IF(tensor_data(in[0], const_cast<float**>(&j.y)));
   RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.x)));
-  RETURN_IF(tensor_data(in[2], const_cast<float**>(&j.at)));
-  RETURN_IF(tensor_data(in[3], const_cast<float**>(&j.b)));
+  bool half_b = false;
+  RETURN_IF(adapter_half(in[2], "ruvllm.LoraDelta", &j.half));
+  RETURN_IF(adapter_half(in[3], "ruvllm.LoraDelta", &half_b));
+  if (half_b != j.half) return fail("ruvllm.LoraDelta: A and B must have the same type");
+  RETURN_IF(tensor_data(in[2], const_cast<void**>(&j.at)));
+  RETURN_IF(tensor_data(in[3], const_cast<void**>(&j.b)));
   RETURN_IF(tensor_data(in[4], const_cast<float**>(&j.w)));
   RETURN_IF(output_data(ctx, 0, dy.data(), dy.size(), &j.z));
   if (j.N == 0 || j.out == 0) return nullptr;
@@ -253,8 +290,12 @@ OrtStatus* lora_swiglu(void*, OrtKernelContext* ctx) {
     j.y = y + h * F;
     j.z = halves.data() + (size_t)h * N * F;
     RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.x)));
-    RETURN_IF(tensor_data(in[2 + 2 * h], const_cast<float**>(&j.at)));
-    RETURN_IF(tensor_data(in[3 + 2 * h], const_cast<float**>(&j.b)));
+    bool half_b = false;
+    RETURN_IF(adapter_half(in[2 + 2 * h], "ruvllm.LoraSwiGLU", &j.half));
+    RETURN_IF(adapter_half(in[3 + 2 * h], "ruvllm.LoraSwiGLU", &half_b));
+    if (half_b != j.half) return fail("ruvllm.LoraSwiGLU: each target's A and B must have the same type");
+    RETURN_IF(tensor_data(in[2 + 2 * h], const_cast<void**>(&j.at)));
+    RETURN_IF(tensor_data(in[3 + 2 * h], const_cast<void**>(&j.b)));
     RETURN_IF(tensor_data(in[6], const_cast<float**>(&j.w)));
   }
   std::vector<int64_t> out_dims{N, F};

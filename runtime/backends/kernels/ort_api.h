@@ -28,6 +28,7 @@ enum ApiEntry : size_t {
   kCustomOpDomain_Add = 27,
   kAddCustomOpDomain = 28,
   kGetTensorMutableData = 51,
+  kGetTensorElementType = 60,
   kGetDimensionsCount = 61,
   kGetDimensions = 62,
   kGetTensorTypeAndShape = 65,
@@ -41,7 +42,8 @@ enum ApiEntry : size_t {
 };
 constexpr uint32_t kApiVersion = 18;  // KernelContext_ParallelFor (the last entry used) exists from 17 on
 constexpr int kOrtFail = 1;           // OrtErrorCode ORT_FAIL
-constexpr int kFloat = 1, kUint8 = 2, kInt64 = 7, kFloat16 = 10;  // ONNXTensorElementDataType
+constexpr int kUndefined = 0, kFloat = 1, kUint8 = 2, kInt64 = 7, kFloat16 = 10;  // ONNXTensorElementDataType
+// (kUndefined as an input's type: any type, the kernel reads which with tensor_type)
 
 const void* const* g_api = nullptr;
 
@@ -69,6 +71,14 @@ OrtStatus* tensor_shape(const OrtValue* v, std::vector<int64_t>& dims) {
     dims.resize(n);
     st = api<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(kGetDimensions)(info, dims.data(), n);
   }
+  api<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
+  return st;
+}
+
+OrtStatus* tensor_type(const OrtValue* v, int* type) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  RETURN_IF(api<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(kGetTensorTypeAndShape)(v, &info));
+  OrtStatus* st = api<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int*)>(kGetTensorElementType)(info, type);
   api<void (*)(OrtTensorTypeAndShapeInfo*)>(kReleaseTensorTypeAndShapeInfo)(info);
   return st;
 }

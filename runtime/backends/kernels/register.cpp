@@ -137,7 +137,7 @@ CustomOp norm_op() {
 CustomOp lora_op() {
   CustomOp op = kernel_op<LoraKernel, create_lora, lora_delta, kLoraName>();
   op.GetName = [](const CustomOp*) { return "LoraDelta"; };
-  op.GetInputType = [](const CustomOp*, size_t) { return kFloat; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return i == 2 || i == 3 ? kUndefined : kFloat; };  // A, B: fp32 or fp16
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 6; };
   op.GetInputCharacteristic = [](const CustomOp*, size_t i) { return i == 5 ? 1 : 0; };  // the scale: optional
   return op;
@@ -146,7 +146,7 @@ CustomOp lora_op() {
 CustomOp lora_swiglu_op() {
   CustomOp op = kernel_op<LoraKernel, create_lora, lora_swiglu, kLoraSwigluName>();
   op.GetName = [](const CustomOp*) { return "LoraSwiGLU"; };
-  op.GetInputType = [](const CustomOp*, size_t) { return kFloat; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return i >= 2 && i <= 5 ? kUndefined : kFloat; };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 7; };
   return op;
 }
