@@ -71,12 +71,13 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     norms = fuse_norms(model) if "SkipRMSNorm" in ops else 0
     loras = fuse_lora(model) if "LoraDelta" in ops else 0
     lora_mlps = fuse_lora_swiglu(model) if loras else 0  # the same kernel file as LoraDelta: every build has it
+    lora_qkv = fuse_lora_split(model) if loras else 0
     if loras and half_adapters:
         adapters_in_half(model)
     if count or q8 or layers or norms or loras:
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     return {"MatMulQ4": count, "MatMulQ8": q8, "PagedAttention": layers, "SkipRMSNorm": norms, "LoraDelta": loras,
-            "LoraSwiGLU": lora_mlps}
+            "LoraSwiGLU": lora_mlps, "LoraSplit": lora_qkv}
 
 
 def _all_128(tensor, base_dir: Path | None) -> bool:
@@ -216,8 +217,8 @@ def fuse_lora(model) -> int:
 
 
 def adapters_in_half(model) -> int:
-    """Declare as fp16 each adapter input (lora.*.A / .B) that only ruvllm.LoraDelta and LoraSwiGLU read,
-    which take either type: the deltas then read half the bytes per step. The native backend asks for it
+    """Declare as fp16 each adapter input (lora.*.A / .B) that only ruvllm.LoraDelta, LoraSwiGLU and
+    LoraSplit read, which take either type: the deltas then read half the bytes per step. The native backend asks for it
     where the base weights are quantized, so that fp16's rounding of the adapters (~5e-4 relative) sits
     far below the base's own; an fp32 package keeps them fp32. Returns how many inputs."""
     import onnx
@@ -232,7 +233,7 @@ def adapters_in_half(model) -> int:
         if inp.name not in names:
             continue
         users = consumers.get(inp.name, [])
-        if users and all(n.domain == DOMAIN and n.op_type in ("LoraDelta", "LoraSwiGLU") for n in users):
+        if users and all(n.domain == DOMAIN and n.op_type in ("LoraDelta", "LoraSwiGLU", "LoraSplit") for n in users):
             inp.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
             count += 1
     return count
@@ -280,6 +281,56 @@ def fuse_lora_swiglu(model) -> int:
                                       name=f"lora_swiglu_{count}", domain=DOMAIN, scaled=0)
         prod.CopyFrom(fused)
         removed.update(id(x) for x in (split, gate, up, sig, silu))
+        count += 1
+    if removed:
+        _drop(model, nodes, removed)
+    return count
+
+
+def fuse_lora_split(model) -> int:
+    """In the LoRA graph the attention's Split of the fused q/k/v output into three, their three LoraDelta
+    targets and the Concat of q and k become one ruvllm.LoraSplit(y, x, A_q^T, B_q, A_k^T, B_k, A_v^T, B_v,
+    w) writing (q+k, v), as MatMulQ4Split does in the base graph. Unscaled targets only. Returns how many."""
+    import onnx
+    from onnx import numpy_helper
+
+    nodes = list(model.graph.node)
+    consumers = _consumers(nodes)
+    inits = {i.name: i for i in model.graph.initializer}
+    graph_outputs = {o.name for o in model.graph.output}
+
+    def only(name: str, op_type: str, domain: str = ""):
+        users = consumers.get(name, [])
+        ok = len(users) == 1 and users[0].op_type == op_type and users[0].domain in ((domain,) if domain else ("", "ai.onnx"))
+        return users[0] if ok and name not in graph_outputs else None
+
+    def unscaled_delta(name: str):
+        d = only(name, "LoraDelta", DOMAIN)
+        return d if d is not None and d.input[0] == name and len(d.input) == 5 else None
+
+    removed, count = set(), 0
+    for split in nodes:
+        if split.op_type != "Split" or len(split.output) != 3 or len(split.input) != 2 or split.input[1] not in inits:
+            continue
+        sizes = [int(v) for v in numpy_helper.to_array(inits[split.input[1]]).reshape(-1)]
+        axis = next((onnx.helper.get_attribute_value(a) for a in split.attribute if a.name == "axis"), 0)
+        deltas = [unscaled_delta(o) for o in split.output]
+        if axis not in (1, -1) or len(sizes) != 3 or not all(deltas):
+            continue
+        q, k, v = deltas
+        if len({(d.input[1], d.input[4]) for d in deltas}) != 1:
+            continue
+        concat = only(q.output[0], "Concat")
+        if concat is None or list(concat.input) != [q.output[0], k.output[0]] or only(k.output[0], "Concat") is not concat:
+            continue
+        if next((onnx.helper.get_attribute_value(a) for a in concat.attribute if a.name == "axis"), None) not in (1, -1):
+            continue
+        fused = onnx.helper.make_node("LoraSplit", [split.input[0], q.input[1], q.input[2], q.input[3], k.input[2],
+                                                    k.input[3], v.input[2], v.input[3], q.input[4]],
+                                      [concat.output[0], v.output[0]], name=f"lora_split_{count}", domain=DOMAIN,
+                                      scaled=0, split=sizes[0] + sizes[1])
+        concat.CopyFrom(fused)
+        removed.update(id(x) for x in (split, q, k, v))
         count += 1
     if removed:
         _drop(model, nodes, removed)

@@ -161,6 +161,8 @@ class NativeBackend:
         self.lora_kernel = f"ruvllm.LoraDelta ({counts['LoraDelta']} targets)" if counts.get("LoraDelta") else None
         if counts.get("LoraSwiGLU"):
             self.lora_kernel += f", {counts['LoraSwiGLU']} MLPs' gate and up with their SwiGLU (ruvllm.LoraSwiGLU)"
+        if counts.get("LoraSplit"):
+            self.lora_kernel += f", {counts['LoraSplit']} attentions' q, k and v (ruvllm.LoraSplit)"
         if counts.get("LoraDelta") and self.pkg.weights_quantized:
             self.lora_kernel += ", adapters in fp16"
         opts.register_custom_ops_library(str(lib))
@@ -203,10 +205,15 @@ class NativeBackend:
             self.lora_runner = GraphRunner(self, self._open(lora=True))
             if self.pool is not None:
                 self.lora_runner.bind_pool(self.pool)
-        kind = {i.name: i.type for i in self.lora_runner.session.get_inputs()}.get(C.lora_a(0, C.LORA_TARGETS[0]))
-        dtype = np.float16 if kind == "tensor(float16)" else np.float32  # graph_fusion.adapters_in_half
+        kinds = {i.type for i in self.lora_runner.session.get_inputs() if i.name in self._adapter_input_names()}
+        if len(kinds) != 1:  # graph_fusion.adapters_in_half turns all of them or none
+            raise PackageError(f"{self.pkg.path}: the LoRA graph's adapter inputs mix types {sorted(kinds)}")
+        dtype = np.float16 if kinds == {"tensor(float16)"} else np.float32
         self.adapters = AdapterTensors(self.pkg.config, max_loras, max_rank, dtype=dtype)
         self._lora_columns = -1  # the adapter columns the LoRA session has bound
+
+    def _adapter_input_names(self) -> set[str]:
+        return {f(layer, t) for layer in range(self.num_layers) for t in C.LORA_TARGETS for f in (C.lora_a, C.lora_b)}
 
     def enable_xlora(self, max_loras: int, max_rank: int, xlora) -> None:
         """enable_lora, with the LoRA graph's hidden states (the scaling pass's output) checked."""

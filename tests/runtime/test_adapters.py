@@ -259,7 +259,8 @@ def test_adapters_on_an_int4_package_run_beside_the_base_graph(tiny_package, pef
     from runtime.backends import kernel_library
 
     if kernel_library.library()[0] is not None:  # every target's delta on ruvllm.LoraDelta
-        assert backend.lora_kernel == "ruvllm.LoraDelta (14 targets), adapters in fp16", backend.lora_kernel
+        assert backend.lora_kernel == ("ruvllm.LoraDelta (14 targets), 2 attentions' q, k and v (ruvllm.LoraSplit), "
+                                       "adapters in fp16"), backend.lora_kernel
     solo = {a: run(engine, PROMPT, a, 6) for a in (None, "a")}
     assert solo[None] != solo["a"]
     rids = {engine.add_request(PROMPT, greedy(6), adapter=a): a for a in (None, "a", None, "a")}
@@ -275,7 +276,7 @@ def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapter
     """ruvllm.LoraDelta against the LoRA graph's Gemm/Mul/MatMul/Add on the same package, two adapters and
     the base model in one step: an int4 AWQ package (up_proj's delta carries an output scale), an int8 RTN
     and an fp32 one, whose MLPs (unscaled) run as ruvllm.LoraSwiGLU, the gate and up deltas and the SwiGLU
-    fused. On the quantized packages the kernels read the adapters in fp16, and the graph's own path is
+    fused; each attention's q, k and v deltas run as one ruvllm.LoraSplit. On the quantized packages the kernels read the adapters in fp16, and the graph's own path is
     given the same fp16-rounded numbers."""
     from runtime.backends import kernel_library
     from runtime.backends.native import NativeBackend
@@ -299,6 +300,7 @@ def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapter
         if not ops:
             assert ("LoraSwiGLU" in backend.lora_kernel) == (quant != "int4"), backend.lora_kernel
             assert ("fp16" in backend.lora_kernel) == (quant != "fp32"), backend.lora_kernel
+            assert "LoraSplit" in backend.lora_kernel, backend.lora_kernel
         for slot, name in ((1, "all16"), (2, "mlp8")):
             backend.set_adapter(slot, read_adapter(name, folders[name], pkg.config, "llama"))
         held = {a.dtype for pair in backend.adapters.stacked.values() for a in pair}

@@ -18,13 +18,20 @@ namespace {
 
 struct LoraKernel {
   bool scaled = false;
+  int64_t split = 0;  // LoraSplit: the columns of its first output
 };
 
-OrtStatus* create_lora(const CustomOp*, const void*, const OrtKernelInfo* info, void** out) {
-  int64_t scaled = 0;
-  RETURN_IF(api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64)(
-      info, "scaled", &scaled));
-  auto* k = new (std::nothrow) LoraKernel{scaled != 0};
+extern const CustomOp g_lora_split;
+
+OrtStatus* create_lora(const CustomOp* op, const void*, const OrtKernelInfo* info, void** out) {
+  int64_t scaled = 0, split = 0;
+  auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
+  RETURN_IF(attr(info, "scaled", &scaled));
+  if (op == &g_lora_split) {
+    RETURN_IF(attr(info, "split", &split));
+    if (split <= 0) return fail("ruvllm.LoraSplit: split must be positive");
+  }
+  auto* k = new (std::nothrow) LoraKernel{scaled != 0, split};
   if (!k) return fail("ruvllm.LoraDelta: out of memory");
   *out = k;
   return nullptr;
@@ -320,6 +327,74 @@ OrtStatus* lora_swiglu(void*, OrtKernelContext* ctx) {
   }
   for (; k < n; k++) out[k] = g[k] / (1.f + std::exp(-g[k])) * u[k];
   return nullptr;
+}
+
+// ruvllm.LoraSplit: the attention's fused q/k/v projection output with its three targets' deltas,
+// written as two tensors (q+k, v), as MatMulQ4Split writes the base graph's. Why: in the LoRA graph the
+// projection's output was split into three, each target's delta added, and q and k concatenated again:
+// five operators and two copies per layer. Inputs: y [N, Q+K+V], x [N, in], A_q^T, B_q, A_k^T, B_k, A_v^T,
+// B_v, w [N, C]; attribute split: the first output's columns (Q+K: each target lies in one output).
+struct SplitWork {
+  const LoraPlan* plan;
+  LoraJob jobs[3];
+};
+
+void split_item(void* data, size_t i) {
+  const SplitWork& work = *static_cast<SplitWork*>(data);
+  const size_t groups = work.plan->groups.size();
+  lora_group(work.jobs[i / groups], work.plan->groups[i % groups], work.plan->cols[i % groups]);
+}
+
+OrtStatus* lora_split(void* kernel, OrtKernelContext* ctx) {
+  const int64_t split = static_cast<LoraKernel*>(kernel)->split;
+  const OrtValue* in[9] = {};
+  std::vector<int64_t> d[9];
+  RETURN_IF(read_inputs(ctx, 9, in, d));
+  const auto &dy = d[0], &dx = d[1], &dw = d[8];
+  if (dy.size() != 2 || dx.size() != 2 || dw.size() != 2 || dx[0] != dy[0] || dw[0] != dy[0] || split >= dy[1])
+    return fail("ruvllm.LoraSplit: expected y [N, Q+K+V] (wider than split), x [N, in], w [N, C]");
+  const int64_t N = dy[0], total = dy[1];
+  std::vector<int64_t> dims0{N, split}, dims1{N, total - split};
+  float *out0 = nullptr, *out1 = nullptr;
+  RETURN_IF(output_data(ctx, 0, dims0.data(), 2, &out0));
+  RETURN_IF(output_data(ctx, 1, dims1.data(), 2, &out1));
+  const float* y = nullptr;
+  RETURN_IF(tensor_data(in[0], const_cast<float**>(&y)));
+  SplitWork work{};
+  int64_t col = 0;
+  for (int t = 0; t < 3; t++) {
+    const auto &da = d[2 + 2 * t], &db = d[3 + 2 * t];
+    if (da.size() != 2 || db.size() != 2 || da[1] != dx[1] || da[0] != dw[1] || db[0] != dw[1])
+      return fail("ruvllm.LoraSplit: expected A^T [C, in] and B [C, out] for each of the three targets");
+    const int64_t out = db[1];
+    if (!(col + out <= split || col >= split) || col + out > total)
+      return fail("ruvllm.LoraSplit: the targets' outputs do not tile y with each inside one output");
+    LoraJob& j = work.jobs[t];
+    j.N = N, j.out = out, j.in = dx[1], j.cols = dw[1], j.ldy = total;
+    j.y = y + col;
+    if (col < split) j.z = out0 + col, j.ldz = split;
+    else j.z = out1 + (col - split), j.ldz = total - split;
+    RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.x)));
+    RETURN_IF(tensor_data(in[8], const_cast<float**>(&j.w)));
+    bool half_b = false;
+    RETURN_IF(adapter_half(in[2 + 2 * t], "ruvllm.LoraSplit", &j.half));
+    RETURN_IF(adapter_half(in[3 + 2 * t], "ruvllm.LoraSplit", &half_b));
+    if (half_b != j.half) return fail("ruvllm.LoraSplit: each target's A and B must have the same type");
+    RETURN_IF(tensor_data(in[2 + 2 * t], const_cast<void**>(&j.at)));
+    RETURN_IF(tensor_data(in[3 + 2 * t], const_cast<void**>(&j.b)));
+    col += out;
+  }
+  if (col != total) return fail("ruvllm.LoraSplit: the targets' outputs do not add up to y's columns");
+  if (N == 0) return nullptr;
+  thread_local LoraPlan plan;
+  plan_groups(work.jobs[0], plan);  // one w: the same groups for the three targets
+  work.plan = &plan;
+  const size_t items = 3 * plan.groups.size();
+  if (items < 4) {
+    for (size_t i = 0; i < items; i++) split_item(&work, i);
+    return nullptr;
+  }
+  return parallel_for(ctx, split_item, items, &work);
 }
 
 }  // namespace

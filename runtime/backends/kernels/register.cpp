@@ -91,7 +91,8 @@ OrtStatus* guarded(void* kernel, OrtKernelContext* ctx) {
 
 constexpr char kMatMulName[] = "ruvllm.MatMulQ4", kAttentionName[] = "ruvllm.PagedAttention",
                kNormName[] = "ruvllm.SkipRMSNorm", kLoraName[] = "ruvllm.LoraDelta",
-               kMatMulQ8Name[] = "ruvllm.MatMulQ8", kLoraSwigluName[] = "ruvllm.LoraSwiGLU";
+               kMatMulQ8Name[] = "ruvllm.MatMulQ8", kLoraSwigluName[] = "ruvllm.LoraSwiGLU",
+               kLoraSplitName[] = "ruvllm.LoraSplit";
 
 // the entry points of an operator whose kernel object (a K) `create` makes and `run` computes with
 template <typename K, CreateFn create, ComputeFn run, const char* what>
@@ -151,6 +152,15 @@ CustomOp lora_swiglu_op() {
   return op;
 }
 
+CustomOp lora_split_op() {
+  CustomOp op = kernel_op<LoraKernel, create_lora, lora_split, kLoraSplitName>();
+  op.GetName = [](const CustomOp*) { return "LoraSplit"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return i >= 2 && i <= 7 ? kUndefined : kFloat; };
+  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 9; };
+  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 2; };
+  return op;
+}
+
 CustomOp matmul_q8_op() {
   CustomOp op = kernel_op<Q8Kernel, create_q8, compute_q8, kMatMulQ8Name>();
   op.GetName = [](const CustomOp*) { return "MatMulQ8"; };
@@ -177,6 +187,7 @@ const CustomOp g_matmul_split = matmul_split_op();
 const CustomOp g_matmul_swiglu = matmul_swiglu_op();
 const CustomOp g_lora = lora_op();
 const CustomOp g_lora_swiglu = lora_swiglu_op();
+const CustomOp g_lora_split = lora_split_op();
 const CustomOp g_matmul_q8 = matmul_q8_op();
 #if RUVLLM_AVX512
 const CustomOp g_attention = attention_op();
@@ -195,10 +206,11 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   RETURN_IF(api<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ruvllm", &domain));
   auto add = api<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomain_Add);
 #if RUVLLM_AVX512
-  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_matmul_q8, &g_attention, &g_norm, &g_lora, &g_lora_swiglu})
+  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_matmul_q8, &g_attention, &g_norm, &g_lora, &g_lora_swiglu,
+                            &g_lora_split})
     RETURN_IF(add(domain, op));
 #else
-  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_matmul_q8, &g_lora, &g_lora_swiglu})
+  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_matmul_q8, &g_lora, &g_lora_swiglu, &g_lora_split})
     RETURN_IF(add(domain, op));
 #endif
   return api<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
