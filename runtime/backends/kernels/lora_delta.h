@@ -8,7 +8,7 @@
 // A^T and B come as fp32, or as fp16 where the native backend holds a quantized package's adapters so:
 // the deltas read every column of a step's adapters from memory each step (four rank-16 adapters over
 // SmolLM2's targets: ~78 MB in fp32), and halving those bytes is most of what they cost at 16 streams.
-// AVX2 intrinsics (the AVX-512 build runs them too, 16 outputs a pass where it has 32 registers).
+// Written over simd_math.h's Vec: 16 lanes on the AVX-512 build, 8 on AVX2.
 #pragma once
 
 #include "ort_api.h"
@@ -64,9 +64,6 @@ inline void nonzero_columns(const LoraJob& j, int64_t n, std::vector<int32_t>& c
     if (w[c] != 0.f) cols.push_back((int32_t)c);
 }
 
-// 8 adapter numbers as fp32, from fp32 or fp16
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline float load1(const float* p) { return *p; }
 inline float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
 
@@ -74,27 +71,30 @@ inline float load1(const uint16_t* p) { return _cvtsh_ss(*p); }
 // chain would wait on its adds' latency: ~4x slower)
 template <int G, typename W>
 void dots(const float* const* x, const W* a, int64_t n, float* out) {
-  __m256 acc[G][2];
-  for (int i = 0; i < G; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  constexpr int L = Vec::kLanes;
+  Vec::F acc[G][2];
+  for (int i = 0; i < G; i++) acc[i][0] = acc[i][1] = Vec::zero();
   int64_t k = 0;
-  for (; k + 16 <= n; k += 16) {
-    const __m256 a0 = load8(a + k), a1 = load8(a + k + 8);
+  for (; k + 2 * L <= n; k += 2 * L) {
+    const Vec::F a0 = Vec::load(a + k), a1 = Vec::load(a + k + L);
     for (int i = 0; i < G; i++) {
-      acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k), a0, acc[i][0]);
-      acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k + 8), a1, acc[i][1]);
+      acc[i][0] = Vec::fmadd(Vec::load(x[i] + k), a0, acc[i][0]);
+      acc[i][1] = Vec::fmadd(Vec::load(x[i] + k + L), a1, acc[i][1]);
     }
   }
   for (int i = 0; i < G; i++) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, _mm256_add_ps(acc[i][0], acc[i][1]));
-    float s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+    float s = Vec::reduce_add(Vec::add(acc[i][0], acc[i][1]));
     for (int64_t r = k; r < n; r++) s += x[i][r] * load1(a + r);
     out[i] = s;
   }
 }
 
+// z_i = y_i + sum_c d[c][i] * B[c] (times the scale), two vectors of outputs at a time kept in registers
+// over every column: each B load feeds G FMAs and z is written once (an axpy per column would load and
+// store z each time)
 template <int G, typename W>
-void delta_rows(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>& cols, const std::vector<__m256>& dv) {
+void delta_rows(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>& cols, const float* d) {
+  constexpr int L = Vec::kLanes, V = 2;
   const float* y[G];
   float* z[G];
   for (int i = 0; i < G; i++) {
@@ -102,31 +102,30 @@ void delta_rows(const LoraJob& j, const RowGroup& g, const std::vector<int32_t>&
     z[i] = j.z + g.rows[i] * j.ldz;
   }
   const size_t nc = cols.size();
-  constexpr int V = RUVLLM_AVX512 ? 2 : 1;  // outputs per pass: 16 (a B row's cache line) where 32 registers hold them
   int64_t o = 0;
-  for (; o + 8 * V <= j.out; o += 8 * V) {
-    __m256 acc[G][V];
+  for (; o + V * L <= j.out; o += V * L) {
+    Vec::F acc[G][V];
     for (int i = 0; i < G; i++)
-      for (int v = 0; v < V; v++) acc[i][v] = _mm256_setzero_ps();
+      for (int v = 0; v < V; v++) acc[i][v] = Vec::zero();
     for (size_t k = 0; k < nc; k++) {
       const W* bk = static_cast<const W*>(j.b) + (int64_t)cols[k] * j.out + o;
+      const float* dk = d + k * kGroup;
       for (int v = 0; v < V; v++) {
-        const __m256 b = load8(bk + 8 * v);
-        for (int i = 0; i < G; i++) acc[i][v] = _mm256_fmadd_ps(dv[k * kGroup + i], b, acc[i][v]);
+        const Vec::F b = Vec::load(bk + v * L);
+        for (int i = 0; i < G; i++) acc[i][v] = Vec::fmadd(Vec::set1(dk[i]), b, acc[i][v]);
       }
     }
     for (int i = 0; i < G; i++)
       for (int v = 0; v < V; v++) {
-        const __m256 yv = _mm256_loadu_ps(y[i] + o + 8 * v);
-        _mm256_storeu_ps(z[i] + o + 8 * v, j.scale ? _mm256_fmadd_ps(_mm256_loadu_ps(j.scale + o + 8 * v), acc[i][v], yv)
-                                                   : _mm256_add_ps(yv, acc[i][v]));
+        const int64_t at = o + v * L;
+        const Vec::F yv = Vec::load(y[i] + at);
+        Vec::store(z[i] + at, j.scale ? Vec::fmadd(Vec::load(j.scale + at), acc[i][v], yv) : Vec::add(yv, acc[i][v]));
       }
   }
   for (; o < j.out; o++)
     for (int i = 0; i < G; i++) {
       float acc = 0.f;
-      for (size_t k = 0; k < nc; k++)
-        acc += _mm256_cvtss_f32(dv[k * kGroup + i]) * load1(static_cast<const W*>(j.b) + (int64_t)cols[k] * j.out + o);
+      for (size_t k = 0; k < nc; k++) acc += d[k * kGroup + i] * load1(static_cast<const W*>(j.b) + (int64_t)cols[k] * j.out + o);
       z[i][o] = y[i][o] + (j.scale ? j.scale[o] * acc : acc);
     }
 }
@@ -155,17 +154,11 @@ void lora_group_as(const LoraJob& j, const RowGroup& g, const std::vector<int32_
     }
     for (int i = 0; i < G; i++) dk[i] *= j.w[g.rows[i] * j.cols + cols[k]];
   }
-  // z_i = y_i + sum_c d[c][i] * B[c], 8 outputs at a time kept in registers over every column: each
-  // B load feeds G FMAs and z is written once (an axpy per column would load and store z each time)
-  thread_local std::vector<__m256> dv;
-  dv.resize((size_t)cols.size() * kGroup);
-  for (size_t k = 0; k < cols.size(); k++)
-    for (int i = 0; i < G; i++) dv[k * kGroup + i] = _mm256_set1_ps(d[k * kGroup + i]);
   switch (G) {
-    case 1: return delta_rows<1, W>(j, g, cols, dv);
-    case 2: return delta_rows<2, W>(j, g, cols, dv);
-    case 3: return delta_rows<3, W>(j, g, cols, dv);
-    default: return delta_rows<4, W>(j, g, cols, dv);
+    case 1: return delta_rows<1, W>(j, g, cols, d.data());
+    case 2: return delta_rows<2, W>(j, g, cols, d.data());
+    case 3: return delta_rows<3, W>(j, g, cols, d.data());
+    default: return delta_rows<4, W>(j, g, cols, d.data());
   }
 }
 
