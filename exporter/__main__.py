@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from runtime.contract import KV_DTYPES
 from runtime.errors import RuvLLMError
 
 
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a package, or a source exported to fp32 for the comparison (HF folder or id, .gguf, alias)")
     e.add_argument("--text", default=None, metavar="FILE", help="UTF-8 text (default: CPython's LICENSE.txt)")
     e.add_argument("--tokens", type=int, default=2048, help="tokens of the text to use (default 2048)")
-    e.add_argument("--kv-dtype", default="fp32", choices=["fp32"], help="KV cache precision (fp32 only for now)")
+    e.add_argument("--kv-dtype", default="fp32", choices=list(KV_DTYPES),
+                   help="the KV pool's precision; int8 without --reference: KL against the same package on fp32 KV")
     e.add_argument("--no-speed", action="store_true", help="skip the decode tok/s column")
     e.add_argument("--json", action="store_true")
     i = sub.add_parser("inspect", help="summarize a package: manifest and graph inputs/outputs")

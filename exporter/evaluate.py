@@ -7,6 +7,11 @@ its one-stream decode speed. The default text is CPython's own LICENSE.txt (the 
 licences, PSF licence, ~3.8k SmolLM2 tokens): English the project did not write, present wherever Python
 is. A reference that is not a package (a Hugging Face folder or hub id, a .gguf, an alias) is exported
 to fp32 first, into a temporary folder.
+
+With --kv-dtype int8 the text goes through in steps of KV_CHUNK tokens, so that nearly every position
+attends over keys and values read back from the (int8) KV pool, as a decode does; without --reference
+the reference is then the same package with an fp32 pool, stepped the same way: the KL is what the KV
+cache's precision alone costs.
 """
 
 from __future__ import annotations
@@ -23,37 +28,44 @@ from exporter.progress import stage
 from runtime.errors import PackageError
 
 DEFAULT_TEXT = "CPython's LICENSE.txt (Python Software Foundation License)"
+KV_CHUNK = 16  # tokens a step when the KV pool's precision is measured: one block
 
 
 def held_out_text() -> str:
     return (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text(encoding="utf-8")
 
 
-def teacher_forced_logits(pkg_dir, ids: list[int]) -> np.ndarray:
-    """The raw next-token logits at every position, from one prefill step."""
+def teacher_forced_logits(pkg_dir, ids: list[int], kv_dtype: str = "fp32", chunk: int | None = None) -> np.ndarray:
+    """The raw next-token logits at every position: from one prefill step, or from steps of `chunk`
+    tokens over a KV pool of `kv_dtype`."""
     from runtime.backends.native import NativeBackend
     from runtime.core.step_batch import Chunk, build_step
     from runtime.package import load_package
 
-    backend = NativeBackend(load_package(pkg_dir))
+    backend = NativeBackend(load_package(pkg_dir), kv_dtype=kv_dtype)
     blocks = -(-len(ids) // 16)
     backend.allocate(blocks, 16)
-    batch = build_step([Chunk(tokens=ids, start=0, block_table=list(range(blocks)), kv_slots=list(range(len(ids))),
-                              want_logits=True)], 16, want_full_logits=True)
-    n = len(ids)  # logits at every position, not only the last
-    batch.logits_index = list(range(n))
-    for name in ("temperature", "repetition_penalty"):
-        setattr(batch, name, [1.0] * n)
-    for name in ("presence_penalty", "frequency_penalty"):
-        setattr(batch, name, [0.0] * n)
-    batch.sparse_ids, batch.sparse_seen = [[0]] * n, [[0.0]] * n
-    batch.sparse_counts, batch.sparse_bias = [[0.0]] * n, [[0.0]] * n
-    return backend.run(batch).logits
+    chunk = chunk or len(ids)
+    out = []
+    for start in range(0, len(ids), chunk):
+        tokens = ids[start:start + chunk]
+        n = len(tokens)
+        batch = build_step([Chunk(tokens=tokens, start=start, block_table=list(range(blocks)),
+                                  kv_slots=list(range(start, start + n)), want_logits=True)], 16, want_full_logits=True)
+        batch.logits_index = list(range(n))  # logits at every position, not only the last
+        for name in ("temperature", "repetition_penalty"):
+            setattr(batch, name, [1.0] * n)
+        for name in ("presence_penalty", "frequency_penalty"):
+            setattr(batch, name, [0.0] * n)
+        batch.sparse_ids, batch.sparse_seen = [[0]] * n, [[0.0]] * n
+        batch.sparse_counts, batch.sparse_bias = [[0.0]] * n, [[0.0]] * n
+        out.append(backend.run(batch).logits.copy())
+    return np.concatenate(out)
 
 
-def teacher_forced_logprobs(pkg_dir, ids: list[int]) -> np.ndarray:
+def teacher_forced_logprobs(pkg_dir, ids: list[int], kv_dtype: str = "fp32", chunk: int | None = None) -> np.ndarray:
     """log-softmax of the next-token logits at every position."""
-    logits = teacher_forced_logits(pkg_dir, ids).astype(np.float64)
+    logits = teacher_forced_logits(pkg_dir, ids, kv_dtype, chunk).astype(np.float64)
     logits -= logits.max(axis=1, keepdims=True)
     return logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
 
@@ -81,14 +93,14 @@ class Row:
     decode_tok_s: float | None = None
 
 
-def decode_speed(pkg_dir, tokens: int = 64) -> float:
+def decode_speed(pkg_dir, tokens: int = 64, kv_dtype: str = "fp32") -> float:
     """One stream's greedy decode tok/s after bench's short chat prompt (the first token excluded), measured
     as `ruvllm bench` measures it."""
     from runtime.core.engine import Engine
     from runtime.core.sampling import SamplingParams
     from runtime.serve.bench import SHORT_PROMPT, run_one
 
-    engine = Engine.from_package(pkg_dir, verify=False, speculative_tokens=0)
+    engine = Engine.from_package(pkg_dir, verify=False, speculative_tokens=0, kv_dtype=kv_dtype)
     run_one(engine, SamplingParams(temperature=0.0, max_tokens=4), messages=SHORT_PROMPT)  # warm-up
     return run_one(engine, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
                    messages=SHORT_PROMPT)["decode_tps"]
@@ -105,8 +117,9 @@ def _quant_label(pkg) -> str:
 
 
 def evaluate(packages: list[str], reference: str | None = None, text: str | None = None, tokens: int = 2048,
-             speed: bool = True, progress: bool = True) -> dict:
-    """The eval table as a dict: {"text", "tokens", "reference", "rows": [Row, ...]}."""
+             speed: bool = True, progress: bool = True, kv_dtype: str = "fp32") -> dict:
+    """The eval table as a dict: {"text", "tokens", "reference", "kv_dtype", "rows": [Row, ...]}. With a
+    kv_dtype other than fp32 and no reference, each package is measured against itself on an fp32 pool."""
     from runtime.package import load_package
     from runtime.text.tokenizer import Tokenizer
 
@@ -125,19 +138,22 @@ def evaluate(packages: list[str], reference: str | None = None, text: str | None
             bar.update()
             bar.close()
         rows = []
+        chunk = KV_CHUNK if kv_dtype != "fp32" else None
         for pkg in stage("packages", loaded, total=len(loaded), enabled=progress):
-            lp = teacher_forced_logprobs(pkg.path, ids)
+            lp = teacher_forced_logprobs(pkg.path, ids, kv_dtype, chunk)
             row = Row(str(pkg.path), _quant_label(pkg), _size_mb(pkg), round(perplexity(lp, ids), 4))
-            if ref is not None:
-                q = quality(ref, lp, ids)
+            base = ref if ref is not None or chunk is None else teacher_forced_logprobs(pkg.path, ids, "fp32", chunk)
+            if base is not None:
+                q = quality(base, lp, ids)
                 row.kl, row.top1 = round(float(q["kl"]), 5), round(float(q["top1"]), 4)
                 row.delta_ppl_pct = round(100 * (q["ppl"] / q["ppl_ref"] - 1), 2)
             if speed:
-                row.decode_tok_s = round(decode_speed(pkg.path), 1)
+                row.decode_tok_s = round(decode_speed(pkg.path, kv_dtype=kv_dtype), 1)
             rows.append(row)
             del lp
-        return {"text": "given" if text is not None else DEFAULT_TEXT, "tokens": len(ids),
-                "reference": reference, "reference_perplexity": round(perplexity(ref, ids), 4) if ref is not None else None,
+        return {"text": "given" if text is not None else DEFAULT_TEXT, "tokens": len(ids), "kv_dtype": kv_dtype,
+                "reference": reference or (None if chunk is None else "each package on an fp32 KV pool"),
+                "reference_perplexity": round(perplexity(ref, ids), 4) if ref is not None else None,
                 "rows": [asdict(r) for r in rows]}
 
 
@@ -153,9 +169,9 @@ def _reference_package(reference: str, tmp: str, progress: bool) -> str:
 
 def format_table(result: dict) -> str:
     head = ["package", "quantization", "size MB", "perplexity", "Δ ppl", "KL", "top-1", "decode tok/s"]
-    lines = [f"text: {result['text']}, {result['tokens']} tokens, teacher-forced"
-             + (f"; reference {result['reference']} (perplexity {result['reference_perplexity']})"
-                if result["reference"] else "")]
+    lines = [f"text: {result['text']}, {result['tokens']} tokens, teacher-forced, KV {result.get('kv_dtype', 'fp32')}"
+             + (f"; reference {result['reference']}" if result["reference"] else "")
+             + (f" (perplexity {result['reference_perplexity']})" if result["reference_perplexity"] else "")]
     rows = [[Path(r["package"]).name, r["quantization"], f"{r['size_mb']:.1f}", f"{r['perplexity']:.3f}",
              "" if r["delta_ppl_pct"] is None else f"{r['delta_ppl_pct']:+.2f}%",
              "" if r["kl"] is None else f"{r['kl']:.4f}", "" if r["top1"] is None else f"{100 * r['top1']:.1f}%",
@@ -167,8 +183,6 @@ def format_table(result: dict) -> str:
 
 
 def main(args) -> None:
-    if args.kv_dtype != "fp32":
-        raise PackageError(f"--kv-dtype {args.kv_dtype}: the runtime's KV cache is fp32 only for now")
     text = None
     if args.text:
         try:
@@ -176,5 +190,5 @@ def main(args) -> None:
         except (OSError, UnicodeDecodeError) as err:
             raise PackageError(f"cannot read --text {args.text}: {err}") from None
     result = evaluate(args.packages, args.reference, text, args.tokens, speed=not args.no_speed,
-                      progress=not args.json)
+                      progress=not args.json, kv_dtype=args.kv_dtype)
     print(json.dumps(result) if args.json else format_table(result))

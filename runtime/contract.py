@@ -76,6 +76,19 @@ def past_value(layer: int) -> str:
     return f"past.{layer}.value"
 
 
+def past_key_scale(layer: int) -> str:
+    # float [kv_heads, num_blocks, block_size]: each int8 key row's scale. Not an exported input: the native
+    # backend's rewrite adds it where it runs the pool in int8 (--kv-dtype int8, graph_fusion.kv_in_int8)
+    return f"past.{layer}.key_scale"
+
+
+def past_value_scale(layer: int) -> str:
+    return f"past.{layer}.value_scale"
+
+
+KV_DTYPES = ("fp32", "int8")  # the native KV pool's element types (--kv-dtype)
+
+
 def lora_a(layer: int, target: str) -> str:
     return f"lora.{layer}.{target}.A"  # float [lora_columns, in_features]: the adapters' A, transposed
 

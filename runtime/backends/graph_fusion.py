@@ -22,7 +22,7 @@ def fusable_head_dim(head_dim: int) -> bool:
 
 
 def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_dir: Path | None = None,
-         half_adapters: bool = False) -> dict[str, int]:
+         half_adapters: bool = False, kv_int8: bool = False) -> dict[str, int]:
     """Rewrite `model` in place with the operators in `ops`: every MatMulNBits the kernel computes the
     same way becomes ruvllm.MatMulQ4 (with its epilogues and block minimums folded in), and, given the
     package's config, each layer's attention ruvllm.PagedAttention (fuse_attention) and each residual
@@ -34,7 +34,8 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     8-bit nodes of that kind whose zero points are all 128 (a GGUF's Q8_0: the integers minus 128 fit a
     signed byte whatever they are) become ruvllm.MatMulQ8; `base_dir` is where the graph's external
     data lives, to read those zero points. `half_adapters`: the LoRA graph's adapter inputs that only
-    RuvLLM's LoRA operators read become fp16 (adapters_in_half).
+    RuvLLM's LoRA operators read become fp16 (adapters_in_half). `kv_int8`: the KV pool inputs that
+    only ruvllm.PagedAttention reads become int8 with their row scales (kv_in_int8).
     """
     import onnx
 
@@ -68,6 +69,8 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     if "PagedAttention" in ops and config is not None and fusable_head_dim(config.get("head_dim", 0)):
         layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"],
                                 config.get("sliding_window"))
+    if layers and kv_int8:
+        kv_in_int8(model)
     norms = fuse_norms(model) if "SkipRMSNorm" in ops else 0
     loras = fuse_lora(model) if "LoraDelta" in ops else 0
     lora_mlps = fuse_lora_swiglu(model) if loras else 0  # the same kernel file as LoraDelta: every build has it
@@ -100,13 +103,13 @@ def _all_128(tensor, base_dir: Path | None) -> bool:
 
 
 def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] = ALL_OPS,
-                  half_adapters: bool = False) -> tuple[bytes, dict[str, int]]:
+                  half_adapters: bool = False, kv_int8: bool = False) -> tuple[bytes, dict[str, int]]:
     """The graph file rewritten by fuse() (weights stay where they are: the model's external data is
     read from the package's folder), serialized, and the counts."""
     import onnx
 
     model = onnx.load(str(graph), load_external_data=False)
-    counts = fuse(model, config, ops, graph.parent, half_adapters)
+    counts = fuse(model, config, ops, graph.parent, half_adapters, kv_int8)
     return model.SerializeToString(), counts
 
 
@@ -213,6 +216,40 @@ def fuse_lora(model) -> int:
         count += 1
     if removed:
         _drop(model, nodes, removed)
+    return count
+
+
+def kv_in_int8(model) -> int:
+    """Each layer's KV pool inputs (past.{i}.key / .value) that only ruvllm.PagedAttention reads become
+    int8, and the node takes two more inputs, each row's scale [kv_heads, num_blocks, block_size] per kind
+    (contract.past_key_scale), which the kernel multiplies back in (--kv-dtype int8). Returns how many
+    layers."""
+    import onnx
+
+    from runtime import contract as C
+
+    inputs = {i.name: i for i in model.graph.input}
+    consumers = _consumers(model.graph.node)
+    count = 0
+    for layer in range(len(inputs)):
+        key, value = inputs.get(C.past_key(layer)), inputs.get(C.past_value(layer))
+        if key is None or value is None:
+            break
+        users = consumers.get(key.name, []) + consumers.get(value.name, [])
+        if len(users) != 2 or users[0] is not users[1] or (users[0].domain, users[0].op_type) != (DOMAIN, "PagedAttention"):
+            continue
+        node = users[0]
+        if list(node.input[2:4]) != [key.name, value.name] or len(node.input) != 7:
+            continue
+        dims = [d for d in key.type.tensor_type.shape.dim][:3]
+        for pool, name in ((key, C.past_key_scale(layer)), (value, C.past_value_scale(layer))):
+            pool.type.tensor_type.elem_type = onnx.TensorProto.INT8
+            scale = onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
+            for d in dims:
+                scale.type.tensor_type.shape.dim.add().CopyFrom(d)
+            model.graph.input.append(scale)
+            node.input.append(name)
+        count += 1
     return count
 
 

@@ -53,10 +53,15 @@ class NativeBackend:
     name = "onnxruntime"
 
     def __init__(self, package: ModelPackage, device: str = "cpu", threads: int | None = None,
-                 lora: bool = False, kv_device_writes: bool | None = None) -> None:
-        """kv_device_writes: write K/V with the pool's device graph even on CPU (kv_pool.py; tests)."""
+                 lora: bool = False, kv_device_writes: bool | None = None, kv_dtype: str = "fp32") -> None:
+        """kv_device_writes: write K/V with the pool's device graph even on CPU (kv_pool.py; tests).
+        kv_dtype: the KV pool's numbers, "fp32" or "int8" (rows quantized as written; read by
+        ruvllm.PagedAttention, so on a CPU with RuvLLM's AVX-512 kernels only)."""
         import onnxruntime as ort
 
+        if kv_dtype not in C.KV_DTYPES:
+            raise DeviceError(f"--kv-dtype {kv_dtype!r}: choose one of {', '.join(C.KV_DTYPES)}")
+        self.kv_dtype = kv_dtype
         self.pkg = package
         cfg = package.config
         self.num_layers = cfg["num_layers"]
@@ -108,9 +113,13 @@ class NativeBackend:
                 raise PackageError(f"{package.path}: onnxruntime cannot load {graph.name}: "
                                    f"{str(err).splitlines()[0][:300]}") from err
         names = [i.name for i in session.get_inputs()]
+        if self.kv_dtype == "int8":
+            self._check_int8_pool(session)
         from runtime.package import expected_inputs
 
         contract = expected_inputs(self.num_layers, lora=lora)
+        scales = {f(i) for i in range(self.num_layers) for f in (C.past_key_scale, C.past_value_scale)}
+        names = [n for n in names if n not in scales]  # an int8 pool's row scales (graph_fusion.kv_in_int8)
         if names and names[-1] == C.LOGITS_MASK:  # a graph with structured output's mask input
             names = names[:-1]
         if names[:len(contract)] != contract or (not lora and len(names) != len(contract)):
@@ -119,6 +128,13 @@ class NativeBackend:
             raise PackageError(f"{package.path}: its LoRA graph takes adapters stacked over layers, an earlier "
                                "layout this runtime no longer feeds; re-export the package")
         return session
+
+    def _check_int8_pool(self, session) -> None:
+        """An int8 pool needs every layer's attention on ruvllm.PagedAttention (which reads int8 rows)."""
+        types = {i.name: i.type for i in session.get_inputs()}
+        if any(types.get(C.past_key(i)) != "tensor(int8)" for i in range(self.num_layers)):
+            raise DeviceError(f"--kv-dtype int8 needs ruvllm.PagedAttention on every layer (RuvLLM's AVX-512 VNNI "
+                              f"CPU kernels); here attention runs on {self.attention_kernel}")
 
     def _kernel_session(self, graph, opts, declared: dict[str, int] | None):
         """The graph on RuvLLM's CPU kernels (kernel_library, graph_fusion), or None to run it as it is;
@@ -143,7 +159,8 @@ class NativeBackend:
         try:
             # a quantized package's adapters in fp16: half the bytes each step's deltas read
             model, counts = graph_fusion.rewrite_graph(graph, self.pkg.config, ops,
-                                                       half_adapters=self.pkg.weights_quantized)
+                                                       half_adapters=self.pkg.weights_quantized,
+                                                       kv_int8=self.kv_dtype == "int8")
         except Exception as err:  # a graph onnx cannot parse: the plain load below reports it
             self.matmul_kernel += f" (graph not rewritten: {str(err)[:200]})"
             return None
@@ -186,12 +203,16 @@ class NativeBackend:
         from runtime.backends.kv_pool import DeviceKVPool
 
         self.pool = DeviceKVPool(self._ort, self.providers, self.num_layers, self.kv_heads, self.head_dim,
-                                 num_blocks, block_size, self._kv_device_writes)
+                                 num_blocks, block_size, self._kv_device_writes, self.kv_dtype)
         self.runner.bind_pool(self.pool)
         if self.lora_runner is not None and self.lora_runner is not self.runner:
             self.lora_runner.bind_pool(self.pool)
 
-    kv_bytes_per_token = staticmethod(kv_bytes_per_token)
+    def kv_bytes_per_token(self, cfg: dict) -> int:
+        """Bytes one token takes in the pool: fp32 rows, or int8 rows and their fp32 scales."""
+        if self.kv_dtype == "int8":
+            return cfg["num_layers"] * 2 * cfg["num_kv_heads"] * (cfg["head_dim"] + 4)
+        return kv_bytes_per_token(cfg)
 
     # ---- adapters ----
     def enable_lora(self, max_loras: int, max_rank: int) -> None:

@@ -76,7 +76,8 @@ class Engine:
         from runtime.backends.native import NativeBackend
 
         pkg = load_package(path, verify_hashes=verify)
-        return cls(pkg, NativeBackend(pkg, device=device, threads=threads), **options)
+        kv_dtype = options.pop("kv_dtype", None) or "fp32"  # the backend's pool, not the scheduler's
+        return cls(pkg, NativeBackend(pkg, device=device, threads=threads, kv_dtype=kv_dtype), **options)
 
     # ---- requests ----
     def encode_prompt(self, prompt=None, messages: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:

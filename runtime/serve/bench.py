@@ -52,16 +52,19 @@ def _text_tokens(engine, tokens: int, salt: str = "") -> list[int]:
 
 
 def concurrent(engine, streams: int, max_tokens: int, prefix: list[int] | None = None,
-               adapters: list[str] | None = None, constraint=None) -> dict:
+               adapters: list[str] | None = None, constraint=None, context: int = 0) -> dict:
     """`streams` requests at once; aggregate decode throughput, TTFT and inter-token latency percentiles.
     adapters: the streams run round-robin on these adapters' names (a mixed-adapter batch); constraint:
-    each stream's structured output (runtime.core.constraints.Constraint)."""
+    each stream's structured output (runtime.core.constraints.Constraint); context: each stream's own
+    prompt of that many tokens (nothing shared), to decode over long contexts."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, constraint=constraint)
     starts, last, firsts = {}, {}, {}
     itl: list[float] = []
     t0 = time.perf_counter()
     for i in range(streams):
         question = engine.tokenizer.encode(f" Question {i}: tell me a story about the number {i}.")
+        if context:
+            question = _text_tokens(engine, context - len(question), salt=f"Stream {i}.") + question
         rid = engine.add_request((prefix or []) + question, SamplingParams(**vars(params)),
                                  adapter=adapters[i % len(adapters)] if adapters else None)
         starts[rid] = time.perf_counter()
@@ -191,7 +194,8 @@ def run_bench(engine, args) -> dict:
     if levels != [1]:
         result["kv_budget_mb"] = round(engine.scheduler.allocator.num_blocks * engine.block_size
                                        * engine.backend.kv_bytes_per_token(engine.pkg.config) / 2**20, 1)
-        result["concurrency"] = [concurrent(engine, c, args.decode_tokens, prefix) for c in levels]
+        result["concurrency"] = [concurrent(engine, c, args.decode_tokens, prefix, context=args.context)
+                                 for c in levels]
     if getattr(args, "adapters", None):
         result["adapters"] = adapter_levels(engine, args, levels, prefix)
     if getattr(args, "structured", False) or getattr(args, "json_schema", None):
@@ -200,7 +204,8 @@ def run_bench(engine, args) -> dict:
         result["prefix_cache"] = prefix_effect(engine, long, min(args.shared_prefix, long - 32))
     result["engine_stats"] = engine.stats_snapshot()
     pool = getattr(engine.backend, "pool", None)
-    result["kv"] = {"bytes_per_token": engine.backend.kv_bytes_per_token(engine.pkg.config),
+    result["kv"] = {"dtype": getattr(engine.backend, "kv_dtype", "fp32"),
+                    "bytes_per_token": engine.backend.kv_bytes_per_token(engine.pkg.config),
                     "blocks": engine.scheduler.allocator.num_blocks, "block_size": engine.block_size,
                     # the pool's memory is committed as blocks are used (the native CPU pool)
                     "committed_mb": round(pool.committed_bytes / 2**20, 1) if hasattr(pool, "committed_bytes") else None}

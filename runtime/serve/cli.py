@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from runtime.aliases import ALIASES, DEFAULT_ALIAS, cache_dir, cached_package_dir, is_hub_id
+from runtime.contract import KV_DTYPES
 from runtime.core.sampling import SamplingParams, check_range, range_text
 from runtime.errors import RuvLLMError
 
@@ -97,6 +98,8 @@ def engine_options(args) -> dict:
         opts["num_blocks"] = args.num_blocks
     if getattr(args, "block_size", None):
         opts["block_size"] = args.block_size
+    if getattr(args, "kv_dtype", None):
+        opts["kv_dtype"] = args.kv_dtype
     for name in ("speculative_tokens", "speculative_max_batch", "max_loras", "max_lora_rank", "max_cpu_loras"):
         if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)
@@ -419,6 +422,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--kv-memory", default=None, help="KV-cache budget, e.g. 512MB or 1GB (default 512MB)")
         p.add_argument("--num-blocks", type=int, default=None, help="KV-cache size in blocks (overrides --kv-memory)")
         p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: the package's)")
+        p.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES),
+                       help="KV-cache numbers: fp32 (default) or int8 (a quarter of the memory; needs RuvLLM's "
+                            "AVX-512 kernels)")
         p.add_argument("--speculative-tokens", type=int, default=None,
                        help="prompt-lookup drafts verified per decode step, for requests at temperature <= 0.5 (default 3; 0: off)")
         p.add_argument("--speculative-max-batch", type=int, default=None,
@@ -471,6 +477,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", default="1", help="comma-separated stream counts, e.g. 1,4,16,64")
     b.add_argument("--shared-prefix", type=int, default=0,
                    help="tokens of a shared prompt prefix for the concurrent streams; also measures the prefix cache")
+    b.add_argument("--context", type=int, default=0,
+                   help="each concurrent stream's own prompt of this many tokens (none shared): decode over long "
+                        "contexts")
     b.add_argument("--plot", default=None, help="draw throughput and latency against concurrency into this PNG")
     b.add_argument("--max-batch-tokens", type=int, default=512)
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])

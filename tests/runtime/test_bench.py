@@ -45,3 +45,20 @@ def test_bench_structured_output_beside_free_text(tiny_package):
     for lv in levels:
         assert lv["constrained_decode_tps"] > 0 and lv["ratio"] > 0 and lv["mask_ms_per_step"] > 0, lv
         assert lv["constrained"]["streams"] == lv["streams"]
+
+
+def test_bench_on_an_int8_pool_over_long_contexts(tiny_package):
+    """--kv-dtype int8 --context N: each stream its own N-token prompt; the pool's dtype and bytes per token
+    reported (int8 rows and a 4-byte scale per row); where the host lacks the attention kernel, a clear error."""
+    from runtime.backends import kernel_library
+
+    proc = run_cli("bench", str(tiny_package("llama")), "--concurrency", "1,2", "--decode-tokens", "4", "--repeats",
+                   "1", "--context", "96", "--kv-dtype", "int8", "--speculative-tokens", "0", "--json")
+    if "PagedAttention" not in kernel_library.operators(kernel_library.library()[0]):
+        assert proc.returncode != 0 and "--kv-dtype int8 needs ruvllm.PagedAttention" in proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    kv = result["kv"]
+    assert kv["dtype"] == "int8" and kv["bytes_per_token"] == 2 * 2 * 2 * (16 + 4)  # layers, K/V, kv heads, D + scale
+    assert result["concurrency"][1]["kv_blocks_peak"] >= 2 * 96 // kv["block_size"]

@@ -395,9 +395,11 @@ def test_decode_rows_sharing_prefix_blocks_attend_to_them_together_exactly(tiny_
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
 
 
-def attention_graph(Hq: int, Hkv: int, window: int, scale: float) -> bytes:
-    f, i64 = TensorProto.FLOAT, TensorProto.INT64
-    names = [("qk", f), ("v", f), ("pool_k", f), ("pool_v", f), ("tables", i64), ("qidx", i64), ("pos", i64)]
+def attention_graph(Hq: int, Hkv: int, window: int, scale: float, int8: bool = False) -> bytes:
+    """The operator alone; `int8`: int8 pools with their row scales (--kv-dtype int8)."""
+    f, i64, pool = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT8 if int8 else TensorProto.FLOAT
+    names = [("qk", f), ("v", f), ("pool_k", pool), ("pool_v", pool), ("tables", i64), ("qidx", i64), ("pos", i64)]
+    names += [("scale_k", f), ("scale_v", f)] if int8 else []
     node = helper.make_node("PagedAttention", [n for n, _ in names], ["out"], domain="ruvllm", num_heads=Hq,
                             num_kv_heads=Hkv, sliding_window=window, scale=scale)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in names],
@@ -436,16 +438,26 @@ def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: floa
     return out
 
 
+def rounded_rows(x: np.ndarray) -> np.ndarray:
+    from runtime.backends.kv_pool import quantize_rows
+
+    q, s = quantize_rows(x)
+    return (q * s[..., None]).astype(np.float32)
+
+
 @needs_avx512
+@pytest.mark.parametrize("kv", ["fp32", "int8"])
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
 @pytest.mark.parametrize("Hq,Hkv,D,bs,window", [(9, 3, 64, 16, 0), (8, 2, 128, 16, 0), (4, 4, 32, 8, 0),
                                                 (16, 2, 16, 4, 0), (6, 1, 256, 16, 0), (8, 2, 64, 16, 24)])
-def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, layout):
+def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, layout, kv):
     """`mixed`: one step holding every kind of row the operator handles differently: a fresh prompt
     (queries in several groups), a prompt extending a cached context, a token with drafts, three decode
     rows whose tables share their first blocks (attended together unless there is a window), a lone
     decode row. `decode`: two decode rows alone, one over 1100 positions (its keys cut into ranges
-    across threads and merged, where fewer than 8 row/kv-head items leave threads idle)."""
+    across threads and merged, where fewer than 8 row/kv-head items leave threads idle). `int8`: the
+    pools as int8 rows and scales; the reference reads their q * s, and this step's key and value rows
+    rounded the same way (as the pool will store them)."""
     rng = np.random.default_rng(Hq * D + bs)
     num_blocks = 512
     pool_k = rng.standard_normal((Hkv, num_blocks, bs, D), dtype=np.float32)
@@ -475,8 +487,17 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, la
     opts.intra_op_num_threads = 2
     opts.register_custom_ops_library(str(LIB))
     scale = 1 / np.sqrt(D)
-    got = ort.InferenceSession(attention_graph(Hq, Hkv, window, scale), opts).run(None, feeds)[0]
-    want = attention_reference(feeds, Hq, Hkv, window, scale)
+    reference = feeds
+    if kv == "int8":
+        from runtime.backends.kv_pool import quantize_rows
+
+        (feeds["pool_k"], feeds["scale_k"]), (feeds["pool_v"], feeds["scale_v"]) = quantize_rows(pool_k), quantize_rows(pool_v)
+        qk = feeds["qk"].reshape(N, Hq + Hkv, D).copy()
+        qk[:, Hq:] = rounded_rows(qk[:, Hq:])
+        reference = {**feeds, "pool_k": rounded_rows(pool_k), "pool_v": rounded_rows(pool_v),
+                     "qk": qk.reshape(-1, D), "v": rounded_rows(feeds["v"])}
+    got = ort.InferenceSession(attention_graph(Hq, Hkv, window, scale, kv == "int8"), opts).run(None, feeds)[0]
+    want = attention_reference(reference, Hq, Hkv, window, scale)
     assert got.shape == want.shape == (N, Hq * D)
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
 

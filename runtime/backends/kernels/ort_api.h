@@ -42,7 +42,7 @@ enum ApiEntry : size_t {
 };
 constexpr uint32_t kApiVersion = 18;  // KernelContext_ParallelFor (the last entry used) exists from 17 on
 constexpr int kOrtFail = 1;           // OrtErrorCode ORT_FAIL
-constexpr int kUndefined = 0, kFloat = 1, kUint8 = 2, kInt64 = 7, kFloat16 = 10;  // ONNXTensorElementDataType
+constexpr int kUndefined = 0, kFloat = 1, kUint8 = 2, kInt8 = 3, kInt64 = 7, kFloat16 = 10;  // ONNXTensorElementDataType
 // (kUndefined as an input's type: any type, the kernel reads which with tensor_type)
 
 const void* const* g_api = nullptr;

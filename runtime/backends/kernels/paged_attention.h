@@ -16,6 +16,11 @@ namespace {
 // (row b's tokens are query_index[b][0] .. query_index[b][S-1], consecutive), position_ids [N].
 // Output [N, Hq*D]. Causal, optionally a sliding window; a row's keys before its first new position
 // come from the pool, the rest from this step's rows.
+//
+// The pools are fp32, or int8 with two more inputs, each row's scale [Hkv, blocks, block_size] for keys
+// and for values (the native backend's --kv-dtype int8: a row is its absolute maximum / 127 steps,
+// rounded to nearest, kv_pool.quantize_rows); a row is read as its int8 numbers times its scale, so an
+// int8 pool is a quarter of the bytes to read.
 
 // sc[t] = e^(sc[t] - mx) for t in [first, last]; returns 1 / their sum
 inline float exp_in_place(float* sc, int64_t first, int64_t last, float mx) {
@@ -43,12 +48,46 @@ struct AttnKernel {
 
 struct AttnJob {
   const AttnKernel* k;
-  const float *qk, *v, *pool_k, *pool_v;
+  const float *qk, *v;
+  const void *pool_k, *pool_v;
   const int64_t *tables, *qidx, *pos;
   float* out;
   int64_t B, S, MB, NB, bs, D;
   std::atomic<bool> failed{false};
   int64_t N = 0;  // tokens this step
+  const float *scale_k = nullptr, *scale_v = nullptr;  // an int8 pool's row scales; null: the pools are fp32
+};
+
+// A key or value row: fp32 (this step's, or an fp32 pool's), or int8 times its scale (an int8 pool's).
+// With an int8 pool this step's rows are read rounded as they will be stored (kv_pool.quantize_rows,
+// bit for bit), so that every position attends to the same numbers whether its keys come from this step
+// or from the pool: a recomputed (preempted) sequence or a prompt after a prefix-cache hit then gives
+// the tokens of the first run.
+struct KVRow {
+  const float* f = nullptr;
+  const int8_t* q = nullptr;
+  float s = 0.f;
+  bool round = false;  // f rounded to int8 steps of s
+  static KVRow rounded(const float* f, int64_t D) {
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(f + d)));
+    return KVRow{f, nullptr, _mm512_reduce_max_ps(m) / 127.f, true};
+  }
+  __m512 load(int d) const {  // numbers 16d .. 16d + 15
+    if (f && !round) return _mm512_loadu_ps(f + 16 * d);
+    if (f) {
+      if (s == 0.f) return _mm512_setzero_ps();
+      const __m512 steps = _mm512_div_ps(_mm512_loadu_ps(f + 16 * d), _mm512_set1_ps(s));
+      return _mm512_mul_ps(_mm512_roundscale_ps(steps, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), _mm512_set1_ps(s));
+    }
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * d));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(s));
+  }
+  void prefetch(int DV) const {
+    if (f) prefetch_row(f, DV);
+    else
+      for (int d = 0; d < DV * 16; d += 64) ::prefetch(q + d);
+  }
 };
 
 // Row b's kv head h (item b * Hkv + h). Its keys and values before the row's first new position (start)
@@ -57,18 +96,23 @@ struct RowHead {
   int64_t Hq, Hkv, G, D, b, h, base, count, start;
   const AttnJob* j;
   const int64_t* table;
-  const float *pk, *pv;
+  size_t head;  // the kv head's first pool row
   RowHead(const AttnJob& job, size_t item, int64_t head_dim)
       : Hq(job.k->num_heads), Hkv(job.k->num_kv_heads), G(Hq / Hkv), D(head_dim), b((int64_t)item / Hkv),
         h((int64_t)item % Hkv), base(job.qidx[b * job.S]), count(job.qidx[b * job.S + job.S - 1] - base + 1),
-        start(job.pos[base]), j(&job), table(job.tables + b * job.MB),
-        pk(job.pool_k + h * job.NB * job.bs * D), pv(job.pool_v + h * job.NB * job.bs * D) {}
+        start(job.pos[base]), j(&job), table(job.tables + b * job.MB), head((size_t)(h * job.NB * job.bs)) {}
   int64_t slot(int64_t t) const { return table[t / j->bs] * j->bs + t % j->bs; }  // pool row of position t < start
-  const float* key(int64_t t) const {
-    return t < start ? pk + slot(t) * D : j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D;
+  KVRow pooled(const void* pool, const float* scales, int64_t t) const {
+    const size_t row = head + (size_t)slot(t);
+    if (!scales) return KVRow{static_cast<const float*>(pool) + row * D};
+    return KVRow{nullptr, static_cast<const int8_t*>(pool) + row * D, scales[row], false};
   }
-  const float* value(int64_t t) const {
-    return t < start ? pv + slot(t) * D : j->v + ((base + t - start) * Hkv + h) * D;
+  KVRow step_row(const float* f) const { return j->scale_k ? KVRow::rounded(f, D) : KVRow{f}; }
+  KVRow key(int64_t t) const {
+    return t < start ? pooled(j->pool_k, j->scale_k, t) : step_row(j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D);
+  }
+  KVRow value(int64_t t) const {
+    return t < start ? pooled(j->pool_v, j->scale_v, t) : step_row(j->v + ((base + t - start) * Hkv + h) * D);
   }
   int64_t lowest(int64_t p) const { return j->k->window > 0 ? std::max<int64_t>(0, p - j->k->window + 1) : 0; }
 };
@@ -96,10 +140,10 @@ inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, const float* 
   for (int g = 0; g < NG; g++)
     for (int d = 0; d < DV; d++) acc[g][d] = _mm512_setzero_ps();
   for (int64_t u = 0; u < nk; u++) {
-    const float* vr = r.value(lo + u);
-    if (u + 16 < nk) prefetch_row(r.value(lo + u + 16), DV);
+    const KVRow vr = r.value(lo + u);
+    if (u + 16 < nk) r.value(lo + u + 16).prefetch(DV);
     __m512 v[DV];
-    for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
+    for (int d = 0; d < DV; d++) v[d] = vr.load(d);
     for (int g = 0; g < NG; g++) {
       const __m512 w = _mm512_set1_ps(sc[g * stride + u]);
       for (int d = 0; d < DV; d++) acc[g][d] = _mm512_fmadd_ps(w, v[d], acc[g][d]);
@@ -156,16 +200,16 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
     }
     for (int64_t t0 = 0; t0 < nk; t0 += 16) {  // 16 keys at a time for every head: read from memory once
       const int nt = (int)std::min<int64_t>(16, nk - t0);
-      const float* kr[16];
+      KVRow kr[16];
       for (int i = 0; i < nt; i++) kr[i] = r.key(lo + t0 + i);
-      for (int64_t i = t0 + 16; i < std::min(nk, t0 + 32); i++) prefetch_row(r.key(lo + i), DV);  // a pool block apart
+      for (int64_t i = t0 + 16; i < std::min(nk, t0 + 32); i++) r.key(lo + i).prefetch(DV);  // a pool block apart
       const __mmask16 valid = (__mmask16)((1u << nt) - 1);
       for (int64_t g = 0; g < G; g++) {
         __m512 q[DV], part[16];
         for (int d = 0; d < DV; d++) q[d] = _mm512_loadu_ps(&qs[g * D + 16 * d]);
         for (int i = 0; i < nt; i++) {
-          part[i] = _mm512_mul_ps(q[0], _mm512_loadu_ps(kr[i]));
-          for (int d = 1; d < DV; d++) part[i] = _mm512_fmadd_ps(q[d], _mm512_loadu_ps(kr[i] + 16 * d), part[i]);
+          part[i] = _mm512_mul_ps(q[0], kr[i].load(0));
+          for (int d = 1; d < DV; d++) part[i] = _mm512_fmadd_ps(q[d], kr[i].load(d), part[i]);
         }
         for (int i = nt; i < 16; i++) part[i] = _mm512_setzero_ps();
         const __m512 v = sum16(part);
@@ -245,13 +289,17 @@ void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int
   constexpr int D = DV * 16;
   for (int64_t c = c_begin; c < c_end; c++) {
     float* dst = kt + c * D * 16;
-    const float* rows[16];
-    for (int64_t i = 0; i < 16; i++) rows[i] = key0 + c * 16 + i <= last ? r.key(key0 + c * 16 + i) : nullptr;
+    KVRow rows[16];
+    bool real[16];
+    for (int64_t i = 0; i < 16; i++) {
+      real[i] = key0 + c * 16 + i <= last;
+      if (real[i]) rows[i] = r.key(key0 + c * 16 + i);
+    }
     for (int64_t i = 0; i < 16 && key0 + c * 16 + 16 + i <= last; i++)  // the next 16 keys: a pool block apart
-      prefetch_row(r.key(key0 + c * 16 + 16 + i), DV);
+      r.key(key0 + c * 16 + 16 + i).prefetch(DV);
     for (int d0 = 0; d0 < D; d0 += 16) {
       __m512 block[16];
-      for (int i = 0; i < 16; i++) block[i] = rows[i] ? _mm512_loadu_ps(rows[i] + d0) : _mm512_setzero_ps();
+      for (int i = 0; i < 16; i++) block[i] = real[i] ? rows[i].load(d0 / 16) : _mm512_setzero_ps();
       transpose16(block);
       for (int d = 0; d < 16; d++) _mm512_storeu_ps(&dst[(d0 + d) * 16], block[d]);
     }
@@ -299,10 +347,10 @@ inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, const float* con
   for (int i = 0; i < NQ; i++)
     for (int d = 0; d < DV; d++) acc[i][d] = _mm512_setzero_ps();
   for (int64_t u = u_lo; u <= u_hi; u++) {
-    const float* vr = r.value(u);
-    if (u + 16 <= u_hi) prefetch_row(r.value(u + 16), DV);
+    const KVRow vr = r.value(u);
+    if (u + 16 <= u_hi) r.value(u + 16).prefetch(DV);
     __m512 v[DV];
-    for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(vr + 16 * d);
+    for (int d = 0; d < DV; d++) v[d] = vr.load(d);
     for (int i = 0; i < NQ; i++) {
       const __m512 w = _mm512_set1_ps(sc[i][u]);
       for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
@@ -691,11 +739,12 @@ OrtStatus* create_attention(const CustomOp*, const void*, const OrtKernelInfo* i
 OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   const AttnKernel& k = *static_cast<AttnKernel*>(kernel);
   auto input = api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput);
-  const OrtValue* in[7] = {};
-  std::vector<int64_t> dims[7];
-  for (size_t i = 0; i < 7; i++) {
+  const OrtValue* in[9] = {};
+  std::vector<int64_t> dims[9];
+  for (size_t i = 0; i < 9; i++) {
     RETURN_IF(input(ctx, i, &in[i]));
-    RETURN_IF(tensor_shape(in[i], dims[i]));
+    if (in[i]) RETURN_IF(tensor_shape(in[i], dims[i]));
+    else if (i < 7) return fail("ruvllm.PagedAttention: a required input is missing");
   }
   if (dims[0].size() != 2 || dims[2].size() != 4 || dims[4].size() != 2 || dims[5].size() != 2 || dims[6].size() != 1)
     return fail("ruvllm.PagedAttention: unexpected input ranks");
@@ -707,8 +756,20 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   job.N = N;
   RETURN_IF(tensor_data(in[0], const_cast<float**>(&job.qk)));
   RETURN_IF(tensor_data(in[1], const_cast<float**>(&job.v)));
-  RETURN_IF(tensor_data(in[2], const_cast<float**>(&job.pool_k)));
-  RETURN_IF(tensor_data(in[3], const_cast<float**>(&job.pool_v)));
+  int kinds[2] = {};
+  RETURN_IF(tensor_type(in[2], &kinds[0]));
+  RETURN_IF(tensor_type(in[3], &kinds[1]));
+  if (kinds[0] != kinds[1] || (kinds[0] != kFloat && kinds[0] != kInt8))
+    return fail("ruvllm.PagedAttention: the key and value pools must both be float or both int8");
+  if (kinds[0] == kInt8) {  // each row's scale, [Hkv, blocks, block_size] per kind
+    for (int i : {7, 8})
+      if (!in[i] || dims[i] != std::vector<int64_t>{dims[2][0], dims[2][1], dims[2][2]})
+        return fail("ruvllm.PagedAttention: int8 pools need their row scales [kv_heads, blocks, block_size]");
+    RETURN_IF(tensor_data(in[7], const_cast<float**>(&job.scale_k)));
+    RETURN_IF(tensor_data(in[8], const_cast<float**>(&job.scale_v)));
+  }
+  RETURN_IF(tensor_data(in[2], const_cast<void**>(&job.pool_k)));
+  RETURN_IF(tensor_data(in[3], const_cast<void**>(&job.pool_v)));
   RETURN_IF(tensor_data(in[4], const_cast<int64_t**>(&job.tables)));
   RETURN_IF(tensor_data(in[5], const_cast<int64_t**>(&job.qidx)));
   RETURN_IF(tensor_data(in[6], const_cast<int64_t**>(&job.pos)));
