@@ -13,11 +13,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_ARCHS = ("llama", "mistral", "qwen2")
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def tiny_config(arch: str, vocab_size: int):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -26,6 +26,8 @@ def tiny_config(arch: str, vocab_size: int):
         return LlamaConfig(**common, tie_word_embeddings=False)
     if arch == "mistral":  # a window shorter than the test sequences exercises sliding-window masking
         return MistralConfig(**common, sliding_window=24, tie_word_embeddings=False)
+    if arch == "qwen3":  # head_dim apart from hidden / heads, as Qwen3's own configs have it
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, use_sliding_window=False)
     return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
 
 

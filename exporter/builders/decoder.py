@@ -200,6 +200,8 @@ class DecoderBuilder:
             q, k, v = b.op("Split", [qkv, b.const([hq * d, hkv * d, hkv * d])], n_out=3, axis=1)
             q, k, v = (lora.apply(i, f"{t}_proj", hidden, x) for t, x in (("q", q), ("k", k), ("v", v)))
             qk = b.op("Unsqueeze", [b.op("Concat", [q, k], axis=1), b.const([1])])
+        if spec.qk_norm:
+            qk = self.head_norms(i, qk)
         qk = b.op("Reshape", [self.rotary(qk, hq + hkv), b.const([-1, d])])  # [N*(Hq+Hkv), D]
         v = b.op("Reshape", [v, b.const([-1, d])])  # [N*Hkv, D]
         self.presents[0].append(b.op("Gather", [qk, idx.key_rows], axis=0))
@@ -222,6 +224,20 @@ class DecoderBuilder:
         attn = b.op("Reshape", [b.op("GatherND", [attn, idx.out_index]), b.const([-1, hq * d])])  # [N, Hq*D]
         o = b.op("MatMul", [attn, self.matmul_weight(f"layers.{i}.o_proj", w[p + "self_attn.o_proj.weight"])])
         return lora.apply(i, "o_proj", attn, o)
+
+    def head_norms(self, i: int, qk: str) -> str:
+        """Qwen3's q_norm and k_norm: each head of qk [N, 1, (Hq+Hkv)*D] RMS-normed over its D numbers, then
+        scaled by its kind's weights (one SimplifiedLayerNormalization over all heads, one Mul by the
+        weights laid out per head)."""
+        b, spec, w = self.b, self.spec, self.weights
+        hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        p = f"model.layers.{i}.self_attn."
+        scale = np.concatenate([np.tile(w[p + "q_norm.weight"], (hq, 1)), np.tile(w[p + "k_norm.weight"], (hkv, 1))])
+        heads = b.op("Reshape", [qk, b.const([-1, hq + hkv, d])])
+        normed = b.op("SimplifiedLayerNormalization", [heads, b.weight(f"layers.{i}.qk_norm.ones", np.ones(d, np.float32))],
+                      axis=-1, epsilon=spec.rms_norm_eps, stash_type=1)
+        normed = b.op("Mul", [normed, b.weight(f"layers.{i}.qk_norm", scale.astype(np.float32))])
+        return b.op("Reshape", [normed, b.const([-1, 1, (hq + hkv) * d])])
 
     def mlp(self, i: int, hidden: str) -> str:
         """Layer i's gated MLP: down(act(gate(x)) * up(x)), gate and up as one fused projection."""

@@ -1,4 +1,5 @@
-"""The Llama family: Llama (and Llama 2/3 shapes), Mistral (sliding-window attention), Qwen2 (q/k/v bias).
+"""The Llama family: Llama (and Llama 2/3 shapes), Mistral (sliding-window attention), Qwen2 (q/k/v bias),
+Qwen3 (an RMS norm over each query and key head before RoPE).
 
 They share one graph (DecoderBuilder's); what differs is read from their configs here.
 """
@@ -34,3 +35,18 @@ class Qwen2Builder(DecoderBuilder):
     @classmethod
     def spec_options(cls, config) -> dict:
         return {**super().spec_options(config), "attention_bias": True}  # Qwen2's q/k/v always carry biases
+
+
+class Qwen3Builder(DecoderBuilder):
+    architectures = ("qwen3",)
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        super().check_config(config)
+        if getattr(config, "use_sliding_window", False):
+            raise UnsupportedModelError("qwen3 with use_sliding_window=True is not supported yet")
+
+    @classmethod
+    def spec_options(cls, config) -> dict:
+        return {**super().spec_options(config), "attention_bias": bool(getattr(config, "attention_bias", False)),
+                "qk_norm": True}

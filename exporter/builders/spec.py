@@ -26,6 +26,7 @@ class DecoderSpec:
     rope_sin: np.ndarray
     sliding_window: int | None = None
     attention_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMS norm over each query and key head (weights [head_dim]) before RoPE
     tie_word_embeddings: bool = False
 
 

@@ -36,7 +36,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     folder = tmp_path / "gpt2"
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)).save_pretrained(folder)
     proc = run_cli("convert", str(folder), "-o", str(tmp_path / "out"), module="exporter")
-    assert_one_line_error(proc, "unsupported architecture 'gpt2'", "llama", "mistral", "qwen2")
+    assert_one_line_error(proc, "unsupported architecture 'gpt2'", "llama", "mistral", "qwen2", "qwen3")
     assert not (tmp_path / "out").exists()
 
 
