@@ -69,8 +69,10 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     if "PagedAttention" in ops and config is not None and fusable_head_dim(config.get("head_dim", 0)):
         layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"],
                                 config.get("sliding_window"))
-    if layers and kv_int8:
-        kv_in_int8(model)
+    if kv_int8:  # on the kernel's layers, else (no AVX-512 kernels) on the graph's own attention
+        if layers:
+            kv_in_int8(model)
+        kv_in_int8_graph(model)
     norms = fuse_norms(model) if "SkipRMSNorm" in ops else 0
     loras = fuse_lora(model) if "LoraDelta" in ops else 0
     lora_mlps = fuse_lora_swiglu(model) if loras else 0  # the same kernel file as LoraDelta: every build has it
@@ -250,6 +252,87 @@ def kv_in_int8(model) -> int:
             model.graph.input.append(scale)
             node.input.append(name)
         count += 1
+    return count
+
+
+def kv_in_int8_graph(model) -> int:
+    """The graph's own attention path on an int8 pool (where ruvllm.PagedAttention does not run): each
+    layer's pool inputs become int8 with their row scales, the blocks a step gathers are cast to float and
+    multiplied by their rows' scales, and this step's rows written into the gathered context are rounded
+    as the pool will store them (kv_pool.quantize_rows, op for op: max |x| / 127, x / s rounded to
+    nearest even, times s), so that the numbers are those the kernel's path reads. Returns how many layers."""
+    from onnx import TensorProto, helper
+
+    from runtime import contract as C
+
+    nodes = list(model.graph.node)
+    inputs = {i.name: i for i in model.graph.input}
+    consumers = _consumers(nodes)
+    before: dict[int, list] = {}  # id(node) -> nodes to insert before it
+    after: dict[int, list] = {}
+    consts = []
+
+    def const(name: str, value, dtype=TensorProto.FLOAT, dims=()):
+        consts.append(helper.make_tensor(name, dtype, list(dims), [value] if not dims else value))
+        return name
+
+    count = 0
+    for layer in range(len(inputs)):
+        kinds = [(inputs.get(C.past_key(layer)), C.past_key_scale(layer)),
+                 (inputs.get(C.past_value(layer)), C.past_value_scale(layer))]
+        if any(pool is None for pool, _ in kinds):
+            break
+        plans = []
+        for pool, scale_name in kinds:
+            users = consumers.get(pool.name, [])
+            gathers = [u for u in users if u.op_type == "Gather" and u.input[0] == pool.name]
+            if len(gathers) != 1 or any(u.op_type != "Shape" for u in users if u is not gathers[0]):
+                break
+            gather = gathers[0]
+            reshape = consumers.get(gather.output[0], [])
+            scatter = len(reshape) == 1 and reshape[0].op_type == "Reshape" and consumers.get(reshape[0].output[0], [])
+            if not scatter or len(scatter) != 1 or scatter[0].op_type not in ("TensorScatter", "ScatterND"):
+                break
+            plans.append((pool, scale_name, gather, scatter[0]))
+        if len(plans) != 2:
+            continue
+        for pool, scale_name, gather, scatter in plans:
+            out, tag = gather.output[0], f"{pool.name}.int8"
+            gather.output[0] = f"{tag}.rows"
+            scales = helper.make_tensor_value_info(scale_name, TensorProto.FLOAT, None)
+            for d in list(pool.type.tensor_type.shape.dim)[:3]:
+                scales.type.tensor_type.shape.dim.add().CopyFrom(d)
+            model.graph.input.append(scales)
+            pool.type.tensor_type.elem_type = TensorProto.INT8
+            after[id(gather)] = [
+                helper.make_node("Cast", [f"{tag}.rows"], [f"{tag}.float"], to=TensorProto.FLOAT),
+                helper.make_node("Gather", [scale_name, gather.input[1]], [f"{tag}.scales"], axis=1),
+                helper.make_node("Unsqueeze", [f"{tag}.scales", const(f"{tag}.last", [-1], TensorProto.INT64, [1])],
+                                 [f"{tag}.scales1"]),
+                helper.make_node("Mul", [f"{tag}.float", f"{tag}.scales1"], [out]),
+            ]
+            slot = 1 if scatter.op_type == "TensorScatter" else 2
+            update, r = scatter.input[slot], f"{tag}.step"
+            before[id(scatter)] = [
+                helper.make_node("Abs", [update], [f"{r}.abs"]),
+                helper.make_node("ReduceMax", [f"{r}.abs", const(f"{r}.axis", [-1], TensorProto.INT64, [1])],
+                                 [f"{r}.max"], keepdims=1),
+                helper.make_node("Div", [f"{r}.max", const(f"{r}.127", 127.0)], [f"{r}.s"]),
+                helper.make_node("Greater", [f"{r}.s", const(f"{r}.zero", 0.0)], [f"{r}.pos"]),
+                helper.make_node("Where", [f"{r}.pos", f"{r}.s", const(f"{r}.one", 1.0)], [f"{r}.safe"]),
+                helper.make_node("Div", [update, f"{r}.safe"], [f"{r}.steps"]),
+                helper.make_node("Round", [f"{r}.steps"], [f"{r}.q"]),
+                helper.make_node("Mul", [f"{r}.q", f"{r}.s"], [f"{r}.rounded"]),
+            ]
+            scatter.input[slot] = f"{r}.rounded"
+        count += 1
+    if count:
+        ordered = []
+        for node in nodes:
+            ordered += before.get(id(node), []) + [node] + after.get(id(node), [])
+        del model.graph.node[:]
+        model.graph.node.extend(ordered)
+        model.graph.initializer.extend(consts)
     return count
 
 

@@ -12,7 +12,8 @@ OrtValues, and the K/V are written with one numpy assignment per kind (0.05 ms w
 graph took ~0.3 ms a step); `device_writes=True` runs the device path on
 CPU, which is how it is tested here (CUDA itself is not, on these machines).
 
-With kv_dtype "int8" (CPU only, read by ruvllm.PagedAttention) each kind is int8 rows with one fp32 scale
+With kv_dtype "int8" (CPU only; read by ruvllm.PagedAttention or the graph's attention rewritten for it,
+graph_fusion.kv_in_int8 / kv_in_int8_graph) each kind is int8 rows with one fp32 scale
 per row (a token's kv head: its absolute maximum / 127), a quarter of the bytes plus 4 per row: each
 token is quantized as it is written, so no full-precision tier is needed. Measured against per-channel
 key scales per block (KIVI's choice, which needs the block complete), on SmolLM2 in fp32: mean KL 0.00035

@@ -56,19 +56,21 @@ class NativeBackend:
                  lora: bool = False, kv_device_writes: bool | None = None, kv_dtype: str = "fp32") -> None:
         """kv_device_writes: write K/V with the pool's device graph even on CPU (kv_pool.py; tests).
         kv_dtype: the KV pool's numbers, "fp32" or "int8" (rows quantized as written; read by
-        ruvllm.PagedAttention, so on a CPU with RuvLLM's AVX-512 kernels only)."""
+        ruvllm.PagedAttention, or by the graph's own attention rewritten for them; CPU only)."""
         import onnxruntime as ort
 
         if kv_dtype not in C.KV_DTYPES:
             raise DeviceError(f"--kv-dtype {kv_dtype!r}: choose one of {', '.join(C.KV_DTYPES)}")
         self.kv_dtype = kv_dtype
         self.pkg = package
+        self.providers = providers_for(device)
+        if kv_dtype == "int8" and self.providers != DEVICE_PROVIDERS["cpu"]:
+            raise DeviceError(f"--kv-dtype int8 runs on the CPU only (the pool is host memory), not {device}")
         cfg = package.config
         self.num_layers = cfg["num_layers"]
         self.kv_heads = cfg["num_kv_heads"]
         self.head_dim = cfg["head_dim"]
         self.vocab_size = cfg["vocab_size"]
-        self.providers = providers_for(device)
         self._threads = threads or int(os.environ.get("RUVLLM_THREADS", 0)) or (os.cpu_count() or 1)
         self._ort = ort
         self.matmul_kernel = "onnxruntime's own"  # what runs the 4-bit projections; _kernel_session may say more
@@ -107,8 +109,15 @@ class NativeBackend:
         cpu = self.providers == DEVICE_PROVIDERS["cpu"]
         session = self._kernel_session(graph, opts, entry.get("fusions")) if cpu else None
         if session is None:
+            model = str(graph)
+            opts = self._options()
+            if self.kv_dtype == "int8":  # the graph's own attention on the int8 pool (graph_fusion.kv_in_int8_graph)
+                from runtime.backends import graph_fusion
+
+                model, _ = graph_fusion.rewrite_graph(graph, self.pkg.config, frozenset(), kv_int8=True)
+                opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph.parent))
             try:
-                session = ort.InferenceSession(str(graph), sess_options=self._options(), providers=self.providers)
+                session = ort.InferenceSession(model, sess_options=opts, providers=self.providers)
             except Exception as err:  # onnxruntime raises its own exception types
                 raise PackageError(f"{package.path}: onnxruntime cannot load {graph.name}: "
                                    f"{str(err).splitlines()[0][:300]}") from err
@@ -130,11 +139,12 @@ class NativeBackend:
         return session
 
     def _check_int8_pool(self, session) -> None:
-        """An int8 pool needs every layer's attention on ruvllm.PagedAttention (which reads int8 rows)."""
+        """Every layer must read the int8 pool: on ruvllm.PagedAttention, or the graph's own attention
+        rewritten for it; a graph of another shape cannot."""
         types = {i.name: i.type for i in session.get_inputs()}
         if any(types.get(C.past_key(i)) != "tensor(int8)" for i in range(self.num_layers)):
-            raise DeviceError(f"--kv-dtype int8 needs ruvllm.PagedAttention on every layer (RuvLLM's AVX-512 VNNI "
-                              f"CPU kernels); here attention runs on {self.attention_kernel}")
+            raise DeviceError(f"--kv-dtype int8: {self.pkg.path.name}'s graph has layers whose attention cannot "
+                              "read an int8 pool; run it with --kv-dtype fp32")
 
     def _kernel_session(self, graph, opts, declared: dict[str, int] | None):
         """The graph on RuvLLM's CPU kernels (kernel_library, graph_fusion), or None to run it as it is;
@@ -394,6 +404,8 @@ class GraphRunner:
             self.io.bind_cpu_input(C.LOGITS_MASK, backend.no_mask())
         self.masked = False  # logits_mask is bound to a constrained step's rows
         self._outputs: dict[str, object] = {}
+        # inputs the rewrite declared fp16 (a quantized package's adapters, graph_fusion.adapters_in_half)
+        self._half = {i.name for i in session.get_inputs() if i.type == "tensor(float16)"}
 
     def bind_pool(self, pool) -> None:
         pool.bind_layers(self.io, self.backend.num_layers)
@@ -448,6 +460,8 @@ class GraphRunner:
         for name, (values, dims) in batch.feeds(top_k).items():
             self._bind(name, (values, dims), lambda key, t=STEP_DTYPES[name]: np.array(key[0], t).reshape(key[1]))
         for name, arr in (extra_inputs or {}).items():
+            if name in self._half and arr.dtype != np.float16:
+                arr = arr.astype(np.float16)
             self.io.bind_cpu_input(name, arr)
             self._bound_inputs[name] = (object(), arr)  # never equal: rebound whenever given
         outs = self._bind_outputs(len(batch.input_ids), rows, top_k, batch.want_full_logits, want_hidden)

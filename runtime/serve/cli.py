@@ -423,8 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--num-blocks", type=int, default=None, help="KV-cache size in blocks (overrides --kv-memory)")
         p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: the package's)")
         p.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES),
-                       help="KV-cache numbers: fp32 (default) or int8 (a quarter of the memory; needs RuvLLM's "
-                            "AVX-512 kernels)")
+                       help="KV-cache numbers: fp32 (default) or int8 (about a quarter of the memory; CPU)")
         p.add_argument("--speculative-tokens", type=int, default=None,
                        help="prompt-lookup drafts verified per decode step, for requests at temperature <= 0.5 (default 3; 0: off)")
         p.add_argument("--speculative-max-batch", type=int, default=None,

@@ -1,7 +1,7 @@
-"""The int8 KV pool (--kv-dtype int8): rows quantized as they are written, read by ruvllm.PagedAttention
-as their int8 numbers times their scale. Checked against the fp32 pool holding the same dequantized
-numbers (the kernel's arithmetic), against the fp32 pool itself (what the precision costs), and through
-the engine's prefix cache and preemption."""
+"""The int8 KV pool (--kv-dtype int8): rows quantized as they are written, read as their int8 numbers
+times their scale by ruvllm.PagedAttention or by the graph's own attention rewritten for them. Checked
+against the fp32 pool (what the precision costs), the two readers against each other, and through the
+engine's prefix cache and preemption (test_cpu_kernels checks the operator's arithmetic exactly)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ from runtime.core.engine import Engine
 from runtime.core.sampling import SamplingParams
 from runtime.errors import DeviceError
 
-needs_attention_kernel = pytest.mark.skipif(
-    "PagedAttention" not in kernel_library.operators(kernel_library.library()[0]),
-    reason="the int8 pool is read by ruvllm.PagedAttention, which needs RuvLLM's AVX-512 VNNI kernels")
+HAS_KERNEL = "PagedAttention" in kernel_library.operators(kernel_library.library()[0])
 
 
 def greedy(n: int) -> SamplingParams:
@@ -50,22 +48,30 @@ def steps(backend, prompt: list[int], decodes: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-@needs_attention_kernel
-def test_int8_pool_stays_near_the_fp32_pool(tiny_package):
-    """Prefill chunks and decodes on the int8 pool against the fp32 pool: int8's own error, small. (The
-    kernel's arithmetic on int8 rows is checked exactly in test_cpu_kernels' operator test.)"""
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_int8_pool_stays_near_the_fp32_pool_on_either_reader(tiny_package, monkeypatch, arch):
+    """Prefill chunks and decodes on the int8 pool against the fp32 pool: int8's own error, small; the
+    graph's own attention (RUVLLM_PAGED_ATTENTION=0, as on a CPU without AVX-512) reads the same numbers
+    as ruvllm.PagedAttention (mistral: across its sliding window)."""
     from runtime.backends.native import NativeBackend
     from runtime.package import load_package
 
-    pkg = load_package(tiny_package("llama"))
-    prompt = [5, 17, 99, 3, 250, 41, 7, 8, 1000, 12, 13]
-    int8 = NativeBackend(pkg, kv_dtype="int8")
-    assert int8.attention_kernel.startswith("ruvllm.PagedAttention")
-    got, plain = steps(int8, prompt, 4), steps(NativeBackend(pkg), prompt, 4)
-    assert 0 < np.abs(got - plain).max() <= 0.05 * np.abs(plain).max()
+    pkg = load_package(tiny_package(arch))
+    prompt = [5, 17, 99, 3, 250, 41, 7, 8, 1000, 12, 13] * 3
+    plain = steps(NativeBackend(pkg), prompt, 4)
+    readers = {}
+    for kernel in (True, False):
+        if kernel and not HAS_KERNEL:
+            continue
+        monkeypatch.setenv("RUVLLM_PAGED_ATTENTION", "1" if kernel else "0")
+        backend = NativeBackend(pkg, kv_dtype="int8")
+        assert backend.attention_kernel.startswith("ruvllm.PagedAttention") == kernel, backend.attention_kernel
+        readers[kernel] = steps(backend, prompt, 4)
+        assert 0 < np.abs(readers[kernel] - plain).max() <= 0.05 * np.abs(plain).max()
+    if len(readers) == 2:
+        assert np.abs(readers[True] - readers[False]).max() <= 1e-4 * np.abs(plain).max()
 
 
-@needs_attention_kernel
 def test_int8_pool_takes_a_quarter_of_the_memory(tiny_package):
     engine = Engine.from_package(tiny_package("llama"), kv_dtype="int8", kv_memory=1 << 20)
     fp32 = Engine.from_package(tiny_package("llama"), kv_memory=1 << 20)
@@ -76,7 +82,6 @@ def test_int8_pool_takes_a_quarter_of_the_memory(tiny_package):
     assert engine.scheduler.allocator.num_blocks == pytest.approx(ratio * fp32.scheduler.allocator.num_blocks, rel=0.02)
 
 
-@needs_attention_kernel
 def test_prefix_cache_and_preemption_on_an_int8_pool(tiny_package):
     """Blocks quantized once are shared by later prompts (hits counted, outputs equal the uncached run);
     a pool too small for every request preempts and recomputes, with the outputs of a large pool."""
@@ -104,16 +109,12 @@ def test_prefix_cache_and_preemption_on_an_int8_pool(tiny_package):
                                                     for p in short]
 
 
-def test_int8_pool_without_the_attention_kernel_is_a_clear_error(tiny_package, monkeypatch):
-    monkeypatch.setenv("RUVLLM_PAGED_ATTENTION", "0")
-    with pytest.raises(DeviceError, match="--kv-dtype int8 needs ruvllm.PagedAttention"):
-        Engine.from_package(tiny_package("llama"), kv_dtype="int8")
+def test_an_unknown_kv_dtype_is_a_clear_error(tiny_package):
     with pytest.raises(DeviceError, match="choose one of fp32, int8"):
         Engine.from_package(tiny_package("llama"), kv_dtype="int4")
 
 
 @pytest.mark.slow
-@needs_attention_kernel
 def test_smollm2_on_an_int8_pool_within_the_quality_gate(smol_fp32):
     """`python -m exporter eval PKG --kv-dtype int8` on the embedded model in fp32 (where the pool's
     precision is the only difference: an int4 package's int8 activations turn any perturbation of the
