@@ -30,21 +30,15 @@ class Qwen2Builder(DecoderBuilder):
     def check_config(cls, config) -> None:
         super().check_config(config)
         if getattr(config, "use_sliding_window", False):
-            raise UnsupportedModelError("qwen2 with use_sliding_window=True is not supported yet")
+            raise UnsupportedModelError(f"{config.model_type} with use_sliding_window=True is not supported yet")
 
     @classmethod
     def spec_options(cls, config) -> dict:
         return {**super().spec_options(config), "attention_bias": True}  # Qwen2's q/k/v always carry biases
 
 
-class Qwen3Builder(DecoderBuilder):
+class Qwen3Builder(Qwen2Builder):
     architectures = ("qwen3",)
-
-    @classmethod
-    def check_config(cls, config) -> None:
-        super().check_config(config)
-        if getattr(config, "use_sliding_window", False):
-            raise UnsupportedModelError("qwen3 with use_sliding_window=True is not supported yet")
 
     @classmethod
     def spec_options(cls, config) -> dict:

@@ -359,11 +359,10 @@ def adapters_in_half(model) -> int:
     return count
 
 
-def fuse_lora_swiglu(model) -> int:
-    """In the LoRA graph the MLP's Split of the gate/up output, its two LoraDelta targets, Sigmoid and two
-    Muls become one ruvllm.LoraSwiGLU(y, x, A_g^T, B_g, A_u^T, B_u, w) writing silu(gate) * up: the
-    epilogue MatMulQ4SwiGLU folds in the base graph, which the deltas keep out of the projection here.
-    Unscaled targets only (an AWQ package's scaled up_proj keeps the separate operators). Returns how many."""
+def _lora_splits(model, parts: int):
+    """The LoRA graph's Splits of one projection's output into `parts` targets along its last axis, each
+    part read only by an unscaled LoraDelta, all of one input and one w. Returns the node list, an `only`
+    (the single plain consumer of a tensor, else None) and (split, sizes, deltas) per match."""
     import onnx
     from onnx import numpy_helper
 
@@ -381,18 +380,31 @@ def fuse_lora_swiglu(model) -> int:
         d = only(name, "LoraDelta", DOMAIN)
         return d if d is not None and d.input[0] == name and len(d.input) == 5 else None
 
-    removed, count = set(), 0
+    found = []
     for split in nodes:
-        if split.op_type != "Split" or len(split.output) != 2 or len(split.input) != 2 or split.input[1] not in inits:
+        if split.op_type != "Split" or len(split.output) != parts or len(split.input) != 2 or split.input[1] not in inits:
             continue
-        halves = [int(v) for v in numpy_helper.to_array(inits[split.input[1]]).reshape(-1)]
+        sizes = [int(v) for v in numpy_helper.to_array(inits[split.input[1]]).reshape(-1)]
         axis = next((onnx.helper.get_attribute_value(a) for a in split.attribute if a.name == "axis"), 0)
-        gate, up = (unscaled_delta(o) for o in split.output)
-        if axis not in (1, -1) or len(halves) != 2 or halves[0] != halves[1] or not (gate and up):
+        deltas = [unscaled_delta(o) for o in split.output]
+        if axis not in (1, -1) or len(sizes) != parts or not all(deltas):
             continue
-        if gate.input[1] != up.input[1] or gate.input[4] != up.input[4]:
-            continue
-        tail = _swiglu_tail(consumers, only, gate.output[0], up.output[0])
+        if len({(d.input[1], d.input[4]) for d in deltas}) == 1:
+            found.append((split, sizes, deltas))
+    return nodes, consumers, only, found
+
+
+def fuse_lora_swiglu(model) -> int:
+    """In the LoRA graph the MLP's Split of the gate/up output, its two LoraDelta targets, Sigmoid and two
+    Muls become one ruvllm.LoraSwiGLU(y, x, A_g^T, B_g, A_u^T, B_u, w) writing silu(gate) * up: the
+    epilogue MatMulQ4SwiGLU folds in the base graph, which the deltas keep out of the projection here.
+    Unscaled targets only (an AWQ package's scaled up_proj keeps the separate operators). Returns how many."""
+    import onnx
+
+    nodes, consumers, only, found = _lora_splits(model, 2)
+    removed, count = set(), 0
+    for split, halves, (gate, up) in found:
+        tail = halves[0] == halves[1] and _swiglu_tail(consumers, only, gate.output[0], up.output[0])
         if not tail:
             continue
         sig, silu, prod = tail
@@ -412,34 +424,10 @@ def fuse_lora_split(model) -> int:
     targets and the Concat of q and k become one ruvllm.LoraSplit(y, x, A_q^T, B_q, A_k^T, B_k, A_v^T, B_v,
     w) writing (q+k, v), as MatMulQ4Split does in the base graph. Unscaled targets only. Returns how many."""
     import onnx
-    from onnx import numpy_helper
 
-    nodes = list(model.graph.node)
-    consumers = _consumers(nodes)
-    inits = {i.name: i for i in model.graph.initializer}
-    graph_outputs = {o.name for o in model.graph.output}
-
-    def only(name: str, op_type: str, domain: str = ""):
-        users = consumers.get(name, [])
-        ok = len(users) == 1 and users[0].op_type == op_type and users[0].domain in ((domain,) if domain else ("", "ai.onnx"))
-        return users[0] if ok and name not in graph_outputs else None
-
-    def unscaled_delta(name: str):
-        d = only(name, "LoraDelta", DOMAIN)
-        return d if d is not None and d.input[0] == name and len(d.input) == 5 else None
-
+    nodes, _, only, found = _lora_splits(model, 3)
     removed, count = set(), 0
-    for split in nodes:
-        if split.op_type != "Split" or len(split.output) != 3 or len(split.input) != 2 or split.input[1] not in inits:
-            continue
-        sizes = [int(v) for v in numpy_helper.to_array(inits[split.input[1]]).reshape(-1)]
-        axis = next((onnx.helper.get_attribute_value(a) for a in split.attribute if a.name == "axis"), 0)
-        deltas = [unscaled_delta(o) for o in split.output]
-        if axis not in (1, -1) or len(sizes) != 3 or not all(deltas):
-            continue
-        q, k, v = deltas
-        if len({(d.input[1], d.input[4]) for d in deltas}) != 1:
-            continue
+    for split, sizes, (q, k, v) in found:
         concat = only(q.output[0], "Concat")
         if concat is None or list(concat.input) != [q.output[0], k.output[0]] or only(k.output[0], "Concat") is not concat:
             continue

@@ -176,6 +176,16 @@ OrtStatus* adapter_half(const OrtValue* v, const char* op, bool* half) {
   return nullptr;
 }
 
+// a target's A^T and B (inputs i and i + 1) into its job: their data, and fp16 or not (both alike)
+OrtStatus* adapter_inputs(const OrtValue* const* in, size_t i, const char* op, LoraJob& j) {
+  bool half_b = false;
+  RETURN_IF(adapter_half(in[i], op, &j.half));
+  RETURN_IF(adapter_half(in[i + 1], op, &half_b));
+  if (half_b != j.half) return fail(std::string(op) + ": a target's A and B must have the same type");
+  RETURN_IF(tensor_data(in[i], const_cast<void**>(&j.at)));
+  return tensor_data(in[i + 1], const_cast<void**>(&j.b));
+}
+
 struct LoraPlan {
   const LoraJob* job;
   std::vector<RowGroup> groups;
@@ -233,12 +243,7 @@ OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
   }
   RETURN_IF(tensor_data(in[0], const_cast<float**>(&j.y)));
   RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.x)));
-  bool half_b = false;
-  RETURN_IF(adapter_half(in[2], "ruvllm.LoraDelta", &j.half));
-  RETURN_IF(adapter_half(in[3], "ruvllm.LoraDelta", &half_b));
-  if (half_b != j.half) return fail("ruvllm.LoraDelta: A and B must have the same type");
-  RETURN_IF(tensor_data(in[2], const_cast<void**>(&j.at)));
-  RETURN_IF(tensor_data(in[3], const_cast<void**>(&j.b)));
+  RETURN_IF(adapter_inputs(in, 2, "ruvllm.LoraDelta", j));
   RETURN_IF(tensor_data(in[4], const_cast<float**>(&j.w)));
   RETURN_IF(output_data(ctx, 0, dy.data(), dy.size(), &j.z));
   if (j.N == 0 || j.out == 0) return nullptr;
@@ -256,15 +261,31 @@ OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
 // Why: in the LoRA graph the projection's SwiGLU epilogue cannot fold into MatMulQ4 (the deltas come
 // between), and the Split, two deltas, Sigmoid and two Muls were six operators and passes per layer.
 // Inputs: y [N, 2F], x [N, in], A_g^T [C, in], B_g [C, F], A_u^T [C, in], B_u [C, F], w [N, C].
-struct SwigluWork {
+//
+// LoraSwiGLU and LoraSplit compute T targets of one projection's output over the same rows: one w, so
+// one grouping of the rows; item i is target i / groups's delta over row group i % groups.
+template <int T>
+struct TargetsWork {
   const LoraPlan* plan;
-  LoraJob jobs[2];
+  LoraJob jobs[T];
 };
 
-void swiglu_item(void* data, size_t i) {
-  const SwigluWork& work = *static_cast<SwigluWork*>(data);
+template <int T>
+void targets_item(void* data, size_t i) {
+  const TargetsWork<T>& work = *static_cast<TargetsWork<T>*>(data);
   const size_t groups = work.plan->groups.size();
   lora_group(work.jobs[i / groups], work.plan->groups[i % groups], work.plan->cols[i % groups]);
+}
+
+template <int T>
+OrtStatus* run_targets(OrtKernelContext* ctx, TargetsWork<T>& work) {
+  thread_local LoraPlan plan;
+  plan_groups(work.jobs[0], plan);
+  work.plan = &plan;
+  const size_t items = T * plan.groups.size();
+  if (items >= 4) return parallel_for(ctx, targets_item<T>, items, &work);
+  for (size_t i = 0; i < items; i++) targets_item<T>(&work, i);
+  return nullptr;
 }
 
 OrtStatus* lora_swiglu(void*, OrtKernelContext* ctx) {
@@ -279,7 +300,7 @@ OrtStatus* lora_swiglu(void*, OrtKernelContext* ctx) {
     if (d[k].size() != 2 || d[k + 1].size() != 2 || d[k][1] != dx[1] || d[k + 1][1] != F || d[k][0] != dw[1] ||
         d[k + 1][0] != dw[1])
       return fail("ruvllm.LoraSwiGLU: expected A^T [C, in] and B [C, F] for the gate and the up target");
-  SwigluWork work{};
+  TargetsWork<2> work{};
   const float* y = nullptr;
   RETURN_IF(tensor_data(in[0], const_cast<float**>(&y)));
   thread_local std::vector<float> halves;  // the gate's and up's outputs with their deltas, [2][N][F]
@@ -290,27 +311,14 @@ OrtStatus* lora_swiglu(void*, OrtKernelContext* ctx) {
     j.y = y + h * F;
     j.z = halves.data() + (size_t)h * N * F;
     RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.x)));
-    bool half_b = false;
-    RETURN_IF(adapter_half(in[2 + 2 * h], "ruvllm.LoraSwiGLU", &j.half));
-    RETURN_IF(adapter_half(in[3 + 2 * h], "ruvllm.LoraSwiGLU", &half_b));
-    if (half_b != j.half) return fail("ruvllm.LoraSwiGLU: each target's A and B must have the same type");
-    RETURN_IF(tensor_data(in[2 + 2 * h], const_cast<void**>(&j.at)));
-    RETURN_IF(tensor_data(in[3 + 2 * h], const_cast<void**>(&j.b)));
+    RETURN_IF(adapter_inputs(in, 2 + 2 * h, "ruvllm.LoraSwiGLU", j));
     RETURN_IF(tensor_data(in[6], const_cast<float**>(&j.w)));
   }
   std::vector<int64_t> out_dims{N, F};
   float* out = nullptr;
   RETURN_IF(output_data(ctx, 0, out_dims.data(), out_dims.size(), &out));
   if (N == 0 || F == 0) return nullptr;
-  thread_local LoraPlan plan;
-  plan_groups(work.jobs[0], plan);  // the same w: the same groups for both targets
-  work.plan = &plan;
-  const size_t items = 2 * plan.groups.size();
-  if (items < 4) {
-    for (size_t i = 0; i < items; i++) swiglu_item(&work, i);
-  } else {
-    RETURN_IF(parallel_for(ctx, swiglu_item, items, &work));
-  }
+  RETURN_IF(run_targets(ctx, work));
   const float *g = halves.data(), *u = halves.data() + N * F;
   const int64_t n = N * F;
   int64_t k = 0;
@@ -327,16 +335,6 @@ OrtStatus* lora_swiglu(void*, OrtKernelContext* ctx) {
 // projection's output was split into three, each target's delta added, and q and k concatenated again:
 // five operators and two copies per layer. Inputs: y [N, Q+K+V], x [N, in], A_q^T, B_q, A_k^T, B_k, A_v^T,
 // B_v, w [N, C]; attribute split: the first output's columns (Q+K: each target lies in one output).
-struct SplitWork {
-  const LoraPlan* plan;
-  LoraJob jobs[3];
-};
-
-void split_item(void* data, size_t i) {
-  const SplitWork& work = *static_cast<SplitWork*>(data);
-  const size_t groups = work.plan->groups.size();
-  lora_group(work.jobs[i / groups], work.plan->groups[i % groups], work.plan->cols[i % groups]);
-}
 
 OrtStatus* lora_split(void* kernel, OrtKernelContext* ctx) {
   const int64_t split = static_cast<LoraKernel*>(kernel)->split;
@@ -353,7 +351,7 @@ OrtStatus* lora_split(void* kernel, OrtKernelContext* ctx) {
   RETURN_IF(output_data(ctx, 1, dims1.data(), 2, &out1));
   const float* y = nullptr;
   RETURN_IF(tensor_data(in[0], const_cast<float**>(&y)));
-  SplitWork work{};
+  TargetsWork<3> work{};
   int64_t col = 0;
   for (int t = 0; t < 3; t++) {
     const auto &da = d[2 + 2 * t], &db = d[3 + 2 * t];
@@ -369,25 +367,12 @@ OrtStatus* lora_split(void* kernel, OrtKernelContext* ctx) {
     else j.z = out1 + (col - split), j.ldz = total - split;
     RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.x)));
     RETURN_IF(tensor_data(in[8], const_cast<float**>(&j.w)));
-    bool half_b = false;
-    RETURN_IF(adapter_half(in[2 + 2 * t], "ruvllm.LoraSplit", &j.half));
-    RETURN_IF(adapter_half(in[3 + 2 * t], "ruvllm.LoraSplit", &half_b));
-    if (half_b != j.half) return fail("ruvllm.LoraSplit: each target's A and B must have the same type");
-    RETURN_IF(tensor_data(in[2 + 2 * t], const_cast<void**>(&j.at)));
-    RETURN_IF(tensor_data(in[3 + 2 * t], const_cast<void**>(&j.b)));
+    RETURN_IF(adapter_inputs(in, 2 + 2 * t, "ruvllm.LoraSplit", j));
     col += out;
   }
   if (col != total) return fail("ruvllm.LoraSplit: the targets' outputs do not add up to y's columns");
   if (N == 0) return nullptr;
-  thread_local LoraPlan plan;
-  plan_groups(work.jobs[0], plan);  // one w: the same groups for the three targets
-  work.plan = &plan;
-  const size_t items = 3 * plan.groups.size();
-  if (items < 4) {
-    for (size_t i = 0; i < items; i++) split_item(&work, i);
-    return nullptr;
-  }
-  return parallel_for(ctx, split_item, items, &work);
+  return run_targets(ctx, work);
 }
 
 }  // namespace
