@@ -77,8 +77,8 @@ def past_value(layer: int) -> str:
 
 
 def past_key_scale(layer: int) -> str:
-    # float [kv_heads, num_blocks, block_size]: each int8 key row's scale. Not an exported input: the native
-    # backend's rewrite adds it where it runs the pool in int8 (--kv-dtype int8, graph_fusion.kv_in_int8)
+    # float16 [kv_heads, num_blocks, block_size, groups]: the scales of each int8 key row's groups of numbers.
+    # Not an exported input: the native backend's rewrite adds it for --kv-dtype int8 (graph_fusion.kv_in_int8)
     return f"past.{layer}.key_scale"
 
 

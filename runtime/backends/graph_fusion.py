@@ -223,9 +223,9 @@ def fuse_lora(model) -> int:
 
 def kv_in_int8(model) -> int:
     """Each layer's KV pool inputs (past.{i}.key / .value) that only ruvllm.PagedAttention reads become
-    int8, and the node takes two more inputs, each row's scale [kv_heads, num_blocks, block_size] per kind
-    (contract.past_key_scale), which the kernel multiplies back in (--kv-dtype int8). Returns how many
-    layers."""
+    int8, and the node takes two more inputs, the fp16 scales of each row's groups [kv_heads, num_blocks,
+    block_size, groups] per kind (contract.past_key_scale, kv_pool.quantize_rows), which the kernel
+    multiplies back in (--kv-dtype int8). Returns how many layers."""
     import onnx
 
     from runtime import contract as C
@@ -243,24 +243,44 @@ def kv_in_int8(model) -> int:
         node = users[0]
         if list(node.input[2:4]) != [key.name, value.name] or len(node.input) != 7:
             continue
-        dims = [d for d in key.type.tensor_type.shape.dim][:3]
+        groups = _scale_groups(key)
+        if groups is None:
+            continue
         for pool, name in ((key, C.past_key_scale(layer)), (value, C.past_value_scale(layer))):
             pool.type.tensor_type.elem_type = onnx.TensorProto.INT8
-            scale = onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
-            for d in dims:
-                scale.type.tensor_type.shape.dim.add().CopyFrom(d)
-            model.graph.input.append(scale)
+            model.graph.input.append(_scales_input(pool, name, groups))
             node.input.append(name)
         count += 1
     return count
 
 
+def _scale_groups(pool) -> int | None:
+    """Scales per row of a pool input [kv_heads, blocks, block_size, head_dim] (None: head_dim not fixed)."""
+    from runtime.backends.kv_pool import kv_group
+
+    dims = list(pool.type.tensor_type.shape.dim)
+    d = dims[3].dim_value if len(dims) == 4 else 0
+    return d // kv_group(d) if d > 0 else None
+
+
+def _scales_input(pool, name: str, groups: int):
+    """The graph input of a pool's fp16 group scales, [kv_heads, blocks, block_size, groups]."""
+    from onnx import TensorProto, helper
+
+    scales = helper.make_tensor_value_info(name, TensorProto.FLOAT16, None)
+    for d in list(pool.type.tensor_type.shape.dim)[:3]:
+        scales.type.tensor_type.shape.dim.add().CopyFrom(d)
+    scales.type.tensor_type.shape.dim.add().dim_value = groups
+    return scales
+
+
 def kv_in_int8_graph(model) -> int:
     """The graph's own attention path on an int8 pool (where ruvllm.PagedAttention does not run): each
-    layer's pool inputs become int8 with their row scales, the blocks a step gathers are cast to float and
-    multiplied by their rows' scales, and this step's rows written into the gathered context are rounded
-    as the pool will store them (kv_pool.quantize_rows, op for op: max |x| / 127, x / s rounded to
-    nearest even, times s), so that the numbers are those the kernel's path reads. Returns how many layers."""
+    layer's pool inputs become int8 with their groups' fp16 scales, the blocks a step gathers are cast to
+    float and multiplied by their groups' scales, and this step's rows written into the gathered context
+    are rounded as the pool will store them (kv_pool.quantize_rows, op for op: max |x| / 127 through fp16,
+    x / s rounded to nearest even and kept within 127, times s), so that the numbers are those the
+    kernel's path reads. Returns how many layers."""
     from onnx import TensorProto, helper
 
     from runtime import contract as C
@@ -294,35 +314,45 @@ def kv_in_int8_graph(model) -> int:
             if not scatter or len(scatter) != 1 or scatter[0].op_type not in ("TensorScatter", "ScatterND"):
                 break
             plans.append((pool, scale_name, gather, scatter[0]))
-        if len(plans) != 2:
+        groups = _scale_groups(kinds[0][0])
+        if len(plans) != 2 or groups is None:
             continue
+        head_dim = kinds[0][0].type.tensor_type.shape.dim[3].dim_value
+        size = head_dim // groups
+        i64 = TensorProto.INT64
         for pool, scale_name, gather, scatter in plans:
             out, tag = gather.output[0], f"{pool.name}.int8"
             gather.output[0] = f"{tag}.rows"
-            scales = helper.make_tensor_value_info(scale_name, TensorProto.FLOAT, None)
-            for d in list(pool.type.tensor_type.shape.dim)[:3]:
-                scales.type.tensor_type.shape.dim.add().CopyFrom(d)
-            model.graph.input.append(scales)
+            model.graph.input.append(_scales_input(pool, scale_name, groups))
             pool.type.tensor_type.elem_type = TensorProto.INT8
-            after[id(gather)] = [
+            after[id(gather)] = [  # [Hkv, B, MB, bs, D] int8 -> float, times each group's scale
                 helper.make_node("Cast", [f"{tag}.rows"], [f"{tag}.float"], to=TensorProto.FLOAT),
-                helper.make_node("Gather", [scale_name, gather.input[1]], [f"{tag}.scales"], axis=1),
-                helper.make_node("Unsqueeze", [f"{tag}.scales", const(f"{tag}.last", [-1], TensorProto.INT64, [1])],
-                                 [f"{tag}.scales1"]),
-                helper.make_node("Mul", [f"{tag}.float", f"{tag}.scales1"], [out]),
+                helper.make_node("Reshape", [f"{tag}.float", const(f"{tag}.grouped", [0, 0, 0, 0, groups, size], i64, [6])],
+                                 [f"{tag}.groups"]),
+                helper.make_node("Gather", [scale_name, gather.input[1]], [f"{tag}.scales16"], axis=1),
+                helper.make_node("Cast", [f"{tag}.scales16"], [f"{tag}.scales"], to=TensorProto.FLOAT),
+                helper.make_node("Unsqueeze", [f"{tag}.scales", const(f"{tag}.last", [-1], i64, [1])], [f"{tag}.scales1"]),
+                helper.make_node("Mul", [f"{tag}.groups", f"{tag}.scales1"], [f"{tag}.scaled"]),
+                helper.make_node("Reshape", [f"{tag}.scaled", const(f"{tag}.rowwise", [0, 0, 0, 0, head_dim], i64, [5])],
+                                 [out]),
             ]
             slot = 1 if scatter.op_type == "TensorScatter" else 2
             update, r = scatter.input[slot], f"{tag}.step"
-            before[id(scatter)] = [
-                helper.make_node("Abs", [update], [f"{r}.abs"]),
-                helper.make_node("ReduceMax", [f"{r}.abs", const(f"{r}.axis", [-1], TensorProto.INT64, [1])],
-                                 [f"{r}.max"], keepdims=1),
-                helper.make_node("Div", [f"{r}.max", const(f"{r}.127", 127.0)], [f"{r}.s"]),
+            before[id(scatter)] = [  # this step's rows, rounded by groups as the pool will hold them
+                helper.make_node("Shape", [update], [f"{r}.shape"]),
+                helper.make_node("Reshape", [update, const(f"{r}.grouped", [-1, size], i64, [2])], [f"{r}.groups"]),
+                helper.make_node("Abs", [f"{r}.groups"], [f"{r}.abs"]),
+                helper.make_node("ReduceMax", [f"{r}.abs", const(f"{r}.axis", [-1], i64, [1])], [f"{r}.max"], keepdims=1),
+                helper.make_node("Div", [f"{r}.max", const(f"{r}.127", 127.0)], [f"{r}.s32"]),
+                helper.make_node("Cast", [f"{r}.s32"], [f"{r}.s16"], to=TensorProto.FLOAT16),
+                helper.make_node("Cast", [f"{r}.s16"], [f"{r}.s"], to=TensorProto.FLOAT),
                 helper.make_node("Greater", [f"{r}.s", const(f"{r}.zero", 0.0)], [f"{r}.pos"]),
                 helper.make_node("Where", [f"{r}.pos", f"{r}.s", const(f"{r}.one", 1.0)], [f"{r}.safe"]),
-                helper.make_node("Div", [update, f"{r}.safe"], [f"{r}.steps"]),
+                helper.make_node("Div", [f"{r}.groups", f"{r}.safe"], [f"{r}.steps"]),
                 helper.make_node("Round", [f"{r}.steps"], [f"{r}.q"]),
-                helper.make_node("Mul", [f"{r}.q", f"{r}.s"], [f"{r}.rounded"]),
+                helper.make_node("Clip", [f"{r}.q", const(f"{r}.lo", -127.0), const(f"{r}.hi", 127.0)], [f"{r}.qc"]),
+                helper.make_node("Mul", [f"{r}.qc", f"{r}.s"], [f"{r}.deq"]),
+                helper.make_node("Reshape", [f"{r}.deq", f"{r}.shape"], [f"{r}.rounded"]),
             ]
             scatter.input[slot] = f"{r}.rounded"
         count += 1

@@ -13,11 +13,12 @@ graph took ~0.3 ms a step); `device_writes=True` runs the device path on
 CPU, which is how it is tested here (CUDA itself is not, on these machines).
 
 With kv_dtype "int8" (CPU only; read by ruvllm.PagedAttention or the graph's attention rewritten for it,
-graph_fusion.kv_in_int8 / kv_in_int8_graph) each kind is int8 rows with one fp32 scale
-per row (a token's kv head: its absolute maximum / 127), a quarter of the bytes plus 4 per row: each
-token is quantized as it is written, so no full-precision tier is needed. Measured against per-channel
-key scales per block (KIVI's choice, which needs the block complete), on SmolLM2 in fp32: mean KL 0.00035
-vs 0.00011 over the fp32 pool, both far inside the quality gate (docs/PERFORMANCE.md).
+graph_fusion.kv_in_int8 / kv_in_int8_graph) each kind is int8 rows whose groups of 32 numbers
+(kv_group) have one fp16 scale each (their absolute maximum / 127): a quarter of the bytes plus 2 per
+group. Each token is quantized as it is written, so no full-precision tier is needed; per group rather
+than per row because a key row's few large channels would otherwise coarsen all the others (SmolLM2,
+decode-like steps: KL 0.0047 vs 0.0052 per row; KIVI's per-channel keys, which need whole blocks, 0.0043;
+docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
@@ -71,14 +72,29 @@ def writer_graph(num_layers: int, kv_heads: int, head_dim: int) -> bytes:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10).SerializeToString()
 
 
+def kv_group(head_dim: int) -> int:
+    """Numbers per int8 scale in a KV row: 32, or the whole row where 32 does not divide it."""
+    return 32 if head_dim % 32 == 0 else head_dim
+
+
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """x [..., D] as int8 rows and their scales [...]: each row in steps of its absolute maximum / 127,
-    rounded to nearest (ties to even); |x - q * s| <= s / 2."""
-    amax = np.abs(x).max(axis=-1)
-    scale = (amax / np.float32(127)).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    q = np.rint(x / safe[..., None]).astype(np.int8)
-    return q, scale
+    """x [..., D] as int8 rows and their groups' fp16 scales [..., D / kv_group(D)]: each group in steps of
+    its absolute maximum / 127 (rounded to fp16), rounded to nearest (ties to even) and kept in
+    [-127, 127]; |x - q * s| <= s / 2 but where fp16 rounded a scale down (then at most 0.1% of it more).
+    ruvllm.PagedAttention and graph_fusion.kv_in_int8_graph round this step's rows with the same ops."""
+    d = x.shape[-1]
+    groups = x.reshape(*x.shape[:-1], d // kv_group(d), kv_group(d))
+    scale = (np.abs(groups).max(axis=-1) / np.float32(127)).astype(np.float16)
+    s = scale.astype(np.float32)[..., None]
+    q = np.clip(np.rint(groups / np.where(s > 0, s, np.float32(1))), -127, 127).astype(np.int8)
+    return q.reshape(x.shape), scale
+
+
+def dequantize_rows(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The float32 numbers int8 rows and their group scales (quantize_rows) stand for."""
+    d, groups = q.shape[-1], scales.shape[-1]
+    out = q.reshape(*q.shape[:-1], groups, d // groups).astype(np.float32) * scales.astype(np.float32)[..., None]
+    return out.reshape(q.shape)
 
 
 def _reserved(shape: list[int], dtype=np.float32) -> np.ndarray:
@@ -106,7 +122,8 @@ class DeviceKVPool:
         self.layer_shape = [kv_heads, num_blocks, block_size, head_dim]  # what each layer's graph input sees
         shape = [num_layers, kv_heads, num_blocks * block_size, head_dim]
         self.layer_bytes = kv_heads * num_blocks * block_size * head_dim * (1 if self.int8 else 4)
-        self.scale_bytes = kv_heads * num_blocks * block_size * 4 if self.int8 else 0  # a layer's row scales
+        self.groups = head_dim // kv_group(head_dim)
+        self.scale_bytes = kv_heads * num_blocks * block_size * self.groups * 2 if self.int8 else 0  # a layer's scales
         self.num_blocks, self.block_size, self.num_layers = num_blocks, block_size, num_layers
         self.committed = num_blocks  # blocks whose memory is written (zeros) and so resident
         if self.device == "cpu":
@@ -116,7 +133,8 @@ class DeviceKVPool:
             # at its first write cost ~1.7 ms a step on SmolLM2.
             dtype = np.int8 if self.int8 else np.float32
             self._host = (_reserved(shape, dtype), _reserved(shape, dtype))
-            self._scales = (_reserved(shape[:3]), _reserved(shape[:3])) if self.int8 else ()
+            scale_shape = [*shape[:3], self.groups]
+            self._scales = (_reserved(scale_shape, np.float16), _reserved(scale_shape, np.float16)) if self.int8 else ()
             self.committed = 0
             self.ensure(min(num_blocks, FIRST_BLOCKS))
             self.keys, self.values = (ort.OrtValue.ortvalue_from_numpy(arr) for arr in self._host)
@@ -162,7 +180,7 @@ class DeviceKVPool:
             for name, pool in ((C.past_key(i), self.keys), (C.past_value(i), self.values)):
                 io.bind_input(name, self.device, 0, dtype, self.layer_shape, pool.data_ptr() + i * self.layer_bytes)
             for name, scales in zip((C.past_key_scale(i), C.past_value_scale(i)), self._scale_values):
-                io.bind_input(name, self.device, 0, np.float32, self.layer_shape[:3],
+                io.bind_input(name, self.device, 0, np.float16, [*self.layer_shape[:3], self.groups],
                               scales.data_ptr() + i * self.scale_bytes)
 
     def write(self, present_key, present_value, kv_slots: list[int]) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from runtime import contract as C
+from runtime.backends.kv_pool import kv_group
 from runtime.core.kv_blocks import kv_bytes_per_token
 from runtime.core.step_batch import StepBatch, StepResult
 from runtime.errors import DeviceError, PackageError, RequestError
@@ -220,8 +221,9 @@ class NativeBackend:
 
     def kv_bytes_per_token(self, cfg: dict) -> int:
         """Bytes one token takes in the pool: fp32 rows, or int8 rows and their fp32 scales."""
-        if self.kv_dtype == "int8":
-            return cfg["num_layers"] * 2 * cfg["num_kv_heads"] * (cfg["head_dim"] + 4)
+        if self.kv_dtype == "int8":  # int8 numbers and an fp16 scale per group (kv_pool.kv_group)
+            d = cfg["head_dim"]
+            return cfg["num_layers"] * 2 * cfg["num_kv_heads"] * (d + 2 * (d // kv_group(d)))
         return kv_bytes_per_token(cfg)
 
     # ---- adapters ----

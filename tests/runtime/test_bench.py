@@ -55,5 +55,5 @@ def test_bench_on_an_int8_pool_over_long_contexts(tiny_package):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     kv = result["kv"]
-    assert kv["dtype"] == "int8" and kv["bytes_per_token"] == 2 * 2 * 2 * (16 + 4)  # layers, K/V, kv heads, D + scale
+    assert kv["dtype"] == "int8" and kv["bytes_per_token"] == 2 * 2 * 2 * (16 + 2)  # layers, K/V, kv heads, D + scale
     assert result["concurrency"][1]["kv_blocks_peak"] >= 2 * 96 // kv["block_size"]

@@ -399,7 +399,7 @@ def attention_graph(Hq: int, Hkv: int, window: int, scale: float, int8: bool = F
     """The operator alone; `int8`: int8 pools with their row scales (--kv-dtype int8)."""
     f, i64, pool = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT8 if int8 else TensorProto.FLOAT
     names = [("qk", f), ("v", f), ("pool_k", pool), ("pool_v", pool), ("tables", i64), ("qidx", i64), ("pos", i64)]
-    names += [("scale_k", f), ("scale_v", f)] if int8 else []
+    names += [("scale_k", TensorProto.FLOAT16), ("scale_v", TensorProto.FLOAT16)] if int8 else []
     node = helper.make_node("PagedAttention", [n for n, _ in names], ["out"], domain="ruvllm", num_heads=Hq,
                             num_kv_heads=Hkv, sliding_window=window, scale=scale)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in names],
@@ -439,10 +439,9 @@ def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: floa
 
 
 def rounded_rows(x: np.ndarray) -> np.ndarray:
-    from runtime.backends.kv_pool import quantize_rows
+    from runtime.backends.kv_pool import dequantize_rows, quantize_rows
 
-    q, s = quantize_rows(x)
-    return (q * s[..., None]).astype(np.float32)
+    return dequantize_rows(*quantize_rows(x))
 
 
 @needs_avx512
@@ -457,7 +456,8 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, la
     decode row. `decode`: two decode rows alone, one over 1100 positions (its keys cut into ranges
     across threads and merged, where fewer than 8 row/kv-head items leave threads idle). `int8`: the
     pools as int8 rows and scales; the reference reads their q * s, and this step's key and value rows
-    rounded the same way (as the pool will store them)."""
+    rounded the same way (as the pool will store them); head_dim 16 has one scale a row, the rest one per
+    32 numbers."""
     rng = np.random.default_rng(Hq * D + bs)
     num_blocks = 512
     pool_k = rng.standard_normal((Hkv, num_blocks, bs, D), dtype=np.float32)

@@ -17,10 +17,10 @@ namespace {
 // Output [N, Hq*D]. Causal, optionally a sliding window; a row's keys before its first new position
 // come from the pool, the rest from this step's rows.
 //
-// The pools are fp32, or int8 with two more inputs, each row's scale [Hkv, blocks, block_size] for keys
-// and for values (the native backend's --kv-dtype int8: a row is its absolute maximum / 127 steps,
-// rounded to nearest, kv_pool.quantize_rows); a row is read as its int8 numbers times its scale, so an
-// int8 pool is a quarter of the bytes to read.
+// The pools are fp32, or int8 with two more inputs, the fp16 scales of each row's groups of numbers
+// [Hkv, blocks, block_size, groups] for keys and for values (the native backend's --kv-dtype int8: a
+// group of 32 is its absolute maximum / 127 steps, rounded to nearest, kv_pool.quantize_rows); a row is
+// read as its int8 numbers times their group's scale, so an int8 pool is a quarter of the bytes to read.
 
 // sc[t] = e^(sc[t] - mx) for t in [first, last]; returns 1 / their sum
 inline float exp_in_place(float* sc, int64_t first, int64_t last, float mx) {
@@ -55,7 +55,8 @@ struct AttnJob {
   int64_t B, S, MB, NB, bs, D;
   std::atomic<bool> failed{false};
   int64_t N = 0;  // tokens this step
-  const float *scale_k = nullptr, *scale_v = nullptr;  // an int8 pool's row scales; null: the pools are fp32
+  const uint16_t *scale_k = nullptr, *scale_v = nullptr;  // an int8 pool's fp16 group scales; null: fp32 pools
+  int64_t groups = 1;  // scales per row (each a group of D / groups numbers, a multiple of 16)
 };
 
 // A key or value row: fp32 (this step's, or an fp32 pool's), or int8 times its scale (an int8 pool's).
@@ -63,25 +64,41 @@ struct AttnJob {
 // bit for bit), so that every position attends to the same numbers whether its keys come from this step
 // or from the pool: a recomputed (preempted) sequence or a prompt after a prefix-cache hit then gives
 // the tokens of the first run.
+constexpr int kMaxGroups = 8;  // scales per row: head_dim 256 in groups of 32
+
 struct KVRow {
   const float* f = nullptr;
   const int8_t* q = nullptr;
-  float s = 0.f;
+  int chunks = 1;  // 16-number chunks per group
   bool round = false;  // f rounded to int8 steps of s
-  static KVRow rounded(const float* f, int64_t D) {
-    __m512 m = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(f + d)));
-    return KVRow{f, nullptr, _mm512_reduce_max_ps(m) / 127.f, true};
+  float s[kMaxGroups] = {};
+  // an fp32 row rounded by groups of 16 * chunks as kv_pool.quantize_rows does: fp16 scales of max / 127
+  static KVRow rounded(const float* f, int64_t D, int chunks) {
+    KVRow r{f, nullptr, chunks, true};
+    for (int64_t g = 0; g * 16 * chunks < D; g++) {
+      __m512 m = _mm512_setzero_ps();
+      for (int c = 0; c < chunks; c++) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(f + (g * chunks + c) * 16)));
+      r.s[g] = _cvtsh_ss(_cvtss_sh(_mm512_reduce_max_ps(m) / 127.f, _MM_FROUND_TO_NEAREST_INT));
+    }
+    return r;
+  }
+  static KVRow int8(const int8_t* q, const uint16_t* scales, int64_t groups, int chunks) {
+    KVRow r{nullptr, q, chunks, false};
+    for (int64_t g = 0; g < groups; g++) r.s[g] = _cvtsh_ss(scales[g]);
+    return r;
   }
   __m512 load(int d) const {  // numbers 16d .. 16d + 15
     if (f && !round) return _mm512_loadu_ps(f + 16 * d);
+    const __m512 s16 = _mm512_set1_ps(s[d / chunks]);
     if (f) {
-      if (s == 0.f) return _mm512_setzero_ps();
-      const __m512 steps = _mm512_div_ps(_mm512_loadu_ps(f + 16 * d), _mm512_set1_ps(s));
-      return _mm512_mul_ps(_mm512_roundscale_ps(steps, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), _mm512_set1_ps(s));
+      if (s[d / chunks] == 0.f) return _mm512_setzero_ps();
+      const __m512 steps = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(f + 16 * d), s16),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 lim = _mm512_set1_ps(127.f);  // an fp16 scale rounded down can put the maximum at 128
+      return _mm512_mul_ps(_mm512_max_ps(_mm512_min_ps(steps, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim)), s16);
     }
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * d));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(s));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s16);
   }
   void prefetch(int DV) const {
     if (f) prefetch_row(f, DV);
@@ -102,12 +119,13 @@ struct RowHead {
         h((int64_t)item % Hkv), base(job.qidx[b * job.S]), count(job.qidx[b * job.S + job.S - 1] - base + 1),
         start(job.pos[base]), j(&job), table(job.tables + b * job.MB), head((size_t)(h * job.NB * job.bs)) {}
   int64_t slot(int64_t t) const { return table[t / j->bs] * j->bs + t % j->bs; }  // pool row of position t < start
-  KVRow pooled(const void* pool, const float* scales, int64_t t) const {
+  int chunks() const { return (int)(D / 16 / j->groups); }
+  KVRow pooled(const void* pool, const uint16_t* scales, int64_t t) const {
     const size_t row = head + (size_t)slot(t);
     if (!scales) return KVRow{static_cast<const float*>(pool) + row * D};
-    return KVRow{nullptr, static_cast<const int8_t*>(pool) + row * D, scales[row], false};
+    return KVRow::int8(static_cast<const int8_t*>(pool) + row * D, scales + row * j->groups, j->groups, chunks());
   }
-  KVRow step_row(const float* f) const { return j->scale_k ? KVRow::rounded(f, D) : KVRow{f}; }
+  KVRow step_row(const float* f) const { return j->scale_k ? KVRow::rounded(f, D, chunks()) : KVRow{f}; }
   KVRow key(int64_t t) const {
     return t < start ? pooled(j->pool_k, j->scale_k, t) : step_row(j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D);
   }
@@ -761,12 +779,19 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   RETURN_IF(tensor_type(in[3], &kinds[1]));
   if (kinds[0] != kinds[1] || (kinds[0] != kFloat && kinds[0] != kInt8))
     return fail("ruvllm.PagedAttention: the key and value pools must both be float or both int8");
-  if (kinds[0] == kInt8) {  // each row's scale, [Hkv, blocks, block_size] per kind
-    for (int i : {7, 8})
-      if (!in[i] || dims[i] != std::vector<int64_t>{dims[2][0], dims[2][1], dims[2][2]})
-        return fail("ruvllm.PagedAttention: int8 pools need their row scales [kv_heads, blocks, block_size]");
-    RETURN_IF(tensor_data(in[7], const_cast<float**>(&job.scale_k)));
-    RETURN_IF(tensor_data(in[8], const_cast<float**>(&job.scale_v)));
+  if (kinds[0] == kInt8) {  // each row's group scales, [Hkv, blocks, block_size, groups] per kind, fp16
+    for (int i : {7, 8}) {
+      int type = 0;
+      if (in[i]) RETURN_IF(tensor_type(in[i], &type));
+      if (!in[i] || type != kFloat16 || dims[i].size() != 4 || dims[i][0] != dims[2][0] || dims[i][1] != dims[2][1] ||
+          dims[i][2] != dims[2][2] || dims[i][3] != dims[7][3] || dims[i][3] < 1 || dims[i][3] > kMaxGroups ||
+          D % (16 * dims[i][3]))
+        return fail("ruvllm.PagedAttention: int8 pools need fp16 scales [kv_heads, blocks, block_size, groups], "
+                    "groups of a multiple of 16 numbers");
+    }
+    job.groups = dims[7][3];
+    RETURN_IF(tensor_data(in[7], const_cast<uint16_t**>(&job.scale_k)));
+    RETURN_IF(tensor_data(in[8], const_cast<uint16_t**>(&job.scale_v)));
   }
   RETURN_IF(tensor_data(in[2], const_cast<void**>(&job.pool_k)));
   RETURN_IF(tensor_data(in[3], const_cast<void**>(&job.pool_v)));

@@ -119,8 +119,8 @@ CustomOp matmul_op() {
 CustomOp attention_op() {
   CustomOp op = kernel_op<AttnKernel, create_attention, attend_step, kAttentionName>();
   op.GetName = [](const CustomOp*) { return "PagedAttention"; };
-  // the pools (2, 3): float, or int8 with their row scales (7, 8)
-  op.GetInputType = [](const CustomOp*, size_t i) { return i == 2 || i == 3 ? kUndefined : i < 4 || i > 6 ? kFloat : kInt64; };
+  // the pools (2, 3): float, or int8 with their rows' fp16 group scales (7, 8)
+  op.GetInputType = [](const CustomOp*, size_t i) { return i == 2 || i == 3 ? kUndefined : i > 6 ? kFloat16 : i < 4 ? kFloat : kInt64; };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 9; };
   op.GetInputCharacteristic = [](const CustomOp*, size_t i) { return i >= 7 ? 1 : 0; };  // the scales: optional
   return op;
