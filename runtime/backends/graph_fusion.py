@@ -35,7 +35,7 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     signed byte whatever they are) become ruvllm.MatMulQ8; `base_dir` is where the graph's external
     data lives, to read those zero points. `half_adapters`: the LoRA graph's adapter inputs that only
     RuvLLM's LoRA operators read become fp16 (adapters_in_half). `kv_int8`: the KV pool inputs that
-    only ruvllm.PagedAttention reads become int8 with their row scales (kv_in_int8).
+    only ruvllm.PagedAttention reads become int8 with their group scales (kv_in_int8; else kv_in_int8_graph).
     """
     import onnx
 

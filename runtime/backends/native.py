@@ -129,7 +129,7 @@ class NativeBackend:
 
         contract = expected_inputs(self.num_layers, lora=lora)
         scales = {f(i) for i in range(self.num_layers) for f in (C.past_key_scale, C.past_value_scale)}
-        names = [n for n in names if n not in scales]  # an int8 pool's row scales (graph_fusion.kv_in_int8)
+        names = [n for n in names if n not in scales]  # an int8 pool's scales (graph_fusion.kv_in_int8)
         if names and names[-1] == C.LOGITS_MASK:  # a graph with structured output's mask input
             names = names[:-1]
         if names[:len(contract)] != contract or (not lora and len(names) != len(contract)):
