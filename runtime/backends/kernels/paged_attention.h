@@ -64,41 +64,44 @@ struct AttnJob {
 // bit for bit), so that every position attends to the same numbers whether its keys come from this step
 // or from the pool: a recomputed (preempted) sequence or a prompt after a prefix-cache hit then gives
 // the tokens of the first run.
-constexpr int kMaxGroups = 8;  // scales per row: head_dim 256 in groups of 32
+constexpr int kMaxGroups = 8;  // scales per row: head_dim 256 in groups of 32 (kv_pool.kv_group)
 
 struct KVRow {
   const float* f = nullptr;
   const int8_t* q = nullptr;
-  int chunks = 1;  // 16-number chunks per group
-  bool round = false;  // f rounded to int8 steps of s
-  float s[kMaxGroups] = {};
-  // an fp32 row rounded by groups of 16 * chunks as kv_pool.quantize_rows does: fp16 scales of max / 127
-  static KVRow rounded(const float* f, int64_t D, int chunks) {
-    KVRow r{f, nullptr, chunks, true};
-    for (int64_t g = 0; g * 16 * chunks < D; g++) {
+  const uint16_t* sc = nullptr;  // int8 rows: their groups' fp16 scales
+  int shift = 0;                 // the group of 16-number chunk d is d >> shift (groups of 32, or one)
+  bool round = false;            // f rounded to int8 steps of rs
+  float rs[kMaxGroups];          // round: the groups' scales (left unset otherwise: rows are made per key)
+  KVRow() {}
+  explicit KVRow(const float* row) : f(row) {}
+  KVRow(const int8_t* row, const uint16_t* scales, int64_t groups) : q(row), sc(scales), shift(groups > 1 ? 1 : 4) {}
+  // an fp32 row rounded by groups as kv_pool.quantize_rows does: fp16 scales of max / 127
+  static KVRow rounded(const float* f, int64_t D, int64_t groups) {
+    KVRow r(f);
+    r.round = true;
+    r.shift = groups > 1 ? 1 : 4;
+    const int64_t chunks = D / 16 / groups;
+    for (int64_t g = 0; g < groups; g++) {
       __m512 m = _mm512_setzero_ps();
-      for (int c = 0; c < chunks; c++) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(f + (g * chunks + c) * 16)));
-      r.s[g] = _cvtsh_ss(_cvtss_sh(_mm512_reduce_max_ps(m) / 127.f, _MM_FROUND_TO_NEAREST_INT));
+      for (int64_t c = 0; c < chunks; c++) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(f + (g * chunks + c) * 16)));
+      r.rs[g] = _cvtsh_ss(_cvtss_sh(_mm512_reduce_max_ps(m) / 127.f, _MM_FROUND_TO_NEAREST_INT));
     }
-    return r;
-  }
-  static KVRow int8(const int8_t* q, const uint16_t* scales, int64_t groups, int chunks) {
-    KVRow r{nullptr, q, chunks, false};
-    for (int64_t g = 0; g < groups; g++) r.s[g] = _cvtsh_ss(scales[g]);
     return r;
   }
   __m512 load(int d) const {  // numbers 16d .. 16d + 15
     if (f && !round) return _mm512_loadu_ps(f + 16 * d);
-    const __m512 s16 = _mm512_set1_ps(s[d / chunks]);
     if (f) {
-      if (s[d / chunks] == 0.f) return _mm512_setzero_ps();
-      const __m512 steps = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(f + 16 * d), s16),
+      const float s = rs[d >> shift];
+      if (s == 0.f) return _mm512_setzero_ps();
+      const __m512 steps = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(f + 16 * d), _mm512_set1_ps(s)),
                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m512 lim = _mm512_set1_ps(127.f);  // an fp16 scale rounded down can put the maximum at 128
-      return _mm512_mul_ps(_mm512_max_ps(_mm512_min_ps(steps, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim)), s16);
+      return _mm512_mul_ps(_mm512_max_ps(_mm512_min_ps(steps, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim)),
+                           _mm512_set1_ps(s));
     }
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * d));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s16);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(_cvtsh_ss(sc[d >> shift])));
   }
   void prefetch(int DV) const {
     if (f) prefetch_row(f, DV);
@@ -119,13 +122,12 @@ struct RowHead {
         h((int64_t)item % Hkv), base(job.qidx[b * job.S]), count(job.qidx[b * job.S + job.S - 1] - base + 1),
         start(job.pos[base]), j(&job), table(job.tables + b * job.MB), head((size_t)(h * job.NB * job.bs)) {}
   int64_t slot(int64_t t) const { return table[t / j->bs] * j->bs + t % j->bs; }  // pool row of position t < start
-  int chunks() const { return (int)(D / 16 / j->groups); }
   KVRow pooled(const void* pool, const uint16_t* scales, int64_t t) const {
     const size_t row = head + (size_t)slot(t);
-    if (!scales) return KVRow{static_cast<const float*>(pool) + row * D};
-    return KVRow::int8(static_cast<const int8_t*>(pool) + row * D, scales + row * j->groups, j->groups, chunks());
+    if (!scales) return KVRow(static_cast<const float*>(pool) + row * D);
+    return KVRow(static_cast<const int8_t*>(pool) + row * D, scales + row * j->groups, j->groups);
   }
-  KVRow step_row(const float* f) const { return j->scale_k ? KVRow::rounded(f, D, chunks()) : KVRow{f}; }
+  KVRow step_row(const float* f) const { return j->scale_k ? KVRow::rounded(f, D, j->groups) : KVRow(f); }
   KVRow key(int64_t t) const {
     return t < start ? pooled(j->pool_k, j->scale_k, t) : step_row(j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D);
   }
@@ -201,9 +203,10 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
             const KeyRange* range = nullptr) {
   constexpr int D = DV * 16;
   const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, count = r.count, start = r.start;
-  thread_local std::vector<float> scores, inv, qs, mx, f, fp;
+  thread_local std::vector<float> scores, inv, qs, mx, f, fp, keys;
   thread_local std::vector<const float*> pre;
   const __m512 scale = _mm512_set1_ps(j.k->scale);
+  keys.resize((size_t)16 * D);
   for (int64_t s = 0; s < count; s++) {
     const int64_t n = base + s, p = range ? range->to : start + s;
     const int64_t lo = range ? range->from : shared ? from : r.lowest(p), nk = p - lo + 1;
@@ -219,7 +222,13 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
     for (int64_t t0 = 0; t0 < nk; t0 += 16) {  // 16 keys at a time for every head: read from memory once
       const int nt = (int)std::min<int64_t>(16, nk - t0);
       KVRow kr[16];
-      for (int i = 0; i < nt; i++) kr[i] = r.key(lo + t0 + i);
+      for (int i = 0; i < nt; i++) {
+        kr[i] = r.key(lo + t0 + i);
+        if (kr[i].f && !kr[i].round) continue;
+        float* row = &keys[(size_t)i * D];  // an int8 (or rounded) key read once here for all G heads
+        for (int d = 0; d < DV; d++) _mm512_storeu_ps(row + 16 * d, kr[i].load(d));
+        kr[i] = KVRow(row);
+      }
       for (int64_t i = t0 + 16; i < std::min(nk, t0 + 32); i++) r.key(lo + i).prefetch(DV);  // a pool block apart
       const __mmask16 valid = (__mmask16)((1u << nt) - 1);
       for (int64_t g = 0; g < G; g++) {
@@ -784,10 +793,9 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
       int type = 0;
       if (in[i]) RETURN_IF(tensor_type(in[i], &type));
       if (!in[i] || type != kFloat16 || dims[i].size() != 4 || dims[i][0] != dims[2][0] || dims[i][1] != dims[2][1] ||
-          dims[i][2] != dims[2][2] || dims[i][3] != dims[7][3] || dims[i][3] < 1 || dims[i][3] > kMaxGroups ||
-          D % (16 * dims[i][3]))
+          dims[i][2] != dims[2][2] || dims[i][3] != dims[7][3] || (dims[i][3] != 1 && D != 32 * dims[i][3]))
         return fail("ruvllm.PagedAttention: int8 pools need fp16 scales [kv_heads, blocks, block_size, groups], "
-                    "groups of a multiple of 16 numbers");
+                    "one per 32 numbers of a row or one per row");
     }
     job.groups = dims[7][3];
     RETURN_IF(tensor_data(in[7], const_cast<uint16_t**>(&job.scale_k)));
