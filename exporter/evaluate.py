@@ -169,7 +169,7 @@ def _reference_package(reference: str, tmp: str, progress: bool) -> str:
 
 def format_table(result: dict) -> str:
     head = ["package", "quantization", "size MB", "perplexity", "Δ ppl", "KL", "top-1", "decode tok/s"]
-    lines = [f"text: {result['text']}, {result['tokens']} tokens, teacher-forced, KV {result.get('kv_dtype', 'fp32')}"
+    lines = [f"text: {result['text']}, {result['tokens']} tokens, teacher-forced, KV {result['kv_dtype']}"
              + (f"; reference {result['reference']}" if result["reference"] else "")
              + (f" (perplexity {result['reference_perplexity']})" if result["reference_perplexity"] else "")]
     rows = [[Path(r["package"]).name, r["quantization"], f"{r['size_mb']:.1f}", f"{r['perplexity']:.3f}",

@@ -89,12 +89,21 @@ def past_value_scale(layer: int) -> str:
 KV_DTYPES = ("fp32", "int8")  # the native KV pool's element types (--kv-dtype)
 
 
+def kv_scale_inputs(num_layers: int) -> set[str]:
+    return {f(i) for i in range(num_layers) for f in (past_key_scale, past_value_scale)}
+
+
 def lora_a(layer: int, target: str) -> str:
     return f"lora.{layer}.{target}.A"  # float [lora_columns, in_features]: the adapters' A, transposed
 
 
 def lora_b(layer: int, target: str) -> str:
     return f"lora.{layer}.{target}.B"  # float [lora_columns, out_features], scale folded in
+
+
+def adapter_inputs(num_layers: int) -> set[str]:
+    """Every layer's and target's adapter input names (A and B)."""
+    return {f(i, t) for i in range(num_layers) for t in LORA_TARGETS for f in (lora_a, lora_b)}
 
 
 # --- graph outputs ---

@@ -243,9 +243,10 @@ def kv_in_int8(model) -> int:
         node = users[0]
         if list(node.input[2:4]) != [key.name, value.name] or len(node.input) != 7:
             continue
-        groups = _scale_groups(key)
-        if groups is None:
+        grouping = _groups_of(key)
+        if grouping is None:
             continue
+        groups = grouping[0]
         for pool, name in ((key, C.past_key_scale(layer)), (value, C.past_value_scale(layer))):
             pool.type.tensor_type.elem_type = onnx.TensorProto.INT8
             model.graph.input.append(_scales_input(pool, name, groups))
@@ -254,13 +255,14 @@ def kv_in_int8(model) -> int:
     return count
 
 
-def _scale_groups(pool) -> int | None:
-    """Scales per row of a pool input [kv_heads, blocks, block_size, head_dim] (None: head_dim not fixed)."""
+def _groups_of(pool) -> tuple[int, int] | None:
+    """(scales per row, numbers per scale) of a pool input [kv_heads, blocks, block_size, head_dim] (None:
+    head_dim not fixed)."""
     from runtime.backends.kv_pool import kv_group
 
     dims = list(pool.type.tensor_type.shape.dim)
     d = dims[3].dim_value if len(dims) == 4 else 0
-    return d // kv_group(d) if d > 0 else None
+    return (d // kv_group(d), kv_group(d)) if d > 0 else None
 
 
 def _scales_input(pool, name: str, groups: int):
@@ -314,11 +316,10 @@ def kv_in_int8_graph(model) -> int:
             if not scatter or len(scatter) != 1 or scatter[0].op_type not in ("TensorScatter", "ScatterND"):
                 break
             plans.append((pool, scale_name, gather, scatter[0]))
-        groups = _scale_groups(kinds[0][0])
-        if len(plans) != 2 or groups is None:
+        grouping = _groups_of(kinds[0][0])
+        if len(plans) != 2 or grouping is None:
             continue
-        head_dim = kinds[0][0].type.tensor_type.shape.dim[3].dim_value
-        size = head_dim // groups
+        groups, size = grouping
         i64 = TensorProto.INT64
         for pool, scale_name, gather, scatter in plans:
             out, tag = gather.output[0], f"{pool.name}.int8"
@@ -333,7 +334,7 @@ def kv_in_int8_graph(model) -> int:
                 helper.make_node("Cast", [f"{tag}.scales16"], [f"{tag}.scales"], to=TensorProto.FLOAT),
                 helper.make_node("Unsqueeze", [f"{tag}.scales", const(f"{tag}.last", [-1], i64, [1])], [f"{tag}.scales1"]),
                 helper.make_node("Mul", [f"{tag}.groups", f"{tag}.scales1"], [f"{tag}.scaled"]),
-                helper.make_node("Reshape", [f"{tag}.scaled", const(f"{tag}.rowwise", [0, 0, 0, 0, head_dim], i64, [5])],
+                helper.make_node("Reshape", [f"{tag}.scaled", const(f"{tag}.rowwise", [0, 0, 0, 0, groups * size], i64, [5])],
                                  [out]),
             ]
             slot = 1 if scatter.op_type == "TensorScatter" else 2
@@ -375,8 +376,7 @@ def adapters_in_half(model) -> int:
 
     from runtime import contract as C
 
-    layers = range(len(model.graph.input))  # more than the graph has
-    names = {f(i, t) for i in layers for t in C.LORA_TARGETS for f in (C.lora_a, C.lora_b)}
+    names = C.adapter_inputs(len(model.graph.input))  # more layers than the graph has
     consumers = _consumers(model.graph.node)
     count = 0
     for inp in model.graph.input:

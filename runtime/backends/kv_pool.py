@@ -77,6 +77,14 @@ def kv_group(head_dim: int) -> int:
     return 32 if head_dim % 32 == 0 else head_dim
 
 
+def kv_row_bytes(head_dim: int, kv_dtype: str) -> int:
+    """Bytes one token's kv head takes in a pool of kv_dtype: fp32 numbers, or int8 ones and an fp16 scale
+    per group."""
+    if kv_dtype == "int8":
+        return head_dim + 2 * (head_dim // kv_group(head_dim))
+    return 4 * head_dim
+
+
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x [..., D] as int8 rows and their groups' fp16 scales [..., D / kv_group(D)]: each group in steps of
     its absolute maximum / 127 (rounded to fp16), rounded to nearest (ties to even) and kept in
@@ -117,11 +125,12 @@ class DeviceKVPool:
         self.device = device_of(providers)
         self.device_writes = self.device != "cpu" if device_writes is None else device_writes
         self.int8 = kv_dtype == "int8"
+        self.dtype = np.int8 if self.int8 else np.float32
         if self.int8 and (self.device != "cpu" or self.device_writes):
             raise ValueError("an int8 KV pool lives in host memory: it runs on the CPU only")
         self.layer_shape = [kv_heads, num_blocks, block_size, head_dim]  # what each layer's graph input sees
         shape = [num_layers, kv_heads, num_blocks * block_size, head_dim]
-        self.layer_bytes = kv_heads * num_blocks * block_size * head_dim * (1 if self.int8 else 4)
+        self.layer_bytes = kv_heads * num_blocks * block_size * head_dim * np.dtype(self.dtype).itemsize
         self.groups = head_dim // kv_group(head_dim)
         self.scale_bytes = kv_heads * num_blocks * block_size * self.groups * 2 if self.int8 else 0  # a layer's scales
         self.num_blocks, self.block_size, self.num_layers = num_blocks, block_size, num_layers
@@ -131,8 +140,7 @@ class DeviceKVPool:
             # doubling as the blocks in use grow (ensure), so a short chat does not hold the whole budget.
             # Committing a range at once keeps page faults out of the steps: a lazily mapped page faulting
             # at its first write cost ~1.7 ms a step on SmolLM2.
-            dtype = np.int8 if self.int8 else np.float32
-            self._host = (_reserved(shape, dtype), _reserved(shape, dtype))
+            self._host = (_reserved(shape, self.dtype), _reserved(shape, self.dtype))
             scale_shape = [*shape[:3], self.groups]
             self._scales = (_reserved(scale_shape, np.float16), _reserved(scale_shape, np.float16)) if self.int8 else ()
             self.committed = 0
@@ -175,10 +183,9 @@ class DeviceKVPool:
 
     def bind_layers(self, io, num_layers: int) -> None:
         """Bind each layer's past.{i}.key / .value graph input to its slice of the pool."""
-        dtype = np.int8 if self.int8 else np.float32
         for i in range(num_layers):
             for name, pool in ((C.past_key(i), self.keys), (C.past_value(i), self.values)):
-                io.bind_input(name, self.device, 0, dtype, self.layer_shape, pool.data_ptr() + i * self.layer_bytes)
+                io.bind_input(name, self.device, 0, self.dtype, self.layer_shape, pool.data_ptr() + i * self.layer_bytes)
             for name, scales in zip((C.past_key_scale(i), C.past_value_scale(i)), self._scale_values):
                 io.bind_input(name, self.device, 0, np.float16, [*self.layer_shape[:3], self.groups],
                               scales.data_ptr() + i * self.scale_bytes)

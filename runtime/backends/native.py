@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from runtime import contract as C
-from runtime.backends.kv_pool import kv_group
-from runtime.core.kv_blocks import kv_bytes_per_token
+from runtime.backends.kv_pool import kv_row_bytes
 from runtime.core.step_batch import StepBatch, StepResult
 from runtime.errors import DeviceError, PackageError, RequestError
 from runtime.package import ModelPackage
@@ -128,7 +127,7 @@ class NativeBackend:
         from runtime.package import expected_inputs
 
         contract = expected_inputs(self.num_layers, lora=lora)
-        scales = {f(i) for i in range(self.num_layers) for f in (C.past_key_scale, C.past_value_scale)}
+        scales = C.kv_scale_inputs(self.num_layers)
         names = [n for n in names if n not in scales]  # an int8 pool's scales (graph_fusion.kv_in_int8)
         if names and names[-1] == C.LOGITS_MASK:  # a graph with structured output's mask input
             names = names[:-1]
@@ -220,11 +219,8 @@ class NativeBackend:
             self.lora_runner.bind_pool(self.pool)
 
     def kv_bytes_per_token(self, cfg: dict) -> int:
-        """Bytes one token takes in the pool: fp32 rows, or int8 rows and their fp32 scales."""
-        if self.kv_dtype == "int8":  # int8 numbers and an fp16 scale per group (kv_pool.kv_group)
-            d = cfg["head_dim"]
-            return cfg["num_layers"] * 2 * cfg["num_kv_heads"] * (d + 2 * (d // kv_group(d)))
-        return kv_bytes_per_token(cfg)
+        """Bytes one token takes in the pool, over all layers: fp32 rows, or int8 rows and their scales."""
+        return cfg["num_layers"] * 2 * cfg["num_kv_heads"] * kv_row_bytes(cfg["head_dim"], self.kv_dtype)
 
     # ---- adapters ----
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
@@ -238,15 +234,13 @@ class NativeBackend:
             self.lora_runner = GraphRunner(self, self._open(lora=True))
             if self.pool is not None:
                 self.lora_runner.bind_pool(self.pool)
-        kinds = {i.type for i in self.lora_runner.session.get_inputs() if i.name in self._adapter_input_names()}
+        adapter_inputs = C.adapter_inputs(self.num_layers)
+        kinds = {i.type for i in self.lora_runner.session.get_inputs() if i.name in adapter_inputs}
         if len(kinds) != 1:  # graph_fusion.adapters_in_half turns all of them or none
             raise PackageError(f"{self.pkg.path}: the LoRA graph's adapter inputs mix types {sorted(kinds)}")
         dtype = np.float16 if kinds == {"tensor(float16)"} else np.float32
         self.adapters = AdapterTensors(self.pkg.config, max_loras, max_rank, dtype=dtype)
         self._lora_columns = -1  # the adapter columns the LoRA session has bound
-
-    def _adapter_input_names(self) -> set[str]:
-        return {f(layer, t) for layer in range(self.num_layers) for t in C.LORA_TARGETS for f in (C.lora_a, C.lora_b)}
 
     def enable_xlora(self, max_loras: int, max_rank: int, xlora) -> None:
         """enable_lora, with the LoRA graph's hidden states (the scaling pass's output) checked."""

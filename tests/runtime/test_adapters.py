@@ -276,8 +276,8 @@ def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapter
     """ruvllm.LoraDelta against the LoRA graph's Gemm/Mul/MatMul/Add on the same package, two adapters and
     the base model in one step: an int4 AWQ package (up_proj's delta carries an output scale), an int8 RTN
     and an fp32 one, whose MLPs (unscaled) run as ruvllm.LoraSwiGLU, the gate and up deltas and the SwiGLU
-    fused; each attention's q, k and v deltas run as one ruvllm.LoraSplit. On the quantized packages the kernels read the adapters in fp16, and the graph's own path is
-    given the same fp16-rounded numbers."""
+    fused; each attention's q, k and v deltas run as one ruvllm.LoraSplit. On the quantized packages the
+    kernels read the adapters in fp16, and the graph's own path is given the same fp16-rounded numbers."""
     from runtime.backends import kernel_library
     from runtime.backends.native import NativeBackend
     from runtime.core.adapters import read_adapter

@@ -49,7 +49,7 @@ def test_bench_structured_output_beside_free_text(tiny_package):
 
 def test_bench_on_an_int8_pool_over_long_contexts(tiny_package):
     """--kv-dtype int8 --context N: each stream its own N-token prompt; the pool's dtype and bytes per token
-    reported (int8 rows and a 4-byte scale per row)."""
+    reported (int8 rows and a 2-byte scale per group, one per row at this head_dim of 16)."""
     proc = run_cli("bench", str(tiny_package("llama")), "--concurrency", "1,2", "--decode-tokens", "4", "--repeats",
                    "1", "--context", "96", "--kv-dtype", "int8", "--speculative-tokens", "0", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]

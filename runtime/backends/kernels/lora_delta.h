@@ -187,7 +187,6 @@ OrtStatus* adapter_inputs(const OrtValue* const* in, size_t i, const char* op, L
 }
 
 struct LoraPlan {
-  const LoraJob* job;
   std::vector<RowGroup> groups;
   std::vector<std::vector<int32_t>> cols;  // per group
 };
@@ -195,7 +194,6 @@ struct LoraPlan {
 // group the rows by their nonzero columns, in first-seen order, kGroup rows at most per group (`plan` is
 // reused across calls: its vectors keep their capacity)
 void plan_groups(const LoraJob& j, LoraPlan& plan) {
-  plan.job = &j;
   plan.groups.clear();
   plan.cols.clear();
   std::vector<int32_t> cols;
@@ -220,50 +218,9 @@ void plan_groups(const LoraJob& j, LoraPlan& plan) {
   }
 }
 
-void lora_item(void* data, size_t i) {
-  const LoraPlan& plan = *static_cast<LoraPlan*>(data);
-  lora_group(*plan.job, plan.groups[i], plan.cols[i]);
-}
-
-OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
-  const bool scaled = static_cast<LoraKernel*>(kernel)->scaled;
-  const OrtValue* in[6] = {};
-  std::vector<int64_t> d[6];
-  RETURN_IF(read_inputs(ctx, scaled ? 6 : 5, in, d));
-  const auto &dy = d[0], &dx = d[1], &da = d[2], &db = d[3], &dw = d[4], &ds = d[5];
-  if (dy.size() != 2 || dx.size() != 2 || da.size() != 2 || db.size() != 2 || dw.size() != 2 || dx[0] != dy[0] ||
-      dw[0] != dy[0] || da[1] != dx[1] || db[1] != dy[1] || da[0] != db[0] || dw[1] != da[0])
-    return fail("ruvllm.LoraDelta: expected y [N, out], x [N, in], A^T [C, in], B [C, out], w [N, C]");
-  LoraJob j{};
-  j.N = dy[0], j.out = dy[1], j.in = dx[1], j.cols = da[0];
-  j.ldy = j.ldz = j.out;
-  if (scaled) {
-    if (ds.size() != 1 || ds[0] != j.out) return fail("ruvllm.LoraDelta: the scale must be [out]");
-    RETURN_IF(tensor_data(in[5], const_cast<float**>(&j.scale)));
-  }
-  RETURN_IF(tensor_data(in[0], const_cast<float**>(&j.y)));
-  RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.x)));
-  RETURN_IF(adapter_inputs(in, 2, "ruvllm.LoraDelta", j));
-  RETURN_IF(tensor_data(in[4], const_cast<float**>(&j.w)));
-  RETURN_IF(output_data(ctx, 0, dy.data(), dy.size(), &j.z));
-  if (j.N == 0 || j.out == 0) return nullptr;
-  thread_local LoraPlan plan;
-  plan_groups(j, plan);
-  if (plan.groups.size() < 2) {
-    for (size_t i = 0; i < plan.groups.size(); i++) lora_item(&plan, i);
-    return nullptr;
-  }
-  return parallel_for(ctx, lora_item, plan.groups.size(), &plan);
-}
-
-// ruvllm.LoraSwiGLU: the MLP's gate and up targets and what follows them in one operator,
-// out = silu(y_g + delta_g) * (y_u + delta_u) with y = [y_g | y_u] the fused gate/up projection's output.
-// Why: in the LoRA graph the projection's SwiGLU epilogue cannot fold into MatMulQ4 (the deltas come
-// between), and the Split, two deltas, Sigmoid and two Muls were six operators and passes per layer.
-// Inputs: y [N, 2F], x [N, in], A_g^T [C, in], B_g [C, F], A_u^T [C, in], B_u [C, F], w [N, C].
-//
-// LoraSwiGLU and LoraSplit compute T targets of one projection's output over the same rows: one w, so
-// one grouping of the rows; item i is target i / groups's delta over row group i % groups.
+// T targets of one projection's output over the same rows (LoraDelta 1, LoraSwiGLU 2, LoraSplit 3): one
+// w, so one grouping of the rows; item i is target i / groups's delta over row group i % groups. One
+// group stays on the calling thread, where a handoff costs more than it saves.
 template <int T>
 struct TargetsWork {
   const LoraPlan* plan;
@@ -283,10 +240,42 @@ OrtStatus* run_targets(OrtKernelContext* ctx, TargetsWork<T>& work) {
   plan_groups(work.jobs[0], plan);
   work.plan = &plan;
   const size_t items = T * plan.groups.size();
-  if (items >= 4) return parallel_for(ctx, targets_item<T>, items, &work);
+  if (plan.groups.size() >= 2) return parallel_for(ctx, targets_item<T>, items, &work);
   for (size_t i = 0; i < items; i++) targets_item<T>(&work, i);
   return nullptr;
 }
+
+OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
+  const bool scaled = static_cast<LoraKernel*>(kernel)->scaled;
+  const OrtValue* in[6] = {};
+  std::vector<int64_t> d[6];
+  RETURN_IF(read_inputs(ctx, scaled ? 6 : 5, in, d));
+  const auto &dy = d[0], &dx = d[1], &da = d[2], &db = d[3], &dw = d[4], &ds = d[5];
+  if (dy.size() != 2 || dx.size() != 2 || da.size() != 2 || db.size() != 2 || dw.size() != 2 || dx[0] != dy[0] ||
+      dw[0] != dy[0] || da[1] != dx[1] || db[1] != dy[1] || da[0] != db[0] || dw[1] != da[0])
+    return fail("ruvllm.LoraDelta: expected y [N, out], x [N, in], A^T [C, in], B [C, out], w [N, C]");
+  TargetsWork<1> work{};
+  LoraJob& j = work.jobs[0];
+  j.N = dy[0], j.out = dy[1], j.in = dx[1], j.cols = da[0];
+  j.ldy = j.ldz = j.out;
+  if (scaled) {
+    if (ds.size() != 1 || ds[0] != j.out) return fail("ruvllm.LoraDelta: the scale must be [out]");
+    RETURN_IF(tensor_data(in[5], const_cast<float**>(&j.scale)));
+  }
+  RETURN_IF(tensor_data(in[0], const_cast<float**>(&j.y)));
+  RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.x)));
+  RETURN_IF(adapter_inputs(in, 2, "ruvllm.LoraDelta", j));
+  RETURN_IF(tensor_data(in[4], const_cast<float**>(&j.w)));
+  RETURN_IF(output_data(ctx, 0, dy.data(), dy.size(), &j.z));
+  if (j.N == 0 || j.out == 0) return nullptr;
+  return run_targets(ctx, work);
+}
+
+// ruvllm.LoraSwiGLU: the MLP's gate and up targets and what follows them in one operator,
+// out = silu(y_g + delta_g) * (y_u + delta_u) with y = [y_g | y_u] the fused gate/up projection's output.
+// Why: in the LoRA graph the projection's SwiGLU epilogue cannot fold into MatMulQ4 (the deltas come
+// between), and the Split, two deltas, Sigmoid and two Muls were six operators and passes per layer.
+// Inputs: y [N, 2F], x [N, in], A_g^T [C, in], B_g [C, F], A_u^T [C, in], B_u [C, F], w [N, C].
 
 OrtStatus* lora_swiglu(void*, OrtKernelContext* ctx) {
   const OrtValue* in[7] = {};

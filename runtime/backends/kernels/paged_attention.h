@@ -56,7 +56,7 @@ struct AttnJob {
   std::atomic<bool> failed{false};
   int64_t N = 0;  // tokens this step
   const uint16_t *scale_k = nullptr, *scale_v = nullptr;  // an int8 pool's fp16 group scales; null: fp32 pools
-  int64_t groups = 1;  // scales per row (each a group of D / groups numbers, a multiple of 16)
+  int64_t groups = 1;  // scales per row: one per 32 numbers, or one for the whole row (kv_pool.kv_group)
 };
 
 // A key or value row: fp32 (this step's, or an fp32 pool's), or int8 times its scale (an int8 pool's).
@@ -75,12 +75,14 @@ struct KVRow {
   float rs[kMaxGroups];          // round: the groups' scales (left unset otherwise: rows are made per key)
   KVRow() {}
   explicit KVRow(const float* row) : f(row) {}
-  KVRow(const int8_t* row, const uint16_t* scales, int64_t groups) : q(row), sc(scales), shift(groups > 1 ? 1 : 4) {}
+  KVRow(const int8_t* row, const uint16_t* scales, int64_t groups) : q(row), sc(scales), shift(shift_of(groups)) {}
+  static int shift_of(int64_t groups) { return groups > 1 ? 1 : 4; }  // d < 16: d >> 4 is the one group
+  bool plain() const { return f && !round; }
   // an fp32 row rounded by groups as kv_pool.quantize_rows does: fp16 scales of max / 127
   static KVRow rounded(const float* f, int64_t D, int64_t groups) {
     KVRow r(f);
     r.round = true;
-    r.shift = groups > 1 ? 1 : 4;
+    r.shift = shift_of(groups);
     const int64_t chunks = D / 16 / groups;
     for (int64_t g = 0; g < groups; g++) {
       __m512 m = _mm512_setzero_ps();
@@ -90,7 +92,7 @@ struct KVRow {
     return r;
   }
   __m512 load(int d) const {  // numbers 16d .. 16d + 15
-    if (f && !round) return _mm512_loadu_ps(f + 16 * d);
+    if (plain()) return _mm512_loadu_ps(f + 16 * d);
     if (f) {
       const float s = rs[d >> shift];
       if (s == 0.f) return _mm512_setzero_ps();
@@ -224,7 +226,7 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
       KVRow kr[16];
       for (int i = 0; i < nt; i++) {
         kr[i] = r.key(lo + t0 + i);
-        if (kr[i].f && !kr[i].round) continue;
+        if (kr[i].plain()) continue;
         float* row = &keys[(size_t)i * D];  // an int8 (or rounded) key read once here for all G heads
         for (int d = 0; d < DV; d++) _mm512_storeu_ps(row + 16 * d, kr[i].load(d));
         kr[i] = KVRow(row);
