@@ -252,23 +252,31 @@ class AdapterRegistry:
         self.by_name: dict[str, AdapterInfo] = {}
         self._by_id: dict[str, AdapterInfo] = {}  # kept after a removal: running sequences may need a slot again
 
+    def read(self, name: str, path, experts: dict | None = None):
+        """Read and check an adapter (or X-LoRA) folder against the package and the slots, touching neither
+        the backend nor the registry: AdapterError says what does not fit. A front end that only routes
+        (the Ray Serve ingress) validates with it."""
+        from runtime.core.xlora import is_xlora, read_xlora
+
+        arch, rank = self.pkg.manifest["architecture"], self.config.max_lora_rank
+        if not is_xlora(path):
+            return read_adapter(name, path, self.pkg.config, arch, rank)
+        info = read_xlora(name, path, self.pkg.config, arch, rank, experts)
+        if len(info.experts) > self.config.max_loras:
+            raise AdapterError(f"X-LoRA {name!r} has {len(info.experts)} experts, more than --max-loras "
+                               f"{self.config.max_loras} adapter slots")
+        return info
+
     def add(self, name: str, path, experts: dict | None = None):
         """Register a LoRA adapter folder (PEFT's or `python -m exporter adapter`'s), or a PEFT X-LoRA
         folder (its experts from its config, or `experts`: name -> folder), under a name; weights are
         read when a request first needs slots for them. AdapterError says what does not fit."""
-        from runtime.core.xlora import is_xlora, read_xlora
-
-        arch, rank = self.pkg.manifest["architecture"], self.config.max_lora_rank
-        if is_xlora(path):
-            info = read_xlora(name, path, self.pkg.config, arch, rank, experts)
-            if len(info.experts) > self.config.max_loras:
-                raise AdapterError(f"X-LoRA {name!r} has {len(info.experts)} experts, more than --max-loras "
-                                   f"{self.config.max_loras} adapter slots")
+        info = self.read(name, path, experts)
+        if info.kind == "xlora":
             self.backend.enable_xlora(self.config.max_loras, self.config.max_lora_rank, info)
             for expert in info.experts:
                 self._by_id.setdefault(expert.id, expert)
         else:
-            info = read_adapter(name, path, self.pkg.config, arch, rank)
             self.backend.enable_lora(self.config.max_loras, self.config.max_lora_rank)
         self.by_name[name] = info
         self._by_id.setdefault(info.id, info)

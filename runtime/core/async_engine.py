@@ -166,3 +166,19 @@ class AsyncEngine:
     def stats(self) -> dict:
         with self._lock:
             return self.engine.stats_snapshot()
+
+    # ---- what a front end asks (the HTTP server and the page; a Ray Serve client answers the same) ----
+    @property
+    def prompts(self):
+        """The package's PromptEncoder: the front end tokenizes and fits max_tokens before queueing."""
+        return self.engine.prompts
+
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting)
+
+    def has_adapter(self, name: str) -> bool:
+        return name in self.engine.adapters
+
+    def adapter_paths(self) -> dict[str, str]:
+        """Each loaded adapter's folder, by the name requests use."""
+        return {info.name: str(info.path) for info in self.engine.adapters}

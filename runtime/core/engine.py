@@ -22,7 +22,7 @@ from runtime.core.step_batch import StepBatch, StepResult, build_step
 from runtime.core.xlora import XLoraInfo
 from runtime.errors import ContextLengthError, RequestError
 from runtime.package import ModelPackage, load_package
-from runtime.text.chat_template import ChatTemplate
+from runtime.text.prompt import PromptEncoder
 from runtime.text.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_KV_MEMORY", "Engine", "PreparedRequest", "PreparedStep", "RequestOutput", "TokenLogprob"]
@@ -61,10 +61,8 @@ class Engine:
         backend.allocate(num_blocks, self.block_size)
         self.stats = EngineStats()
         self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_context, self.vocab_size, self.stats)
-        meta = package.manifest["tokenizer"]
-        self.tokenizer = tokenizer or Tokenizer.from_file(package.file(meta["file"]), meta)
-        tmpl = package.chat_template
-        self.chat_template = ChatTemplate(tmpl, meta.get("bos_token"), meta.get("eos_token")) if tmpl else None
+        self.prompts = PromptEncoder.from_package(package, self.vocab_size, self.max_context, tokenizer)
+        self.tokenizer, self.chat_template = self.prompts.tokenizer, self.prompts.chat_template
         self.processor = OutputProcessor(self.tokenizer, self.model, self.stats)
         self._ids = itertools.count()
         self.adapters = AdapterRegistry(package, backend, self.config)
@@ -81,22 +79,7 @@ class Engine:
 
     # ---- requests ----
     def encode_prompt(self, prompt=None, messages: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
-        """The request's token ids: a chat rendered through the template (with `tools` for a template that
-        takes them), text encoded, or ids checked."""
-        if messages is not None:
-            if self.chat_template is None:
-                raise RequestError("this model package has no chat template")
-            extra = {"tools": tools} if tools else {}
-            text = self.chat_template.render(messages, add_generation_prompt=True, **extra)
-            return self.tokenizer.encode(text, add_bos=False)
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary")
-            return list(prompt)
-        raise RequestError("a request needs a prompt (text or token ids) or chat messages")
+        return self.prompts.encode(prompt, messages, tools)
 
     def prepare_request(self, prompt=None, params: SamplingParams | None = None, *,
                         messages: list[dict] | None = None, adapter: str | None = None) -> PreparedRequest:

@@ -366,10 +366,38 @@ def cmd_serve(args) -> int:
     packages = [str(resolve_package(p)) for p in (args.packages or [None])]
     defaults = sampling_given(args)
     sampling_from(args)  # the defaults are checked before anything loads
-    models = load_models(packages, args.device, args.max_concurrent, engine_options(args), lora_modules(args))
+    if args.ray is not None:
+        return serve_on_ray(args, packages, defaults)
+    models = load_models(packages, args.device, args.max_concurrent, engine_options(args), lora_modules(args),
+                         threads=args.threads)
     print(f"serving {', '.join(models)} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve(models, args.host, args.port, args.api_key or os.environ.get("RUVLLM_API_KEY"), args.max_queue,
           log_level=args.log_level, defaults=defaults)
+    return 0
+
+
+def serve_on_ray(args, packages: list[str], defaults: dict | None) -> int:
+    """`serve --ray`: the same API with engine replicas on a Ray cluster (docs/SCALING.md)."""
+    if len(packages) != 1:
+        raise RuvLLMError("--ray serves one package (run one application per package)")
+    try:
+        from runtime.serve.scaleout.app import ScaleOptions, ServeOptions
+        from runtime.serve.scaleout.app import serve_on_ray as run
+    except ImportError as err:
+        raise RuvLLMError(f"--ray needs Ray Serve ({err.name} is missing): pip install 'ruvllm[ray]'") from err
+    try:
+        scale = ScaleOptions(replicas=args.replicas, min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+                             target_ongoing_requests=args.target_ongoing_requests, routing=args.routing,
+                             replica_cpus=args.replica_cpus, max_ongoing_requests=args.max_concurrent)
+        scale.deployment_options()
+    except ValueError as err:
+        raise RuvLLMError(str(err)) from None
+    options = ServeOptions(api_key=args.api_key or os.environ.get("RUVLLM_API_KEY"), max_queue=args.max_queue,
+                           defaults=defaults, engine_options=engine_options(args))
+    print(f"serving {packages[0]} on Ray ({args.replicas} replicas) at http://{args.host}:{args.port}/v1",
+          file=sys.stderr)
+    run(packages[0], args.ray, args.host, args.port, device=args.device, threads=args.threads,
+        adapters=lora_modules(args), scale=scale, options=options)
     return 0
 
 
@@ -502,6 +530,20 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--log-level", default="info")
     sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                     help="LoRA adapters to serve; a request selects one by its model field")
+    sv.add_argument("--threads", type=int, default=None, help="compute threads per engine")
+    ray = sv.add_argument_group("scale-out on Ray Serve (pip install 'ruvllm[ray]'; docs/SCALING.md)")
+    ray.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                     help="serve engine replicas on a Ray cluster: its address (ray://host:10001 or auto), or none "
+                          "to start one on this machine")
+    ray.add_argument("--replicas", type=int, default=1, help="engine replicas (the initial count when autoscaling)")
+    ray.add_argument("--min-replicas", type=int, default=None, help="autoscale: fewest replicas")
+    ray.add_argument("--max-replicas", type=int, default=None, help="autoscale: most replicas")
+    ray.add_argument("--target-ongoing-requests", type=float, default=None,
+                     help="autoscale: requests per replica the autoscaler aims at")
+    ray.add_argument("--routing", default="prefix", choices=["prefix", "pow2"],
+                     help="prefix: to the replica holding the prompt's cached prefix (default); pow2: Ray Serve's "
+                          "power of two choices")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica")
     engine_args(sv)
     sampling_args(sv, None, None)  # given ones are the defaults of requests that leave the field out
     sv.set_defaults(func=cmd_serve)

@@ -67,7 +67,7 @@ class ChunkStream:
         self.lasts: list[RequestOutput | None] = [None] * len(rids)  # each choice's latest output
 
     async def __aiter__(self) -> AsyncIterator[dict]:
-        decode = self.aengine.engine.tokenizer.decode_token
+        decode = self.aengine.prompts.tokenizer.decode_token
         created = int(time.time())
         oid, model, chat, want_lp = self.oid, self.model, self.chat, self.parsed.logprobs is not None
         if chat:
@@ -176,7 +176,7 @@ async def collect(aengine: AsyncEngine, rids: list[str], parsed: P.ParsedRequest
             if out.error:
                 return output_error(out), None, first
             outs[i].append(out)
-    decode = aengine.engine.tokenizer.decode_token
+    decode = aengine.prompts.tokenizer.decode_token
     choices = []
     for i, choice in enumerate(outs):
         text = "".join(o.delta for o in choice)
@@ -195,17 +195,17 @@ def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest, adapter: str | 
     """Tokenize, fit max_tokens into the context and queue one engine request per choice; returns their
     ids. Raises ProtocolError/ContextLengthError. With a seed, choice i samples with seed + i: the
     choices differ and each is reproducible."""
-    engine = aengine.engine
+    prompts = aengine.prompts
     messages, tools = parsed.messages, None
     if messages is not None:
         from runtime.serve.tools import render_messages
 
-        takes = engine.chat_template is not None and engine.chat_template.takes_tools
+        takes = prompts.chat_template is not None and prompts.chat_template.takes_tools
         messages = render_messages(messages, parsed.tools, takes)
         if takes and parsed.tools is not None:
             tools = [{"type": "function", "function": f} for f in parsed.tools.functions]
-    ids = engine.encode_prompt(parsed.prompt, messages, tools)
-    room = max(1, engine.max_context - len(ids))  # the engine refuses a prompt that leaves no room
+    ids = prompts.encode(parsed.prompt, messages, tools)
+    room = max(1, prompts.max_context - len(ids))  # the engine refuses a prompt that leaves no room
     params = parsed.params
     params.max_tokens = min(params.max_tokens, room) if parsed.max_tokens_given else room
     rids: list[str] = []

@@ -68,17 +68,19 @@ class Metrics:
                     "ruvllm_requests_aborted": ("aborted", "Requests aborted (client gone, shutdown)"),
                     "ruvllm_spec_draft_tokens": ("draft_tokens", "Tokens drafted by prompt lookup"),
                     "ruvllm_spec_accepted_tokens": ("accepted_draft_tokens", "Drafted tokens verified and emitted"),
+                    "ruvllm_requests_retried": ("retried", "Requests run again on another replica after theirs "
+                                                "failed (Ray Serve)"),
                 }
                 stats = {name: m.engine.stats() for name, m in models.items()}
                 for metric, (key, doc) in gauges.items():
                     g = GaugeMetricFamily(metric, doc, labels=["model"])
                     for name, s in stats.items():
-                        g.add_metric([name], s[key])
+                        g.add_metric([name], s.get(key, 0))
                     yield g
                 for metric, (key, doc) in counters.items():
                     c = CounterMetricFamily(metric, doc, labels=["model"])
                     for name, s in stats.items():
-                        c.add_metric([name], s[key])
+                        c.add_metric([name], s.get(key, 0))
                     yield c
 
         self.registry.register(EngineCollector())
@@ -112,7 +114,7 @@ class Completions:
     def _queue(self, body, chat: bool) -> tuple[ServedModel, object, list[str]]:
         parsed = P.parse_chat(body, self.defaults) if chat else P.parse_completion(body, self.defaults)
         served, adapter = resolve_model(self.models, parsed.model)
-        if self.max_queue is not None and len(served.engine.engine.scheduler.waiting) >= self.max_queue:
+        if self.max_queue is not None and served.engine.num_waiting() >= self.max_queue:
             raise P.ProtocolError("the server is busy: the request queue is full, retry later", status=429,
                                   kind="rate_limit_exceeded", code="queue_full")
         try:
@@ -170,7 +172,7 @@ def resolve_model(models: dict[str, ServedModel], name: str) -> tuple[ServedMode
     if served is not None:
         return served, None
     for served in models.values():
-        if name in served.engine.engine.adapters:
+        if served.engine.has_adapter(name):
             return served, name
     raise P.model_not_found(name)
 
@@ -181,9 +183,9 @@ def model_cards(models: dict[str, ServedModel]) -> list[dict]:
     for m in models.values():
         cards.append({"id": m.name, "object": "model", "created": m.created, "owned_by": "ruvllm", "root": m.name,
                       "parent": None})
-        for info in m.engine.engine.adapters:
-            cards.append({"id": info.name, "object": "model", "created": m.created, "owned_by": "ruvllm",
-                          "root": str(info.path), "parent": m.name})
+        for name, path in m.engine.adapter_paths().items():
+            cards.append({"id": name, "object": "model", "created": m.created, "owned_by": "ruvllm",
+                          "root": path, "parent": m.name})
     return cards
 
 
@@ -347,13 +349,13 @@ async def _abort_on_disconnect(request, aengine: AsyncEngine, rids: list[str]) -
 
 
 def load_models(packages: list[str], device: str, max_concurrent: int, engine_kwargs: dict,
-                lora_modules: dict[str, str] | None = None) -> dict[str, ServedModel]:
+                lora_modules: dict[str, str] | None = None, threads: int | None = None) -> dict[str, ServedModel]:
     """One engine per package; --lora-modules are the first package's adapters."""
     from runtime.core.engine import Engine
 
     models: dict[str, ServedModel] = {}
     for path in packages:
-        engine = Engine.from_package(path, device=device, max_num_seqs=max_concurrent, **engine_kwargs)
+        engine = Engine.from_package(path, device=device, threads=threads, max_num_seqs=max_concurrent, **engine_kwargs)
         name = engine.pkg.name
         if name in models:
             name = f"{name}-{len(models)}"

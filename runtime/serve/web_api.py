@@ -64,7 +64,7 @@ class WebEngine:
         """A request's `model`: this package (or no name), or an adapter loaded under that name."""
         if model in (None, self.model_name):
             return None
-        if model in self.aengine.engine.adapters:
+        if self.aengine.has_adapter(model):
             return model
         raise P.model_not_found(str(model))
 

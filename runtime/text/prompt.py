@@ -1,0 +1,44 @@
+"""A package's prompt side: text, chat messages or token ids into the ids a request runs on.
+
+It needs no model, so a front end that only routes requests (the Ray Serve ingress) tokenizes
+exactly as the engine would, and computes the same prefix-cache keys from the ids.
+"""
+
+from __future__ import annotations
+
+from runtime.errors import RequestError
+from runtime.text.chat_template import ChatTemplate
+from runtime.text.tokenizer import Tokenizer
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate | None, vocab_size: int,
+                 max_context: int) -> None:
+        self.tokenizer, self.chat_template = tokenizer, chat_template
+        self.vocab_size, self.max_context = vocab_size, max_context
+
+    @classmethod
+    def from_package(cls, package, vocab_size: int, max_context: int, tokenizer: Tokenizer | None = None) -> PromptEncoder:
+        meta = package.manifest["tokenizer"]
+        tokenizer = tokenizer or Tokenizer.from_file(package.file(meta["file"]), meta)
+        tmpl = package.chat_template
+        template = ChatTemplate(tmpl, meta.get("bos_token"), meta.get("eos_token")) if tmpl else None
+        return cls(tokenizer, template, vocab_size, max_context)
+
+    def encode(self, prompt=None, messages: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
+        """The request's token ids: a chat rendered through the template (with `tools` for a template that
+        takes them), text encoded, or ids checked."""
+        if messages is not None:
+            if self.chat_template is None:
+                raise RequestError("this model package has no chat template")
+            extra = {"tools": tools} if tools else {}
+            text = self.chat_template.render(messages, add_generation_prompt=True, **extra)
+            return self.tokenizer.encode(text, add_bos=False)
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary")
+            return list(prompt)
+        raise RequestError("a request needs a prompt (text or token ids) or chat messages")
