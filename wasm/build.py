@@ -61,7 +61,7 @@ def python_wheels(out: Path, cache: Path, node_modules: Path | None = None) -> d
         sdist = next(cache.glob(f"markupsafe-{MARKUPSAFE}.tar.gz"))
     entries["markupsafe"] = (markupsafe_from_sdist(sdist, out), MARKUPSAFE, ["markupsafe"], [])
     version = _project_version()
-    files = package_files(ROOT, "runtime")
+    files = package_files(ROOT, "runtime", skip=("runtime/serve/scaleout/",))  # Ray Serve: servers only
     entries["ruvllm"] = (write_wheel(out, "ruvllm", version, files, ["jinja2>=3.1"]), version, ["runtime"], ["jinja2"])
     imported = [entries[n][0] for n in ("ruvllm", "jinja2", "markupsafe")]  # what the page imports (not micropip)
     if node_modules is not None and not add_bytecode(imported, node_modules):

@@ -269,3 +269,20 @@ def test_openai_client_adapters_and_cancellation_through_ray(cluster, tiny_packa
     while metric(cluster, "ruvllm_requests_aborted_total") <= aborted:
         assert time.time() < deadline, "the replica never aborted the abandoned request"
         time.sleep(0.25)
+
+
+def test_simulated_prefix_routing_beats_random_as_replicas_grow():
+    """The discrete-event model of docs/SCALING.md, small: the same scoring keeps the hit rate up."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sim = Path(__file__).resolve().parents[2] / "benchmarks" / "routing_sim.py"
+    out = subprocess.run([sys.executable, str(sim), "--replicas", "1,8",
+                          "--requests-per-replica", "60", "--json"], capture_output=True, text=True, check=True)
+    rows = {(r["replicas"], r["policy"]): r for r in json.loads(out.stdout)}
+    single = rows[1, "prefix"]["hit_rate"]
+    assert rows[1, "random"]["hit_rate"] == single  # one replica: routing cannot matter
+    assert rows[8, "prefix"]["hit_rate"] >= 0.8 * single > rows[8, "random"]["hit_rate"]
+    assert rows[8, "prefix"]["ttft_mean_ms"] < rows[8, "random"]["ttft_mean_ms"]
