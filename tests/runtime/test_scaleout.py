@@ -92,6 +92,25 @@ def test_cli_serves_replicas_on_a_new_local_cluster(tiny_package):
             raise
 
 
+def test_scale_options_map_to_ray_serve_settings(tiny_package):
+    from runtime.serve.scaleout.app import ScaleOptions, app_builder
+
+    fixed = ScaleOptions(replicas=3).deployment_options()
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["request_router_config"].request_router_kwargs == {"imbalance": 8}
+    auto = ScaleOptions(replicas=2, min_replicas=1, max_replicas=6, target_ongoing_requests=16,
+                        routing="pow2").deployment_options()
+    assert auto["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 6, "initial_replicas": 2,
+                                          "target_ongoing_requests": 16}
+    assert "num_replicas" not in auto and "request_router_config" not in auto  # pow2: Ray Serve's own router
+    with pytest.raises(ValueError, match="routing"):
+        ScaleOptions(routing="roundrobin").deployment_options()
+    with pytest.raises(ValueError, match="package=PATH"):
+        app_builder({"replicas": "2"})
+    with pytest.raises(ValueError, match="unknown application arguments: colour"):
+        app_builder({"package": str(tiny_package("llama")), "colour": "red"})
+
+
 @pytest.fixture(scope="module")
 def cluster():
     from ray import serve
