@@ -82,3 +82,68 @@ def test_xlora_in_the_page_gives_the_native_tokens(offline_page, tiny_package, p
                                                                            ["mix", None]])
     assert replies[0]["choices"][0]["token_ids"] == want
     assert replies[1]["choices"][0]["token_ids"] == native_ids(pkg)
+
+
+STORE_FILE = """async ([sha, corrupt]) => {
+  const dir = await (await navigator.storage.getDirectory()).getDirectoryHandle('ruvllm-models-v1');
+  let handle;
+  try { handle = await dir.getFileHandle(sha); } catch { return null; }
+  const bytes = new Uint8Array(await (await handle.getFile()).arrayBuffer());
+  if (corrupt) {
+    bytes[bytes.length >> 1] ^= 0xff;  // one flipped byte, same size
+    const out = await handle.createWritable();
+    await out.write(bytes);
+    await out.close();
+  }
+  return bytes.length;
+}"""
+
+
+def test_converted_adapters_are_cached_hash_checked_and_load_offline(offline_page, tiny_package, peft_adapters,
+                                                                     web_models, workdir):
+    """`python -m exporter adapter`'s folder names its weights' sha256: the page keeps them in the model store,
+    re-checks them on every load, fetches a damaged copy again, and loads the adapter with the network gone."""
+    pkg = tiny_package("llama", "fp32")
+    url = publish(web_models, pkg, "tiny-llama-fp32")
+    peft = peft_adapters("llama")["all16"]
+    converted = workdir / "adapter-all16-ruvllm"
+    if not converted.exists():
+        proc = run_cli("adapter", str(peft), "-o", str(converted), "--base", str(pkg), module="exporter")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    sha = json.loads((converted / "adapter.json").read_text())["files"]["adapter.safetensors"]["sha256"]
+    aurl = publish(web_models, converted, "adapter-all16-ruvllm")
+    want = native_ids(pkg, converted)
+    assert want == native_ids(pkg, peft)  # the converted adapter is the PEFT one
+
+    p = offline_page()
+    p.api()
+
+    def load_and_chat() -> tuple[dict, list[int]]:
+        p.evaluate(LOAD_ENGINE, [url, {"device": "wasm", "speculativeTokens": 0}])
+        info = p.evaluate("async (url) => engine.loadAdapter('mine', url)", aurl)
+        reply = p.evaluate(CHAT, {"messages": HELLO, **GREEDY, "model": "mine"})
+        return info["cache"], reply["choices"][0]["token_ids"]
+
+    cache, ids = load_and_chat()
+    assert cache == {"downloaded": 1, "fromCache": 0, "refetched": 0} and ids == want
+    assert p.evaluate(STORE_FILE, [sha, False]) == (converted / "adapter.safetensors").stat().st_size
+
+    p.page.reload()
+    p.api()
+    fetched = len([r for r in p.requests if r.endswith("adapter.safetensors")])
+    cache, ids = load_and_chat()
+    assert cache == {"downloaded": 0, "fromCache": 1, "refetched": 0} and ids == want
+    assert len([r for r in p.requests if r.endswith("adapter.safetensors")]) == fetched  # not asked for again
+
+    p.evaluate(STORE_FILE, [sha, True])
+    p.page.reload()
+    p.api()
+    cache, ids = load_and_chat()
+    assert cache == {"downloaded": 1, "fromCache": 0, "refetched": 1} and ids == want
+
+    # the network gone: the adapter's JSON as last seen, its weights from the store
+    p.context.route("**/adapter-all16-ruvllm/**", lambda route: route.abort())
+    info = p.evaluate("async (url) => engine.loadAdapter('offline', url)", aurl)
+    assert info["cache"] == {"downloaded": 0, "fromCache": 1, "refetched": 0}
+    reply = p.evaluate(CHAT, {"messages": HELLO, **GREEDY, "model": "offline"})
+    assert reply["choices"][0]["token_ids"] == want

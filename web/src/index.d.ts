@@ -200,6 +200,9 @@ export interface AdapterInfo {
   targets: string[];
   /** X-LoRA: its experts' names */
   experts: string[] | null;
+  /** Where the weights with a sha256 in their adapter.json (the exporter's format) came from; PEFT folders
+   * name no hashes and are fetched each time. */
+  cache: { downloaded: number; fromCache: number; refetched: number };
 }
 
 export interface Engine {

@@ -3,7 +3,10 @@
 //   const engine = await createEngine({ model: '/models/smollm2-135m/', onProgress });
 //   for await (const chunk of await engine.chat.completions.create({ messages, stream: true })) { ... }
 //
-// The engine (Pyodide + onnxruntime-web) runs in a Web Worker; this module only posts messages.
+// The engine (Pyodide + onnxruntime-web) runs in a Web Worker; this module only posts messages (and
+// fetches adapters, caching the hash-checked ones in the model store).
+
+import { STORE_DIR, fetchChecked, openStore, readStored, sha256Hex, store } from './model_store.js';
 
 class ChunkStream {
   constructor(engine, id) {
@@ -122,10 +125,11 @@ class Engine {
    * the reason when it does not fit the model.
    */
   async loadAdapter(name, source, { experts } = {}) {
-    const files = await adapterFiles(source);
+    const cache = { downloaded: 0, fromCache: 0, refetched: 0 };
+    const files = await adapterFiles(source, cache);
     const expertFiles = experts ? {} : undefined;
-    for (const [expert, src] of Object.entries(experts ?? {})) expertFiles[expert] = await adapterFiles(src);
-    return (await this.#call('loadAdapter', { name, files, experts: expertFiles })).adapter;
+    for (const [expert, src] of Object.entries(experts ?? {})) expertFiles[expert] = await adapterFiles(src, cache);
+    return { ...(await this.#call('loadAdapter', { name, files, experts: expertFiles })).adapter, cache };
   }
 
   /** Stop serving an adapter: new requests naming it fail with model_not_found; running ones finish. */
@@ -147,8 +151,8 @@ class Engine {
 }
 
 // An adapter's files, as ArrayBuffers by name: fetched from its folder's URL, or given
-async function adapterFiles(source) {
-  const files = typeof source === 'string' || source instanceof URL ? await fetchAdapter(source) : source;
+async function adapterFiles(source, cache) {
+  const files = typeof source === 'string' || source instanceof URL ? await fetchAdapter(source, cache) : source;
   const bytes = {};
   for (const [file, data] of Object.entries(files ?? {})) {
     bytes[file] = data instanceof Blob ? await data.arrayBuffer() : ArrayBuffer.isView(data) ? data.slice().buffer : data;
@@ -156,14 +160,19 @@ async function adapterFiles(source) {
   return bytes;
 }
 
-// An adapter folder's files by URL: PEFT's (an X-LoRA's with its classifier's files), or the exporter's
-async function fetchAdapter(url) {
+// An adapter folder's files by URL: PEFT's (an X-LoRA's with its classifier's files), or the exporter's.
+// The exporter's adapter.json gives its weights' sha256: those are kept in the model store like a
+// package's files (checked on every read, fetched again when damaged), and the small JSON in the Cache
+// API, so the adapter loads offline. A PEFT folder names no hashes: it is fetched each time (the
+// browser's HTTP cache applies); `python -m exporter adapter` converts one.
+async function fetchAdapter(url, cache) {
   const base = new URL(String(url).endsWith('/') ? String(url) : `${url}/`, location.href);
   const get = async (file) => {
     const res = await fetch(new URL(file, base));
     return res.ok ? new Uint8Array(await res.arrayBuffer()) : null;
   };
-  const peft = await get('adapter_config.json');
+  const failed = []; // network errors (offline, with no copy kept)
+  const peft = await getConfig(new URL('adapter_config.json', base), failed);
   const config = peft && JSON.parse(new TextDecoder().decode(peft));
   if (config?.peft_type === 'XLORA') { // the classifier's layers: at the top, or in the experts' subfolders
     const files = { 'adapter_config.json': peft };
@@ -175,15 +184,58 @@ async function fetchAdapter(url) {
     }
     return files;
   }
-  for (const [cfgName, weights, cfg] of [['adapter_config.json', 'adapter_model.safetensors', peft],
-    ['adapter.json', 'adapter.safetensors', null]]) {
-    const data = cfg ?? await get(cfgName);
-    if (!data) continue;
-    const w = await get(weights);
-    if (!w) throw new Error(`${base}: ${cfgName} without ${weights}`);
-    return { [cfgName]: data, [weights]: w };
+  if (peft) {
+    const w = await get('adapter_model.safetensors');
+    if (!w) throw new Error(`${base}: adapter_config.json without adapter_model.safetensors`);
+    return { 'adapter_config.json': peft, 'adapter_model.safetensors': w };
   }
-  throw new Error(`${base}: no adapter_config.json or adapter.json there`);
+  const own = await getConfig(new URL('adapter.json', base), failed);
+  if (!own) throw new Error(failed.length ? `cannot fetch the adapter ${base}: ${failed.join('; ')}`
+    : `${base}: no adapter_config.json or adapter.json there`);
+  const meta = JSON.parse(new TextDecoder().decode(own)).files?.['adapter.safetensors'];
+  const w = meta?.sha256 ? await storedOrFetched(new URL('adapter.safetensors', base).href, meta, cache)
+    : await get('adapter.safetensors');
+  if (!w) throw new Error(`${base}: adapter.json without adapter.safetensors`);
+  return { 'adapter.json': own, 'adapter.safetensors': w };
+}
+
+// A small config file: from the network (and remembered), or, when the network fails, as last seen;
+// null when the server has none (or the network failed and none was kept: `failed` says so)
+async function getConfig(url, failed) {
+  let kept = null;
+  try {
+    kept = typeof caches !== 'undefined' ? await caches.open(STORE_DIR) : null;
+  } catch { /* no Cache API here */ }
+  try {
+    const res = await fetch(url, { cache: 'no-cache' });
+    if (!res.ok) return null;
+    const bytes = new Uint8Array(await res.arrayBuffer());
+    await kept?.put(url.href, new Response(bytes)).catch(() => {});
+    return bytes;
+  } catch (err) {
+    const hit = await kept?.match(url.href);
+    if (hit) return new Uint8Array(await hit.arrayBuffer());
+    failed.push(`${url.href}: ${err.message}`);
+    return null;
+  }
+}
+
+// Hash-checked bytes: the stored copy when it still matches, else downloaded, checked and stored
+async function storedOrFetched(url, meta, cache) {
+  const dir = await openStore();
+  const stored = dir ? await readStored(dir, meta.sha256) : null;
+  if (stored) {
+    if (stored.length === Number(meta.size) && (await sha256Hex(stored)) === meta.sha256) {
+      cache.fromCache += 1;
+      return stored;
+    }
+    cache.refetched += 1;
+    await dir.removeEntry(meta.sha256).catch(() => {});
+  }
+  const bytes = await fetchChecked(url, { sha256: meta.sha256, size: Number(meta.size) }, 'its adapter.json');
+  cache.downloaded += 1;
+  if (dir) await store(dir, meta.sha256, bytes);
+  return bytes;
 }
 
 /**

@@ -71,13 +71,19 @@ export async function store(dir, name, bytes) {
   const part = `${name}.part`;
   try {
     const handle = await dir.getFileHandle(part, { create: true });
-    const access = await handle.createSyncAccessHandle();
-    try {
-      access.truncate(0);
-      access.write(bytes, { at: 0 });
-      access.flush();
-    } finally {
-      access.close();
+    if (handle.createSyncAccessHandle) { // a worker's fast path
+      const access = await handle.createSyncAccessHandle();
+      try {
+        access.truncate(0);
+        access.write(bytes, { at: 0 });
+        access.flush();
+      } finally {
+        access.close();
+      }
+    } else { // the page's main thread (adapters)
+      const out = await handle.createWritable();
+      await out.write(bytes);
+      await out.close();
     }
     await handle.move(name);
   } catch {
