@@ -13,11 +13,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 
 
 def tiny_config(arch: str, vocab_size: int):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -28,6 +28,8 @@ def tiny_config(arch: str, vocab_size: int):
         return MistralConfig(**common, sliding_window=24, tie_word_embeddings=False)
     if arch == "qwen3":  # head_dim apart from hidden / heads, as Qwen3's own configs have it
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, use_sliding_window=False)
+    if arch == "gemma":  # GeGLU, (1 + w) norms, scaled embeddings; head_dim apart from hidden / heads
+        return GemmaConfig(**common, head_dim=32, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)
     return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
 
 
@@ -73,6 +75,11 @@ def tiny_model_dir(workdir, smol_tokenizer_dir):
         if arch not in made:
             torch.manual_seed(1234)
             model = AutoModelForCausalLM.from_config(tiny_config(arch, len(tok))).eval()
+            if arch == "gemma":  # its norms start at w = 0, i.e. a scale of 1: make the 1 + w visible
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        if name.endswith("norm.weight"):
+                            p.normal_(0.0, 0.3)
             out = workdir / f"tiny-{arch}"
             model.save_pretrained(out)
             tok.save_pretrained(out)

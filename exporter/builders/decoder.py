@@ -67,8 +67,16 @@ class DecoderBuilder:
         if getattr(config, "mlp_bias", False):
             raise UnsupportedModelError(f"{arch} with mlp_bias=True is not supported yet")
         act = getattr(config, "hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"activation {act!r} is not supported (only silu)")
+        if act not in cls.activations:
+            raise UnsupportedModelError(f"{arch} with activation {act!r} is not supported "
+                                        f"(only {', '.join(cls.activations)})")
+
+    activations: tuple[str, ...] = ("silu",)  # the transformers hidden_act values this family computes
+
+    @classmethod
+    def float_weights(cls, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The model's weights as this graph reads them (a family whose norms scale by 1 + w folds the 1 in)."""
+        return weights
 
     @classmethod
     def spec_options(cls, config) -> dict:
@@ -160,6 +168,8 @@ class DecoderBuilder:
         else:  # fp16 table, cast only the gathered rows
             self.embed_name = name = b.weight("model.embed_tokens.weight", embed.astype(np.float16))
             self.gather_rows = lambda t: b.op("Cast", [b.op("Gather", [name, t], axis=0)], to=FLOAT)
+        if self.spec.embed_scale != 1.0:  # the residual stream's only (the head reads the table as it is)
+            return b.op("Mul", [self.gather_rows(ids), b.const(np.float32(self.spec.embed_scale), np.float32)])
         return self.gather_rows(ids)
 
     def first_norm(self, x: str) -> str:
@@ -253,8 +263,19 @@ class DecoderBuilder:
         return lora.apply(i, "down_proj", act, down)
 
     def activation(self, gate: str) -> str:
-        """SiLU, as Sigmoid and Mul (the pattern runtime/backends/graph_fusion.py folds into the kernel)."""
-        return self.b.op("Mul", [gate, self.b.op("Sigmoid", [gate])])
+        """The gate's activation. SiLU is Sigmoid and Mul (the pattern runtime/backends/graph_fusion.py folds
+        into the kernel); GELU is spelled out in standard operators (onnxruntime fuses it where it can)."""
+        b, act = self.b, self.spec.activation
+        if act == "silu":
+            return b.op("Mul", [gate, b.op("Sigmoid", [gate])])
+        half = b.op("Mul", [gate, b.const(0.5, np.float32)])
+        if act == "gelu":  # x/2 (1 + erf(x / sqrt 2))
+            inner = b.op("Erf", [b.op("Mul", [gate, b.const(float(1 / np.sqrt(2)), np.float32)])])
+        else:  # tanh approximation: x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+            cube = b.op("Mul", [b.op("Mul", [gate, gate]), gate])
+            poly = b.op("Add", [gate, b.op("Mul", [cube, b.const(0.044715, np.float32)])])
+            inner = b.op("Tanh", [b.op("Mul", [poly, b.const(float(np.sqrt(2 / np.pi)), np.float32)])])
+        return b.op("Mul", [half, b.op("Add", [inner, b.const(1.0, np.float32)])])
 
     def kv_outputs(self) -> None:
         """This step's K/V of every layer in one tensor each: the runtime writes them into its blocks at once."""

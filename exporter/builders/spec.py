@@ -27,6 +27,8 @@ class DecoderSpec:
     sliding_window: int | None = None
     attention_bias: bool = False
     qk_norm: bool = False  # Qwen3: an RMS norm over each query and key head (weights [head_dim]) before RoPE
+    activation: str = "silu"  # the gated MLP's: "silu", "gelu_tanh" (Gemma's GeGLU) or "gelu" (erf)
+    embed_scale: float = 1.0  # Gemma: the embeddings times sqrt(hidden)
     tie_word_embeddings: bool = False
 
 

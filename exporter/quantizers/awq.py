@@ -196,6 +196,8 @@ def apply_awq(model, sequences: list[list[int]], block: int, bits: int, clip: bo
                 if name == "down":
                     producer.weight.div_(s[:, None])
                     scales.outputs[i, "up_proj"] = s.numpy().copy()
+                elif type(producer).__name__ == "GemmaRMSNorm":  # it scales by (1 + w)
+                    producer.weight.copy_((1 + producer.weight) / s - 1)
                 else:
                     producer.weight.div_(s)
                 x[name] = sample / s

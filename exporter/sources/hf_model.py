@@ -55,4 +55,6 @@ def decoder_spec(model, max_context: int | None = None) -> DecoderSpec:
 
 
 def float_weights(model) -> dict[str, np.ndarray]:
-    return {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
+    """Every weight as float32, as the family's graph reads it (builder.float_weights)."""
+    weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
+    return builder_for(model.config).float_weights(weights)

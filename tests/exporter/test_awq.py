@@ -28,17 +28,26 @@ def with_outliers(path):
 
 
 @pytest.fixture(scope="module")
-def outlier_model_dir(tiny_model_dir, workdir):
+def outlier_dirs(tiny_model_dir, workdir):
+    """Factory: arch -> the tiny model with outliers, saved once."""
     from transformers import AutoTokenizer
 
-    out = workdir / "tiny-llama-outliers"
-    if not out.exists():
-        with_outliers(tiny_model_dir("llama")).save_pretrained(out)
-        AutoTokenizer.from_pretrained(tiny_model_dir("llama")).save_pretrained(out)
-    return out
+    def make(arch: str):
+        out = workdir / f"tiny-{arch}-outliers"
+        if not out.exists():
+            with_outliers(tiny_model_dir(arch)).save_pretrained(out)
+            AutoTokenizer.from_pretrained(tiny_model_dir(arch)).save_pretrained(out)
+        return out
+    return make
 
 
-def test_folded_scales_keep_the_model_and_its_lora(outlier_model_dir, workdir, monkeypatch):
+@pytest.fixture(scope="module")
+def outlier_model_dir(outlier_dirs):
+    return outlier_dirs("llama")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])  # Gemma's norms scale by 1 + w: the fold must keep that
+def test_folded_scales_keep_the_model_and_its_lora(arch, outlier_dirs, workdir, monkeypatch):
     """Export with AWQ's scales folded in but nothing quantized or clipped: the graph must equal
     transformers on the original weights, and with a peft adapter active must equal peft: the LoRA
     graph undoes the scales that the base weights absorbed."""
@@ -54,7 +63,8 @@ def test_folded_scales_keep_the_model_and_its_lora(outlier_model_dir, workdir, m
 
     monkeypatch.setattr(conv, "apply_awq", scales_only)
     monkeypatch.setattr(conv, "quantize_weights", lambda graph, *a, **k: graph)  # keep float weights
-    pkg = load_package(conv.convert(str(outlier_model_dir), workdir / "pkg-awq-float",
+    outlier_model_dir = outlier_dirs(arch)
+    pkg = load_package(conv.convert(str(outlier_model_dir), workdir / f"pkg-awq-float-{arch}",
                                     conv.ConvertOptions(quant="int4", method="awq", progress=False)))
     ratios = [s.max() / s.min() for s in found["scales"].inputs.values()]
     assert max(ratios) > 3, ratios  # the scales are far from 1, so a missing undo would show

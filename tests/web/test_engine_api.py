@@ -41,6 +41,17 @@ def test_browser_greedy_tokens_equal_native_fp32(offline_page, tiny_package, tin
     assert ids == native_chat_ids(tiny_package("llama", "fp32"), HELLO[0]["content"], 24)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma"])
+def test_newer_families_in_the_page_equal_native(arch, offline_page, tiny_package, web_models):
+    """Qwen3's q/k norms and Gemma's GeGLU, (1 + w) norms and scaled embeddings run in onnxruntime-web
+    as natively, on the browser package (int4 on the wire, fp32 compute)."""
+    pkg = tiny_package(arch, "int4", "wasm")
+    p = offline_page()
+    load(p, publish(web_models, pkg, f"tiny-{arch}-int4-wasm"), device="wasm")
+    reply = p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 16, **GREEDY})
+    assert reply["choices"][0]["token_ids"] == native_chat_ids(pkg, HELLO[0]["content"], 16)
+
+
 def test_smollm2_browser_package_equals_native(offline_page, web_bundle):
     """The browser package computes in fp32 on both sides (weights expanded from int4 at load)."""
     p = offline_page()
