@@ -31,7 +31,7 @@ from exporter.quantizers.browser_format import dequantize_at_load
 from exporter.quantizers.gptq import apply_gptq, model_samples
 from exporter.quantizers.quantize import BITS, QUANTS, quantize_weights
 from exporter.sources import gguf_blocks
-from exporter.sources.hf_model import check_architecture, decoder_spec, float_weights
+from exporter.sources.hf_model import as_supported, check_architecture, decoder_spec, float_weights
 from exporter.sources.locate import (
     load_config,
     load_model_and_tokenizer,
@@ -62,12 +62,16 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     if opts.head_quant not in (None, "int8", "int4"):
         raise RuvLLMError(f"unknown --head-quant {opts.head_quant!r}; choose int8 or int4")
     out = Path(out_dir)
-    check_architecture(load_config(source))  # fail fast, before loading any weights
+    arch = check_architecture(load_config(source))  # fail fast, before loading any weights
+    if arch == "phi3" and source.kind == "gguf":
+        raise RuvLLMError(f"{source.id}: a Phi-3 GGUF's fused blocks cannot be carried over yet; export the "
+                          "Hugging Face folder instead")
     started = time.time()
     on = opts.progress
 
     bar = stage({"gguf": "reading GGUF", "hub": "downloading/reading"}.get(source.kind, "reading model"), enabled=on)
     model, tok = load_model_and_tokenizer(source)
+    model = as_supported(model)
     bar.close()
 
     lora_scales, grids, gptq_calibration = None, None, None

@@ -18,12 +18,15 @@ ALIASES = {
     "qwen": "Qwen/Qwen2.5-0.5B-Instruct",
     "qwen3": "Qwen/Qwen3-0.6B",
     "gemma": "google/gemma-2b-it",  # gated on the hub: accept its license and log in first
+    "phi3": "microsoft/Phi-3-mini-4k-instruct",
     "mistral": "mistralai/Mistral-7B-Instruct-v0.3",
     "llama": "meta-llama/Llama-3.2-1B-Instruct",
 }
 
 ALIAS_ARCHITECTURES = {DEFAULT_ALIAS: "llama", "smollm2": "llama", "qwen": "qwen2", "qwen3": "qwen3",
-                      "gemma": "gemma", "mistral": "mistral", "llama": "llama"}
+                      "gemma": "gemma",
+                      "phi3": "mistral",  # Phi-3 is exported as the Mistral graph it computes
+                      "mistral": "mistral", "llama": "llama"}
 
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

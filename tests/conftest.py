@@ -13,11 +13,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 
 
 def tiny_config(arch: str, vocab_size: int):
-    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -30,6 +30,8 @@ def tiny_config(arch: str, vocab_size: int):
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, use_sliding_window=False)
     if arch == "gemma":  # GeGLU, (1 + w) norms, scaled embeddings; head_dim apart from hidden / heads
         return GemmaConfig(**common, head_dim=32, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)
+    if arch == "phi3":  # fused qkv and gate_up; a window shorter than the test sequences
+        return Phi3Config(**common, sliding_window=20, tie_word_embeddings=False)
     return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
 
 
@@ -166,6 +168,10 @@ def peft_adapters(workdir, tiny_model_dir):
             out = {}
             for i, (name, cfg) in enumerate(ADAPTERS.items()):
                 torch.manual_seed(100 + i)
+                if arch == "phi3":  # its checkpoints fuse q/k/v and gate/up: PEFT targets the fused modules
+                    fused = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                             "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+                    cfg = {**cfg, "target_modules": sorted({fused.get(t, t) for t in cfg["target_modules"]})}
                 model = get_peft_model(load_hf(tiny_model_dir(arch)), LoraConfig(init_lora_weights=False, **cfg))
                 with torch.no_grad():  # PEFT's random init is small: make each adapter change the tokens
                     for n, p in model.named_parameters():

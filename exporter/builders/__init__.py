@@ -25,7 +25,7 @@ def builder_for(config) -> type[DecoderBuilder]:
     naming the supported list for any other architecture."""
     arch = getattr(config, "model_type", None)
     if arch not in BUILDERS:
-        raise UnsupportedModelError(f"unsupported architecture {arch!r}; supported: {', '.join(BUILDERS)}")
+        raise UnsupportedModelError(f"unsupported architecture {arch!r}; supported: {', '.join(BUILDERS)}, phi3")
     cls = BUILDERS[arch]
     cls.check_config(config)
     return cls

@@ -29,6 +29,7 @@ class DecoderSpec:
     qk_norm: bool = False  # Qwen3: an RMS norm over each query and key head (weights [head_dim]) before RoPE
     activation: str = "silu"  # the gated MLP's: "silu", "gelu_tanh" (Gemma's GeGLU) or "gelu" (erf)
     embed_scale: float = 1.0  # Gemma: the embeddings times sqrt(hidden)
+    source_architecture: str | None = None  # the checkpoint's, when it was read as another family (Phi-3)
     tie_word_embeddings: bool = False
 
 

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from exporter.builders import DecoderSpec, builder_for
+from exporter.sources import phi3
 
 DEFAULT_MAX_CONTEXT = 32768
 
 
 def check_architecture(config) -> str:
     """The config's architecture, if a builder family supports it (else UnsupportedModelError)."""
+    if config.model_type == phi3.ARCHITECTURE:  # rebuilt as Mistral when loaded (as_supported)
+        phi3.check_config(config)
+        return config.model_type
     builder_for(config)
     return config.model_type
+
+
+def as_supported(model):
+    """The loaded model as a family the builders have (Phi-3 becomes the Mistral it computes)."""
+    return phi3.as_mistral(model) if model.config.model_type == phi3.ARCHITECTURE else model
 
 
 def rope_tables(model, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -34,6 +45,14 @@ def decoder_spec(model, max_context: int | None = None) -> DecoderSpec:
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     max_pos = int(getattr(cfg, "max_position_embeddings", 2048))
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    original = rope.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+    if rope.get("rope_type") in ("longrope", "su") and original and not max_context:
+        # longrope switches to its long factors for sequences past the original context: one set of
+        # tables cannot do both, and short prompts are the common case
+        max_context = int(original)
+        print(f"export: longrope: the context is limited to its original {original} tokens (--max-context for "
+              "more, computed with the long factors throughout)", file=sys.stderr)
     max_pos = min(max_pos, max_context or DEFAULT_MAX_CONTEXT)
     cos, sin = rope_tables(model, max_pos)
     return DecoderSpec(
@@ -50,6 +69,7 @@ def decoder_spec(model, max_context: int | None = None) -> DecoderSpec:
         rope_cos=cos,
         rope_sin=sin,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+        source_architecture=getattr(cfg, "source_model_type", None),
         **family.spec_options(cfg),
     )
 

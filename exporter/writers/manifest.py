@@ -100,6 +100,7 @@ def manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict, 
         "generation_config": "generation_config.json",
         "provenance": {
             "source": source.id, "source_kind": source.kind, "source_sha256": source_fingerprint(source),
+            "source_architecture": spec.source_architecture or spec.architecture,
             "exporter_version": __version__, "export_seconds": round(time.time() - started, 1),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },

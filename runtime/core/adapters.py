@@ -29,6 +29,17 @@ DEFAULT_MAX_LORA_RANK = 16
 _PEFT_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
+# PEFT modules of checkpoints that store projections fused (Phi-3), and the graph targets they hold, in order
+FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_ITEM_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def _rows(ref: TensorRef, first: int, count: int) -> TensorRef:
+    """Rows [first, first + count) of a 2-D tensor: contiguous bytes, so a narrower reference."""
+    row = ref.shape[1] * _ITEM_BYTES.get(ref.dtype, 0)
+    return TensorRef(ref.dtype, (count, ref.shape[1]), ref.start + first * row, ref.start + (first + count) * row)
+
+
 def own_tensor(target: str, which: str) -> str:
     """A tensor's name in the exporter's adapter file: [layers, in, rank] for A, [layers, rank, out] for B."""
     return f"{target}.{which}"
@@ -179,6 +190,19 @@ def _read_peft(name: str, p: Path, config: dict) -> AdapterInfo:
                 raise AdapterError(f"{p}: LoRA weight {key} is not on one of {', '.join(C.LORA_TARGETS)}")
             continue
         layer, target, which = int(m.group(1)), m.group(2), m.group(3)
+        if target in FUSED_TARGETS:  # one A for all, B's rows split among the graph's targets
+            if layer >= layers:
+                raise AdapterError(f"{p}: layer {layer} is beyond this model's {layers} layers (another base model?)")
+            outs = [features[t][1] for t in FUSED_TARGETS[target]]
+            if which == "B" and (len(ref.shape) != 2 or ref.shape[0] != sum(outs)):
+                raise AdapterError(f"{p}: layer {layer} {target}'s B is {list(ref.shape)}; this model's {target} has "
+                                   f"{sum(outs)} outputs (an adapter for another base model?)")
+            row = 0
+            for part, out in zip(FUSED_TARGETS[target], outs):
+                found.setdefault((layer, part), {})[which] = _rows(ref, row, out) if which == "B" else ref
+                modules[layer, part] = key.split(".lora_")[0]
+                row += out
+            continue
         if target not in features:
             raise AdapterError(f"{p}: LoRA target {target} is not one of {', '.join(C.LORA_TARGETS)}")
         if layer >= layers:

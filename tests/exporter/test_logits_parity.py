@@ -180,3 +180,32 @@ def test_a_step_may_hold_more_tokens_than_the_context(tiny_model_dir, tiny_packa
     res = stepper.step({i: s for i, s in enumerate(seqs)})
     for i, s in enumerate(seqs):
         assert np.abs(res.logits[i] - hf_last_logits(model, s)).max() < TOL
+
+
+def test_phi3_longrope_is_exported_at_its_original_context(tiny_model_dir, workdir):
+    """Phi-3.5's longrope uses short factors up to its original context and long ones past it: the export
+    keeps the short ones (and that context), so prompts within it equal transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from exporter.convert import ConvertOptions, convert
+    from tests.conftest import tiny_config
+
+    out = workdir / "tiny-phi3-longrope"
+    if not out.exists():
+        cfg = tiny_config("phi3", 49152)
+        half = cfg.hidden_size // cfg.num_attention_heads // 2
+        cfg.rope_parameters = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                               "short_factor": [1.0 + 0.1 * i for i in range(half)],
+                               "long_factor": [2.0 + 0.5 * i for i in range(half)]}
+        cfg.original_max_position_embeddings = 64
+        torch.manual_seed(5)
+        AutoModelForCausalLM.from_config(cfg).eval().save_pretrained(out)
+        AutoTokenizer.from_pretrained(tiny_model_dir("phi3")).save_pretrained(out)
+    model = load_hf(out)
+    pkg = load_package(convert(str(out), workdir / "pkg-phi3-longrope", ConvertOptions(quant="fp32", progress=False)))
+    assert pkg.manifest["config"]["max_positions"] == 64
+    assert pkg.manifest["architecture"] == "mistral" and pkg.manifest["provenance"]["source_architecture"] == "phi3"
+    stepper = Stepper(NativeBackend(pkg), block_size=4)
+    seq = [int(t) for t in np.random.default_rng(2).integers(3, model.config.vocab_size, 30)]
+    res = stepper.step({0: seq})
+    assert np.abs(res.logits[0] - hf_last_logits(model, seq)).max() < TOL
