@@ -13,11 +13,19 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
 
 
 def tiny_config(arch: str, vocab_size: int):
-    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        GemmaConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -30,6 +38,11 @@ def tiny_config(arch: str, vocab_size: int):
         return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, use_sliding_window=False)
     if arch == "gemma":  # GeGLU, (1 + w) norms, scaled embeddings; head_dim apart from hidden / heads
         return GemmaConfig(**common, head_dim=32, hidden_act="gelu_pytorch_tanh", tie_word_embeddings=True)
+    if arch == "gemma2":  # sliding and full layers in turn (a window shorter than the test sequences),
+        # soft-capped scores and logits (caps low enough to bite on a random model), sandwich norms
+        return Gemma2Config(**common, head_dim=32, hidden_activation="gelu_pytorch_tanh", sliding_window=16,
+                            query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                            tie_word_embeddings=True)
     if arch == "phi3":  # fused qkv and gate_up; a window shorter than the test sequences
         return Phi3Config(**common, sliding_window=20, tie_word_embeddings=False)
     return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
@@ -77,7 +90,7 @@ def tiny_model_dir(workdir, smol_tokenizer_dir):
         if arch not in made:
             torch.manual_seed(1234)
             model = AutoModelForCausalLM.from_config(tiny_config(arch, len(tok))).eval()
-            if arch == "gemma":  # its norms start at w = 0, i.e. a scale of 1: make the 1 + w visible
+            if arch in ("gemma", "gemma2"):  # norms start at w = 0, i.e. a scale of 1: make the 1 + w visible
                 with torch.no_grad():
                     for name, p in model.named_parameters():
                         if name.endswith("norm.weight"):

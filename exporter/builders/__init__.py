@@ -6,13 +6,20 @@ from __future__ import annotations
 import numpy as np
 
 from exporter.builders.decoder import BuildOptions, DecoderBuilder
-from exporter.builders.llama import GemmaBuilder, LlamaBuilder, MistralBuilder, Qwen2Builder, Qwen3Builder
+from exporter.builders.llama import (
+    Gemma2Builder,
+    GemmaBuilder,
+    LlamaBuilder,
+    MistralBuilder,
+    Qwen2Builder,
+    Qwen3Builder,
+)
 from exporter.builders.spec import FUSED_PROJECTIONS, DecoderSpec, LoraSlots, proj_features
 from runtime.contract import SUPPORTED_ARCHITECTURES
 from runtime.errors import UnsupportedModelError
 
 BUILDERS: dict[str, type[DecoderBuilder]] = {arch: cls for cls in (LlamaBuilder, MistralBuilder, Qwen2Builder,
-                                                         Qwen3Builder, GemmaBuilder)
+                                                         Qwen3Builder, GemmaBuilder, Gemma2Builder)
                                              for arch in cls.architectures}
 assert tuple(BUILDERS) == SUPPORTED_ARCHITECTURES, "runtime.contract.SUPPORTED_ARCHITECTURES lists the builders"
 

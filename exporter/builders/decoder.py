@@ -134,15 +134,22 @@ class DecoderBuilder:
         key_pos = b.op("Range", [b.const(0), total_len, b.const(1)])  # [T]
         q_pos = b.op("Gather", [position_ids, query_index], axis=0)  # [B, S]
         q_pos3 = b.op("Unsqueeze", [q_pos, b.const([2])])  # [B, S, 1]
-        allowed = b.op("LessOrEqual", [key_pos, q_pos3])  # [B, S, T]
-        if spec.sliding_window:
-            lower = b.op("Sub", [q_pos3, b.const(spec.sliding_window)])
-            allowed = b.op("And", [allowed, b.op("Greater", [key_pos, lower])])
+        causal = b.op("LessOrEqual", [key_pos, q_pos3])  # [B, S, T]
         neg = b.const(np.finfo(np.float32).min, np.float32)
-        mask = b.op("Where", [allowed, b.const(0.0, np.float32), neg])  # [B, S, T]
-        # attention runs on [Hkv*B] batches (row h*B + b: kv head h of sequence b) with the group's queries
-        # as rows: [Hkv*B, G*S, D] against [Hkv*B, T, D]
-        self.mask = b.op("Tile", [mask, b.const([hkv, group, 1])])  # [Hkv*B, G*S, T]
+
+        def mask_for(window: int | None) -> str:
+            allowed = causal
+            if window:
+                lower = b.op("Sub", [q_pos3, b.const(window)])
+                allowed = b.op("And", [allowed, b.op("Greater", [key_pos, lower])])
+            mask = b.op("Where", [allowed, b.const(0.0, np.float32), neg])  # [B, S, T]
+            # attention runs on [Hkv*B] batches (row h*B + b: kv head h of sequence b) with the group's queries
+            # as rows: [Hkv*B, G*S, D] against [Hkv*B, T, D]
+            return b.op("Tile", [mask, b.const([hkv, group, 1])])  # [Hkv*B, G*S, T]
+
+        windows = spec.layer_windows or (spec.sliding_window,) * spec.num_layers
+        masks = {w: mask_for(w) for w in dict.fromkeys(windows)}
+        self.masks = [masks[w] for w in windows]
         self.idx: StepIndices = step_indices(b, spec, self.opts.kv_write, step[C.INPUT_IDS], position_ids,
                                              query_index, step[C.FLAT_INDEX], query_len, total_len)
         # the residual stream is [N, hidden], so every MatMul is one GEMM with M = N. RotaryEmbedding gets
@@ -174,17 +181,32 @@ class DecoderBuilder:
 
     def first_norm(self, x: str) -> str:
         w = self.weights["model.layers.0.input_layernorm.weight"]
-        return self.b.op("SimplifiedLayerNormalization", [x, self.b.weight("layers.0.input_layernorm", w)],
-                         axis=-1, epsilon=self.spec.rms_norm_eps, stash_type=1)
+        return self.norm(x, self.b.weight("layers.0.input_layernorm", w))
+
+    def norm(self, x: str, weight: str) -> str:
+        return self.b.op("SimplifiedLayerNormalization", [x, weight], axis=-1, epsilon=self.spec.rms_norm_eps,
+                         stash_type=1)
+
+    def softcap(self, x: str, cap: float) -> str:
+        """cap * tanh(x / cap): Gemma 2's soft limit on attention scores and logits."""
+        b = self.b
+        return b.op("Mul", [b.op("Tanh", [b.op("Mul", [x, b.const(np.float32(1.0 / cap), np.float32)])]),
+                            b.const(np.float32(cap), np.float32)])
 
     def layer(self, i: int, hidden: str, residual: str) -> tuple[str, str]:
         b, spec, w = self.b, self.spec, self.weights
         p = f"model.layers.{i}."
         o = self.attention(i, hidden)
         post_ln = b.weight(f"layers.{i}.post_attention_layernorm", w[p + "post_attention_layernorm.weight"])
+        if spec.sandwich_norms:  # Gemma 2: each block's output normed before the residual add
+            o = self.norm(o, post_ln)
+            post_ln = b.weight(f"layers.{i}.pre_feedforward_layernorm", w[p + "pre_feedforward_layernorm.weight"])
         hidden, _, _, residual = b.op("SkipSimplifiedLayerNormalization", [o, residual, post_ln], n_out=4,
                                       domain=MS_DOMAIN, epsilon=spec.rms_norm_eps)
         down = self.mlp(i, hidden)
+        if spec.sandwich_norms:
+            down = self.norm(down, b.weight(f"layers.{i}.post_feedforward_layernorm",
+                                            w[p + "post_feedforward_layernorm.weight"]))
         if i + 1 < spec.num_layers:
             ln_name, ln = f"layers.{i + 1}.input_layernorm", w[f"model.layers.{i + 1}.input_layernorm.weight"]
         else:
@@ -228,8 +250,11 @@ class DecoderBuilder:
             ctx.append(b.annotate(b.op("TensorScatter", [rows, update, idx.write_at], axis=1),
                                   FLOAT, ["kv_rows", "kv_len", d]))
         qp = b.op("Gather", [qk, idx.q_rows], axis=0)  # [Hkv*B, G*S, D]
-        scores = b.op("FusedMatMul", [qp, ctx[0]], domain=MS_DOMAIN, transB=1, alpha=float(1.0 / np.sqrt(d)))
-        probs = b.op("Softmax", [b.op("Add", [scores, self.mask])], axis=-1)  # [Hkv*B, G*S, T]
+        scale = spec.attn_scale or float(1.0 / np.sqrt(d))
+        scores = b.op("FusedMatMul", [qp, ctx[0]], domain=MS_DOMAIN, transB=1, alpha=scale)
+        if spec.attn_softcap:
+            scores = self.softcap(scores, spec.attn_softcap)
+        probs = b.op("Softmax", [b.op("Add", [scores, self.masks[i]])], axis=-1)  # [Hkv*B, G*S, T]
         attn = b.op("MatMul", [probs, ctx[1]])  # [Hkv*B, G*S, D]
         attn = b.op("Reshape", [b.op("GatherND", [attn, idx.out_index]), b.const([-1, hq * d])])  # [N, Hq*D]
         o = b.op("MatMul", [attn, self.matmul_weight(f"layers.{i}.o_proj", w[p + "self_attn.o_proj.weight"])])
@@ -290,8 +315,9 @@ class DecoderBuilder:
         b, spec, opts = self.b, self.spec, self.opts
         embed = self.weights["model.embed_tokens.weight"]
         last = b.op("Gather", [hidden, self.step[C.LOGITS_INDEX]], axis=0)  # [R, H]
+        raw = "logits_before_softcap" if spec.final_softcap else C.LOGITS
         if opts.tied_gemm and spec.tie_word_embeddings and self.embed_name and opts.embed_dtype == np.float32:
-            b.op("Gemm", [last, self.embed_name], transB=1, out=C.LOGITS)
+            b.op("Gemm", [last, self.embed_name], transB=1, out=raw)
         elif opts.head_rescore:
             if not spec.tie_word_embeddings:
                 raise ValueError("head_rescore needs tied embeddings: the exact rows come from the embedding table")
@@ -299,9 +325,11 @@ class DecoderBuilder:
             _, cand = b.op("TopK", [coarse, b.const([opts.head_rescore])], n_out=2, axis=1, largest=1, sorted=0)
             rows = self.gather_rows(cand)  # [R, K, H]
             exact = b.op("MatMul", [rows, b.op("Unsqueeze", [last, b.const([2])])])  # [R, K, 1]
-            b.op("ScatterElements", [coarse, cand, b.op("Squeeze", [exact, b.const([2])])], axis=1, out=C.LOGITS)
+            b.op("ScatterElements", [coarse, cand, b.op("Squeeze", [exact, b.const([2])])], axis=1, out=raw)
         else:
             head = self.weights.get("lm_head.weight", embed) if not spec.tie_word_embeddings else embed
-            b.op("MatMul", [last, self.matmul_weight("lm_head", head)], name="lm_head/MatMul", out=C.LOGITS)
+            b.op("MatMul", [last, self.matmul_weight("lm_head", head)], name="lm_head/MatMul", out=raw)
+        if spec.final_softcap:
+            b.op("Identity", [self.softcap(raw, spec.final_softcap)], out=C.LOGITS)
         b.output(C.LOGITS, FLOAT, ["num_logits", spec.vocab_size])
         return C.LOGITS

@@ -1,6 +1,7 @@
 """The Llama family: Llama (and Llama 2/3 shapes), Mistral (sliding-window attention), Qwen2 (q/k/v bias),
 Qwen3 (an RMS norm over each query and key head before RoPE), Gemma (GeGLU, RMS norms that scale by
-1 + w, embeddings times sqrt(hidden)).
+1 + w, embeddings times sqrt(hidden)), Gemma 2 (Gemma's, plus sliding and full layers in turn,
+soft-capped scores and logits, norms after attention and the MLP too).
 
 They share one graph (DecoderBuilder's); what differs is read from their configs here.
 """
@@ -57,11 +58,44 @@ class GemmaBuilder(DecoderBuilder):
     activations = ("gelu", *GELU_TANH)
 
     @classmethod
+    def activation_name(cls, config) -> str:
+        return getattr(config, "hidden_act", None) or "silu"
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        if getattr(config, "mlp_bias", False):
+            raise UnsupportedModelError(f"{config.model_type} with mlp_bias=True is not supported yet")
+        act = cls.activation_name(config)
+        if act not in cls.activations:
+            raise UnsupportedModelError(f"{config.model_type} with activation {act!r} is not supported "
+                                        f"(only {', '.join(cls.activations)})")
+
+    @classmethod
     def spec_options(cls, config) -> dict:
-        act = "gelu" if config.hidden_act == "gelu" else "gelu_tanh"
+        act = "gelu" if cls.activation_name(config) == "gelu" else "gelu_tanh"
         return {**super().spec_options(config), "activation": act, "embed_scale": float(config.hidden_size) ** 0.5}
 
     @classmethod
     def float_weights(cls, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """GemmaRMSNorm multiplies by (1 + w): the graph's norms multiply by their weight as it is."""
         return {k: (v + 1.0 if k.endswith("norm.weight") else v) for k, v in weights.items()}
+
+
+class Gemma2Builder(GemmaBuilder):
+    architectures = ("gemma2",)
+
+    @classmethod
+    def activation_name(cls, config) -> str:
+        return getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None) or "gelu_pytorch_tanh"
+
+    @classmethod
+    def spec_options(cls, config) -> dict:
+        types = getattr(config, "layer_types", None) or [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(config.num_hidden_layers)]
+        window = getattr(config, "sliding_window", None)
+        windows = tuple(int(window) if t == "sliding_attention" and window else None for t in types)
+        scalar = getattr(config, "query_pre_attn_scalar", None)
+        return {**super().spec_options(config), "layer_windows": windows, "sandwich_norms": True,
+                "attn_softcap": getattr(config, "attn_logit_softcapping", None),
+                "final_softcap": getattr(config, "final_logit_softcapping", None),
+                "attn_scale": float(scalar) ** -0.5 if scalar else None}

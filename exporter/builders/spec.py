@@ -30,6 +30,13 @@ class DecoderSpec:
     activation: str = "silu"  # the gated MLP's: "silu", "gelu_tanh" (Gemma's GeGLU) or "gelu" (erf)
     embed_scale: float = 1.0  # Gemma: the embeddings times sqrt(hidden)
     source_architecture: str | None = None  # the checkpoint's, when it was read as another family (Phi-3)
+    # Gemma 2: a window per layer (None: full attention), tanh soft-capping of the attention scores and of
+    # the logits, the score scale from query_pre_attn_scalar, and norms after attention and the MLP too
+    layer_windows: tuple[int | None, ...] | None = None
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    attn_scale: float | None = None
+    sandwich_norms: bool = False
     tie_word_embeddings: bool = False
 
 

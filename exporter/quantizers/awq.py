@@ -185,7 +185,8 @@ def apply_awq(model, sequences: list[list[int]], block: int, bits: int, clip: bo
             # 8.31 vs 8.28 on the tests' text; so o_proj is only clipped.)
             for name, producer, linears in (
                     ("qkv", layer.input_layernorm, ("q_proj", "k_proj", "v_proj")),
-                    ("gate_up", layer.post_attention_layernorm, ("gate_proj", "up_proj")),
+                    ("gate_up", getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm,
+                     ("gate_proj", "up_proj")),
                     ("down", mlp.up_proj, ("down_proj",))):
                 mods = [getattr(attn if t in ATTN else mlp, t) for t in linears]
                 sample, mean_abs = probes.pop((i, name)).sample()
@@ -196,7 +197,7 @@ def apply_awq(model, sequences: list[list[int]], block: int, bits: int, clip: bo
                 if name == "down":
                     producer.weight.div_(s[:, None])
                     scales.outputs[i, "up_proj"] = s.numpy().copy()
-                elif type(producer).__name__ == "GemmaRMSNorm":  # it scales by (1 + w)
+                elif type(producer).__name__ in ("GemmaRMSNorm", "Gemma2RMSNorm"):  # it scales by (1 + w)
                     producer.weight.copy_((1 + producer.weight) / s - 1)
                 else:
                     producer.weight.div_(s)

@@ -66,7 +66,10 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
         fuse_minimums(model)
         fuse_epilogues(model)
     layers = 0
-    if "PagedAttention" in ops and config is not None and fusable_head_dim(config.get("head_dim", 0)):
+    # the kernel has one window for every layer and no score soft-capping (Gemma 2 has both): such graphs keep
+    # their own attention
+    plain = config is not None and not config.get("layer_windows") and not config.get("attn_softcap")
+    if "PagedAttention" in ops and plain and fusable_head_dim(config.get("head_dim", 0)):
         layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"],
                                 config.get("sliding_window"))
     if kv_int8:  # on the kernel's layers, else (no AVX-512 kernels) on the graph's own attention
@@ -615,7 +618,9 @@ def fuse_attention(model, num_layers: int, num_heads: int, num_kv_heads: int, sl
         weighted = only(v_ctx.output[0], "MatMul")
         gather_nd = weighted and only(weighted.output[0], "GatherND")
         out = gather_nd and only(gather_nd.output[0], "Reshape")
-        if not (scores and out):
+        masked = scores and only(scores.output[0], "Add")  # scores + mask, softmax, then the weighted values:
+        softmax = masked and only(masked.output[0], "Softmax")  # anything else between is not the kernel's math
+        if not (out and softmax and weighted.input[0] == softmax.output[0]):
             return 0
         scale = next((a.f for a in scores.attribute if a.name == "alpha"), 1.0)
         fused.append((out, helper.make_node(

@@ -46,7 +46,8 @@ def outlier_model_dir(outlier_dirs):
     return outlier_dirs("llama")
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma"])  # Gemma's norms scale by 1 + w: the fold must keep that
+# Gemma's norms scale by 1 + w: the fold must keep that; Gemma 2's MLP reads pre_feedforward_layernorm
+@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma2"])
 def test_folded_scales_keep_the_model_and_its_lora(arch, outlier_dirs, workdir, monkeypatch):
     """Export with AWQ's scales folded in but nothing quantized or clipped: the graph must equal
     transformers on the original weights, and with a peft adapter active must equal peft: the LoRA

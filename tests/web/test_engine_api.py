@@ -41,10 +41,10 @@ def test_browser_greedy_tokens_equal_native_fp32(offline_page, tiny_package, tin
     assert ids == native_chat_ids(tiny_package("llama", "fp32"), HELLO[0]["content"], 24)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma", "gemma2", "phi3"])
 def test_newer_families_in_the_page_equal_native(arch, offline_page, tiny_package, web_models):
-    """Qwen3's q/k norms, Gemma's GeGLU, (1 + w) norms and scaled embeddings, and Phi-3 (read as Mistral,
-    sliding window included) run in onnxruntime-web as natively, on the browser package (int4 on the
+    """Qwen3's q/k norms, Gemma's GeGLU, (1 + w) norms and scaled embeddings, Gemma 2's soft-capping and
+    per-layer windows, and Phi-3 (read as Mistral, sliding window included) run in onnxruntime-web as natively, on the browser package (int4 on the
     wire, fp32 compute)."""
     pkg = tiny_package(arch, "int4", "wasm")
     p = offline_page()
