@@ -131,11 +131,13 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
         graphs[WEBGPU_GRAPH_FILE] = build(None, kv_write_op("webgpu"))
     weights.clear()  # free the float copies before quantizing
     bar.close()
+    own = carried.projections if carried else {}
+    if opts.method == "hqq":  # the projections' grids, once for every graph (they share the weights)
+        own = hqq_projection_grids(graphs[GRAPH_FILE], BITS[opts.quant], opts.block_size, opts.mlp_block_size, on)
 
     if quantized:
         tied = "model.embed_tokens.weight" if spec.tie_word_embeddings else None
         for name in stage(f"quantizing ({opts.quant}, graphs)", list(graphs), enabled=on):
-            own = carried.projections if carried else {}
             skip = frozenset(n.name for n in graphs[name].graph.node if n.op_type == "MatMul" and n.input[-1] in own)
             graphs[name] = quantize_weights(graphs[name], opts.quant, opts.block_size, head_quant=opts.head_quant,
                                             mlp_block_size=opts.mlp_block_size, grids=grids, skip=skip)
@@ -170,3 +172,20 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     return out
 
 
+
+
+def hqq_projection_grids(graph, bits: int, block: int, mlp_block: int | None, progress: bool) -> dict:
+    """HQQ grids of every projection of the graph but the LM head (which keeps its own bits, by RTN)."""
+    from onnx import numpy_helper
+
+    from exporter.quantizers.hqq import hqq_grid
+    from exporter.quantizers.quantize import LM_HEAD_NODE, MLP_WEIGHTS
+
+    inits = {t.name: t for t in graph.graph.initializer}
+    names = [n.input[1] for n in graph.graph.node
+             if n.op_type == "MatMul" and n.name != LM_HEAD_NODE and len(n.input) == 2 and n.input[1] in inits]
+    grids = {}
+    for name in stage("HQQ (projections)", names, enabled=progress):
+        b = (mlp_block or block) if name.endswith(MLP_WEIGHTS) else block
+        grids[name] = hqq_grid(np.ascontiguousarray(numpy_helper.to_array(inits[name]).T), bits, b)
+    return grids

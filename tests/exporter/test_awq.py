@@ -108,7 +108,7 @@ def test_awq_options_errors(tiny_model_dir, workdir, tmp_path):
     with pytest.raises(RuvLLMError, match="--method awq applies to --quant int8/int4"):
         convert(str(tiny_model_dir("llama")), workdir / "x", ConvertOptions(quant="fp32", method="awq"))
     with pytest.raises(RuvLLMError, match="unknown --method"):
-        convert(str(tiny_model_dir("llama")), workdir / "x", ConvertOptions(quant="int4", method="hqq"))
+        convert(str(tiny_model_dir("llama")), workdir / "x", ConvertOptions(quant="int4", method="spqr"))
     with pytest.raises(RuvLLMError, match="--method awq\\+gptq applies to --quant int8/int4"):
         convert(str(tiny_model_dir("llama")), workdir / "x", ConvertOptions(quant="w8a8", method="awq+gptq"))
     with pytest.raises(RuvLLMError, match="--calibration .*nope.txt"):

@@ -45,8 +45,8 @@ def test_download_recipe_errors(tmp_path):
     assert_one_line_error(run_cli("download", "smollm2-135m", "--block-size", "24", env=env),
                           "--block-size must be a power of two")
     assert not any((tmp_path / "packages").glob("*/manifest.json"))
-    proc = run_cli("download", "smollm2-135m", "--method", "hqq", env=env)
-    assert proc.returncode == 2 and "invalid choice: 'hqq'" in proc.stderr
+    proc = run_cli("download", "smollm2-135m", "--method", "spqr", env=env)
+    assert proc.returncode == 2 and "invalid choice: 'spqr'" in proc.stderr
 
 
 def test_hub_id_while_offline(tmp_path):
