@@ -139,6 +139,13 @@ def serve_on_ray(package: str, address: str | None, host: str, port: int, *, dev
     serve.run(app, name="ruvllm", route_prefix="/")
     if not blocking:
         return
+    import signal
+
+    def stop(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)  # as the single-process server: SIGTERM stops it like Ctrl-C
+    signal.signal(signal.SIGINT, stop)  # also when started in the background, with SIGINT ignored
     try:
         while True:
             time.sleep(3600)
@@ -146,3 +153,4 @@ def serve_on_ray(package: str, address: str | None, host: str, port: int, *, dev
         pass
     finally:
         serve.shutdown()
+        ray.shutdown()
