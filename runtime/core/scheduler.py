@@ -26,6 +26,7 @@ from runtime.core.step_batch import Chunk
 # A waiting prompt whose next full blocks this step computes for another (the same system prompt, n
 # copies of one prompt) waits a step for them when they are all its uncached blocks or at least this many
 IN_BATCH_SHARE_BLOCKS = 2
+SCALING_PASS = "/scaling-pass"  # X-LoRA: its scaling pass's blocks chain under the X-LoRA id and this
 
 
 @dataclass
@@ -75,7 +76,7 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         full = len(seq.prompt_ids) // self.block_size
-        if full and len(seq.block_keys) >= full:
+        if full and len(seq.block_keys) >= full and not seq.xlora:  # (its real pass alone would not serve)
             self._recent_prompt = seq.block_keys[:full]
         self._release(seq)
         seq.finished = True
@@ -124,18 +125,25 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            keys = self._prefix_keys(seq)
-            if pending and self._waits_for(keys, pending):
+            keys, shadow_keys = self._prefix_keys(seq)
+            if pending and not seq.xlora and self._waits_for(keys, pending):
                 continue
             slots = self._acquire_slots(seq)
             if slots is None:  # every adapter slot is taken by running sequences of other adapters
                 continue
             cached = self.allocator.lookup(keys)
-            seq.block_keys = keys[:len(cached)]  # a copy: update() appends to it
+            shadow = []
+            if seq.xlora:  # a prefix serves only with both passes' K/V: the shorter run of hits decides
+                shadow = self.allocator.lookup(shadow_keys[:len(cached)])
+                for block in cached[len(shadow):]:
+                    self.allocator.release(block)
+                cached = cached[:len(shadow)]
+            seq.block_keys = keys[:len(cached)]  # copies: update() appends to them
+            seq.shadow_keys = shadow_keys[:len(shadow)]
             start = len(cached) * self.block_size
             n = min(len(seq.tokens) - start, budget)
-            if seq.kv_passes * self.allocator.blocks_for(start + n) - len(cached) > self.allocator.num_free:
-                for block in cached:  # not admitted after all: give the hits back
+            if seq.kv_passes * (self.allocator.blocks_for(start + n) - len(cached)) > self.allocator.num_free:
+                for block in cached + shadow:  # not admitted after all: give the hits back
                     self.allocator.release(block)
                 for slot in slots:
                     self.slots.release(slot)
@@ -148,6 +156,7 @@ class Scheduler:
             seq.prefix_keys = None
             seq.draft = []
             seq.blocks = list(cached)
+            seq.shadow_blocks = list(shadow)
             seq.num_computed = start
             if seq.num_generated == 0:
                 seq.cached_tokens = start
@@ -156,7 +165,7 @@ class Scheduler:
             self.running.append(seq)
             plan.append((seq, n))
             budget -= n
-            if sharing:
+            if sharing and not seq.xlora:
                 pending.update(keys[len(cached):(start + n) // self.block_size])
 
     def _acquire_slots(self, seq: Sequence) -> list[int] | None:
@@ -198,10 +207,14 @@ class Scheduler:
         if seq.draft:
             seq.lookup.record(len(seq.draft), accepted_drafts)
             self.stats.accepted_draft_tokens += accepted_drafts
-        if self.allocator.enable_prefix_cache and not seq.xlora:
+        if self.allocator.enable_prefix_cache:
             for key in self._chunk_keys(seq, seq.block_keys, seq.num_computed):
                 self.allocator.register(seq.blocks[len(seq.block_keys)], key)
                 seq.block_keys.append(key)
+            if seq.xlora:  # the scaling pass's blocks, on a chain of their own
+                for key in self._chunk_keys(seq, seq.shadow_keys, seq.num_computed, SCALING_PASS):
+                    self.allocator.register(seq.shadow_blocks[len(seq.shadow_keys)], key)
+                    seq.shadow_keys.append(key)
         if finished:
             self.finish(seq)
 
@@ -212,6 +225,7 @@ class Scheduler:
         seq.blocks = []
         seq.shadow_blocks = []
         seq.block_keys = []
+        seq.shadow_keys = []
         seq.num_computed = 0
         if seq.adapter_slot >= 0:
             self.slots.release(seq.adapter_slot)
@@ -279,21 +293,27 @@ class Scheduler:
             shared += 1
         return shared > 0 and (shared >= IN_BATCH_SHARE_BLOCKS or first + shared == len(keys))
 
-    def _prefix_keys(self, seq: Sequence) -> list[bytes]:
-        """Chained prefix keys of the sequence's full blocks, leaving at least one token to compute;
-        kept while it waits (its tokens change only by preemption, which appends)."""
-        if not self.allocator.enable_prefix_cache or seq.xlora:  # X-LoRA: two passes' blocks, not cached yet
-            return []
+    def _prefix_keys(self, seq: Sequence) -> tuple[list[bytes], list[bytes]]:
+        """Chained prefix keys of the sequence's full blocks, leaving at least one token to compute, and
+        (X-LoRA) those of its scaling pass's blocks; kept while it waits (its tokens change only by
+        preemption, which appends)."""
+        if not self.allocator.enable_prefix_cache:
+            return [], []
         if seq.prefix_keys is None or seq.prefix_keys[0] != len(seq.tokens):
-            seq.prefix_keys = (len(seq.tokens), self._chunk_keys(seq, [], len(seq.tokens) - 1))
-        return seq.prefix_keys[1]
+            upto = len(seq.tokens) - 1
+            shadow = self._chunk_keys(seq, [], upto, SCALING_PASS) if seq.xlora else []
+            seq.prefix_keys = (len(seq.tokens), self._chunk_keys(seq, [], upto), shadow)
+        return seq.prefix_keys[1], seq.prefix_keys[2]
 
-    def _chunk_keys(self, seq: Sequence, known: list[bytes], upto_tokens: int) -> list[bytes]:
-        """Keys of the full blocks within the first upto_tokens tokens, after the `known` ones."""
+    def _chunk_keys(self, seq: Sequence, known: list[bytes], upto_tokens: int, pass_tag: str = "") -> list[bytes]:
+        """Keys of the full blocks within the first upto_tokens tokens, after the `known` ones. An X-LoRA's
+        real pass is keyed by its id (its experts, classifier and settings), its scaling pass by that id
+        and pass_tag: each pass's K/V is a function of the tokens before it and the X-LoRA alone."""
         bs, keys = self.block_size, []
         parent = known[-1] if known else None
+        adapter = seq.adapter + pass_tag if pass_tag and seq.adapter else seq.adapter
         for j in range(len(known), upto_tokens // bs):
-            parent = block_key(parent, seq.tokens[j * bs:(j + 1) * bs], seq.adapter)
+            parent = block_key(parent, seq.tokens[j * bs:(j + 1) * bs], adapter)
             keys.append(parent)
         return keys
 

@@ -45,7 +45,7 @@ class Sequence:
     num_computed: int = 0
     blocks: list[int] = field(default_factory=list)
     block_keys: list[bytes] = field(default_factory=list)  # prefix keys of its computed full blocks
-    prefix_keys: tuple[int, list[bytes]] | None = None  # (token count, keys) while waiting
+    prefix_keys: tuple[int, list[bytes], list[bytes]] | None = None  # (token count, keys, shadow keys) while waiting
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     lookup: PromptLookup | None = None  # n-gram index for drafting (speculative decoding)
     draft: list[int] = field(default_factory=list)  # tokens drafted for the step being run
@@ -54,6 +54,7 @@ class Sequence:
     xlora: object = None  # an X-LoRA (runtime.core.xlora.XLoraInfo): its experts mixed per token
     expert_slots: list[int] = field(default_factory=list)  # X-LoRA: the slots holding its experts
     shadow_blocks: list[int] = field(default_factory=list)  # X-LoRA: the scaling pass's KV blocks
+    shadow_keys: list[bytes] = field(default_factory=list)  # X-LoRA: prefix keys of its computed shadow blocks
     matcher: object = None  # structured output: its grammar's matcher (runtime.core.constraints.Matcher)
     # the output processor's: sampling, detokenizing, stop strings
     rng: object = None

@@ -201,7 +201,8 @@ def test_a_long_prompt_does_not_stall_running_decodes_and_arrivals_keep_their_or
 
 def test_xlora_sequences_get_expert_slots_and_shadow_blocks_and_give_them_back():
     """An X-LoRA sequence holds a slot per expert and, for its scaling pass, a shadow block per block;
-    it neither reads nor fills the prefix cache; preemption and finishing free everything."""
+    it fills and reads the prefix cache with both passes' blocks (the scaling pass's on a chain of its
+    own, and neither shared with the base model); preemption and finishing free everything."""
     from types import SimpleNamespace
 
     xlora = SimpleNamespace(experts=[SimpleNamespace(id="e1"), SimpleNamespace(id="e2")])
@@ -215,12 +216,15 @@ def test_xlora_sequences_get_expert_slots_and_shadow_blocks_and_give_them_back()
     assert len(x.shadow_blocks) == len(x.blocks) == 2 and not set(x.shadow_blocks) & set(x.blocks)
     assert chunk.shadow_table == x.shadow_blocks and len(chunk.shadow_kv_slots) == 8
     assert [k // BS for k in chunk.shadow_kv_slots] == [x.shadow_blocks[t // BS] for t in range(8)]
-    assert x.block_keys == [] and len(plain.block_keys) == 2
+    assert len(x.block_keys) == len(x.shadow_keys) == len(plain.block_keys) == 2
+    assert not set(x.block_keys) & set(plain.block_keys) and not set(x.shadow_keys) & set(x.block_keys)
     assert s.allocator.num_used == 2 + 2 * 2
     other = add(s, "y", list(range(8)))  # the same experts' slots are shared; a third expert would wait
     other.adapter, other.xlora = "xl", xlora
     run_step(s)
     assert set(other.expert_slots) == {1, 2} and s.slots.users[1] == 2 and other in s.running
+    assert other.cached_tokens == BS  # x's first block, both passes: (8 - 1) // BS full blocks to look up
+    assert other.blocks[0] == x.blocks[0] and other.shadow_blocks[0] == x.shadow_blocks[0]
     s._preempt(other)
     assert not other.shadow_blocks and not other.expert_slots and s.slots.users[1] == 1
     run_step(s)

@@ -129,3 +129,25 @@ def test_xlora_errors_are_clear(tiny_package, xlora_models, tmp_path):
     with pytest.raises(AdapterError, match="3 experts, more than --max-loras 2"):
         small.adapters.add("mix", folder)
     assert run(engine, PROMPT) == run(Engine.from_package(pkg, speculative_tokens=0), PROMPT)  # still serving
+
+
+def test_xlora_prefix_cache_serves_both_passes(tiny_package, xlora_models):
+    """A prompt's blocks cached by an X-LoRA request serve its next request, both passes' K/V (the scaling
+    pass's on a chain of its own), with PEFT's tokens; the base model on the same prompt shares none."""
+    xmodel, folder = xlora_models("dense")
+    engine = Engine.from_package(tiny_package("llama"), speculative_tokens=0, max_loras=4, block_size=4)
+    engine.adapters.add("mix", folder)
+    prompt = PROMPT + [33, 44, 55, 66, 77]  # 16 tokens: 3 full blocks cacheable (the last token is computed)
+
+    def go(adapter):
+        outs = list(engine.generate(prompt, greedy(), adapter=adapter))
+        return [t for o in outs for t in o.token_ids], outs[-1].cached_tokens
+
+    first, cached = go("mix")
+    assert cached == 0
+    blocks = engine.scheduler.allocator.num_cached
+    assert blocks >= 2 * 3  # the real pass's blocks and the scaling pass's
+    again, cached = go("mix")
+    assert cached == 12 and again == first == peft_greedy(xmodel, prompt, 8)
+    _, cached = go(None)
+    assert cached == 0  # another adapter id, another chain
