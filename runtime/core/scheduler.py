@@ -260,7 +260,7 @@ class Scheduler:
         sample is the same with or without drafts; above SPECULATIVE_MAX_TEMPERATURE drafts rarely pay.
         """
         p, cfg = seq.params, self.config
-        if (not cfg.speculative_tokens or seq.xlora or seq.matcher or len(self.running) > cfg.speculative_max_batch
+        if (not cfg.speculative_tokens or seq.matcher or len(self.running) > cfg.speculative_max_batch
                 or p.temperature > SPECULATIVE_MAX_TEMPERATURE):
             return []
         k = min(cfg.speculative_tokens, budget, p.max_tokens - seq.num_generated - 1,

@@ -151,3 +151,30 @@ def test_xlora_prefix_cache_serves_both_passes(tiny_package, xlora_models):
     assert cached == 12 and again == first == peft_greedy(xmodel, prompt, 8)
     _, cached = go(None)
     assert cached == 0  # another adapter id, another chain
+
+
+def test_xlora_drafts_are_verified_through_both_passes(tiny_package, xlora_models, monkeypatch):
+    """Prompt-lookup drafts on an X-LoRA sequence: its scaling pass and classifier run over the drafted
+    tokens too, so accepted drafts leave both passes' K/V as plain decoding would. Drafts are forced
+    to be right (the plain run's own tokens, mostly) so that many are accepted; the tokens must not change."""
+    from runtime.core import speculative
+
+    xmodel, folder = xlora_models("dense")
+    pkg = tiny_package("llama")
+
+    def engine(spec: int) -> Engine:
+        e = Engine.from_package(pkg, speculative_tokens=spec, max_loras=4)
+        e.adapters.add("mix", folder)
+        return e
+
+    want = run(engine(0), PROMPT, "mix", n=16)
+    truth = PROMPT + want
+
+    def draft(self, tokens, k):  # the true continuation, with every fourth drafted token wrong
+        nxt = truth[len(tokens):len(tokens) + k]
+        return [t if (len(tokens) + i) % 4 else t + 1 for i, t in enumerate(nxt)]
+
+    monkeypatch.setattr(speculative.PromptLookup, "draft", draft)
+    e = engine(3)
+    assert run(e, PROMPT, "mix", n=16) == want == peft_greedy(xmodel, PROMPT, 16)
+    assert e.stats.accepted_draft_tokens >= 4 and e.stats.draft_tokens > e.stats.accepted_draft_tokens
