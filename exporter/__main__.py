@@ -26,12 +26,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--mlp-block-size", type=int, default=None,
                    help="the MLP projections' own block size (three quarters of the weights; default: --block-size). "
                         "128 with AWQ's 64: a step 5-11%% faster, a little further from fp32 (docs/PERFORMANCE.md)")
-    c.add_argument("--method", default=None, choices=["rtn", "awq", "gptq", "awq+gptq", "hqq"],
+    c.add_argument("--method", default=None, choices=["rtn", "awq", "gptq", "awq+gptq", "hqq", "smoothquant"],
                    help="int8/int4 weight quantization: round to nearest; AWQ (activation-aware scales and "
                         "clipping searched on calibration text; ~2 minutes more for SmolLM2, closer to fp32); GPTQ "
                         "(rounding that corrects each column's error on calibration inputs, layer by layer; ~1 "
                         "minute more); AWQ then GPTQ; or HQQ (zero points solved without calibration data, kept as float "
-                        "minimums; seconds). Default: awq for int4, rtn for int8")
+                        "minimums; seconds); with --quant w8a8, SmoothQuant (activation outliers moved into the weights). "
+                        "Default: awq for int4, rtn for int8 and w8a8")
     c.add_argument("--calibration", default=None, metavar="FILE",
                    help="UTF-8 text for AWQ's and GPTQ's calibration (default: Python's standard library docs)")
     c.add_argument("--head-quant", default=None, choices=["int8", "int4"],

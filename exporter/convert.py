@@ -25,7 +25,7 @@ from exporter.options import (
     weight_plan,
 )
 from exporter.progress import stage
-from exporter.quantizers.awq import apply_awq, calibration_ids
+from exporter.quantizers.awq import apply_awq, apply_smoothquant, calibration_ids
 from exporter.quantizers.block_matmul import apply_grids
 from exporter.quantizers.browser_format import dequantize_at_load
 from exporter.quantizers.gptq import apply_gptq, model_samples
@@ -87,6 +87,8 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     if opts.method in ("awq", "awq+gptq"):  # scales folded into the float weights before the graphs are built
         lora_scales = apply_awq(model, calibration, opts.block_size, BITS[opts.quant],
                                 progress=on, mlp_block=opts.mlp_block_size)
+    if opts.method == "smoothquant":  # activation outliers moved into the weights before W8A8
+        lora_scales = apply_smoothquant(model, calibration, progress=on)
     if opts.method in ("gptq", "awq+gptq"):  # the weights become their quantized values; grids keep the integers
         grids = apply_gptq(model, gptq_sequences, opts.block_size, BITS[opts.quant],
                            mlp_block=opts.mlp_block_size, progress=on)

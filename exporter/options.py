@@ -63,7 +63,9 @@ def weight_plan(opts: ConvertOptions, source_kind: str = "folder") -> ConvertOpt
               f"lossier model than the file); leave --method out to carry its blocks over exactly", file=sys.stderr)
     if method not in (*METHODS, "gguf"):
         raise RuvLLMError(f"unknown --method {method!r}; choose one of {', '.join(METHODS)}")
-    if method != "rtn" and opts.quant not in ("int8", "int4"):
+    if method == "smoothquant" and opts.quant != "w8a8":
+        raise RuvLLMError(f"--method smoothquant applies to --quant w8a8 (int8 activations), not {opts.quant}")
+    if method not in ("rtn", "smoothquant") and opts.quant not in ("int8", "int4"):
         raise RuvLLMError(f"--method {method} applies to --quant int8/int4, not {opts.quant}")
     block, mlp_block = opts.block_size, opts.mlp_block_size
     if block is None:

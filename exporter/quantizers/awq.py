@@ -90,7 +90,7 @@ class _Inputs:
     def __init__(self, keep: float, seed: int):
         import torch
 
-        self.abs_sum, self.count, self.rows, self.keep = None, 0, [], keep
+        self.abs_sum, self.abs_max, self.count, self.rows, self.keep = None, None, 0, [], keep
         self.gen = torch.Generator().manual_seed(seed)
 
     def __call__(self, module, args) -> None:
@@ -98,6 +98,8 @@ class _Inputs:
 
         x = args[0].reshape(-1, args[0].shape[-1]).float()
         self.abs_sum = x.abs().sum(0) + (0 if self.abs_sum is None else self.abs_sum)
+        top = x.abs().amax(0)
+        self.abs_max = top if self.abs_max is None else torch.maximum(self.abs_max, top)
         self.count += x.shape[0]
         n = max(1, round(self.keep * x.shape[0]))
         self.rows.append(x[torch.randperm(x.shape[0], generator=self.gen)[:n]].clone())
@@ -146,6 +148,56 @@ def _search_clip(x, w, block: int, bits: int):
     return torch.clamp(wb, -best_max, best_max).reshape(out_f, -1)[:, :in_f]
 
 
+def _calibrate(model, sequences: list[list[int]], progress: bool, what: str) -> dict:
+    """Each layer's projection inputs on the calibration text: `_Inputs` by (layer, group)."""
+    import torch
+
+    from exporter.progress import stage
+
+    layers = model.model.layers
+    keep = min(1.0, SAMPLE_ROWS / sum(len(s) for s in sequences))
+    probes, hooks = {}, []
+    for i, layer in enumerate(layers):
+        for name, module in (("qkv", layer.self_attn.q_proj), ("o", layer.self_attn.o_proj),
+                             ("gate_up", layer.mlp.gate_proj), ("down", layer.mlp.down_proj)):
+            probes[i, name] = _Inputs(keep, seed=i)
+            hooks.append(module.register_forward_pre_hook(probes[i, name]))
+    try:
+        with torch.no_grad():
+            for seq in stage(f"{what} calibration", sequences, enabled=progress):
+                model(torch.tensor([seq]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return probes
+
+
+def _groups(layer):
+    """(group, the operator producing its input, its projections): q/k/v share the input RMSNorm, gate/up
+    the norm before the MLP; down's input is divided through up_proj's output rows. (o_proj's through
+    v_proj's, one scale per kv-head channel, measured within noise on SmolLM2 at blocks of 128: perplexity
+    16.89 vs 17.01 on 7k tokens, 8.31 vs 8.28 on the tests' text; so o_proj is not scaled.)"""
+    return (("qkv", layer.input_layernorm, ("q_proj", "k_proj", "v_proj")),
+            ("gate_up", getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm,
+             ("gate_proj", "up_proj")),
+            ("down", layer.mlp.up_proj, ("down_proj",)))
+
+
+def _fold(i: int, name: str, producer, linears, mods, s, scales: LoraScales) -> None:
+    """Multiply the projections' input channels by s and divide the input by s where it is made: the
+    float model computes the same, and LoraScales records it for the LoRA path."""
+    for t, m in zip(linears, mods):
+        m.weight.mul_(s)
+        scales.inputs[i, t] = s.numpy().copy()
+    if name == "down":
+        producer.weight.div_(s[:, None])
+        scales.outputs[i, "up_proj"] = s.numpy().copy()
+    elif type(producer).__name__ in ("GemmaRMSNorm", "Gemma2RMSNorm"):  # it scales by (1 + w)
+        producer.weight.copy_((1 + producer.weight) / s - 1)
+    else:
+        producer.weight.div_(s)
+
+
 def apply_awq(model, sequences: list[list[int]], block: int, bits: int, clip: bool = True,
               progress: bool = False, mlp_block: int | None = None) -> LoraScales:
     """Scale (and clip) the weights of a Llama-family `transformers` model in place for `bits`-bit
@@ -156,51 +208,18 @@ def apply_awq(model, sequences: list[list[int]], block: int, bits: int, clip: bo
 
     from exporter.progress import stage
 
-    layers = model.model.layers
-    n_tokens = sum(len(s) for s in sequences)
-    keep = min(1.0, SAMPLE_ROWS / n_tokens)
-    probes, hooks = {}, []
-    for i, layer in enumerate(layers):
-        for name, module in (("qkv", layer.self_attn.q_proj), ("o", layer.self_attn.o_proj),
-                             ("gate_up", layer.mlp.gate_proj), ("down", layer.mlp.down_proj)):
-            probes[i, name] = _Inputs(keep, seed=i)
-            hooks.append(module.register_forward_pre_hook(probes[i, name]))
-    try:
-        with torch.no_grad():
-            for seq in stage("AWQ calibration", sequences, enabled=progress):
-                model(torch.tensor([seq]))
-    finally:
-        for h in hooks:
-            h.remove()
-
+    probes = _calibrate(model, sequences, progress, "AWQ")
     scales = LoraScales()
     width = {"qkv": block, "o": block, "gate_up": mlp_block or block, "down": mlp_block or block}
     with torch.no_grad():
-        for i, layer in enumerate(stage("AWQ search (layers)", layers, enabled=progress)):
+        for i, layer in enumerate(stage("AWQ search (layers)", model.model.layers, enabled=progress)):
             attn, mlp = layer.self_attn, layer.mlp
             x = {}
-            # q/k/v share the input RMSNorm, gate/up the post-attention one; down's input is divided
-            # through up_proj's output rows. (o_proj's through v_proj's, one scale per kv-head channel,
-            # measured within noise on SmolLM2 at blocks of 128: perplexity 16.89 vs 17.01 on 7k tokens,
-            # 8.31 vs 8.28 on the tests' text; so o_proj is only clipped.)
-            for name, producer, linears in (
-                    ("qkv", layer.input_layernorm, ("q_proj", "k_proj", "v_proj")),
-                    ("gate_up", getattr(layer, "pre_feedforward_layernorm", None) or layer.post_attention_layernorm,
-                     ("gate_proj", "up_proj")),
-                    ("down", mlp.up_proj, ("down_proj",))):
+            for name, producer, linears in _groups(layer):
                 mods = [getattr(attn if t in ATTN else mlp, t) for t in linears]
                 sample, mean_abs = probes.pop((i, name)).sample()
                 s = _search_scale(sample, [m.weight for m in mods], mean_abs, width[name], bits)
-                for t, m in zip(linears, mods):
-                    m.weight.mul_(s)
-                    scales.inputs[i, t] = s.numpy().copy()
-                if name == "down":
-                    producer.weight.div_(s[:, None])
-                    scales.outputs[i, "up_proj"] = s.numpy().copy()
-                elif type(producer).__name__ in ("GemmaRMSNorm", "Gemma2RMSNorm"):  # it scales by (1 + w)
-                    producer.weight.copy_((1 + producer.weight) / s - 1)
-                else:
-                    producer.weight.div_(s)
+                _fold(i, name, producer, linears, mods, s, scales)
                 x[name] = sample / s
             x["o"] = probes.pop((i, "o")).sample()[0]
             if not clip:
@@ -211,3 +230,27 @@ def apply_awq(model, sequences: list[list[int]], block: int, bits: int, clip: bo
                 m.weight.copy_(_search_clip(x[name], m.weight, width[name], bits))
     return scales
 
+
+SMOOTHQUANT_ALPHA = 0.5  # the paper's default: outliers' difficulty split evenly between x and w
+
+
+def apply_smoothquant(model, sequences: list[list[int]], alpha: float = SMOOTHQUANT_ALPHA,
+                      progress: bool = False) -> LoraScales:
+    """SmoothQuant (Xiao et al. 2023) for W8A8: per input channel s = max|x|^alpha / max|w|^(1 - alpha),
+    folded as AWQ folds its scales (x / s where x is made, w * s). Activation outliers move into the
+    weights, where int8 per output channel holds them, so int8 activations per row lose less."""
+    import torch
+
+    probes = _calibrate(model, sequences, progress, "SmoothQuant")
+    scales = LoraScales()
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, producer, linears in _groups(layer):
+                mods = [getattr(attn if t in ATTN else mlp, t) for t in linears]
+                x_max = probes.pop((i, name)).abs_max.clamp(min=1e-5)
+                w_max = torch.stack([m.weight.abs().amax(0) for m in mods]).amax(0).clamp(min=1e-5)
+                s = (x_max ** alpha / w_max ** (1 - alpha)).clamp(min=1e-5)
+                _fold(i, name, producer, linears, mods, s, scales)
+            probes.pop((i, "o"))
+    return scales

@@ -490,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("source", help=f"alias ({', '.join(sorted(ALIASES))}) or hub id org/name")
     d.add_argument("--quant", default="int4", choices=["fp32", "fp16", "int8", "int4", "w8a8"])
     d.add_argument("--target", default="cpu", choices=["cpu", "wasm", "webgpu", "cuda"])
-    d.add_argument("--method", default=None, choices=["rtn", "awq", "gptq", "awq+gptq", "hqq"],
+    d.add_argument("--method", default=None, choices=["rtn", "awq", "gptq", "awq+gptq", "hqq", "smoothquant"],
                    help="the exporter's --method; with it or --block-size the export is cached in a folder of its own")
     d.add_argument("--block-size", type=int, default=None, help="the exporter's --block-size")
     d.add_argument("--force", action="store_true")
