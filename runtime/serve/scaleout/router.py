@@ -33,7 +33,8 @@ def _prefix_keys(pending_request: PendingRequest | None) -> list[bytes]:
 
 class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """First rank: the replica holding the longest cached prefix of the prompt (unless its queue is
-    `imbalance` longer than the shortest); then power of two choices over the rest."""
+    `imbalance` longer than the shortest); then power of two choices, whose winner a new prefix is
+    recorded on at once."""
 
     def initialize_state(self, imbalance: int = 8, capacity_blocks: int = 1 << 16) -> None:
         self.affinity = routing.PrefixAffinity(capacity_blocks, imbalance)
@@ -49,12 +50,17 @@ class PrefixAwareRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         keys = _prefix_keys(pending_request)
         cache = self.replica_queue_len_cache
         queues = {rid: cache.get(rid) for rid in by_id}
-        ranks = []
         preferred = self.affinity.choose(list(by_id), keys, queues)
+        pair = random.sample(candidate_replicas, min(2, len(candidate_replicas)))
         if preferred:
-            ranks.append([by_id[preferred[0]]])
-        ranks.append(random.sample(candidate_replicas, min(2, len(candidate_replicas))))
-        return ranks
+            return [[by_id[preferred[0]]], pair]
+        # power of two choices, decided here so that the choice is recorded at once: requests of one new
+        # prefix routed concurrently (a burst) then follow the first instead of spreading before any of
+        # them is routed. If Ray Serve finds the winner full, on_request_routed records where it went.
+        pair.sort(key=lambda r: queues.get(r.replica_id) or 0)
+        if keys:
+            self.affinity.record(pair[0].replica_id, keys)
+        return [[r] for r in pair]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         keys = _prefix_keys(pending_request)
