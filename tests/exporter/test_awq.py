@@ -54,7 +54,6 @@ def test_folded_scales_keep_the_model_and_its_lora(arch, outlier_dirs, workdir, 
     graph undoes the scales that the base weights absorbed."""
     import exporter.convert as conv
     import exporter.quantizers.awq as awq
-    from runtime import contract as C
 
     found = {}
 
@@ -70,14 +69,21 @@ def test_folded_scales_keep_the_model_and_its_lora(arch, outlier_dirs, workdir, 
     ratios = [s.max() / s.min() for s in found["scales"].inputs.values()]
     assert max(ratios) > 3, ratios  # the scales are far from 1, so a missing undo would show
 
-    base = load_hf(outlier_model_dir)
-    peft_model, lora_inputs = peft_adapter(outlier_model_dir)
+    assert_keeps_model_and_lora(pkg, outlier_model_dir, seed=3)
+
+
+def assert_keeps_model_and_lora(pkg, model_dir, seed: int) -> None:
+    """A package whose float weights absorbed folded scales equals transformers on the original model,
+    and, with a peft adapter on one row of the batch, peft: its LoRA graph undoes the scales."""
+    from exporter.lora import adapter_weights
+    from runtime import contract as C
+
+    base = load_hf(model_dir)
+    peft_model, lora_inputs = peft_adapter(model_dir)
     stepper = Stepper(NativeBackend(pkg, lora=True), block_size=4)
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seed)
     a = [int(t) for t in rng.integers(3, base.config.vocab_size, 9)]
     b = [int(t) for t in rng.integers(3, base.config.vocab_size, 6)]
-    from exporter.lora import adapter_weights
-
     weights = adapter_weights([0] * len(a) + [None] * len(b), 1, 4)  # row a on the adapter (rank 4), b off
     res = stepper.step({0: a, 1: b}, extra_inputs={**lora_inputs, C.LORA_WEIGHTS: weights})
     scale = np.abs(hf_last_logits(base, b)).max()  # the outliers make logits large: compare relatively

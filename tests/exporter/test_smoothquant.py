@@ -3,15 +3,11 @@ the W8A8 package is closer to fp32 than W8A8 without them on a model with activa
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from runtime.backends.native import NativeBackend
 from runtime.package import load_package
-from tests.exporter.test_awq import with_outliers
-from tests.exporter.test_logits_parity import TOL, hf_last_logits, load_hf, peft_adapter
+from tests.exporter.test_awq import assert_keeps_model_and_lora, with_outliers
 from tests.exporter.test_quantization import quality, teacher_forced_logprobs
-from tests.stepping import Stepper
 
 
 @pytest.fixture(scope="module")
@@ -27,24 +23,12 @@ def outliers(tiny_model_dir, workdir):
 
 def test_smoothquant_scales_keep_the_model_and_its_lora(outliers, workdir, monkeypatch):
     import exporter.convert as conv
-    from exporter.lora import adapter_weights
-    from runtime import contract as C
 
     monkeypatch.setattr(conv, "quantize_weights", lambda graph, *a, **k: graph)  # keep float weights
     pkg = load_package(conv.convert(str(outliers), workdir / "pkg-sq-float",
                                     conv.ConvertOptions(quant="w8a8", method="smoothquant", progress=False)))
     assert pkg.manifest["quantization"]["method"] == "smoothquant"
-    base = load_hf(outliers)
-    peft_model, lora_inputs = peft_adapter(outliers)
-    stepper = Stepper(NativeBackend(pkg, lora=True), block_size=4)
-    rng = np.random.default_rng(4)
-    a = [int(t) for t in rng.integers(3, base.config.vocab_size, 9)]
-    b = [int(t) for t in rng.integers(3, base.config.vocab_size, 6)]
-    weights = adapter_weights([0] * len(a) + [None] * len(b), 1, 4)
-    res = stepper.step({0: a, 1: b}, extra_inputs={**lora_inputs, C.LORA_WEIGHTS: weights})
-    scale = np.abs(hf_last_logits(base, b)).max()
-    assert np.abs(res.logits[1] - hf_last_logits(base, b)).max() < TOL * scale
-    assert np.abs(res.logits[0] - hf_last_logits(peft_model, a)).max() < TOL * scale
+    assert_keeps_model_and_lora(pkg, outliers, seed=4)
 
 
 def test_smoothquant_w8a8_is_closer_to_fp32(outliers, workdir):
