@@ -87,12 +87,7 @@ class Engine:
         info = self.adapters.named(adapter)
         params = params or SamplingParams()
         params.validate(self.vocab_size)
-        ids = self.encode_prompt(prompt, messages)
-        if not ids:
-            raise RequestError("the prompt is empty")
-        if len(ids) >= self.max_context:
-            raise ContextLengthError(f"the prompt has {len(ids)} tokens; this model's context is "
-                                     f"{self.max_context} tokens")
+        ids = self.prompts.request_ids(prompt, messages)
         alloc = self.scheduler.allocator
         passes = 2 if info is not None and info.kind == "xlora" else 1  # X-LoRA: the scaling pass's K/V too
         if passes * alloc.blocks_for(len(ids) + 1) > alloc.num_blocks:

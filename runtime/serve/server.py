@@ -32,6 +32,25 @@ class ServedModel:
     created: int
 
 
+# /metrics from each engine's stats(): metric -> (stats key, help)
+ENGINE_GAUGES = {
+    "ruvllm_requests_running": ("running", "Requests being generated"),
+    "ruvllm_requests_waiting": ("waiting", "Requests queued for admission"),
+    "ruvllm_kv_blocks_used": ("kv_blocks_used", "KV blocks held by requests"),
+    "ruvllm_kv_blocks_total": ("kv_blocks_total", "KV blocks in the pool"),
+    "ruvllm_prefix_cache_blocks": ("prefix_cache_blocks", "Blocks in the prefix cache"),
+}
+ENGINE_COUNTERS = {
+    "ruvllm_prefix_cache_queries": ("prefix_cache_queries", "Prompt blocks looked up"),
+    "ruvllm_prefix_cache_hits": ("prefix_cache_hits", "Prompt blocks found in the prefix cache"),
+    "ruvllm_preemptions": ("preemptions", "Sequences preempted for KV space"),
+    "ruvllm_requests_aborted": ("aborted", "Requests aborted (client gone, shutdown)"),
+    "ruvllm_spec_draft_tokens": ("draft_tokens", "Tokens drafted by prompt lookup"),
+    "ruvllm_spec_accepted_tokens": ("accepted_draft_tokens", "Drafted tokens verified and emitted"),
+    "ruvllm_requests_retried": ("retried", "Requests run again on another replica after theirs failed (Ray Serve)"),
+}
+
+
 class Metrics:
     """Prometheus metrics in a registry of the app's own (several apps can live in one process)."""
 
@@ -54,30 +73,13 @@ class Metrics:
 
         class EngineCollector:
             def collect(self):
-                gauges = {
-                    "ruvllm_requests_running": ("running", "Requests being generated"),
-                    "ruvllm_requests_waiting": ("waiting", "Requests queued for admission"),
-                    "ruvllm_kv_blocks_used": ("kv_blocks_used", "KV blocks held by requests"),
-                    "ruvllm_kv_blocks_total": ("kv_blocks_total", "KV blocks in the pool"),
-                    "ruvllm_prefix_cache_blocks": ("prefix_cache_blocks", "Blocks in the prefix cache"),
-                }
-                counters = {
-                    "ruvllm_prefix_cache_queries": ("prefix_cache_queries", "Prompt blocks looked up"),
-                    "ruvllm_prefix_cache_hits": ("prefix_cache_hits", "Prompt blocks found in the prefix cache"),
-                    "ruvllm_preemptions": ("preemptions", "Sequences preempted for KV space"),
-                    "ruvllm_requests_aborted": ("aborted", "Requests aborted (client gone, shutdown)"),
-                    "ruvllm_spec_draft_tokens": ("draft_tokens", "Tokens drafted by prompt lookup"),
-                    "ruvllm_spec_accepted_tokens": ("accepted_draft_tokens", "Drafted tokens verified and emitted"),
-                    "ruvllm_requests_retried": ("retried", "Requests run again on another replica after theirs "
-                                                "failed (Ray Serve)"),
-                }
                 stats = {name: m.engine.stats() for name, m in models.items()}
-                for metric, (key, doc) in gauges.items():
+                for metric, (key, doc) in ENGINE_GAUGES.items():
                     g = GaugeMetricFamily(metric, doc, labels=["model"])
                     for name, s in stats.items():
                         g.add_metric([name], s.get(key, 0))
                     yield g
-                for metric, (key, doc) in counters.items():
+                for metric, (key, doc) in ENGINE_COUNTERS.items():
                     c = CounterMetricFamily(metric, doc, labels=["model"])
                     for name, s in stats.items():
                         c.add_metric([name], s.get(key, 0))

@@ -6,7 +6,7 @@ exactly as the engine would, and computes the same prefix-cache keys from the id
 
 from __future__ import annotations
 
-from runtime.errors import RequestError
+from runtime.errors import ContextLengthError, RequestError
 from runtime.text.chat_template import ChatTemplate
 from runtime.text.tokenizer import Tokenizer
 
@@ -42,3 +42,14 @@ class PromptEncoder:
                 raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary")
             return list(prompt)
         raise RequestError("a request needs a prompt (text or token ids) or chat messages")
+
+    def request_ids(self, prompt=None, messages: list[dict] | None = None) -> list[int]:
+        """encode(), refusing a prompt that is empty or leaves no room in the context: the checks a request
+        gets wherever it is tokenized (the engine, or the Ray Serve ingress before routing)."""
+        ids = self.encode(prompt, messages)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        if len(ids) >= self.max_context:
+            raise ContextLengthError(f"the prompt has {len(ids)} tokens; this model's context is "
+                                     f"{self.max_context} tokens")
+        return ids

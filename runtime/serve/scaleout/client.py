@@ -21,14 +21,11 @@ from runtime.core.adapters import AdapterRegistry, UnknownAdapterError
 from runtime.core.config import EngineConfig, ModelConfig
 from runtime.core.sampling import SamplingParams
 from runtime.core.sequence import RequestOutput
-from runtime.errors import ContextLengthError, RequestError
+from runtime.errors import RequestError
 from runtime.package import load_package
 from runtime.serve.scaleout.remote_request import RemoteRequest
 from runtime.serve.scaleout.routing import prompt_block_keys
 from runtime.text.prompt import PromptEncoder
-
-STAT_KEYS = ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_blocks", "prefix_cache_queries",
-             "prefix_cache_hits", "preemptions", "aborted", "draft_tokens", "accepted_draft_tokens")
 
 
 def replica_lost_errors() -> tuple[type[BaseException], ...]:
@@ -90,12 +87,7 @@ class RemoteEngine:
         its stream is read."""
         params = dataclasses.replace(params or SamplingParams())
         params.validate(self.prompts.vocab_size)
-        ids = self.prompts.encode(prompt, messages)
-        if not ids:
-            raise RequestError("the prompt is empty")
-        if len(ids) >= self.prompts.max_context:
-            raise ContextLengthError(f"the prompt has {len(ids)} tokens; this model's context is "
-                                     f"{self.prompts.max_context} tokens")
+        ids = self.prompts.request_ids(prompt, messages)
         path = adapter_id = None
         if adapter is not None:
             if adapter not in self._adapters:
@@ -197,10 +189,13 @@ class RemoteEngine:
         return sum(s.get("waiting", 0) for s in self._replica_stats())
 
     def stats(self) -> dict:
-        """The replicas' engine stats summed, as they last reported them to the router."""
-        total = dict.fromkeys(STAT_KEYS, 0)
+        """The replicas' engine stats that /metrics reports, summed, as they last reported them to the router."""
+        from runtime.serve.server import ENGINE_COUNTERS, ENGINE_GAUGES
+
+        keys = [key for key, _ in (*ENGINE_GAUGES.values(), *ENGINE_COUNTERS.values())]
+        total = dict.fromkeys(keys, 0)
         for s in self._replica_stats():
-            for key in STAT_KEYS:
+            for key in keys:
                 total[key] += s.get(key, 0) or 0
         total["retried"] = self.retries
         return total
