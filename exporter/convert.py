@@ -174,8 +174,6 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     return out
 
 
-
-
 def hqq_projection_grids(graph, bits: int, block: int, mlp_block: int | None, progress: bool) -> dict:
     """HQQ grids of every projection of the graph but the LM head (which keeps its own bits, by RTN)."""
     from onnx import numpy_helper

@@ -66,12 +66,17 @@ class DecoderBuilder:
         arch = config.model_type
         if getattr(config, "mlp_bias", False):
             raise UnsupportedModelError(f"{arch} with mlp_bias=True is not supported yet")
-        act = getattr(config, "hidden_act", "silu")
+        act = cls.activation_name(config)
         if act not in cls.activations:
             raise UnsupportedModelError(f"{arch} with activation {act!r} is not supported "
                                         f"(only {', '.join(cls.activations)})")
 
     activations: tuple[str, ...] = ("silu",)  # the transformers hidden_act values this family computes
+
+    @classmethod
+    def activation_name(cls, config) -> str:
+        """The config field naming the MLP's activation, as this family's transformers code reads it."""
+        return getattr(config, "hidden_act", "silu")
 
     @classmethod
     def float_weights(cls, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

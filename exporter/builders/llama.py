@@ -58,19 +58,6 @@ class GemmaBuilder(DecoderBuilder):
     activations = ("gelu", *GELU_TANH)
 
     @classmethod
-    def activation_name(cls, config) -> str:
-        return getattr(config, "hidden_act", None) or "silu"
-
-    @classmethod
-    def check_config(cls, config) -> None:
-        if getattr(config, "mlp_bias", False):
-            raise UnsupportedModelError(f"{config.model_type} with mlp_bias=True is not supported yet")
-        act = cls.activation_name(config)
-        if act not in cls.activations:
-            raise UnsupportedModelError(f"{config.model_type} with activation {act!r} is not supported "
-                                        f"(only {', '.join(cls.activations)})")
-
-    @classmethod
     def spec_options(cls, config) -> dict:
         act = "gelu" if cls.activation_name(config) == "gelu" else "gelu_tanh"
         return {**super().spec_options(config), "activation": act, "embed_scale": float(config.hidden_size) ** 0.5}
