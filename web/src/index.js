@@ -6,7 +6,7 @@
 // The engine (Pyodide + onnxruntime-web) runs in a Web Worker; this module only posts messages (and
 // fetches adapters, caching the hash-checked ones in the model store).
 
-import { STORE_DIR, fetchChecked, openStore, readStored, sha256Hex, store } from './model_store.js';
+import { fetchChecked, matches, openCache, openStore, readStored, store } from './model_store.js';
 
 class ChunkStream {
   constructor(engine, id) {
@@ -202,10 +202,7 @@ async function fetchAdapter(url, cache) {
 // A small config file: from the network (and remembered), or, when the network fails, as last seen;
 // null when the server has none (or the network failed and none was kept: `failed` says so)
 async function getConfig(url, failed) {
-  let kept = null;
-  try {
-    kept = typeof caches !== 'undefined' ? await caches.open(STORE_DIR) : null;
-  } catch { /* no Cache API here */ }
+  const kept = await openCache();
   try {
     const res = await fetch(url, { cache: 'no-cache' });
     if (!res.ok) return null;
@@ -225,7 +222,7 @@ async function storedOrFetched(url, meta, cache) {
   const dir = await openStore();
   const stored = dir ? await readStored(dir, meta.sha256) : null;
   if (stored) {
-    if (stored.length === Number(meta.size) && (await sha256Hex(stored)) === meta.sha256) {
+    if (await matches(meta, stored)) {
       cache.fromCache += 1;
       return stored;
     }

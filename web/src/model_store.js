@@ -17,6 +17,11 @@ export async function sha256Hex(buffer) {
   return Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, '0')).join('');
 }
 
+/** Whether bytes are the file a manifest entry ({ size, sha256 }) names. */
+export async function matches(meta, bytes) {
+  return bytes.length === Number(meta.size) && (await sha256Hex(bytes)) === meta.sha256;
+}
+
 /** The bytes at `url` once their sha256 (and size, when given) match; `source` names where those came from. */
 export async function fetchChecked(url, { sha256, size }, source) {
   const res = await fetch(url);
@@ -37,7 +42,7 @@ export async function openStore() {
   }
 }
 
-async function openCache() {
+export async function openCache() {
   try {
     return typeof caches !== 'undefined' ? await caches.open(STORE_DIR) : null;
   } catch {
@@ -154,7 +159,7 @@ export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck =
   const deferred = [];
   const verify = async (meta, bytes) => {
     const t = performance.now();
-    const ok = bytes.length === Number(meta.size) && (await sha256Hex(bytes)) === meta.sha256;
+    const ok = await matches(meta, bytes);
     stats.verifyMs = Math.max(stats.verifyMs, performance.now() - t);
     if (!ok) await dir.removeEntry(meta.sha256).catch(() => {});
     return ok;
