@@ -42,7 +42,11 @@ LOGITS_MASK = "logits_mask"  # float [num_logits | 1, vocab]
 # The adapters of a step sit side by side as "adapter columns": adapter j's rank-r factors take columns
 # j*r .. (j+1)*r - 1. A token's delta on a target is ((x A^T) * w) B, w its row of LORA_WEIGHTS: one
 # adapter's weight repeated over its columns (one-hot per token for multi-LoRA, X-LoRA's mixture).
-LORA_WEIGHTS = "lora_weights"  # float [num_tokens, lora_columns]
+# A row holds one set of lora_columns weights for every target, or (graphs whose manifest's lora section
+# says LORA_PER_MODULE) lora_modules(num_layers) sets, set lora_module(layer, target) for that target:
+# layerwise X-LoRA weighs each layer's and target's experts apart.
+LORA_WEIGHTS = "lora_weights"  # float [num_tokens, lora_sets * lora_columns], lora_sets 1 or lora_modules
+LORA_PER_MODULE = "per_module_weights"  # manifest["lora"] key: the LoRA graph reads per-module weight sets
 
 # The step's per-step graph inputs with their dtype and symbolic shape, in the graph's input order: the
 # exporter declares them from this table, the manifest carries them, and both backends build each
@@ -99,6 +103,15 @@ def lora_a(layer: int, target: str) -> str:
 
 def lora_b(layer: int, target: str) -> str:
     return f"lora.{layer}.{target}.B"  # float [lora_columns, out_features], scale folded in
+
+
+def lora_module(layer: int, target: str) -> int:
+    """A target's weight set in a per-module LORA_WEIGHTS row."""
+    return layer * len(LORA_TARGETS) + LORA_TARGETS.index(target)
+
+
+def lora_modules(num_layers: int) -> int:
+    return num_layers * len(LORA_TARGETS)
 
 
 def adapter_inputs(num_layers: int) -> set[str]:

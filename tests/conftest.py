@@ -201,23 +201,26 @@ def peft_adapters(workdir, tiny_model_dir):
 XLORA_VARIANTS = {
     "dense": dict(xlora_depth=2, xlora_size=16, softmax_temperature=0.7),
     "top1": dict(xlora_depth=1, enable_softmax=False, top_k_lora=2, enable_softmax_topk=True, xlora_dropout_p=0.0),
+    # a set of weights per LoRA layer (each adapted Linear), the top two kept per layer
+    "layerwise": dict(xlora_depth=2, xlora_size=16, layerwise_scalings=True, top_k_lora=2, softmax_temperature=0.8),
 }
 
 
 @pytest.fixture(scope="session")
 def xlora_models(workdir, tiny_model_dir, peft_adapters):
-    """Factory: variant -> (the PEFT X-LoRA model over the three test adapters, its save_pretrained folder)."""
+    """Factory: (variant, arch) -> (the PEFT X-LoRA model over the arch's three test adapters, its
+    save_pretrained folder)."""
     import torch
     from peft import XLoraConfig, get_peft_model
 
     made = {}
 
-    def make(variant: str):
-        if variant not in made:
-            model = load_hf(tiny_model_dir("llama"))
+    def make(variant: str, arch: str = "llama"):
+        if (variant, arch) not in made:
+            model = load_hf(tiny_model_dir(arch))
             model.config.use_cache = False
             cfg = XLoraConfig(task_type="CAUSAL_LM", hidden_size=model.config.hidden_size,
-                              adapters={str(i): str(v) for i, v in enumerate(peft_adapters("llama").values())},
+                              adapters={str(i): str(v) for i, v in enumerate(peft_adapters(arch).values())},
                               **XLORA_VARIANTS[variant])  # PEFT names X-LoRA's experts "0", "1", ...
             torch.manual_seed(7)
             xmodel = get_peft_model(model, cfg).eval()
@@ -225,9 +228,9 @@ def xlora_models(workdir, tiny_model_dir, peft_adapters):
                 for name, p in xmodel.named_parameters():
                     if "internal_xlora_classifier" in name:
                         p.mul_(6.0)
-            folder = workdir / f"xlora-{variant}"
+            folder = workdir / (f"xlora-{variant}" if arch == "llama" else f"xlora-{variant}-{arch}")
             xmodel.save_pretrained(folder)
-            made[variant] = (xmodel, folder)
-        return made[variant]
+            made[variant, arch] = (xmodel, folder)
+        return made[variant, arch]
 
     return make

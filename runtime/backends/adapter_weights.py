@@ -129,14 +129,18 @@ class AdapterTensors:
         return out
 
     def mixing(self, token_slots: list[int], columns: int, mix: dict | None = None) -> np.ndarray:
-        """lora_weights [tokens, columns]: each token weighs its sequence's slot's columns 1, the rest 0;
-        a token in `mix` (X-LoRA: token -> [(slot, weight)]) weighs each of those slots' columns instead."""
+        """lora_weights [tokens, sets * columns]: each token weighs its sequence's slot's columns 1, the
+        rest 0; a token in `mix` (X-LoRA: token -> [(slot, weight)]) weighs each of those slots' columns
+        instead. A weight that is a list (layerwise X-LoRA: one per contract.lora_module) makes every
+        row that many sets, the other tokens' repeated."""
         slots = np.asarray(token_slots, np.int64)
         col_slot = np.arange(columns) // max(self.rank, 1) + 1  # the slot each column belongs to
-        weights = (slots[:, None] == col_slot[None, :]).astype(np.float32)
+        sets = max((len(w) for pairs in (mix or {}).values() for _, w in pairs if isinstance(w, list)), default=1)
+        one_hot = (slots[:, None] == col_slot[None, :]).astype(np.float32)
+        weights = np.repeat(one_hot[:, None, :], sets, axis=1) if sets > 1 else one_hot[:, None, :]
         for token, pairs in (mix or {}).items():
-            row = weights[token]
+            row = weights[token]  # [sets, columns]
             row[:] = 0.0
             for slot, w in pairs:
-                row[(slot - 1) * self.rank:slot * self.rank] = w
-        return weights
+                row[:, (slot - 1) * self.rank:slot * self.rank] = np.asarray(w, np.float32).reshape(-1, 1)
+        return weights.reshape(len(token_slots), sets * columns)

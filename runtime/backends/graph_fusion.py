@@ -186,6 +186,7 @@ def fuse_lora(model) -> int:
     inputs = {i.name for i in model.graph.input}
     inits = {i.name for i in model.graph.initializer}
     graph_outputs = {o.name for o in model.graph.output}
+    sets = _weight_sets(model, nodes)
 
     def only(name: str, op_type: str):
         users = consumers.get(name, [])
@@ -200,7 +201,8 @@ def fuse_lora(model) -> int:
             continue
         mul = only(gemm.output[0], "Mul")
         weights = mul and next((n for n in mul.input if n != gemm.output[0]), None)
-        matmul = weights == C.LORA_WEIGHTS and only(mul.output[0], "MatMul")
+        module = 0 if weights == C.LORA_WEIGHTS else sets.get(weights)  # a format-2 graph's one w
+        matmul = module is not None and only(mul.output[0], "MatMul")
         delta = matmul and matmul.input[1] in inputs and matmul.output[0]
         scale = delta and only(delta, "Mul")  # an AWQ package's output scale (lora_path.LoraPath.apply)
         scale_init = scale and next((n for n in scale.input if n != delta and n in inits), None)
@@ -215,13 +217,51 @@ def fuse_lora(model) -> int:
         add.input.extend([base, gemm.input[0], gemm.input[1], matmul.input[1], C.LORA_WEIGHTS]
                          + ([scale_init] if scale_init else []))
         del add.attribute[:]
-        add.attribute.append(helper.make_attribute("scaled", int(bool(scale_init))))
+        add.attribute.extend([helper.make_attribute("scaled", int(bool(scale_init))),
+                              helper.make_attribute("module", module)])
         add.name = add.name or f"lora_delta_{count}"
         removed.update((id(gemm), id(mul), id(matmul)) + ((id(scale),) if scale_init else ()))
         count += 1
     if removed:
         _drop(model, nodes, removed)
+        _drop_dead(model)  # the targets' weight-set gathers
     return count
+
+
+def _weight_sets(model, nodes) -> dict[str, int]:
+    """The LoRA graph's per-target weights (exporter/builders/lora_path.LoraPath.mix): each Gather of
+    w's sets at min(module, sets - 1), by its output -> the target's module index."""
+    from onnx import numpy_helper
+
+    from runtime import contract as C
+
+    inits = {i.name: i for i in model.graph.initializer}
+    made = {o: n for n in nodes for o in n.output}
+    out = {}
+    for g in nodes:
+        if g.op_type != "Gather" or [(a.name, a.i) for a in g.attribute] != [("axis", 1)]:
+            continue
+        reshape, index = made.get(g.input[0]), made.get(g.input[1])
+        if reshape is None or reshape.op_type != "Reshape" or reshape.input[0] != C.LORA_WEIGHTS:
+            continue
+        if index is None or index.op_type != "Min":
+            continue
+        module = next((inits[n] for n in index.input if n in inits), None)
+        if module is not None and not module.dims:
+            out[g.output[0]] = int(numpy_helper.to_array(module))
+    return out
+
+
+def _drop_dead(model) -> None:
+    """The graph without nodes none of whose outputs anything reads (a fusion's leftovers)."""
+    outputs = {o.name for o in model.graph.output}
+    while True:
+        nodes = list(model.graph.node)
+        read = {name for node in nodes for name in node.input} | outputs
+        dead = {id(n) for n in nodes if not any(o in read for o in n.output if o)}
+        if not dead:
+            return
+        _drop(model, nodes, dead)
 
 
 def kv_in_int8(model) -> int:
@@ -422,7 +462,8 @@ def _lora_splits(model, parts: int):
         deltas = [unscaled_delta(o) for o in split.output]
         if axis not in (1, -1) or len(sizes) != parts or not all(deltas):
             continue
-        if len({(d.input[1], d.input[4]) for d in deltas}) == 1:
+        modules = [_attr(d, "module", 0) for d in deltas]
+        if len({(d.input[1], d.input[4]) for d in deltas}) == 1 and modules == list(range(modules[0], modules[0] + parts)):
             found.append((split, sizes, deltas))
     return nodes, consumers, only, found
 
@@ -443,7 +484,8 @@ def fuse_lora_swiglu(model) -> int:
         sig, silu, prod = tail
         fused = onnx.helper.make_node("LoraSwiGLU", [split.input[0], gate.input[1], gate.input[2], gate.input[3],
                                                      up.input[2], up.input[3], gate.input[4]], [prod.output[0]],
-                                      name=f"lora_swiglu_{count}", domain=DOMAIN, scaled=0)
+                                      name=f"lora_swiglu_{count}", domain=DOMAIN, scaled=0,
+                                      module=_attr(gate, "module", 0))
         prod.CopyFrom(fused)
         removed.update(id(x) for x in (split, gate, up, sig, silu))
         count += 1
@@ -469,7 +511,7 @@ def fuse_lora_split(model) -> int:
         fused = onnx.helper.make_node("LoraSplit", [split.input[0], q.input[1], q.input[2], q.input[3], k.input[2],
                                                     k.input[3], v.input[2], v.input[3], q.input[4]],
                                       [concat.output[0], v.output[0]], name=f"lora_split_{count}", domain=DOMAIN,
-                                      scaled=0, split=sizes[0] + sizes[1])
+                                      scaled=0, split=sizes[0] + sizes[1], module=_attr(q, "module", 0))
         concat.CopyFrom(fused)
         removed.update(id(x) for x in (split, q, k, v))
         count += 1
@@ -520,8 +562,7 @@ def fuse_epilogues(model) -> tuple[int, int]:
         ok = len(users) == 1 and users[0].op_type == op_type and users[0].domain in ("", "ai.onnx")
         return users[0] if ok and name not in graph_outputs else None
 
-    def attr(node, name: str, default=None):
-        return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+    attr = _attr
 
     def const(node, i: int) -> list[int] | None:
         init = inits.get(node.input[i]) if len(node.input) > i else None
@@ -569,6 +610,12 @@ def _swiglu_tail(consumers: dict, only, gate: str, up: str) -> tuple | None:
             and set(prod.input) == {silu.output[0], up} and consumers.get(up) == [prod]):
         return sig, silu, prod
     return None
+
+
+def _attr(node, name: str, default=None):
+    import onnx
+
+    return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
 def _drop(model, nodes: list, removed: set[int]) -> None:

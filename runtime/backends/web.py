@@ -106,13 +106,17 @@ class WebBackend:
         rank = max(self.lora["rank"], 1)
         token_slots = batch.adapter_slots or [0] * len(batch.input_ids)
         columns = max(max(slots or batch.lora_slots()) * rank, 1)
+        # layerwise X-LoRA: a list of weights per weight set (adapter_weights.AdapterTensors.mixing)
+        sets = max((len(w) for pairs in (mix or {}).values() for _, w in pairs if isinstance(w, list)), default=1)
         weights = []
         for t, s in enumerate(token_slots):
-            row = [0.0] * columns
+            row = [0.0] * (sets * columns)
             for slot, w in (mix or {}).get(t, [(s, 1.0)] if s else []):
-                row[(slot - 1) * rank:slot * rank] = [w] * rank
+                for k in range(sets):
+                    at = k * columns + (slot - 1) * rank
+                    row[at:at + rank] = [w[k] if isinstance(w, list) else w] * rank
             weights.extend(row)
-        return {"columns": columns, "weights": weights}
+        return {"columns": columns, "sets": sets, "weights": weights}
 
     def guide(self, tokenizer):
         """The page's structured-output guide (runtime/core/token_guide.py: llguidance has no Pyodide

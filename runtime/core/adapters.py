@@ -101,6 +101,7 @@ class LoraPart:
     a: TensorRef  # PEFT: [r, in]; own format: the stacked [layers, in, r] of the target
     b: TensorRef
     scale: float
+    module: str = ""  # PEFT: the model's Linear it adapts (q_proj, or a fused qkv_proj that holds the target)
 
 
 @dataclass
@@ -228,7 +229,7 @@ def _read_peft(name: str, p: Path, config: dict) -> AdapterInfo:
         alpha_m = float(_pattern_value(alphas, module, alpha))
         if a.shape[0] != r_m:
             raise AdapterError(f"{p}: layer {layer} {target} has rank {a.shape[0]}, its config says {r_m}")
-        parts[layer, target] = LoraPart(a, b, alpha_m / (r_m ** 0.5 if rslora else r_m))
+        parts[layer, target] = LoraPart(a, b, alpha_m / (r_m ** 0.5 if rslora else r_m), module.rsplit(".", 1)[-1])
         rank = max(rank, r_m)
     scaling = {"r": r, "alpha": alpha, "rslora": rslora, "ranks": ranks, "alphas": alphas}
     targets = tuple(t for t in C.LORA_TARGETS if any(t == tgt for _, tgt in parts))
@@ -286,6 +287,9 @@ class AdapterRegistry:
         if not is_xlora(path):
             return read_adapter(name, path, self.pkg.config, arch, rank)
         info = read_xlora(name, path, self.pkg.config, arch, rank, experts)
+        if info.settings.layerwise and not (self.pkg.manifest.get("lora") or {}).get(C.LORA_PER_MODULE):
+            raise AdapterError(f"X-LoRA {name!r} has layerwise_scalings, which this package's LoRA graph cannot "
+                               "weigh per layer (exported before RuvLLM read them): re-export the package")
         if len(info.experts) > self.config.max_loras:
             raise AdapterError(f"X-LoRA {name!r} has {len(info.experts)} experts, more than --max-loras "
                                f"{self.config.max_loras} adapter slots")

@@ -6,6 +6,10 @@ classifier, then the real pass with the classifier's per-token weights on the ex
 PEFT recomputes the whole sequence each step (it refuses a KV cache); both passes are causal, so the
 engine keeps a KV cache per pass instead (the scheduler's shadow blocks) and gets the same numbers.
 
+With `layerwise_scalings` the classifier weighs the experts apart for each of PEFT's LoRA layers (every
+adapted Linear, in the model's module order); the graph then reads a set of weights per layer and target
+(runtime.contract.lora_module), and each PEFT layer's weights go to the targets it holds.
+
 Everything here reads JSON and safetensors headers only (it runs in Pyodide); the backend runs the
 classifier (its numbers) and `expert_weights` turns its outputs into the experts' weights.
 """
@@ -19,6 +23,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime import contract as C
 from runtime.core.adapters import (
     OWN_MANIFEST,
     PEFT_CONFIG,
@@ -54,6 +59,7 @@ class XLoraSettings:
     enable_softmax_topk: bool = False
     scaling_pass_value: float = 0.0
     global_scaling_weight: float = 1.0
+    layerwise: bool = False  # layerwise_scalings: a set of weights per PEFT LoRA layer
 
 
 @dataclass
@@ -65,6 +71,10 @@ class XLoraInfo:
     settings: XLoraSettings
     classifier: list[tuple[Path, TensorRef, TensorRef]]  # the Linear layers in order: (file, weight, bias)
     kind: str = "xlora"
+    # layerwise: PEFT's LoRA layers in its order, each as the graph's weight sets (contract.lora_module) it
+    # covers (a fused qkv_proj covers three); None: one set for all
+    modules: list[list[int]] | None = None
+    num_sets: int = 1  # the graph's weight sets a step feeds for it (contract.lora_modules when layerwise)
 
     @property
     def rank(self) -> int:
@@ -90,6 +100,19 @@ def expert_weights(logits: list[float], s: XLoraSettings) -> list[float]:
     return [x * s.global_scaling_weight for x in w]
 
 
+def module_weights(logits: list[float], n: int, xlora: XLoraInfo) -> list:
+    """One token's classifier outputs -> [(expert index, weight)] pairs' weights: a float per expert, or
+    layerwise a list per expert over the graph's weight sets (PEFT's LoRA layers each weighed apart)."""
+    if xlora.modules is None:
+        return expert_weights(logits, xlora.settings)
+    per_expert = [[0.0] * xlora.num_sets for _ in range(n)]
+    for k, sets in enumerate(xlora.modules):  # PEFT reshapes the outputs to [layers, experts]
+        for e, w in enumerate(expert_weights(logits[k * n:(k + 1) * n], xlora.settings)):
+            for m in sets:
+                per_expert[e][m] = w
+    return per_expert
+
+
 def scaling_pass_weights(n: int, s: XLoraSettings) -> list[float]:
     """The experts' weights in the scaling pass: PEFT's dummy scalings, all scaling_pass_value."""
     return [s.scaling_pass_value * s.global_scaling_weight] * n
@@ -109,7 +132,7 @@ def step_mix(xp, outputs: list[list[list[float]]]) -> tuple[dict[int, list[tuple
     order): ({token's index in the step: [(expert slot, weight)]}, the weights per group)."""
     mix, weights = {}, []
     for g, rows in zip(xp.groups, outputs):
-        group = [expert_weights(row, g.xlora.settings) for row in rows]
+        group = [module_weights(row, len(g.expert_slots), g.xlora) for row in rows]
         weights.append(group)
         mix.update((g.step_start + j, list(zip(g.expert_slots, w))) for j, w in enumerate(group))
     return mix, weights
@@ -136,13 +159,11 @@ def read_xlora(name: str, path: str | Path, config: dict, architecture: str, max
     if cfg.get("hidden_size") != config["hidden_size"]:
         raise AdapterError(f"{p}: an X-LoRA classifier for hidden size {cfg.get('hidden_size')}, this model's is "
                            f"{config['hidden_size']} (another base model?)")
-    if cfg.get("layerwise_scalings"):
-        raise AdapterError(f"{p}: X-LoRA with layerwise_scalings (a weight per LoRA layer) is not supported yet; "
-                           "the same weights for every layer (PEFT's default) are")
     top_k = cfg.get("top_k_lora")
     settings = XLoraSettings(bool(cfg.get("enable_softmax", True)), float(cfg.get("softmax_temperature", 1.0)),
                              int(top_k) if top_k is not None else None, bool(cfg.get("enable_softmax_topk", False)),
-                             float(cfg.get("scaling_pass_value", 0.0)), float(cfg.get("global_scaling_weight", 1.0)))
+                             float(cfg.get("scaling_pass_value", 0.0)), float(cfg.get("global_scaling_weight", 1.0)),
+                             bool(cfg.get("layerwise_scalings", False)))
     if settings.top_k_lora is not None and settings.scaling_pass_value != 0:
         raise AdapterError(f"{p}: top_k_lora with a non-zero scaling_pass_value picks among equal dummy scalings "
                            "in an order PEFT leaves to torch.topk; not supported")
@@ -158,7 +179,8 @@ def read_xlora(name: str, path: str | Path, config: dict, architecture: str, max
             raise AdapterError(f"{p}: X-LoRA expert {expert!r} is not at {folder}; give its LoRA folder "
                                f"(experts={{{expert!r}: PATH}})")
         loaded.append(read_adapter(f"{name}/{expert}", folder, config, architecture, max_rank))
-    layers = _classifier(p, cfg, len(loaded), config["hidden_size"])
+    modules = peft_lora_layers(loaded, config["num_layers"]) if settings.layerwise else None
+    layers = _classifier(p, cfg, len(loaded), config["hidden_size"], len(modules) if modules else 1)
     h = hashlib.sha256(json.dumps(settings.__dict__, sort_keys=True).encode())
     for e in loaded:
         h.update(e.id.encode())
@@ -167,10 +189,36 @@ def read_xlora(name: str, path: str | Path, config: dict, architecture: str, max
             for ref in (w, b):
                 fh.seek(ref.start)
                 h.update(fh.read(ref.end - ref.start))
-    return XLoraInfo(name, p, h.hexdigest()[:32], loaded, settings, layers)
+    return XLoraInfo(name, p, h.hexdigest()[:32], loaded, settings, layers, modules=modules,
+                     num_sets=C.lora_modules(config["num_layers"]) if modules else 1)
 
 
-def _classifier(p: Path, cfg: dict, n_experts: int, hidden: int) -> list[tuple[Path, TensorRef, TensorRef]]:
+# The order in which the families' decoder layers register their Linears (PEFT numbers its LoRA layers in
+# module order): Llama's q, k, v, o, gate, up, down; Phi-3's o, qkv, gate_up, down. A model has either the
+# separate or the fused ones.
+_MODULE_ORDER = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "gate_proj", "up_proj", "gate_up_proj",
+                 "down_proj")
+
+
+def peft_lora_layers(experts: list[AdapterInfo], num_layers: int) -> list[list[int]]:
+    """PEFT's LoRA layers of an X-LoRA over these experts (a Linear is one when any expert adapts it), in
+    module order, each as the graph's weight sets it covers. The exporter's adapter format keeps no
+    module names: its targets count as adapted in every layer."""
+    covers: dict[tuple[int, str], set[int]] = {}
+    for e in experts:
+        if e.kind == "peft":
+            for (layer, target), part in e.parts.items():
+                covers.setdefault((layer, part.module or target), set()).add(C.lora_module(layer, target))
+        else:
+            for target in e.stacked:
+                for layer in range(num_layers):
+                    covers.setdefault((layer, target), set()).add(C.lora_module(layer, target))
+    order = sorted(covers, key=lambda k: (k[0], _MODULE_ORDER.index(k[1]) if k[1] in _MODULE_ORDER else 99))
+    return [sorted(covers[k]) for k in order]
+
+
+def _classifier(p: Path, cfg: dict, n_experts: int, hidden: int,
+                n_layers: int = 1) -> list[tuple[Path, TensorRef, TensorRef]]:
     """The classifier's Linear layers. PEFT's save_pretrained (0.21) keeps some of them only in the
     experts' subfolders, with the subfolder's name (an index) cut out of the key: `layers.0.weight` is
     `layers.weight` in subfolder 0. Read them from wherever they are, checked by shape."""
@@ -178,7 +226,7 @@ def _classifier(p: Path, cfg: dict, n_experts: int, hidden: int) -> list[tuple[P
     size = int(cfg.get("xlora_size", 2048))
     stride = 3 if float(cfg.get("xlora_dropout_p", 0.2)) > 0 else 2  # Linear, ReLU (, Dropout)
     want = [i * stride for i in range(depth)]
-    dims = [hidden] + [size] * (depth - 1) + [n_experts]
+    dims = [hidden] + [size] * (depth - 1) + [n_experts * n_layers]  # layerwise: n_layers LoRA layers' weights
     found: dict[int, dict[str, tuple[Path, TensorRef]]] = {}
     own = p / CLASSIFIER_FILE
     files = [(own, None)] if own.exists() else []
@@ -204,8 +252,9 @@ def _classifier(p: Path, cfg: dict, n_experts: int, hidden: int) -> list[tuple[P
                                f"{CLASSIFIER_FILE} in the folder")
         (wf, w), (bf, b) = parts["weight"], parts["bias"]
         if w.shape != (dims[n + 1], dims[n]) or b.shape != (dims[n + 1],) or wf != bf:
+            layerwise = f", layerwise over {n_layers} LoRA layers" if n_layers > 1 else ""
             raise AdapterError(f"{p}: the X-LoRA classifier's layer {index} is {list(w.shape)}, expected "
-                               f"{[dims[n + 1], dims[n]]} ({n_experts} experts, xlora_size {size})")
+                               f"{[dims[n + 1], dims[n]]} ({n_experts} experts{layerwise}, xlora_size {size})")
         if w.dtype not in ("F32", "F16", "BF16"):
             raise AdapterError(f"{p}: classifier dtype {w.dtype} is not supported")
         layers.append((wf, w, b))

@@ -60,14 +60,16 @@ def test_adapters_loaded_in_the_page_give_the_native_tokens(offline_page, tiny_p
     assert again["choices"][0]["token_ids"] == want["all16"]
 
 
-def test_xlora_in_the_page_gives_the_native_tokens(offline_page, tiny_package, peft_adapters, xlora_models,
+@pytest.mark.parametrize("variant", ["dense", "layerwise"])
+def test_xlora_in_the_page_gives_the_native_tokens(variant, offline_page, tiny_package, peft_adapters, xlora_models,
                                                     web_models):
     """A PEFT X-LoRA folder (its classifier partly in the experts' subfolders, as PEFT saves it) with its
-    three experts by URL: the page runs the scaling pass, the classifier and the mixed pass as natively."""
+    three experts by URL: the page runs the scaling pass, the classifier and the mixed pass as natively
+    (layerwise: a set of weights per layer and target)."""
     pkg = tiny_package("llama", "fp32")
     url = publish(web_models, pkg, "tiny-llama-fp32")
-    _, folder = xlora_models("dense")
-    xurl = publish(web_models, folder, "xlora-dense")
+    _, folder = xlora_models(variant)
+    xurl = publish(web_models, folder, f"xlora-{variant}")
     experts = {str(i): publish(web_models, path, f"adapter-{name}") for i, (name, path) in
                enumerate(peft_adapters("llama").items())}
     want = native_ids(pkg, folder)

@@ -102,14 +102,16 @@ export class LoraStore {
     return out;
   }
 
-  /** The LoRA inputs of a step: the first `columns` columns of every A and B, and the tokens' weights. */
-  addFeeds(ort, feeds, { columns, weights }) {
+  /** The LoRA inputs of a step: the first `columns` columns of every A and B, and the tokens' weights
+   * ([tokens, sets * columns]: contract.LORA_WEIGHTS). */
+  addFeeds(ort, feeds, { columns, sets = 1, weights }) {
     for (const t of Object.values(this.targets)) {
       t.names.forEach(([aName, bName], l) => {
         feeds[aName] = new ort.Tensor('float32', t.a[l].subarray(0, columns * t.fin), [columns, t.fin]);
         feeds[bName] = new ort.Tensor('float32', t.b[l].subarray(0, columns * t.fout), [columns, t.fout]);
       });
     }
-    feeds[this.weightsName] = new ort.Tensor('float32', Float32Array.from(weights), [weights.length / columns, columns]);
+    const width = columns * sets; // a row: one set of weights for every target, or one per layer and target
+    feeds[this.weightsName] = new ort.Tensor('float32', Float32Array.from(weights), [weights.length / width, width]);
   }
 }

@@ -8,6 +8,9 @@
 // A^T and B come as fp32, or as fp16 where the native backend holds a quantized package's adapters so:
 // the deltas read every column of a step's adapters from memory each step (four rank-16 adapters over
 // SmolLM2's targets: ~78 MB in fp32), and halving those bytes is most of what they cost at 16 streams.
+// w's rows hold one set of C weights for every target, or one per layer and target (layerwise X-LoRA,
+// runtime/contract.py's lora_module): attribute `module` is the first target's set, target t takes set
+// min(module + t, sets - 1), so a one-set w serves every target.
 // Written over simd_math.h's Vec: 16 lanes on the AVX-512 build, 8 on AVX2.
 #pragma once
 
@@ -18,20 +21,23 @@ namespace {
 
 struct LoraKernel {
   bool scaled = false;
-  int64_t split = 0;  // LoraSplit: the columns of its first output
+  int64_t split = 0;   // LoraSplit: the columns of its first output
+  int64_t module = 0;  // the first target's weight set
 };
 
 extern const CustomOp g_lora_split;
 
 OrtStatus* create_lora(const CustomOp* op, const void*, const OrtKernelInfo* info, void** out) {
-  int64_t scaled = 0, split = 0;
+  int64_t scaled = 0, split = 0, module = 0;
   auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
   RETURN_IF(attr(info, "scaled", &scaled));
+  RETURN_IF(attr(info, "module", &module));
+  if (module < 0) return fail("ruvllm.LoraDelta: module must not be negative");
   if (op == &g_lora_split) {
     RETURN_IF(attr(info, "split", &split));
     if (split <= 0) return fail("ruvllm.LoraSplit: split must be positive");
   }
-  auto* k = new (std::nothrow) LoraKernel{scaled != 0, split};
+  auto* k = new (std::nothrow) LoraKernel{scaled != 0, split, module};
   if (!k) return fail("ruvllm.LoraDelta: out of memory");
   *out = k;
   return nullptr;
@@ -44,7 +50,21 @@ struct LoraJob {
   float* z;
   int64_t N, in, out, cols;
   int64_t ldy = 0, ldz = 0;  // row strides of y and z (LoraSwiGLU: y is the gate and up halves side by side)
+  int64_t ldw = 0;           // row stride of w (sets * cols)
 };
+
+// point job j (of target t) at its set of w's [N, sets * cols] rows
+OrtStatus* weight_set(const OrtValue* w_value, const std::vector<int64_t>& dw, int64_t module, int t, const char* op,
+                      LoraJob& j) {
+  if (dw.size() != 2 || (j.cols ? dw[1] % j.cols : dw[1]) != 0)
+    return fail(std::string(op) + ": w must be [N, sets * C] for the adapters' C columns");
+  const int64_t sets = j.cols ? dw[1] / j.cols : 1;
+  const float* w = nullptr;
+  RETURN_IF(tensor_data(w_value, const_cast<float**>(&w)));
+  j.w = w + std::min<int64_t>(module + t, std::max<int64_t>(sets - 1, 0)) * j.cols;
+  j.ldw = dw[1];
+  return nullptr;
+}
 
 // Rows whose w has the same nonzero columns (a batch's tokens of one adapter, or of one X-LoRA) go
 // through those columns together, up to kGroup rows at a time: each A^T and B row is read once per group
@@ -56,12 +76,15 @@ struct RowGroup {
   int count;
 };
 
-// the nonzero columns of row n's weights
-inline void nonzero_columns(const LoraJob& j, int64_t n, std::vector<int32_t>& cols) {
+// the columns that row n's weights do not zero in any of the T jobs' sets
+inline void nonzero_columns(const LoraJob* jobs, int T, int64_t n, std::vector<int32_t>& cols) {
   cols.clear();
-  const float* w = j.w + n * j.cols;
-  for (int64_t c = 0; c < j.cols; c++)
-    if (w[c] != 0.f) cols.push_back((int32_t)c);
+  for (int64_t c = 0; c < jobs[0].cols; c++)
+    for (int t = 0; t < T; t++)
+      if (jobs[t].w[n * jobs[t].ldw + c] != 0.f) {
+        cols.push_back((int32_t)c);
+        break;
+      }
 }
 
 inline float load1(const float* p) { return *p; }
@@ -152,7 +175,7 @@ void lora_group_as(const LoraJob& j, const RowGroup& g, const std::vector<int32_
       case 3: dots<3>(x, a, j.in, dk); break;
       default: dots<4>(x, a, j.in, dk); break;
     }
-    for (int i = 0; i < G; i++) dk[i] *= j.w[g.rows[i] * j.cols + cols[k]];
+    for (int i = 0; i < G; i++) dk[i] *= j.w[g.rows[i] * j.ldw + cols[k]];
   }
   switch (G) {
     case 1: return delta_rows<1, W>(j, g, cols, d.data());
@@ -193,13 +216,14 @@ struct LoraPlan {
 
 // group the rows by their nonzero columns, in first-seen order, kGroup rows at most per group (`plan` is
 // reused across calls: its vectors keep their capacity)
-void plan_groups(const LoraJob& j, LoraPlan& plan) {
+void plan_groups(const LoraJob* jobs, int T, LoraPlan& plan) {
+  const LoraJob& j = jobs[0];
   plan.groups.clear();
   plan.cols.clear();
   std::vector<int32_t> cols;
   std::vector<size_t> open;  // per distinct column set: its last group, while not full
   for (int64_t n = 0; n < j.N; n++) {
-    nonzero_columns(j, n, cols);
+    nonzero_columns(jobs, T, n, cols);
     size_t found = open.size();
     for (size_t k = 0; k < open.size(); k++)
       if (plan.cols[open[k]] == cols) {
@@ -219,7 +243,7 @@ void plan_groups(const LoraJob& j, LoraPlan& plan) {
 }
 
 // T targets of one projection's output over the same rows (LoraDelta 1, LoraSwiGLU 2, LoraSplit 3): one
-// w, so one grouping of the rows; item i is target i / groups's delta over row group i % groups. One
+// grouping of the rows (by the columns any of their sets weighs); item i is target i / groups's delta over row group i % groups. One
 // group stays on the calling thread, where a handoff costs more than it saves.
 template <int T>
 struct TargetsWork {
@@ -237,7 +261,7 @@ void targets_item(void* data, size_t i) {
 template <int T>
 OrtStatus* run_targets(OrtKernelContext* ctx, TargetsWork<T>& work) {
   thread_local LoraPlan plan;
-  plan_groups(work.jobs[0], plan);
+  plan_groups(work.jobs, T, plan);
   work.plan = &plan;
   const size_t items = T * plan.groups.size();
   if (plan.groups.size() >= 2) return parallel_for(ctx, targets_item<T>, items, &work);
@@ -247,13 +271,14 @@ OrtStatus* run_targets(OrtKernelContext* ctx, TargetsWork<T>& work) {
 
 OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
   const bool scaled = static_cast<LoraKernel*>(kernel)->scaled;
+  const int64_t module = static_cast<LoraKernel*>(kernel)->module;
   const OrtValue* in[6] = {};
   std::vector<int64_t> d[6];
   RETURN_IF(read_inputs(ctx, scaled ? 6 : 5, in, d));
   const auto &dy = d[0], &dx = d[1], &da = d[2], &db = d[3], &dw = d[4], &ds = d[5];
   if (dy.size() != 2 || dx.size() != 2 || da.size() != 2 || db.size() != 2 || dw.size() != 2 || dx[0] != dy[0] ||
-      dw[0] != dy[0] || da[1] != dx[1] || db[1] != dy[1] || da[0] != db[0] || dw[1] != da[0])
-    return fail("ruvllm.LoraDelta: expected y [N, out], x [N, in], A^T [C, in], B [C, out], w [N, C]");
+      dw[0] != dy[0] || da[1] != dx[1] || db[1] != dy[1] || da[0] != db[0])
+    return fail("ruvllm.LoraDelta: expected y [N, out], x [N, in], A^T [C, in], B [C, out], w [N, sets * C]");
   TargetsWork<1> work{};
   LoraJob& j = work.jobs[0];
   j.N = dy[0], j.out = dy[1], j.in = dx[1], j.cols = da[0];
@@ -265,7 +290,7 @@ OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
   RETURN_IF(tensor_data(in[0], const_cast<float**>(&j.y)));
   RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.x)));
   RETURN_IF(adapter_inputs(in, 2, "ruvllm.LoraDelta", j));
-  RETURN_IF(tensor_data(in[4], const_cast<float**>(&j.w)));
+  RETURN_IF(weight_set(in[4], dw, module, 0, "ruvllm.LoraDelta", j));
   RETURN_IF(output_data(ctx, 0, dy.data(), dy.size(), &j.z));
   if (j.N == 0 || j.out == 0) return nullptr;
   return run_targets(ctx, work);
@@ -277,7 +302,8 @@ OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
 // between), and the Split, two deltas, Sigmoid and two Muls were six operators and passes per layer.
 // Inputs: y [N, 2F], x [N, in], A_g^T [C, in], B_g [C, F], A_u^T [C, in], B_u [C, F], w [N, C].
 
-OrtStatus* lora_swiglu(void*, OrtKernelContext* ctx) {
+OrtStatus* lora_swiglu(void* kernel, OrtKernelContext* ctx) {
+  const int64_t module = static_cast<LoraKernel*>(kernel)->module;
   const OrtValue* in[7] = {};
   std::vector<int64_t> d[7];
   RETURN_IF(read_inputs(ctx, 7, in, d));
@@ -286,8 +312,8 @@ OrtStatus* lora_swiglu(void*, OrtKernelContext* ctx) {
     return fail("ruvllm.LoraSwiGLU: expected y [N, 2F], x [N, in], w [N, C]");
   const int64_t N = dy[0], F = dy[1] / 2;
   for (int k : {2, 4})
-    if (d[k].size() != 2 || d[k + 1].size() != 2 || d[k][1] != dx[1] || d[k + 1][1] != F || d[k][0] != dw[1] ||
-        d[k + 1][0] != dw[1])
+    if (d[k].size() != 2 || d[k + 1].size() != 2 || d[k][1] != dx[1] || d[k + 1][1] != F || d[k][0] != d[2][0] ||
+        d[k + 1][0] != d[2][0])
       return fail("ruvllm.LoraSwiGLU: expected A^T [C, in] and B [C, F] for the gate and the up target");
   TargetsWork<2> work{};
   const float* y = nullptr;
@@ -296,12 +322,12 @@ OrtStatus* lora_swiglu(void*, OrtKernelContext* ctx) {
   halves.resize((size_t)(2 * N * F));
   for (int h = 0; h < 2; h++) {
     LoraJob& j = work.jobs[h];
-    j.N = N, j.out = F, j.in = dx[1], j.cols = dw[1], j.ldy = 2 * F, j.ldz = F;
+    j.N = N, j.out = F, j.in = dx[1], j.cols = d[2][0], j.ldy = 2 * F, j.ldz = F;
     j.y = y + h * F;
     j.z = halves.data() + (size_t)h * N * F;
     RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.x)));
     RETURN_IF(adapter_inputs(in, 2 + 2 * h, "ruvllm.LoraSwiGLU", j));
-    RETURN_IF(tensor_data(in[6], const_cast<float**>(&j.w)));
+    RETURN_IF(weight_set(in[6], dw, module, h, "ruvllm.LoraSwiGLU", j));
   }
   std::vector<int64_t> out_dims{N, F};
   float* out = nullptr;
@@ -326,7 +352,7 @@ OrtStatus* lora_swiglu(void*, OrtKernelContext* ctx) {
 // B_v, w [N, C]; attribute split: the first output's columns (Q+K: each target lies in one output).
 
 OrtStatus* lora_split(void* kernel, OrtKernelContext* ctx) {
-  const int64_t split = static_cast<LoraKernel*>(kernel)->split;
+  const int64_t split = static_cast<LoraKernel*>(kernel)->split, module = static_cast<LoraKernel*>(kernel)->module;
   const OrtValue* in[9] = {};
   std::vector<int64_t> d[9];
   RETURN_IF(read_inputs(ctx, 9, in, d));
@@ -344,18 +370,18 @@ OrtStatus* lora_split(void* kernel, OrtKernelContext* ctx) {
   int64_t col = 0;
   for (int t = 0; t < 3; t++) {
     const auto &da = d[2 + 2 * t], &db = d[3 + 2 * t];
-    if (da.size() != 2 || db.size() != 2 || da[1] != dx[1] || da[0] != dw[1] || db[0] != dw[1])
+    if (da.size() != 2 || db.size() != 2 || da[1] != dx[1] || da[0] != d[2][0] || db[0] != d[2][0])
       return fail("ruvllm.LoraSplit: expected A^T [C, in] and B [C, out] for each of the three targets");
     const int64_t out = db[1];
     if (!(col + out <= split || col >= split) || col + out > total)
       return fail("ruvllm.LoraSplit: the targets' outputs do not tile y with each inside one output");
     LoraJob& j = work.jobs[t];
-    j.N = N, j.out = out, j.in = dx[1], j.cols = dw[1], j.ldy = total;
+    j.N = N, j.out = out, j.in = dx[1], j.cols = da[0], j.ldy = total;
     j.y = y + col;
     if (col < split) j.z = out0 + col, j.ldz = split;
     else j.z = out1 + (col - split), j.ldz = total - split;
     RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.x)));
-    RETURN_IF(tensor_data(in[8], const_cast<float**>(&j.w)));
+    RETURN_IF(weight_set(in[8], dw, module, t, "ruvllm.LoraSplit", j));
     RETURN_IF(adapter_inputs(in, 2 + 2 * t, "ruvllm.LoraSplit", j));
     col += out;
   }
