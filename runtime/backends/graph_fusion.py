@@ -462,8 +462,10 @@ def _lora_splits(model, parts: int):
         deltas = [unscaled_delta(o) for o in split.output]
         if axis not in (1, -1) or len(sizes) != parts or not all(deltas):
             continue
+        # consecutive weight sets (the kernel gives target t set module + t), or a one-set graph's (all 0)
         modules = [_attr(d, "module", 0) for d in deltas]
-        if len({(d.input[1], d.input[4]) for d in deltas}) == 1 and modules == list(range(modules[0], modules[0] + parts)):
+        in_order = modules in (list(range(modules[0], modules[0] + parts)), [0] * parts)
+        if len({(d.input[1], d.input[4]) for d in deltas}) == 1 and in_order:
             found.append((split, sizes, deltas))
     return nodes, consumers, only, found
 

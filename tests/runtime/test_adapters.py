@@ -315,3 +315,56 @@ def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapter
                                 top_k=5, adapter_slot=slot))
         logits.append(backend.run(build_step(chunks, 4, want_full_logits=True)).logits)
     assert np.abs(logits[0] - logits[1]).max() < 1e-4 * max(1.0, np.abs(logits[1]).max())
+
+
+def test_a_one_set_lora_graph_still_fuses_and_gives_the_same_logits(tiny_package, peft_adapters, tmp_path):
+    """LoRA graphs exported before per-module weight sets (contract.LORA_PER_MODULE) multiply every target by
+    lora_weights itself: they still fuse into the same operators (the kernels' module 0, set min(t, 0)) and
+    give the same logits as today's graph."""
+    import hashlib
+
+    import onnx
+
+    from runtime import contract as C
+    from runtime.backends import graph_fusion, kernel_library
+    from runtime.backends.native import NativeBackend
+    from runtime.core.adapters import read_adapter
+    from runtime.core.step_batch import Chunk, build_step
+    from runtime.package import load_package
+
+    if kernel_library.library()[0] is None:
+        pytest.skip("RuvLLM's kernels do not build here")
+    new = tiny_package("llama", "fp32")
+    old = tmp_path / "one-set"
+    shutil.copytree(new, old)
+    graph = onnx.load(str(old / "model_lora.onnx"), load_external_data=False)
+    sets = graph_fusion._weight_sets(graph, list(graph.graph.node))
+    assert len(sets) == 14  # two layers' seven targets
+    for node in graph.graph.node:
+        node.input[:] = [C.LORA_WEIGHTS if name in sets else name for name in node.input]
+    graph_fusion._drop_dead(graph)
+    onnx.save(graph, str(old / "model_lora.onnx"))
+    manifest = json.loads((old / "manifest.json").read_text())
+    data = (old / "model_lora.onnx").read_bytes()
+    manifest["files"]["model_lora.onnx"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    del manifest["lora"][C.LORA_PER_MODULE]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+
+    folders = peft_adapters("llama")
+    logits, kernels = [], []
+    for path in (new, old):
+        pkg = load_package(path)
+        backend = NativeBackend(pkg)
+        backend.allocate(64, 4)
+        backend.enable_lora(2, 16)
+        kernels.append(backend.lora_kernel)
+        for slot, name in ((1, "all16"), (2, "mlp8")):
+            backend.set_adapter(slot, read_adapter(name, folders[name], pkg.config, "llama"))
+        chunks = []
+        for row, slot in enumerate((1, 0, 2)):
+            table = list(range(8 * row, 8 * row + 3))
+            chunks.append(Chunk(PROMPT, 0, table, [table[t // 4] * 4 + t % 4 for t in range(len(PROMPT))], True,
+                                top_k=5, adapter_slot=slot))
+        logits.append(backend.run(build_step(chunks, 4, want_full_logits=True)).logits)
+    assert kernels[0] == kernels[1] and "LoraSplit" in kernels[0] and "LoraSwiGLU" in kernels[0], kernels
+    assert np.abs(logits[0] - logits[1]).max() < 1e-5
