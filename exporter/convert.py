@@ -16,6 +16,7 @@ from exporter.options import (
     BROWSER_TARGETS,
     DATA_FILE,
     GRAPH_FILE,
+    KV8_GRAPH_FILE,
     LORA_GRAPH_FILE,
     TARGETS,
     WEBGPU_GRAPH_FILE,
@@ -154,6 +155,9 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     tmp = Path(tempfile.mkdtemp(prefix=".ruvllm-export-", dir=out.parent))
     try:
         save_with_shared_data(graphs, tmp, DATA_FILE)
+        kv8 = kv_int8_graph(tmp / GRAPH_FILE, tmp / KV8_GRAPH_FILE)
+        if kv8 is not None:
+            graphs[KV8_GRAPH_FILE] = kv8
         tokenizer_meta = write_tokenizer(tok, tmp, source)
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2, default=str))
         manifest = write_manifest(source, spec, opts, tokenizer_meta, gen_cfg, graphs, started, gptq_calibration, carried)
@@ -189,3 +193,21 @@ def hqq_projection_grids(graph, bits: int, block: int, mlp_block: int | None, pr
         b = (mlp_block or block) if name.endswith(MLP_WEIGHTS) else block
         grids[name] = hqq_grid(np.ascontiguousarray(numpy_helper.to_array(inits[name]).T), bits, b)
     return grids
+
+
+def kv_int8_graph(graph: Path, out: Path):
+    """The saved graph on an int8 KV pool (graph_fusion.kv_in_int8_graph: the gathered blocks times their
+    group scales, this step's rows rounded as the pool stores them), written beside it with the same
+    weights file: onnxruntime-web cannot rewrite a graph, so the page's kvDtype "int8" opens this one.
+    None where the graph's attention is not the shape that rewrite knows (it leaves no file then)."""
+    import onnx
+
+    from runtime import contract as C
+    from runtime.backends.graph_fusion import kv_in_int8_graph
+
+    model = onnx.load(str(graph), load_external_data=False)
+    layers = len({i.name for i in model.graph.input} & {C.past_key(i) for i in range(len(model.graph.input))})
+    if not layers or kv_in_int8_graph(model) != layers:
+        return None
+    onnx.save(model, str(out))
+    return model

@@ -14,6 +14,7 @@ TARGETS = ("cpu", "wasm", "webgpu", "cuda")
 BROWSER_TARGETS = ("wasm", "webgpu")
 GRAPH_FILE, LORA_GRAPH_FILE, DATA_FILE = "model.onnx", "model_lora.onnx", "model.onnx.data"
 WEBGPU_GRAPH_FILE = "model_webgpu.onnx"  # a --target wasm package's graph for pages that get a GPU
+KV8_GRAPH_FILE = "model_kv8.onnx"  # the graph on an int8 KV pool, for the page's kvDtype "int8" (its weights shared)
 
 
 @dataclass

@@ -9,6 +9,7 @@ from exporter import __version__
 from exporter.options import (
     BROWSER_TARGETS,
     GRAPH_FILE,
+    KV8_GRAPH_FILE,
     LORA_GRAPH_FILE,
     WEBGPU_GRAPH_FILE,
     ConvertOptions,
@@ -89,6 +90,8 @@ def manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict, 
             **({"decoder_lora": {"file": LORA_GRAPH_FILE, "lora": True}} if LORA_GRAPH_FILE in graphs else {}),
             **({"decoder_webgpu": {"file": WEBGPU_GRAPH_FILE, "lora": False, "kv_write": kv_write_op("webgpu")}}
                if WEBGPU_GRAPH_FILE in graphs else {}),
+            **({"decoder_kv8": {"file": KV8_GRAPH_FILE, "lora": False, "kv_write": kv_write_op(opts.target),
+                                "kv_dtype": "int8"}} if KV8_GRAPH_FILE in graphs else {}),
         },
         "io": io,
         "kv_cache": {"layout": "paged", "block_size": opts.kv_block_size, "dtype": "float32",

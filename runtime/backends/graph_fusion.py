@@ -301,7 +301,7 @@ def kv_in_int8(model) -> int:
 def _groups_of(pool) -> tuple[int, int] | None:
     """(scales per row, numbers per scale) of a pool input [kv_heads, blocks, block_size, head_dim] (None:
     head_dim not fixed)."""
-    from runtime.backends.kv_pool import kv_group
+    from runtime.core.kv_blocks import kv_group
 
     dims = list(pool.type.tensor_type.shape.dim)
     d = dims[3].dim_value if len(dims) == 4 else 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime import contract as C
+from runtime.core.kv_blocks import kv_group
 
 POOL_KEY, POOL_VALUE, SLOTS = "pool.key", "pool.value", "kv_slots"
 FIRST_BLOCKS = 16  # blocks committed when the pool is made; it doubles from there as blocks are used
@@ -70,19 +71,6 @@ def writer_graph(num_layers: int, kv_heads: int, head_dim: int) -> bytes:
         nodes.append(helper.make_node("ScatterND", [pool, "index", present + ".t"], [pool + ".out"]))
     graph = helper.make_graph(nodes, "ruvllm_kv_writer", inputs, outputs)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10).SerializeToString()
-
-
-def kv_group(head_dim: int) -> int:
-    """Numbers per int8 scale in a KV row: 32, or the whole row where 32 does not divide it."""
-    return 32 if head_dim % 32 == 0 else head_dim
-
-
-def kv_row_bytes(head_dim: int, kv_dtype: str) -> int:
-    """Bytes one token's kv head takes in a pool of kv_dtype: fp32 numbers, or int8 ones and an fp16 scale
-    per group."""
-    if kv_dtype == "int8":
-        return head_dim + 2 * (head_dim // kv_group(head_dim))
-    return 4 * head_dim
 
 
 def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

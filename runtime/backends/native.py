@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from runtime import contract as C
-from runtime.backends.kv_pool import kv_row_bytes
+from runtime.core.kv_blocks import kv_bytes_per_token
 from runtime.core.step_batch import StepBatch, StepResult
 from runtime.errors import DeviceError, PackageError, RequestError
 from runtime.package import ModelPackage
@@ -220,7 +220,7 @@ class NativeBackend:
 
     def kv_bytes_per_token(self, cfg: dict) -> int:
         """Bytes one token takes in the pool, over all layers: fp32 rows, or int8 rows and their scales."""
-        return cfg["num_layers"] * 2 * cfg["num_kv_heads"] * kv_row_bytes(cfg["head_dim"], self.kv_dtype)
+        return kv_bytes_per_token(cfg, self.kv_dtype)
 
     # ---- adapters ----
     def enable_lora(self, max_loras: int, max_rank: int) -> None:

@@ -13,27 +13,41 @@ from __future__ import annotations
 from runtime import contract as C
 from runtime.core.kv_blocks import kv_bytes_per_token
 from runtime.core.step_batch import StepBatch, StepResult
+from runtime.errors import DeviceError
 from runtime.package import ModelPackage
 
 
 class WebBackend:
     name = "onnxruntime-web"
 
-    def __init__(self, package: ModelPackage, runner) -> None:
-        """runner: the JS RemoteRunner whose model worker owns the InferenceSession and the KV pool."""
+    def __init__(self, package: ModelPackage, runner, kv_dtype: str = "fp32") -> None:
+        """runner: the JS RemoteRunner whose model worker owns the InferenceSession and the KV pool.
+        kv_dtype "int8": the model worker runs the package's int8-KV graph (decoder_kv8) on a pool of
+        int8 rows and fp16 group scales, which it quantizes as the native pool does."""
+        if kv_dtype not in C.KV_DTYPES:
+            raise DeviceError(f"kvDtype {kv_dtype!r}: choose one of {', '.join(C.KV_DTYPES)}")
+        if kv_dtype == "int8" and "decoder_kv8" not in package.manifest.get("graphs", {}):
+            raise DeviceError("kvDtype 'int8': this model package has no int8-KV graph (model_kv8.onnx); re-export it")
+        self.kv_dtype = kv_dtype
         self.pkg = package
         self.runner = runner
         self.vocab_size = package.config["vocab_size"]
         self.lora: dict | None = None  # once an adapter is added: slots, columns per slot, what each holds
         self._guide = None  # structured output's guide, made on the first constrained request
 
-    kv_bytes_per_token = staticmethod(kv_bytes_per_token)
+    def kv_bytes_per_token(self, cfg: dict) -> int:
+        return kv_bytes_per_token(cfg, self.kv_dtype)
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
         from js import Object
         from pyodide.ffi import to_js
 
-        self.runner.allocate(num_blocks, block_size, to_js(self.pkg.io_roles, dict_converter=Object.fromEntries))
+        roles = dict(self.pkg.io_roles)
+        if self.kv_dtype == "int8":  # the int8-KV graph's scale inputs, and the rows' layout
+            n = self.pkg.config["num_layers"]
+            roles.update(kv_dtype="int8", past_key_scales=[C.past_key_scale(i) for i in range(n)],
+                         past_value_scales=[C.past_value_scale(i) for i in range(n)])
+        self.runner.allocate(num_blocks, block_size, to_js(roles, dict_converter=Object.fromEntries))
 
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
         """Have the model worker open the LoRA graph, which then runs every step (adapter columns at zero
@@ -45,6 +59,9 @@ class WebBackend:
 
         if self.lora is not None:
             return
+        if self.kv_dtype == "int8":
+            raise AdapterError("adapters with kvDtype 'int8' are not supported in the page yet (the package has no "
+                               "LoRA graph on an int8 pool): load the engine with kvDtype 'fp32'")
         if "decoder_lora" not in self.pkg.manifest.get("graphs", {}):
             raise AdapterError("this model package has no LoRA graph (exported with --no-lora); re-export it")
         features = target_features(self.pkg.config)

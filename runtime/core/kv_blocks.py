@@ -23,9 +23,23 @@ def block_key(parent: bytes | None, tokens: list[int] | tuple[int, ...], adapter
     return h.digest()
 
 
-def kv_bytes_per_token(cfg: dict) -> int:
-    """Bytes of fp32 K and V one token takes in the pool, over all layers."""
-    return cfg["num_layers"] * 2 * cfg["num_kv_heads"] * cfg["head_dim"] * 4
+def kv_group(head_dim: int) -> int:
+    """Numbers per int8 scale in a KV row: 32, or the whole row where 32 does not divide it."""
+    return 32 if head_dim % 32 == 0 else head_dim
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: str) -> int:
+    """Bytes one token's kv head takes in a pool of kv_dtype: fp32 numbers, or int8 ones and an fp16 scale
+    per group."""
+    if kv_dtype == "int8":
+        return head_dim + 2 * (head_dim // kv_group(head_dim))
+    return 4 * head_dim
+
+
+def kv_bytes_per_token(cfg: dict, kv_dtype: str = "fp32") -> int:
+    """Bytes of K and V one token takes in the pool, over all layers: fp32 rows, or int8 rows and their
+    scales."""
+    return cfg["num_layers"] * 2 * cfg["num_kv_heads"] * kv_row_bytes(cfg["head_dim"], kv_dtype)
 
 
 @dataclass

@@ -22,13 +22,14 @@ from runtime.serve.openai_stream import ChunkStream, collect, queue_request
 
 class WebEngine:
     def __init__(self, package_dir: str, runner, graph_files: list[str], model_name: str,
-                 kv_memory_mb: int | None = None, **engine_options) -> None:
-        """engine_options: EngineConfig fields the page's caller chose; the rest are EngineConfig.web()'s."""
+                 kv_memory_mb: int | None = None, kv_dtype: str = "fp32", **engine_options) -> None:
+        """engine_options: EngineConfig fields the page's caller chose; the rest are EngineConfig.web()'s.
+        kv_dtype: the KV pool's numbers, "fp32" or "int8" (WebBackend)."""
         pkg = load_package(package_dir, elsewhere=tuple(graph_files))
         self.model_name = model_name
         if kv_memory_mb is not None:
             engine_options["kv_memory"] = int(kv_memory_mb) << 20
-        engine = Engine(pkg, WebBackend(pkg, runner), EngineConfig.web(**engine_options))
+        engine = Engine(pkg, WebBackend(pkg, runner, kv_dtype), EngineConfig.web(**engine_options))
         self.aengine = AsyncEngine(engine, use_thread=False)
         self._jobs: dict[str, list[str]] = {}  # the page's request id -> the engine's (one per choice)
 

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from runtime.backends import kernel_library
-from runtime.backends.kv_pool import dequantize_rows, kv_group, quantize_rows
+from runtime.backends.kv_pool import dequantize_rows, quantize_rows
 from runtime.core.engine import Engine
+from runtime.core.kv_blocks import kv_group
 from runtime.core.sampling import SamplingParams
 from runtime.errors import DeviceError
 

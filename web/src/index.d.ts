@@ -30,6 +30,9 @@ export interface CreateEngineOptions {
   pythonURL?: string;
   /** KV-cache budget in MB (default 256). */
   kvMemoryMB?: number;
+  /** The KV cache's numbers: 'fp32' (default), or 'int8' rows with an fp16 scale per 32 numbers (about a
+   *  quarter of the memory, on the package's int8-KV graph; WASM only, no adapters). */
+  kvDtype?: 'fp32' | 'int8';
   maxNumSeqs?: number;
   maxBatchTokens?: number;
   /** Prompt-lookup drafts verified per decode step of a greedy or low-temperature request (default 3; 0 turns speculative decoding off). */
@@ -164,6 +167,8 @@ export interface EngineInfo {
   /** the package's graph file in use (a --target wasm package has a WebGPU variant) */
   graph: string;
   threads: number;
+  /** the KV cache's numbers (options.kvDtype) */
+  kvDtype: 'fp32' | 'int8';
   crossOriginIsolated: boolean;
   quantization: Record<string, unknown>;
   cache: { fromCache: number; downloaded: number; refetched: number };

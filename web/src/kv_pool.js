@@ -4,13 +4,83 @@
 // capacity in use, not the engine's full budget: the block allocator hands out the lowest free
 // ids, and capacity grows (a re-layout, amortised over `growBy` blocks (64 tokens)) only when a step needs a
 // higher block. Python never sees these arrays.
+//
+// dtype 'int8' (the page's kvDtype): Int8Array rows and, per layer and kind, a Uint16Array of fp16 scales
+// [kv_heads, capacity, block_size, groups], one per group of kvGroup(head_dim) numbers; this step's rows
+// are quantized as runtime/backends/kv_pool.py's quantize_rows does, op for op, which the int8-KV graph
+// also does to the rows it attends to in the step that writes them.
+
+/** Numbers per int8 scale in a row (runtime/core/kv_blocks.py kv_group). */
+export const kvGroup = (headDim) => (headDim % 32 === 0 ? 32 : headDim);
+
+const f32 = new Float32Array(1);
+const u32 = new Uint32Array(f32.buffer);
+
+/** float32 -> IEEE fp16 bits, rounded to nearest even (numpy's astype(float16)). */
+export function toHalf(v) {
+  f32[0] = v;
+  const x = u32[0];
+  const sign = (x >>> 16) & 0x8000;
+  const e = (x >>> 23) & 0xff;
+  let mant = x & 0x7fffff;
+  if (e === 0xff) return sign | 0x7c00 | (mant ? 0x200 : 0);
+  const exp = e - 127 + 15;
+  if (exp >= 0x1f) return sign | 0x7c00;
+  if (exp <= 0) { // subnormal half (or zero)
+    if (exp < -10) return sign;
+    mant |= 0x800000;
+    const shift = 14 - exp;
+    let half = mant >>> shift;
+    const rem = mant & ((1 << shift) - 1), mid = 1 << (shift - 1);
+    if (rem > mid || (rem === mid && (half & 1))) half++;
+    return sign | half;
+  }
+  let half = (exp << 10) | (mant >>> 13);
+  const rem = mant & 0x1fff;
+  if (rem > 0x1000 || (rem === 0x1000 && (half & 1))) half++; // a carry into the exponent is right
+  return sign | half;
+}
+
+/** IEEE fp16 bits -> their exact value. */
+export function fromHalf(h) {
+  const sign = h & 0x8000 ? -1 : 1, exp = (h >> 10) & 0x1f, frac = h & 0x3ff;
+  if (exp === 0) return sign * frac * 2 ** -24;
+  if (exp === 31) return frac ? NaN : sign * Infinity;
+  return sign * (1 + frac / 1024) * 2 ** (exp - 15);
+}
+
+/** Round half to even (numpy's rint). */
+function rint(v) {
+  const r = Math.round(v);
+  return r - v === 0.5 && r % 2 !== 0 ? r - 1 : r;
+}
+
+/** One row of n numbers from src[at..] as int8 q[qAt..] and fp16 scales s[sAt..], groups of g. */
+export function quantizeRow(src, at, n, g, q, qAt, s, sAt) {
+  for (let k = 0; k < n / g; k++) {
+    let top = 0;
+    for (let i = 0; i < g; i++) top = Math.max(top, Math.abs(src[at + k * g + i]));
+    const bits = toHalf(Math.fround(top / 127));
+    s[sAt + k] = bits;
+    const scale = fromHalf(bits) || 1;
+    for (let i = 0; i < g; i++) {
+      const v = rint(Math.fround(src[at + k * g + i] / scale));
+      q[qAt + k * g + i] = Math.max(-127, Math.min(127, v));
+    }
+  }
+}
 
 export class KvPool {
-  constructor({ numLayers, kvHeads, headDim }, maxBlocks, blockSize, growBy = 4) {
-    Object.assign(this, { numLayers, kvHeads, headDim, maxBlocks, blockSize, growBy });
+  constructor({ numLayers, kvHeads, headDim }, maxBlocks, blockSize, dtype = 'fp32', growBy = 4) {
+    if (dtype !== 'fp32' && dtype !== 'int8') throw new Error(`KV pool dtype ${dtype}: "fp32" or "int8"`);
+    Object.assign(this, { numLayers, kvHeads, headDim, maxBlocks, blockSize, growBy, dtype });
+    this.group = kvGroup(headDim);
+    this.groups = headDim / this.group;
     this.capacity = 0;
     this.keys = [];
     this.values = [];
+    this.keyScales = [];
+    this.valueScales = [];
     this.ensure(1);
   }
 
@@ -20,15 +90,20 @@ export class KvPool {
     if (blocks > this.maxBlocks) throw new Error(`KV block ${blocks - 1} is outside the pool (${this.maxBlocks} blocks)`);
     const cap = Math.min(this.maxBlocks, Math.ceil(blocks / this.growBy) * this.growBy);
     const { kvHeads: H, blockSize: bs, headDim: D } = this;
-    const grow = (old) => {
-      const next = new Float32Array(H * cap * bs * D);
-      const oldHead = this.capacity * bs * D;
-      for (let h = 0; h < H && old; h++) next.set(old.subarray(h * oldHead, (h + 1) * oldHead), h * cap * bs * D);
+    const grow = (old, Type, row) => {
+      const next = new Type(H * cap * bs * row);
+      const oldHead = this.capacity * bs * row;
+      for (let h = 0; h < H && old; h++) next.set(old.subarray(h * oldHead, (h + 1) * oldHead), h * cap * bs * row);
       return next;
     };
+    const int8 = this.dtype === 'int8';
     for (let l = 0; l < this.numLayers; l++) {
-      this.keys[l] = grow(this.keys[l]);
-      this.values[l] = grow(this.values[l]);
+      this.keys[l] = grow(this.keys[l], int8 ? Int8Array : Float32Array, D);
+      this.values[l] = grow(this.values[l], int8 ? Int8Array : Float32Array, D);
+      if (int8) {
+        this.keyScales[l] = grow(this.keyScales[l], Uint16Array, this.groups);
+        this.valueScales[l] = grow(this.valueScales[l], Uint16Array, this.groups);
+      }
     }
     this.capacity = cap;
   }
@@ -37,11 +112,16 @@ export class KvPool {
     return [this.kvHeads, this.capacity, this.blockSize, this.headDim];
   }
 
+  get scaleDims() {
+    return [this.kvHeads, this.capacity, this.blockSize, this.groups];
+  }
+
   /** Write this step's K/V, present [layers, tokens, kv_heads, head_dim], into pool slots (block * bs + offset). */
   write(presentKey, presentValue, slots) {
     const { numLayers: L, kvHeads: H, headDim: D } = this;
     const n = slots.length;
     const headStride = this.capacity * this.blockSize * D;
+    const { group: g, groups: G } = this, scaleStride = this.capacity * this.blockSize * G;
     for (let l = 0; l < L; l++) {
       const k = this.keys[l], v = this.values[l];
       for (let t = 0; t < n; t++) {
@@ -49,8 +129,14 @@ export class KvPool {
         for (let h = 0; h < H; h++) {
           const src = ((l * n + t) * H + h) * D;
           const dst = h * headStride + slot;
-          k.set(presentKey.subarray(src, src + D), dst);
-          v.set(presentValue.subarray(src, src + D), dst);
+          if (this.dtype === 'int8') {
+            const at = h * scaleStride + slots[t] * G;
+            quantizeRow(presentKey, src, D, g, k, dst, this.keyScales[l], at);
+            quantizeRow(presentValue, src, D, g, v, dst, this.valueScales[l], at);
+          } else {
+            k.set(presentKey.subarray(src, src + D), dst);
+            v.set(presentValue.subarray(src, src + D), dst);
+          }
         }
       }
     }
@@ -68,8 +154,9 @@ export class KvPool {
     }
   }
 
-  /** Copy whole blocks out, in blockSpans order. */
+  /** Copy whole blocks out, in blockSpans order (an fp32 pool's: prompt_kv.js keeps no int8 blocks). */
   readBlocks(ids) {
+    if (this.dtype !== 'fp32') throw new Error('only an fp32 KV pool\'s blocks are copied out');
     const span = this.blockSize * this.headDim;
     const out = new Float32Array(ids.length * this.blockFloats);
     let at = 0;
@@ -96,6 +183,7 @@ export class KvPool {
   }
 
   get bytes() {
-    return 2 * this.numLayers * this.kvHeads * this.capacity * this.blockSize * this.headDim * 4;
+    const row = this.dtype === 'int8' ? this.headDim + 2 * this.groups : 4 * this.headDim;
+    return 2 * this.numLayers * this.kvHeads * this.capacity * this.blockSize * row;
   }
 }

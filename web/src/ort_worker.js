@@ -25,8 +25,12 @@ function nested(config) {
   return out;
 }
 
-async function chooseDevice(wanted) {
+async function chooseDevice(wanted, kvDtype) {
   if (wanted === 'wasm') return 'wasm';
+  if (kvDtype === 'int8') { // the int8-KV graph is a WASM graph (its K/V write is the main graph's)
+    if (wanted === 'webgpu') throw new Error('kvDtype "int8" runs on the "wasm" device, not "webgpu"');
+    return 'wasm';
+  }
   const adapter = self.navigator?.gpu ? await self.navigator.gpu.requestAdapter().catch(() => null) : null;
   if (adapter) return 'webgpu';
   if (wanted === 'webgpu') throw new Error('device "webgpu" was asked for, but this browser has no WebGPU adapter');
@@ -97,7 +101,12 @@ async function warmUp(ort, stop) {
 
 // a --target wasm package also holds a graph for WebGPU: onnxruntime-web's WebGPU backend has no kernel
 // for the in-place K/V write (TensorScatter) of the main graph, which would run on the CPU there
-const graphKey = (device) => (device === 'webgpu' ? 'decoder_webgpu' : 'decoder');
+// and kvDtype 'int8' opens the graph on an int8 pool (exporter: model_kv8.onnx)
+const graphKey = (device, kvDtype = 'fp32') => {
+  if (kvDtype === 'int8') return 'decoder_kv8';
+  if (kvDtype !== 'fp32') throw new Error(`kvDtype ${JSON.stringify(kvDtype)}: choose "fp32" or "int8"`);
+  return device === 'webgpu' ? 'decoder_webgpu' : 'decoder';
+};
 
 async function createSession(ort, manifest, graph, files, device) {
   const external = Object.keys(files).filter((n) => n.endsWith('.data')).map((n) => ({ path: n, data: files[n] }));
@@ -118,9 +127,10 @@ async function openLoraGraph() {
   return createSession(ort, manifest, manifest.graphs.decoder_lora.file, files, device);
 }
 
-async function open({ model, ortURL, device: wanted, threads }) {
+async function open({ model, ortURL, device: wanted, threads, kvDtype = 'fp32' }) {
   const t0 = performance.now();
-  const device = await chooseDevice(wanted);
+  const device = await chooseDevice(wanted, kvDtype);
+  const key = graphKey(device, kvDtype);
   const runtime = startRuntime(ortURL, device, threads);
   runtime.catch(() => {}); // awaited below; a failure surfaces there
   const stopWarmup = { requested: false };
@@ -134,13 +144,16 @@ async function open({ model, ortURL, device: wanted, threads }) {
   // stored graph files are checked (sha256) while the session is being built from them
   let loaded;
   try {
-    loaded = await loadPackage(model, onProgress, { deferCheck: isGraphFile, graph: graphKey(device) });
+    loaded = await loadPackage(model, onProgress, { deferCheck: isGraphFile, graph: key });
   } finally {
     stopWarmup.requested = true;
   }
   let { manifest, files, stats, checked } = loaded;
   const warmupSteps = await (warmup ?? 0); // at most one tiny step more: the real session has the cores to itself
-  const graph = manifest.graphs[pageGraph(manifest, graphKey(device))].file;
+  if (kvDtype === 'int8' && !manifest.graphs.decoder_kv8) {
+    throw new Error('kvDtype "int8": this model package has no int8-KV graph (model_kv8.onnx); re-export it');
+  }
+  const graph = manifest.graphs[pageGraph(manifest, key)].file;
   // graphs and weights stay here (or were never fetched: the LoRA variant); the rest goes to Python
   const graphFiles = Object.keys(manifest.files).filter(isGraphFile);
   const kvName = promptKVName(manifest, [graph, ...graphFiles.filter((n) => n.endsWith('.data'))], device);
@@ -156,7 +169,7 @@ async function open({ model, ortURL, device: wanted, threads }) {
   const corrupt = await checked;
   if (corrupt.length) { // a stored graph file failed its check (and was deleted): fetch it again, start over
     await session.release?.();
-    ({ manifest, files, stats } = await loadPackage(model, onProgress, { graph: graphKey(device) }));
+    ({ manifest, files, stats } = await loadPackage(model, onProgress, { graph: key }));
     stats = { ...stats, refetched: corrupt.length };
     session = await createSession(ort, manifest, graph, files, device);
   } else if (session.err) {
@@ -194,7 +207,7 @@ self.onmessage = async ({ data }) => {
     else if (type === 'promptKVKeys') { // the saved prompt blocks' keys, if they fit this pool
       await opening;
       const saved = await promptKV?.saved;
-      post({ type: 'promptKVKeys', id, keys: saved && runner.pool && fits(saved, runner.pool) ? saved.keys : [] });
+      post({ type: 'promptKVKeys', id, keys: saved && runner.pool?.dtype === 'fp32' && fits(saved, runner.pool) ? saved.keys : [] });
     } else if (type === 'promptKVRestore') { // the engine parked the first ids.length keys in blocks `ids`
       const saved = await promptKV.saved;
       if (data.ids.length) runner.pool.writeBlocks(data.ids, saved.data);
@@ -202,7 +215,8 @@ self.onmessage = async ({ data }) => {
       post({ type: 'promptKVRestored', id, blocks: data.ids.length });
     } else if (type === 'promptKVSave') {
       await opening;
-      post({ type: 'promptKVSaved', id, ok: await writePromptKV(await promptKV.name, runner.pool, data.keys, data.ids) });
+      const fp32 = runner.pool.dtype === 'fp32'; // an int8 pool's blocks are not kept across loads (yet)
+      post({ type: 'promptKVSaved', id, ok: fp32 && await writePromptKV(await promptKV.name, runner.pool, data.keys, data.ids) });
     }
   } catch (err) {
     if (runner && ['enableLora', 'setAdapter', 'setClassifier'].includes(type)) runner.loraError = err; // no caller waits: the next step throws it

@@ -53,7 +53,7 @@ export class StepRunner {
   }
 
   allocate(numBlocks, blockSize, io) {
-    this.pool = new KvPool(this.config, numBlocks, blockSize);
+    this.pool = new KvPool(this.config, numBlocks, blockSize, io.kv_dtype ?? 'fp32');
     this.io = io;
   }
 
@@ -98,10 +98,14 @@ export class StepRunner {
       feeds[mask] = new ort.Tensor('float32', this.noMask, [1, this.vocabSize]);
     }
     const { io } = this;
-    const dims = pool.dims;
+    const dims = pool.dims, type = pool.dtype === 'int8' ? 'int8' : 'float32';
     for (let l = 0; l < this.config.numLayers; l++) {
-      feeds[io.past_keys[l]] = new ort.Tensor('float32', pool.keys[l], dims);
-      feeds[io.past_values[l]] = new ort.Tensor('float32', pool.values[l], dims);
+      feeds[io.past_keys[l]] = new ort.Tensor(type, pool.keys[l], dims);
+      feeds[io.past_values[l]] = new ort.Tensor(type, pool.values[l], dims);
+      if (type === 'int8') { // each row's groups' fp16 scales (runtime/contract.py past_key_scale)
+        feeds[io.past_key_scales[l]] = new ort.Tensor('float16', pool.keyScales[l], pool.scaleDims);
+        feeds[io.past_value_scales[l]] = new ort.Tensor('float16', pool.valueScales[l], pool.scaleDims);
+      }
     }
     const rows = step.rows;
     const fetches = [io.present_key, io.present_value];

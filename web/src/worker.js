@@ -67,7 +67,8 @@ async function load(opts) {
     if (msg.type === 'progress') progress(msg.progress);
     else if (msg.type === 'files') { filesMessage = msg; mark('fetched'); resolve(msg); }
   }));
-  const opened = runner.call('open', { options: { model: opts.model, ortURL, device: opts.device ?? 'auto', threads } })
+  const opened = runner.call('open', { options: { model: opts.model, ortURL, device: opts.device ?? 'auto', threads,
+    kvDtype: opts.kvDtype ?? 'fp32' } })
     .then((r) => { mark('session'); return r; });
   progress({ stage: 'runtime', message: 'starting Python' });
   const python = bootPython(pyodideURL, pythonURL, mark).then((py) => { mark('python'); return py; });
@@ -89,7 +90,7 @@ async function load(opts) {
   // the model worker holds the KV-pool allocation until its session is open
   // only what the caller chose: the page's defaults are Python's (runtime/core/config.py, EngineConfig.web)
   const chosen = { kv_memory_mb: opts.kvMemoryMB, max_num_seqs: opts.maxNumSeqs,
-    max_batch_tokens: opts.maxBatchTokens, speculative_tokens: opts.speculativeTokens };
+    max_batch_tokens: opts.maxBatchTokens, speculative_tokens: opts.speculativeTokens, kv_dtype: opts.kvDtype };
   engine = api.WebEngine.callKwargs(dir, runner, graphFiles, name,
     Object.fromEntries(Object.entries(chosen).filter(([, v]) => v != null)));
   mark('engine');
@@ -99,7 +100,7 @@ async function load(opts) {
   timings.model_worker = { fetch: Number(filesMessage.fetchSeconds.toFixed(3)), session: Number(sessionSeconds.toFixed(3)),
     warmup_steps: warmupSteps };
   info = {
-    model: name, device, graph, threads, crossOriginIsolated: self.crossOriginIsolated,
+    model: name, device, graph, threads, kvDtype: opts.kvDtype ?? 'fp32', crossOriginIsolated: self.crossOriginIsolated,
     quantization: manifest.quantization, cache, python: pythonStart, restoredPromptBlocks: promptBlocks,
     loadSeconds: (performance.now() - t0) / 1000, timings,
   };
