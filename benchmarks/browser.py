@@ -93,7 +93,7 @@ def wllama_model() -> Path:
 
 
 def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens: int, dtype: str | None,
-            timeout_s: int, reload_prompt: str = "same") -> dict:
+            timeout_s: int, reload_prompt: str = "same", kv: str = "fp32", context: int = 0) -> dict:
     """A first visit, then a reload: a returning visitor's load, from the browser's own caches.
 
     Each run gets a new persistent profile (a fresh user-data folder), so the first visit is cold and
@@ -114,7 +114,8 @@ def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens:
         ctx.route("**/*", route)
         page = ctx.pages[0] if ctx.pages else ctx.new_page()
         try:
-            url = f"{base}bench/bench.html?engine={engine}&threads={threads}&tokens={tokens}" + (f"&dtype={dtype}" if dtype else "") + f"&reload={reload_prompt}"
+            url = (f"{base}bench/bench.html?engine={engine}&threads={threads}&tokens={tokens}"
+                   + (f"&dtype={dtype}" if dtype else "") + f"&reload={reload_prompt}&kv={kv}&context={context}")
             page.goto(url)
             page.wait_for_function("window.result || window.failure", timeout=timeout_s * 1000, polling=500)
             failure = page.evaluate("window.failure || null")
@@ -151,6 +152,8 @@ def main() -> None:
     ap.add_argument("--reload-prompt", choices=("same", "other"), default="same",
                     help="the reload asks the same question as the first visit, or another one (RuvLLM keeps the "
                          "last prompt's K/V blocks across reloads; with 'other' only the shared system prompt's apply)")
+    ap.add_argument("--kv", default="fp32", help="RuvLLM's KV pool: fp32, int8, or both (fp32,int8: each a row)")
+    ap.add_argument("--context", type=int, default=0, help="about this many tokens of text before the question")
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -161,6 +164,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "wasm", "build"], cwd=ROOT, check=True, stdout=sys.stderr)
     npm_peers()
     engines = [e.split(":") + [None] if ":" not in e else e.split(":") for e in args.engines.split(",")]
+    kvs = args.kv.split(",")
+    engines = [(name, dtype, kv) for name, dtype in engines for kv in (kvs if name == "ruvllm" else ["fp32"])]
     if any(e[0] == "transformers.js" for e in engines):
         transformersjs_model()
     if any(e[0] == "wllama" for e in engines):
@@ -172,9 +177,10 @@ def main() -> None:
     runs: dict[str, list[dict]] = {}
     with sync_playwright() as p:
         for r in range(args.repeats):
-            for name, dtype in engines:
-                key = name if not dtype else f"{name}:{dtype}"
-                res = run_one(p, launch, base, name, args.threads, args.tokens, dtype, args.timeout, args.reload_prompt)
+            for name, dtype, kv in engines:
+                key = (name if not dtype else f"{name}:{dtype}") + (f"[kv {kv}]" if kv != "fp32" else "")
+                res = run_one(p, launch, base, name, args.threads, args.tokens, dtype, args.timeout, args.reload_prompt,
+                              kv, args.context)
                 log(f"round {r + 1} {key}: {json.dumps(res)[:300]}")
                 runs.setdefault(key, []).append(res)
     server.shutdown()

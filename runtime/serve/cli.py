@@ -17,10 +17,15 @@ from runtime.errors import RuvLLMError
 
 
 # ---- resolving a package argument ----
-def resolve_package(arg: str | None, quant: str = "int4", quiet: bool = False) -> Path:
-    """A package folder as given, or an alias / hub id exported once into the cache."""
+def resolve_package(arg: str | None, quant: str = "int4", quiet: bool = False, isq: str | None = None) -> Path:
+    """A package folder as given, or an alias / hub id exported once into the cache; with isq (--isq
+    int4[:method]) any model source quantized into memory for this process (runtime/serve/isq.py)."""
     if arg is None:
         arg = DEFAULT_ALIAS
+    if isq:
+        from runtime.serve.isq import quantize_source
+
+        return quantize_source(arg, isq, export_into_cache, quiet)
     p = Path(arg).expanduser()
     if p.exists() or arg.startswith((".", "/", "~")):
         return p  # load_package says what is wrong with it
@@ -33,13 +38,13 @@ def resolve_package(arg: str | None, quant: str = "int4", quiet: bool = False) -
 
 
 def export_into_cache(source: str, quant: str, dest: Path, quiet: bool = False, target: str = "cpu",
-                      extra: tuple[str, ...] = ()) -> None:
+                      extra: tuple[str, ...] = (), once: bool = True) -> None:
     """Run the exporter (a subprocess: runtime never imports it); extra: further `convert` flags.
 
     Its progress goes to our stderr as it comes (bars when that is a terminal, else a line per stage);
     its one `error:` line becomes this RuvLLMError's message instead of being printed twice."""
     if not quiet:
-        print(f"exporting {source} ({quant}, {target}) into {dest} (once) ...", file=sys.stderr)
+        print(f"exporting {source} ({quant}, {target}) into {dest}{' (once)' if once else ''} ...", file=sys.stderr)
     cmd = [sys.executable, "-m", "exporter", "convert", source, "-o", str(dest), "--quant", quant, "--target", target,
            *extra]
     if quiet:
@@ -111,7 +116,8 @@ def engine_options(args) -> dict:
 def make_engine(args, **kwargs):
     try:
         from runtime.core.engine import Engine
-        pkg = resolve_package(getattr(args, "package", None), quiet=getattr(args, "json", False))
+        pkg = resolve_package(getattr(args, "package", None), quiet=getattr(args, "json", False),
+                              isq=getattr(args, "isq", None))
         return Engine.from_package(pkg, device=args.device, threads=getattr(args, "threads", None),
                                    **engine_options(args), **kwargs)
     except ImportError as err:
@@ -363,7 +369,7 @@ def cmd_serve(args) -> int:
                           "pip install 'ruvllm[serve]'") from err
     if args.max_concurrent < 1:
         raise RuvLLMError("--max-concurrent must be at least 1")
-    packages = [str(resolve_package(p)) for p in (args.packages or [None])]
+    packages = [str(resolve_package(p, isq=args.isq)) for p in (args.packages or [None])]
     defaults = sampling_given(args)
     sampling_from(args)  # the defaults are checked before anything loads
     if args.ray is not None:
@@ -447,6 +453,10 @@ def build_parser() -> argparse.ArgumentParser:
         engine_args(p)
 
     def engine_args(p) -> None:
+        p.add_argument("--isq", default=None, metavar="QUANT[:METHOD]",
+                       help="quantize a model source (Hugging Face folder, .gguf, hub id, alias) as it loads, "
+                            "in memory, no package kept: int4, int8 or w8a8, optionally :awq, :gptq, :hqq, :rtn, "
+                            ":smoothquant (the exporter's --method)")
         p.add_argument("--kv-memory", default=None, help="KV-cache budget, e.g. 512MB or 1GB (default 512MB)")
         p.add_argument("--num-blocks", type=int, default=None, help="KV-cache size in blocks (overrides --kv-memory)")
         p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: the package's)")
