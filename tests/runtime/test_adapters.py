@@ -271,6 +271,18 @@ def test_adapters_on_an_int4_package_run_beside_the_base_graph(tiny_package, pef
     assert all(got[r] == solo[a] for r, a in rids.items())
 
 
+def mixed_step_logits(backend):
+    """The logits of one step of three prompts, on adapter slot 1, the base model and slot 2 (block size 4)."""
+    from runtime.core.step_batch import Chunk, build_step
+
+    chunks = []
+    for row, slot in enumerate((1, 0, 2)):
+        table = list(range(8 * row, 8 * row + 3))
+        chunks.append(Chunk(PROMPT, 0, table, [table[t // 4] * 4 + t % 4 for t in range(len(PROMPT))], True,
+                            top_k=5, adapter_slot=slot))
+    return backend.run(build_step(chunks, 4, want_full_logits=True)).logits
+
+
 @pytest.mark.parametrize("quant", ["int4", "int8", "fp32"])
 def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapters, monkeypatch, quant):
     """ruvllm.LoraDelta against the LoRA graph's Gemm/Mul/MatMul/Add on the same package, two adapters and
@@ -281,7 +293,6 @@ def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapter
     from runtime.backends import kernel_library
     from runtime.backends.native import NativeBackend
     from runtime.core.adapters import read_adapter
-    from runtime.core.step_batch import Chunk, build_step
     from runtime.package import load_package
 
     if kernel_library.library()[0] is None:
@@ -308,12 +319,7 @@ def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapter
         if ops and quant != "fp32":
             for a, b in backend.adapters.stacked.values():
                 a[:], b[:] = a.astype(np.float16), b.astype(np.float16)
-        chunks = []
-        for row, slot in enumerate((1, 0, 2)):
-            table = list(range(8 * row, 8 * row + 3))
-            chunks.append(Chunk(PROMPT, 0, table, [table[t // 4] * 4 + t % 4 for t in range(len(PROMPT))], True,
-                                top_k=5, adapter_slot=slot))
-        logits.append(backend.run(build_step(chunks, 4, want_full_logits=True)).logits)
+        logits.append(mixed_step_logits(backend))
     assert np.abs(logits[0] - logits[1]).max() < 1e-4 * max(1.0, np.abs(logits[1]).max())
 
 
@@ -329,7 +335,6 @@ def test_a_one_set_lora_graph_still_fuses_and_gives_the_same_logits(tiny_package
     from runtime.backends import graph_fusion, kernel_library
     from runtime.backends.native import NativeBackend
     from runtime.core.adapters import read_adapter
-    from runtime.core.step_batch import Chunk, build_step
     from runtime.package import load_package
 
     if kernel_library.library()[0] is None:
@@ -360,11 +365,6 @@ def test_a_one_set_lora_graph_still_fuses_and_gives_the_same_logits(tiny_package
         kernels.append(backend.lora_kernel)
         for slot, name in ((1, "all16"), (2, "mlp8")):
             backend.set_adapter(slot, read_adapter(name, folders[name], pkg.config, "llama"))
-        chunks = []
-        for row, slot in enumerate((1, 0, 2)):
-            table = list(range(8 * row, 8 * row + 3))
-            chunks.append(Chunk(PROMPT, 0, table, [table[t // 4] * 4 + t % 4 for t in range(len(PROMPT))], True,
-                                top_k=5, adapter_slot=slot))
-        logits.append(backend.run(build_step(chunks, 4, want_full_logits=True)).logits)
+        logits.append(mixed_step_logits(backend))
     assert kernels[0] == kernels[1] and "LoraSplit" in kernels[0] and "LoraSwiGLU" in kernels[0], kernels
     assert np.abs(logits[0] - logits[1]).max() < 1e-5
