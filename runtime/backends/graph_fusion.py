@@ -66,12 +66,9 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
         fuse_minimums(model)
         fuse_epilogues(model)
     layers = 0
-    # the kernel has one window for every layer and no score soft-capping (Gemma 2 has both): such graphs keep
-    # their own attention
-    plain = config is not None and not config.get("layer_windows") and not config.get("attn_softcap")
-    if "PagedAttention" in ops and plain and fusable_head_dim(config.get("head_dim", 0)):
-        layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"],
-                                config.get("sliding_window"))
+    if "PagedAttention" in ops and config is not None and fusable_head_dim(config.get("head_dim", 0)):
+        windows = config.get("layer_windows") or [config.get("sliding_window")] * config["num_layers"]
+        layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"], windows)
     if kv_int8:  # on the kernel's layers, else (no AVX-512 kernels) on the graph's own attention
         if layers:
             kv_in_int8(model)
@@ -636,14 +633,31 @@ def _drop(model, nodes: list, removed: set[int]) -> None:
         model.graph.initializer.remove(t)
 
 
-def fuse_attention(model, num_layers: int, num_heads: int, num_kv_heads: int, sliding_window: int | None) -> int:
-    """Replace each layer's attention path (pool gather, in-place write of this step's K/V, scores, mask,
-    softmax, weighted values) with one ruvllm.PagedAttention that reads the pool's blocks in place; the
-    nodes only that path used are dropped. Returns how many layers were fused: all or none (a graph that
-    does not have the exported shape, e.g. a ScatterND one, is left as it is)."""
-    from onnx import helper
+def fuse_attention(model, num_layers: int, num_heads: int, num_kv_heads: int, windows: list) -> int:
+    """Replace each layer's attention path (pool gather, in-place write of this step's K/V, scores, Gemma
+    2's soft cap, mask, softmax, weighted values) with one ruvllm.PagedAttention that reads the pool's blocks
+    in place, with the layer's sliding window (windows[layer]; None: none); the nodes only that path used
+    are dropped. Returns how many layers were fused: all or none (a graph that does not have the exported
+    shape, e.g. a ScatterND one, is left as it is)."""
+    from onnx import helper, numpy_helper
 
     from runtime import contract as C
+
+    inits = {i.name: i for i in model.graph.initializer}
+
+    def scalar(node) -> float | None:
+        values = [numpy_helper.to_array(inits[n]) for n in node.input if n in inits]
+        return float(values[0]) if len(values) == 1 and values[0].size == 1 else None
+
+    def softcap(scores):
+        """(the node after scores' soft cap, the cap) for Mul(1 / cap) -> Tanh -> Mul(cap), else (scores, 0)."""
+        div = only(scores.output[0], "Mul")
+        tanh = div and only(div.output[0], "Tanh")
+        mul = tanh and only(tanh.output[0], "Mul")
+        cap = mul and scalar(mul)
+        if not (cap and scalar(div) and abs(scalar(div) * cap - 1.0) < 1e-6 and len(consumers[scores.output[0]]) == 1):
+            return scores, 0.0
+        return mul, cap
 
     nodes = list(model.graph.node)
     consumers = _consumers(nodes)
@@ -669,7 +683,8 @@ def fuse_attention(model, num_layers: int, num_heads: int, num_kv_heads: int, sl
         weighted = only(v_ctx.output[0], "MatMul")
         gather_nd = weighted and only(weighted.output[0], "GatherND")
         out = gather_nd and only(gather_nd.output[0], "Reshape")
-        masked = scores and only(scores.output[0], "Add")  # scores + mask, softmax, then the weighted values:
+        capped, cap = softcap(scores) if scores else (None, 0.0)
+        masked = capped and only(capped.output[0], "Add")  # scores + mask, softmax, then the weighted values:
         softmax = masked and only(masked.output[0], "Softmax")  # anything else between is not the kernel's math
         if not (out and softmax and weighted.input[0] == softmax.output[0]):
             return 0
@@ -677,7 +692,8 @@ def fuse_attention(model, num_layers: int, num_heads: int, num_kv_heads: int, sl
         fused.append((out, helper.make_node(
             "PagedAttention", [qk, v, C.past_key(layer), C.past_value(layer), C.BLOCK_TABLES, C.QUERY_INDEX,
                                C.POSITION_IDS], [out.output[0]], domain=DOMAIN, name=f"paged_attention_{layer}",
-            num_heads=num_heads, num_kv_heads=num_kv_heads, sliding_window=int(sliding_window or 0), scale=scale)))
+            num_heads=num_heads, num_kv_heads=num_kv_heads, sliding_window=int(windows[layer] or 0), scale=scale,
+            softcap=float(cap))))
     replaced = {id(out): new for out, new in fused}
     nodes = [replaced.get(id(n), n) for n in nodes]
     # drop what only the old attention paths computed (the masks, the index tensors, the gathers)

@@ -375,10 +375,10 @@ def shared_prefix_steps(backend, prefix: list[int], own: list[list[int]], block:
 
 
 @needs_avx512
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
 def test_decode_rows_sharing_prefix_blocks_attend_to_them_together_exactly(tiny_package, monkeypatch, arch):
     """fp32 packages: the cascade (shared keys once for all rows, then each row's own, merged) against
-    the exported graph's attention, for 40 shared positions (32 of them read together) and rows of
+    the exported graph's attention (Gemma 2: soft-capped scores, a window on every other layer), for 40 shared positions (32 of them read together) and rows of
     different lengths after them."""
     from runtime.backends.native import NativeBackend
     from runtime.package import load_package
@@ -395,22 +395,23 @@ def test_decode_rows_sharing_prefix_blocks_attend_to_them_together_exactly(tiny_
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
 
 
-def attention_graph(Hq: int, Hkv: int, window: int, scale: float, int8: bool = False) -> bytes:
+def attention_graph(Hq: int, Hkv: int, window: int, scale: float, int8: bool = False, softcap: float = 0.0) -> bytes:
     """The operator alone; `int8`: int8 pools with their row scales (--kv-dtype int8)."""
     f, i64, pool = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT8 if int8 else TensorProto.FLOAT
     names = [("qk", f), ("v", f), ("pool_k", pool), ("pool_v", pool), ("tables", i64), ("qidx", i64), ("pos", i64)]
     names += [("scale_k", TensorProto.FLOAT16), ("scale_v", TensorProto.FLOAT16)] if int8 else []
     node = helper.make_node("PagedAttention", [n for n, _ in names], ["out"], domain="ruvllm", num_heads=Hq,
-                            num_kv_heads=Hkv, sliding_window=window, scale=scale)
+                            num_kv_heads=Hkv, sliding_window=window, scale=scale, softcap=softcap)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in names],
                               [helper.make_tensor_value_info("out", f, None)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
                                                    helper.make_opsetid("ruvllm", 1)]).SerializeToString()
 
 
-def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: float) -> np.ndarray:
+def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: float, softcap: float = 0.0) -> np.ndarray:
     """Each token's attention over its row's keys, written out plainly: positions before the row's
-    first new token from its pool blocks, the rest from this step's rows; causal, optionally windowed."""
+    first new token from its pool blocks, the rest from this step's rows; causal, optionally windowed,
+    the scores optionally soft-capped (Gemma 2: cap * tanh(score / cap))."""
     qk, v, pk, pv = feeds["qk"], feeds["v"], feeds["pool_k"], feeds["pool_v"]
     tables, qidx, pos = feeds["tables"], feeds["qidx"], feeds["pos"]
     D, bs, G = qk.shape[1], pk.shape[2], Hq // Hkv
@@ -433,6 +434,8 @@ def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: floa
                 for g in range(G):
                     head = h * G + g
                     scores = keys.astype(np.float64) @ qk[n * (Hq + Hkv) + head] * scale
+                    if softcap:
+                        scores = softcap * np.tanh(scores / softcap)
                     w = np.exp(scores - scores.max())
                     out[n, head * D:(head + 1) * D] = (w / w.sum()) @ vals
     return out
@@ -447,13 +450,14 @@ def rounded_rows(x: np.ndarray) -> np.ndarray:
 @needs_avx512
 @pytest.mark.parametrize("kv", ["fp32", "int8"])
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
-@pytest.mark.parametrize("Hq,Hkv,D,bs,window", [(9, 3, 64, 16, 0), (8, 2, 128, 16, 0), (4, 4, 32, 8, 0),
-                                                (16, 2, 16, 4, 0), (6, 1, 256, 16, 0), (8, 2, 64, 16, 24)])
-def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, layout, kv):
+@pytest.mark.parametrize("Hq,Hkv,D,bs,window,softcap", [
+    (9, 3, 64, 16, 0, 0.0), (8, 2, 128, 16, 0, 0.0), (4, 4, 32, 8, 0, 0.0), (16, 2, 16, 4, 0, 0.0),
+    (6, 1, 256, 16, 0, 0.0), (8, 2, 64, 16, 24, 0.0), (9, 3, 64, 16, 0, 2.0), (8, 2, 32, 16, 24, 1.5)])
+def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, softcap, layout, kv):
     """`mixed`: one step holding every kind of row the operator handles differently: a fresh prompt
     (queries in several groups), a prompt extending a cached context, a token with drafts, three decode
     rows whose tables share their first blocks (attended together unless there is a window), a lone
-    decode row. `decode`: two decode rows alone, one over 1100 positions (its keys cut into ranges
+    decode row (`softcap`: Gemma 2's soft cap on every path's scores). `decode`: two decode rows alone, one over 1100 positions (its keys cut into ranges
     across threads and merged, where fewer than 8 row/kv-head items leave threads idle). `int8`: the
     pools as int8 rows and scales; the reference reads their q * s, and this step's key and value rows
     rounded the same way (as the pool will store them); head_dim 16 has one scale a row, the rest one per
@@ -496,18 +500,19 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, la
         qk[:, Hq:] = rounded_rows(qk[:, Hq:])
         reference = {**feeds, "pool_k": rounded_rows(pool_k), "pool_v": rounded_rows(pool_v),
                      "qk": qk.reshape(-1, D), "v": rounded_rows(feeds["v"])}
-    got = ort.InferenceSession(attention_graph(Hq, Hkv, window, scale, kv == "int8"), opts).run(None, feeds)[0]
-    want = attention_reference(reference, Hq, Hkv, window, scale)
+    got = ort.InferenceSession(attention_graph(Hq, Hkv, window, scale, kv == "int8", softcap), opts).run(None, feeds)[0]
+    want = attention_reference(reference, Hq, Hkv, window, scale, softcap)
     assert got.shape == want.shape == (N, Hq * D)
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
 
 
 @needs_avx512
 @pytest.mark.parametrize("arch,lengths", [("llama", (30, 3, 9)), ("mistral", (30, 3, 9)), ("qwen2", (30, 3, 9)),
-                                          ("llama", (150, 1, 40)), ("mistral", (150, 1, 40))])
+                                          ("gemma2", (30, 3, 9)), ("llama", (150, 1, 40)), ("mistral", (150, 1, 40))])
 def test_paged_attention_computes_what_the_graph_computes(tiny_package, monkeypatch, arch, lengths):
     """fp32 packages, so only attention differs: a row extending its context from the pool (blocks out
-    of order) batched with a fresh prompt, mistral's sliding window (24) crossed by the context. The
+    of order) batched with a fresh prompt, mistral's sliding window (24) crossed by the context, Gemma 2's
+    soft cap and per-layer windows. The
     longer case runs a prompt's queries in many groups and its keys in several transposition items,
     next to a one-token decode row."""
     from runtime.backends.native import NativeBackend

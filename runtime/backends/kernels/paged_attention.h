@@ -21,6 +21,9 @@ namespace {
 // [Hkv, blocks, block_size, groups] for keys and for values (the native backend's --kv-dtype int8: a
 // group of 32 is its absolute maximum / 127 steps, rounded to nearest, kv_pool.quantize_rows); a row is
 // read as its int8 numbers times their group's scale, so an int8 pool is a quarter of the bytes to read.
+//
+// Attributes: num_heads, num_kv_heads, sliding_window (this layer's; 0: none), scale, softcap (Gemma 2's
+// soft limit on the scores, cap * tanh(score / cap), before the mask; 0: none).
 
 // sc[t] = e^(sc[t] - mx) for t in [first, last]; returns 1 / their sum
 inline float exp_in_place(float* sc, int64_t first, int64_t last, float mx) {
@@ -43,8 +46,24 @@ inline float exp_in_place(float* sc, int64_t first, int64_t last, float mx) {
 
 struct AttnKernel {
   int64_t num_heads = 0, num_kv_heads = 0, window = 0;
-  float scale = 1.f;
+  float scale = 1.f, softcap = 0.f;
 };
+
+// cap * tanh(s / cap) = cap - 2 cap / (e^(2 s / cap) + 1) (vexp clamps its input: no overflow)
+inline __m512 softcap16(__m512 s, float cap) {
+  const __m512 e = vexp(_mm512_mul_ps(s, _mm512_set1_ps(2.f / cap)));
+  return _mm512_sub_ps(_mm512_set1_ps(cap), _mm512_div_ps(_mm512_set1_ps(2.f * cap), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+}
+
+// sc[t] = cap * tanh(sc[t] / cap) for t in [first, last]
+inline void softcap_in_place(float* sc, int64_t first, int64_t last, float cap) {
+  int64_t t = first;
+  for (; t + 16 <= last + 1; t += 16) _mm512_storeu_ps(&sc[t], softcap16(_mm512_loadu_ps(&sc[t]), cap));
+  if (t <= last) {
+    const __mmask16 m = (__mmask16)((1u << (last + 1 - t)) - 1);
+    _mm512_mask_storeu_ps(&sc[t], m, softcap16(_mm512_maskz_loadu_ps(m, &sc[t]), cap));
+  }
+}
 
 struct AttnJob {
   const AttnKernel* k;
@@ -241,7 +260,7 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
           for (int d = 1; d < DV; d++) part[i] = _mm512_fmadd_ps(q[d], kr[i].load(d), part[i]);
         }
         for (int i = nt; i < 16; i++) part[i] = _mm512_setzero_ps();
-        const __m512 v = sum16(part);
+        const __m512 v = j.k->softcap > 0.f ? softcap16(sum16(part), j.k->softcap) : sum16(part);
         _mm512_storeu_ps(&scores[g * width + t0], v);
         mx[g] = std::max(mx[g], _mm512_mask_reduce_max_ps(valid, v));
       }
@@ -417,6 +436,7 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
   for (int64_t i = 0; i < nq; i++) {  // softmax of each query's scores; zero outside its keys
     const int64_t p = start + (q0 + i) / G, first = r.lowest(p);
     float* sc = &scores[i * width] - lo;  // sc[t] for t in [lo, lo + width)
+    if (j.k->softcap > 0.f) softcap_in_place(sc, first, p, j.k->softcap);
     float mx = -INFINITY;
     for (int64_t t = first; t <= p; t++) mx = std::max(mx, sc[t]);
     inv[i] = exp_in_place(sc, first, p, mx);
@@ -473,6 +493,7 @@ void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t 
                t0 + 16 < keys ? 2 : 1);
   for (int64_t i = 0; i < nq; i++) {
     float* sc = &scores[i * keys];
+    if (j.k->softcap > 0.f) softcap_in_place(sc, 0, keys - 1, j.k->softcap);
     __m512 vmx = _mm512_set1_ps(-INFINITY);
     for (int64_t t = 0; t < keys; t += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(sc + t));
     const int64_t q = query(i);
@@ -754,7 +775,10 @@ OrtStatus* create_attention(const CustomOp*, const void*, const OrtKernelInfo* i
   OrtStatus* st = attr(info, "num_heads", &k->num_heads);
   if (!st) st = attr(info, "num_kv_heads", &k->num_kv_heads);
   if (!st) st = attr(info, "sliding_window", &k->window);
-  if (!st) st = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttribute_float)(info, "scale", &k->scale);
+  auto fattr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttribute_float);
+  if (!st) st = fattr(info, "scale", &k->scale);
+  if (!st) st = fattr(info, "softcap", &k->softcap);
+  if (!st && k->softcap < 0.f) st = fail("ruvllm.PagedAttention: softcap must not be negative");
   if (!st && (k->num_heads <= 0 || k->num_kv_heads <= 0 || k->num_heads % k->num_kv_heads))
     st = fail("ruvllm.PagedAttention: num_heads must be a multiple of num_kv_heads");
   if (st) {
