@@ -119,8 +119,10 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
                   + ", ".join(f"{n} {t}" for t, n in sorted(types.items())) + " -> "
                   + "; ".join(f"{n} x {layout}" for layout, n in layouts.items()), file=sys.stderr)
         if carried.requantized:
-            print(f"warning: {len(carried.requantized)} of the GGUF's matrices have no exact {opts.quant} layout here "
-                  f"(e.g. {carried.requantized[0]}): quantized with RTN in blocks of 32", file=sys.stderr)
+            why = "no exact layout here, or 4-bit blocks with minimums, which int8 computes worse" if opts.quant == "int8" \
+                else f"no exact {opts.quant} layout here"
+            print(f"warning: {len(carried.requantized)} of the GGUF's matrices (e.g. {carried.requantized[0]}) are "
+                  f"quantized with RTN in blocks of 32 ({why})", file=sys.stderr)
 
     def build(lora_slots: LoraSlots | None, kv_write: str):
         return build_decoder(spec, weights, lora_slots, weight_dtype, embed_dtype, tied_gemm=True,

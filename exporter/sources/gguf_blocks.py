@@ -24,7 +24,7 @@ tensors with its own recipe and says so.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -187,11 +187,18 @@ class GraphGrids:
 def graph_grids(gw: GgufWeights, num_layers: int, bits: int, tied: bool, exact_head: bool) -> GraphGrids:
     """The file's grids under the graph's names, fused as the graph fuses them, widened to `bits` where
     they are narrower (int8 packages). exact_head: the LM head is the file's own (else the caller
-    quantizes a coarse head and rescores its best candidates from the exact table)."""
+    quantizes a coarse head and rescores its best candidates from the exact table).
+
+    An int8 package does not carry narrower grids with minimums (Q4_1, Q4_K, Q5_1, Q5_K): on an 8-bit
+    grid their minimum term meets int8 activations in onnxruntime's kernel, which cost SmolLM2's Q4_1
+    file +1.52% perplexity (KL 0.019), where RTN int8 of the same exact weights costs +0.39% (KL 0.0046),
+    and is faster (docs/PERFORMANCE.md). They are re-quantized, listed as such in the manifest."""
     from exporter.builders import FUSED_PROJECTIONS
     from exporter.quantizers.grid import stack_rows
 
     widen = lambda g: g.with_bits(max(g.bits, bits))  # noqa: E731
+    carried = {n: g for n, g in gw.grids.items() if not (bits == 8 and g.bits < 8 and g.mins is not None)}
+    gw = replace(gw, grids=carried)
     out: dict[str, Grid] = {}
     requantized = sorted(name for name in gw.types if name not in gw.grids)
     for i in range(num_layers):

@@ -165,6 +165,43 @@ def test_tiny_gguf_package_is_the_file_bit_for_bit(type_name, smol_gguf, workdir
     assert np.abs(ours - ref).max() < 0.05 * np.abs(ref).max()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("type_name", ("Q4_0", "Q4_1"))
+def test_int8_package_of_a_4_bit_gguf(type_name, smol_gguf, workdir):
+    """--quant int8 carries 4-bit blocks without minimums (Q4_0) over exactly on an 8-bit grid; blocks with
+    minimums (Q4_1) it quantizes again with RTN int8 (their minimum term computes worse at int8: see
+    gguf_blocks.graph_grids), close to the file's weights, the Q8_0 head still the file's own."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from exporter.builders import FUSED_PROJECTIONS
+    from exporter.convert import ConvertOptions, convert
+    from runtime.package import load_package
+
+    path = workdir / f"tiny-{type_name}-int8.gguf"
+    write_tiny_gguf(path, smol_gguf, type_name)
+    pkg_dir = convert(str(path), workdir / f"pkg-gguf-{type_name}-int8", ConvertOptions(quant="int8", progress=False,
+                                                                                          lora=False))
+    meta = load_package(pkg_dir).manifest["quantization"]["gguf"]
+    projections = {f"model.layers.{i}.{p}.weight" for i in range(2) for parts in FUSED_PROJECTIONS.values()
+                   for p in parts}
+    assert (set(meta["requantized"]) == projections) == (type_name == "Q4_1"), meta["requantized"]
+    assert meta["exact"] == (type_name == "Q4_0")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    got = package_weights(pkg_dir)
+    assert np.array_equal(got["lm_head"], hf["lm_head.weight"])
+    for i in range(2):
+        for fused, parts in FUSED_PROJECTIONS.items():
+            want = np.concatenate([hf[f"model.layers.{i}.{p}.weight"] for p in parts])
+            w = got[f"layers.{i}.{fused}"]
+            if type_name == "Q4_0":
+                assert np.array_equal(w, want), fused
+            else:  # RTN int8 in blocks of 32: within half a step of each block's largest weight / 127
+                step = np.abs(want.reshape(want.shape[0], -1, 32)).max(-1, keepdims=True) / 127
+                assert (np.abs(w - want).reshape(step.shape[0], -1, 32) <= step * 0.5 + 1e-7).all(), fused
+
+
 def test_method_gguf_needs_a_gguf_and_another_method_warns(tiny_model_dir, workdir, capsys):
     from exporter.convert import ConvertOptions, weight_plan
     from runtime.errors import RuvLLMError
