@@ -14,6 +14,7 @@ import numpy as np
 
 from runtime import contract as C
 from runtime.core.adapters import AdapterError, AdapterInfo, TensorRef, target_features
+from runtime.core.xlora import mix_sets
 
 _DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
@@ -135,7 +136,7 @@ class AdapterTensors:
         row that many sets, the other tokens' repeated."""
         slots = np.asarray(token_slots, np.int64)
         col_slot = np.arange(columns) // max(self.rank, 1) + 1  # the slot each column belongs to
-        sets = max((len(w) for pairs in (mix or {}).values() for _, w in pairs if isinstance(w, list)), default=1)
+        sets = mix_sets(mix)
         one_hot = (slots[:, None] == col_slot[None, :]).astype(np.float32)
         weights = np.repeat(one_hot[:, None, :], sets, axis=1) if sets > 1 else one_hot[:, None, :]
         for token, pairs in (mix or {}).items():

@@ -13,6 +13,7 @@ from __future__ import annotations
 from runtime import contract as C
 from runtime.core.kv_blocks import kv_bytes_per_token
 from runtime.core.step_batch import StepBatch, StepResult
+from runtime.core.xlora import mix_sets
 from runtime.errors import DeviceError
 from runtime.package import ModelPackage
 
@@ -124,7 +125,7 @@ class WebBackend:
         token_slots = batch.adapter_slots or [0] * len(batch.input_ids)
         columns = max(max(slots or batch.lora_slots()) * rank, 1)
         # layerwise X-LoRA: a list of weights per weight set (adapter_weights.AdapterTensors.mixing)
-        sets = max((len(w) for pairs in (mix or {}).values() for _, w in pairs if isinstance(w, list)), default=1)
+        sets = mix_sets(mix)
         weights = []
         for t, s in enumerate(token_slots):
             row = [0.0] * (sets * columns)

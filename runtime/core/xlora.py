@@ -113,6 +113,12 @@ def module_weights(logits: list[float], n: int, xlora: XLoraInfo) -> list:
     return per_expert
 
 
+def mix_sets(mix: dict | None) -> int:
+    """The weight sets a step's lora_weights rows need for these tokens' (slot, weight) pairs: the length
+    of a layerwise X-LoRA's per-set weights, else 1 (every target weighs a token alike)."""
+    return max((len(w) for pairs in (mix or {}).values() for _, w in pairs if isinstance(w, list)), default=1)
+
+
 def scaling_pass_weights(n: int, s: XLoraSettings) -> list[float]:
     """The experts' weights in the scaling pass: PEFT's dummy scalings, all scaling_pass_value."""
     return [s.scaling_pass_value * s.global_scaling_weight] * n
