@@ -92,6 +92,34 @@ def wllama_model() -> Path:
     return dest
 
 
+class RendererPeak:
+    """The peak resident memory of a browser profile's renderer processes (the page and its workers: the
+    model's weights, the KV pool, Pyodide), sampled every 0.2 s while a visit runs, in MB."""
+
+    def __init__(self, profile: str) -> None:
+        import threading
+
+        self.profile, self.peak, self._stop = profile, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        import psutil
+
+        while not self._stop.wait(0.2):
+            total = 0
+            for proc in psutil.process_iter(["cmdline", "memory_info"]):
+                cmd = proc.info["cmdline"] or []
+                if "--type=renderer" in cmd and any(self.profile in arg for arg in cmd):
+                    total += proc.info["memory_info"].rss if proc.info["memory_info"] else 0
+            self.peak = max(self.peak, total / 2**20)
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return round(self.peak, 1)
+
+
 def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens: int, dtype: str | None,
             timeout_s: int, reload_prompt: str = "same", kv: str = "fp32", context: int = 0) -> dict:
     """A first visit, then a reload: a returning visitor's load, from the browser's own caches.
@@ -116,14 +144,19 @@ def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens:
         try:
             url = (f"{base}bench/bench.html?engine={engine}&threads={threads}&tokens={tokens}"
                    + (f"&dtype={dtype}" if dtype else "") + f"&reload={reload_prompt}&kv={kv}&context={context}")
+            memory = RendererPeak(profile)
             page.goto(url)
             page.wait_for_function("window.result || window.failure", timeout=timeout_s * 1000, polling=500)
+            peak = memory.stop()
             failure = page.evaluate("window.failure || null")
             if failure:
                 return {"engine": engine, "dtype": dtype, "error": failure[:500]}
             result = page.evaluate("window.result")
+            result["renderer_peak_mb"] = peak
+            memory = RendererPeak(profile)
             page.reload()
             page.wait_for_function("window.result || window.failure", timeout=timeout_s * 1000, polling=500)
+            result["cached_renderer_peak_mb"] = memory.stop()
             again = page.evaluate("window.result || {}")
             result["cached_load_s"] = again.get("load_s")
             if again.get("load_s") is not None and again.get("ttft_ms") is not None:
@@ -196,6 +229,7 @@ def main() -> None:
                         "cached_load_s": med("cached_load_s"), "cached_first_token_s": med("cached_first_token_s"),
                         "cached_decode_tok_s": med("cached_decode_tok_s"),
                         "cached_warm_decode_tok_s": med("cached_warm_decode_tok_s"),
+                        "renderer_peak_mb": med("renderer_peak_mb"), "cached_renderer_peak_mb": med("cached_renderer_peak_mb"),
                         "runs": len(ok), "errors": [x["error"] for x in results if "error" in x][:1]}
     ratios = {}
     # first and second generation on a first visit, then the same after a reload (a returning visitor)
