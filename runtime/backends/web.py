@@ -11,7 +11,7 @@ graph (web/src/lora_store.js holds the adapters' columns and X-LoRA classifiers)
 from __future__ import annotations
 
 from runtime import contract as C
-from runtime.core.kv_blocks import kv_bytes_per_token
+from runtime.core.kv_blocks import kv_bytes_per_token, kv_group
 from runtime.core.step_batch import StepBatch, StepResult
 from runtime.core.xlora import mix_sets
 from runtime.errors import DeviceError
@@ -46,7 +46,8 @@ class WebBackend:
         roles = dict(self.pkg.io_roles)
         if self.kv_dtype == "int8":  # the int8-KV graph's scale inputs, and the rows' layout
             n = self.pkg.config["num_layers"]
-            roles.update(kv_dtype="int8", past_key_scales=[C.past_key_scale(i) for i in range(n)],
+            roles.update(kv_dtype="int8", kv_group=kv_group(self.pkg.config["head_dim"]),
+                         past_key_scales=[C.past_key_scale(i) for i in range(n)],
                          past_value_scales=[C.past_value_scale(i) for i in range(n)])
         self.runner.allocate(num_blocks, block_size, to_js(roles, dict_converter=Object.fromEntries))
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from runtime.backends.kv_pool import quantize_rows
+from runtime.core.kv_blocks import kv_group
 from tests.conftest import ROOT, run_cli
 from tests.web.conftest import CHAT, LOAD_ENGINE, publish
 
@@ -18,10 +19,10 @@ GREEDY = {"temperature": 0, "return_token_ids": True, "max_tokens": 16}
 
 QUANTIZE = """
 import { readFileSync } from 'node:fs';
-import { quantizeRow, kvGroup } from '%s';
-const [rows, d] = JSON.parse(process.argv[1]);
+import { quantizeRow } from '%s';
+const [rows, d, g] = JSON.parse(process.argv[1]);
 const x = new Float32Array(readFileSync(process.argv[2]).buffer.slice(0));
-const g = kvGroup(d), q = new Int8Array(rows * d), s = new Uint16Array(rows * d / g);
+const q = new Int8Array(rows * d), s = new Uint16Array(rows * d / g);
 for (let r = 0; r < rows; r++) quantizeRow(x, r * d, d, g, q, r * d, s, r * d / g);
 process.stdout.write(JSON.stringify({ q: Array.from(q), s: Array.from(s) }));
 """
@@ -41,7 +42,7 @@ def test_the_pages_quantizer_equals_the_native_pools(head_dim, tmp_path):
     x = np.concatenate(rows)
     (tmp_path / "x.bin").write_bytes(x.tobytes())
     script = QUANTIZE % (ROOT / "web" / "src" / "kv_pool.js").as_uri()
-    proc = subprocess.run(["node", "--input-type=module", "-e", script, json.dumps([len(x), head_dim]),
+    proc = subprocess.run(["node", "--input-type=module", "-e", script, json.dumps([len(x), head_dim, kv_group(head_dim)]),
                            str(tmp_path / "x.bin")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout)

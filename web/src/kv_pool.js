@@ -6,48 +6,11 @@
 // higher block. Python never sees these arrays.
 //
 // dtype 'int8' (the page's kvDtype): Int8Array rows and, per layer and kind, a Uint16Array of fp16 scales
-// [kv_heads, capacity, block_size, groups], one per group of kvGroup(head_dim) numbers; this step's rows
-// are quantized as runtime/backends/kv_pool.py's quantize_rows does, op for op, which the int8-KV graph
-// also does to the rows it attends to in the step that writes them.
+// [kv_heads, capacity, block_size, groups], one per group of `group` numbers (Python's kv_group, sent with
+// the pool's layout); this step's rows are quantized as runtime/backends/kv_pool.py's quantize_rows does,
+// op for op, which the int8-KV graph also does to the rows it attends to in the step that writes them.
 
-/** Numbers per int8 scale in a row (runtime/core/kv_blocks.py kv_group). */
-export const kvGroup = (headDim) => (headDim % 32 === 0 ? 32 : headDim);
-
-const f32 = new Float32Array(1);
-const u32 = new Uint32Array(f32.buffer);
-
-/** float32 -> IEEE fp16 bits, rounded to nearest even (numpy's astype(float16)). */
-export function toHalf(v) {
-  f32[0] = v;
-  const x = u32[0];
-  const sign = (x >>> 16) & 0x8000;
-  const e = (x >>> 23) & 0xff;
-  let mant = x & 0x7fffff;
-  if (e === 0xff) return sign | 0x7c00 | (mant ? 0x200 : 0);
-  const exp = e - 127 + 15;
-  if (exp >= 0x1f) return sign | 0x7c00;
-  if (exp <= 0) { // subnormal half (or zero)
-    if (exp < -10) return sign;
-    mant |= 0x800000;
-    const shift = 14 - exp;
-    let half = mant >>> shift;
-    const rem = mant & ((1 << shift) - 1), mid = 1 << (shift - 1);
-    if (rem > mid || (rem === mid && (half & 1))) half++;
-    return sign | half;
-  }
-  let half = (exp << 10) | (mant >>> 13);
-  const rem = mant & 0x1fff;
-  if (rem > 0x1000 || (rem === 0x1000 && (half & 1))) half++; // a carry into the exponent is right
-  return sign | half;
-}
-
-/** IEEE fp16 bits -> their exact value. */
-export function fromHalf(h) {
-  const sign = h & 0x8000 ? -1 : 1, exp = (h >> 10) & 0x1f, frac = h & 0x3ff;
-  if (exp === 0) return sign * frac * 2 ** -24;
-  if (exp === 31) return frac ? NaN : sign * Infinity;
-  return sign * (1 + frac / 1024) * 2 ** (exp - 15);
-}
+import { fromHalf, toHalf } from './fp16.js';
 
 /** Round half to even (numpy's rint). */
 function rint(v) {
@@ -71,11 +34,12 @@ export function quantizeRow(src, at, n, g, q, qAt, s, sAt) {
 }
 
 export class KvPool {
-  constructor({ numLayers, kvHeads, headDim }, maxBlocks, blockSize, dtype = 'fp32', growBy = 4) {
+  /** rows: { dtype: 'fp32' | 'int8', group: numbers per int8 scale (runtime/core/kv_blocks.py kv_group) }. */
+  constructor({ numLayers, kvHeads, headDim }, maxBlocks, blockSize, { dtype = 'fp32', group = headDim } = {}, growBy = 4) {
     if (dtype !== 'fp32' && dtype !== 'int8') throw new Error(`KV pool dtype ${dtype}: "fp32" or "int8"`);
-    Object.assign(this, { numLayers, kvHeads, headDim, maxBlocks, blockSize, growBy, dtype });
-    this.group = kvGroup(headDim);
-    this.groups = headDim / this.group;
+    if (!(group > 0 && headDim % group === 0)) throw new Error(`KV pool: ${group} numbers per scale do not divide ${headDim}`);
+    Object.assign(this, { numLayers, kvHeads, headDim, maxBlocks, blockSize, growBy, dtype, group });
+    this.groups = headDim / group;
     this.capacity = 0;
     this.keys = [];
     this.values = [];

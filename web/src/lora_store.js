@@ -4,14 +4,7 @@
 // safetensors bytes with where each tensor lies; the numbers are decoded and placed here. A step feeds
 // views over the columns up to its highest slot, with Python's per-token weights.
 
-function halfToFloat(h) {
-  const sign = h & 0x8000 ? -1 : 1;
-  const exp = (h >> 10) & 0x1f;
-  const frac = h & 0x3ff;
-  if (exp === 0) return sign * frac * 2 ** -24;
-  if (exp === 31) return frac ? NaN : sign * Infinity;
-  return sign * (1 + frac / 1024) * 2 ** (exp - 15);
-}
+import { fromHalf } from './fp16.js';
 
 /** One tensor of a safetensors file, as float32: [start, end, dtype, shape] (absolute byte offsets). */
 export function decodeTensor(bytes, [start, end, dtype]) {
@@ -19,7 +12,7 @@ export function decodeTensor(bytes, [start, end, dtype]) {
   if (dtype === 'F32') return new Float32Array(raw.buffer, 0, raw.length / 4);
   const u16 = new Uint16Array(raw.buffer, 0, raw.length / 2);
   if (dtype === 'BF16') return new Float32Array(Uint32Array.from(u16, (v) => v << 16).buffer);
-  if (dtype === 'F16') return Float32Array.from(u16, halfToFloat);
+  if (dtype === 'F16') return Float32Array.from(u16, fromHalf);
   throw new Error(`adapter tensor dtype ${dtype} is not supported`);
 }
 

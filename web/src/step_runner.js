@@ -53,7 +53,7 @@ export class StepRunner {
   }
 
   allocate(numBlocks, blockSize, io) {
-    this.pool = new KvPool(this.config, numBlocks, blockSize, io.kv_dtype ?? 'fp32');
+    this.pool = new KvPool(this.config, numBlocks, blockSize, { dtype: io.kv_dtype, group: io.kv_group });
     this.io = io;
   }
 
