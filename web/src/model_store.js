@@ -129,8 +129,13 @@ async function readJSON(url, cache) {
   }
 }
 
-/** The manifest's graph key the page runs: `wanted` where the package has it, else 'decoder'. */
-export const pageGraph = (manifest, wanted) => (manifest.graphs[wanted] ? wanted : 'decoder');
+/** The manifest's graph key the page runs: `wanted` where the package has it, else 'decoder' (no stand-in for the int8-KV graph). */
+export const pageGraph = (manifest, wanted) => {
+  if (manifest.graphs[wanted]) return wanted;
+  // the int8-KV graph reads another pool: the main graph cannot stand in for it (the WebGPU one can)
+  if (wanted === 'decoder_kv8') throw new Error('kvDtype "int8": this model package has no int8-KV graph (model_kv8.onnx); re-export it');
+  return 'decoder';
+};
 
 /**
  * Load every file of the package at `baseURL`.

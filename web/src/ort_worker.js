@@ -150,9 +150,6 @@ async function open({ model, ortURL, device: wanted, threads, kvDtype = 'fp32' }
   }
   let { manifest, files, stats, checked } = loaded;
   const warmupSteps = await (warmup ?? 0); // at most one tiny step more: the real session has the cores to itself
-  if (kvDtype === 'int8' && !manifest.graphs.decoder_kv8) {
-    throw new Error('kvDtype "int8": this model package has no int8-KV graph (model_kv8.onnx); re-export it');
-  }
   const graph = manifest.graphs[pageGraph(manifest, key)].file;
   // graphs and weights stay here (or were never fetched: the LoRA variant); the rest goes to Python
   const graphFiles = Object.keys(manifest.files).filter(isGraphFile);
