@@ -250,14 +250,17 @@ def _weight_sets(model, nodes) -> dict[str, int]:
 
 
 def _drop_dead(model) -> None:
-    """The graph without nodes none of whose outputs anything reads (a fusion's leftovers)."""
-    outputs = {o.name for o in model.graph.output}
-    while True:
-        nodes = list(model.graph.node)
-        read = {name for node in nodes for name in node.input} | outputs
-        dead = {id(n) for n in nodes if not any(o in read for o in n.output if o)}
-        if not dead:
-            return
+    """The graph without the nodes nothing reads from (a fusion's leftovers), in one backward sweep: an ONNX
+    graph's nodes are in topological order."""
+    nodes = list(model.graph.node)
+    live = {o.name for o in model.graph.output}
+    dead = set()
+    for node in reversed(nodes):
+        if any(name in live for name in node.output):
+            live.update(node.input)
+        else:
+            dead.add(id(node))
+    if dead:
         _drop(model, nodes, dead)
 
 
@@ -696,13 +699,7 @@ def fuse_attention(model, num_layers: int, num_heads: int, num_kv_heads: int, wi
             softcap=float(cap))))
     replaced = {id(out): new for out, new in fused}
     nodes = [replaced.get(id(n), n) for n in nodes]
-    # drop what only the old attention paths computed (the masks, the index tensors, the gathers)
-    live = {o.name for o in model.graph.output}
-    keep = []
-    for node in reversed(nodes):
-        if any(name in live for name in node.output):
-            keep.append(node)
-            live.update(node.input)
     del model.graph.node[:]
-    model.graph.node.extend(reversed(keep))
+    model.graph.node.extend(nodes)
+    _drop_dead(model)  # what only the old attention paths computed (the masks, the index tensors, the gathers)
     return len(fused)
