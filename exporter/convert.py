@@ -157,7 +157,7 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
     tmp = Path(tempfile.mkdtemp(prefix=".ruvllm-export-", dir=out.parent))
     try:
         save_with_shared_data(graphs, tmp, DATA_FILE)
-        kv8 = kv_int8_graph(tmp / GRAPH_FILE, tmp / KV8_GRAPH_FILE)
+        kv8 = kv_int8_graph(tmp / GRAPH_FILE, tmp / KV8_GRAPH_FILE, spec.num_layers)
         if kv8 is not None:
             graphs[KV8_GRAPH_FILE] = kv8
         tokenizer_meta = write_tokenizer(tok, tmp, source)
@@ -197,19 +197,17 @@ def hqq_projection_grids(graph, bits: int, block: int, mlp_block: int | None, pr
     return grids
 
 
-def kv_int8_graph(graph: Path, out: Path):
+def kv_int8_graph(graph: Path, out: Path, num_layers: int):
     """The saved graph on an int8 KV pool (graph_fusion.kv_in_int8_graph: the gathered blocks times their
     group scales, this step's rows rounded as the pool stores them), written beside it with the same
     weights file: onnxruntime-web cannot rewrite a graph, so the page's kvDtype "int8" opens this one.
-    None where the graph's attention is not the shape that rewrite knows (it leaves no file then)."""
+    None where the rewrite does not know every layer's attention (it leaves no file then)."""
     import onnx
 
-    from runtime import contract as C
     from runtime.backends.graph_fusion import kv_in_int8_graph
 
     model = onnx.load(str(graph), load_external_data=False)
-    layers = len({i.name for i in model.graph.input} & {C.past_key(i) for i in range(len(model.graph.input))})
-    if not layers or kv_in_int8_graph(model) != layers:
+    if kv_in_int8_graph(model) != num_layers:
         return None
     onnx.save(model, str(out))
     return model
