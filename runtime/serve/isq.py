@@ -65,10 +65,8 @@ def quantize_source(source: str, spec: str, export, quiet: bool = False) -> Path
 def _remember(path: Path) -> None:
     if not _made:
         atexit.register(_remove_all)
-        for sig in (signal.SIGTERM,):  # a stopped server's RAM comes back too
-            previous = signal.getsignal(sig)
-            if previous in (signal.SIG_DFL, None):
-                signal.signal(sig, _on_signal)
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):  # a stopped server's RAM comes back too
+            signal.signal(signal.SIGTERM, _on_signal)
     _made.append(path)
 
 

@@ -243,8 +243,8 @@ void plan_groups(const LoraJob* jobs, int T, LoraPlan& plan) {
 }
 
 // T targets of one projection's output over the same rows (LoraDelta 1, LoraSwiGLU 2, LoraSplit 3): one
-// grouping of the rows (by the columns any of their sets weighs); item i is target i / groups's delta over row group i % groups. One
-// group stays on the calling thread, where a handoff costs more than it saves.
+// grouping of the rows (by the columns any of their sets weighs); item i is target i / groups's delta over
+// row group i % groups. One group stays on the calling thread, where a handoff costs more than it saves.
 template <int T>
 struct TargetsWork {
   const LoraPlan* plan;
@@ -300,7 +300,7 @@ OrtStatus* lora_delta(void* kernel, OrtKernelContext* ctx) {
 // out = silu(y_g + delta_g) * (y_u + delta_u) with y = [y_g | y_u] the fused gate/up projection's output.
 // Why: in the LoRA graph the projection's SwiGLU epilogue cannot fold into MatMulQ4 (the deltas come
 // between), and the Split, two deltas, Sigmoid and two Muls were six operators and passes per layer.
-// Inputs: y [N, 2F], x [N, in], A_g^T [C, in], B_g [C, F], A_u^T [C, in], B_u [C, F], w [N, C].
+// Inputs: y [N, 2F], x [N, in], A_g^T [C, in], B_g [C, F], A_u^T [C, in], B_u [C, F], w [N, sets * C].
 
 OrtStatus* lora_swiglu(void* kernel, OrtKernelContext* ctx) {
   const int64_t module = static_cast<LoraKernel*>(kernel)->module;
@@ -349,7 +349,7 @@ OrtStatus* lora_swiglu(void* kernel, OrtKernelContext* ctx) {
 // written as two tensors (q+k, v), as MatMulQ4Split writes the base graph's. Why: in the LoRA graph the
 // projection's output was split into three, each target's delta added, and q and k concatenated again:
 // five operators and two copies per layer. Inputs: y [N, Q+K+V], x [N, in], A_q^T, B_q, A_k^T, B_k, A_v^T,
-// B_v, w [N, C]; attribute split: the first output's columns (Q+K: each target lies in one output).
+// B_v, w [N, sets * C]; attribute split: the first output's columns (Q+K: each target lies in one output).
 
 OrtStatus* lora_split(void* kernel, OrtKernelContext* ctx) {
   const int64_t split = static_cast<LoraKernel*>(kernel)->split, module = static_cast<LoraKernel*>(kernel)->module;
