@@ -25,6 +25,7 @@
 
 #include "ort_api.h"
 #include "simd_math.h"
+#include "weight_arena.h"
 
 namespace {
 
@@ -38,7 +39,7 @@ struct PackedWeights {
   int N = 0, K = 0, block = 0, nblk = 0, ntiles = 0;
   int Kp = 0;  // K padded to whole blocks (MatMulNBits pads the last block)
   // per tile, per block, per 8 k: 64 bytes, byte 4j+i = q(col j, k+i) | q(col j, k+4+i) << 4
-  std::unique_ptr<uint8_t[], void (*)(void*)> w{nullptr, std::free};
+  std::unique_ptr<uint8_t[], void (*)(void*)> w{nullptr, WeightArena::free};
   std::vector<float> scale;    // per tile, per block: 16 columns each
   std::vector<uint8_t> zero;   // the same, as bytes (a quarter of fp32's: a single row is memory-bound)
   bool mins = false;           // minimums mode: scale and zero unused, scale_min holds both
@@ -56,8 +57,7 @@ void pack(PackedWeights& wts, int N, int K, int block, const uint8_t* B, const f
   wts.N = N; wts.K = K; wts.block = block; wts.nblk = (K + block - 1) / block; wts.ntiles = N / kTile;
   wts.Kp = wts.nblk * block;
   const size_t bytes = (size_t)N * wts.Kp / 2;
-  wts.w.reset(static_cast<uint8_t*>(std::aligned_alloc(64, (bytes + 63) / 64 * 64)));
-  if (!wts.w) throw std::bad_alloc();
+  wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(bytes)));
   wts.mins = M != nullptr;
   if (wts.mins) wts.scale_min.resize((size_t)N * wts.nblk * 2);
   else {

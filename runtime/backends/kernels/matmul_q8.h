@@ -23,7 +23,7 @@ namespace {
 struct PackedQ8 {
   int N = 0, K = 0, block = 0, nblk = 0, ntiles = 0, Kp = 0;
   size_t tile_block_bytes = 0;  // block/4 weight lines and a scale line
-  std::unique_ptr<uint8_t[], void (*)(void*)> w{nullptr, std::free};
+  std::unique_ptr<uint8_t[], void (*)(void*)> w{nullptr, WeightArena::free};
   const uint8_t* at(int t, int b) const { return w.get() + ((size_t)t * nblk + b) * tile_block_bytes; }
 };
 
@@ -33,8 +33,7 @@ void pack_q8(PackedQ8& wts, int N, int K, int block, const uint8_t* B, const flo
   wts.Kp = wts.nblk * block;
   wts.tile_block_bytes = (size_t)(block / 4 + 1) * 64;
   const size_t bytes = (size_t)wts.ntiles * wts.nblk * wts.tile_block_bytes;
-  wts.w.reset(static_cast<uint8_t*>(std::aligned_alloc(64, bytes)));
-  if (!wts.w) throw std::bad_alloc();
+  wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(bytes)));
   for (int t = 0; t < wts.ntiles; t++)
     for (int b = 0; b < wts.nblk; b++) {
       uint8_t* dst = wts.w.get() + ((size_t)t * wts.nblk + b) * wts.tile_block_bytes;
