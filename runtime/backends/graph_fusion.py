@@ -22,7 +22,7 @@ def fusable_head_dim(head_dim: int) -> bool:
 
 
 def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_dir: Path | None = None,
-         half_adapters: bool = False, kv_int8: bool = False) -> dict[str, int]:
+         half_adapters: bool = False, kv_int8: bool = False, kv_tails: bool = True) -> dict[str, int]:
     """Rewrite `model` in place with the operators in `ops`: every MatMulNBits the kernel computes the
     same way becomes ruvllm.MatMulQ4 (with its epilogues and block minimums folded in), and, given the
     package's config, each layer's attention ruvllm.PagedAttention (fuse_attention) and each residual
@@ -35,7 +35,8 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     signed byte whatever they are) become ruvllm.MatMulQ8; `base_dir` is where the graph's external
     data lives, to read those zero points. `half_adapters`: the LoRA graph's adapter inputs that only
     RuvLLM's LoRA operators read become fp16 (adapters_in_half). `kv_int8`: the KV pool inputs that
-    only ruvllm.PagedAttention reads become int8 with their group scales (kv_in_int8; else kv_in_int8_graph).
+    only ruvllm.PagedAttention reads become int8 with their group scales (kv_in_int8, with full-precision
+    tails unless `kv_tails` is False; else kv_in_int8_graph).
     """
     import onnx
 
@@ -71,7 +72,7 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
         layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"], windows)
     if kv_int8:  # on the kernel's layers, else (no AVX-512 kernels) on the graph's own attention
         if layers:
-            kv_in_int8(model)
+            kv_in_int8(model, kv_tails)
         kv_in_int8_graph(model)
     norms = fuse_norms(model) if "SkipRMSNorm" in ops else 0
     loras = fuse_lora(model) if "LoraDelta" in ops else 0
@@ -105,13 +106,13 @@ def _all_128(tensor, base_dir: Path | None) -> bool:
 
 
 def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] = ALL_OPS,
-                  half_adapters: bool = False, kv_int8: bool = False) -> tuple[bytes, dict[str, int]]:
+                  half_adapters: bool = False, kv_int8: bool = False, kv_tails: bool = True) -> tuple[bytes, dict[str, int]]:
     """The graph file rewritten by fuse() (weights stay where they are: the model's external data is
     read from the package's folder), serialized, and the counts."""
     import onnx
 
     model = onnx.load(str(graph), load_external_data=False)
-    counts = fuse(model, config, ops, graph.parent, half_adapters, kv_int8)
+    counts = fuse(model, config, ops, graph.parent, half_adapters, kv_int8, kv_tails)
     return model.SerializeToString(), counts
 
 
@@ -264,11 +265,12 @@ def _drop_dead(model) -> None:
         _drop(model, nodes, dead)
 
 
-def kv_in_int8(model) -> int:
+def kv_in_int8(model, tails: bool = True) -> int:
     """Each layer's KV pool inputs (past.{i}.key / .value) that only ruvllm.PagedAttention reads become
-    int8, and the node takes two more inputs, the fp16 scales of each row's groups [kv_heads, num_blocks,
+    int8, and the node takes four more inputs: the fp16 scales of each row's groups [kv_heads, num_blocks,
     block_size, groups] per kind (contract.past_key_scale, kv_pool.quantize_rows), which the kernel
-    multiplies back in (--kv-dtype int8). Returns how many layers."""
+    multiplies back in (--kv-dtype int8), and the fp32 tails, full-precision copies of the blocks being
+    written (contract.past_key_tail; kv_pool.py), unless `tails` is False. Returns how many layers."""
     import onnx
 
     from runtime import contract as C
@@ -290,9 +292,16 @@ def kv_in_int8(model) -> int:
         if grouping is None:
             continue
         groups = grouping[0]
+        copies = []
         for pool, name in ((key, C.past_key_scale(layer)), (value, C.past_value_scale(layer))):
+            copies.append(onnx.ValueInfoProto())
+            copies[-1].CopyFrom(pool)  # an fp32 pool's shape and type: the tail of the blocks being written
             pool.type.tensor_type.elem_type = onnx.TensorProto.INT8
             model.graph.input.append(_scales_input(pool, name, groups))
+            node.input.append(name)
+        for copy, name in zip(copies if tails else [], (C.past_key_tail(layer), C.past_value_tail(layer))):
+            copy.name = name
+            model.graph.input.append(copy)
             node.input.append(name)
         count += 1
     return count

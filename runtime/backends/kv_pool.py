@@ -15,10 +15,13 @@ CPU, which is how it is tested here (CUDA itself is not, on these machines).
 With kv_dtype "int8" (CPU only; read by ruvllm.PagedAttention or the graph's attention rewritten for it,
 graph_fusion.kv_in_int8 / kv_in_int8_graph) each kind is int8 rows whose groups of 32 numbers
 (kv_group) have one fp16 scale each (their absolute maximum / 127): a quarter of the bytes plus 2 per
-group. Each token is quantized as it is written, so no full-precision tier is needed; per group rather
-than per row because a key row's few large channels would otherwise coarsen all the others (SmolLM2,
-decode-like steps: KL 0.0047 vs 0.0052 per row; KIVI's per-channel keys, which need whole blocks, 0.0043;
-docs/PERFORMANCE.md).
+group; per group rather than per row because a key row's few large channels would otherwise coarsen all
+the others (SmolLM2, decode-like steps: KL 0.0047 vs 0.0052 per row; docs/PERFORMANCE.md). Each token is
+quantized as it is written. Where ruvllm.PagedAttention reads the pool it is two-tier (`tails`): the rows
+of the blocks sequences are still writing are also kept in full precision, in fp32 tails shaped as an
+fp32 pool but committed only where written, and a query reads its own block from them (greedy text on 20
+prompts equal to the fp32 pool's on 17 rather than 13; docs/PERFORMANCE.md). A block's tail pages are
+returned to the system once a step shows it is behind a sequence's current block.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from runtime.core.kv_blocks import kv_group
 
 POOL_KEY, POOL_VALUE, SLOTS = "pool.key", "pool.value", "kv_slots"
 FIRST_BLOCKS = 16  # blocks committed when the pool is made; it doubles from there as blocks are used
+# A row of up to this many tokens may be a decode with drafts: its next step may start right after its
+# first token, so its tail keeps rows from that position's block on (longer rows: from their end's)
+DRAFT_ROWS = 16
 
 
 def device_of(providers: list[str]) -> str:
@@ -107,12 +113,35 @@ def _reserved(shape: list[int], dtype=np.float32) -> np.ndarray:
     return np.frombuffer(buf, dtype, count).reshape(shape)
 
 
+_madvise = None
+
+
+def _release_pages(arr: np.ndarray, ranges: list[tuple[int, int]]) -> None:
+    """Give back the memory of (byte offset, length) ranges of a reserved array (page-aligned): it reads
+    as zeros again and is committed anew when next written. MADV_REMOVE: the mapping is shared memory,
+    whose pages MADV_DONTNEED would only unmap."""
+    global _madvise
+    import ctypes
+    import mmap
+
+    if _madvise is None:
+        _madvise = ctypes.CDLL(None).madvise
+        _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    base = arr.ctypes.data
+    for offset, length in ranges:
+        _madvise(base + offset, length, mmap.MADV_REMOVE)
+
+
 class DeviceKVPool:
     def __init__(self, ort, providers: list[str], num_layers: int, kv_heads: int, head_dim: int,
-                 num_blocks: int, block_size: int, device_writes: bool | None = None, kv_dtype: str = "fp32") -> None:
+                 num_blocks: int, block_size: int, device_writes: bool | None = None, kv_dtype: str = "fp32",
+                 tails: bool = False) -> None:
+        """tails: keep full-precision copies of the blocks being written beside an int8 pool (the graph
+        reads them: contract.past_key_tail)."""
         self.device = device_of(providers)
         self.device_writes = self.device != "cpu" if device_writes is None else device_writes
         self.int8 = kv_dtype == "int8"
+        self.tails = tails and self.int8
         self.dtype = np.int8 if self.int8 else np.float32
         if self.int8 and (self.device != "cpu" or self.device_writes):
             raise ValueError("an int8 KV pool lives in host memory: it runs on the CPU only")
@@ -131,12 +160,16 @@ class DeviceKVPool:
             self._host = (_reserved(shape, self.dtype), _reserved(shape, self.dtype))
             scale_shape = [*shape[:3], self.groups]
             self._scales = (_reserved(scale_shape, np.float16), _reserved(scale_shape, np.float16)) if self.int8 else ()
+            # committed where written (never by ensure), given back as their blocks fall behind
+            self._tails = (_reserved(shape), _reserved(shape)) if self.tails else ()
+            self._live: set[int] = set()  # blocks whose tail rows hold memory
             self.committed = 0
             self.ensure(min(num_blocks, FIRST_BLOCKS))
             self.keys, self.values = (ort.OrtValue.ortvalue_from_numpy(arr) for arr in self._host)
             self._scale_values = [ort.OrtValue.ortvalue_from_numpy(arr) for arr in self._scales]
+            self._tail_values = [ort.OrtValue.ortvalue_from_numpy(arr) for arr in self._tails]
         else:
-            self._host, self._scales, self._scale_values = None, (), []
+            self._host, self._scales, self._scale_values, self._tail_values = None, (), [], []
             self.keys = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self.device, 0)
             self.values = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self.device, 0)
             for pool in (self.keys, self.values):
@@ -166,8 +199,15 @@ class DeviceKVPool:
 
     @property
     def committed_bytes(self) -> int:
-        """Bytes of K and V memory committed so far (the whole pool on a GPU)."""
-        return 2 * self.num_layers * (self.layer_bytes + self.scale_bytes) * self.committed // self.num_blocks
+        """Bytes of K and V memory committed so far (the whole pool on a GPU), the tails' pages included."""
+        pool = 2 * self.num_layers * (self.layer_bytes + self.scale_bytes) * self.committed // self.num_blocks
+        return pool + (len(self._live) * 2 * self.num_layers * self.layer_shape[0] * self._tail_rows_bytes
+                       if self.tails else 0)
+
+    @property
+    def _tail_rows_bytes(self) -> int:
+        """Bytes of one block's rows of one layer and kv head in a tail."""
+        return self.block_size * self.layer_shape[3] * 4
 
     def bind_layers(self, io, num_layers: int) -> None:
         """Bind each layer's past.{i}.key / .value graph input to its slice of the pool."""
@@ -177,9 +217,14 @@ class DeviceKVPool:
             for name, scales in zip((C.past_key_scale(i), C.past_value_scale(i)), self._scale_values):
                 io.bind_input(name, self.device, 0, np.float16, [*self.layer_shape[:3], self.groups],
                               scales.data_ptr() + i * self.scale_bytes)
+            for name, tail in zip((C.past_key_tail(i), C.past_value_tail(i)), self._tail_values):
+                io.bind_input(name, self.device, 0, np.float32, self.layer_shape, tail.data_ptr() + i * self.layer_bytes * 4)
 
-    def write(self, present_key, present_value, kv_slots: list[int]) -> None:
-        """Put a step's K/V ([layers, tokens, kv_heads, head_dim] OrtValues on the device) into the slots."""
+    def write(self, present_key, present_value, kv_slots: list[int], batch=None) -> None:
+        """Put a step's K/V ([layers, tokens, kv_heads, head_dim] OrtValues on the device) into the slots;
+        with tails, `batch` (the step's StepBatch) says which rows are kept in full precision too."""
+        if self.tails and batch is not None:
+            self._write_tails(present_key, present_value, kv_slots, batch)
         if not self.device_writes:
             first, n = kv_slots[0], len(kv_slots)
             if kv_slots[-1] - first == n - 1 and kv_slots == list(range(first, first + n)):
@@ -198,6 +243,47 @@ class DeviceKVPool:
         io.bind_ortvalue_input(C.PRESENT_VALUE, present_value)
         io.bind_cpu_input(SLOTS, np.asarray(kv_slots, np.int64))
         self.writer.run_with_iobinding(io)
+
+    def _write_tails(self, present_key, present_value, kv_slots: list[int], batch) -> None:
+        """Copy the rows of each batch row's blocks that a later step may still read as its own block into
+        the tails, and give back the tail pages of blocks now behind a row's current block."""
+        bs, sealed, tokens = self.block_size, set(), []
+        for row, table in zip(batch.query_index, batch.block_tables):
+            first = row[0]
+            start, count = batch.position_ids[first], row[-1] - first + 1
+            current = start // bs  # every block before it is whole: read as stored from now on
+            sealed.update(b for b in table[max(0, current - 4):current] if b in self._live)
+            resume = start + 1 if count <= DRAFT_ROWS else start + count  # where the next step may start
+            keep = resume - resume % bs
+            tokens.extend(range(first + max(0, keep - start), first + count))
+        if sealed:
+            self._live -= sealed
+            self._release_tails(sealed)
+        if tokens:
+            slots = np.asarray([kv_slots[t] for t in tokens], np.int64)
+            for tail, present in zip(self._tails, (present_key, present_value)):
+                tail[:, :, slots] = present.numpy()[:, tokens].transpose(0, 2, 1, 3)
+            self._live.update(int(s) // bs for s in slots)
+
+    def drop(self, blocks: list[int]) -> None:
+        """Blocks no sequence holds any more (the scheduler's dropped blocks; before a step writes, since it
+        may write them for a new holder): their tail pages go back."""
+        gone = self._live.intersection(blocks) if self.tails else set()
+        if gone:
+            self._live -= gone
+            self._release_tails(gone)
+
+    def _release_tails(self, blocks: set[int]) -> None:
+        import mmap
+
+        row_bytes = self._tail_rows_bytes
+        if row_bytes % mmap.PAGESIZE:
+            return  # a block's rows do not fill whole pages: they stay committed (reused by later blocks)
+        heads, rows = self.num_layers * self.layer_shape[0], self.num_blocks * self.block_size
+        ranges = [((lh * rows + b * self.block_size) * self.layer_shape[3] * 4, row_bytes)
+                  for lh in range(heads) for b in blocks]
+        for tail in self._tails:
+            _release_pages(tail, ranges)
 
     def host_view(self) -> tuple[np.ndarray, np.ndarray]:
         """The pools as numpy arrays [layers, kv_heads, blocks, block_size, head_dim] sharing their memory

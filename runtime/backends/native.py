@@ -170,7 +170,8 @@ class NativeBackend:
             # a quantized package's adapters in fp16: half the bytes each step's deltas read
             model, counts = graph_fusion.rewrite_graph(graph, self.pkg.config, ops,
                                                        half_adapters=self.pkg.weights_quantized,
-                                                       kv_int8=self.kv_dtype == "int8")
+                                                       kv_int8=self.kv_dtype == "int8",
+                                                       kv_tails=os.environ.get("RUVLLM_KV_TAILS", "1") != "0")
         except Exception as err:  # a graph onnx cannot parse: the plain load below reports it
             self.matmul_kernel += f" (graph not rewritten: {str(err)[:200]})"
             return None
@@ -212,8 +213,9 @@ class NativeBackend:
     def allocate(self, num_blocks: int, block_size: int) -> None:
         from runtime.backends.kv_pool import DeviceKVPool
 
+        tails = C.past_key_tail(0) in {i.name for i in self.session.get_inputs()}  # int8 on ruvllm.PagedAttention
         self.pool = DeviceKVPool(self._ort, self.providers, self.num_layers, self.kv_heads, self.head_dim,
-                                 num_blocks, block_size, self._kv_device_writes, self.kv_dtype)
+                                 num_blocks, block_size, self._kv_device_writes, self.kv_dtype, tails)
         self.runner.bind_pool(self.pool)
         if self.lora_runner is not None and self.lora_runner is not self.runner:
             self.lora_runner.bind_pool(self.pool)
@@ -287,6 +289,8 @@ class NativeBackend:
         """Run one step; a batch with adapter slots runs on the LoRA graph. extra_inputs binds further
         graph inputs (tests drive the LoRA graph's adapter tensors directly with it)."""
         runner = self.runner
+        if batch.dropped_blocks and self.pool is not None:
+            self.pool.drop(batch.dropped_blocks)
         if batch.adapter_slots is not None:
             if self.adapters is None:
                 raise RuntimeError("a step names adapter slots, but no adapter was enabled (enable_lora)")
@@ -300,7 +304,7 @@ class NativeBackend:
             runner.masked = batch.matchers is not None
         self._ensure_pool(batch)
         outs = runner.run(batch, extra_inputs)
-        self.pool.write(outs[C.PRESENT_KEY], outs[C.PRESENT_VALUE], batch.kv_slots)
+        self.pool.write(outs[C.PRESENT_KEY], outs[C.PRESENT_VALUE], batch.kv_slots, batch)
         if not batch.logits_index:
             return StepResult([], [])
         logits = outs[C.LOGITS].copy() if batch.want_full_logits else None
@@ -358,7 +362,7 @@ class NativeBackend:
             self.lora_runner.masked = False
         self._ensure_pool(xp.batch)
         outs = self.lora_runner.run(xp.batch, feeds, want_hidden=True)
-        self.pool.write(outs[C.PRESENT_KEY], outs[C.PRESENT_VALUE], xp.batch.kv_slots)
+        self.pool.write(outs[C.PRESENT_KEY], outs[C.PRESENT_VALUE], xp.batch.kv_slots, xp.batch)
         hidden = outs[C.HIDDEN_STATES]
         outputs = [self._classifier(g.xlora)(hidden[g.scaling_start:g.scaling_start + g.n]).tolist()
                    for g in xp.groups]

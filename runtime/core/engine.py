@@ -142,7 +142,9 @@ class Engine:
         if scheduled is None:
             return None
         self.adapters.load_slots(self.scheduler.slots.take_loads())
-        return PreparedStep(scheduled, build_step(scheduled.chunks, self.block_size))
+        batch = build_step(scheduled.chunks, self.block_size)
+        batch.dropped_blocks = self.scheduler.allocator.take_dropped()
+        return PreparedStep(scheduled, batch)
 
     def finish_step(self, prepared: PreparedStep, result: StepResult) -> list[RequestOutput]:
         """Choose tokens from the step's candidates, then let the scheduler account what was computed."""

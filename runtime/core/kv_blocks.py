@@ -67,6 +67,7 @@ class BlockAllocator:
         self._key_of: dict[int, bytes] = {}  # block -> its prefix key, for full blocks in the cache
         self._block_of: dict[bytes, int] = {}  # prefix key -> block
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody holds, LRU first
+        self._dropped: list[int] = []  # blocks the last holder let go of since take_dropped
         self.stats = PrefixStats()
 
     @property
@@ -105,12 +106,19 @@ class BlockAllocator:
     def release(self, block: int) -> None:
         self.refcount[block] -= 1
         if self.refcount[block] == 0:
+            self._dropped.append(block)
             if block in self._key_of:
                 self._evictable[block] = None  # keep its prefix for later hits
             else:
                 heapq.heappush(self._free, block)
         elif self.refcount[block] < 0:
             raise RuntimeError(f"block {block} released more often than retained")
+
+    def take_dropped(self) -> list[int]:
+        """Blocks whose last holder let go of them since the last call (free, or cached for later hits):
+        nobody writes them any more, so a backend may drop what it keeps beside their rows."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     # ---- prefix cache ----
     def lookup(self, keys: list[bytes]) -> list[int]:

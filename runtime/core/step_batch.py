@@ -121,6 +121,7 @@ class StepBatch:
     adapter_slots: list[int] | None = None  # per token, when any sequence runs on an adapter (the LoRA graph)
     xlora: XLoraPass | None = None  # the scaling pass, when X-LoRA sequences run
     matchers: list | None = None  # per logits row, its matcher or None, when any row is constrained
+    dropped_blocks: list[int] = field(default_factory=list)  # blocks no sequence holds since the last step
 
     def lora_slots(self) -> list[int]:
         """Every adapter slot the step reads: the tokens' own and the X-LoRA experts'."""

@@ -395,11 +395,14 @@ def test_decode_rows_sharing_prefix_blocks_attend_to_them_together_exactly(tiny_
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
 
 
-def attention_graph(Hq: int, Hkv: int, window: int, scale: float, int8: bool = False, softcap: float = 0.0) -> bytes:
-    """The operator alone; `int8`: int8 pools with their row scales (--kv-dtype int8)."""
+def attention_graph(Hq: int, Hkv: int, window: int, scale: float, int8: bool = False, softcap: float = 0.0,
+                    tails: bool = False) -> bytes:
+    """The operator alone; `int8`: int8 pools with their row scales (--kv-dtype int8), `tails`: and their
+    full-precision tails."""
     f, i64, pool = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT8 if int8 else TensorProto.FLOAT
     names = [("qk", f), ("v", f), ("pool_k", pool), ("pool_v", pool), ("tables", i64), ("qidx", i64), ("pos", i64)]
     names += [("scale_k", TensorProto.FLOAT16), ("scale_v", TensorProto.FLOAT16)] if int8 else []
+    names += [("tail_k", f), ("tail_v", f)] if tails else []
     node = helper.make_node("PagedAttention", [n for n, _ in names], ["out"], domain="ruvllm", num_heads=Hq,
                             num_kv_heads=Hkv, sliding_window=window, scale=scale, softcap=softcap)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in names],
@@ -408,11 +411,13 @@ def attention_graph(Hq: int, Hkv: int, window: int, scale: float, int8: bool = F
                                                    helper.make_opsetid("ruvllm", 1)]).SerializeToString()
 
 
-def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: float, softcap: float = 0.0) -> np.ndarray:
+def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: float, softcap: float = 0.0,
+                        exact: dict | None = None) -> np.ndarray:
     """Each token's attention over its row's keys, written out plainly: positions before the row's
     first new token from its pool blocks, the rest from this step's rows; causal, optionally windowed,
-    the scores optionally soft-capped (Gemma 2: cap * tanh(score / cap))."""
-    qk, v, pk, pv = feeds["qk"], feeds["v"], feeds["pool_k"], feeds["pool_v"]
+    the scores optionally soft-capped (Gemma 2: cap * tanh(score / cap)). `exact`: the same inputs in full
+    precision, which a token reads for the positions of its own pool block (a two-tier int8 pool)."""
+    qk, pk = feeds["qk"], feeds["pool_k"]
     tables, qidx, pos = feeds["tables"], feeds["qidx"], feeds["pos"]
     D, bs, G = qk.shape[1], pk.shape[2], Hq // Hkv
     out = np.zeros((len(pos), Hq * D), np.float32)
@@ -429,8 +434,10 @@ def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: floa
             lo = max(0, p - window + 1) if window else 0
             for h in range(Hkv):
                 span = range(lo, p + 1)
-                keys = np.stack([context(b, h, t, start, first, pk, qk, Hq + Hkv, Hq + h) for t in span])
-                vals = np.stack([context(b, h, t, start, first, pv, v, Hkv, h) for t in span])
+                src = [exact if exact is not None and t >= p - p % bs else feeds for t in span]
+                keys = np.stack([context(b, h, t, start, first, f["pool_k"], f["qk"], Hq + Hkv, Hq + h)
+                                 for t, f in zip(span, src)])
+                vals = np.stack([context(b, h, t, start, first, f["pool_v"], f["v"], Hkv, h) for t, f in zip(span, src)])
                 for g in range(G):
                     head = h * G + g
                     scores = keys.astype(np.float64) @ qk[n * (Hq + Hkv) + head] * scale
@@ -448,7 +455,7 @@ def rounded_rows(x: np.ndarray) -> np.ndarray:
 
 
 @needs_avx512
-@pytest.mark.parametrize("kv", ["fp32", "int8"])
+@pytest.mark.parametrize("kv", ["fp32", "int8", "int8+tails"])
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
 @pytest.mark.parametrize("Hq,Hkv,D,bs,window,softcap", [
     (9, 3, 64, 16, 0, 0.0), (8, 2, 128, 16, 0, 0.0), (4, 4, 32, 8, 0, 0.0), (16, 2, 16, 4, 0, 0.0),
@@ -461,7 +468,8 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
     across threads and merged, where fewer than 8 row/kv-head items leave threads idle). `int8`: the
     pools as int8 rows and scales; the reference reads their q * s, and this step's key and value rows
     rounded the same way (as the pool will store them); head_dim 16 has one scale a row, the rest one per
-    32 numbers."""
+    32 numbers. `int8+tails`: with full-precision tails, from which (or from this step's exact rows) each
+    token reads its own block's positions, and every earlier block's as int8 (as rounded)."""
     rng = np.random.default_rng(Hq * D + bs)
     num_blocks = 512
     pool_k = rng.standard_normal((Hkv, num_blocks, bs, D), dtype=np.float32)
@@ -491,8 +499,8 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
     opts.intra_op_num_threads = 2
     opts.register_custom_ops_library(str(LIB))
     scale = 1 / np.sqrt(D)
-    reference = feeds
-    if kv == "int8":
+    reference, exact = feeds, None
+    if kv.startswith("int8"):
         from runtime.backends.kv_pool import quantize_rows
 
         (feeds["pool_k"], feeds["scale_k"]), (feeds["pool_v"], feeds["scale_v"]) = quantize_rows(pool_k), quantize_rows(pool_v)
@@ -500,8 +508,12 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
         qk[:, Hq:] = rounded_rows(qk[:, Hq:])
         reference = {**feeds, "pool_k": rounded_rows(pool_k), "pool_v": rounded_rows(pool_v),
                      "qk": qk.reshape(-1, D), "v": rounded_rows(feeds["v"])}
-    got = ort.InferenceSession(attention_graph(Hq, Hkv, window, scale, kv == "int8", softcap), opts).run(None, feeds)[0]
-    want = attention_reference(reference, Hq, Hkv, window, scale, softcap)
+        if kv == "int8+tails":  # the tails hold the pool's rows unrounded (only own blocks' are read)
+            feeds["tail_k"], feeds["tail_v"] = pool_k, pool_v
+            exact = {**feeds, "pool_k": pool_k, "pool_v": pool_v}
+    graph = attention_graph(Hq, Hkv, window, scale, kv != "fp32", softcap, kv == "int8+tails")
+    got = ort.InferenceSession(graph, opts).run(None, feeds)[0]
+    want = attention_reference(reference, Hq, Hkv, window, scale, softcap, exact)
     assert got.shape == want.shape == (N, Hq * D)
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
 

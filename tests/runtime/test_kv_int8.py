@@ -60,7 +60,8 @@ def steps(backend, prompt: list[int], decodes: int) -> np.ndarray:
 def test_int8_pool_stays_near_the_fp32_pool_on_either_reader(tiny_package, monkeypatch, arch):
     """Prefill chunks and decodes on the int8 pool against the fp32 pool: int8's own error, small; the
     graph's own attention (RUVLLM_PAGED_ATTENTION=0, as on a CPU without AVX-512) reads the same numbers
-    as ruvllm.PagedAttention (mistral: across its sliding window)."""
+    as ruvllm.PagedAttention without its full-precision tails (RUVLLM_KV_TAILS=0; mistral: across its
+    sliding window), and the tails bring the kernel's reading nearer the fp32 pool's."""
     from runtime.backends.native import NativeBackend
     from runtime.package import load_package
 
@@ -68,16 +69,89 @@ def test_int8_pool_stays_near_the_fp32_pool_on_either_reader(tiny_package, monke
     prompt = [5, 17, 99, 3, 250, 41, 7, 8, 1000, 12, 13] * 3
     plain = steps(NativeBackend(pkg), prompt, 4)
     readers = {}
-    for kernel in (True, False):
+    for kernel, tails in ((True, True), (True, False), (False, False)):
         if kernel and not HAS_KERNEL:
             continue
         monkeypatch.setenv("RUVLLM_PAGED_ATTENTION", "1" if kernel else "0")
+        monkeypatch.setenv("RUVLLM_KV_TAILS", "1" if tails else "0")
         backend = NativeBackend(pkg, kv_dtype="int8")
         assert backend.attention_kernel.startswith("ruvllm.PagedAttention") == kernel, backend.attention_kernel
-        readers[kernel] = steps(backend, prompt, 4)
-        assert 0 < np.abs(readers[kernel] - plain).max() <= 0.05 * np.abs(plain).max()
-    if len(readers) == 2:
-        assert np.abs(readers[True] - readers[False]).max() <= 1e-4 * np.abs(plain).max()
+        readers[kernel, tails] = steps(backend, prompt, 4)
+        assert backend.pool.tails == tails
+        assert 0 < np.abs(readers[kernel, tails] - plain).max() <= 0.05 * np.abs(plain).max()
+    if len(readers) == 3:
+        assert np.abs(readers[True, False] - readers[False, False]).max() <= 1e-4 * np.abs(plain).max()
+        assert np.abs(readers[True, True] - plain).mean() < np.abs(readers[True, False] - plain).mean()
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="full-precision tails are read by ruvllm.PagedAttention")
+def test_a_query_reads_its_own_block_in_full_precision(tiny_package):
+    """Two-tier: while every position a step attends to lies in its own pool block (blocks of 64, a
+    prompt of 9 in two chunks, then decodes up to position 63) the int8 pool's logits are the fp32 pool's;
+    from the next block on, the earlier block is read as int8, and its tail pages go back to the system
+    (they read as zeros again)."""
+    from runtime.backends.native import NativeBackend
+    from runtime.core.step_batch import Chunk, build_step
+    from runtime.package import load_package
+
+    pkg = load_package(tiny_package("llama"))
+    bs, table, runs = 64, [3, 5], []
+    for kv_dtype in ("fp32", "int8"):
+        backend = NativeBackend(pkg, kv_dtype=kv_dtype)
+        backend.allocate(8, bs)
+        out, pos, live = [], 0, []
+        for tokens in [[5, 17, 99, 3], [250, 41, 7, 8, 9]] + [[7 + i % 50] for i in range(58)]:
+            slots = [table[p // bs] * bs + p % bs for p in range(pos, pos + len(tokens))]
+            batch = build_step([Chunk(tokens, pos, table, slots, True, top_k=5)], bs, want_full_logits=True)
+            out.append(backend.run(batch).logits.copy())
+            live.append(sorted(backend.pool._live) if kv_dtype == "int8" else None)
+            pos += len(tokens)
+        runs.append(np.concatenate(out))
+    plain, int8 = runs
+    own = 2 + 55  # logits rows of positions 3, 8 and 9..63
+    assert np.abs(int8[:own] - plain[:own]).max() <= 1e-5 * np.abs(plain).max()
+    assert np.abs(int8[own:] - plain[own:]).max() > 1e-4 * np.abs(plain).max()
+    assert live[own - 1] == [3] and live[own] == [5]  # block 3 given back as position 64 starts block 5
+    tail_k = backend.pool._tails[0]
+    assert not tail_k[:, :, 3 * bs:4 * bs].any() and tail_k[:, :, 5 * bs:5 * bs + 3].any()
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="full-precision tails are read by ruvllm.PagedAttention")
+def test_tails_of_finished_sequences_are_given_back_at_the_next_step(tiny_package):
+    """Eight requests ending inside a block leave eight blocks' tails; the scheduler reports the blocks it
+    let go of with the next step, and the pool gives their tails back, so they do not pile up."""
+    engine = Engine.from_package(tiny_package("llama"), kv_dtype="int8", block_size=16)
+    for i in range(8):
+        engine.add_request([5 + i, 17, 99, 3, 250, 41, 7 + i], greedy(4))
+    while engine.has_unfinished():
+        engine.step()
+    pool = engine.backend.pool
+    assert len(pool._live) == 8 and pool.committed_bytes > pool.num_layers * 2 * pool.layer_bytes * pool.committed // pool.num_blocks
+    list(engine.generate([9, 8, 7], greedy(2)))
+    assert len(pool._live) == 1  # only the new request's block
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="full-precision tails are read by ruvllm.PagedAttention")
+@pytest.mark.parametrize("num_blocks", [None, 96])  # 96 blocks of 4 force preemption under 12 requests
+def test_two_tier_outputs_do_not_depend_on_batching_drafts_or_preemption(tiny_package, num_blocks):
+    """Which numbers a position reads (exact in its own block, int8 before it) depends on positions only:
+    12 staggered requests in chunked batches with prompt-lookup drafts (rejected drafts rewrite rows of a
+    block already filled) and preemption give each request's tokens run alone without drafts."""
+    from tests.runtime.test_engine import prompts, run_staggered
+
+    pkg = tiny_package("llama")
+    texts = [t + " . " + t for t in prompts(12)]  # repeats give the lookup drafts to verify
+    alone = Engine.from_package(pkg, kv_dtype="int8", enable_prefix_cache=False, max_num_seqs=1, speculative_tokens=0,
+                                block_size=4)  # blocks of 4: drafts cross into the next block often
+    solo = [[t for o in alone.generate(text, greedy(24)) for t in o.token_ids] for text in texts]
+    engine = Engine.from_package(pkg, kv_dtype="int8", max_num_seqs=12, max_batch_tokens=96, num_blocks=num_blocks,
+                                 block_size=4, speculative_tokens=3, speculative_max_batch=12)
+    got = run_staggered(engine, texts, max_tokens=24)
+    assert [got[i] for i in range(len(texts))] == solo
+    stats = engine.stats_snapshot()
+    assert stats["accepted_draft_tokens"] > 0 and stats["draft_tokens"] > stats["accepted_draft_tokens"]
+    if num_blocks:
+        assert stats["preemptions"] > 0
 
 
 def test_int8_pool_takes_a_quarter_of_the_memory(tiny_package):

@@ -21,6 +21,12 @@ namespace {
 // [Hkv, blocks, block_size, groups] for keys and for values (the native backend's --kv-dtype int8: a
 // group of 32 is its absolute maximum / 127 steps, rounded to nearest, kv_pool.quantize_rows); a row is
 // read as its int8 numbers times their group's scale, so an int8 pool is a quarter of the bytes to read.
+// Two more optional inputs with an int8 pool, fp32 tails [Hkv, blocks, block_size, D] per kind, make it
+// two-tier: the pool's blocks that sequences are still writing keep full-precision copies of their rows
+// there (kv_pool.py), and a query reads the keys and values of its own block exact, from the tail or this
+// step's rows, and every earlier block's as stored (int8; this step's rows rounded as they will be). The
+// choice depends on the two positions only, so a step's chunking, a prefix-cache hit or a recompute after
+// preemption leave every position's numbers the same.
 //
 // Attributes: num_heads, num_kv_heads, sliding_window (this layer's; 0: none), scale, softcap (Gemma 2's
 // soft limit on the scores, cap * tanh(score / cap), before the mask; 0: none).
@@ -76,6 +82,7 @@ struct AttnJob {
   int64_t N = 0;  // tokens this step
   const uint16_t *scale_k = nullptr, *scale_v = nullptr;  // an int8 pool's fp16 group scales; null: fp32 pools
   int64_t groups = 1;  // scales per row: one per 32 numbers, or one for the whole row (kv_pool.kv_group)
+  const float *tail_k = nullptr, *tail_v = nullptr;  // an int8 pool's full-precision tails, or null
 };
 
 // A key or value row: fp32 (this step's, or an fp32 pool's), or int8 times its scale (an int8 pool's).
@@ -155,6 +162,17 @@ struct RowHead {
   KVRow value(int64_t t) const {
     return t < start ? pooled(j->pool_v, j->scale_v, t) : step_row(j->v + ((base + t - start) * Hkv + h) * D);
   }
+  // the first position a query at p reads exact (its block's first, with tails; else none)
+  int64_t own_block(int64_t p) const { return j->tail_k ? p - p % j->bs : INT64_MAX; }
+  // key t for a query whose block starts at `own`: exact in that block, as stored before it
+  KVRow key(int64_t t, int64_t own) const {
+    if (t < own) return key(t);
+    return KVRow(t < start ? j->tail_k + (head + (size_t)slot(t)) * D : j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D);
+  }
+  KVRow value(int64_t t, int64_t own) const {
+    if (t < own) return value(t);
+    return KVRow(t < start ? j->tail_v + (head + (size_t)slot(t)) * D : j->v + ((base + t - start) * Hkv + h) * D);
+  }
   int64_t lowest(int64_t p) const { return j->k->window > 0 ? std::max<int64_t>(0, p - j->k->window + 1) : 0; }
 };
 
@@ -175,13 +193,13 @@ inline __m512 sum16(const __m512 v[16]) {
 // out row g = f[g] * sum over keys lo + u of sc[g * stride + u] * value (+ fp[g] * pre[g], a partial
 // result over earlier keys, when pre is given); NG heads share each value row read
 template <int DV, int NG>
-inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, const float* sc, int64_t stride, const float* f,
-                         const float* const* pre, const float* fp, float* out) {
+inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, int64_t own, const float* sc, int64_t stride,
+                         const float* f, const float* const* pre, const float* fp, float* out) {
   __m512 acc[NG][DV];
   for (int g = 0; g < NG; g++)
     for (int d = 0; d < DV; d++) acc[g][d] = _mm512_setzero_ps();
   for (int64_t u = 0; u < nk; u++) {
-    const KVRow vr = r.value(lo + u);
+    const KVRow vr = r.value(lo + u, own);
     if (u + 16 < nk) r.value(lo + u + 16).prefetch(DV);
     __m512 v[DV];
     for (int d = 0; d < DV; d++) v[d] = vr.load(d);
@@ -229,7 +247,7 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
   const __m512 scale = _mm512_set1_ps(j.k->scale);
   keys.resize((size_t)16 * D);
   for (int64_t s = 0; s < count; s++) {
-    const int64_t n = base + s, p = range ? range->to : start + s;
+    const int64_t n = base + s, p = range ? range->to : start + s, own = r.own_block(start + s);
     const int64_t lo = range ? range->from : shared ? from : r.lowest(p), nk = p - lo + 1;
     const int64_t width = (nk + 15) / 16 * 16;
     scores.resize((size_t)G * width);
@@ -244,7 +262,7 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
       const int nt = (int)std::min<int64_t>(16, nk - t0);
       KVRow kr[16];
       for (int i = 0; i < nt; i++) {
-        kr[i] = r.key(lo + t0 + i);
+        kr[i] = r.key(lo + t0 + i, own);
         if (kr[i].plain()) continue;
         float* row = &keys[(size_t)i * D];  // an int8 (or rounded) key read once here for all G heads
         for (int d = 0; d < DV; d++) _mm512_storeu_ps(row + 16 * d, kr[i].load(d));
@@ -289,10 +307,10 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
       const float* sc = &scores[g0 * width];
       const float* const* pp = shared ? &pre[g0] : nullptr;
       switch (std::min<int64_t>(4, G - g0)) {
-        case 1: weigh_values<DV, 1>(r, lo, nk, sc, width, &f[g0], pp, &fp[g0], o); break;
-        case 2: weigh_values<DV, 2>(r, lo, nk, sc, width, &f[g0], pp, &fp[g0], o); break;
-        case 3: weigh_values<DV, 3>(r, lo, nk, sc, width, &f[g0], pp, &fp[g0], o); break;
-        default: weigh_values<DV, 4>(r, lo, nk, sc, width, &f[g0], pp, &fp[g0], o);
+        case 1: weigh_values<DV, 1>(r, lo, nk, own, sc, width, &f[g0], pp, &fp[g0], o); break;
+        case 2: weigh_values<DV, 2>(r, lo, nk, own, sc, width, &f[g0], pp, &fp[g0], o); break;
+        case 3: weigh_values<DV, 3>(r, lo, nk, own, sc, width, &f[g0], pp, &fp[g0], o); break;
+        default: weigh_values<DV, 4>(r, lo, nk, own, sc, width, &f[g0], pp, &fp[g0], o);
       }
     }
   }
@@ -406,6 +424,28 @@ inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, const float* con
   }
 }
 
+// Two-tier pools: the keys transposed for a prefill chunk are the stored ones, so each query's scores
+// over its own block's keys [own, p] are computed again from the exact rows ...
+template <int DV>
+inline void own_block_scores(const RowHead& r, const float* q, int64_t own, int64_t p, float* sc) {
+  for (int64_t t = own; t <= p; t++) {
+    const KVRow k = r.key(t, own);
+    __m512 acc = _mm512_setzero_ps();
+    for (int d = 0; d < DV; d++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * d), k.load(d), acc);
+    sc[t] = _mm512_reduce_add_ps(acc);
+  }
+}
+
+// ... and their weighted values, summed over the stored rows, take the exact rows' differences.
+template <int DV>
+inline void own_block_values(const RowHead& r, int64_t own, int64_t p, const float* sc, __m512 acc[DV]) {
+  for (int64_t u = own; u <= p; u++) {
+    const KVRow exact = r.value(u, own), stored = r.value(u);
+    const __m512 w = _mm512_set1_ps(sc[u]);
+    for (int d = 0; d < DV; d++) acc[d] = _mm512_fmadd_ps(w, _mm512_sub_ps(exact.load(d), stored.load(d)), acc[d]);
+  }
+}
+
 // queries q0 .. q0 + nq - 1 of the row's kv head (query i: token i / G, head h * G + i % G)
 template <int DV>
 void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t key0, int64_t q0, int64_t nq) {
@@ -436,6 +476,7 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
   for (int64_t i = 0; i < nq; i++) {  // softmax of each query's scores; zero outside its keys
     const int64_t p = start + (q0 + i) / G, first = r.lowest(p);
     float* sc = &scores[i * width] - lo;  // sc[t] for t in [lo, lo + width)
+    if (j.tail_k) own_block_scores<DV>(r, &qs[i * D], std::max(first, r.own_block(p)), p, sc);
     if (j.k->softcap > 0.f) softcap_in_place(sc, first, p, j.k->softcap);
     float mx = -INFINITY;
     for (int64_t t = first; t <= p; t++) mx = std::max(mx, sc[t]);
@@ -453,6 +494,10 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
     weigh<DV>(r, u_lo, u_hi, sc, acc);
     for (int rr = 0; rr < nr; rr++) {
       const int64_t qi = q0 + i0 + rr, n = base + qi / G, head = h * G + qi % G;
+      if (j.tail_k) {
+        const int64_t p = start + qi / G;
+        own_block_values<DV>(r, std::max(r.lowest(p), r.own_block(p)), p, sc[rr], acc[rr]);
+      }
       const __m512 s = _mm512_set1_ps(inv[i0 + rr]);
       float* o = j.out + n * Hq * D + head * D;
       for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[rr][d], s));
@@ -792,9 +837,9 @@ OrtStatus* create_attention(const CustomOp*, const void*, const OrtKernelInfo* i
 OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   const AttnKernel& k = *static_cast<AttnKernel*>(kernel);
   auto input = api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput);
-  const OrtValue* in[9] = {};
-  std::vector<int64_t> dims[9];
-  for (size_t i = 0; i < 9; i++) {
+  const OrtValue* in[11] = {};
+  std::vector<int64_t> dims[11];
+  for (size_t i = 0; i < 11; i++) {
     RETURN_IF(input(ctx, i, &in[i]));
     if (in[i]) RETURN_IF(tensor_shape(in[i], dims[i]));
     else if (i < 7) return fail("ruvllm.PagedAttention: a required input is missing");
@@ -826,6 +871,18 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
     job.groups = dims[7][3];
     RETURN_IF(tensor_data(in[7], const_cast<uint16_t**>(&job.scale_k)));
     RETURN_IF(tensor_data(in[8], const_cast<uint16_t**>(&job.scale_v)));
+    if (in[9] || in[10]) {  // the full-precision tails, shaped as an fp32 pool
+      for (int i : {9, 10}) {
+        int type = 0;
+        if (in[i]) RETURN_IF(tensor_type(in[i], &type));
+        if (!in[i] || type != kFloat || dims[i] != dims[2])
+          return fail("ruvllm.PagedAttention: an int8 pool's tails must both be fp32 [kv_heads, blocks, block_size, head_dim]");
+      }
+      RETURN_IF(tensor_data(in[9], const_cast<float**>(&job.tail_k)));
+      RETURN_IF(tensor_data(in[10], const_cast<float**>(&job.tail_v)));
+    }
+  } else if (in[9] || in[10]) {
+    return fail("ruvllm.PagedAttention: full-precision tails go with an int8 pool");
   }
   RETURN_IF(tensor_data(in[2], const_cast<void**>(&job.pool_k)));
   RETURN_IF(tensor_data(in[3], const_cast<void**>(&job.pool_v)));
