@@ -90,15 +90,11 @@ def past_value_scale(layer: int) -> str:
     return f"past.{layer}.value_scale"
 
 
-def past_key_tail(layer: int) -> str:
-    # float [kv_heads, num_blocks, block_size, head_dim]: full-precision copies of the rows of the blocks
-    # sequences are still writing, beside an int8 pool (ruvllm.PagedAttention reads a query's own block from
-    # them). Not an exported input either: added with the scales where the kernel runs (graph_fusion.kv_in_int8)
-    return f"past.{layer}.key_tail"
-
-
-def past_value_tail(layer: int) -> str:
-    return f"past.{layer}.value_tail"
+# float [num_blocks, num_layers, kv_heads, block_size, head_dim], one per kind: full-precision copies of the
+# rows of the blocks sequences are still writing, beside an int8 pool (ruvllm.PagedAttention reads a query's
+# own block from them), every layer's block by block. Not exported inputs either: added with the scales
+# where the kernel runs (graph_fusion.kv_in_int8)
+KV_TAIL_KEY, KV_TAIL_VALUE = "kv_tail.key", "kv_tail.value"
 
 
 KV_DTYPES = ("fp32", "int8")  # the native KV pool's element types (--kv-dtype)
@@ -106,7 +102,7 @@ KV_DTYPES = ("fp32", "int8")  # the native KV pool's element types (--kv-dtype)
 
 def kv_scale_inputs(num_layers: int) -> set[str]:
     """The inputs an int8 pool adds to a graph: its scales, and (on ruvllm.PagedAttention) its tails."""
-    return {f(i) for i in range(num_layers) for f in (past_key_scale, past_value_scale, past_key_tail, past_value_tail)}
+    return {f(i) for i in range(num_layers) for f in (past_key_scale, past_value_scale)} | {KV_TAIL_KEY, KV_TAIL_VALUE}
 
 
 def lora_a(layer: int, target: str) -> str:

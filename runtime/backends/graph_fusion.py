@@ -72,7 +72,7 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
         layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"], windows)
     if kv_int8:  # on the kernel's layers, else (no AVX-512 kernels) on the graph's own attention
         if layers:
-            kv_in_int8(model, kv_tails)
+            kv_in_int8(model, kv_tails, config["num_layers"])
         kv_in_int8_graph(model)
     norms = fuse_norms(model) if "SkipRMSNorm" in ops else 0
     loras = fuse_lora(model) if "LoraDelta" in ops else 0
@@ -265,12 +265,13 @@ def _drop_dead(model) -> None:
         _drop(model, nodes, dead)
 
 
-def kv_in_int8(model, tails: bool = True) -> int:
+def kv_in_int8(model, tails: bool = True, num_layers: int = 0) -> int:
     """Each layer's KV pool inputs (past.{i}.key / .value) that only ruvllm.PagedAttention reads become
     int8, and the node takes four more inputs: the fp16 scales of each row's groups [kv_heads, num_blocks,
     block_size, groups] per kind (contract.past_key_scale, kv_pool.quantize_rows), which the kernel
     multiplies back in (--kv-dtype int8), and the fp32 tails, full-precision copies of the blocks being
-    written (contract.past_key_tail; kv_pool.py), unless `tails` is False. Returns how many layers."""
+    written, every layer's in one input per kind (contract.KV_TAIL_KEY; kv_pool.py; the node's `layer` says
+    which part is its own), unless `tails` is False. Returns how many layers."""
     import onnx
 
     from runtime import contract as C
@@ -292,17 +293,16 @@ def kv_in_int8(model, tails: bool = True) -> int:
         if grouping is None:
             continue
         groups = grouping[0]
-        copies = []
+        if tails and not count:
+            for name in (C.KV_TAIL_KEY, C.KV_TAIL_VALUE):
+                model.graph.input.append(_tail_input(key, name, num_layers))
         for pool, name in ((key, C.past_key_scale(layer)), (value, C.past_value_scale(layer))):
-            copies.append(onnx.ValueInfoProto())
-            copies[-1].CopyFrom(pool)  # an fp32 pool's shape and type: the tail of the blocks being written
             pool.type.tensor_type.elem_type = onnx.TensorProto.INT8
             model.graph.input.append(_scales_input(pool, name, groups))
             node.input.append(name)
-        for copy, name in zip(copies if tails else [], (C.past_key_tail(layer), C.past_value_tail(layer))):
-            copy.name = name
-            model.graph.input.append(copy)
-            node.input.append(name)
+        if tails:
+            node.input.extend([C.KV_TAIL_KEY, C.KV_TAIL_VALUE])
+            node.attribute.append(onnx.helper.make_attribute("layer", layer))
         count += 1
     return count
 
@@ -326,6 +326,22 @@ def _scales_input(pool, name: str, groups: int):
         scales.type.tensor_type.shape.dim.add().CopyFrom(d)
     scales.type.tensor_type.shape.dim.add().dim_value = groups
     return scales
+
+
+def _tail_input(pool, name: str, num_layers: int):
+    """The graph input of the fp32 tails of every layer, [blocks, layers, kv_heads, block_size, head_dim],
+    from a layer's pool input [kv_heads, blocks, block_size, head_dim]."""
+    from onnx import TensorProto, helper
+
+    tail = helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+    heads, blocks, size, dim = list(pool.type.tensor_type.shape.dim)
+    for d in (blocks, None, heads, size, dim):
+        out = tail.type.tensor_type.shape.dim.add()
+        if d is None:
+            out.dim_value = num_layers
+        else:
+            out.CopyFrom(d)
+    return tail
 
 
 def kv_in_int8_graph(model) -> int:

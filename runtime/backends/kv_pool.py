@@ -18,8 +18,8 @@ graph_fusion.kv_in_int8 / kv_in_int8_graph) each kind is int8 rows whose groups 
 group; per group rather than per row because a key row's few large channels would otherwise coarsen all
 the others (SmolLM2, decode-like steps: KL 0.0047 vs 0.0052 per row; docs/PERFORMANCE.md). Each token is
 quantized as it is written. Where ruvllm.PagedAttention reads the pool it is two-tier (`tails`): the rows
-of the blocks sequences are still writing are also kept in full precision, in fp32 tails shaped as an
-fp32 pool but committed only where written, and a query reads its own block from them (greedy text on 20
+of the blocks sequences are still writing are also kept in full precision, in fp32 tails [blocks,
+layers, kv_heads, block_size, head_dim] committed only where written, and a query reads its own block from them (greedy text on 20
 prompts equal to the fp32 pool's on 17 rather than 13; docs/PERFORMANCE.md). A block's tail pages are
 returned to the system once a step shows it is behind a sequence's current block.
 """
@@ -107,7 +107,9 @@ def _reserved(shape: list[int], dtype=np.float32) -> np.ndarray:
     import mmap
 
     count, size = int(np.prod(shape)), np.dtype(dtype).itemsize
-    buf = mmap.mmap(-1, max(size * count, 1))
+    # private: its pages can be given back with MADV_DONTNEED (for shared memory that only unmaps them, and
+    # MADV_REMOVE cost ~0.1 ms a call)
+    buf = mmap.mmap(-1, max(size * count, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         buf.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(buf, dtype, count).reshape(shape)
@@ -118,8 +120,7 @@ _madvise = None
 
 def _release_pages(arr: np.ndarray, ranges: list[tuple[int, int]]) -> None:
     """Give back the memory of (byte offset, length) ranges of a reserved array (page-aligned): it reads
-    as zeros again and is committed anew when next written. MADV_REMOVE: the mapping is shared memory,
-    whose pages MADV_DONTNEED would only unmap."""
+    as zeros again and is committed anew when next written."""
     global _madvise
     import ctypes
     import mmap
@@ -129,7 +130,7 @@ def _release_pages(arr: np.ndarray, ranges: list[tuple[int, int]]) -> None:
         _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     base = arr.ctypes.data
     for offset, length in ranges:
-        _madvise(base + offset, length, mmap.MADV_REMOVE)
+        _madvise(base + offset, length, mmap.MADV_DONTNEED)
 
 
 class DeviceKVPool:
@@ -137,7 +138,7 @@ class DeviceKVPool:
                  num_blocks: int, block_size: int, device_writes: bool | None = None, kv_dtype: str = "fp32",
                  tails: bool = False) -> None:
         """tails: keep full-precision copies of the blocks being written beside an int8 pool (the graph
-        reads them: contract.past_key_tail)."""
+        reads them: contract.KV_TAIL_KEY)."""
         self.device = device_of(providers)
         self.device_writes = self.device != "cpu" if device_writes is None else device_writes
         self.int8 = kv_dtype == "int8"
@@ -161,7 +162,8 @@ class DeviceKVPool:
             scale_shape = [*shape[:3], self.groups]
             self._scales = (_reserved(scale_shape, np.float16), _reserved(scale_shape, np.float16)) if self.int8 else ()
             # committed where written (never by ensure), given back as their blocks fall behind
-            self._tails = (_reserved(shape), _reserved(shape)) if self.tails else ()
+            tail_shape = [num_blocks, num_layers, kv_heads, block_size, head_dim]  # a block's rows: one range
+            self._tails = (_reserved(tail_shape), _reserved(tail_shape)) if self.tails else ()
             self._live: set[int] = set()  # blocks whose tail rows hold memory
             self.committed = 0
             self.ensure(min(num_blocks, FIRST_BLOCKS))
@@ -201,13 +203,12 @@ class DeviceKVPool:
     def committed_bytes(self) -> int:
         """Bytes of K and V memory committed so far (the whole pool on a GPU), the tails' pages included."""
         pool = 2 * self.num_layers * (self.layer_bytes + self.scale_bytes) * self.committed // self.num_blocks
-        return pool + (len(self._live) * 2 * self.num_layers * self.layer_shape[0] * self._tail_rows_bytes
-                       if self.tails else 0)
+        return pool + (len(self._live) * 2 * self._tail_block_bytes if self.tails else 0)
 
     @property
-    def _tail_rows_bytes(self) -> int:
-        """Bytes of one block's rows of one layer and kv head in a tail."""
-        return self.block_size * self.layer_shape[3] * 4
+    def _tail_block_bytes(self) -> int:
+        """Bytes of one block's rows of every layer and kv head in a tail."""
+        return self.num_layers * self.layer_shape[0] * self.block_size * self.layer_shape[3] * 4
 
     def bind_layers(self, io, num_layers: int) -> None:
         """Bind each layer's past.{i}.key / .value graph input to its slice of the pool."""
@@ -217,8 +218,8 @@ class DeviceKVPool:
             for name, scales in zip((C.past_key_scale(i), C.past_value_scale(i)), self._scale_values):
                 io.bind_input(name, self.device, 0, np.float16, [*self.layer_shape[:3], self.groups],
                               scales.data_ptr() + i * self.scale_bytes)
-            for name, tail in zip((C.past_key_tail(i), C.past_value_tail(i)), self._tail_values):
-                io.bind_input(name, self.device, 0, np.float32, self.layer_shape, tail.data_ptr() + i * self.layer_bytes * 4)
+        for name, tail in zip((C.KV_TAIL_KEY, C.KV_TAIL_VALUE), self._tail_values):
+            io.bind_ortvalue_input(name, tail)
 
     def write(self, present_key, present_value, kv_slots: list[int], batch=None) -> None:
         """Put a step's K/V ([layers, tokens, kv_heads, head_dim] OrtValues on the device) into the slots;
@@ -262,7 +263,7 @@ class DeviceKVPool:
         if tokens:
             slots = np.asarray([kv_slots[t] for t in tokens], np.int64)
             for tail, present in zip(self._tails, (present_key, present_value)):
-                tail[:, :, slots] = present.numpy()[:, tokens].transpose(0, 2, 1, 3)
+                tail[slots // bs, :, :, slots % bs] = present.numpy()[:, tokens].transpose(1, 0, 2, 3)
             self._live.update(int(s) // bs for s in slots)
 
     def drop(self, blocks: list[int]) -> None:
@@ -276,14 +277,17 @@ class DeviceKVPool:
     def _release_tails(self, blocks: set[int]) -> None:
         import mmap
 
-        row_bytes = self._tail_rows_bytes
-        if row_bytes % mmap.PAGESIZE:
+        size = self._tail_block_bytes
+        if size % mmap.PAGESIZE:
             return  # a block's rows do not fill whole pages: they stay committed (reused by later blocks)
-        heads, rows = self.num_layers * self.layer_shape[0], self.num_blocks * self.block_size
-        ranges = [((lh * rows + b * self.block_size) * self.layer_shape[3] * 4, row_bytes)
-                  for lh in range(heads) for b in blocks]
+        ranges: list[list[int]] = []  # runs of consecutive blocks, one call each
+        for b in sorted(blocks):
+            if ranges and ranges[-1][1] == b:
+                ranges[-1][1] = b + 1
+            else:
+                ranges.append([b, b + 1])
         for tail in self._tails:
-            _release_pages(tail, ranges)
+            _release_pages(tail, [(lo * size, (hi - lo) * size) for lo, hi in ranges])
 
     def host_view(self) -> tuple[np.ndarray, np.ndarray]:
         """The pools as numpy arrays [layers, kv_heads, blocks, block_size, head_dim] sharing their memory

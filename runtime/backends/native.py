@@ -213,7 +213,7 @@ class NativeBackend:
     def allocate(self, num_blocks: int, block_size: int) -> None:
         from runtime.backends.kv_pool import DeviceKVPool
 
-        tails = C.past_key_tail(0) in {i.name for i in self.session.get_inputs()}  # int8 on ruvllm.PagedAttention
+        tails = C.KV_TAIL_KEY in {i.name for i in self.session.get_inputs()}  # int8 on ruvllm.PagedAttention
         self.pool = DeviceKVPool(self._ort, self.providers, self.num_layers, self.kv_heads, self.head_dim,
                                  num_blocks, block_size, self._kv_device_writes, self.kv_dtype, tails)
         self.runner.bind_pool(self.pool)

@@ -405,6 +405,8 @@ def attention_graph(Hq: int, Hkv: int, window: int, scale: float, int8: bool = F
     names += [("tail_k", f), ("tail_v", f)] if tails else []
     node = helper.make_node("PagedAttention", [n for n, _ in names], ["out"], domain="ruvllm", num_heads=Hq,
                             num_kv_heads=Hkv, sliding_window=window, scale=scale, softcap=softcap)
+    if tails:  # every layer's tails in one input: this node's are layer 1's
+        node.attribute.append(helper.make_attribute("layer", 1))
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in names],
                               [helper.make_tensor_value_info("out", f, None)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
@@ -508,8 +510,10 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
         qk[:, Hq:] = rounded_rows(qk[:, Hq:])
         reference = {**feeds, "pool_k": rounded_rows(pool_k), "pool_v": rounded_rows(pool_v),
                      "qk": qk.reshape(-1, D), "v": rounded_rows(feeds["v"])}
-        if kv == "int8+tails":  # the tails hold the pool's rows unrounded (only own blocks' are read)
-            feeds["tail_k"], feeds["tail_v"] = pool_k, pool_v
+        if kv == "int8+tails":  # layer 1 of the tails holds the pool's rows unrounded (only own blocks' are read)
+            for name, pool in (("tail_k", pool_k), ("tail_v", pool_v)):
+                feeds[name] = rng.standard_normal((num_blocks, 2, Hkv, bs, D), dtype=np.float32)
+                feeds[name][:, 1] = pool.transpose(1, 0, 2, 3)
             exact = {**feeds, "pool_k": pool_k, "pool_v": pool_v}
     graph = attention_graph(Hq, Hkv, window, scale, kv != "fp32", softcap, kv == "int8+tails")
     got = ort.InferenceSession(graph, opts).run(None, feeds)[0]

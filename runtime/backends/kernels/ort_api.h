@@ -36,6 +36,7 @@ enum ApiEntry : size_t {
   kKernelInfoGetAttribute_int64 = 86,
   kKernelContext_GetInput = 90,
   kKernelContext_GetOutput = 91,
+  kReleaseStatus = 93,
   kReleaseTensorTypeAndShapeInfo = 99,
   kKernelInfoGetConstantInput_tensor = 249,
   kKernelContext_ParallelFor = 274,

@@ -21,12 +21,13 @@ namespace {
 // [Hkv, blocks, block_size, groups] for keys and for values (the native backend's --kv-dtype int8: a
 // group of 32 is its absolute maximum / 127 steps, rounded to nearest, kv_pool.quantize_rows); a row is
 // read as its int8 numbers times their group's scale, so an int8 pool is a quarter of the bytes to read.
-// Two more optional inputs with an int8 pool, fp32 tails [Hkv, blocks, block_size, D] per kind, make it
-// two-tier: the pool's blocks that sequences are still writing keep full-precision copies of their rows
-// there (kv_pool.py), and a query reads the keys and values of its own block exact, from the tail or this
-// step's rows, and every earlier block's as stored (int8; this step's rows rounded as they will be). The
-// choice depends on the two positions only, so a step's chunking, a prefix-cache hit or a recompute after
-// preemption leave every position's numbers the same.
+// Two more optional inputs with an int8 pool, fp32 tails [blocks, layers, Hkv, block_size, D] per kind
+// (every layer's, block by block, so that a block's tail is one range of memory to give back; attribute
+// `layer` says which is this one's), make it two-tier: the pool's blocks that sequences are still writing
+// keep full-precision copies of their rows there (kv_pool.py), and a query reads the keys and values of its
+// own block exact, from the tail or this step's rows, and every earlier block's as stored (int8; this
+// step's rows rounded as they will be). The choice depends on the two positions only, so a step's
+// chunking, a prefix-cache hit or a recompute after preemption leave every position's numbers the same.
 //
 // Attributes: num_heads, num_kv_heads, sliding_window (this layer's; 0: none), scale, softcap (Gemma 2's
 // soft limit on the scores, cap * tanh(score / cap), before the mask; 0: none).
@@ -51,7 +52,7 @@ inline float exp_in_place(float* sc, int64_t first, int64_t last, float mx) {
 }
 
 struct AttnKernel {
-  int64_t num_heads = 0, num_kv_heads = 0, window = 0;
+  int64_t num_heads = 0, num_kv_heads = 0, window = 0, layer = -1;
   float scale = 1.f, softcap = 0.f;
 };
 
@@ -82,7 +83,8 @@ struct AttnJob {
   int64_t N = 0;  // tokens this step
   const uint16_t *scale_k = nullptr, *scale_v = nullptr;  // an int8 pool's fp16 group scales; null: fp32 pools
   int64_t groups = 1;  // scales per row: one per 32 numbers, or one for the whole row (kv_pool.kv_group)
-  const float *tail_k = nullptr, *tail_v = nullptr;  // an int8 pool's full-precision tails, or null
+  const float *tail_k = nullptr, *tail_v = nullptr;  // an int8 pool's full-precision tails (this layer's), or null
+  int64_t tail_block = 0;  // floats from one block's tail to the next's (layers * Hkv * bs * D)
 };
 
 // A key or value row: fp32 (this step's, or an fp32 pool's), or int8 times its scale (an int8 pool's).
@@ -165,13 +167,14 @@ struct RowHead {
   // the first position a query at p reads exact (its block's first, with tails; else none)
   int64_t own_block(int64_t p) const { return j->tail_k ? p - p % j->bs : INT64_MAX; }
   // key t for a query whose block starts at `own`: exact in that block, as stored before it
+  size_t tail_row(int64_t t) const { return table[t / j->bs] * j->tail_block + (h * j->bs + t % j->bs) * D; }
   KVRow key(int64_t t, int64_t own) const {
     if (t < own) return key(t);
-    return KVRow(t < start ? j->tail_k + (head + (size_t)slot(t)) * D : j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D);
+    return KVRow(t < start ? j->tail_k + tail_row(t) : j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D);
   }
   KVRow value(int64_t t, int64_t own) const {
     if (t < own) return value(t);
-    return KVRow(t < start ? j->tail_v + (head + (size_t)slot(t)) * D : j->v + ((base + t - start) * Hkv + h) * D);
+    return KVRow(t < start ? j->tail_v + tail_row(t) : j->v + ((base + t - start) * Hkv + h) * D);
   }
   int64_t lowest(int64_t p) const { return j->k->window > 0 ? std::max<int64_t>(0, p - j->k->window + 1) : 0; }
 };
@@ -823,6 +826,12 @@ OrtStatus* create_attention(const CustomOp*, const void*, const OrtKernelInfo* i
   auto fattr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(kKernelInfoGetAttribute_float);
   if (!st) st = fattr(info, "scale", &k->scale);
   if (!st) st = fattr(info, "softcap", &k->softcap);
+  if (!st) {
+    if (OrtStatus* none = attr(info, "layer", &k->layer)) {  // optional: only the tails need it
+      api<void (*)(OrtStatus*)>(kReleaseStatus)(none);
+      k->layer = -1;
+    }
+  }
   if (!st && k->softcap < 0.f) st = fail("ruvllm.PagedAttention: softcap must not be negative");
   if (!st && (k->num_heads <= 0 || k->num_kv_heads <= 0 || k->num_heads % k->num_kv_heads))
     st = fail("ruvllm.PagedAttention: num_heads must be a multiple of num_kv_heads");
@@ -871,15 +880,22 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
     job.groups = dims[7][3];
     RETURN_IF(tensor_data(in[7], const_cast<uint16_t**>(&job.scale_k)));
     RETURN_IF(tensor_data(in[8], const_cast<uint16_t**>(&job.scale_v)));
-    if (in[9] || in[10]) {  // the full-precision tails, shaped as an fp32 pool
+    if (in[9] || in[10]) {  // the full-precision tails [blocks, layers, Hkv, block_size, D]
       for (int i : {9, 10}) {
         int type = 0;
         if (in[i]) RETURN_IF(tensor_type(in[i], &type));
-        if (!in[i] || type != kFloat || dims[i] != dims[2])
-          return fail("ruvllm.PagedAttention: an int8 pool's tails must both be fp32 [kv_heads, blocks, block_size, head_dim]");
+        const std::vector<int64_t>& t = dims[i];
+        if (!in[i] || type != kFloat || t.size() != 5 || t[0] != dims[2][1] || t[2] != dims[2][0] || t[3] != dims[2][2] ||
+            t[4] != D || k.layer < 0 || k.layer >= t[1])
+          return fail("ruvllm.PagedAttention: an int8 pool's tails must both be fp32 [blocks, layers, kv_heads, "
+                      "block_size, head_dim], with this node's `layer` among them");
       }
+      job.tail_block = dims[9][1] * dims[9][2] * dims[9][3] * D;
+      const int64_t layer_offset = k.layer * dims[9][2] * dims[9][3] * D;
       RETURN_IF(tensor_data(in[9], const_cast<float**>(&job.tail_k)));
       RETURN_IF(tensor_data(in[10], const_cast<float**>(&job.tail_v)));
+      job.tail_k += layer_offset;
+      job.tail_v += layer_offset;
     }
   } else if (in[9] || in[10]) {
     return fail("ruvllm.PagedAttention: full-precision tails go with an int8 pool");
