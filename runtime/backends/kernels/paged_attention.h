@@ -85,13 +85,14 @@ struct AttnJob {
   int64_t groups = 1;  // scales per row: one per 32 numbers, or one for the whole row (kv_pool.kv_group)
   const float *tail_k = nullptr, *tail_v = nullptr;  // an int8 pool's full-precision tails (this layer's), or null
   int64_t tail_block = 0;  // floats from one block's tail to the next's (layers * Hkv * bs * D)
+  const float *step_k = nullptr, *step_v = nullptr;  // int8 pools: this step's key and value rows, rounded [N, Hkv, D]
 };
 
 // A key or value row: fp32 (this step's, or an fp32 pool's), or int8 times its scale (an int8 pool's).
 // With an int8 pool this step's rows are read rounded as they will be stored (kv_pool.quantize_rows,
-// bit for bit), so that every position attends to the same numbers whether its keys come from this step
-// or from the pool: a recomputed (preempted) sequence or a prompt after a prefix-cache hit then gives
-// the tokens of the first run.
+// bit for bit; round_step_rows, once a step), so that every position attends to the same numbers whether
+// its keys come from this step or from the pool: a recomputed (preempted) sequence or a prompt after a
+// prefix-cache hit then gives the tokens of the first run.
 constexpr int kMaxGroups = 8;  // scales per row: head_dim 256 in groups of 32 (kv_pool.kv_group)
 
 struct KVRow {
@@ -99,37 +100,13 @@ struct KVRow {
   const int8_t* q = nullptr;
   const uint16_t* sc = nullptr;  // int8 rows: their groups' fp16 scales
   int shift = 0;                 // the group of 16-number chunk d is d >> shift (groups of 32, or one)
-  bool round = false;            // f rounded to int8 steps of rs
-  float rs[kMaxGroups];          // round: the groups' scales (left unset otherwise: rows are made per key)
   KVRow() {}
   explicit KVRow(const float* row) : f(row) {}
   KVRow(const int8_t* row, const uint16_t* scales, int64_t groups) : q(row), sc(scales), shift(shift_of(groups)) {}
   static int shift_of(int64_t groups) { return groups > 1 ? 1 : 4; }  // d < 16: d >> 4 is the one group
-  bool plain() const { return f && !round; }
-  // an fp32 row rounded by groups as kv_pool.quantize_rows does: fp16 scales of max / 127
-  static KVRow rounded(const float* f, int64_t D, int64_t groups) {
-    KVRow r(f);
-    r.round = true;
-    r.shift = shift_of(groups);
-    const int64_t chunks = D / 16 / groups;
-    for (int64_t g = 0; g < groups; g++) {
-      __m512 m = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; c++) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(f + (g * chunks + c) * 16)));
-      r.rs[g] = _cvtsh_ss(_cvtss_sh(_mm512_reduce_max_ps(m) / 127.f, _MM_FROUND_TO_NEAREST_INT));
-    }
-    return r;
-  }
+  bool plain() const { return f != nullptr; }
   __m512 load(int d) const {  // numbers 16d .. 16d + 15
-    if (plain()) return _mm512_loadu_ps(f + 16 * d);
-    if (f) {
-      const float s = rs[d >> shift];
-      if (s == 0.f) return _mm512_setzero_ps();
-      const __m512 steps = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(f + 16 * d), _mm512_set1_ps(s)),
-                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m512 lim = _mm512_set1_ps(127.f);  // an fp16 scale rounded down can put the maximum at 128
-      return _mm512_mul_ps(_mm512_max_ps(_mm512_min_ps(steps, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim)),
-                           _mm512_set1_ps(s));
-    }
+    if (f) return _mm512_loadu_ps(f + 16 * d);
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * d));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(_cvtsh_ss(sc[d >> shift])));
   }
@@ -139,6 +116,32 @@ struct KVRow {
       for (int d = 0; d < DV * 16; d += 64) ::prefetch(q + d);
   }
 };
+
+// n rows of D numbers at `from` (row stride `stride`) rounded by groups as kv_pool.quantize_rows does
+// (fp16 scales of max / 127, steps rounded to nearest even, kept within 127) into `to` (rows of D)
+inline void round_rows(const float* from, int64_t stride, int64_t n, int64_t D, int64_t groups, float* to) {
+  const int64_t chunks = D / 16 / groups;
+  const __m512 lim = _mm512_set1_ps(127.f);  // an fp16 scale rounded down can put the maximum at 128
+  for (int64_t i = 0; i < n; i++) {
+    const float* f = from + i * stride;
+    for (int64_t g = 0; g < groups; g++) {
+      __m512 m = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; c++) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(f + (g * chunks + c) * 16)));
+      const float s = _cvtsh_ss(_cvtss_sh(_mm512_reduce_max_ps(m) / 127.f, _MM_FROUND_TO_NEAREST_INT));
+      for (int64_t c = 0; c < chunks; c++) {
+        const int64_t at = (g * chunks + c) * 16;
+        __m512 out = _mm512_setzero_ps();
+        if (s != 0.f) {
+          const __m512 steps = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(f + at), _mm512_set1_ps(s)),
+                                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          out = _mm512_mul_ps(_mm512_max_ps(_mm512_min_ps(steps, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim)),
+                              _mm512_set1_ps(s));
+        }
+        _mm512_storeu_ps(to + i * D + at, out);
+      }
+    }
+  }
+}
 
 // Row b's kv head h (item b * Hkv + h). Its keys and values before the row's first new position (start)
 // are in the pool's blocks, the rest are this step's rows.
@@ -157,12 +160,14 @@ struct RowHead {
     if (!scales) return KVRow(static_cast<const float*>(pool) + row * D);
     return KVRow(static_cast<const int8_t*>(pool) + row * D, scales + row * j->groups, j->groups);
   }
-  KVRow step_row(const float* f) const { return j->scale_k ? KVRow::rounded(f, D, j->groups) : KVRow(f); }
   KVRow key(int64_t t) const {
-    return t < start ? pooled(j->pool_k, j->scale_k, t) : step_row(j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D);
+    if (t < start) return pooled(j->pool_k, j->scale_k, t);
+    const int64_t n = base + t - start;
+    return KVRow(j->step_k ? j->step_k + (n * Hkv + h) * D : j->qk + (n * (Hq + Hkv) + Hq + h) * D);
   }
   KVRow value(int64_t t) const {
-    return t < start ? pooled(j->pool_v, j->scale_v, t) : step_row(j->v + ((base + t - start) * Hkv + h) * D);
+    if (t < start) return pooled(j->pool_v, j->scale_v, t);
+    return KVRow((j->step_v ? j->step_v : j->v) + ((base + t - start) * Hkv + h) * D);
   }
   // the first position a query at p reads exact (its block's first, with tails; else none)
   int64_t own_block(int64_t p) const { return j->tail_k ? p - p % j->bs : INT64_MAX; }
@@ -267,7 +272,7 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
       for (int i = 0; i < nt; i++) {
         kr[i] = r.key(lo + t0 + i, own);
         if (kr[i].plain()) continue;
-        float* row = &keys[(size_t)i * D];  // an int8 (or rounded) key read once here for all G heads
+        float* row = &keys[(size_t)i * D];  // an int8 key dequantized once here for all G heads
         for (int d = 0; d < DV; d++) _mm512_storeu_ps(row + 16 * d, kr[i].load(d));
         kr[i] = KVRow(row);
       }
@@ -600,6 +605,7 @@ struct Plan {
   std::vector<float> kt, partial, ranges;
   Partial shared{}, split{};
   std::vector<int8_t> role;  // per row: 0 decode, 1 prefill, 2 in a shared group
+  std::vector<float> step_rows;  // int8 pools: this step's keys, then values, rounded (AttnJob::step_k)
 };
 
 constexpr int64_t kChunkBlocks = 8;  // key blocks (of 16) per transposition work item
@@ -909,6 +915,15 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   RETURN_IF(output_data(ctx, 0, out_dims, 2, &job.out));
   if (N == 0 || job.B * k.num_kv_heads == 0) return nullptr;
   thread_local Plan plan;  // the calling thread's; its workers only read it
+  if (job.scale_k) {  // this step's rows as the pool will store them, rounded once rather than at every read
+    const int64_t Hq = k.num_heads, Hkv = k.num_kv_heads;
+    plan.step_rows.resize((size_t)(2 * N * Hkv * D));
+    float* keys = plan.step_rows.data();
+    for (int64_t n = 0; n < N; n++) round_rows(job.qk + (n * (Hq + Hkv) + Hq) * D, D, Hkv, D, job.groups, keys + n * Hkv * D);
+    round_rows(job.v, D, N * Hkv, D, job.groups, keys + N * Hkv * D);
+    job.step_k = keys;
+    job.step_v = keys + N * Hkv * D;
+  }
   make_plan(job, plan);
   PhaseJob phase{&job, &plan};
   if (!plan.chunks.empty()) RETURN_IF(parallel_for(ctx, phase_item<TransposeItem>, plan.chunks.size(), &phase));
