@@ -461,7 +461,8 @@ def rounded_rows(x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
 @pytest.mark.parametrize("Hq,Hkv,D,bs,window,softcap", [
     (9, 3, 64, 16, 0, 0.0), (8, 2, 128, 16, 0, 0.0), (4, 4, 32, 8, 0, 0.0), (16, 2, 16, 4, 0, 0.0),
-    (6, 1, 256, 16, 0, 0.0), (8, 2, 64, 16, 24, 0.0), (9, 3, 64, 16, 0, 2.0), (8, 2, 32, 16, 24, 1.5)])
+    (6, 1, 256, 16, 0, 0.0), (8, 2, 64, 16, 24, 0.0), (9, 3, 64, 16, 0, 2.0), (8, 2, 32, 16, 24, 1.5),
+    (8, 2, 64, 12, 0, 0.0)])  # a block size that is not a power of two
 def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, softcap, layout, kv):
     """`mixed`: one step holding every kind of row the operator handles differently: a fresh prompt
     (queries in several groups), a prompt extending a cached context, a token with drafts, three decode

@@ -112,17 +112,19 @@ def test_xlora_matches_peft_mixing_logits_and_greedy_tokens(variant, arch, tiny_
         assert run(plain, PROMPT, "mix") == peft_greedy(xmodel, PROMPT, 8)
 
 
-def test_xlora_batched_with_adapters_and_the_base_model_equals_solo_runs(tiny_package, peft_adapters, xlora_models):
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_xlora_batched_with_adapters_and_the_base_model_equals_solo_runs(tiny_package, peft_adapters, xlora_models,
+                                                                         kv_dtype):
     """Twelve requests over the base model, a plain adapter and two X-LoRAs (one layerwise; their experts
     include that adapter) run together with a small KV pool (so some wait or are preempted): each equals its
-    solo run."""
+    solo run, on an fp32 pool and on a (two-tier, where the kernel runs) int8 one."""
     pkg = tiny_package("llama")
     rng = np.random.default_rng(11)
     prompts = [[int(t) for t in rng.integers(3, 2000, int(rng.integers(4, 20)))] for _ in range(12)]
     names = [None, "attn4", "mix", "layerwise"] * 3
 
     def engine(**kw) -> Engine:
-        e = Engine.from_package(pkg, speculative_tokens=0, max_loras=4, **kw)
+        e = Engine.from_package(pkg, speculative_tokens=0, max_loras=4, kv_dtype=kv_dtype, **kw)
         e.adapters.add("attn4", peft_adapters("llama")["attn4"])
         e.adapters.add("mix", xlora_models("dense")[1])
         e.adapters.add("layerwise", xlora_models("layerwise")[1])

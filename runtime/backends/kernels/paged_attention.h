@@ -85,6 +85,7 @@ struct AttnJob {
   int64_t groups = 1;  // scales per row: one per 32 numbers, or one for the whole row (kv_pool.kv_group)
   const float *tail_k = nullptr, *tail_v = nullptr;  // an int8 pool's full-precision tails (this layer's), or null
   int64_t tail_block = 0;  // floats from one block's tail to the next's (layers * Hkv * bs * D)
+  int bs_shift = -1;  // log2(bs) where bs is a power of two
   const float *step_k = nullptr, *step_v = nullptr;  // int8 pools: this step's key and value rows, rounded [N, Hkv, D]
 };
 
@@ -154,7 +155,11 @@ struct RowHead {
       : Hq(job.k->num_heads), Hkv(job.k->num_kv_heads), G(Hq / Hkv), D(head_dim), b((int64_t)item / Hkv),
         h((int64_t)item % Hkv), base(job.qidx[b * job.S]), count(job.qidx[b * job.S + job.S - 1] - base + 1),
         start(job.pos[base]), j(&job), table(job.tables + b * job.MB), head((size_t)(h * job.NB * job.bs)) {}
-  int64_t slot(int64_t t) const { return table[t / j->bs] * j->bs + t % j->bs; }  // pool row of position t < start
+  // position t's block (in the row's table) and place in it: shifts where the block size is a power of two
+  // (a 64-bit division per key read was a good part of a long context's decode step)
+  int64_t block_of(int64_t t) const { return j->bs_shift >= 0 ? t >> j->bs_shift : t / j->bs; }
+  int64_t in_block(int64_t t) const { return j->bs_shift >= 0 ? t & (j->bs - 1) : t % j->bs; }
+  int64_t slot(int64_t t) const { return table[block_of(t)] * j->bs + in_block(t); }  // pool row of position t < start
   KVRow pooled(const void* pool, const uint16_t* scales, int64_t t) const {
     const size_t row = head + (size_t)slot(t);
     if (!scales) return KVRow(static_cast<const float*>(pool) + row * D);
@@ -170,9 +175,9 @@ struct RowHead {
     return KVRow((j->step_v ? j->step_v : j->v) + ((base + t - start) * Hkv + h) * D);
   }
   // the first position a query at p reads exact (its block's first, with tails; else none)
-  int64_t own_block(int64_t p) const { return j->tail_k ? p - p % j->bs : INT64_MAX; }
+  int64_t own_block(int64_t p) const { return j->tail_k ? p - in_block(p) : INT64_MAX; }
   // key t for a query whose block starts at `own`: exact in that block, as stored before it
-  size_t tail_row(int64_t t) const { return table[t / j->bs] * j->tail_block + (h * j->bs + t % j->bs) * D; }
+  size_t tail_row(int64_t t) const { return table[block_of(t)] * j->tail_block + (h * j->bs + in_block(t)) * D; }
   KVRow key(int64_t t, int64_t own) const {
     if (t < own) return key(t);
     return KVRow(t < start ? j->tail_k + tail_row(t) : j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D);
@@ -867,6 +872,7 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   AttnJob job{&k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
               dims[5][0], dims[5][1], dims[4][1], dims[2][1], dims[2][2], D};
   job.N = N;
+  if (job.bs > 0 && (job.bs & (job.bs - 1)) == 0) job.bs_shift = __builtin_ctzll((unsigned long long)job.bs);
   RETURN_IF(tensor_data(in[0], const_cast<float**>(&job.qk)));
   RETURN_IF(tensor_data(in[1], const_cast<float**>(&job.v)));
   int kinds[2] = {};
