@@ -248,16 +248,17 @@ class DeviceKVPool:
 
     def _write_tails(self, present_key, present_value, kv_slots: list[int], batch) -> None:
         """Copy the rows of each batch row's blocks that a later step may still read as its own block into
-        the tails, and give back the tail pages of blocks now behind a row's current block."""
+        the tails, and give back the tail pages of the blocks before those: whole and computed once this
+        step is, they are read as stored from now on."""
         bs, sealed, tokens = self.block_size, set(), []
         for row, table in zip(batch.query_index, batch.block_tables):
             first = row[0]
             start, count = batch.position_ids[first], row[-1] - first + 1
-            current = start // bs  # every block before it is whole: read as stored from now on
-            sealed.update(b for b in table[max(0, current - 4):current] if b in self._live)
             resume = start + 1 if count <= DRAFT_ROWS else start + count  # where the next step may start
             keep = resume - resume % bs
             tokens.extend(range(first + max(0, keep - start), first + count))
+            # the row's earlier steps kept rows from at most DRAFT_ROWS before this one's start on
+            sealed.update(b for b in table[max(0, (start - DRAFT_ROWS) // bs):keep // bs] if b in self._live)
         if sealed:
             self._live -= sealed
             self._release_tails(sealed)

@@ -111,7 +111,8 @@ def test_a_query_reads_its_own_block_in_full_precision(tiny_package):
     own = 2 + 55  # logits rows of positions 3, 8 and 9..63
     assert np.abs(int8[:own] - plain[:own]).max() <= 1e-5 * np.abs(plain).max()
     assert np.abs(int8[own:] - plain[own:]).max() > 1e-4 * np.abs(plain).max()
-    assert live[own - 1] == [3] and live[own] == [5]  # block 3 given back as position 64 starts block 5
+    # block 3 given back once position 63 fills it, block 5 kept from position 64 on
+    assert live[own - 2] == [3] and live[own - 1] == [] and live[own] == [5]
     tail_k = backend.pool._tails[0]  # [blocks, layers, kv_heads, block_size, head_dim]
     assert not tail_k[3].any() and tail_k[5, :, :, :3].any()
 
@@ -152,6 +153,24 @@ def test_two_tier_outputs_do_not_depend_on_batching_drafts_or_preemption(tiny_pa
     assert stats["accepted_draft_tokens"] > 0 and stats["draft_tokens"] > stats["accepted_draft_tokens"]
     if num_blocks:
         assert stats["preemptions"] > 0
+
+
+@pytest.mark.skipif(not HAS_KERNEL, reason="full-precision tails are read by ruvllm.PagedAttention")
+def test_a_long_prompt_chunk_keeps_only_its_last_block_in_the_tails(tiny_package):
+    """A prompt prefilled in chunks of 40 (blocks of 16) keeps only the block where the next chunk starts
+    (none when it starts a block), and gives the earlier one back once a chunk has filled it."""
+    from runtime.backends.native import NativeBackend
+    from runtime.core.step_batch import Chunk, build_step
+    from runtime.package import load_package
+
+    backend = NativeBackend(load_package(tiny_package("llama")), kv_dtype="int8")
+    backend.allocate(16, 16)
+    table, live = [7, 3, 9, 4, 12, 1, 6, 14], []
+    for start in (0, 40, 80):
+        slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + 40)]
+        backend.run(build_step([Chunk(list(range(5, 45)), start, table, slots, True, top_k=5)], 16))
+        live.append(sorted(backend.pool._live))
+    assert live == [[9], [], [14]]  # the blocks of positions 32..39 and 112..119; position 80 starts a block
 
 
 def test_int8_pool_takes_a_quarter_of_the_memory(tiny_package):
