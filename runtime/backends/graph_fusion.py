@@ -72,7 +72,7 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
         layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"], windows)
     if kv_int8:  # on the kernel's layers, else (no AVX-512 kernels) on the graph's own attention
         if layers:
-            kv_in_int8(model, kv_tails, config["num_layers"])
+            kv_in_int8(model, config["num_layers"], kv_tails)
         kv_in_int8_graph(model)
     norms = fuse_norms(model) if "SkipRMSNorm" in ops else 0
     loras = fuse_lora(model) if "LoraDelta" in ops else 0
@@ -265,7 +265,7 @@ def _drop_dead(model) -> None:
         _drop(model, nodes, dead)
 
 
-def kv_in_int8(model, tails: bool = True, num_layers: int = 0) -> int:
+def kv_in_int8(model, num_layers: int, tails: bool = True) -> int:
     """Each layer's KV pool inputs (past.{i}.key / .value) that only ruvllm.PagedAttention reads become
     int8, and the node takes four more inputs: the fp16 scales of each row's groups [kv_heads, num_blocks,
     block_size, groups] per kind (contract.past_key_scale, kv_pool.quantize_rows), which the kernel
@@ -335,12 +335,11 @@ def _tail_input(pool, name: str, num_layers: int):
 
     tail = helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
     heads, blocks, size, dim = list(pool.type.tensor_type.shape.dim)
-    for d in (blocks, None, heads, size, dim):
-        out = tail.type.tensor_type.shape.dim.add()
-        if d is None:
-            out.dim_value = num_layers
-        else:
-            out.CopyFrom(d)
+    shape = tail.type.tensor_type.shape
+    shape.dim.add().CopyFrom(blocks)
+    shape.dim.add().dim_value = num_layers
+    for d in (heads, size, dim):
+        shape.dim.add().CopyFrom(d)
     return tail
 
 

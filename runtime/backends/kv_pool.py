@@ -21,8 +21,8 @@ quantized as it is written. Where ruvllm.PagedAttention reads the pool it is two
 of the blocks sequences are still writing are also kept in full precision, in fp32 tails [blocks, layers,
 kv_heads, block_size, head_dim] committed only where written, and a query reads its own block from them
 (SmolLM2 in fp32: KL 0.00026 rather than 0.00057, greedy text on 20 prompts equal to the fp32 pool's on
-16 rather than 13; docs/PERFORMANCE.md). A block's tail pages go back to the system once a step starts
-past it or the scheduler drops it.
+16 rather than 13; docs/PERFORMANCE.md). A block's tail pages go back to the system once a step has
+filled it (no later step of its sequence reads it exact) or the scheduler drops it.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ class Engine:
             return None
         self.adapters.load_slots(self.scheduler.slots.take_loads())
         batch = build_step(scheduled.chunks, self.block_size)
-        batch.dropped_blocks = self.scheduler.allocator.take_dropped()
+        batch.dropped_blocks = scheduled.dropped_blocks
         return PreparedStep(scheduled, batch)
 
     def finish_step(self, prepared: PreparedStep, result: StepResult) -> list[RequestOutput]:

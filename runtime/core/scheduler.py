@@ -35,6 +35,7 @@ class SchedulerOutput:
 
     scheduled: list[tuple[Sequence, int]]  # (sequence, tokens computed this step)
     chunks: list[Chunk]  # the same order: tokens, positions, block table, KV slots, logits rows
+    dropped_blocks: list[int]  # blocks no sequence holds since the last step (BlockAllocator.take_dropped)
 
 
 class Scheduler:
@@ -111,7 +112,7 @@ class Scheduler:
             if seq.num_generated == 0:
                 self.stats.prompt_tokens += n
         self.stats.peak_running = max(self.stats.peak_running, len(plan))
-        return SchedulerOutput(plan, [self._chunk(seq, n) for seq, n in plan])
+        return SchedulerOutput(plan, [self._chunk(seq, n) for seq, n in plan], self.allocator.take_dropped())
 
     def _admit(self, plan: list[tuple[Sequence, int]], budget: int) -> None:
         # prefix keys of the prompt blocks this step's chunks complete: a waiting prompt that starts with

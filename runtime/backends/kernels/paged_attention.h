@@ -91,10 +91,9 @@ struct AttnJob {
 
 // A key or value row: fp32 (this step's, or an fp32 pool's), or int8 times its scale (an int8 pool's).
 // With an int8 pool this step's rows are read rounded as they will be stored (kv_pool.quantize_rows,
-// bit for bit; round_step_rows, once a step), so that every position attends to the same numbers whether
+// bit for bit; round_rows, once a step), so that every position attends to the same numbers whether
 // its keys come from this step or from the pool: a recomputed (preempted) sequence or a prompt after a
 // prefix-cache hit then gives the tokens of the first run.
-constexpr int kMaxGroups = 8;  // scales per row: head_dim 256 in groups of 32 (kv_pool.kv_group)
 
 struct KVRow {
   const float* f = nullptr;
@@ -165,14 +164,17 @@ struct RowHead {
     if (!scales) return KVRow(static_cast<const float*>(pool) + row * D);
     return KVRow(static_cast<const int8_t*>(pool) + row * D, scales + row * j->groups, j->groups);
   }
+  // this step's key and value rows of position t >= start, exact
+  const float* step_key(int64_t t) const { return j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D; }
+  const float* step_value(int64_t t) const { return j->v + ((base + t - start) * Hkv + h) * D; }
+  // key t as stored: from the pool, or this step's row (rounded, with an int8 pool)
   KVRow key(int64_t t) const {
     if (t < start) return pooled(j->pool_k, j->scale_k, t);
-    const int64_t n = base + t - start;
-    return KVRow(j->step_k ? j->step_k + (n * Hkv + h) * D : j->qk + (n * (Hq + Hkv) + Hq + h) * D);
+    return KVRow(j->step_k ? j->step_k + ((base + t - start) * Hkv + h) * D : step_key(t));
   }
   KVRow value(int64_t t) const {
     if (t < start) return pooled(j->pool_v, j->scale_v, t);
-    return KVRow((j->step_v ? j->step_v : j->v) + ((base + t - start) * Hkv + h) * D);
+    return KVRow(j->step_v ? j->step_v + ((base + t - start) * Hkv + h) * D : step_value(t));
   }
   // the first position a query at p reads exact (its block's first, with tails; else none)
   int64_t own_block(int64_t p) const { return j->tail_k ? p - in_block(p) : INT64_MAX; }
@@ -180,11 +182,11 @@ struct RowHead {
   size_t tail_row(int64_t t) const { return table[block_of(t)] * j->tail_block + (h * j->bs + in_block(t)) * D; }
   KVRow key(int64_t t, int64_t own) const {
     if (t < own) return key(t);
-    return KVRow(t < start ? j->tail_k + tail_row(t) : j->qk + ((base + t - start) * (Hq + Hkv) + Hq + h) * D);
+    return KVRow(t < start ? j->tail_k + tail_row(t) : step_key(t));
   }
   KVRow value(int64_t t, int64_t own) const {
     if (t < own) return value(t);
-    return KVRow(t < start ? j->tail_v + tail_row(t) : j->v + ((base + t - start) * Hkv + h) * D);
+    return KVRow(t < start ? j->tail_v + tail_row(t) : step_value(t));
   }
   int64_t lowest(int64_t p) const { return j->k->window > 0 ? std::max<int64_t>(0, p - j->k->window + 1) : 0; }
 };
