@@ -40,18 +40,20 @@ def test_rows_round_trip_within_half_a_step(head_dim):
     assert (np.abs(x - dequantize_rows(q, s)) <= step * 0.51 + 1e-30).all()
 
 
-def steps(backend, prompt: list[int], decodes: int) -> np.ndarray:
-    """Full logits of a prompt prefilled in two chunks, then `decodes` decode steps of fixed tokens."""
+def run_chunk(backend, tokens: list[int], start: int, table: list[int], bs: int, full_logits: bool = False):
+    """One step of one row: `tokens` from position `start`, their K/V into the table's blocks of `bs`."""
     from runtime.core.step_batch import Chunk, build_step
 
+    slots = [table[p // bs] * bs + p % bs for p in range(start, start + len(tokens))]
+    return backend.run(build_step([Chunk(tokens, start, table, slots, True, top_k=5)], bs, want_full_logits=full_logits))
+
+
+def steps(backend, prompt: list[int], decodes: int) -> np.ndarray:
+    """Full logits of a prompt prefilled in two chunks, then `decodes` decode steps of fixed tokens."""
     backend.allocate(16, 4)
-    table = list(range(16))
     out, pos = [], 0
-    chunks = [prompt[:5], prompt[5:]] + [[7 + i] for i in range(decodes)]
-    for tokens in chunks:
-        slots = list(range(pos, pos + len(tokens)))
-        batch = build_step([Chunk(tokens, pos, table, slots, True, top_k=5)], 4, want_full_logits=True)
-        out.append(backend.run(batch).logits.copy())
+    for tokens in [prompt[:5], prompt[5:]] + [[7 + i] for i in range(decodes)]:
+        out.append(run_chunk(backend, tokens, pos, list(range(16)), 4, full_logits=True).logits.copy())
         pos += len(tokens)
     return np.concatenate(out)
 
@@ -91,7 +93,6 @@ def test_a_query_reads_its_own_block_in_full_precision(tiny_package):
     from the next block on, the earlier block is read as int8, and its tail pages go back to the system
     (they read as zeros again)."""
     from runtime.backends.native import NativeBackend
-    from runtime.core.step_batch import Chunk, build_step
     from runtime.package import load_package
 
     pkg = load_package(tiny_package("llama"))
@@ -101,9 +102,7 @@ def test_a_query_reads_its_own_block_in_full_precision(tiny_package):
         backend.allocate(8, bs)
         out, pos, live = [], 0, []
         for tokens in [[5, 17, 99, 3], [250, 41, 7, 8, 9]] + [[7 + i % 50] for i in range(58)]:
-            slots = [table[p // bs] * bs + p % bs for p in range(pos, pos + len(tokens))]
-            batch = build_step([Chunk(tokens, pos, table, slots, True, top_k=5)], bs, want_full_logits=True)
-            out.append(backend.run(batch).logits.copy())
+            out.append(run_chunk(backend, tokens, pos, table, bs, full_logits=True).logits.copy())
             live.append(sorted(backend.pool._live) if kv_dtype == "int8" else None)
             pos += len(tokens)
         runs.append(np.concatenate(out))
@@ -160,15 +159,13 @@ def test_a_long_prompt_chunk_keeps_only_its_last_block_in_the_tails(tiny_package
     """A prompt prefilled in chunks of 40 (blocks of 16) keeps only the block where the next chunk starts
     (none when it starts a block), and gives the earlier one back once a chunk has filled it."""
     from runtime.backends.native import NativeBackend
-    from runtime.core.step_batch import Chunk, build_step
     from runtime.package import load_package
 
     backend = NativeBackend(load_package(tiny_package("llama")), kv_dtype="int8")
     backend.allocate(16, 16)
     table, live = [7, 3, 9, 4, 12, 1, 6, 14], []
     for start in (0, 40, 80):
-        slots = [table[p // 16] * 16 + p % 16 for p in range(start, start + 40)]
-        backend.run(build_step([Chunk(list(range(5, 45)), start, table, slots, True, top_k=5)], 16))
+        run_chunk(backend, list(range(5, 45)), start, table, 16)
         live.append(sorted(backend.pool._live))
     assert live == [[9], [], [14]]  # the blocks of positions 32..39 and 112..119; position 80 starts a block
 
