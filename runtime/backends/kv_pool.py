@@ -225,16 +225,17 @@ class DeviceKVPool:
     def write(self, present_key, present_value, kv_slots: list[int], batch=None) -> None:
         """Put a step's K/V ([layers, tokens, kv_heads, head_dim] OrtValues on the device) into the slots;
         with tails, `batch` (the step's StepBatch) says which rows are kept in full precision too."""
-        if self.tails and batch is not None:
-            self._write_tails(present_key, present_value, kv_slots, batch)
         if not self.device_writes:
+            presents = (present_key.numpy(), present_value.numpy())  # [layers, tokens, kv_heads, head_dim]
+            if self.tails and batch is not None:
+                self._write_tails(presents, kv_slots, batch)
             first, n = kv_slots[0], len(kv_slots)
             if kv_slots[-1] - first == n - 1 and kv_slots == list(range(first, first + n)):
                 slots = slice(first, first + n)  # one run of slots (every decode, most chunks): no fancy indexing
             else:
                 slots = np.asarray(kv_slots, np.int64)
-            for k, (pool, present) in enumerate(zip(self._host, (present_key, present_value))):
-                rows = present.numpy().transpose(0, 2, 1, 3)
+            for k, (pool, present) in enumerate(zip(self._host, presents)):
+                rows = present.transpose(0, 2, 1, 3)
                 if self.int8:
                     rows, scales = quantize_rows(rows)
                     self._scales[k][:, :, slots] = scales
@@ -246,7 +247,7 @@ class DeviceKVPool:
         io.bind_cpu_input(SLOTS, np.asarray(kv_slots, np.int64))
         self.writer.run_with_iobinding(io)
 
-    def _write_tails(self, present_key, present_value, kv_slots: list[int], batch) -> None:
+    def _write_tails(self, presents: tuple[np.ndarray, np.ndarray], kv_slots: list[int], batch) -> None:
         """Copy the rows of each batch row's blocks that a later step may still read as its own block into
         the tails, and give back the tail pages of the blocks before those: whole and computed once this
         step is, they are read as stored from now on."""
@@ -264,8 +265,8 @@ class DeviceKVPool:
             self._release_tails(sealed)
         if tokens:
             slots = np.asarray([kv_slots[t] for t in tokens], np.int64)
-            for tail, present in zip(self._tails, (present_key, present_value)):
-                tail[slots // bs, :, :, slots % bs] = present.numpy()[:, tokens].transpose(1, 0, 2, 3)
+            for tail, present in zip(self._tails, presents):
+                tail[slots // bs, :, :, slots % bs] = present[:, tokens].transpose(1, 0, 2, 3)
             self._live.update(int(s) // bs for s in slots)
 
     def drop(self, blocks: list[int]) -> None:
