@@ -413,12 +413,21 @@ def attention_graph(Hq: int, Hkv: int, window: int, scale: float, int8: bool = F
                                                    helper.make_opsetid("ruvllm", 1)]).SerializeToString()
 
 
+def rounded_query(q: np.ndarray) -> np.ndarray:
+    """A scaled query as an int8 pool's stored keys meet it: rounded to 16-bit steps of its absolute
+    maximum / 32767 (fp32), to nearest even."""
+    q = q.astype(np.float32)
+    s = np.abs(q).max() / np.float32(32767)
+    return (np.clip(np.rint(q / s), -32767, 32767) * s).astype(np.float32) if s > 0 else q * 0
+
+
 def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: float, softcap: float = 0.0,
-                        exact: dict | None = None) -> np.ndarray:
+                        exact: dict | None = None, rounded: bool = False) -> np.ndarray:
     """Each token's attention over its row's keys, written out plainly: positions before the row's
     first new token from its pool blocks, the rest from this step's rows; causal, optionally windowed,
     the scores optionally soft-capped (Gemma 2: cap * tanh(score / cap)). `exact`: the same inputs in full
-    precision, which a token reads for the positions of its own pool block (a two-tier int8 pool)."""
+    precision, which a token reads for the positions of its own pool block (a two-tier int8 pool).
+    `rounded`: the keys read as stored meet the scaled query rounded (rounded_query)."""
     qk, pk = feeds["qk"], feeds["pool_k"]
     tables, qidx, pos = feeds["tables"], feeds["qidx"], feeds["pos"]
     D, bs, G = qk.shape[1], pk.shape[2], Hq // Hkv
@@ -440,9 +449,13 @@ def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: floa
                 keys = np.stack([context(b, h, t, start, first, f["pool_k"], f["qk"], Hq + Hkv, Hq + h)
                                  for t, f in zip(span, src)])
                 vals = np.stack([context(b, h, t, start, first, f["pool_v"], f["v"], Hkv, h) for t, f in zip(span, src)])
+                stored = np.array([f is feeds for f in src])
                 for g in range(G):
                     head = h * G + g
-                    scores = keys.astype(np.float64) @ qk[n * (Hq + Hkv) + head] * scale
+                    q = qk[n * (Hq + Hkv) + head] * np.float32(scale)
+                    scores = keys.astype(np.float64) @ q
+                    if rounded:
+                        scores = np.where(stored, keys.astype(np.float64) @ rounded_query(q), scores)
                     if softcap:
                         scores = softcap * np.tanh(scores / softcap)
                     w = np.exp(scores - scores.max())
@@ -470,7 +483,8 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
     decode row (`softcap`: Gemma 2's soft cap on every path's scores). `decode`: two decode rows alone, one over 1100 positions (its keys cut into ranges
     across threads and merged, where fewer than 8 row/kv-head items leave threads idle). `int8`: the
     pools as int8 rows and scales; the reference reads their q * s, and this step's key and value rows
-    rounded the same way (as the pool will store them); head_dim 16 has one scale a row, the rest one per
+    rounded the same way (as the pool will store them), and meets them with the query rounded to 16 bits
+    as the kernel rounds it (integer score products); head_dim 16 has one scale a row, the rest one per
     32 numbers. `int8+tails`: with full-precision tails, from which (or from this step's exact rows) each
     token reads its own block's positions, and every earlier block's as int8 (as rounded)."""
     rng = np.random.default_rng(Hq * D + bs)
@@ -518,7 +532,8 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
             exact = {**feeds, "pool_k": pool_k, "pool_v": pool_v}
     graph = attention_graph(Hq, Hkv, window, scale, kv != "fp32", softcap, kv == "int8+tails")
     got = ort.InferenceSession(graph, opts).run(None, feeds)[0]
-    want = attention_reference(reference, Hq, Hkv, window, scale, softcap, exact)
+    want = attention_reference(reference, Hq, Hkv, window, scale, softcap, exact,
+                               kv != "fp32")
     assert got.shape == want.shape == (N, Hq * D)
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
 

@@ -62,7 +62,7 @@ def steps(backend, prompt: list[int], decodes: int) -> np.ndarray:
 def test_int8_pool_stays_near_the_fp32_pool_on_either_reader(tiny_package, monkeypatch, arch):
     """Prefill chunks and decodes on the int8 pool against the fp32 pool: int8's own error, small; the
     graph's own attention (RUVLLM_PAGED_ATTENTION=0, as on a CPU without AVX-512) reads the same numbers
-    as ruvllm.PagedAttention without its full-precision tails (RUVLLM_KV_TAILS=0; mistral: across its
+    (up to the kernel's 16-bit query) as ruvllm.PagedAttention without its full-precision tails (RUVLLM_KV_TAILS=0; mistral: across its
     sliding window), and the tails bring the kernel's reading nearer the fp32 pool's."""
     from runtime.backends.native import NativeBackend
     from runtime.package import load_package
@@ -82,7 +82,11 @@ def test_int8_pool_stays_near_the_fp32_pool_on_either_reader(tiny_package, monke
         assert backend.pool.tails == tails
         assert 0 < np.abs(readers[kernel, tails] - plain).max() <= 0.05 * np.abs(plain).max()
     if len(readers) == 3:
-        assert np.abs(readers[True, False] - readers[False, False]).max() <= 1e-4 * np.abs(plain).max()
+        # the kernel meets stored keys with the query rounded to 16 bits (integer score products), the
+        # graph with the exact query: their one-tier readings differ by that rounding alone, a few percent
+        # of what the int8 pool itself changes (measured 1-2%; a query rounded to 8 bits made it 30%)
+        kernel_vs_graph = np.abs(readers[True, False] - readers[False, False]).max()
+        assert kernel_vs_graph <= 0.05 * np.abs(readers[False, False] - plain).max()
         assert np.abs(readers[True, True] - plain).mean() < np.abs(readers[True, False] - plain).mean()
 
 

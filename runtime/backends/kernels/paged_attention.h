@@ -110,6 +110,20 @@ struct KVRow {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * d));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(_cvtsh_ss(sc[d >> shift])));
   }
+  // the whole row (DV chunks of 16): an int8 row's scales converted once per group, not per chunk
+  template <int DV>
+  void load_all(__m512 v[DV]) const {
+    if (f) {
+      for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(f + 16 * d);
+      return;
+    }
+    __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[0]));
+    for (int d = 0; d < DV; d++) {  // groups of 32 (two chunks each), or one for the row (shift 4)
+      if (d > 0 && d % 2 == 0 && shift == 1) s = _mm512_set1_ps(_cvtsh_ss(sc[d / 2]));
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * d));
+      v[d] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s);
+    }
+  }
   void prefetch(int DV) const {
     if (f) prefetch_row(f, DV);
     else
@@ -141,6 +155,35 @@ inline void round_rows(const float* from, int64_t stride, int64_t n, int64_t D, 
       }
     }
   }
+}
+
+// A query as an int8 pool's stored keys meet it: rounded to 16-bit steps of its largest magnitude / 32767
+// (fp32; to nearest even), one scale for the row. Its error is a few hundred times smaller than the
+// keys' own, and the scores over stored keys become integer products (vpdpwssd against the keys widened
+// to 16 bits, in `attend`) times the key's group scales and this one. Every path (decode, prefill, shared
+// prefix) uses the same rounded query, so a position's score does not depend on the path its step took.
+// `rounded` holds it as floats, `steps` as integers; returns the scale.
+inline float round_query(const float* q, int64_t D, float* rounded, int16_t* steps) {
+  float m = 0.f;
+  for (int64_t d = 0; d < D; d++) m = std::max(m, std::fabs(q[d]));
+  const float s = m / 32767.f;
+  for (int64_t d = 0; d < D; d++) {
+    const float x = s > 0.f ? std::min(32767.f, std::max(-32767.f, std::nearbyint(q[d] / s))) : 0.f;
+    rounded[d] = x * s;
+    steps[d] = (int16_t)x;
+  }
+  return s;
+}
+
+constexpr int kScoreRows = 8;  // queries per score_blocks call
+
+// nq queries (rows of D) rounded into qr (sized to be read as qs is, kScoreRows rows past nq); returns qr
+inline const float* rounded_queries(const float* qs, int64_t nq, int64_t D, std::vector<float>& qr,
+                                    std::vector<int16_t>& steps) {
+  qr.assign((size_t)((nq + kScoreRows) * D), 0.f);
+  steps.resize((size_t)(nq * D));
+  for (int64_t i = 0; i < nq; i++) round_query(qs + i * D, D, &qr[i * D], &steps[i * D]);
+  return qr.data();
 }
 
 // Row b's kv head h (item b * Hkv + h). Its keys and values before the row's first new position (start)
@@ -217,7 +260,7 @@ inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, int64_t own, 
     const KVRow vr = r.value(lo + u, own);
     if (u + 16 < nk) r.value(lo + u + 16).prefetch(DV);
     __m512 v[DV];
-    for (int d = 0; d < DV; d++) v[d] = vr.load(d);
+    vr.load_all<DV>(v);
     for (int g = 0; g < NG; g++) {
       const __m512 w = _mm512_set1_ps(sc[g * stride + u]);
       for (int d = 0; d < DV; d++) acc[g][d] = _mm512_fmadd_ps(w, v[d], acc[g][d]);
@@ -247,6 +290,42 @@ struct KeyRange {
   int64_t from, to, slot;
 };
 
+// Up to 16 stored int8 keys from position t, widened to 16 bits once for a token's G rounded queries
+// (round_query): each group of 32 numbers is one vpdpwssd, its lanes times the key's group scale; the sum
+// of the lanes, times the query's scale, is the score. Keys past nt score zero.
+template <int DV>
+struct IntegerKeys {
+  static constexpr int W = DV / 2;  // groups of 32 numbers: 32 int16 each, one register
+  __m512i k[16][W];
+  __m512 scale[16][W];
+  int nt = 0;
+  IntegerKeys(const RowHead& r, int64_t t, int n) : nt(n) {
+    for (int i = 0; i < nt; i++) {
+      const size_t row = r.head + (size_t)r.slot(t + i);
+      const int8_t* kq = static_cast<const int8_t*>(r.j->pool_k) + row * r.D;
+      const uint16_t* ks = r.j->scale_k + row * r.j->groups;
+      for (int w = 0; w < W; w++) {
+        k[i][w] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kq + 32 * w)));
+        scale[i][w] = _mm512_set1_ps(_cvtsh_ss(ks[w]));
+      }
+    }
+  }
+  // the 16 scores of a query's steps (before its scale)
+  __m512 scores(const int16_t* q) const {
+    __m512i qw[W];
+    for (int w = 0; w < W; w++) qw[w] = _mm512_loadu_si512(q + 32 * w);
+    __m512 part[16];
+    for (int i = 0; i < nt; i++) {
+      part[i] = _mm512_setzero_ps();
+      for (int w = 0; w < W; w++)
+        part[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), qw[w], k[i][w])),
+                                  scale[i][w], part[i]);
+    }
+    for (int i = nt; i < 16; i++) part[i] = _mm512_setzero_ps();
+    return sum16(part);
+  }
+};
+
 // One row's one kv head, few queries (decode, or a token and its drafts): for each token, its G query
 // heads' scores 16 keys at a time (a key's D/16 FMAs per head, then one 16-way sum), and the weighted
 // values with each value row read once for up to 4 heads. With `shared` (a row of a group sharing its first `from` keys, whose attention over them is in
@@ -257,9 +336,13 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
             const KeyRange* range = nullptr) {
   constexpr int D = DV * 16;
   const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, count = r.count, start = r.start;
-  thread_local std::vector<float> scores, inv, qs, mx, f, fp, keys;
+  thread_local std::vector<float> scores, inv, qs, qr, qsc, mx, f, fp, keys;
+  thread_local std::vector<int16_t> qsteps;
   thread_local std::vector<const float*> pre;
   const __m512 scale = _mm512_set1_ps(j.k->scale);
+  const bool int8 = j.scale_k != nullptr;
+  // stored keys scored in integers where the pool's scales are per 32 numbers
+  const bool integer = int8 && DV % 2 == 0 && j.groups * 32 == D;
   keys.resize((size_t)16 * D);
   for (int64_t s = 0; s < count; s++) {
     const int64_t n = base + s, p = range ? range->to : start + s, own = r.own_block(start + s);
@@ -273,10 +356,34 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
       const float* qp = j.qk + (n * (Hq + Hkv) + h * G + g) * D;
       for (int d = 0; d < DV; d++) _mm512_storeu_ps(&qs[g * D + 16 * d], _mm512_mul_ps(_mm512_loadu_ps(qp + 16 * d), scale));
     }
+    if (int8) {  // and rounded, for the keys an int8 pool stores
+      qr.resize((size_t)G * D);
+      qsteps.resize((size_t)G * D);
+      qsc.resize((size_t)G);
+      for (int64_t g = 0; g < G; g++) qsc[g] = round_query(&qs[g * D], D, &qr[g * D], &qsteps[g * D]);
+    }
+    const float* qstored = int8 ? qr.data() : qs.data();
+    const int64_t pooled_end = std::min(own, start);  // keys before it are read from the pool as stored
     for (int64_t t0 = 0; t0 < nk; t0 += 16) {  // 16 keys at a time for every head: read from memory once
       const int nt = (int)std::min<int64_t>(16, nk - t0);
+      const __mmask16 valid = (__mmask16)((1u << nt) - 1);
+      if constexpr (DV % 2 == 0) {
+        if (integer && lo + t0 + nt <= pooled_end) {
+          const IntegerKeys<DV> ik(r, lo + t0, nt);
+          for (int64_t i = t0 + 16; i < std::min(nk, t0 + 32); i++) r.key(lo + i).prefetch(DV);
+          for (int64_t g = 0; g < G; g++) {
+            const __m512 sum = _mm512_mul_ps(ik.scores(&qsteps[g * D]), _mm512_set1_ps(qsc[g]));
+            const __m512 v = j.k->softcap > 0.f ? softcap16(sum, j.k->softcap) : sum;
+            _mm512_storeu_ps(&scores[g * width + t0], v);
+            mx[g] = std::max(mx[g], _mm512_mask_reduce_max_ps(valid, v));
+          }
+          continue;
+        }
+      }
       KVRow kr[16];
+      bool stored[16];  // read as the pool stores it: scored against the rounded query
       for (int i = 0; i < nt; i++) {
+        stored[i] = lo + t0 + i < own;
         kr[i] = r.key(lo + t0 + i, own);
         if (kr[i].plain()) continue;
         float* row = &keys[(size_t)i * D];  // an int8 key dequantized once here for all G heads
@@ -284,13 +391,20 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
         kr[i] = KVRow(row);
       }
       for (int64_t i = t0 + 16; i < std::min(nk, t0 + 32); i++) r.key(lo + i).prefetch(DV);  // a pool block apart
-      const __mmask16 valid = (__mmask16)((1u << nt) - 1);
       for (int64_t g = 0; g < G; g++) {
         __m512 q[DV], part[16];
         for (int d = 0; d < DV; d++) q[d] = _mm512_loadu_ps(&qs[g * D + 16 * d]);
-        for (int i = 0; i < nt; i++) {
-          part[i] = _mm512_mul_ps(q[0], kr[i].load(0));
-          for (int d = 1; d < DV; d++) part[i] = _mm512_fmadd_ps(q[d], kr[i].load(d), part[i]);
+        if (!int8) {
+          for (int i = 0; i < nt; i++) {
+            part[i] = _mm512_mul_ps(q[0], kr[i].load(0));
+            for (int d = 1; d < DV; d++) part[i] = _mm512_fmadd_ps(q[d], kr[i].load(d), part[i]);
+          }
+        } else {
+          for (int i = 0; i < nt; i++) {
+            const float* qi = (stored[i] ? qstored : qs.data()) + g * D;
+            part[i] = _mm512_mul_ps(_mm512_loadu_ps(qi), kr[i].load(0));
+            for (int d = 1; d < DV; d++) part[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * d), kr[i].load(d), part[i]);
+          }
         }
         for (int i = nt; i < 16; i++) part[i] = _mm512_setzero_ps();
         const __m512 v = j.k->softcap > 0.f ? softcap16(sum16(part), j.k->softcap) : sum16(part);
@@ -387,8 +501,6 @@ void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int
   }
 }
 
-constexpr int kScoreRows = 8;  // queries per score_blocks call
-
 // scores of up to kScoreRows queries (q: rows of D; all kScoreRows rows are read) against NB blocks of
 // 16 transposed keys, into rows of `stride`
 template <int D, int NB>
@@ -431,7 +543,7 @@ inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, const float* con
     const KVRow vr = r.value(u);
     if (u + 16 <= u_hi) r.value(u + 16).prefetch(DV);
     __m512 v[DV];
-    for (int d = 0; d < DV; d++) v[d] = vr.load(d);
+    vr.load_all<DV>(v);
     for (int i = 0; i < NQ; i++) {
       const __m512 w = _mm512_set1_ps(sc[i][u]);
       for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
@@ -466,7 +578,8 @@ template <int DV>
 void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t key0, int64_t q0, int64_t nq) {
   constexpr int D = DV * 16;
   const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, start = r.start;
-  thread_local std::vector<float> qs, scores, inv;
+  thread_local std::vector<float> qs, qr, scores, inv;
+  thread_local std::vector<int16_t> qsteps;
   qs.resize((size_t)(QG + kScoreRows) * D);  // rows past nq are read, not stored
   const int64_t p_first = start + q0 / G, p_last = start + (q0 + nq - 1) / G;
   const int64_t c_first = (r.lowest(p_first) - key0) / 16, lo = key0 + c_first * 16;
@@ -477,6 +590,7 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
     const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
     for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
   }
+  const float* qstored = j.scale_k ? rounded_queries(qs.data(), nq, D, qr, qsteps) : qs.data();
   for (int64_t t0 = lo; t0 <= p_last; t0 += 32) {  // 2 key blocks x 8 queries: a key row load serves 8 FMAs
     const float* blk = kt + (t0 - key0) / 16 * D * 16;
     const int64_t blocks = t0 + 16 - lo < width ? 2 : 1;
@@ -484,7 +598,7 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
       const int64_t nr = std::min<int64_t>(kScoreRows, nq - i0);
       const int64_t p_lo = start + (q0 + i0) / G, p_hi = start + (q0 + i0 + nr - 1) / G;
       if (t0 > p_hi || t0 + 32 <= r.lowest(p_lo)) continue;  // wholly outside these queries' keys
-      score<D>(&qs[i0 * D], blk, &scores[i0 * width + (t0 - lo)], width, nr, blocks);
+      score<D>(qstored + i0 * D, blk, &scores[i0 * width + (t0 - lo)], width, nr, blocks);
     }
   }
   inv.resize((size_t)nq);
@@ -538,7 +652,8 @@ void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t 
   const int64_t Hq = j.k->num_heads, Hkv = j.k->num_kv_heads, G = Hq / Hkv, keys = grp.keys;
   const float* kt = grp.kt + h * keys * D;
   const RowHead r(j, (size_t)(grp.rows[0] * Hkv + h), D);  // the pool rows of the shared positions
-  thread_local std::vector<float> qs, scores;
+  thread_local std::vector<float> qs, qr, scores;
+  thread_local std::vector<int16_t> qsteps;
   qs.resize((size_t)(QG + kScoreRows) * D);  // rows past nq are read, not stored
   scores.resize((size_t)nq * keys);
   auto query = [&](int64_t i) { return j.qidx[grp.rows[(q0 + i) / G] * j.S] * Hq + h * G + (q0 + i) % G; };
@@ -547,9 +662,10 @@ void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t 
     const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
     for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
   }
+  const float* qstored = j.scale_k ? rounded_queries(qs.data(), nq, D, qr, qsteps) : qs.data();
   for (int64_t t0 = 0; t0 < keys; t0 += 32)
     for (int64_t i0 = 0; i0 < nq; i0 += kScoreRows)
-      score<D>(&qs[i0 * D], kt + t0 * D, &scores[i0 * keys + t0], keys, std::min<int64_t>(kScoreRows, nq - i0),
+      score<D>(qstored + i0 * D, kt + t0 * D, &scores[i0 * keys + t0], keys, std::min<int64_t>(kScoreRows, nq - i0),
                t0 + 16 < keys ? 2 : 1);
   for (int64_t i = 0; i < nq; i++) {
     float* sc = &scores[i * keys];
