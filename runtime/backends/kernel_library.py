@@ -42,6 +42,7 @@ TESTED_ONNXRUNTIME = ((1, 32), (1, 32))  # lowest and highest (major, minor), in
 
 _library: tuple[Path | None, str] | None = None  # (path, why not) once decided in this process
 _operators: dict[Path, frozenset[str]] = {}
+_kv_writer = None  # kv_writer()'s function once looked up (False: none here)
 
 
 def onnxruntime_supported(version: str) -> tuple[bool, str]:
@@ -123,6 +124,24 @@ def _build() -> tuple[Path | None, str]:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out, ""
+
+
+def kv_writer():
+    """ruvllm_kv_write_int8 (kernels/kv_write.h: a step's rows into an int8 KV pool and its tails, one pass)
+    as a ctypes function, or None where the library is not built (kv_pool.py then writes with numpy)."""
+    global _kv_writer
+    if _kv_writer is None:
+        import ctypes
+
+        lib = library()[0]
+        fn = False
+        if lib is not None:
+            fn = ctypes.CDLL(str(lib)).ruvllm_kv_write_int8
+            fn.restype = ctypes.c_int
+            i64, ptr = ctypes.c_int64, ctypes.c_void_p
+            fn.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64]
+        _kv_writer = fn
+    return _kv_writer or None
 
 
 def operators(lib: Path | None = None) -> frozenset[str]:

@@ -17,7 +17,8 @@ graph_fusion.kv_in_int8 / kv_in_int8_graph) each kind is int8 rows whose groups 
 (kv_group) have one fp16 scale each (their absolute maximum / 127): a quarter of the bytes plus 2 per
 group; per group rather than per row because a key row's few large channels would otherwise coarsen all
 the others (SmolLM2, decode-like steps: KL 0.0047 vs 0.0052 per row; docs/PERFORMANCE.md). Each token is
-quantized as it is written. Where ruvllm.PagedAttention reads the pool it is two-tier (`tails`): the rows
+quantized as it is written (in one pass by the kernel library's ruvllm_kv_write_int8 where it is built,
+bit for bit as quantize_rows; numpy otherwise). Where ruvllm.PagedAttention reads the pool it is two-tier (`tails`): the rows
 of the blocks sequences are still writing are also kept in full precision, in fp32 tails [blocks, layers,
 kv_heads, block_size, head_dim] committed only where written, and a query reads its own block from them
 (SmolLM2 in fp32: KL 0.00026 rather than 0.00057, greedy text on 20 prompts equal to the fp32 pool's on
@@ -166,6 +167,7 @@ class DeviceKVPool:
             tail_shape = [num_blocks, num_layers, kv_heads, block_size, head_dim]  # a block's rows: one range
             self._tails = (_reserved(tail_shape), _reserved(tail_shape)) if self.tails else ()
             self._live: set[int] = set()  # blocks whose tail rows hold memory
+            self._pointers: list[tuple] = []  # the int8 arrays' addresses (_write_int8_native)
             self.committed = 0
             self.ensure(min(num_blocks, FIRST_BLOCKS))
             self.keys, self.values = (ort.OrtValue.ortvalue_from_numpy(arr) for arr in self._host)
@@ -226,9 +228,15 @@ class DeviceKVPool:
         """Put a step's K/V ([layers, tokens, kv_heads, head_dim] OrtValues on the device) into the slots;
         with tails, `batch` (the step's StepBatch) says which rows are kept in full precision too."""
         if not self.device_writes:
+            kept = self._tail_tokens(kv_slots, batch) if self.tails and batch is not None else []
+            if self.int8 and self._writer() is not None:
+                self._write_int8_native((present_key, present_value), kv_slots, kept)
+                return
             presents = (present_key.numpy(), present_value.numpy())  # [layers, tokens, kv_heads, head_dim]
-            if self.tails and batch is not None:
-                self._write_tails(presents, kv_slots, batch)
+            if kept:
+                at = np.asarray([kv_slots[t] for t in kept], np.int64)
+                for tail, present in zip(self._tails, presents):
+                    tail[at // self.block_size, :, :, at % self.block_size] = present[:, kept].transpose(1, 0, 2, 3)
             first, n = kv_slots[0], len(kv_slots)
             if kv_slots[-1] - first == n - 1 and kv_slots == list(range(first, first + n)):
                 slots = slice(first, first + n)  # one run of slots (every decode, most chunks): no fancy indexing
@@ -247,10 +255,34 @@ class DeviceKVPool:
         io.bind_cpu_input(SLOTS, np.asarray(kv_slots, np.int64))
         self.writer.run_with_iobinding(io)
 
-    def _write_tails(self, presents: tuple[np.ndarray, np.ndarray], kv_slots: list[int], batch) -> None:
-        """Copy the rows of each batch row's blocks that a later step may still read as its own block into
-        the tails, and give back the tail pages of the blocks before those: whole and computed once this
-        step is, they are read as stored from now on."""
+    @staticmethod
+    def _writer():
+        """The kernel library's one-pass int8 writer, or None: numpy's quantize_rows and copies then."""
+        from runtime.backends.kernel_library import kv_writer
+
+        return kv_writer()
+
+    def _write_int8_native(self, presents, kv_slots: list[int], kept: list[int]) -> None:
+        """Both kinds (the graph's present OrtValues, read in place) through ruvllm_kv_write_int8
+        (kernels/kv_write.h): quantize_rows's rounding bit for bit, and the kept tokens' rows copied into the
+        tails, one pass each rather than numpy's dozen (a decode step's write: 0.44 -> ~0.1 ms)."""
+        import ctypes
+
+        slots = (ctypes.c_int64 * len(kv_slots))(*kv_slots)
+        kept_at = (ctypes.c_int64 * len(kept))(*kept)
+        layers, tokens, heads, dim = presents[0].shape()
+        if not self._pointers:  # the pool's arrays never move: their addresses once
+            self._pointers = [(a.ctypes.data, s.ctypes.data, t.ctypes.data if self.tails else None)
+                              for a, s, t in zip(self._host, self._scales, self._tails or (None, None))]
+        for present, (pool, scales, tail) in zip(presents, self._pointers):
+            if self._writer()(present.data_ptr(), layers, tokens, heads, dim, slots, self.num_blocks * self.block_size,
+                              self.groups, pool, scales, tail if kept else None, kept_at, len(kept), self.block_size):
+                raise ValueError("ruvllm_kv_write_int8 refused a step's rows (a slot outside the pool)")
+
+    def _tail_tokens(self, kv_slots: list[int], batch) -> list[int]:
+        """The step's tokens whose rows go into the tails too (those of each batch row's blocks that a later
+        step may still read as its own block), after giving back the tail pages of the blocks before those:
+        whole and computed once this step is, they are read as stored from now on."""
         bs, sealed, tokens = self.block_size, set(), []
         for row, table in zip(batch.query_index, batch.block_tables):
             first = row[0]
@@ -263,11 +295,8 @@ class DeviceKVPool:
         if sealed:
             self._live -= sealed
             self._release_tails(sealed)
-        if tokens:
-            slots = np.asarray([kv_slots[t] for t in tokens], np.int64)
-            for tail, present in zip(self._tails, presents):
-                tail[slots // bs, :, :, slots % bs] = present[:, tokens].transpose(1, 0, 2, 3)
-            self._live.update(int(s) // bs for s in slots)
+        self._live.update(kv_slots[t] // bs for t in tokens)
+        return tokens
 
     def drop(self, blocks: list[int]) -> None:
         """Blocks no sequence holds any more (the scheduler's dropped blocks; before a step writes, since it

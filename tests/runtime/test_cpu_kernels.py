@@ -670,12 +670,13 @@ def test_a_declared_fusion_that_does_not_apply_is_refused(tiny_package, tmp_path
 @pytest.mark.skipif(os.environ.get("RUVLLM_KERNEL_ISA") == "avx2" or "PagedAttention" not in OPS,
                     reason="this run already tests the only build this host has")
 def test_the_avx2_build_passes_these_tests_too():
-    """An AVX-512 host builds the AVX2 set as well (RUVLLM_KERNEL_ISA=avx2) and runs this file and the
-    adapter tests (ruvllm.LoraDelta) on it, so both instruction sets' paths of the block matmuls and the
-    LoRA delta are run on every such host."""
+    """An AVX-512 host builds the AVX2 set as well (RUVLLM_KERNEL_ISA=avx2) and runs this file, the
+    adapter tests (ruvllm.LoraDelta) and the int8 KV writer's on it, so both instruction sets' paths of
+    the block matmuls, the LoRA delta and the writer are run on every such host."""
     env = dict(os.environ, RUVLLM_KERNEL_ISA="avx2")
     adapters = str(Path(__file__).with_name("test_adapters.py"))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, adapters],
+    writer = str(Path(__file__).with_name("test_kv_int8.py")) + "::test_the_kernel_librarys_writer_stores_what_numpy_does_bit_for_bit"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, adapters, writer],
                           cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]

@@ -7,6 +7,7 @@
 #include "lora_delta.h"
 #include "matmul_q4.h"
 #include "matmul_q8.h"
+#include "kv_write.h"
 #include "paged_attention.h"
 #include "skip_rms_norm.h"
 
