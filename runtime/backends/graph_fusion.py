@@ -271,10 +271,12 @@ def kv_in_int8(model, num_layers: int, tails: bool = True) -> int:
     block_size, groups] per kind (contract.past_key_scale, kv_pool.quantize_rows), which the kernel
     multiplies back in (--kv-dtype int8), and the fp32 tails, full-precision copies of the blocks being
     written, every layer's in one input per kind (contract.KV_TAIL_KEY; kv_pool.py; the node's `layer` says
-    which part is its own), unless `tails` is False. Returns how many layers."""
+    which part is its own, `tail_blocks` how many blocks up to a query's own it reads from them), unless
+    `tails` is False. Returns how many layers."""
     import onnx
 
     from runtime import contract as C
+    from runtime.backends.kv_pool import TAIL_BLOCKS
 
     inputs = {i.name: i for i in model.graph.input}
     consumers = _consumers(model.graph.node)
@@ -303,6 +305,7 @@ def kv_in_int8(model, num_layers: int, tails: bool = True) -> int:
         if tails:
             node.input.extend([C.KV_TAIL_KEY, C.KV_TAIL_VALUE])
             node.attribute.append(onnx.helper.make_attribute("layer", layer))
+            node.attribute.append(onnx.helper.make_attribute("tail_blocks", TAIL_BLOCKS))
         count += 1
     return count
 

@@ -21,9 +21,9 @@ quantized as it is written (in one pass by the kernel library's ruvllm_kv_write_
 bit for bit as quantize_rows; numpy otherwise). Where ruvllm.PagedAttention reads the pool it is two-tier (`tails`): the rows
 of the blocks sequences are still writing are also kept in full precision, in fp32 tails [blocks, layers,
 kv_heads, block_size, head_dim] committed only where written, and a query reads its own block from them
-(SmolLM2 in fp32: KL 0.00026 rather than 0.00057, greedy text on 20 prompts equal to the fp32 pool's on
-16 rather than 13; docs/PERFORMANCE.md). A block's tail pages go back to the system once a step has
-filled it (no later step of its sequence reads it exact) or the scheduler drops it.
+(TAIL_BLOCKS; SmolLM2 in fp32: KL 0.00026 rather than 0.00057, greedy text on 20 prompts equal to the
+fp32 pool's on 16 rather than 13; docs/PERFORMANCE.md). A block's tail pages go back to the system once
+no later step of its sequence reads it exact or the scheduler drops it.
 """
 
 from __future__ import annotations
@@ -38,6 +38,14 @@ FIRST_BLOCKS = 16  # blocks committed when the pool is made; it doubles from the
 # A row of up to this many tokens may be a decode with drafts: its next step may start right after its
 # first token, so its tail keeps rows from that position's block on (longer rows: from their end's)
 DRAFT_ROWS = 16
+# Two-tier: a query reads the positions of its own block and of the TAIL_BLOCKS - 1 blocks before it exact
+# (from the tails, or this step's rows), every earlier block as stored; graph_fusion gives
+# ruvllm.PagedAttention the same number (attribute tail_blocks). Two would be better (SmolLM2 in fp32: greedy
+# text on 20 chat prompts equal to the fp32 pool's on 20 rather than 16, docs/PERFORMANCE.md), but then a
+# prefix-cache hit's first new position reads the last cached block exact, whose tail is gone, and so
+# would computing that block again: two needs tails kept for cached blocks. One: the own block is never a
+# cached one.
+TAIL_BLOCKS = 1
 
 
 def device_of(providers: list[str]) -> str:
@@ -288,10 +296,12 @@ class DeviceKVPool:
             first = row[0]
             start, count = batch.position_ids[first], row[-1] - first + 1
             resume = start + 1 if count <= DRAFT_ROWS else start + count  # where the next step may start
-            keep = resume - resume % bs
+            keep = max(0, resume - resume % bs - (TAIL_BLOCKS - 1) * bs)  # the next step's first exact position
             tokens.extend(range(first + max(0, keep - start), first + count))
-            # the row's earlier steps kept rows from at most DRAFT_ROWS before this one's start on
-            sealed.update(b for b in table[max(0, (start - DRAFT_ROWS) // bs):keep // bs] if b in self._live)
+            # the row's earlier steps kept rows from at most DRAFT_ROWS (and TAIL_BLOCKS - 1 blocks) before
+            # this one's start on
+            earliest = max(0, (start - DRAFT_ROWS) // bs - (TAIL_BLOCKS - 1))
+            sealed.update(b for b in table[earliest:keep // bs] if b in self._live)
         if sealed:
             self._live -= sealed
             self._release_tails(sealed)

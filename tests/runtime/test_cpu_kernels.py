@@ -396,9 +396,9 @@ def test_decode_rows_sharing_prefix_blocks_attend_to_them_together_exactly(tiny_
 
 
 def attention_graph(Hq: int, Hkv: int, window: int, scale: float, int8: bool = False, softcap: float = 0.0,
-                    tails: bool = False) -> bytes:
+                    tails: bool = False, tail_blocks: int = 0) -> bytes:
     """The operator alone; `int8`: int8 pools with their row scales (--kv-dtype int8), `tails`: and their
-    full-precision tails."""
+    full-precision tails, read for `tail_blocks` blocks up to a query's own (0: the attribute left out)."""
     f, i64, pool = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT8 if int8 else TensorProto.FLOAT
     names = [("qk", f), ("v", f), ("pool_k", pool), ("pool_v", pool), ("tables", i64), ("qidx", i64), ("pos", i64)]
     names += [("scale_k", TensorProto.FLOAT16), ("scale_v", TensorProto.FLOAT16)] if int8 else []
@@ -407,6 +407,8 @@ def attention_graph(Hq: int, Hkv: int, window: int, scale: float, int8: bool = F
                             num_kv_heads=Hkv, sliding_window=window, scale=scale, softcap=softcap)
     if tails:  # every layer's tails in one input: this node's are layer 1's
         node.attribute.append(helper.make_attribute("layer", 1))
+    if tail_blocks:
+        node.attribute.append(helper.make_attribute("tail_blocks", tail_blocks))
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in names],
                               [helper.make_tensor_value_info("out", f, None)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
@@ -422,11 +424,12 @@ def rounded_query(q: np.ndarray) -> np.ndarray:
 
 
 def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: float, softcap: float = 0.0,
-                        exact: dict | None = None, rounded: bool = False) -> np.ndarray:
+                        exact: dict | None = None, rounded: bool = False, tail_blocks: int = 1) -> np.ndarray:
     """Each token's attention over its row's keys, written out plainly: positions before the row's
     first new token from its pool blocks, the rest from this step's rows; causal, optionally windowed,
     the scores optionally soft-capped (Gemma 2: cap * tanh(score / cap)). `exact`: the same inputs in full
-    precision, which a token reads for the positions of its own pool block (a two-tier int8 pool).
+    precision, which a token reads for the positions of its own pool block and the tail_blocks - 1 before
+    it (a two-tier int8 pool).
     `rounded`: the keys read as stored meet the scaled query rounded (rounded_query)."""
     qk, pk = feeds["qk"], feeds["pool_k"]
     tables, qidx, pos = feeds["tables"], feeds["qidx"], feeds["pos"]
@@ -445,7 +448,7 @@ def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: floa
             lo = max(0, p - window + 1) if window else 0
             for h in range(Hkv):
                 span = range(lo, p + 1)
-                src = [exact if exact is not None and t >= p - p % bs else feeds for t in span]
+                src = [exact if exact is not None and t >= p - p % bs - (tail_blocks - 1) * bs else feeds for t in span]
                 keys = np.stack([context(b, h, t, start, first, f["pool_k"], f["qk"], Hq + Hkv, Hq + h)
                                  for t, f in zip(span, src)])
                 vals = np.stack([context(b, h, t, start, first, f["pool_v"], f["v"], Hkv, h) for t, f in zip(span, src)])
@@ -470,7 +473,7 @@ def rounded_rows(x: np.ndarray) -> np.ndarray:
 
 
 @needs_avx512
-@pytest.mark.parametrize("kv", ["fp32", "int8", "int8+tails"])
+@pytest.mark.parametrize("kv", ["fp32", "int8", "int8+tails", "int8+2tails"])
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
 @pytest.mark.parametrize("Hq,Hkv,D,bs,window,softcap", [
     (9, 3, 64, 16, 0, 0.0), (8, 2, 128, 16, 0, 0.0), (4, 4, 32, 8, 0, 0.0), (16, 2, 16, 4, 0, 0.0),
@@ -486,7 +489,8 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
     rounded the same way (as the pool will store them), and meets them with the query rounded to 16 bits
     as the kernel rounds it (integer score products); head_dim 16 has one scale a row, the rest one per
     32 numbers. `int8+tails`: with full-precision tails, from which (or from this step's exact rows) each
-    token reads its own block's positions, and every earlier block's as int8 (as rounded)."""
+    token reads its own block's positions, and every earlier block's as int8 (as rounded);
+    `int8+2tails`: its own block's and the one's before it (attribute tail_blocks 2)."""
     rng = np.random.default_rng(Hq * D + bs)
     num_blocks = 512
     pool_k = rng.standard_normal((Hkv, num_blocks, bs, D), dtype=np.float32)
@@ -525,15 +529,15 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
         qk[:, Hq:] = rounded_rows(qk[:, Hq:])
         reference = {**feeds, "pool_k": rounded_rows(pool_k), "pool_v": rounded_rows(pool_v),
                      "qk": qk.reshape(-1, D), "v": rounded_rows(feeds["v"])}
-        if kv == "int8+tails":  # layer 1 of the tails holds the pool's rows unrounded (only own blocks' are read)
+        if "tails" in kv:  # layer 1 of the tails holds the pool's rows unrounded (only the exact blocks' are read)
             for name, pool in (("tail_k", pool_k), ("tail_v", pool_v)):
                 feeds[name] = rng.standard_normal((num_blocks, 2, Hkv, bs, D), dtype=np.float32)
                 feeds[name][:, 1] = pool.transpose(1, 0, 2, 3)
             exact = {**feeds, "pool_k": pool_k, "pool_v": pool_v}
-    graph = attention_graph(Hq, Hkv, window, scale, kv != "fp32", softcap, kv == "int8+tails")
+    tail_blocks = 2 if kv == "int8+2tails" else 0
+    graph = attention_graph(Hq, Hkv, window, scale, kv != "fp32", softcap, "tails" in kv, tail_blocks)
     got = ort.InferenceSession(graph, opts).run(None, feeds)[0]
-    want = attention_reference(reference, Hq, Hkv, window, scale, softcap, exact,
-                               kv != "fp32")
+    want = attention_reference(reference, Hq, Hkv, window, scale, softcap, exact, kv != "fp32", max(1, tail_blocks))
     assert got.shape == want.shape == (N, Hq * D)
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
 

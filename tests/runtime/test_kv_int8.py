@@ -127,16 +127,19 @@ def test_int8_pool_stays_near_the_fp32_pool_on_either_reader(tiny_package, monke
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="full-precision tails are read by ruvllm.PagedAttention")
-def test_a_query_reads_its_own_block_in_full_precision(tiny_package):
-    """Two-tier: while every position a step attends to lies in its own pool block (blocks of 64, a
-    prompt of 9 in two chunks, then decodes up to position 63) the int8 pool's logits are the fp32 pool's;
-    from the next block on, the earlier block is read as int8, and its tail pages go back to the system
-    (they read as zeros again)."""
+@pytest.mark.parametrize("tail_blocks", [1, 2])  # kv_pool.TAIL_BLOCKS: 1 in use; 2 needs tails of cached blocks
+def test_a_query_reads_the_blocks_up_to_its_own_in_full_precision(tiny_package, monkeypatch, tail_blocks):
+    """Two-tier: while every position a step attends to lies in its own pool block (or, with two tail
+    blocks, the one before) the int8 pool's logits are the fp32 pool's (blocks of 32, a prompt of 9 in two
+    chunks, then decodes); from the next block on, the first is read as int8, and its tail pages go back
+    to the system (they read as zeros again)."""
+    from runtime.backends import kv_pool
     from runtime.backends.native import NativeBackend
     from runtime.package import load_package
 
+    monkeypatch.setattr(kv_pool, "TAIL_BLOCKS", tail_blocks)
     pkg = load_package(tiny_package("llama"))
-    bs, table, runs = 64, [3, 5], []
+    bs, table, runs = 32, [3, 5, 6], []
     for kv_dtype in ("fp32", "int8"):
         backend = NativeBackend(pkg, kv_dtype=kv_dtype)
         backend.allocate(8, bs)
@@ -147,13 +150,15 @@ def test_a_query_reads_its_own_block_in_full_precision(tiny_package):
             pos += len(tokens)
         runs.append(np.concatenate(out))
     plain, int8 = runs
-    own = 2 + 55  # logits rows of positions 3, 8 and 9..63
-    assert np.abs(int8[:own] - plain[:own]).max() <= 1e-5 * np.abs(plain).max()
-    assert np.abs(int8[own:] - plain[own:]).max() > 1e-4 * np.abs(plain).max()
-    # block 3 given back once position 63 fills it, block 5 kept from position 64 on
-    assert live[own - 2] == [3] and live[own - 1] == [] and live[own] == [5]
+    exact = 2 + tail_blocks * bs - 9  # logits rows of positions 3, 8 and 9 .. tail_blocks * bs - 1
+    assert np.abs(int8[:exact] - plain[:exact]).max() <= 1e-5 * np.abs(plain).max()
+    assert np.abs(int8[exact:] - plain[exact:]).max() > 1e-4 * np.abs(plain).max()
+    # block 3 given back once the last position read exact with it is computed; the next block kept
+    # from its first position on
+    assert live[exact - 2] == table[:tail_blocks] and live[exact - 1] == table[1:tail_blocks]
+    assert live[exact] == table[1:tail_blocks + 1]
     tail_k = backend.pool._tails[0]  # [blocks, layers, kv_heads, block_size, head_dim]
-    assert not tail_k[3].any() and tail_k[5, :, :, :3].any()
+    assert not tail_k[3].any() and tail_k[6, :, :, :3].any()  # positions 64..66 in block 6
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="full-precision tails are read by ruvllm.PagedAttention")
@@ -174,9 +179,9 @@ def test_tails_of_finished_sequences_are_given_back_at_the_next_step(tiny_packag
 @pytest.mark.skipif(not HAS_KERNEL, reason="full-precision tails are read by ruvllm.PagedAttention")
 @pytest.mark.parametrize("num_blocks", [None, 96])  # 96 blocks of 4 force preemption under 12 requests
 def test_two_tier_outputs_do_not_depend_on_batching_drafts_or_preemption(tiny_package, num_blocks):
-    """Which numbers a position reads (exact in its own block, int8 before it) depends on positions only:
-    12 staggered requests in chunked batches with prompt-lookup drafts (rejected drafts rewrite rows of a
-    block already filled) and preemption give each request's tokens run alone without drafts."""
+    """Which numbers a position reads (exact in its own block, int8 before it) depends on positions only: 12 staggered requests in chunked batches with prompt-lookup drafts
+    (rejected drafts rewrite rows of a block already filled) and preemption give each request's tokens
+    run alone without drafts."""
     from tests.runtime.test_engine import prompts, run_staggered
 
     pkg = tiny_package("llama")
@@ -195,11 +200,18 @@ def test_two_tier_outputs_do_not_depend_on_batching_drafts_or_preemption(tiny_pa
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="full-precision tails are read by ruvllm.PagedAttention")
-def test_a_long_prompt_chunk_keeps_only_its_last_block_in_the_tails(tiny_package):
-    """A prompt prefilled in chunks of 40 (blocks of 16) keeps only the block where the next chunk starts
-    (none when it starts a block), and gives the earlier one back once a chunk has filled it."""
+@pytest.mark.parametrize("tail_blocks,want", [(1, [[9], [], [14]]), (2, [[3, 9], [12], [6, 14]])])
+def test_a_long_prompt_chunk_keeps_only_the_blocks_its_next_chunk_reads_exact(tiny_package, monkeypatch,
+                                                                               tail_blocks, want):
+    """A prompt prefilled in chunks of 40 (blocks of 16) keeps in the tails only the rows of the block where
+    the next chunk starts (one tail block: none when it starts a block; two: and the one before), and
+    gives earlier blocks back once a chunk has filled them. Blocks of positions 32..39 and 112..119 (one);
+    16..39, 64..79 and 96..119 (two)."""
+    from runtime.backends import kv_pool
     from runtime.backends.native import NativeBackend
     from runtime.package import load_package
+
+    monkeypatch.setattr(kv_pool, "TAIL_BLOCKS", tail_blocks)
 
     backend = NativeBackend(load_package(tiny_package("llama")), kv_dtype="int8")
     backend.allocate(16, 16)
@@ -207,7 +219,7 @@ def test_a_long_prompt_chunk_keeps_only_its_last_block_in_the_tails(tiny_package
     for start in (0, 40, 80):
         run_chunk(backend, list(range(5, 45)), start, table, 16)
         live.append(sorted(backend.pool._live))
-    assert live == [[9], [], [14]]  # the blocks of positions 32..39 and 112..119; position 80 starts a block
+    assert live == want
 
 
 def test_int8_pool_takes_a_quarter_of_the_memory(tiny_package):

@@ -25,12 +25,15 @@ namespace {
 // (every layer's, block by block, so that a block's tail is one range of memory to give back; attribute
 // `layer` says which is this one's), make it two-tier: the pool's blocks that sequences are still writing
 // keep full-precision copies of their rows there (kv_pool.py), and a query reads the keys and values of its
-// own block exact, from the tail or this step's rows, and every earlier block's as stored (int8; this
-// step's rows rounded as they will be). The choice depends on the two positions only, so a step's
-// chunking, a prefix-cache hit or a recompute after preemption leave every position's numbers the same.
+// own block and the tail_blocks - 1 blocks before it exact, from the tails or this step's rows, and every
+// earlier block's as stored (int8; this step's rows rounded as they will be). The choice depends on the two
+// positions only, so a step's chunking, a prefix-cache hit or a recompute after preemption leave every
+// position's numbers the same (with tail_blocks > 1 a hit's first new position would read cached blocks
+// exact: kv_pool.TAIL_BLOCKS).
 //
 // Attributes: num_heads, num_kv_heads, sliding_window (this layer's; 0: none), scale, softcap (Gemma 2's
-// soft limit on the scores, cap * tanh(score / cap), before the mask; 0: none).
+// soft limit on the scores, cap * tanh(score / cap), before the mask; 0: none); with tails, layer and
+// tail_blocks (default 1).
 
 // sc[t] = e^(sc[t] - mx) for t in [first, last]; returns 1 / their sum
 inline float exp_in_place(float* sc, int64_t first, int64_t last, float mx) {
@@ -52,7 +55,7 @@ inline float exp_in_place(float* sc, int64_t first, int64_t last, float mx) {
 }
 
 struct AttnKernel {
-  int64_t num_heads = 0, num_kv_heads = 0, window = 0, layer = -1;
+  int64_t num_heads = 0, num_kv_heads = 0, window = 0, layer = -1, tail_blocks = 1;
   float scale = 1.f, softcap = 0.f;
 };
 
@@ -219,8 +222,11 @@ struct RowHead {
     if (t < start) return pooled(j->pool_v, j->scale_v, t);
     return KVRow(j->step_v ? j->step_v + ((base + t - start) * Hkv + h) * D : step_value(t));
   }
-  // the first position a query at p reads exact (its block's first, with tails; else none)
-  int64_t own_block(int64_t p) const { return j->tail_k ? p - in_block(p) : INT64_MAX; }
+  // the first position a query at p reads exact (with tails: the first of its own block's tail_blocks - 1
+  // blocks before it, kv_pool.TAIL_BLOCKS; else none)
+  int64_t own_block(int64_t p) const {
+    return j->tail_k ? std::max<int64_t>(0, p - in_block(p) - (j->k->tail_blocks - 1) * j->bs) : INT64_MAX;
+  }
   // key t for a query whose block starts at `own`: exact in that block, as stored before it
   size_t tail_row(int64_t t) const { return table[block_of(t)] * j->tail_block + (h * j->bs + in_block(t)) * D; }
   KVRow key(int64_t t, int64_t own) const {
@@ -829,10 +835,10 @@ void find_shared(const AttnJob& j, Plan& plan) {
   plan.groups.clear();
   if (j.k->window > 0) return;  // a window may start inside the prefix
   std::vector<std::pair<int64_t, int64_t>> first;  // (first block, row)
-  std::vector<int64_t> start((size_t)j.B);  // each row's first new position
+  std::vector<int64_t> start((size_t)j.B);  // each row's first position not shared: new, or read exact
   for (int64_t b = 0; b < j.B; b++) {
     const RowHead r(j, (size_t)(b * j.k->num_kv_heads), j.D);
-    start[b] = r.start;
+    start[b] = std::min(r.start, r.own_block(r.start));
     if (plan.role[b] == 0 && r.count == 1 && r.start >= 32) first.emplace_back(r.table[0], b);
   }
   std::sort(first.begin(), first.end());
@@ -960,7 +966,12 @@ OrtStatus* create_attention(const CustomOp*, const void*, const OrtKernelInfo* i
       api<void (*)(OrtStatus*)>(kReleaseStatus)(none);
       k->layer = -1;
     }
+    if (OrtStatus* none = attr(info, "tail_blocks", &k->tail_blocks)) {  // optional: 1, the own block alone
+      api<void (*)(OrtStatus*)>(kReleaseStatus)(none);
+      k->tail_blocks = 1;
+    }
   }
+  if (!st && k->tail_blocks < 1) st = fail("ruvllm.PagedAttention: tail_blocks must be at least 1");
   if (!st && k->softcap < 0.f) st = fail("ruvllm.PagedAttention: softcap must not be negative");
   if (!st && (k->num_heads <= 0 || k->num_kv_heads <= 0 || k->num_heads % k->num_kv_heads))
     st = fail("ruvllm.PagedAttention: num_heads must be a multiple of num_kv_heads");
