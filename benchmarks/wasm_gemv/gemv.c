@@ -13,17 +13,20 @@
 
 #define EXPORT __attribute__((visibility("default")))
 
-static uint8_t heap[64 << 20];  // a bump arena: the benchmark allocates once
-static uint32_t used = 0;
+// A bump arena over the module's memory, grown as needed: the benchmarks allocate once.
+extern unsigned char __heap_base;
+static uintptr_t top = 0;
 
 EXPORT void* arena(uint32_t bytes) {
-  uint32_t at = (used + 63) & ~63u;
-  if (at + bytes > sizeof heap) return 0;
-  used = at + bytes;
-  return heap + at;
+  if (!top) top = (uintptr_t)&__heap_base;
+  const uintptr_t at = (top + 63) & ~(uintptr_t)63, end = at + bytes;
+  const uintptr_t have = __builtin_wasm_memory_size(0) * 65536;
+  if (end > have && __builtin_wasm_memory_grow(0, (end - have + 65535) / 65536) == (size_t)-1) return 0;
+  top = end;
+  return (void*)at;
 }
 
-EXPORT void arena_reset(void) { used = 0; }
+EXPORT void arena_reset(void) { top = (uintptr_t)&__heap_base; }
 
 static float absmax(const float* x, int n) {
   v128_t m = wasm_f32x4_splat(0.f);
