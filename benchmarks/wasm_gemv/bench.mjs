@@ -8,6 +8,8 @@ const reps = Number(repsArg || 200);
 const { instance } = await WebAssembly.instantiate(readFileSync(wasmPath), {});
 const k = instance.exports;
 const mem = () => k.memory.buffer;
+k.arena(64 << 20);  // grow the memory once: views made before a later growth would be detached
+k.arena_reset();
 const SHAPES = [["q/o", 576, 576], ["k/v", 576, 192], ["gate/up", 576, 1536], ["down", 1536, 576], ["head", 576, 49152]];
 
 let seed = 1;
