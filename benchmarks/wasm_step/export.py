@@ -3,7 +3,7 @@ engine's logits for a prompt and its greedy continuation, then build step.wasm a
 
     python benchmarks/wasm_step/export.py --run
 
-step.mjs prints the per-position KL and largest logit difference against the native engine (the same
+step.mjs (Node; with --browser also page.html in Chromium) prints the per-position KL and largest logit difference against the native engine (the same
 Q4_1 / Q8_0 blocks with activations rounded per block of 32 on both sides), the greedy continuation's
 agreement, and single-thread decode tok/s (issue 33: what a page backend without onnxruntime-web reaches).
 """
@@ -106,6 +106,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--run", action="store_true", help="then build step.wasm and run step.mjs in Node")
+    ap.add_argument("--browser", action="store_true", help="and run it in Debian's Chromium too (page.html)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     export(args.out, args.ctx, args.new_tokens)
@@ -115,6 +116,29 @@ def main() -> None:
                         "-nostdlib", "-Wl,--no-entry", "-Wl,--export-dynamic", "-o", str(wasm), str(HERE / "step.c")],
                        check=True)
         subprocess.run(["node", "--experimental-wasm-relaxed-simd", str(HERE / "step.mjs"), str(args.out)], check=True)
+        if args.browser:
+            print(json.dumps(in_chromium(args.out)))
+
+
+def in_chromium(out: Path, timeout_s: int = 300) -> dict:
+    """page.html in headless Chromium (/usr/bin/chromium), served with the data; its window.result."""
+    from playwright.sync_api import sync_playwright
+
+    sys.path.insert(0, str(HERE.parents[1]))
+    from wasm.serve import serve_in_thread
+
+    server, base = serve_in_thread(out, {"/code/": HERE})
+    try:
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"], headless=True)
+            page = browser.new_page()
+            page.goto(base + "code/page.html")
+            page.wait_for_function("window.result", timeout=timeout_s * 1000)
+            result = page.evaluate("window.result")
+            browser.close()
+            return result
+    finally:
+        server.shutdown()
 
 
 if __name__ == "__main__":
