@@ -109,6 +109,14 @@ def dequantize_rows(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(q.shape)
 
 
+def _native_writer():
+    """The kernel library's one-pass int8 writer (kernel_library.kv_writer), or None: numpy's quantize_rows
+    and copies then."""
+    from runtime.backends.kernel_library import kv_writer
+
+    return kv_writer()
+
+
 def _reserved(shape: list[int], dtype=np.float32) -> np.ndarray:
     """Zeroed float32 memory that becomes resident page by page as it is written. Not numpy's own
     allocation: numpy asks for transparent huge pages on large arrays, and a pool's rows for one layer
@@ -175,7 +183,11 @@ class DeviceKVPool:
             tail_shape = [num_blocks, num_layers, kv_heads, block_size, head_dim]  # a block's rows: one range
             self._tails = (_reserved(tail_shape), _reserved(tail_shape)) if self.tails else ()
             self._live: set[int] = set()  # blocks whose tail rows hold memory
-            self._pointers: list[tuple] = []  # the int8 arrays' addresses (_write_int8_native)
+            # an int8 pool's one-pass writer (kernel library) and its arrays' addresses, which never move;
+            # None: numpy writes it
+            self._native = _native_writer() if self.int8 else None
+            self._pointers = [(a.ctypes.data, s.ctypes.data, t.ctypes.data if self.tails else None)
+                              for a, s, t in zip(self._host, self._scales, self._tails or (None, None))]
             self.committed = 0
             self.ensure(min(num_blocks, FIRST_BLOCKS))
             self.keys, self.values = (ort.OrtValue.ortvalue_from_numpy(arr) for arr in self._host)
@@ -183,6 +195,7 @@ class DeviceKVPool:
             self._tail_values = [ort.OrtValue.ortvalue_from_numpy(arr) for arr in self._tails]
         else:
             self._host, self._scales, self._scale_values, self._tail_values = None, (), [], []
+            self._native = None
             self.keys = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self.device, 0)
             self.values = ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, self.device, 0)
             for pool in (self.keys, self.values):
@@ -237,7 +250,7 @@ class DeviceKVPool:
         with tails, `batch` (the step's StepBatch) says which rows are kept in full precision too."""
         if not self.device_writes:
             kept = self._tail_tokens(kv_slots, batch) if self.tails and batch is not None else []
-            if self.int8 and self._writer() is not None:
+            if self._native is not None:
                 self._write_int8_native((present_key, present_value), kv_slots, kept)
                 return
             presents = (present_key.numpy(), present_value.numpy())  # [layers, tokens, kv_heads, head_dim]
@@ -263,13 +276,6 @@ class DeviceKVPool:
         io.bind_cpu_input(SLOTS, np.asarray(kv_slots, np.int64))
         self.writer.run_with_iobinding(io)
 
-    @staticmethod
-    def _writer():
-        """The kernel library's one-pass int8 writer, or None: numpy's quantize_rows and copies then."""
-        from runtime.backends.kernel_library import kv_writer
-
-        return kv_writer()
-
     def _write_int8_native(self, presents, kv_slots: list[int], kept: list[int]) -> None:
         """Both kinds (the graph's present OrtValues, read in place) through ruvllm_kv_write_int8
         (kernels/kv_write.h): quantize_rows's rounding bit for bit, and the kept tokens' rows copied into the
@@ -279,11 +285,8 @@ class DeviceKVPool:
         slots = (ctypes.c_int64 * len(kv_slots))(*kv_slots)
         kept_at = (ctypes.c_int64 * len(kept))(*kept)
         layers, tokens, heads, dim = presents[0].shape()
-        if not self._pointers:  # the pool's arrays never move: their addresses once
-            self._pointers = [(a.ctypes.data, s.ctypes.data, t.ctypes.data if self.tails else None)
-                              for a, s, t in zip(self._host, self._scales, self._tails or (None, None))]
         for present, (pool, scales, tail) in zip(presents, self._pointers):
-            if self._writer()(present.data_ptr(), layers, tokens, heads, dim, slots, self.num_blocks * self.block_size,
+            if self._native(present.data_ptr(), layers, tokens, heads, dim, slots, self.num_blocks * self.block_size,
                               self.groups, pool, scales, tail if kept else None, kept_at, len(kept), self.block_size):
                 raise ValueError("ruvllm_kv_write_int8 refused a step's rows (a slot outside the pool)")
 

@@ -48,6 +48,7 @@ def test_the_kernel_librarys_writer_stores_what_numpy_does_bit_for_bit(monkeypat
     zeros, numbers too small for an fp16 scale, halfway ties and large numbers."""
     import onnxruntime as ort
 
+    from runtime.backends import kv_pool
     from runtime.backends.kv_pool import DeviceKVPool
     from runtime.core.step_batch import Chunk, build_step
 
@@ -55,9 +56,10 @@ def test_the_kernel_librarys_writer_stores_what_numpy_does_bit_for_bit(monkeypat
     pools = []
     for native in (True, False):
         if not native:
-            monkeypatch.setattr(DeviceKVPool, "_writer", staticmethod(lambda: None))
+            monkeypatch.setattr(kv_pool, "_native_writer", lambda: None)
         pool = DeviceKVPool(ort, ["CPUExecutionProvider"], layers, heads, head_dim, 8, bs, kv_dtype="int8", tails=True)
         pool.ensure(8)
+        assert (pool._native is not None) == native  # the first pool writes through the kernel library
         rng_step = np.random.default_rng(head_dim)
         for start, n in ((0, 6), (6, 1)):
             present = [(rng_step.standard_normal((layers, n, heads, head_dim)) * 3).astype(np.float32) for _ in "kv"]

@@ -165,27 +165,26 @@ inline void round_rows(const float* from, int64_t stride, int64_t n, int64_t D, 
 // keys' own, and the scores over stored keys become integer products (vpdpwssd against the keys widened
 // to 16 bits, in `attend`) times the key's group scales and this one. Every path (decode, prefill, shared
 // prefix) uses the same rounded query, so a position's score does not depend on the path its step took.
-// `rounded` holds it as floats, `steps` as integers; returns the scale.
-inline float round_query(const float* q, int64_t D, float* rounded, int16_t* steps) {
+// `rounded` holds it as floats, `steps` (where given: the integer path's) as integers; returns the scale.
+inline float round_query(const float* q, int64_t D, float* rounded, int16_t* steps = nullptr) {
   float m = 0.f;
   for (int64_t d = 0; d < D; d++) m = std::max(m, std::fabs(q[d]));
   const float s = m / 32767.f;
   for (int64_t d = 0; d < D; d++) {
     const float x = s > 0.f ? std::min(32767.f, std::max(-32767.f, std::nearbyint(q[d] / s))) : 0.f;
     rounded[d] = x * s;
-    steps[d] = (int16_t)x;
+    if (steps) steps[d] = (int16_t)x;
   }
   return s;
 }
 
 constexpr int kScoreRows = 8;  // queries per score_blocks call
 
-// nq queries (rows of D) rounded into qr (sized to be read as qs is, kScoreRows rows past nq); returns qr
-inline const float* rounded_queries(const float* qs, int64_t nq, int64_t D, std::vector<float>& qr,
-                                    std::vector<int16_t>& steps) {
+// nq queries (rows of D) rounded into qr as floats (the transposed-key paths' scores; sized to be read as
+// qs is, kScoreRows rows past nq); returns qr
+inline const float* rounded_queries(const float* qs, int64_t nq, int64_t D, std::vector<float>& qr) {
   qr.assign((size_t)((nq + kScoreRows) * D), 0.f);
-  steps.resize((size_t)(nq * D));
-  for (int64_t i = 0; i < nq; i++) round_query(qs + i * D, D, &qr[i * D], &steps[i * D]);
+  for (int64_t i = 0; i < nq; i++) round_query(qs + i * D, D, &qr[i * D]);
   return qr.data();
 }
 
@@ -585,7 +584,6 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
   constexpr int D = DV * 16;
   const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, start = r.start;
   thread_local std::vector<float> qs, qr, scores, inv;
-  thread_local std::vector<int16_t> qsteps;
   qs.resize((size_t)(QG + kScoreRows) * D);  // rows past nq are read, not stored
   const int64_t p_first = start + q0 / G, p_last = start + (q0 + nq - 1) / G;
   const int64_t c_first = (r.lowest(p_first) - key0) / 16, lo = key0 + c_first * 16;
@@ -596,7 +594,7 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
     const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
     for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
   }
-  const float* qstored = j.scale_k ? rounded_queries(qs.data(), nq, D, qr, qsteps) : qs.data();
+  const float* qstored = j.scale_k ? rounded_queries(qs.data(), nq, D, qr) : qs.data();
   for (int64_t t0 = lo; t0 <= p_last; t0 += 32) {  // 2 key blocks x 8 queries: a key row load serves 8 FMAs
     const float* blk = kt + (t0 - key0) / 16 * D * 16;
     const int64_t blocks = t0 + 16 - lo < width ? 2 : 1;
@@ -659,7 +657,6 @@ void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t 
   const float* kt = grp.kt + h * keys * D;
   const RowHead r(j, (size_t)(grp.rows[0] * Hkv + h), D);  // the pool rows of the shared positions
   thread_local std::vector<float> qs, qr, scores;
-  thread_local std::vector<int16_t> qsteps;
   qs.resize((size_t)(QG + kScoreRows) * D);  // rows past nq are read, not stored
   scores.resize((size_t)nq * keys);
   auto query = [&](int64_t i) { return j.qidx[grp.rows[(q0 + i) / G] * j.S] * Hq + h * G + (q0 + i) % G; };
@@ -668,7 +665,7 @@ void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t 
     const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
     for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
   }
-  const float* qstored = j.scale_k ? rounded_queries(qs.data(), nq, D, qr, qsteps) : qs.data();
+  const float* qstored = j.scale_k ? rounded_queries(qs.data(), nq, D, qr) : qs.data();
   for (int64_t t0 = 0; t0 < keys; t0 += 32)
     for (int64_t i0 = 0; i0 < nq; i0 += kScoreRows)
       score<D>(qstored + i0 * D, kt + t0 * D, &scores[i0 * keys + t0], keys, std::min<int64_t>(kScoreRows, nq - i0),
