@@ -50,8 +50,11 @@ def teacher_forced_logits(pkg_dir, ids: list[int], kv_dtype: str = "fp32", chunk
     for start in range(0, len(ids), chunk):
         tokens = ids[start:start + chunk]
         n = len(tokens)
+        # floor 0: on a two-tier int8 pool every position reads the block before its own exact, as generated
+        # tokens do (a prompt's positions below its floor read their own block alone: kv_blocks.exact_floor)
         batch = build_step([Chunk(tokens=tokens, start=start, block_table=list(range(blocks)),
-                                  kv_slots=list(range(start, start + n)), want_logits=True)], 16, want_full_logits=True)
+                                  kv_slots=list(range(start, start + n)), want_logits=True, exact_from=0)], 16,
+                           want_full_logits=True)
         batch.logits_index = list(range(n))  # logits at every position, not only the last
         for name in ("temperature", "repetition_penalty"):
             setattr(batch, name, [1.0] * n)

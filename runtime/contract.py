@@ -95,14 +95,19 @@ def past_value_scale(layer: int) -> str:
 # own block from them), every layer's block by block. Not exported inputs either: added with the scales
 # where the kernel runs (graph_fusion.kv_in_int8)
 KV_TAIL_KEY, KV_TAIL_VALUE = "kv_tail.key", "kv_tail.value"
+# int64 [batch]: each row's floor, the first position before a query's own block that it may read from the
+# tails (the scheduler's kv_blocks.exact_floor); added with the tails
+KV_EXACT_FROM = "kv_tail.exact_from"
 
 
 KV_DTYPES = ("fp32", "int8")  # the native KV pool's element types (--kv-dtype)
 
 
 def kv_scale_inputs(num_layers: int) -> set[str]:
-    """The inputs an int8 pool adds to a graph: its scales, and (on ruvllm.PagedAttention) its tails."""
-    return {f(i) for i in range(num_layers) for f in (past_key_scale, past_value_scale)} | {KV_TAIL_KEY, KV_TAIL_VALUE}
+    """The inputs an int8 pool adds to a graph: its scales, and (on ruvllm.PagedAttention) its tails and
+    the rows' floors."""
+    scales = {f(i) for i in range(num_layers) for f in (past_key_scale, past_value_scale)}
+    return scales | {KV_TAIL_KEY, KV_TAIL_VALUE, KV_EXACT_FROM}
 
 
 def lora_a(layer: int, target: str) -> str:

@@ -271,8 +271,8 @@ def kv_in_int8(model, num_layers: int, tails: bool = True) -> int:
     block_size, groups] per kind (contract.past_key_scale, kv_pool.quantize_rows), which the kernel
     multiplies back in (--kv-dtype int8), and the fp32 tails, full-precision copies of the blocks being
     written, every layer's in one input per kind (contract.KV_TAIL_KEY; kv_pool.py; the node's `layer` says
-    which part is its own, `tail_blocks` how many blocks up to a query's own it reads from them), unless
-    `tails` is False. Returns how many layers."""
+    which part is its own, `tail_blocks` how many blocks up to a query's own it reads from them), and each
+    row's floor (contract.KV_EXACT_FROM), unless `tails` is False. Returns how many layers."""
     import onnx
 
     from runtime import contract as C
@@ -298,12 +298,13 @@ def kv_in_int8(model, num_layers: int, tails: bool = True) -> int:
         if tails and not count:
             for name in (C.KV_TAIL_KEY, C.KV_TAIL_VALUE):
                 model.graph.input.append(_tail_input(key, name, num_layers))
+            model.graph.input.append(onnx.helper.make_tensor_value_info(C.KV_EXACT_FROM, onnx.TensorProto.INT64, ["batch"]))
         for pool, name in ((key, C.past_key_scale(layer)), (value, C.past_value_scale(layer))):
             pool.type.tensor_type.elem_type = onnx.TensorProto.INT8
             model.graph.input.append(_scales_input(pool, name, groups))
             node.input.append(name)
         if tails:
-            node.input.extend([C.KV_TAIL_KEY, C.KV_TAIL_VALUE])
+            node.input.extend([C.KV_TAIL_KEY, C.KV_TAIL_VALUE, C.KV_EXACT_FROM])
             node.attribute.append(onnx.helper.make_attribute("layer", layer))
             node.attribute.append(onnx.helper.make_attribute("tail_blocks", TAIL_BLOCKS))
         count += 1

@@ -20,9 +20,9 @@ the others (SmolLM2, decode-like steps: KL 0.0047 vs 0.0052 per row; docs/PERFOR
 quantized as it is written (in one pass by the kernel library's ruvllm_kv_write_int8 where it is built,
 bit for bit as quantize_rows; numpy otherwise). Where ruvllm.PagedAttention reads the pool it is two-tier (`tails`): the rows
 of the blocks sequences are still writing are also kept in full precision, in fp32 tails [blocks, layers,
-kv_heads, block_size, head_dim] committed only where written, and a query reads its own block from them
-(TAIL_BLOCKS; SmolLM2 in fp32: KL 0.00026 rather than 0.00057, greedy text on 20 prompts equal to the
-fp32 pool's on 16 rather than 13; docs/PERFORMANCE.md). A block's tail pages go back to the system once
+kv_heads, block_size, head_dim] committed only where written, and a query reads its own block from them,
+and the block before it from its sequence's floor on (TAIL_BLOCKS; SmolLM2 in fp32: KL 0.00026 rather than
+0.00057, greedy text on 20 prompts equal to the fp32 pool's on 18 rather than 13; docs/PERFORMANCE.md). A block's tail pages go back to the system once
 no later step of its sequence reads it exact or the scheduler drops it.
 """
 
@@ -40,12 +40,13 @@ FIRST_BLOCKS = 16  # blocks committed when the pool is made; it doubles from the
 DRAFT_ROWS = 16
 # Two-tier: a query reads the positions of its own block and of the TAIL_BLOCKS - 1 blocks before it exact
 # (from the tails, or this step's rows), every earlier block as stored; graph_fusion gives
-# ruvllm.PagedAttention the same number (attribute tail_blocks). Two would be better (SmolLM2 in fp32: greedy
-# text on 20 chat prompts equal to the fp32 pool's on 20 rather than 16, docs/PERFORMANCE.md), but then a
-# prefix-cache hit's first new position reads the last cached block exact, whose tail is gone, and so
-# would computing that block again: two needs tails kept for cached blocks. One: the own block is never a
-# cached one.
-TAIL_BLOCKS = 1
+# ruvllm.PagedAttention the same number (attribute tail_blocks). The blocks before its own it reads exact
+# only from its row's floor on (StepBatch.exact_from, kv_blocks.exact_floor: from the block before the
+# prompt's last): a prefix-cache hit ends at the new request's floor, so no cached block (whose tail is
+# gone) is ever read exact, and the scheduler shares only blocks computed below floors. Two rather than one:
+# SmolLM2 in fp32, greedy text on 20 chat prompts equal to the fp32 pool's on 18 rather than 16
+# (docs/PERFORMANCE.md).
+TAIL_BLOCKS = 2
 
 
 def device_of(providers: list[str]) -> str:
@@ -292,14 +293,17 @@ class DeviceKVPool:
 
     def _tail_tokens(self, kv_slots: list[int], batch) -> list[int]:
         """The step's tokens whose rows go into the tails too (those of each batch row's blocks that a later
-        step may still read as its own block), after giving back the tail pages of the blocks before those:
+        step may still read exact: its own block, and the TAIL_BLOCKS - 1 before it from the row's floor on,
+        the kernel's rule), after giving back the tail pages of the blocks before those:
         whole and computed once this step is, they are read as stored from now on."""
         bs, sealed, tokens = self.block_size, set(), []
-        for row, table in zip(batch.query_index, batch.block_tables):
+        floors = batch.exact_from or [0] * len(batch.block_tables)
+        for row, table, floor in zip(batch.query_index, batch.block_tables, floors):
             first = row[0]
             start, count = batch.position_ids[first], row[-1] - first + 1
             resume = start + 1 if count <= DRAFT_ROWS else start + count  # where the next step may start
-            keep = max(0, resume - resume % bs - (TAIL_BLOCKS - 1) * bs)  # the next step's first exact position
+            own = resume - resume % bs
+            keep = min(own, max(floor, own - (TAIL_BLOCKS - 1) * bs))  # the next step's first exact position
             tokens.extend(range(first + max(0, keep - start), first + count))
             # the row's earlier steps kept rows from at most DRAFT_ROWS (and TAIL_BLOCKS - 1 blocks) before
             # this one's start on

@@ -51,6 +51,7 @@ def providers_for(device: str) -> list[str]:
 
 class NativeBackend:
     name = "onnxruntime"
+    kv_exact_blocks = 1  # allocate: kv_pool.TAIL_BLOCKS on a two-tier pool
 
     def __init__(self, package: ModelPackage, device: str = "cpu", threads: int | None = None,
                  lora: bool = False, kv_device_writes: bool | None = None, kv_dtype: str = "fp32") -> None:
@@ -211,11 +212,12 @@ class NativeBackend:
         return session
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
-        from runtime.backends.kv_pool import DeviceKVPool
+        from runtime.backends.kv_pool import TAIL_BLOCKS, DeviceKVPool
 
         tails = C.KV_TAIL_KEY in {i.name for i in self.session.get_inputs()}  # int8 on ruvllm.PagedAttention
         self.pool = DeviceKVPool(self._ort, self.providers, self.num_layers, self.kv_heads, self.head_dim,
                                  num_blocks, block_size, self._kv_device_writes, self.kv_dtype, tails)
+        self.kv_exact_blocks = TAIL_BLOCKS if tails else 1
         self.runner.bind_pool(self.pool)
         if self.lora_runner is not None and self.lora_runner is not self.runner:
             self.lora_runner.bind_pool(self.pool)
@@ -400,6 +402,7 @@ class GraphRunner:
         self._bound: tuple | None = None  # the output shapes currently bound
         self._bound_inputs: dict[str, tuple] = {}  # input name -> (the values it is bound to, their array)
         self.has_mask = C.LOGITS_MASK in {i.name for i in session.get_inputs()}
+        self.has_floors = C.KV_EXACT_FROM in {i.name for i in session.get_inputs()}  # a two-tier int8 pool's
         if self.has_mask:  # zeros until a step has constrained rows
             self.io.bind_cpu_input(C.LOGITS_MASK, backend.no_mask())
         self.masked = False  # logits_mask is bound to a constrained step's rows
@@ -459,6 +462,9 @@ class GraphRunner:
         # rebinding only what changed saves ~10 array conversions and bindings per step
         for name, (values, dims) in batch.feeds(top_k).items():
             self._bind(name, (values, dims), lambda key, t=STEP_DTYPES[name]: np.array(key[0], t).reshape(key[1]))
+        if self.has_floors:
+            floors = batch.exact_from or [0] * len(batch.block_tables)
+            self._bind(C.KV_EXACT_FROM, floors, lambda key: np.array(key, np.int64))
         for name, arr in (extra_inputs or {}).items():
             if name in self._half and arr.dtype != np.float16:
                 arr = arr.astype(np.float16)

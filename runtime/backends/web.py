@@ -20,6 +20,7 @@ from runtime.package import ModelPackage
 
 class WebBackend:
     name = "onnxruntime-web"
+    kv_exact_blocks = 1  # one-tier pools
 
     def __init__(self, package: ModelPackage, runner, kv_dtype: str = "fp32") -> None:
         """runner: the JS RemoteRunner whose model worker owns the InferenceSession and the KV pool.

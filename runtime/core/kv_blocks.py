@@ -42,6 +42,16 @@ def kv_bytes_per_token(cfg: dict, kv_dtype: str = "fp32") -> int:
     return cfg["num_layers"] * 2 * cfg["num_kv_heads"] * kv_row_bytes(cfg["head_dim"], kv_dtype)
 
 
+def exact_floor(prompt_len: int, block_size: int) -> int:
+    """A sequence's floor on a two-tier pool that reads blocks before a query's own exact (kv_pool.TAIL_BLOCKS
+    > 1): the first position such reads may reach, the start of the block before the one holding the
+    prompt's last token. Below it a query reads its own block alone, as every other request computing
+    those tokens does, so those blocks can be shared through the prefix cache; from it on (the prompt's
+    end and every generated token) the recent context is read exact, which keeps greedy text on the fp32
+    pool's (SmolLM2, 20 chat prompts: 18 equal rather than 16; docs/PERFORMANCE.md)."""
+    return max(0, (prompt_len - 1) // block_size - 1) * block_size
+
+
 @dataclass
 class PrefixStats:
     queries: int = 0  # prompt blocks looked up

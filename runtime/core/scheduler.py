@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from runtime.core.adapters import AdapterSlots
 from runtime.core.config import SPECULATIVE_MAX_TEMPERATURE, EngineConfig
-from runtime.core.kv_blocks import BlockAllocator, block_key
+from runtime.core.kv_blocks import BlockAllocator, block_key, exact_floor
 from runtime.core.sequence import Sequence
 from runtime.core.speculative import PromptLookup
 from runtime.core.stats import EngineStats
@@ -40,8 +40,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int, max_context: int, vocab_size: int,
-                 stats: EngineStats | None = None) -> None:
+                 stats: EngineStats | None = None, exact_blocks: int = 1) -> None:
         self.config = config
+        # blocks up to a query's own that the backend's pool reads exact (Backend.kv_exact_blocks): above
+        # one, each sequence gets a floor (kv_blocks.exact_floor), and only blocks below it are shared
+        self.exact_blocks = exact_blocks
         self.block_size = block_size
         self.max_context = max_context
         self.vocab_size = vocab_size
@@ -122,7 +125,7 @@ class Scheduler:
         if sharing:
             for seq, n in plan:
                 if seq.num_computed < len(seq.prompt_ids) and not seq.xlora:
-                    pending.update(self._chunk_keys(seq, seq.block_keys, seq.num_computed + n))
+                    pending.update(self._chunk_keys(seq, seq.block_keys, min(seq.num_computed + n, self._shareable(seq))))
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
@@ -189,7 +192,7 @@ class Scheduler:
         chunk = Chunk(
             tokens=seq.tokens[start:start + n - len(draft)] + draft, start=start, block_table=seq.blocks,
             kv_slots=[seq.blocks[t // bs] * bs + t % bs for t in range(start, start + n)],
-            want_logits=start + n - len(draft) == len(seq.tokens), logits_rows=1 + len(draft),
+            want_logits=start + n - len(draft) == len(seq.tokens), logits_rows=1 + len(draft), exact_from=self._floor(seq),
             temperature=1.0 if p.greedy else p.temperature,
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, penalties=seq.penalties, top_k=p.candidates(self.vocab_size),
@@ -209,11 +212,12 @@ class Scheduler:
             seq.lookup.record(len(seq.draft), accepted_drafts)
             self.stats.accepted_draft_tokens += accepted_drafts
         if self.allocator.enable_prefix_cache:
-            for key in self._chunk_keys(seq, seq.block_keys, seq.num_computed):
+            upto = min(seq.num_computed, self._shareable(seq))
+            for key in self._chunk_keys(seq, seq.block_keys, upto):
                 self.allocator.register(seq.blocks[len(seq.block_keys)], key)
                 seq.block_keys.append(key)
             if seq.xlora:  # the scaling pass's blocks, on a chain of their own
-                for key in self._chunk_keys(seq, seq.shadow_keys, seq.num_computed, SCALING_PASS):
+                for key in self._chunk_keys(seq, seq.shadow_keys, upto, SCALING_PASS):
                     self.allocator.register(seq.shadow_blocks[len(seq.shadow_keys)], key)
                     seq.shadow_keys.append(key)
         if finished:
@@ -302,9 +306,20 @@ class Scheduler:
             return [], []
         if seq.prefix_keys is None or seq.prefix_keys[0] != len(seq.tokens):
             upto = len(seq.tokens) - 1
+            if self.exact_blocks > 1:  # a hit must end where the new request reads its own block alone
+                upto = min(upto, self._floor(seq))
             shadow = self._chunk_keys(seq, [], upto, SCALING_PASS) if seq.xlora else []
             seq.prefix_keys = (len(seq.tokens), self._chunk_keys(seq, [], upto), shadow)
         return seq.prefix_keys[1], seq.prefix_keys[2]
+
+    def _floor(self, seq: Sequence) -> int:
+        """The first position before a query's own block that the sequence may read exact (0: no limit)."""
+        return exact_floor(len(seq.prompt_ids), self.block_size) if self.exact_blocks > 1 else 0
+
+    def _shareable(self, seq: Sequence) -> int:
+        """Tokens of the sequence whose blocks others may share: on a pool reading blocks before a query's
+        own exact, those of the blocks up to its floor's (computed as any request computes them)."""
+        return self._floor(seq) + self.block_size if self.exact_blocks > 1 else len(seq.tokens)
 
     def _chunk_keys(self, seq: Sequence, known: list[bytes], upto_tokens: int, pass_tag: str = "") -> list[bytes]:
         """Keys of the full blocks within the first upto_tokens tokens, after the `known` ones. An X-LoRA's

@@ -76,6 +76,7 @@ class Chunk:
     shadow_table: list[int] | None = None  # X-LoRA: the scaling pass's block table
     shadow_kv_slots: list[int] | None = None  # X-LoRA: the scaling pass's pool slot per new token
     matcher: object = None  # structured output (runtime.core.constraints.Matcher): masks its logits row
+    exact_from: int = 0  # two-tier pools: the sequence's floor (kv_blocks.exact_floor)
 
 
 @dataclass
@@ -122,6 +123,7 @@ class StepBatch:
     xlora: XLoraPass | None = None  # the scaling pass, when X-LoRA sequences run
     matchers: list | None = None  # per logits row, its matcher or None, when any row is constrained
     dropped_blocks: list[int] = field(default_factory=list)  # blocks no sequence holds since the last step
+    exact_from: list[int] = field(default_factory=list)  # per row: its floor (Chunk.exact_from)
 
     def lora_slots(self) -> list[int]:
         """Every adapter slot the step reads: the tokens' own and the X-LoRA experts'."""
@@ -215,6 +217,7 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
                        if any(c.adapter_slot or c.xlora for c in chunks) else None),
         xlora=_xlora_pass(chunks, block_size),
         matchers=[c.matcher for c, _ in rows] if any(c.matcher for c, _ in rows) else None,
+        exact_from=[c.exact_from for c in chunks],
     )
 
 
@@ -222,7 +225,7 @@ def _xlora_pass(chunks: list[Chunk], block_size: int) -> XLoraPass | None:
     groups, shadows, scaling_start, step_start = [], [], 0, 0
     for c in chunks:
         if c.xlora:
-            shadows.append(Chunk(c.tokens, c.start, c.shadow_table, c.shadow_kv_slots, False))
+            shadows.append(Chunk(c.tokens, c.start, c.shadow_table, c.shadow_kv_slots, False, exact_from=c.exact_from))
             groups.append(XLoraGroup(c.xlora, c.expert_slots, scaling_start, step_start, len(c.tokens)))
             scaling_start += len(c.tokens)
         step_start += len(c.tokens)

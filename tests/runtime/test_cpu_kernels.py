@@ -396,13 +396,15 @@ def test_decode_rows_sharing_prefix_blocks_attend_to_them_together_exactly(tiny_
 
 
 def attention_graph(Hq: int, Hkv: int, window: int, scale: float, int8: bool = False, softcap: float = 0.0,
-                    tails: bool = False, tail_blocks: int = 0) -> bytes:
+                    tails: bool = False, tail_blocks: int = 0, floors: bool = False) -> bytes:
     """The operator alone; `int8`: int8 pools with their row scales (--kv-dtype int8), `tails`: and their
-    full-precision tails, read for `tail_blocks` blocks up to a query's own (0: the attribute left out)."""
+    full-precision tails, read for `tail_blocks` blocks up to a query's own (0: the attribute left out),
+    `floors`: from each row's floor on (input exact_from)."""
     f, i64, pool = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT8 if int8 else TensorProto.FLOAT
     names = [("qk", f), ("v", f), ("pool_k", pool), ("pool_v", pool), ("tables", i64), ("qidx", i64), ("pos", i64)]
     names += [("scale_k", TensorProto.FLOAT16), ("scale_v", TensorProto.FLOAT16)] if int8 else []
     names += [("tail_k", f), ("tail_v", f)] if tails else []
+    names += [("exact_from", i64)] if floors else []
     node = helper.make_node("PagedAttention", [n for n, _ in names], ["out"], domain="ruvllm", num_heads=Hq,
                             num_kv_heads=Hkv, sliding_window=window, scale=scale, softcap=softcap)
     if tails:  # every layer's tails in one input: this node's are layer 1's
@@ -424,12 +426,13 @@ def rounded_query(q: np.ndarray) -> np.ndarray:
 
 
 def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: float, softcap: float = 0.0,
-                        exact: dict | None = None, rounded: bool = False, tail_blocks: int = 1) -> np.ndarray:
+                        exact: dict | None = None, rounded: bool = False, tail_blocks: int = 1,
+                        floors: np.ndarray | None = None) -> np.ndarray:
     """Each token's attention over its row's keys, written out plainly: positions before the row's
     first new token from its pool blocks, the rest from this step's rows; causal, optionally windowed,
     the scores optionally soft-capped (Gemma 2: cap * tanh(score / cap)). `exact`: the same inputs in full
     precision, which a token reads for the positions of its own pool block and the tail_blocks - 1 before
-    it (a two-tier int8 pool).
+    it (a two-tier int8 pool), those before its own block only from its row's floor on (`floors`).
     `rounded`: the keys read as stored meet the scaled query rounded (rounded_query)."""
     qk, pk = feeds["qk"], feeds["pool_k"]
     tables, qidx, pos = feeds["tables"], feeds["qidx"], feeds["pos"]
@@ -446,9 +449,11 @@ def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: floa
         for n in range(first, last + 1):
             p = int(pos[n])
             lo = max(0, p - window + 1) if window else 0
+            own = p - p % bs
+            from_ = min(own, max(0 if floors is None else int(floors[b]), own - (tail_blocks - 1) * bs))
             for h in range(Hkv):
                 span = range(lo, p + 1)
-                src = [exact if exact is not None and t >= p - p % bs - (tail_blocks - 1) * bs else feeds for t in span]
+                src = [exact if exact is not None and t >= from_ else feeds for t in span]
                 keys = np.stack([context(b, h, t, start, first, f["pool_k"], f["qk"], Hq + Hkv, Hq + h)
                                  for t, f in zip(span, src)])
                 vals = np.stack([context(b, h, t, start, first, f["pool_v"], f["v"], Hkv, h) for t, f in zip(span, src)])
@@ -473,7 +478,7 @@ def rounded_rows(x: np.ndarray) -> np.ndarray:
 
 
 @needs_avx512
-@pytest.mark.parametrize("kv", ["fp32", "int8", "int8+tails", "int8+2tails"])
+@pytest.mark.parametrize("kv", ["fp32", "int8", "int8+tails", "int8+2tails", "int8+2tails+floors"])
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
 @pytest.mark.parametrize("Hq,Hkv,D,bs,window,softcap", [
     (9, 3, 64, 16, 0, 0.0), (8, 2, 128, 16, 0, 0.0), (4, 4, 32, 8, 0, 0.0), (16, 2, 16, 4, 0, 0.0),
@@ -490,7 +495,8 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
     as the kernel rounds it (integer score products); head_dim 16 has one scale a row, the rest one per
     32 numbers. `int8+tails`: with full-precision tails, from which (or from this step's exact rows) each
     token reads its own block's positions, and every earlier block's as int8 (as rounded);
-    `int8+2tails`: its own block's and the one's before it (attribute tail_blocks 2)."""
+    `int8+2tails`: its own block's and the one's before it (attribute tail_blocks 2); `+floors`: that one
+    only from each row's floor on (input exact_from: below a row's positions, inside them, past them)."""
     rng = np.random.default_rng(Hq * D + bs)
     num_blocks = 512
     pool_k = rng.standard_normal((Hkv, num_blocks, bs, D), dtype=np.float32)
@@ -534,10 +540,16 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
                 feeds[name] = rng.standard_normal((num_blocks, 2, Hkv, bs, D), dtype=np.float32)
                 feeds[name][:, 1] = pool.transpose(1, 0, 2, 3)
             exact = {**feeds, "pool_k": pool_k, "pool_v": pool_v}
-    tail_blocks = 2 if kv == "int8+2tails" else 0
-    graph = attention_graph(Hq, Hkv, window, scale, kv != "fp32", softcap, "tails" in kv, tail_blocks)
+    tail_blocks = 2 if "2tails" in kv else 0
+    floors = None
+    if kv.endswith("floors"):  # each row's floor, a block start: 0, one inside its positions, one past them
+        floors = np.array([(c + n // 2) // bs * bs if b % 3 == 1 else (c + n + bs) // bs * bs if b % 3 == 2 else 0
+                           for b, (c, n, _) in enumerate(rows)], np.int64)
+        feeds["exact_from"] = floors
+    graph = attention_graph(Hq, Hkv, window, scale, kv != "fp32", softcap, "tails" in kv, tail_blocks, floors is not None)
     got = ort.InferenceSession(graph, opts).run(None, feeds)[0]
-    want = attention_reference(reference, Hq, Hkv, window, scale, softcap, exact, kv != "fp32", max(1, tail_blocks))
+    want = attention_reference(reference, Hq, Hkv, window, scale, softcap, exact, kv != "fp32", max(1, tail_blocks),
+                               floors)
     assert got.shape == want.shape == (N, Hq * D)
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
 

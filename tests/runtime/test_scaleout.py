@@ -125,7 +125,7 @@ def cluster():
     ray.shutdown()
 
 
-def deploy(pkg, replicas: int, routing: str = "prefix") -> None:
+def deploy(pkg, replicas: int, routing: str = "prefix", imbalance: int = 8) -> None:
     from ray import serve
 
     from runtime.serve.scaleout.app import ScaleOptions, app_builder, build_app
@@ -135,7 +135,7 @@ def deploy(pkg, replicas: int, routing: str = "prefix") -> None:
         app = app_builder({"package": str(pkg), "replicas": str(replicas), "routing": routing, "threads": "1"})
     else:
         scale = ScaleOptions(replicas=replicas, routing=routing, replica_cpus=1, routing_stats_period_s=0.5,
-                             health_check_period_s=1)
+                             health_check_period_s=1, imbalance=imbalance)
         app = build_app(str(pkg), threads=1, scale=scale)
     serve.run(app, name="ruvllm", route_prefix="/")
 
@@ -184,13 +184,16 @@ def metric(url: str, name: str) -> float:
 def test_prefix_routing_keeps_the_hit_rate_of_one_replica(cluster, tiny_package):
     """Three tenants interleaved on two replicas: a load balancer alternating between the replicas spreads
     each tenant over both (with an even count it could keep each on one by accident, and once matched
-    prefix routing's hit rate), so only prefix routing keeps one replica's hit rate."""
+    prefix routing's hit rate), so only prefix routing keeps one replica's hit rate. The holder of two
+    tenants gets twice the other's queue in this burst, so the overload rule (imbalance, tested alone
+    above) is set past the burst's size: with the default 8 it sent a tenant's later requests to the other
+    replica once (hit rate 0.736, as the load balancer's)."""
     pkg = tiny_package("llama")
     prompts = tenant_prompts(tenants=3)
     expected = solo_runs(pkg, prompts, ANSWER_TOKENS)
     rates = {}
     for name, replicas, routing in (("single", 1, "prefix"), ("random", 2, "pow2"), ("prefix", 2, "prefix")):
-        deploy(pkg, replicas, routing)
+        deploy(pkg, replicas, routing, imbalance=len(prompts))
         bodies = asyncio.run(complete_all(cluster, prompts, ANSWER_TOKENS))
         for body, want in zip(bodies, expected):  # each output equals its solo run
             assert body["choices"][0]["token_ids"] == want

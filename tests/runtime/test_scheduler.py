@@ -133,6 +133,35 @@ def test_prefix_cache_hit_skips_cached_blocks_and_shares_them():
     assert s.allocator.stats.hits == 3
 
 
+def test_a_pool_reading_the_block_before_a_querys_own_exact_shares_only_blocks_below_floors():
+    """exact_blocks 2 (a two-tier int8 pool, kv_pool.TAIL_BLOCKS): each chunk carries its sequence's floor
+    (kv_blocks.exact_floor), a sequence registers only the blocks up to its floor's, and a hit ends at
+    the new sequence's floor, so no cached block (whose tail is gone) is read exact."""
+    from runtime.core.kv_blocks import exact_floor
+
+    s = Scheduler(EngineConfig(speculative_tokens=0), 64, BS, max_context=256, vocab_size=100, exact_blocks=2)
+    prompt = list(range(1, 23))  # 5 full blocks + 2 tokens: floor 16 (the block before the last token's)
+    a = add(s, "a", prompt, max_tokens=12)
+    out = run_step(s)
+    assert exact_floor(len(prompt), BS) == 16 and out.chunks[0].exact_from == 16
+    while a.num_generated < 12:
+        out = run_step(s)
+        assert out.chunks[0].exact_from == 16  # decodes too: the floor is the prompt's
+    assert len(a.block_keys) == 5  # blocks 0..4: block 4 is computed reading its own block alone
+    longer = add(s, "b", prompt + a.tokens[len(prompt):] + [9] * 10)  # the next turn of a chat
+    out = s.schedule()
+    assert longer.cached_tokens == 20 and out.chunks[-1].exact_from == exact_floor(len(longer.prompt_ids), BS)
+    again = add(s, "c", prompt)  # the same prompt: hits end at its own floor, not at its last full block
+    out = s.schedule()
+    assert again.cached_tokens == 16 and out.chunks[-1].exact_from == 16
+    plain = make()  # one exact block: every full block before the last token is shared
+    add(plain, "a", prompt)
+    run_step(plain)
+    again = add(plain, "b", prompt)
+    plain.schedule()
+    assert again.cached_tokens == 20
+
+
 def test_prefix_keys_depend_on_the_adapter():
     s = make()
     prompt = list(range(1, 14))

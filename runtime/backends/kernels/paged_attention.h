@@ -26,10 +26,12 @@ namespace {
 // `layer` says which is this one's), make it two-tier: the pool's blocks that sequences are still writing
 // keep full-precision copies of their rows there (kv_pool.py), and a query reads the keys and values of its
 // own block and the tail_blocks - 1 blocks before it exact, from the tails or this step's rows, and every
-// earlier block's as stored (int8; this step's rows rounded as they will be). The choice depends on the two
-// positions only, so a step's chunking, a prefix-cache hit or a recompute after preemption leave every
-// position's numbers the same (with tail_blocks > 1 a hit's first new position would read cached blocks
-// exact: kv_pool.TAIL_BLOCKS).
+// earlier block's as stored (int8; this step's rows rounded as they will be). With a twelfth input,
+// exact_from [B] (int64, optional), row b reads blocks before its own exact only from position
+// exact_from[b] on: the scheduler's floor (kv_blocks.exact_floor), below which a row reads its own block
+// alone. The choice depends on the two positions and the row's floor only, so a step's chunking, a
+// prefix-cache hit or a recompute after preemption leave every position's numbers the same (the scheduler
+// shares only blocks computed below floors, and cuts hits at the new request's floor).
 //
 // Attributes: num_heads, num_kv_heads, sliding_window (this layer's; 0: none), scale, softcap (Gemma 2's
 // soft limit on the scores, cap * tanh(score / cap), before the mask; 0: none); with tails, layer and
@@ -89,6 +91,7 @@ struct AttnJob {
   const float *tail_k = nullptr, *tail_v = nullptr;  // an int8 pool's full-precision tails (this layer's), or null
   int64_t tail_block = 0;  // floats from one block's tail to the next's (layers * Hkv * bs * D)
   int bs_shift = -1;  // log2(bs) where bs is a power of two
+  const int64_t* exact_from = nullptr;  // with tails: each row's floor, the first position it may read exact before its own block
   const float *step_k = nullptr, *step_v = nullptr;  // int8 pools: this step's key and value rows, rounded [N, Hkv, D]
 };
 
@@ -195,10 +198,12 @@ struct RowHead {
   const AttnJob* j;
   const int64_t* table;
   size_t head;  // the kv head's first pool row
+  int64_t floor;  // the first position before a query's own block that it may read exact (exact_from)
   RowHead(const AttnJob& job, size_t item, int64_t head_dim)
       : Hq(job.k->num_heads), Hkv(job.k->num_kv_heads), G(Hq / Hkv), D(head_dim), b((int64_t)item / Hkv),
         h((int64_t)item % Hkv), base(job.qidx[b * job.S]), count(job.qidx[b * job.S + job.S - 1] - base + 1),
-        start(job.pos[base]), j(&job), table(job.tables + b * job.MB), head((size_t)(h * job.NB * job.bs)) {}
+        start(job.pos[base]), j(&job), table(job.tables + b * job.MB), head((size_t)(h * job.NB * job.bs)),
+        floor(job.exact_from ? job.exact_from[b] : 0) {}
   // position t's block (in the row's table) and place in it: shifts where the block size is a power of two
   // (a 64-bit division per key read was a good part of a long context's decode step)
   int64_t block_of(int64_t t) const { return j->bs_shift >= 0 ? t >> j->bs_shift : t / j->bs; }
@@ -221,10 +226,12 @@ struct RowHead {
     if (t < start) return pooled(j->pool_v, j->scale_v, t);
     return KVRow(j->step_v ? j->step_v + ((base + t - start) * Hkv + h) * D : step_value(t));
   }
-  // the first position a query at p reads exact (with tails: the first of its own block's tail_blocks - 1
-  // blocks before it, kv_pool.TAIL_BLOCKS; else none)
+  // the first position a query at p reads exact (with tails: its own block's first, or the first of the
+  // tail_blocks - 1 blocks before it (kv_pool.TAIL_BLOCKS) at or after the row's floor; else none)
   int64_t own_block(int64_t p) const {
-    return j->tail_k ? std::max<int64_t>(0, p - in_block(p) - (j->k->tail_blocks - 1) * j->bs) : INT64_MAX;
+    if (!j->tail_k) return INT64_MAX;
+    const int64_t own = p - in_block(p);
+    return std::min(own, std::max(floor, own - (j->k->tail_blocks - 1) * j->bs));
   }
   // key t for a query whose block starts at `own`: exact in that block, as stored before it
   size_t tail_row(int64_t t) const { return table[block_of(t)] * j->tail_block + (h * j->bs + in_block(t)) * D; }
@@ -983,9 +990,9 @@ OrtStatus* create_attention(const CustomOp*, const void*, const OrtKernelInfo* i
 OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   const AttnKernel& k = *static_cast<AttnKernel*>(kernel);
   auto input = api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput);
-  const OrtValue* in[11] = {};
-  std::vector<int64_t> dims[11];
-  for (size_t i = 0; i < 11; i++) {
+  const OrtValue* in[12] = {};
+  std::vector<int64_t> dims[12];
+  for (size_t i = 0; i < 12; i++) {
     RETURN_IF(input(ctx, i, &in[i]));
     if (in[i]) RETURN_IF(tensor_shape(in[i], dims[i]));
     else if (i < 7) return fail("ruvllm.PagedAttention: a required input is missing");
@@ -1034,10 +1041,17 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
       RETURN_IF(tensor_data(in[10], const_cast<float**>(&job.tail_v)));
       job.tail_k += layer_offset;
       job.tail_v += layer_offset;
+      if (in[11]) {  // each row's floor
+        int type = 0;
+        RETURN_IF(tensor_type(in[11], &type));
+        if (type != kInt64 || dims[11].size() != 1 || dims[11][0] != job.B)
+          return fail("ruvllm.PagedAttention: exact_from must be int64 [batch], one floor per row");
+        RETURN_IF(tensor_data(in[11], const_cast<int64_t**>(&job.exact_from)));
+      }
     }
-  } else if (in[9] || in[10]) {
-    return fail("ruvllm.PagedAttention: full-precision tails go with an int8 pool");
   }
+  if ((in[9] || in[10]) && !job.scale_k) return fail("ruvllm.PagedAttention: full-precision tails go with an int8 pool");
+  if (in[11] && !job.tail_k) return fail("ruvllm.PagedAttention: exact_from goes with an int8 pool's tails");
   RETURN_IF(tensor_data(in[2], const_cast<void**>(&job.pool_k)));
   RETURN_IF(tensor_data(in[3], const_cast<void**>(&job.pool_v)));
   RETURN_IF(tensor_data(in[4], const_cast<int64_t**>(&job.tables)));
