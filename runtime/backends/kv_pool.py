@@ -162,6 +162,7 @@ class DeviceKVPool:
         self.device_writes = self.device != "cpu" if device_writes is None else device_writes
         self.int8 = kv_dtype == "int8"
         self.tails = tails and self.int8
+        self.tail_blocks = TAIL_BLOCKS  # what the graph's kernel was given (graph_fusion.kv_in_int8)
         self.dtype = np.int8 if self.int8 else np.float32
         if self.int8 and (self.device != "cpu" or self.device_writes):
             raise ValueError("an int8 KV pool lives in host memory: it runs on the CPU only")
@@ -303,11 +304,11 @@ class DeviceKVPool:
             start, count = batch.position_ids[first], row[-1] - first + 1
             resume = start + 1 if count <= DRAFT_ROWS else start + count  # where the next step may start
             own = resume - resume % bs
-            keep = min(own, max(floor, own - (TAIL_BLOCKS - 1) * bs))  # the next step's first exact position
+            keep = min(own, max(floor, own - (self.tail_blocks - 1) * bs))  # the next step's first exact position
             tokens.extend(range(first + max(0, keep - start), first + count))
             # the row's earlier steps kept rows from at most DRAFT_ROWS (and TAIL_BLOCKS - 1 blocks) before
             # this one's start on
-            earliest = max(0, (start - DRAFT_ROWS) // bs - (TAIL_BLOCKS - 1))
+            earliest = max(0, (start - DRAFT_ROWS) // bs - (self.tail_blocks - 1))
             sealed.update(b for b in table[earliest:keep // bs] if b in self._live)
         if sealed:
             self._live -= sealed

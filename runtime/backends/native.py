@@ -212,12 +212,12 @@ class NativeBackend:
         return session
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
-        from runtime.backends.kv_pool import TAIL_BLOCKS, DeviceKVPool
+        from runtime.backends.kv_pool import DeviceKVPool
 
         tails = C.KV_TAIL_KEY in {i.name for i in self.session.get_inputs()}  # int8 on ruvllm.PagedAttention
         self.pool = DeviceKVPool(self._ort, self.providers, self.num_layers, self.kv_heads, self.head_dim,
                                  num_blocks, block_size, self._kv_device_writes, self.kv_dtype, tails)
-        self.kv_exact_blocks = TAIL_BLOCKS if tails else 1
+        self.kv_exact_blocks = self.pool.tail_blocks if tails else 1
         self.runner.bind_pool(self.pool)
         if self.lora_runner is not None and self.lora_runner is not self.runner:
             self.lora_runner.bind_pool(self.pool)
