@@ -1,0 +1,126 @@
+// The WASM SIMD kernels of the page's decode step (wasm/step/step.c), also timed alone by
+// benchmarks/wasm_gemv: activations rounded per block of 32 to int8 (an fp32 scale of the block's
+// largest magnitude / 127, as llama.cpp's Q8_0 activations), then integer dot products against GGUF
+// blocks: Q8_0 rows (gemv_q8) and Q4_1 rows four at a time (gemv_q4x4). Plain SIMD128 only: Node 20's
+// baseline compiler computes relaxed_dot wrongly (docs/PERFORMANCE.md, session 26).
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+#include <wasm_simd128.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+// A bump arena over the module's memory, grown as needed: the benchmarks allocate once.
+extern unsigned char __heap_base;
+static uintptr_t top = 0;
+
+EXPORT void* arena(uint32_t bytes) {
+  if (!top) top = (uintptr_t)&__heap_base;
+  const uintptr_t at = (top + 63) & ~(uintptr_t)63, end = at + bytes;
+  const uintptr_t have = __builtin_wasm_memory_size(0) * 65536;
+  if (end > have && __builtin_wasm_memory_grow(0, (end - have + 65535) / 65536) == (size_t)-1) return 0;
+  top = end;
+  return (void*)at;
+}
+
+EXPORT void arena_reset(void) { top = (uintptr_t)&__heap_base; }
+
+static float absmax(const float* x, int n) {
+  v128_t m = wasm_f32x4_splat(0.f);
+  for (int i = 0; i < n; i += 4) m = wasm_f32x4_max(m, wasm_f32x4_abs(wasm_v128_load(x + i)));
+  float a = wasm_f32x4_extract_lane(m, 0), b = wasm_f32x4_extract_lane(m, 1);
+  float c = wasm_f32x4_extract_lane(m, 2), d = wasm_f32x4_extract_lane(m, 3);
+  a = a > b ? a : b;
+  c = c > d ? c : d;
+  return a > c ? a : c;
+}
+
+// x rounded per block of 32: steps xq [K], scales xs [K/32], sums of steps xsum [K/32]
+EXPORT void quantize_x(const float* x, int K, int8_t* xq, float* xs, float* xsum) {
+  for (int b = 0; b < K / 32; b++) {
+    const float m = absmax(x + 32 * b, 32), s = m / 127.f, inv = m > 0.f ? 127.f / m : 0.f;
+    xs[b] = s;
+    int sum = 0;
+    for (int i = 0; i < 32; i += 4) {
+      v128_t v = wasm_f32x4_nearest(wasm_f32x4_mul(wasm_v128_load(x + 32 * b + i), wasm_f32x4_splat(inv)));
+      v128_t q = wasm_i32x4_trunc_sat_f32x4(v);
+      int32_t lanes[4];
+      wasm_v128_store(lanes, q);
+      for (int l = 0; l < 4; l++) {
+        xq[32 * b + i + l] = (int8_t)lanes[l];
+        sum += lanes[l];
+      }
+    }
+    xsum[b] = (float)sum;
+  }
+}
+
+static inline int32_t hsum(v128_t v) {
+  return wasm_i32x4_extract_lane(v, 0) + wasm_i32x4_extract_lane(v, 1) + wasm_i32x4_extract_lane(v, 2) +
+         wasm_i32x4_extract_lane(v, 3);
+}
+
+// 16 int8 pairs, i16 products summed in pairs into i32 lanes (SIMD128 i32x4.dot_i16x8_s)
+static inline v128_t dot16(v128_t a, v128_t b, v128_t acc) {
+  acc = wasm_i32x4_add(acc, wasm_i32x4_dot_i16x8(wasm_i16x8_extend_low_i8x16(a), wasm_i16x8_extend_low_i8x16(b)));
+  return wasm_i32x4_add(acc, wasm_i32x4_dot_i16x8(wasm_i16x8_extend_high_i8x16(a), wasm_i16x8_extend_high_i8x16(b)));
+}
+
+EXPORT void gemv_q8(const int8_t* xq, const float* xs, int K, const int8_t* w, const float* ws, int N, float* y) {
+  const int blocks = K / 32;
+  for (int n = 0; n < N; n++) {
+    const int8_t* row = w + (size_t)n * K;
+    const float* sc = ws + (size_t)n * blocks;
+    v128_t acc = wasm_f32x4_splat(0.f);
+    for (int b = 0; b < blocks; b++) {
+      v128_t d = wasm_i32x4_splat(0);
+      d = dot16(wasm_v128_load(xq + 32 * b), wasm_v128_load(row + 32 * b), d);
+      d = dot16(wasm_v128_load(xq + 32 * b + 16), wasm_v128_load(row + 32 * b + 16), d);
+      acc = wasm_f32x4_add(acc, wasm_f32x4_mul(wasm_f32x4_convert_i32x4(d), wasm_f32x4_splat(xs[b] * sc[b])));
+    }
+    y[n] = wasm_f32x4_extract_lane(acc, 0) + wasm_f32x4_extract_lane(acc, 1) + wasm_f32x4_extract_lane(acc, 2) +
+           wasm_f32x4_extract_lane(acc, 3);
+  }
+}
+
+// Four output rows per pass (N % 4 == 0): the activations' blocks are widened to i16 once for all four,
+// each row's block dot is reduced across lanes with the other three's (one vector of four sums), then
+// scaled by a vector of the four rows' block scales. Scales and mins are laid out [N / 4, blocks, 4].
+static inline v128_t sum4(v128_t a, v128_t b, v128_t c, v128_t d) {  // lane i = sum of the lanes of the i-th
+  const v128_t ab = wasm_i32x4_add(wasm_i32x4_shuffle(a, b, 0, 4, 1, 5), wasm_i32x4_shuffle(a, b, 2, 6, 3, 7));
+  const v128_t cd = wasm_i32x4_add(wasm_i32x4_shuffle(c, d, 0, 4, 1, 5), wasm_i32x4_shuffle(c, d, 2, 6, 3, 7));
+  return wasm_i32x4_add(wasm_i32x4_shuffle(ab, cd, 0, 1, 4, 5), wasm_i32x4_shuffle(ab, cd, 2, 3, 6, 7));
+}
+
+static inline v128_t nib_dot(v128_t x0l, v128_t x0h, v128_t x1l, v128_t x1h, v128_t packed) {
+  const v128_t lo = wasm_v128_and(packed, wasm_i8x16_splat(0x0F)), hi = wasm_u8x16_shr(packed, 4);
+  v128_t d = wasm_i32x4_dot_i16x8(x0l, wasm_u16x8_extend_low_u8x16(lo));
+  d = wasm_i32x4_add(d, wasm_i32x4_dot_i16x8(x0h, wasm_u16x8_extend_high_u8x16(lo)));
+  d = wasm_i32x4_add(d, wasm_i32x4_dot_i16x8(x1l, wasm_u16x8_extend_low_u8x16(hi)));
+  return wasm_i32x4_add(d, wasm_i32x4_dot_i16x8(x1h, wasm_u16x8_extend_high_u8x16(hi)));
+}
+
+EXPORT void gemv_q4x4(const int8_t* xq, const float* xs, const float* xsum, int K, const uint8_t* w, const float* ws,
+                      const float* wm, int N, float* y) {
+  const int blocks = K / 32;
+  for (int n = 0; n < N; n += 4) {
+    const uint8_t* r0 = w + (size_t)n * K / 2;
+    const size_t stride = (size_t)K / 2;
+    const float* sc = ws + (size_t)n * blocks;  // [blocks][4]
+    const float* mn = wm + (size_t)n * blocks;
+    v128_t acc = wasm_f32x4_splat(0.f);
+    for (int b = 0; b < blocks; b++) {
+      const v128_t x0 = wasm_v128_load(xq + 32 * b), x1 = wasm_v128_load(xq + 32 * b + 16);
+      const v128_t x0l = wasm_i16x8_extend_low_i8x16(x0), x0h = wasm_i16x8_extend_high_i8x16(x0);
+      const v128_t x1l = wasm_i16x8_extend_low_i8x16(x1), x1h = wasm_i16x8_extend_high_i8x16(x1);
+      const v128_t d = sum4(nib_dot(x0l, x0h, x1l, x1h, wasm_v128_load(r0 + 16 * b)),
+                            nib_dot(x0l, x0h, x1l, x1h, wasm_v128_load(r0 + stride + 16 * b)),
+                            nib_dot(x0l, x0h, x1l, x1h, wasm_v128_load(r0 + 2 * stride + 16 * b)),
+                            nib_dot(x0l, x0h, x1l, x1h, wasm_v128_load(r0 + 3 * stride + 16 * b)));
+      const v128_t xsb = wasm_f32x4_splat(xs[b]);
+      acc = wasm_f32x4_add(acc, wasm_f32x4_mul(wasm_f32x4_mul(wasm_f32x4_convert_i32x4(d), xsb), wasm_v128_load(sc + 4 * b)));
+      acc = wasm_f32x4_add(acc, wasm_f32x4_mul(wasm_v128_load(mn + 4 * b), wasm_f32x4_splat(xs[b] * xsum[b])));
+    }
+    wasm_v128_store(y + n, acc);
+  }
+}

@@ -1,0 +1,186 @@
+// One engine step of a llama-family model in WASM SIMD, for the page without onnxruntime-web (issue 33):
+// the rows of a StepBatch (prompt chunks and decodes of many sequences) against a paged KV pool, the
+// engine's block tables and slots, logits for the rows that ask. Weights are the GGUF's own blocks,
+// repacked (exporter/step_weights.py): Q4_1 projections, the Q8_0 embedding tied to the head, fp32 norms.
+// Activations are rounded per block of 32 to int8 before each projection (kernels.h), as the native
+// engine's MatMulQ4 does; norms, RoPE (adjacent pairs: the GGUF's q/k row order), attention and SwiGLU in
+// fp32. Every token's numbers are computed alone (per-token projections, attention over its own row's
+// positions), so a token's logits do not depend on the batch it ran in.
+#include "kernels.h"
+
+typedef struct {
+  const uint8_t* w;    // nibbles [N, K / 2]: byte i of a block of 32 holds weight i (low) and i + 16 (high)
+  const float *d, *m;  // scales and minimums [N / 4, K / 32, 4] (gemv_q4x4's layout)
+} Q4;
+
+typedef struct {
+  const float* attn_norm;
+  Q4 q, k, v, o;
+  const float* ffn_norm;
+  Q4 gate, up, down;
+} Layer;
+
+typedef struct {
+  int32_t dim, hidden, layers, heads, kv_heads, head_dim, vocab, max_pos;
+  float eps;
+  const int8_t* embd;  // Q8_0 [vocab, dim] and its scales [vocab, dim / 32]: the embedding and the head
+  const float* embd_d;
+  const float* out_norm;
+  const float* rope;  // [max_pos, head_dim / 2, 2]: cos, sin
+  const Layer* layer;
+} Model;
+
+typedef struct {
+  int32_t num_blocks, block_size;
+  float *k, *v;  // [layers, kv_heads, num_blocks * block_size, head_dim]
+} Pool;
+
+// A StepBatch (runtime/core/step_batch.py) as int32 arrays: row b's tokens are row_first[b] ..
+// row_first[b] + row_count[b] - 1, at consecutive positions; token n's K/V go to pool slot slots[n]
+// (block * block_size + offset); logits rows are tokens logits_at[0 .. num_logits - 1].
+typedef struct {
+  int32_t num_tokens, num_rows, max_blocks, num_logits;
+  const int32_t *ids, *pos, *slots;
+  const int32_t *row_first, *row_count, *tables;  // tables [num_rows, max_blocks]
+  const int32_t* logits_at;
+  float* logits;  // out: [num_logits, vocab]
+} Batch;
+
+static float *x, *xn, *q, *kk, *vv, *att, *sc, *g, *u, *xs, *xsum;
+static int8_t* xq;
+static int32_t capacity = 0;  // tokens a step may hold (step_init)
+
+// Scratch for steps of up to max_tokens tokens; 0 when the memory cannot grow that far.
+EXPORT int step_init(const Model* m, int32_t max_tokens) {
+  const int32_t big = m->hidden > m->dim ? m->hidden : m->dim, n = max_tokens;
+  x = arena(4 * n * m->dim), xn = arena(4 * n * big), q = arena(4 * n * m->heads * m->head_dim);
+  kk = arena(4 * n * m->kv_heads * m->head_dim), vv = arena(4 * n * m->kv_heads * m->head_dim);
+  att = arena(4 * n * m->heads * m->head_dim), g = arena(4 * n * m->hidden), u = arena(4 * n * m->hidden);
+  sc = arena(4 * m->max_pos), xs = arena(4 * big / 32), xsum = arena(4 * big / 32), xq = arena(big);
+  capacity = xq ? max_tokens : 0;
+  return capacity;
+}
+
+static inline float exp_(float v) {  // e^v to ~1e-7 relative: 2^n times a polynomial on [-ln2/2, ln2/2]
+  if (v < -87.f) return 0.f;
+  if (v > 88.f) v = 88.f;
+  const float n = __builtin_rintf(v * 1.44269504f);
+  const float r = v - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (0.16666667f + r * (0.041666668f + r * (0.008333334f + r * 0.0013888889f)))));
+  union { float f; int32_t i; } s;
+  s.i = ((int32_t)n + 127) << 23;
+  return p * s.f;
+}
+
+static float dot(const float* a, const float* b, int n) {
+  v128_t acc = wasm_f32x4_splat(0.f);
+  for (int i = 0; i < n; i += 4) acc = wasm_f32x4_add(acc, wasm_f32x4_mul(wasm_v128_load(a + i), wasm_v128_load(b + i)));
+  return wasm_f32x4_extract_lane(acc, 0) + wasm_f32x4_extract_lane(acc, 1) + wasm_f32x4_extract_lane(acc, 2) +
+         wasm_f32x4_extract_lane(acc, 3);
+}
+
+static void rmsnorm(const float* in, const float* w, int n, float eps, float* out) {
+  const float inv = 1.f / __builtin_sqrtf(dot(in, in, n) / n + eps);
+  for (int i = 0; i < n; i += 4)
+    wasm_v128_store(out + i, wasm_f32x4_mul(wasm_f32x4_mul(wasm_v128_load(in + i), wasm_f32x4_splat(inv)), wasm_v128_load(w + i)));
+}
+
+// rows of `in` [T, K] projected by w into out [T, N], each row rounded and multiplied alone
+static void project(const float* in, int T, int K, const Q4* w, int N, float* out) {
+  for (int t = 0; t < T; t++) {
+    quantize_x(in + (size_t)t * K, K, xq, xs, xsum);
+    gemv_q4x4(xq, xs, xsum, K, w->w, w->d, w->m, N, out + (size_t)t * N);
+  }
+}
+
+static void rope(float* v, int heads, int hd, const float* cs) {  // adjacent pairs (GGUF's llama order)
+  for (int h = 0; h < heads; h++)
+    for (int i = 0; i < hd / 2; i++) {
+      float* p = v + h * hd + 2 * i;
+      const float c = cs[2 * i], s = cs[2 * i + 1], a = p[0], b = p[1];
+      p[0] = a * c - b * s;
+      p[1] = a * s + b * c;
+    }
+}
+
+// token n (row b, position p) over its row's positions 0 .. p in layer l's pool: att [H * hd]
+static void attend(const Model* m, const Pool* P, const Batch* B, int l, int b, int p, const float* qn, float* out) {
+  const int hd = m->head_dim, H = m->heads, Hkv = m->kv_heads, G = H / Hkv, bs = P->block_size;
+  const size_t rows = (size_t)P->num_blocks * bs;
+  const int32_t* table = B->tables + (size_t)b * B->max_blocks;
+  const float scale = 1.f / __builtin_sqrtf((float)hd);
+  for (int h = 0; h < H; h++) {
+    const float* kh = P->k + ((size_t)l * Hkv + h / G) * rows * hd;
+    const float* vh = P->v + ((size_t)l * Hkv + h / G) * rows * hd;
+    float mx = -3.4e38f, sum = 0.f;
+    for (int t = 0; t <= p; t++) {
+      sc[t] = dot(qn + h * hd, kh + ((size_t)table[t / bs] * bs + t % bs) * hd, hd) * scale;
+      mx = sc[t] > mx ? sc[t] : mx;
+    }
+    for (int t = 0; t <= p; t++) sum += (sc[t] = exp_(sc[t] - mx));
+    float* o = out + h * hd;
+    for (int i = 0; i < hd; i += 4) wasm_v128_store(o + i, wasm_f32x4_splat(0.f));
+    for (int t = 0; t <= p; t++) {
+      const v128_t w = wasm_f32x4_splat(sc[t] / sum);
+      const float* vt = vh + ((size_t)table[t / bs] * bs + t % bs) * hd;
+      for (int i = 0; i < hd; i += 4)
+        wasm_v128_store(o + i, wasm_f32x4_add(wasm_v128_load(o + i), wasm_f32x4_mul(w, wasm_v128_load(vt + i))));
+    }
+  }
+}
+
+// Runs the batch: writes every token's K/V into its slot and the logits rows. Returns 0, or 1 when the
+// batch holds more tokens than step_init made room for, 2 when a position or slot is out of range.
+EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
+  const int D = m->dim, hd = m->head_dim, H = m->heads, Hkv = m->kv_heads, F = m->hidden, N = B->num_tokens;
+  const int kvw = Hkv * hd, blocks = D / 32;
+  const size_t rows = (size_t)P->num_blocks * P->block_size;
+  if (N > capacity) return 1;
+  for (int n = 0; n < N; n++)
+    if (B->pos[n] < 0 || B->pos[n] >= m->max_pos || B->slots[n] < 0 || (size_t)B->slots[n] >= rows) return 2;
+  for (int n = 0; n < N; n++) {
+    const int8_t* e = m->embd + (size_t)B->ids[n] * D;
+    const float* es = m->embd_d + (size_t)B->ids[n] * blocks;
+    for (int i = 0; i < D; i++) x[(size_t)n * D + i] = e[i] * es[i / 32];
+  }
+  for (int l = 0; l < m->layers; l++) {
+    const Layer* L = &m->layer[l];
+    for (int n = 0; n < N; n++) {
+      rmsnorm(x + (size_t)n * D, L->attn_norm, D, m->eps, xn);
+      quantize_x(xn, D, xq, xs, xsum);  // one rounding for q, k and v
+      gemv_q4x4(xq, xs, xsum, D, L->q.w, L->q.d, L->q.m, H * hd, q + (size_t)n * H * hd);
+      gemv_q4x4(xq, xs, xsum, D, L->k.w, L->k.d, L->k.m, kvw, kk + (size_t)n * kvw);
+      gemv_q4x4(xq, xs, xsum, D, L->v.w, L->v.d, L->v.m, kvw, vv + (size_t)n * kvw);
+      const float* cs = m->rope + (size_t)B->pos[n] * hd;
+      rope(q + (size_t)n * H * hd, H, hd, cs);
+      rope(kk + (size_t)n * kvw, Hkv, hd, cs);
+      for (int h = 0; h < Hkv; h++) {  // into the pool first: the row's later tokens read it
+        const size_t at = (((size_t)l * Hkv + h) * rows + B->slots[n]) * hd;
+        for (int i = 0; i < hd; i++) {
+          P->k[at + i] = kk[(size_t)n * kvw + h * hd + i];
+          P->v[at + i] = vv[(size_t)n * kvw + h * hd + i];
+        }
+      }
+    }
+    for (int b = 0; b < B->num_rows; b++)
+      for (int n = B->row_first[b]; n < B->row_first[b] + B->row_count[b]; n++)
+        attend(m, P, B, l, b, B->pos[n], q + (size_t)n * H * hd, att + (size_t)n * H * hd);
+    project(att, N, H * hd, &L->o, D, xn);
+    for (size_t i = 0; i < (size_t)N * D; i++) x[i] += xn[i];
+    for (int n = 0; n < N; n++) {
+      rmsnorm(x + (size_t)n * D, L->ffn_norm, D, m->eps, xn);
+      quantize_x(xn, D, xq, xs, xsum);  // one rounding for gate and up
+      gemv_q4x4(xq, xs, xsum, D, L->gate.w, L->gate.d, L->gate.m, F, g + (size_t)n * F);
+      gemv_q4x4(xq, xs, xsum, D, L->up.w, L->up.d, L->up.m, F, u + (size_t)n * F);
+    }
+    for (size_t i = 0; i < (size_t)N * F; i++) g[i] = g[i] / (1.f + exp_(-g[i])) * u[i];
+    project(g, N, F, &L->down, D, xn);
+    for (size_t i = 0; i < (size_t)N * D; i++) x[i] += xn[i];
+  }
+  for (int r = 0; r < B->num_logits; r++) {
+    rmsnorm(x + (size_t)B->logits_at[r] * D, m->out_norm, D, m->eps, xn);
+    quantize_x(xn, D, xq, xs, xsum);
+    gemv_q8(xq, xs, D, m->embd, m->embd_d, m->vocab, B->logits + (size_t)r * m->vocab);
+  }
+  return 0;
+}
