@@ -54,6 +54,8 @@ class WasmStep:
         instance = wasmtime.Instance(self.store, wasmtime.Module.from_file(self.store.engine, str(wasm)), [])
         exports = instance.exports(self.store)
         self.memory, self._arena, self._run = exports["memory"], exports["arena"], exports["step_run"]
+        self._sample = exports["step_sample"]
+        self._scratch_at: dict[str, tuple[int, int]] = {}  # name -> (pointer, bytes): grown, never freed
         blob = (weights / "step.bin").read_bytes()
         at = {}
         for a in index["arrays"]:
@@ -114,3 +116,42 @@ class WasmStep:
                                                                      "a position or slot out of range"))
         out = self.memory.read(self.store, self._logits, self._logits + 4 * logits * self.cfg["vocab"])
         return np.frombuffer(out, np.float32).reshape(logits, self.cfg["vocab"])
+
+    def _scratch(self, name: str, data: bytes) -> int:
+        """`data` in a buffer kept for `name` (made larger, twice the size, when it no longer fits)."""
+        ptr, size = self._scratch_at.get(name, (0, 0))
+        if len(data) > size:
+            size = max(64, 2 * len(data))
+            ptr = self._alloc(size)
+            self._scratch_at[name] = (ptr, size)
+        if data:
+            self.memory.write(self.store, data, ptr)
+        return ptr
+
+    def sample(self, batch, mask: list | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The last run's logits rows through the graph's processing (step_sample): each row's top_k
+        candidates and their log-probabilities, [num_logits, top_k] each. `mask`: per row a bitmask
+        (bytes, bit i = token i allowed) or None."""
+        rows, k, vocab = len(batch.logits_index), min(batch.top_k, self.cfg["vocab"]), self.cfg["vocab"]
+        width = len(batch.sparse_ids[0]) if rows else 0
+        f32 = lambda name, v: self._scratch(name, np.asarray(v, np.float32).tobytes())  # noqa: E731
+        fields = [f32("temperature", batch.temperature), f32("repetition", batch.repetition_penalty),
+                  f32("presence", batch.presence_penalty), f32("frequency", batch.frequency_penalty),
+                  self._scratch("sparse_ids", np.asarray(batch.sparse_ids, np.int32).tobytes()),
+                  f32("seen", batch.sparse_seen), f32("counts", batch.sparse_counts), f32("bias", batch.sparse_bias)]
+        if mask is not None and any(m is not None for m in mask):
+            full = bytes([255]) * ((vocab + 7) // 8)
+            fields.append(self._scratch("mask", b"".join(full if m is None else bytes(m) for m in mask)))
+        else:
+            fields.append(0)
+        out_ids, out_values, out_stats = (self._scratch(n, bytes(4 * size)) for n, size in
+                                          (("ids", rows * k), ("values", rows * k), ("stats", 2 * rows)))
+        spec = self._scratch("sampling", struct.pack("<3i13I", rows, width, k, *fields, self._logits, out_ids,
+                                                     out_values, out_stats))
+        if self._sample(self.store, self.model, spec):
+            raise ValueError(f"the WASM step cannot sample top {k} of {rows} rows")
+        read = lambda ptr, n, t: np.frombuffer(self.memory.read(self.store, ptr, ptr + 4 * n), t)  # noqa: E731
+        ids = read(out_ids, rows * k, np.int32).reshape(rows, k)
+        values = read(out_values, rows * k, np.float32).reshape(rows, k).astype(np.float64)
+        stats = read(out_stats, 2 * rows, np.float32).reshape(rows, 2).astype(np.float64)
+        return ids, values - (stats[:, :1] + np.log(stats[:, 1:]))

@@ -27,8 +27,8 @@ def step_files(workdir, smol_gguf):
 
 
 class WasmtimeBackend:
-    """A backend running every step on step.wasm in wasmtime; candidates are the logits' log-softmax top-k
-    (greedy requests only: no penalties or temperature)."""
+    """A backend running every step on step.wasm in wasmtime, candidates from its own logits processing
+    (step_sample), as the page's model worker will."""
 
     name = "wasm-step (wasmtime)"
     kv_exact_blocks = 1
@@ -48,11 +48,12 @@ class WasmtimeBackend:
         self.step = WasmStep(self.files / "step.wasm", self.files, num_blocks, block_size, max_tokens=128)
 
     def run(self, batch) -> StepResult:
-        logits = self.step.run(batch).astype(np.float64)
-        logprobs = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
-        top = np.argsort(-logprobs, axis=1, kind="stable")[:, :batch.top_k]
-        return StepResult(top.tolist(), np.take_along_axis(logprobs, top, 1).tolist(),
-                          logits.astype(np.float32) if batch.want_full_logits else None)
+        raw = self.step.run(batch)
+        logits = raw.copy() if batch.want_full_logits else None
+        if not batch.logits_index:
+            return StepResult([], [])
+        ids, logprobs = self.step.sample(batch, batch.matchers and [m and m.allowed_bits() for m in batch.matchers])
+        return StepResult(ids.tolist(), logprobs.tolist(), logits)
 
 
 def log_softmax(a: np.ndarray) -> np.ndarray:
@@ -82,12 +83,65 @@ def test_the_wasm_step_computes_the_native_engines_logits(step_files, smol_int4)
     assert (want.argmax(1) == got.argmax(1)).mean() >= 0.85
 
 
+def reference_head(logits: np.ndarray, batch, mask: list) -> tuple[np.ndarray, np.ndarray]:
+    """exporter/builders/logits.py's processing in numpy: penalties and bias at the sparse ids, the mask,
+    the temperature, log-softmax, the top K (ties: the lower id)."""
+    x = logits.astype(np.float64).copy()
+    for r in range(len(x)):
+        ids = np.asarray(batch.sparse_ids[r])
+        v = x[r, ids]
+        rep = batch.repetition_penalty[r]
+        v = np.where(np.asarray(batch.sparse_seen[r]) > 0, np.where(v > 0, v / rep, v * rep), v)
+        counts = np.asarray(batch.sparse_counts[r])
+        v = v - batch.presence_penalty[r] * (counts > 0) - batch.frequency_penalty[r] * counts + batch.sparse_bias[r]
+        x[r, ids] = v
+        if mask[r] is not None:
+            allowed = np.unpackbits(np.frombuffer(bytes(mask[r]), np.uint8), bitorder="little")[:x.shape[1]]
+            x[r, allowed == 0] = -np.inf
+        x[r] /= batch.temperature[r]
+    lp = x - np.logaddexp.reduce(x, axis=1, keepdims=True)
+    top = np.argsort(-lp, axis=1, kind="stable")[:, :batch.top_k]
+    return top, np.take_along_axis(lp, top, 1)
+
+
+def test_the_wasm_steps_logits_processing_is_the_graphs(step_files):
+    """step_sample against the graph's processing written out in numpy, on the step's own logits: two
+    rows with every penalty, a logit bias, repeated (padding) sparse ids, a temperature, and a grammar's
+    mask on the second."""
+    from wasm.step_module import WasmStep
+
+    bs, table = 16, [3, 1]
+    ids = [1, 504, 3277, 314, 260, 1930, 30, 2, 198, 1, 4093]
+    chunks = [Chunk(ids[:6], 0, table, [table[p // bs] * bs + p % bs for p in range(6)], True, top_k=12),
+              Chunk(ids[6:], 0, [0, 2], list(range(5)), True, top_k=12)]
+    batch = build_step(chunks, bs)
+    batch.temperature, batch.repetition_penalty = [0.7, 1.0], [1.3, 0.8]
+    batch.presence_penalty, batch.frequency_penalty = [0.5, -0.3], [0.2, 0.1]
+    batch.sparse_ids = [[504, 3277, 314, 504], [30, 198, 4093, 30]]
+    batch.sparse_seen = [[1.0, 1.0, 0.0, 1.0], [1.0, 0.0, 1.0, 1.0]]
+    batch.sparse_counts = [[2.0, 0.0, 1.0, 2.0], [3.0, 1.0, 0.0, 3.0]]
+    batch.sparse_bias = [[0.0, 2.5, -1.0, 0.0], [-4.0, 0.0, 1.5, -4.0]]
+    allowed = np.zeros(49152, np.uint8)
+    allowed[[30, 198, 4093, 100, 101, 102, 7000]] = 1
+    mask = [None, np.packbits(allowed, bitorder="little").tobytes()]
+    step = WasmStep(step_files / "step.wasm", step_files, 8, bs)
+    raw = step.run(batch).copy()
+    got_ids, got_lp = step.sample(batch, mask)
+    want_ids, want_lp = reference_head(raw, batch, mask)
+    assert got_ids.tolist()[0] == want_ids.tolist()[0]
+    assert got_ids.tolist()[1][:7] == want_ids.tolist()[1][:7]  # the rest are -inf, in id order
+    finite = np.isfinite(want_lp)
+    assert np.abs(got_lp[finite] - want_lp[finite]).max() < 1e-4
+    assert np.isneginf(got_lp[~finite]).all()
+
+
 @pytest.mark.slow
 def test_the_engine_drives_the_wasm_step_as_it_drives_onnxruntime(step_files, smol_int4):
     """The engine's scheduler over WasmtimeBackend: six prompts sharing a prefix, admitted together with
     chunked prefill (16 tokens a step), prefix-cache hits and blocks of 16 in a table of its own order;
-    each one's greedy tokens equal its run alone (a token's numbers do not depend on its batch), and the
-    printing-press prompt's 24 tokens equal the native engine's."""
+    each one's tokens (five greedy, one sampled with a seed and every penalty) equal its run alone (a
+    token's numbers do not depend on its batch), and the printing-press prompt's 24 greedy tokens equal the
+    native engine's."""
     from runtime.core.engine import Engine
     from runtime.core.sampling import SamplingParams
     from runtime.package import load_package
@@ -98,16 +152,19 @@ def test_the_engine_drives_the_wasm_step_as_it_drives_onnxruntime(step_files, sm
               "without lists, and you never repeat the question back. Question: ")  # three blocks and more
     prompts = [shared + q for q in ("Why is the sky blue?", "What is a prime number?", "Name a red fruit.",
                                     "How do birds fly?", "What is rain?", "Who wrote Hamlet?")]
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=5, repetition_penalty=1.2,
+                             presence_penalty=0.3, frequency_penalty=0.1, logit_bias={13: -2.0}, ignore_eos=True)
+    settings = [params] * 5 + [sampled]  # the last one samples, through every input of the logits processing
     engine = Engine(pkg, WasmtimeBackend(step_files), num_blocks=64, max_batch_tokens=16, speculative_tokens=0)
-    rids = [engine.add_request(p, params) for p in prompts]
+    rids = [engine.add_request(p, s) for p, s in zip(prompts, settings)]
     got = {r: [] for r in rids}
     while engine.has_unfinished():
         for out in engine.step():
             got[out.request_id] += out.token_ids
     assert engine.stats_snapshot()["prefix_cache_hits"] > 0
     alone = Engine(pkg, WasmtimeBackend(step_files), num_blocks=64, enable_prefix_cache=False, speculative_tokens=0)
-    for rid, prompt in zip(rids, prompts):
-        assert got[rid] == [t for o in alone.generate(prompt, params) for t in o.token_ids], prompt
+    for rid, prompt, setting in zip(rids, prompts, settings):
+        assert got[rid] == [t for o in alone.generate(prompt, setting) for t in o.token_ids], prompt
 
     long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     native = Engine.from_package(smol_int4, verify=False, speculative_tokens=0)

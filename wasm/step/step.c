@@ -184,3 +184,79 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
   }
   return 0;
 }
+
+// The graph's logits processing (exporter/builders/logits.py), per logits row of the last step_run: the
+// penalties and logit bias at each row's sparse tokens (repetition where seen, presence where generated,
+// frequency times the count), a grammar's mask (bit i of the row's little-endian bitmask = token i
+// allowed), the temperature, then the K best (ties: the lower id first). A row's log-probabilities are its
+// candidates' processed logits minus its log-sum-exp, max + log(sum): step_sample leaves max and sum per
+// row for the caller's log (out_stats [rows, 2]).
+typedef struct {
+  int32_t num_logits, num_sparse, top_k;
+  const float *temperature, *repetition, *presence, *frequency;  // [num_logits]
+  const int32_t* sparse_ids;                                     // [num_logits, num_sparse]
+  const float *sparse_seen, *sparse_counts, *sparse_bias;        // [num_logits, num_sparse]
+  const uint8_t* mask;  // [num_logits, ceil(vocab / 8)] bitmasks, or null: every token allowed
+  const float* logits;  // [num_logits, vocab]: step_run's, processed in place
+  int32_t* out_ids;     // [num_logits, top_k]
+  float* out_values;    // [num_logits, top_k]: processed logits, best first
+  float* out_stats;     // [num_logits, 2]: max, sum of e^(x - max)
+} Sampling;
+
+static float* picked = 0;
+static int32_t picked_cap = 0;
+
+// 0, or 1 when top_k is not within 1 .. vocab or the sparse rows need more memory than there is
+EXPORT int step_sample(const Model* m, const Sampling* s) {
+  const int V = m->vocab, K = s->top_k, P = s->num_sparse;
+  if (K < 1 || K > V) return 1;
+  if (P > picked_cap) {
+    picked = arena(4 * P);
+    if (!picked) return 1;
+    picked_cap = P;
+  }
+  for (int r = 0; r < s->num_logits; r++) {
+    float* x = (float*)s->logits + (size_t)r * V;
+    const int32_t* ids = s->sparse_ids + (size_t)r * P;
+    const float *seen = s->sparse_seen + (size_t)r * P, *counts = s->sparse_counts + (size_t)r * P;
+    const float* bias = s->sparse_bias + (size_t)r * P;
+    for (int j = 0; j < P; j++) {  // every value from the raw logits first: ids may repeat (padding)
+      float v = x[ids[j]];
+      if (seen[j] > 0.f) v = v > 0.f ? v / s->repetition[r] : v * s->repetition[r];
+      v -= s->presence[r] * (counts[j] > 0.f ? 1.f : 0.f);
+      v -= s->frequency[r] * counts[j];
+      picked[j] = v + bias[j];
+    }
+    for (int j = 0; j < P; j++) x[ids[j]] = picked[j];
+    if (s->mask) {
+      const uint8_t* bits = s->mask + (size_t)r * ((V + 7) / 8);
+      for (int i = 0; i < V; i++)
+        if (!((bits[i >> 3] >> (i & 7)) & 1)) x[i] = -__builtin_inff();
+    }
+    const float t = s->temperature[r];
+    float mx = -__builtin_inff();
+    for (int i = 0; i < V; i++) {
+      x[i] = x[i] / t;
+      mx = x[i] > mx ? x[i] : mx;
+    }
+    double sum = 0.0;  // 49,152 terms: a float sum drifted by 1e-4
+    for (int i = 0; i < V; i++) sum += exp_(x[i] - mx);
+    s->out_stats[2 * r] = mx;
+    s->out_stats[2 * r + 1] = (float)sum;
+    int32_t* top = s->out_ids + (size_t)r * K;
+    float* val = s->out_values + (size_t)r * K;
+    int n = 0;  // candidates kept so far, best first
+    for (int i = 0; i < V; i++) {
+      if (n == K && !(x[i] > val[K - 1])) continue;
+      int at = n < K ? n++ : K - 1;
+      while (at > 0 && x[i] > val[at - 1]) {
+        val[at] = val[at - 1];
+        top[at] = top[at - 1];
+        at--;
+      }
+      val[at] = x[i];
+      top[at] = i;
+    }
+  }
+  return 0;
+}
