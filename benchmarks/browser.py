@@ -180,7 +180,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--engines", default="ruvllm,ruvllm:nolookup,transformers.js:fp32,transformers.js:q8,wllama",
-                    help="ruvllm:nolookup is RuvLLM with prompt-lookup speculative decoding off")
+                    help="ruvllm:nolookup is RuvLLM with prompt-lookup speculative decoding off; ruvllm:step on its WASM "
+                         "step (backend 'wasm-step'), ruvllm:step.nolookup both")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--reload-prompt", choices=("same", "other"), default="same",
                     help="the reload asks the same question as the first visit, or another one (RuvLLM keeps the "
@@ -242,8 +243,14 @@ def main() -> None:
     nolookup_ratios = {field: {k: round(plain[field] / v[field], 2) for k, v in summary.items()
                                if not k.startswith("ruvllm") and plain.get(field) and v.get(field)}
                        for field in ("decode_tok_s", "cached_decode_tok_s")} if plain else {}
+    # the page's WASM step (backend 'wasm-step') without drafts against the peers
+    step = summary.get("ruvllm:step.nolookup", {})
+    step_ratios = {field: {k: round(step[field] / v[field], 2) for k, v in summary.items()
+                           if not k.startswith("ruvllm") and step.get(field) and v.get(field)}
+                   for field in ("decode_tok_s", "cached_decode_tok_s", "ttft_ms")} if step else {}
     print(json.dumps({"threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "reload_prompt": args.reload_prompt, "summary": summary,
                       "ruvllm_decode_ratio": ratios, "ruvllm_nolookup_decode_ratio": nolookup_ratios,
+                      "ruvllm_step_nolookup_ratio": step_ratios,
                       "runs": runs}, indent=1))
 
 

@@ -38,6 +38,7 @@ from exporter.sources.locate import (
     load_model_and_tokenizer,
     resolve,
 )
+from exporter.step_weights import package_step
 from exporter.writers.external_data import save_with_shared_data
 from exporter.writers.manifest import carried_summary
 from exporter.writers.manifest import manifest as write_manifest
@@ -163,6 +164,10 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
         tokenizer_meta = write_tokenizer(tok, tmp, source)
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2, default=str))
         manifest = write_manifest(source, spec, opts, tokenizer_meta, gen_cfg, graphs, started, gptq_calibration, carried)
+        if opts.target == "wasm" and opts.method == "gguf" and opts.quant == "int4":  # the graphs' own blocks
+            step = package_step(source.path, tmp, spec.max_positions, on)
+            if step:
+                manifest["wasm_step"] = step
         for entry in manifest["graphs"].values():  # what the native backend must fuse, or refuse the graph
             entry["fusions"] = declared_fusions(tmp / entry["file"], manifest["config"])
         manifest["files"] = {f.name: {"size": f.stat().st_size, "sha256": file_digest(f)}

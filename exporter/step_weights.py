@@ -99,3 +99,17 @@ def write_step_weights(gguf_path: str | Path, out: str | Path, max_pos: int) -> 
             f.write(np.ascontiguousarray(arr).tobytes())
     (out / "step.json").write_text(json.dumps(index))
     return index
+
+
+def package_step(gguf_path: str | Path, out: str | Path, max_pos: int, progress: bool = True) -> dict | None:
+    """The package's WASM step entry (manifest "wasm_step"), its files written under `out`; None, with a
+    warning, where the GGUF's tensors are not the types step.c computes (the page then runs onnxruntime-web)."""
+    import sys
+
+    try:
+        write_step_weights(gguf_path, out, max_pos)
+    except PackageError as err:
+        if progress:
+            print(f"note: no WASM step in this package ({err})", file=sys.stderr)
+        return None
+    return {"weights": "step.bin", "index": "step.json", "max_positions": max_pos}

@@ -45,6 +45,13 @@ class WebBackend:
         from pyodide.ffi import to_js
 
         roles = dict(self.pkg.io_roles)
+        # the step's inputs by part, for a runner that reads them itself (web/src/wasm_step.js)
+        roles["step_feeds"] = {"ids": C.INPUT_IDS, "positions": C.POSITION_IDS, "query_index": C.QUERY_INDEX,
+                               "block_tables": C.BLOCK_TABLES, "logits_index": C.LOGITS_INDEX,
+                               "temperature": C.TEMPERATURE, "repetition": C.REPETITION_PENALTY,
+                               "presence": C.PRESENCE_PENALTY, "frequency": C.FREQUENCY_PENALTY,
+                               "sparse_ids": C.SPARSE_IDS, "sparse_seen": C.SPARSE_SEEN,
+                               "sparse_counts": C.SPARSE_COUNTS, "sparse_bias": C.SPARSE_BIAS, "top_k": C.TOP_K}
         if self.kv_dtype == "int8":  # the int8-KV graph's scale inputs, and the rows' layout
             n = self.pkg.config["num_layers"]
             roles.update(kv_dtype="int8", kv_group=kv_group(self.pkg.config["head_dim"]),

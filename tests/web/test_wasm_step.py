@@ -33,8 +33,9 @@ class WasmtimeBackend:
     name = "wasm-step (wasmtime)"
     kv_exact_blocks = 1
 
-    def __init__(self, files) -> None:
-        self.files = files
+    def __init__(self, files, wasm=None) -> None:
+        """files: a folder with step.bin and step.json (and step.wasm, unless `wasm` names another)."""
+        self.files, self.wasm = files, wasm or files / "step.wasm"
         self.step = None
 
     def kv_bytes_per_token(self, cfg: dict) -> int:
@@ -45,7 +46,7 @@ class WasmtimeBackend:
     def allocate(self, num_blocks: int, block_size: int) -> None:
         from wasm.step_module import WasmStep
 
-        self.step = WasmStep(self.files / "step.wasm", self.files, num_blocks, block_size, max_tokens=128)
+        self.step = WasmStep(self.wasm, self.files, num_blocks, block_size, max_tokens=128)
 
     def run(self, batch) -> StepResult:
         raw = self.step.run(batch)

@@ -42,6 +42,10 @@ export interface CreateEngineOptions {
   promptCache?: boolean;
   /** The model name reported in responses (default: the manifest's). */
   modelName?: string;
+  /** What runs each step: 'onnxruntime' (default: onnxruntime-web on the package's ONNX graph), or
+   *  'wasm-step' (the package's own WASM decode step on its GGUF blocks, wasm/step/step.c: one thread,
+   *  fp32 KV, no adapters; the package needs step.bin, written by `--target wasm` from a GGUF). */
+  backend?: 'onnxruntime' | 'wasm-step';
 }
 
 export interface ToolCall {
@@ -163,6 +167,8 @@ export interface ChunkStream extends AsyncIterable<ChatCompletionChunk> {
 
 export interface EngineInfo {
   model: string;
+  /** what runs each step (options.backend) */
+  backend: 'onnxruntime' | 'wasm-step';
   device: 'wasm' | 'webgpu';
   /** the package's graph file in use (a --target wasm package has a WebGPU variant) */
   graph: string;

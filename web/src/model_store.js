@@ -144,9 +144,10 @@ export const pageGraph = (manifest, wanted) => {
  * A stored file for which `deferCheck(name)` is true is returned before its sha256 is known, so the
  * caller can start on it (onnxruntime-web's session creation) while the digest runs; `checked`
  * resolves to the names whose digest failed. Their entries are already deleted, so a second
- * loadPackage downloads them again. Every other file is checked before this returns.
+ * loadPackage downloads them again. Every other file is checked before this returns. A file for which
+ * `skip(name, manifest)` is true is neither read nor fetched (another runner's weights).
  */
-export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck = () => false, graph = 'decoder' } = {}) {
+export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck = () => false, graph = 'decoder', skip = () => false } = {}) {
   const base = new URL(baseURL.endsWith('/') ? baseURL : `${baseURL}/`, self.location.href);
   const [dir, cache] = await Promise.all([openStore(), openCache()]);
   const t0 = performance.now();
@@ -156,7 +157,7 @@ export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck =
   // where the package has it, else the decoder
   const used = pageGraph(manifest, graph);
   const unused = new Set(Object.entries(manifest.graphs).filter(([k]) => k !== used).map(([, g]) => g.file));
-  const entries = Object.entries(manifest.files).filter(([name]) => !unused.has(name));
+  const entries = Object.entries(manifest.files).filter(([name]) => !unused.has(name) && !skip(name, manifest));
   const total = entries.reduce((n, [, m]) => n + Number(m.size), 0);
   let loaded = 0;
   const stats = { fromCache: 0, downloaded: 0, refetched: 0, manifestMs: performance.now() - t0, readMs: 0, verifyMs: 0 };

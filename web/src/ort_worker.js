@@ -6,6 +6,7 @@
 import { loadPackage, pageGraph } from './model_store.js';
 import { promptKVName, readPromptKV, fits, writePromptKV } from './prompt_kv.js';
 import { StepRunner, inputSpec, makeTensor } from './step_runner.js';
+import { WasmStepRunner } from './wasm_step.js';
 
 let runner = null;
 let opened = null; // { ort, manifest, model, device }: what opening the LoRA graph needs
@@ -53,6 +54,10 @@ async function startRuntime(ortURL, device, threads) {
 }
 
 const isGraphFile = (name) => name.endsWith('.onnx') || name.endsWith('.data');
+// the WASM step's weights and their index (manifest.wasm_step: exporter/step_weights.py)
+const stepFiles = (manifest) => (manifest.wasm_step ? [manifest.wasm_step.weights, manifest.wasm_step.index] : []);
+// files Python never reads: onnxruntime-web's or the WASM step's
+const modelFiles = (manifest) => [...Object.keys(manifest.files).filter(isGraphFile), ...stepFiles(manifest)];
 
 // A tiny decoder in the browser package format (wasm/warmup.py, beside this file in the bundle):
 // its steps run the model's own kernels while the package is still downloading, so that V8 has
@@ -127,7 +132,35 @@ async function openLoraGraph() {
   return createSession(ort, manifest, manifest.graphs.decoder_lora.file, files, device);
 }
 
-async function open({ model, ortURL, device: wanted, threads, kvDtype = 'fp32' }) {
+// backend 'wasm-step': the package's own WASM step (wasm_step.js) runs the steps, no onnxruntime-web;
+// only its weights are fetched (not the graphs'). One thread, fp32 KV, no adapters yet.
+async function openWasmStep({ model, device, kvDtype }) {
+  const t0 = performance.now();
+  if (device === 'webgpu') throw new Error('backend "wasm-step" runs on the CPU: use device "wasm" or "auto"');
+  if (kvDtype !== 'fp32') throw new Error('backend "wasm-step" keeps its KV cache in fp32: use kvDtype "fp32"');
+  const wasm = fetch(new URL('./step.wasm', import.meta.url)).then((r) => {
+    if (!r.ok) throw new Error(`step.wasm: HTTP ${r.status}`);
+    return r.arrayBuffer();
+  });
+  wasm.catch(() => {});
+  const skip = (name, manifest) => !stepFiles(manifest).includes(name) && isGraphFile(name);
+  const { manifest, files, stats } = await loadPackage(model, (p) => post({ type: 'progress', progress: p }), { skip });
+  if (!manifest.wasm_step) throw new Error('backend "wasm-step": this model package has no WASM step weights (step.bin); re-export it from a GGUF with --target wasm');
+  const big = modelFiles(manifest);
+  const small = Object.fromEntries(Object.entries(files).filter(([n]) => !big.includes(n)));
+  post({ type: 'files', manifest, files: small, graphFiles: big, cache: stats, device: 'wasm', fetchSeconds: (performance.now() - t0) / 1000 },
+    Object.values(small).map((b) => b.buffer));
+  post({ type: 'progress', progress: { stage: 'session', message: 'preparing the model' } });
+  const index = JSON.parse(new TextDecoder().decode(files[manifest.wasm_step.index]));
+  runner = await WasmStepRunner.create(await wasm, index, files[manifest.wasm_step.weights], manifest);
+  promptKV = { name: Promise.resolve(null), saved: Promise.resolve(null) }; // not kept across loads on this backend (yet)
+  return { device: 'wasm', threads: 1, graph: manifest.wasm_step.weights, cache: stats, warmupSteps: 0,
+    sessionSeconds: (performance.now() - t0) / 1000 };
+}
+
+async function open({ model, ortURL, device: wanted, threads, kvDtype = 'fp32', backend = 'onnxruntime' }) {
+  if (backend === 'wasm-step') return openWasmStep({ model, device: wanted, kvDtype });
+  if (backend !== 'onnxruntime') throw new Error(`backend ${JSON.stringify(backend)}: choose "onnxruntime" or "wasm-step"`);
   const t0 = performance.now();
   const device = await chooseDevice(wanted, kvDtype);
   const key = graphKey(device, kvDtype);
@@ -144,7 +177,8 @@ async function open({ model, ortURL, device: wanted, threads, kvDtype = 'fp32' }
   // stored graph files are checked (sha256) while the session is being built from them
   let loaded;
   try {
-    loaded = await loadPackage(model, onProgress, { deferCheck: isGraphFile, graph: key });
+    loaded = await loadPackage(model, onProgress, { deferCheck: isGraphFile, graph: key,
+      skip: (name, manifest) => stepFiles(manifest).includes(name) });
   } finally {
     stopWarmup.requested = true;
   }
@@ -152,7 +186,7 @@ async function open({ model, ortURL, device: wanted, threads, kvDtype = 'fp32' }
   const warmupSteps = await (warmup ?? 0); // at most one tiny step more: the real session has the cores to itself
   const graph = manifest.graphs[pageGraph(manifest, key)].file;
   // graphs and weights stay here (or were never fetched: the LoRA variant); the rest goes to Python
-  const graphFiles = Object.keys(manifest.files).filter(isGraphFile);
+  const graphFiles = modelFiles(manifest);
   const kvName = promptKVName(manifest, [graph, ...graphFiles.filter((n) => n.endsWith('.data'))], device);
   promptKV = { name: kvName, saved: kvName.then(readPromptKV).catch(() => null) }; // read while the session builds
   const small = Object.fromEntries(Object.entries(files).filter(([n]) => !graphFiles.includes(n)));
@@ -166,7 +200,7 @@ async function open({ model, ortURL, device: wanted, threads, kvDtype = 'fp32' }
   const corrupt = await checked;
   if (corrupt.length) { // a stored graph file failed its check (and was deleted): fetch it again, start over
     await session.release?.();
-    ({ manifest, files, stats } = await loadPackage(model, onProgress, { graph: key }));
+    ({ manifest, files, stats } = await loadPackage(model, onProgress, { graph: key, skip: (name, m) => stepFiles(m).includes(name) }));
     stats = { ...stats, refetched: corrupt.length };
     session = await createSession(ort, manifest, graph, files, device);
   } else if (session.err) {

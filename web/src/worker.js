@@ -68,7 +68,7 @@ async function load(opts) {
     else if (msg.type === 'files') { filesMessage = msg; mark('fetched'); resolve(msg); }
   }));
   const opened = runner.call('open', { options: { model: opts.model, ortURL, device: opts.device ?? 'auto', threads,
-    kvDtype: opts.kvDtype ?? 'fp32' } })
+    kvDtype: opts.kvDtype ?? 'fp32', backend: opts.backend ?? 'onnxruntime' } })
     .then((r) => { mark('session'); return r; });
   progress({ stage: 'runtime', message: 'starting Python' });
   const python = bootPython(pyodideURL, pythonURL, mark).then((py) => { mark('python'); return py; });
@@ -100,7 +100,8 @@ async function load(opts) {
   timings.model_worker = { fetch: Number(filesMessage.fetchSeconds.toFixed(3)), session: Number(sessionSeconds.toFixed(3)),
     warmup_steps: warmupSteps };
   info = {
-    model: name, device, graph, threads, kvDtype: opts.kvDtype ?? 'fp32', crossOriginIsolated: self.crossOriginIsolated,
+    model: name, backend: opts.backend ?? 'onnxruntime', device, graph, threads: opts.backend === 'wasm-step' ? 1 : threads,
+    kvDtype: opts.kvDtype ?? 'fp32', crossOriginIsolated: self.crossOriginIsolated,
     quantization: manifest.quantization, cache, python: pythonStart, restoredPromptBlocks: promptBlocks,
     loadSeconds: (performance.now() - t0) / 1000, timings,
   };

@@ -1,0 +1,74 @@
+"""backend 'wasm-step' in a page: the package's own WASM decode step (wasm/step/step.c) runs the engine's
+steps instead of onnxruntime-web, as the same step does natively in wasmtime (issue 33)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+from tests.web.conftest import CHAT, LOAD_ENGINE, publish
+from tests.web.test_wasm_step import WasmtimeBackend
+
+pytestmark = pytest.mark.slow
+
+SMOL = "/models/smollm2-135m/"
+QUESTION = [{"role": "user", "content": "Name the capital of France, then describe the city."}]
+
+
+def load(p, url: str, **opts) -> dict:
+    p.api()
+    return p.evaluate(LOAD_ENGINE, [url, opts])
+
+
+def wasmtime_ids(bundle, messages: list[dict], **params) -> list[int]:
+    """The same engine natively, over the bundle's own step.wasm in wasmtime and the package's weights."""
+    from runtime.core.engine import Engine
+    from runtime.core.sampling import SamplingParams
+    from runtime.package import load_package
+
+    package = bundle / "models" / "smollm2-135m"
+    engine = Engine(load_package(package), WasmtimeBackend(package, bundle / "ruvllm" / "step.wasm"),
+                    speculative_tokens=0)
+    return [t for o in engine.generate(messages=messages, params=SamplingParams(**params)) for t in o.token_ids]
+
+
+def test_the_page_runs_the_wasm_step_as_wasmtime_does_and_fetches_only_its_weights(offline_page, web_bundle, smol_int4):
+    """Greedy and seeded sampled text in the page equal the same engine on the same step in wasmtime
+    (V8 and Cranelift run one module: the same numbers), and the greedy text equals the native engine's
+    on the default package (the same GGUF blocks); the page fetches step.bin and no ONNX file."""
+    p = offline_page()
+    info = load(p, SMOL, device="wasm", backend="wasm-step", speculativeTokens=0)
+    assert info["backend"] == "wasm-step" and info["graph"] == "step.bin" and info["threads"] == 1
+    fetched = {u.rsplit("/", 1)[1] for u in p.requests if SMOL in u}
+    assert "step.bin" in fetched and not any(n.endswith((".onnx", ".data")) for n in fetched), fetched
+    greedy = {"max_tokens": 24, "temperature": 0}
+    reply = p.evaluate(CHAT, {"messages": QUESTION, "return_token_ids": True, **greedy})
+    ids = reply["choices"][0]["token_ids"]
+    assert "Paris" in reply["choices"][0]["message"]["content"]
+    assert ids == wasmtime_ids(web_bundle, QUESTION, **greedy)
+    proc = run_cli("generate", str(smol_int4), QUESTION[0]["content"], "--chat", "--json", "--temperature", "0",
+                   "--max-tokens", "24")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ids == json.loads(proc.stdout)["token_ids"]
+    sampled = {"max_tokens": 16, "temperature": 0.8, "top_p": 0.9, "seed": 11, "presence_penalty": 0.5}
+    reply = p.evaluate(CHAT, {"messages": QUESTION, "return_token_ids": True, **sampled})
+    assert reply["choices"][0]["token_ids"] == wasmtime_ids(web_bundle, QUESTION, **sampled)
+    stats = p.evaluate("async () => await window.engine.stats()")
+    assert stats["backend"]["steps"] > 0
+
+
+def test_wasm_step_refusals_are_clear(offline_page, tiny_package, web_models):
+    """A package without step weights, an int8 KV cache and WebGPU are refused by name, at load."""
+    url = publish(web_models, tiny_package("llama", "fp32"), "tiny-llama-fp32")
+    for model, opts, want in ((url, {}, "has no WASM step weights"),
+                              (SMOL, {"kvDtype": "int8"}, 'use kvDtype "fp32"'),
+                              (SMOL, {"device": "webgpu"}, 'use device "wasm"')):
+        p = offline_page()
+        p.api()
+        err = p.evaluate("""async ([model, opts]) => {
+          try { await window.createEngine({ model, backend: 'wasm-step', ...opts }); return null; }
+          catch (e) { return String(e.message ?? e); }
+        }""", [model, opts])
+        assert err and want in err, err

@@ -1,0 +1,151 @@
+// Runs engine steps on the page's own WASM decode step (wasm/step/step.c, built as step.wasm) instead of
+// an onnxruntime-web session: the bridge runtime/backends/web.py calls, with StepRunner's interface.
+//
+// The package's step weights (step.bin and its index step.json: the GGUF's own Q4_1 / Q8_0 blocks,
+// exporter/step_weights.py) are copied into the module's memory once; the KV pool lives there too. A step
+// writes the batch's small arrays in, runs step_run (K/V into the pool, logits of the rows asking) and
+// step_sample (the graph's logits processing: penalties, mask, temperature, top-K), and replies with the
+// candidates only. Structs are wasm32: 4-byte ints, floats and pointers, in step.c's field order.
+
+const TOKENS_PER_STEP = 512; // step_init's scratch: the page's steps are at most maxBatchTokens (256 by default)
+
+export class WasmStepRunner {
+  /** step.wasm's bytes, the weights' index (step.json) and bytes (step.bin), the package's manifest. */
+  static async create(wasm, index, weights, manifest) {
+    const { instance } = await WebAssembly.instantiate(wasm, {});
+    return new WasmStepRunner(instance.exports, index, weights, manifest);
+  }
+
+  constructor(exports, index, weights, manifest) {
+    this.k = exports;
+    this.cfg = index.config;
+    this.vocabSize = manifest.config.vocab_size;
+    this.scratch = {}; // name -> [pointer, bytes]: grown, never freed
+    this.io = null;
+    this.pool = null; // { dtype, bytes }: what the worker's prompt-KV code asks of a pool
+    this.steps = 0;
+    this.sessionMs = 0; // inside step_run and step_sample
+    this.stepMs = 0;
+    const at = {};
+    for (const a of index.arrays) {
+      at[a.name] = this.alloc(a.bytes);
+      this.u8(at[a.name], a.bytes).set(weights.subarray(a.offset, a.offset + a.bytes));
+    }
+    const cfg = this.cfg, fields = [];
+    for (let l = 0; l < cfg.layers; l++) {
+      fields.push(at[`${l}.attn_norm`]);
+      for (const p of ['q', 'k', 'v', 'o']) fields.push(at[`${l}.${p}.w`], at[`${l}.${p}.d`], at[`${l}.${p}.m`]);
+      fields.push(at[`${l}.ffn_norm`]);
+      for (const p of ['gate', 'up', 'down']) fields.push(at[`${l}.${p}.w`], at[`${l}.${p}.d`], at[`${l}.${p}.m`]);
+    }
+    const layers = this.alloc(4 * fields.length);
+    this.i32(layers, fields.length).set(fields);
+    this.model = this.alloc(56);
+    this.i32(this.model, 8).set([cfg.dim, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.vocab, cfg.max_pos]);
+    this.f32(this.model + 32, 1)[0] = cfg.eps;
+    this.i32(this.model + 36, 5).set([at.embd, at.embd_d, at.out_norm, at.rope, layers]);
+    if (this.k.step_init(this.model, TOKENS_PER_STEP) !== TOKENS_PER_STEP) throw new Error('the WASM step: out of memory for its scratch');
+  }
+
+  // views made afresh each time: the memory's buffer is replaced when it grows
+  u8(p, n) { return new Uint8Array(this.k.memory.buffer, p, n); }
+  i32(p, n) { return new Int32Array(this.k.memory.buffer, p, n); }
+  f32(p, n) { return new Float32Array(this.k.memory.buffer, p, n); }
+
+  alloc(bytes) {
+    const p = this.k.arena(bytes);
+    if (!p) throw new Error(`the WASM step's memory cannot grow by ${bytes} bytes`);
+    return p;
+  }
+
+  /** A buffer of at least `bytes` kept under `name` (replaced by one twice the size when too small). */
+  buffer(name, bytes) {
+    const [p, size] = this.scratch[name] ?? [0, 0];
+    if (bytes <= size) return p;
+    const grown = Math.max(64, 2 * bytes);
+    this.scratch[name] = [this.alloc(grown), grown];
+    return this.scratch[name][0];
+  }
+
+  ints(name, values) {
+    const p = this.buffer(name, 4 * values.length);
+    this.i32(p, values.length).set(values);
+    return p;
+  }
+
+  floats(name, values) {
+    const p = this.buffer(name, 4 * values.length);
+    this.f32(p, values.length).set(values);
+    return p;
+  }
+
+  timings() {
+    return { steps: this.steps, session_ms: this.sessionMs, bridge_ms: this.stepMs, kv_pool_bytes: this.pool?.bytes ?? 0 };
+  }
+
+  allocate(numBlocks, blockSize, io) {
+    if (io.kv_dtype === 'int8') throw new Error('kvDtype "int8" does not run on the WASM step yet: use kvDtype "fp32"');
+    const c = this.cfg, bytes = c.layers * c.kv_heads * numBlocks * blockSize * c.head_dim * 4;
+    const keys = this.alloc(bytes), values = this.alloc(bytes);
+    this.poolStruct = this.alloc(16);
+    this.i32(this.poolStruct, 4).set([numBlocks, blockSize, keys, values]);
+    this.pool = { dtype: 'wasm-step', bytes: 2 * bytes };
+    this.io = io;
+  }
+
+  enableLora() {
+    throw new Error('adapters do not run on the WASM step yet: load the engine with backend "onnxruntime"');
+  }
+
+  async run(step) {
+    const started = performance.now();
+    if (step.lora || step.classify) this.enableLora();
+    const r = this.io.step_feeds, f = step.feeds;
+    const ids = f[r.ids][0], [rowsIn, maxBlocks] = f[r.block_tables][1];
+    const qidx = f[r.query_index][0], rows = step.rows, vocab = this.cfg.vocab;
+    if (ids.length > TOKENS_PER_STEP) {
+      throw new Error(`a step of ${ids.length} tokens: the WASM step holds ${TOKENS_PER_STEP}; set maxBatchTokens lower`);
+    }
+    const logits = this.buffer('logits', 4 * Math.max(1, rows) * vocab);
+    const batch = this.buffer('batch', 48);
+    const fields = [ids.length, rowsIn, maxBlocks, rows, this.ints('ids', ids), this.ints('pos', f[r.positions][0]),
+      this.ints('slots', step.kv_slots), this.ints('first', qidx.map((q) => q[0])),
+      this.ints('count', qidx.map((q) => q[q.length - 1] - q[0] + 1)), this.ints('tables', f[r.block_tables][0].flat()),
+      this.ints('logits_at', f[r.logits_index][0]), logits];
+    this.i32(batch, 12).set(fields);
+    const t0 = performance.now();
+    const status = this.k.step_run(this.model, this.poolStruct, batch);
+    if (status) throw new Error(`the WASM step refused a step: ${status === 1 ? 'too many tokens' : 'a position or slot out of range'}`);
+    const result = { topk_ids: [], topk_logprobs: [] };
+    if (rows) {
+      if (step.want_logits) {
+        result.logits = Array.from({ length: rows }, (_, i) => Array.from(this.f32(logits + 4 * i * vocab, vocab)));
+      }
+      const k = Math.min(f[r.top_k][0][0], vocab), sparse = f[r.sparse_ids][0], width = sparse[0].length;
+      let mask = 0;
+      if (step.mask) { // per row a bitmask (bit i = token i allowed) or null: every token
+        const rowBytes = (vocab + 7) >> 3;
+        mask = this.buffer('mask', rows * rowBytes);
+        step.mask.forEach((bits, i) => this.u8(mask + i * rowBytes, rowBytes).set(bits ?? new Uint8Array(rowBytes).fill(255)));
+      }
+      const out = [this.buffer('out_ids', 4 * rows * k), this.buffer('out_values', 4 * rows * k), this.buffer('out_stats', 8 * rows)];
+      const sampling = this.buffer('sampling', 64);
+      this.i32(sampling, 16).set([rows, width, k, this.floats('temperature', f[r.temperature][0]),
+        this.floats('repetition', f[r.repetition][0]), this.floats('presence', f[r.presence][0]),
+        this.floats('frequency', f[r.frequency][0]), this.ints('sparse_ids', sparse.flat()),
+        this.floats('seen', f[r.sparse_seen][0].flat()), this.floats('counts', f[r.sparse_counts][0].flat()),
+        this.floats('bias', f[r.sparse_bias][0].flat()), mask, logits, ...out]);
+      if (this.k.step_sample(this.model, sampling)) throw new Error(`the WASM step cannot take the top ${k} of ${rows} rows`);
+      const topIds = this.i32(out[0], rows * k), values = this.f32(out[1], rows * k), stats = this.f32(out[2], 2 * rows);
+      for (let i = 0; i < rows; i++) {
+        const lse = stats[2 * i] + Math.log(stats[2 * i + 1]);
+        result.topk_ids.push(Array.from(topIds.subarray(i * k, (i + 1) * k)));
+        result.topk_logprobs.push(Array.from(values.subarray(i * k, (i + 1) * k), (v) => v - lse));
+      }
+    }
+    this.sessionMs += performance.now() - t0;
+    this.steps++;
+    this.stepMs += performance.now() - started;
+    return result;
+  }
+}
