@@ -1,5 +1,5 @@
 // Runs step.wasm (wasm/step/step.c) over export.py's output in Node (step_lib.mjs), one thread.
-//   node --experimental-wasm-relaxed-simd step.mjs OUT_DIR
+//   node --experimental-wasm-relaxed-simd --no-liftoff step.mjs OUT_DIR
 import { readFileSync } from "node:fs";
 import { join } from "node:path";
 import { runStep } from "./step_lib.mjs";

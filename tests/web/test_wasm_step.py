@@ -84,6 +84,22 @@ def test_the_wasm_step_computes_the_native_engines_logits(step_files, smol_int4)
     assert (want.argmax(1) == got.argmax(1)).mean() >= 0.85
 
 
+def test_a_tokens_logits_do_not_depend_on_the_tokens_beside_it(step_files):
+    """A prompt's logits alone, and behind a one-token row (its tokens then paired otherwise in the
+    projections' two-token tiles): bit for bit the same."""
+    from wasm.step_module import WasmStep
+
+    bs, prompt = 16, [1, 504, 3277, 314, 260, 1930, 30, 2, 198, 1, 4093]
+    n = len(prompt)
+    alone = build_step([Chunk(prompt, 0, [0], list(range(n)), True, logits_rows=n, top_k=1)], bs)
+    behind = build_step([Chunk([42], 0, [1], [16], True, top_k=1),
+                         Chunk(prompt, 0, [0], list(range(n)), True, logits_rows=n, top_k=1)], bs)
+    want = WasmStep(step_files / "step.wasm", step_files, 4, bs).run(alone)
+    got = WasmStep(step_files / "step.wasm", step_files, 4, bs).run(behind)
+    assert got.shape == (n + 1, want.shape[1])
+    assert np.array_equal(got[1:], want)
+
+
 def reference_head(logits: np.ndarray, batch, mask: list) -> tuple[np.ndarray, np.ndarray]:
     """exporter/builders/logits.py's processing in numpy: penalties and bias at the sparse ids, the mask,
     the temperature, log-softmax, the top K (ties: the lower id)."""

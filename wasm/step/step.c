@@ -8,6 +8,19 @@
 // positions), so a token's logits do not depend on the batch it ran in.
 #include "kernels.h"
 
+// the projections: T rounded rows against four weight rows at a time, with relaxed-dot products (16 an
+// instruction) unless built with -DPLAIN_SIMD
+#ifdef PLAIN_SIMD
+static void gemm_plain(const int8_t* xq, const float* xs, const float* xsum, int T, int K, const uint8_t* w,
+                       const float* ws, const float* wm, int N, float* y) {
+  for (int t = 0; t < T; t++)
+    gemv_q4x4(xq + (size_t)t * K, xs + (size_t)t * (K / 32), xsum + (size_t)t * (K / 32), K, w, ws, wm, N, y + (size_t)t * N);
+}
+#define GEMM_Q4 gemm_plain
+#else
+#define GEMM_Q4 gemm_q4x4_relaxed
+#endif
+
 typedef struct {
   const uint8_t* w;    // nibbles [N, K / 2]: byte i of a block of 32 holds weight i (low) and i + 16 (high)
   const float *d, *m;  // scales and minimums [N / 4, K / 32, 4] (gemv_q4x4's layout)
@@ -56,7 +69,7 @@ EXPORT int step_init(const Model* m, int32_t max_tokens) {
   x = arena(4 * n * m->dim), xn = arena(4 * n * big), q = arena(4 * n * m->heads * m->head_dim);
   kk = arena(4 * n * m->kv_heads * m->head_dim), vv = arena(4 * n * m->kv_heads * m->head_dim);
   att = arena(4 * n * m->heads * m->head_dim), g = arena(4 * n * m->hidden), u = arena(4 * n * m->hidden);
-  sc = arena(4 * m->max_pos), xs = arena(4 * big / 32), xsum = arena(4 * big / 32), xq = arena(big);
+  sc = arena(4 * m->max_pos), xs = arena(4 * n * big / 32), xsum = arena(4 * n * big / 32), xq = arena(n * big);
   capacity = xq ? max_tokens : 0;
   return capacity;
 }
@@ -85,12 +98,13 @@ static void rmsnorm(const float* in, const float* w, int n, float eps, float* ou
     wasm_v128_store(out + i, wasm_f32x4_mul(wasm_f32x4_mul(wasm_v128_load(in + i), wasm_f32x4_splat(inv)), wasm_v128_load(w + i)));
 }
 
-// rows of `in` [T, K] projected by w into out [T, N], each row rounded and multiplied alone
-static void project(const float* in, int T, int K, const Q4* w, int N, float* out) {
-  for (int t = 0; t < T; t++) {
-    quantize_x(in + (size_t)t * K, K, xq, xs, xsum);
-    gemv_q4x4(xq, xs, xsum, K, w->w, w->d, w->m, N, out + (size_t)t * N);
-  }
+// every row of `in` [T, K] rounded alone (xq, xs, xsum: T rows), for the projections that read them
+static void quantize_rows(const float* in, int T, int K) {
+  for (int t = 0; t < T; t++) quantize_x(in + (size_t)t * K, K, xq + (size_t)t * K, xs + (size_t)t * (K / 32), xsum + (size_t)t * (K / 32));
+}
+
+static void project(const Q4* w, int T, int K, int N, float* out) {  // the rounded rows by w: out [T, N]
+  GEMM_Q4(xq, xs, xsum, T, K, w->w, w->d, w->m, N, out);
 }
 
 static void rope(float* v, int heads, int hd, const float* cs) {  // adjacent pairs (GGUF's llama order)
@@ -145,12 +159,12 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
   }
   for (int l = 0; l < m->layers; l++) {
     const Layer* L = &m->layer[l];
+    for (int n = 0; n < N; n++) rmsnorm(x + (size_t)n * D, L->attn_norm, D, m->eps, xn + (size_t)n * D);
+    quantize_rows(xn, N, D);  // one rounding for q, k and v
+    project(&L->q, N, D, H * hd, q);
+    project(&L->k, N, D, kvw, kk);
+    project(&L->v, N, D, kvw, vv);
     for (int n = 0; n < N; n++) {
-      rmsnorm(x + (size_t)n * D, L->attn_norm, D, m->eps, xn);
-      quantize_x(xn, D, xq, xs, xsum);  // one rounding for q, k and v
-      gemv_q4x4(xq, xs, xsum, D, L->q.w, L->q.d, L->q.m, H * hd, q + (size_t)n * H * hd);
-      gemv_q4x4(xq, xs, xsum, D, L->k.w, L->k.d, L->k.m, kvw, kk + (size_t)n * kvw);
-      gemv_q4x4(xq, xs, xsum, D, L->v.w, L->v.d, L->v.m, kvw, vv + (size_t)n * kvw);
       const float* cs = m->rope + (size_t)B->pos[n] * hd;
       rope(q + (size_t)n * H * hd, H, hd, cs);
       rope(kk + (size_t)n * kvw, Hkv, hd, cs);
@@ -165,16 +179,16 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
     for (int b = 0; b < B->num_rows; b++)
       for (int n = B->row_first[b]; n < B->row_first[b] + B->row_count[b]; n++)
         attend(m, P, B, l, b, B->pos[n], q + (size_t)n * H * hd, att + (size_t)n * H * hd);
-    project(att, N, H * hd, &L->o, D, xn);
+    quantize_rows(att, N, H * hd);
+    project(&L->o, N, H * hd, D, xn);
     for (size_t i = 0; i < (size_t)N * D; i++) x[i] += xn[i];
-    for (int n = 0; n < N; n++) {
-      rmsnorm(x + (size_t)n * D, L->ffn_norm, D, m->eps, xn);
-      quantize_x(xn, D, xq, xs, xsum);  // one rounding for gate and up
-      gemv_q4x4(xq, xs, xsum, D, L->gate.w, L->gate.d, L->gate.m, F, g + (size_t)n * F);
-      gemv_q4x4(xq, xs, xsum, D, L->up.w, L->up.d, L->up.m, F, u + (size_t)n * F);
-    }
+    for (int n = 0; n < N; n++) rmsnorm(x + (size_t)n * D, L->ffn_norm, D, m->eps, xn + (size_t)n * D);
+    quantize_rows(xn, N, D);  // one rounding for gate and up
+    project(&L->gate, N, D, F, g);
+    project(&L->up, N, D, F, u);
     for (size_t i = 0; i < (size_t)N * F; i++) g[i] = g[i] / (1.f + exp_(-g[i])) * u[i];
-    project(g, N, F, &L->down, D, xn);
+    quantize_rows(g, N, F);
+    project(&L->down, N, F, D, xn);
     for (size_t i = 0; i < (size_t)N * D; i++) x[i] += xn[i];
   }
   for (int r = 0; r < B->num_logits; r++) {
