@@ -25,14 +25,21 @@ FLAGS = ["--target=wasm32-freestanding", "-O3", "-msimd128", "-mrelaxed-simd", "
 LAYER_FIELDS = 23  # attn_norm, q/k/v/o (w, d, m each), ffn_norm, gate/up/down (w, d, m each)
 
 
-def build(out: str | Path) -> Path:
-    """Compile step.c to `out` (a .wasm file)."""
+# For browsers without relaxed SIMD (the page falls back to it when step.wasm does not compile): SIMD128
+# products, no fused multiply-adds
+PLAIN_FLAGS = [f for f in FLAGS if f != "-mrelaxed-simd"] + ["-DPLAIN_SIMD"]
+FALLBACK = "step-simd128.wasm"  # beside step.wasm
+
+
+def build(out: str | Path, relaxed: bool = True) -> Path:
+    """Compile step.c to `out` (a .wasm file); relaxed=False: the SIMD128-only fallback."""
     try:
         import ziglang  # noqa: F401
     except ImportError as err:
         raise RuntimeError("building the WASM step needs the ziglang package: pip install ziglang") from err
     out = Path(out)
-    subprocess.run([sys.executable, "-m", "ziglang", "cc", *FLAGS, "-o", str(out), str(SOURCE)], check=True,
+    flags = FLAGS if relaxed else PLAIN_FLAGS
+    subprocess.run([sys.executable, "-m", "ziglang", "cc", *flags, "-o", str(out), str(SOURCE)], check=True,
                    capture_output=True)
     return out
 

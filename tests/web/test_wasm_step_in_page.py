@@ -72,3 +72,15 @@ def test_wasm_step_refusals_are_clear(offline_page, tiny_package, web_models):
           catch (e) { return String(e.message ?? e); }
         }""", [model, opts])
         assert err and want in err, err
+
+
+def test_a_browser_without_relaxed_simd_gets_the_simd128_build(offline_page, web_bundle):
+    """step.wasm that does not compile (as in a browser without relaxed SIMD): the model worker loads
+    step-simd128.wasm instead, and the step still answers."""
+    p = offline_page()
+    p.page.route("**/ruvllm/step.wasm", lambda route: route.fulfill(
+        status=200, content_type="application/wasm", body=b"\0asm\x01\0\0\0\x7f"))  # a section id no browser knows
+    load(p, SMOL, device="wasm", backend="wasm-step")
+    assert any(u.endswith("/ruvllm/step-simd128.wasm") for u in p.requests)
+    reply = p.evaluate(CHAT, {"messages": QUESTION, "max_tokens": 12, "temperature": 0})
+    assert "Paris" in reply["choices"][0]["message"]["content"]

@@ -125,6 +125,7 @@ EXPORT void gemv_q4x4(const int8_t* xq, const float* xs, const float* xsum, int 
   }
 }
 
+#ifdef __wasm_relaxed_simd__  // -mrelaxed-simd
 // gemv_q4x4 with i32x4.relaxed_dot_i8x16_i7x16_add_s for the products: 16 per instruction instead of 8
 // (pmaddubsw on x86). Exact here: the nibbles are 7-bit, the deterministic range of the second operand,
 // so the integer sums equal gemv_q4x4's. Correct in Chromium 150 from the first call; Node 20's baseline
@@ -199,3 +200,4 @@ EXPORT void gemm_q4x4_relaxed(const int8_t* xq, const float* xs, const float* xs
   for (; t < T; t++)
     gemv_q4x4_relaxed(xq + (size_t)t * K, xs + (size_t)t * blocks, xsum + (size_t)t * blocks, K, w, ws, wm, N, y + (size_t)t * N);
 }
+#endif  // __wasm_relaxed_simd__

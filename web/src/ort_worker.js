@@ -152,7 +152,8 @@ async function openWasmStep({ model, device, kvDtype }) {
     Object.values(small).map((b) => b.buffer));
   post({ type: 'progress', progress: { stage: 'session', message: 'preparing the model' } });
   const index = JSON.parse(new TextDecoder().decode(files[manifest.wasm_step.index]));
-  runner = await WasmStepRunner.create(await wasm, index, files[manifest.wasm_step.weights], manifest);
+  const fallback = async () => (await fetch(new URL('./step-simd128.wasm', import.meta.url))).arrayBuffer();
+  runner = await WasmStepRunner.create(await wasm, index, files[manifest.wasm_step.weights], manifest, fallback);
   promptKV = { name: Promise.resolve(null), saved: Promise.resolve(null) }; // not kept across loads on this backend (yet)
   return { device: 'wasm', threads: 1, graph: manifest.wasm_step.weights, cache: stats, warmupSteps: 0,
     sessionSeconds: (performance.now() - t0) / 1000 };

@@ -10,9 +10,17 @@
 const TOKENS_PER_STEP = 512; // step_init's scratch: the page's steps are at most maxBatchTokens (256 by default)
 
 export class WasmStepRunner {
-  /** step.wasm's bytes, the weights' index (step.json) and bytes (step.bin), the package's manifest. */
-  static async create(wasm, index, weights, manifest) {
-    const { instance } = await WebAssembly.instantiate(wasm, {});
+  /** The module (step.wasm's bytes; `fallback`: a function giving step-simd128.wasm's, for a browser
+   * without relaxed SIMD), the weights' index (step.json) and bytes (step.bin), the package's manifest. */
+  static async create(wasm, index, weights, manifest, fallback) {
+    let module;
+    try {
+      module = await WebAssembly.compile(wasm);
+    } catch (err) { // no relaxed SIMD here: the SIMD128 build (plain products, no fused multiply-adds)
+      if (!fallback) throw err;
+      module = await WebAssembly.compile(await fallback());
+    }
+    const instance = await WebAssembly.instantiate(module, {});
     return new WasmStepRunner(instance.exports, index, weights, manifest);
   }
 
