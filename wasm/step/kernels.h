@@ -100,62 +100,66 @@ static inline v128_t nib_dot(v128_t x0l, v128_t x0h, v128_t x1l, v128_t x1h, v12
   return wasm_i32x4_add(d, wasm_i32x4_dot_i16x8(x1h, wasm_u16x8_extend_high_u8x16(hi)));
 }
 
-EXPORT void gemv_q4x4(const int8_t* xq, const float* xs, const float* xsum, int K, const uint8_t* w, const float* ws,
-                      const float* wm, int N, float* y) {
-  const int blocks = K / 32;
-  for (int n = 0; n < N; n += 4) {
-    const uint8_t* r0 = w + (size_t)n * K / 2;
-    const size_t stride = (size_t)K / 2;
-    const float* sc = ws + (size_t)n * blocks;  // [blocks][4]
-    const float* mn = wm + (size_t)n * blocks;
-    v128_t acc = wasm_f32x4_splat(0.f);
-    for (int b = 0; b < blocks; b++) {
-      const v128_t x0 = wasm_v128_load(xq + 32 * b), x1 = wasm_v128_load(xq + 32 * b + 16);
-      const v128_t x0l = wasm_i16x8_extend_low_i8x16(x0), x0h = wasm_i16x8_extend_high_i8x16(x0);
-      const v128_t x1l = wasm_i16x8_extend_low_i8x16(x1), x1h = wasm_i16x8_extend_high_i8x16(x1);
-      const v128_t d = sum4(nib_dot(x0l, x0h, x1l, x1h, wasm_v128_load(r0 + 16 * b)),
-                            nib_dot(x0l, x0h, x1l, x1h, wasm_v128_load(r0 + stride + 16 * b)),
-                            nib_dot(x0l, x0h, x1l, x1h, wasm_v128_load(r0 + 2 * stride + 16 * b)),
-                            nib_dot(x0l, x0h, x1l, x1h, wasm_v128_load(r0 + 3 * stride + 16 * b)));
-      const v128_t xsb = wasm_f32x4_splat(xs[b]);
-      acc = wasm_f32x4_add(acc, wasm_f32x4_mul(wasm_f32x4_mul(wasm_f32x4_convert_i32x4(d), xsb), wasm_v128_load(sc + 4 * b)));
-      acc = wasm_f32x4_add(acc, wasm_f32x4_mul(wasm_v128_load(mn + 4 * b), wasm_f32x4_splat(xs[b] * xsum[b])));
-    }
-    wasm_v128_store(y + n, acc);
-  }
+// one block's integer sums d (four rows' lanes) into the rows' accumulator: times the activations' and the
+// weights' scales, plus the weights' minimums times the activations' sum (every kernel below, one order)
+static inline v128_t accumulate(v128_t acc, v128_t d, float xs, float xsum, const float* sc4, const float* mn4) {
+  acc = wasm_f32x4_add(acc, wasm_f32x4_mul(wasm_f32x4_mul(wasm_f32x4_convert_i32x4(d), wasm_f32x4_splat(xs)), wasm_v128_load(sc4)));
+  return wasm_f32x4_add(acc, wasm_f32x4_mul(wasm_v128_load(mn4), wasm_f32x4_splat(xs * xsum)));
 }
 
 #ifdef __wasm_relaxed_simd__  // -mrelaxed-simd
-// gemv_q4x4 with i32x4.relaxed_dot_i8x16_i7x16_add_s for the products: 16 per instruction instead of 8
-// (pmaddubsw on x86). Exact here: the nibbles are 7-bit, the deterministic range of the second operand,
-// so the integer sums equal gemv_q4x4's. Correct in Chromium 150 from the first call; Node 20's baseline
-// compiler (Liftoff) computes it wrongly until the function tiers up (run Node with --no-liftoff).
+// the products by i32x4.relaxed_dot_i8x16_i7x16_add_s: 16 an instruction instead of 8 (pmaddubsw on x86).
+// Exact here: the nibbles are 7-bit, the deterministic range of the second operand, so the integer sums
+// equal the SIMD128 ones. Correct in Chromium 150 from the first call; Node 20's baseline compiler
+// (Liftoff) computes it wrongly until the function tiers up (run Node with --no-liftoff).
 static inline v128_t nib_dot_relaxed(v128_t x0, v128_t x1, v128_t packed) {
   const v128_t lo = wasm_v128_and(packed, wasm_i8x16_splat(0x0F)), hi = wasm_u8x16_shr(packed, 4);
   return wasm_i32x4_relaxed_dot_i8x16_i7x16_add(x1, hi, wasm_i32x4_relaxed_dot_i8x16_i7x16_add(x0, lo, wasm_i32x4_splat(0)));
 }
+#endif
 
-EXPORT void gemv_q4x4_relaxed(const int8_t* xq, const float* xs, const float* xsum, int K, const uint8_t* w,
-                              const float* ws, const float* wm, int N, float* y) {
+// `relaxed` (a constant in each caller): relaxed-dot products, else SIMD128 i16 ones
+static inline void q4x4_rows(const int8_t* xq, const float* xs, const float* xsum, int K, const uint8_t* w,
+                             const float* ws, const float* wm, int N, float* y, int relaxed) {
   const int blocks = K / 32;
+  const size_t stride = (size_t)K / 2;
   for (int n = 0; n < N; n += 4) {
-    const uint8_t* r0 = w + (size_t)n * K / 2;
-    const size_t stride = (size_t)K / 2;
+    const uint8_t* r0 = w + (size_t)n * stride;
     const float* sc = ws + (size_t)n * blocks;  // [blocks][4]
     const float* mn = wm + (size_t)n * blocks;
     v128_t acc = wasm_f32x4_splat(0.f);
     for (int b = 0; b < blocks; b++) {
       const v128_t x0 = wasm_v128_load(xq + 32 * b), x1 = wasm_v128_load(xq + 32 * b + 16);
-      const v128_t d = sum4(nib_dot_relaxed(x0, x1, wasm_v128_load(r0 + 16 * b)),
-                            nib_dot_relaxed(x0, x1, wasm_v128_load(r0 + stride + 16 * b)),
-                            nib_dot_relaxed(x0, x1, wasm_v128_load(r0 + 2 * stride + 16 * b)),
-                            nib_dot_relaxed(x0, x1, wasm_v128_load(r0 + 3 * stride + 16 * b)));
-      const v128_t xsb = wasm_f32x4_splat(xs[b]);
-      acc = wasm_f32x4_add(acc, wasm_f32x4_mul(wasm_f32x4_mul(wasm_f32x4_convert_i32x4(d), xsb), wasm_v128_load(sc + 4 * b)));
-      acc = wasm_f32x4_add(acc, wasm_f32x4_mul(wasm_v128_load(mn + 4 * b), wasm_f32x4_splat(xs[b] * xsum[b])));
+      const uint8_t* at = r0 + 16 * b;
+      v128_t d;
+#ifdef __wasm_relaxed_simd__
+      if (relaxed) {
+        d = sum4(nib_dot_relaxed(x0, x1, wasm_v128_load(at)), nib_dot_relaxed(x0, x1, wasm_v128_load(at + stride)),
+                 nib_dot_relaxed(x0, x1, wasm_v128_load(at + 2 * stride)), nib_dot_relaxed(x0, x1, wasm_v128_load(at + 3 * stride)));
+      } else
+#endif
+      {
+        const v128_t x0l = wasm_i16x8_extend_low_i8x16(x0), x0h = wasm_i16x8_extend_high_i8x16(x0);
+        const v128_t x1l = wasm_i16x8_extend_low_i8x16(x1), x1h = wasm_i16x8_extend_high_i8x16(x1);
+        d = sum4(nib_dot(x0l, x0h, x1l, x1h, wasm_v128_load(at)), nib_dot(x0l, x0h, x1l, x1h, wasm_v128_load(at + stride)),
+                 nib_dot(x0l, x0h, x1l, x1h, wasm_v128_load(at + 2 * stride)),
+                 nib_dot(x0l, x0h, x1l, x1h, wasm_v128_load(at + 3 * stride)));
+      }
+      acc = accumulate(acc, d, xs[b], xsum[b], sc + 4 * b, mn + 4 * b);
     }
     wasm_v128_store(y + n, acc);
   }
+}
+
+EXPORT void gemv_q4x4(const int8_t* xq, const float* xs, const float* xsum, int K, const uint8_t* w, const float* ws,
+                      const float* wm, int N, float* y) {
+  q4x4_rows(xq, xs, xsum, K, w, ws, wm, N, y, 0);
+}
+
+#ifdef __wasm_relaxed_simd__  // -mrelaxed-simd
+EXPORT void gemv_q4x4_relaxed(const int8_t* xq, const float* xs, const float* xsum, int K, const uint8_t* w,
+                              const float* ws, const float* wm, int N, float* y) {
+  q4x4_rows(xq, xs, xsum, K, w, ws, wm, N, y, 1);
 }
 
 // T rows of activations (xq [T, K], xs and xsum [T, K / 32]) against the same weights, y [T, N]: a
@@ -186,12 +190,8 @@ EXPORT void gemm_q4x4_relaxed(const int8_t* xq, const float* xs, const float* xs
           da[r] = wasm_i32x4_relaxed_dot_i8x16_i7x16_add(a1, hi, wasm_i32x4_relaxed_dot_i8x16_i7x16_add(a0, lo, zero));
           db[r] = wasm_i32x4_relaxed_dot_i8x16_i7x16_add(b1, hi, wasm_i32x4_relaxed_dot_i8x16_i7x16_add(b0, lo, zero));
         }
-        const v128_t d1 = sum4(da[0], da[1], da[2], da[3]), d2 = sum4(db[0], db[1], db[2], db[3]);
-        const v128_t scale = wasm_v128_load(sc + 4 * b), mins = wasm_v128_load(mn + 4 * b);
-        acca = wasm_f32x4_add(acca, wasm_f32x4_mul(wasm_f32x4_mul(wasm_f32x4_convert_i32x4(d1), wasm_f32x4_splat(sa[b])), scale));
-        acca = wasm_f32x4_add(acca, wasm_f32x4_mul(mins, wasm_f32x4_splat(sa[b] * ua[b])));
-        accb = wasm_f32x4_add(accb, wasm_f32x4_mul(wasm_f32x4_mul(wasm_f32x4_convert_i32x4(d2), wasm_f32x4_splat(sb[b])), scale));
-        accb = wasm_f32x4_add(accb, wasm_f32x4_mul(mins, wasm_f32x4_splat(sb[b] * ub[b])));
+        acca = accumulate(acca, sum4(da[0], da[1], da[2], da[3]), sa[b], ua[b], sc + 4 * b, mn + 4 * b);
+        accb = accumulate(accb, sum4(db[0], db[1], db[2], db[3]), sb[b], ub[b], sc + 4 * b, mn + 4 * b);
       }
       wasm_v128_store(y + (size_t)t * N + n, acca);
       wasm_v128_store(y + (size_t)(t + 1) * N + n, accb);
