@@ -9,12 +9,14 @@ import {
 const device: Device = 'auto';
 const onProgress = (p: LoadProgress): void => { console.log(p.stage, p.loaded ?? 0, p.total ?? 0, p.cached ?? false); };
 const options: CreateEngineOptions = { model: '/models/smollm2-135m/', device, threads: 2, onProgress, kvMemoryMB: 256,
-  maxNumSeqs: 16, maxBatchTokens: 256, speculativeTokens: 0, promptCache: true, modelName: 'smol', kvDtype: 'int8' };
+  maxNumSeqs: 16, maxBatchTokens: 256, speculativeTokens: 0, promptCache: true, modelName: 'smol', kvDtype: 'int8',
+  backend: 'onnxruntime' };
 
 export async function main(): Promise<void> {
   const engine: Engine = await createEngine(options);
   const info: EngineInfo = engine.info;
   const kv: 'fp32' | 'int8' = info.kvDtype;
+  const backend: 'onnxruntime' | 'wasm-step' = info.backend;
   const messages: ChatMessage[] = [{ role: 'system', content: 'Be brief.' }, { role: 'user', content: [{ type: 'text', text: 'Hi' }] }];
   const request = { messages, max_tokens: 8, temperature: 0, top_k: -1, stop: ['\n'], seed: 1,
     logit_bias: { '42': -100 }, return_token_ids: true, ignore_eos: false, stop_token_ids: [2], user: 'u' } satisfies ChatCompletionRequest;
@@ -43,6 +45,6 @@ export async function main(): Promise<void> {
   await engine.chat.completions.create({ messages, model: adapter.name });
   const unloaded: boolean = await engine.unloadAdapter('mine');
   const stats: EngineStats = await engine.stats();
-  console.log(info.device, kv, usage.total_tokens, text, stats.running, stats.kv_blocks_used, unloaded);
+  console.log(info.device, kv, backend, usage.total_tokens, text, stats.running, stats.kv_blocks_used, unloaded);
   await engine.unload();
 }
