@@ -32,7 +32,8 @@ def tarball(web_bundle, workdir):
 def test_tarball_holds_what_the_readme_says(tarball):
     files = {f["path"] for f in tarball["files"]}
     for name in ("README.md", "package.json", "src/index.js", "src/index.d.ts", "src/worker.js", "src/ort_worker.js", "src/remote_runner.js", "src/step_runner.js",
-                 "src/kv_pool.js", "src/model_store.js", "src/prompt_kv.js", "src/warmup.onnx", "src/warmup.json", "python/pyodide-lock.json"):
+                 "src/kv_pool.js", "src/model_store.js", "src/prompt_kv.js", "src/warmup.onnx", "src/warmup.json", "src/wasm_step.js",
+                 "src/step.wasm", "src/step-simd128.wasm", "python/pyodide-lock.json"):
         assert name in files, sorted(files)
     readme = (ROOT / "web" / "README.md").read_text()
     for name in files:
