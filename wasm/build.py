@@ -140,9 +140,16 @@ def build(out: Path, model: str | None = "smollm2-135m", quant: str = "int4") ->
         pkg = export_model(model, quant)
         copy_package(pkg, out / "models" / model)
         manifest = json.loads((pkg / "manifest.json").read_text())
-        models.append({"id": model, "url": f"models/{model}/", "name": manifest["name"],
-                       "bytes": sum(int(m["size"]) for m in manifest["files"].values()),
-                       "quantization": manifest.get("quantization")})
+        files = manifest["files"]
+        step = {manifest["wasm_step"]["weights"], manifest["wasm_step"]["index"]} if manifest.get("wasm_step") else set()
+        graphs = {n for n in files if n.endswith((".onnx", ".data"))}
+        size = lambda names: sum(int(files[n]["size"]) for n in names)  # noqa: E731
+        entry = {"id": model, "url": f"models/{model}/", "name": manifest["name"],
+                 "bytes": size(set(files) - step),  # what the page fetches on onnxruntime-web
+                 "quantization": manifest.get("quantization")}
+        if step:  # and with backend 'wasm-step': its weights instead of the graphs
+            entry["wasm_step_bytes"] = size(set(files) - graphs)
+        models.append(entry)
     (out / "models.json").write_text(json.dumps({"models": models}, indent=1))
     versions = {n: json.loads((modules / n / "package.json").read_text())["version"] for n in ("pyodide", "onnxruntime-web")}
     (out / "bundle.json").write_text(json.dumps({"versions": versions, "python": lock["info"]["python"]}, indent=1))
