@@ -463,8 +463,7 @@ class GraphRunner:
         for name, (values, dims) in batch.feeds(top_k).items():
             self._bind(name, (values, dims), lambda key, t=STEP_DTYPES[name]: np.array(key[0], t).reshape(key[1]))
         if self.has_floors:
-            floors = batch.exact_from or [0] * len(batch.block_tables)
-            self._bind(C.KV_EXACT_FROM, floors, lambda key: np.array(key, np.int64))
+            self._bind(C.KV_EXACT_FROM, batch.exact_from, lambda key: np.array(key, np.int64))
         for name, arr in (extra_inputs or {}).items():
             if name in self._half and arr.dtype != np.float16:
                 arr = arr.astype(np.float16)

@@ -123,7 +123,7 @@ class StepBatch:
     xlora: XLoraPass | None = None  # the scaling pass, when X-LoRA sequences run
     matchers: list | None = None  # per logits row, its matcher or None, when any row is constrained
     dropped_blocks: list[int] = field(default_factory=list)  # blocks no sequence holds since the last step
-    exact_from: list[int] = field(default_factory=list)  # per row: its floor (Chunk.exact_from)
+    exact_from: list[int] = field(default_factory=list)  # per row: its floor (Chunk.exact_from; build_step fills it)
 
     def lora_slots(self) -> list[int]:
         """Every adapter slot the step reads: the tokens' own and the X-LoRA experts'."""
