@@ -85,12 +85,13 @@ def in_chromium(out: Path, timeout_s: int = 300) -> dict:
     sys.path.insert(0, str(HERE.parents[1]))
     from wasm.serve import serve_in_thread
 
-    server, base = serve_in_thread(out, {"/code/": HERE})
+    # at their repository paths, so that step_lib.mjs imports web/src/wasm_step.js by the same relative path
+    server, base = serve_in_thread(out, {"/benchmarks/wasm_step/": HERE, "/web/": HERE.parents[1] / "web"})
     try:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"], headless=True)
             page = browser.new_page()
-            page.goto(base + "code/page.html")
+            page.goto(base + "benchmarks/wasm_step/page.html")
             page.wait_for_function("window.result", timeout=timeout_s * 1000)
             result = page.evaluate("window.result")
             browser.close()
