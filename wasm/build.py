@@ -13,6 +13,7 @@ from pathlib import Path
 from wasm.bytecode import add_bytecode
 from wasm.snapshot import make_snapshot
 from wasm.step_module import FALLBACK as STEP_FALLBACK
+from wasm.step_module import THREADED as STEP_THREADED
 from wasm.step_module import build as build_step
 from wasm.warmup import write_warmup_model
 from wasm.wheels import markupsafe_from_sdist, package_files, write_wheel
@@ -132,6 +133,7 @@ def build(out: Path, model: str | None = "smollm2-135m", quant: str = "int4") ->
     log("WASM step")  # wasm/step/step.c, beside the runner that loads it (web/src/wasm_step.js), as above
     build_step(WEB / "src" / "step.wasm")
     build_step(WEB / "src" / STEP_FALLBACK, relaxed=False)
+    build_step(WEB / "src" / STEP_THREADED, threads=True)
     shutil.copytree(WEB / "src", out / "ruvllm")
     for f in (WEB / "demo").iterdir():
         shutil.copy(f, out / f.name)

@@ -29,41 +29,102 @@ LAYER_FIELDS = 23  # attn_norm, q/k/v/o (w, d, m each), ffn_norm, gate/up/down (
 # products, no fused multiply-adds
 PLAIN_FLAGS = [f for f in FLAGS if f != "-mrelaxed-simd"] + ["-DPLAIN_SIMD"]
 FALLBACK = "step-simd128.wasm"  # beside step.wasm
+# With threads (wasm/step/threads.h): the memory is imported and shared, so that helper instances in other
+# workers run on it; each instance's stack pointer is exported so that a helper gets a stack of its own.
+# A page that is not cross-origin isolated has no shared memory and runs step.wasm.
+THREAD_FLAGS = FLAGS + ["-matomics", "-mbulk-memory", "-DSTEP_THREADS", "-Wl,--shared-memory", "-Wl,--import-memory",
+                        "-Wl,--max-memory=4294901760", "-Wl,--export=__stack_pointer"]
+THREADED = "step-threads.wasm"  # beside step.wasm
 
 
-def build(out: str | Path, relaxed: bool = True) -> Path:
-    """Compile step.c to `out` (a .wasm file); relaxed=False: the SIMD128-only fallback."""
+def build(out: str | Path, relaxed: bool = True, threads: bool = False) -> Path:
+    """Compile step.c to `out` (a .wasm file); relaxed=False: the SIMD128-only fallback; threads=True: the
+    shared-memory build (relaxed SIMD)."""
     try:
         import ziglang  # noqa: F401
     except ImportError as err:
         raise RuntimeError("building the WASM step needs the ziglang package: pip install ziglang") from err
     out = Path(out)
-    flags = FLAGS if relaxed else PLAIN_FLAGS
+    flags = THREAD_FLAGS if threads else FLAGS if relaxed else PLAIN_FLAGS
     subprocess.run([sys.executable, "-m", "ziglang", "cc", *flags, "-o", str(out), str(SOURCE)], check=True,
                    capture_output=True)
     return out
 
 
+def _shared_memory(engine, pages: int):
+    """A shared memory of `pages` pages (growing to 4 GB) an instance can import: wasmtime-py 50's own
+    SharedMemory passes a pointer to its pointer when imported (bytecodealliance/wasmtime-py#318)."""
+    import wasmtime
+    from wasmtime import _ffi as ffi
+
+    class Shared(wasmtime.SharedMemory):
+        def _as_extern(self):
+            return ffi.wasmtime_extern_t(ffi.WASMTIME_EXTERN_SHAREDMEMORY, ffi.wasmtime_extern_union(sharedmemory=self.ptr()))
+
+    return Shared(engine, wasmtime.MemoryType(wasmtime.Limits(pages, 65535), shared=True))
+
+
+class _SharedBytes:
+    """A shared memory read and written as wasmtime's Memory is (wasmtime's SharedMemory has only a
+    pointer)."""
+
+    def __init__(self, shared) -> None:
+        self.shared = shared
+
+    def _address(self, start: int, size: int) -> int:
+        import ctypes
+
+        if start < 0 or start + size > self.shared.data_len():
+            raise IndexError(f"bytes {start}..{start + size} are outside the WASM step's memory")
+        return ctypes.addressof(self.shared.data_ptr().contents) + start
+
+    def read(self, store, start: int, stop: int) -> bytes:
+        import ctypes
+
+        return ctypes.string_at(self._address(start, stop - start), stop - start)
+
+    def write(self, store, data: bytes, start: int) -> None:
+        import ctypes
+
+        ctypes.memmove(self._address(start, len(data)), data, len(data))
+
+
 class WasmStep:
     """step.wasm in wasmtime over a weights directory (step.bin, step.json: exporter/step_weights.py), with
     a KV pool of num_blocks blocks of block_size and room for steps of max_tokens tokens (and rows) and
-    max_logits logits rows."""
+    max_logits logits rows. threads > 1: `wasm` is the threaded build (step-threads.wasm), with threads - 1
+    helpers, each an instance in a Python thread of its own (wasmtime runs without the GIL); close() ends
+    them."""
 
     def __init__(self, wasm: str | Path, weights: str | Path, num_blocks: int, block_size: int,
-                 max_tokens: int = 512, max_logits: int = 64) -> None:
+                 max_tokens: int = 512, max_logits: int = 64, threads: int = 1) -> None:
         import wasmtime
 
         weights = Path(weights)
         index = json.loads((weights / "step.json").read_text())
         self.cfg = cfg = index["config"]
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.store = wasmtime.Store(wasmtime.Engine())
-        instance = wasmtime.Instance(self.store, wasmtime.Module.from_file(self.store.engine, str(wasm)), [])
-        exports = instance.exports(self.store)
-        self.memory, self._arena, self._run = exports["memory"], exports["arena"], exports["step_run"]
+        blob = (weights / "step.bin").read_bytes()
+        self._helpers: list = []
+        if threads > 1:
+            config = wasmtime.Config()
+            config.wasm_threads = config.shared_memory = True
+            engine = wasmtime.Engine(config)
+            module = wasmtime.Module.from_file(engine, str(wasm))
+            pages = -(-(len(blob) + (16 << 20)) // 65536)  # the weights and room: more than the module's data and stack
+            shared = _shared_memory(engine, pages)
+            self.store = wasmtime.Store(engine)
+            exports = wasmtime.Instance(self.store, module, [shared]).exports(self.store)
+            self.memory = _SharedBytes(shared)
+        else:
+            self.store = wasmtime.Store(wasmtime.Engine())
+            instance = wasmtime.Instance(self.store, wasmtime.Module.from_file(self.store.engine, str(wasm)), [])
+            exports = instance.exports(self.store)
+            self.memory = exports["memory"]
+        self._exports = exports
+        self._arena, self._run = exports["arena"], exports["step_run"]
         self._sample = exports["step_sample"]
         self._scratch_at: dict[str, tuple[int, int]] = {}  # name -> (pointer, bytes): grown, never freed
-        blob = (weights / "step.bin").read_bytes()
         at = {}
         for a in index["arrays"]:
             at[a["name"]] = self._put(blob[a["offset"]:a["offset"] + a["bytes"]])
@@ -89,6 +150,42 @@ class WasmStep:
         self._ints_at = [self._alloc(4 * max_tokens) for _ in range(6)] + [self._alloc(4 * max_tokens * self.max_blocks)]
         self._logits = self._alloc(4 * max_logits * cfg["vocab"])
         self._batch = self._alloc(48)
+        if threads > 1:
+            self._start_helpers(engine, module, shared, threads - 1)
+
+    def _start_helpers(self, engine, module, shared, count: int, stack: int = 1 << 18) -> None:
+        import threading
+        import time
+
+        import wasmtime
+
+        def helper(top: int) -> None:
+            store = wasmtime.Store(engine)
+            exports = wasmtime.Instance(store, module, [shared]).exports(store)
+            exports["__stack_pointer"].set_value(store, wasmtime.Val.i32(top))
+            exports["step_helper"](store)  # until close()
+
+        for _ in range(count):
+            thread = threading.Thread(target=helper, args=(self._alloc(stack) + stack,), daemon=True)
+            thread.start()
+            self._helpers.append(thread)
+        deadline = time.monotonic() + 30
+        while self.threads < count + 1:
+            if time.monotonic() > deadline or not all(t.is_alive() for t in self._helpers):
+                raise RuntimeError(f"the WASM step's helpers did not start ({self.threads - 1} of {count})")
+            time.sleep(0.002)
+
+    @property
+    def threads(self) -> int:
+        """Threads that split each step (1 + the helpers inside step_helper)."""
+        return self._exports["step_threads"](self.store)
+
+    def close(self) -> None:
+        """The helpers leave step_helper and their threads end."""
+        self._exports["step_stop"](self.store)
+        for thread in self._helpers:
+            thread.join(timeout=30)
+        self._helpers = []
 
     def _alloc(self, size: int) -> int:
         ptr = self._arena(self.store, size)
@@ -120,7 +217,7 @@ class WasmStep:
         status = self._run(self.store, self.model, self.pool, self._batch)
         if status:
             raise ValueError("the WASM step refused the batch: " + ("too many tokens" if status == 1 else
-                                                                     "a position or slot out of range"))
+                                                                     "a position, slot or logits row out of range"))
         out = self.memory.read(self.store, self._logits, self._logits + 4 * logits * self.cfg["vocab"])
         return np.frombuffer(out, np.float32).reshape(logits, self.cfg["vocab"])
 

@@ -63,6 +63,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--run", action="store_true", help="then build step.wasm and run step.mjs in Node")
     ap.add_argument("--browser", action="store_true", help="and run it in Debian's Chromium too (page.html)")
+    ap.add_argument("--threads", type=int, default=2, help="also run with this many threads (step-threads.wasm)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     export(args.out, args.ctx, args.new_tokens)
@@ -71,9 +72,11 @@ def main() -> None:
         from wasm.step_module import build
 
         build(args.out / "step.wasm")
+        build(args.out / "step-threads.wasm", threads=True)
         # --no-liftoff: Node 20's baseline compiler gets relaxed_dot wrong (wasm/step/kernels.h)
-        subprocess.run(["node", "--experimental-wasm-relaxed-simd", "--no-liftoff", str(HERE / "step.mjs"), str(args.out)],
-                       check=True)
+        for threads in sorted({1, args.threads}):
+            subprocess.run(["node", "--experimental-wasm-relaxed-simd", "--no-liftoff", str(HERE / "step.mjs"), str(args.out),
+                            str(threads)], check=True)
         if args.browser:
             print(json.dumps(in_chromium(args.out)))
 

@@ -1,16 +1,18 @@
 // What step.mjs (Node) and page.html (Chromium) both run: the page's own step runner
 // (web/src/wasm_step.js over step.wasm) on export.py's output, the prompt a token a step against the
-// native engine's logits, then the greedy continuation (the runner's top-1 candidate), timed per step
-// (one thread): the model worker's path without the bridge.
+// native engine's logits, then the greedy continuation (the runner's top-1 candidate), timed per step:
+// the model worker's path without the bridge. `threads` > 1: step-threads.wasm with helpers from
+// `spawnHelper` (wasm_step.js).
 import { WasmStepRunner } from '../../web/src/wasm_step.js';
 
 // the step's inputs by part, named as themselves (the page gets the names from Python's contract)
 const PARTS = ['ids', 'positions', 'query_index', 'block_tables', 'logits_index', 'temperature', 'repetition',
   'presence', 'frequency', 'sparse_ids', 'sparse_seen', 'sparse_counts', 'sparse_bias', 'top_k'];
 
-export async function runStep({ manifest, weights, wasm, logits }) {
+export async function runStep({ manifest, weights, wasm, logits, threads = 1, threaded, spawnHelper }) {
   const cfg = manifest.config;
-  const runner = await WasmStepRunner.create(wasm, manifest, weights, { config: { vocab_size: cfg.vocab } });
+  const runner = await WasmStepRunner.create(wasm, manifest, weights, { config: { vocab_size: cfg.vocab } },
+    { threads, threaded: threaded && (async () => threaded), spawnHelper });
   const bs = 16, blocks = Math.ceil(cfg.max_pos / bs), table = Array.from({ length: blocks }, (_, i) => i);
   runner.allocate(blocks, bs, { kv_dtype: 'fp32', step_feeds: Object.fromEntries(PARTS.map((p) => [p, p])) });
   const one = (v) => [[v], [1]], row = (v) => [[[v]], [1, 1]];
@@ -60,9 +62,11 @@ export async function runStep({ manifest, weights, wasm, logits }) {
     token = res.topk_ids[0][0];
   }
   const firstDiff = got.findIndex((t, i) => t !== manifest.greedy[i]);
+  const usedThreads = runner.threads;
+  runner.close();
   const sorted = times.slice().sort((a, b) => a - b);
   return ({
-    prompt_tokens: ids.length, kl_mean: +meanKl.toExponential(2), kl_max: +worstKl.toExponential(2),
+    threads: usedThreads, prompt_tokens: ids.length, kl_mean: +meanKl.toExponential(2), kl_max: +worstKl.toExponential(2),
     max_logit_diff: +worstDiff.toFixed(4), argmax_equal: `${argmaxSame}/${ids.length}`,
     greedy_equal_tokens: firstDiff < 0 ? got.length : firstDiff, greedy_tokens: got.length,
     step_ms_median: +sorted[sorted.length >> 1].toFixed(2), decode_tok_s: +(1000 / sorted[sorted.length >> 1]).toFixed(1),

@@ -33,7 +33,8 @@ def test_tarball_holds_what_the_readme_says(tarball):
     files = {f["path"] for f in tarball["files"]}
     for name in ("README.md", "package.json", "src/index.js", "src/index.d.ts", "src/worker.js", "src/ort_worker.js", "src/remote_runner.js", "src/step_runner.js",
                  "src/kv_pool.js", "src/model_store.js", "src/prompt_kv.js", "src/warmup.onnx", "src/warmup.json", "src/wasm_step.js",
-                 "src/step.wasm", "src/step-simd128.wasm", "python/pyodide-lock.json"):
+                 "src/step.wasm", "src/step-simd128.wasm", "src/step-threads.wasm", "src/step_helper.js",
+                 "python/pyodide-lock.json"):
         assert name in files, sorted(files)
     readme = (ROOT / "web" / "README.md").read_text()
     for name in files:

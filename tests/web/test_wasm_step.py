@@ -15,14 +15,15 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
 
 @pytest.fixture(scope="session")
 def step_files(workdir, smol_gguf):
-    """step.wasm, and SmolLM2's step weights (its GGUF's own blocks, repacked) beside it."""
+    """step.wasm (and its SIMD128 and threaded builds), and SmolLM2's step weights (its GGUF's own blocks, repacked) beside it."""
     from exporter.step_weights import write_step_weights
-    from wasm.step_module import FALLBACK, build
+    from wasm.step_module import FALLBACK, THREADED, build
 
     out = workdir / "wasm-step"
     out.mkdir(exist_ok=True)
     build(out / "step.wasm")
     build(out / FALLBACK, relaxed=False)
+    build(out / THREADED, threads=True)
     write_step_weights(smol_gguf, out, max_pos=1024)
     return out
 
@@ -104,6 +105,31 @@ def test_a_tokens_logits_do_not_depend_on_the_tokens_beside_it(step_files, modul
     relaxed = log_softmax(WasmStep(step_files / "step.wasm", step_files, 4, bs).run(alone))
     kl = (np.exp(relaxed) * (relaxed - log_softmax(want))).sum(axis=1)
     assert kl.mean() < 0.01 and kl.max() < 0.05, kl  # int8 activations amplify the unfused roundings (~0.003)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threads_split_a_step_without_changing_a_number(step_files, threads):
+    """The threaded build with helpers in other threads (each projection's rows, the attention heads and
+    the head's vocabulary split between them; 3 threads: uneven parts) against the one-thread build: a
+    step of two prompts, then a decode step of both reading the K/V the first wrote, give the same logits
+    and candidates, bit for bit."""
+    from wasm.step_module import THREADED, WasmStep
+
+    bs, prompt = 16, [1, 504, 3277, 314, 260, 1930, 30, 2, 198, 1, 4093]
+    n = len(prompt)
+    steps = [build_step([Chunk([42, 7, 99], 0, [1], [16, 17, 18], True, top_k=4),
+                         Chunk(prompt, 0, [0], list(range(n)), True, logits_rows=n, top_k=4)], bs),
+             build_step([Chunk([5], 3, [1], [19], True, top_k=4), Chunk([11], n, [0], [n], True, top_k=4)], bs)]
+    one, split = WasmStep(step_files / "step.wasm", step_files, 4, bs), WasmStep(step_files / THREADED, step_files, 4, bs, threads=threads)
+    try:
+        assert (one.threads, split.threads) == (1, threads)
+        for batch in steps:
+            assert np.array_equal(split.run(batch), one.run(batch))
+            for a, b in zip(split.sample(batch), one.sample(batch)):
+                assert np.array_equal(a, b)
+    finally:
+        split.close()
+    assert split.threads == 1  # the helpers left
 
 
 def reference_head(logits: np.ndarray, batch, mask: list) -> tuple[np.ndarray, np.ndarray]:

@@ -37,10 +37,12 @@ def wasmtime_ids(bundle, messages: list[dict], **params) -> list[int]:
 def test_the_page_runs_the_wasm_step_as_wasmtime_does_and_fetches_only_its_weights(offline_page, web_bundle, smol_int4):
     """Greedy and seeded sampled text in the page equal the same engine on the same step in wasmtime
     (V8 and Cranelift run one module: the same numbers), and the greedy text equals the native engine's
-    on the default package (the same GGUF blocks); the page fetches step.bin and no ONNX file."""
+    on the default package (the same GGUF blocks); the page fetches step.bin and no ONNX file. The page
+    runs the threaded build on two threads, wasmtime the one-thread build: splitting a step's rows and
+    heads between threads changes no number."""
     p = offline_page()
-    info = load(p, SMOL, device="wasm", backend="wasm-step", speculativeTokens=0)
-    assert info["backend"] == "wasm-step" and info["graph"] == "step.bin" and info["threads"] == 1
+    info = load(p, SMOL, device="wasm", backend="wasm-step", speculativeTokens=0, threads=2)
+    assert info["backend"] == "wasm-step" and info["graph"] == "step.bin" and info["threads"] == 2
     fetched = {u.rsplit("/", 1)[1] for u in p.requests if SMOL in u}
     assert "step.bin" in fetched and not any(n.endswith((".onnx", ".data")) for n in fetched), fetched
     greedy = {"max_tokens": 24, "temperature": 0}
@@ -56,7 +58,8 @@ def test_the_page_runs_the_wasm_step_as_wasmtime_does_and_fetches_only_its_weigh
     reply = p.evaluate(CHAT, {"messages": QUESTION, "return_token_ids": True, **sampled})
     assert reply["choices"][0]["token_ids"] == wasmtime_ids(web_bundle, QUESTION, **sampled)
     stats = p.evaluate("async () => await window.engine.stats()")
-    assert stats["backend"]["steps"] > 0
+    assert stats["backend"]["steps"] > 0 and stats["backend"]["threads"] == 2
+    assert any(u.endswith("/ruvllm/step-threads.wasm") for u in p.requests)
 
 
 def test_wasm_step_refusals_are_clear(offline_page, tiny_package, web_models):
@@ -75,12 +78,19 @@ def test_wasm_step_refusals_are_clear(offline_page, tiny_package, web_models):
 
 
 def test_a_browser_without_relaxed_simd_gets_the_simd128_build(offline_page, web_bundle):
-    """step.wasm that does not compile (as in a browser without relaxed SIMD): the model worker loads
-    step-simd128.wasm instead, and the step still answers."""
+    """step-threads.wasm and step.wasm that do not compile (as in a browser without relaxed SIMD): the
+    model worker loads step-simd128.wasm instead, on one thread, and the step still answers."""
     p = offline_page()
-    p.page.route("**/ruvllm/step.wasm", lambda route: route.fulfill(
-        status=200, content_type="application/wasm", body=b"\0asm\x01\0\0\0\x7f"))  # a section id no browser knows
-    load(p, SMOL, device="wasm", backend="wasm-step")
+    broken = []
+
+    def fulfill(route):
+        broken.append(route.request.url.rsplit("/", 1)[1])
+        route.fulfill(status=200, content_type="application/wasm", body=b"\0asm\x01\0\0\0\x7f")  # a section id no browser knows
+
+    for name in ("step-threads.wasm", "step.wasm"):
+        p.page.route(f"**/ruvllm/{name}", fulfill)
+    info = load(p, SMOL, device="wasm", backend="wasm-step", threads=2)
+    assert info["threads"] == 1 and sorted(broken) == ["step-threads.wasm", "step.wasm"]
     assert any(u.endswith("/ruvllm/step-simd128.wasm") for u in p.requests)
     reply = p.evaluate(CHAT, {"messages": QUESTION, "max_tokens": 12, "temperature": 0})
     assert "Paris" in reply["choices"][0]["message"]["content"]

@@ -162,12 +162,12 @@ EXPORT void gemv_q4x4_relaxed(const int8_t* xq, const float* xs, const float* xs
   q4x4_rows(xq, xs, xsum, K, w, ws, wm, N, y, 1);
 }
 
-// T rows of activations (xq [T, K], xs and xsum [T, K / 32]) against the same weights, y [T, N]: a
-// prompt's tokens two at a time, so each block of four weight rows is loaded and unpacked once for both.
-// Every token's sums are gemv_q4x4_relaxed's, operation for operation: a token's numbers do not depend
-// on the tokens beside it.
+// T rows of activations (xq [T, K], xs and xsum [T, K / 32]) against the same weights, y [T, N] with rows
+// ldy apart (a thread's columns of a wider output): a prompt's tokens two at a time, so each block of four
+// weight rows is loaded and unpacked once for both. Every token's sums are gemv_q4x4_relaxed's, operation
+// for operation: a token's numbers do not depend on the tokens beside it.
 EXPORT void gemm_q4x4_relaxed(const int8_t* xq, const float* xs, const float* xsum, int T, int K, const uint8_t* w,
-                              const float* ws, const float* wm, int N, float* y) {
+                              const float* ws, const float* wm, int N, float* y, int ldy) {
   const int blocks = K / 32;
   const size_t stride = (size_t)K / 2;
   const v128_t zero = wasm_i32x4_splat(0), low = wasm_i8x16_splat(0x0F);
@@ -193,11 +193,11 @@ EXPORT void gemm_q4x4_relaxed(const int8_t* xq, const float* xs, const float* xs
         acca = accumulate(acca, sum4(da[0], da[1], da[2], da[3]), sa[b], ua[b], sc + 4 * b, mn + 4 * b);
         accb = accumulate(accb, sum4(db[0], db[1], db[2], db[3]), sb[b], ub[b], sc + 4 * b, mn + 4 * b);
       }
-      wasm_v128_store(y + (size_t)t * N + n, acca);
-      wasm_v128_store(y + (size_t)(t + 1) * N + n, accb);
+      wasm_v128_store(y + (size_t)t * ldy + n, acca);
+      wasm_v128_store(y + (size_t)(t + 1) * ldy + n, accb);
     }
   }
   for (; t < T; t++)
-    gemv_q4x4_relaxed(xq + (size_t)t * K, xs + (size_t)t * blocks, xsum + (size_t)t * blocks, K, w, ws, wm, N, y + (size_t)t * N);
+    gemv_q4x4_relaxed(xq + (size_t)t * K, xs + (size_t)t * blocks, xsum + (size_t)t * blocks, K, w, ws, wm, N, y + (size_t)t * ldy);
 }
 #endif  // __wasm_relaxed_simd__

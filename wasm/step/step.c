@@ -5,16 +5,18 @@
 // Activations are rounded per block of 32 to int8 before each projection (kernels.h), as the native
 // engine's MatMulQ4 does; norms, RoPE (adjacent pairs: the GGUF's q/k row order), attention and SwiGLU in
 // fp32. Every token's numbers are computed alone (per-token projections, attention over its own row's
-// positions), so a token's logits do not depend on the batch it ran in.
+// positions), so a token's logits do not depend on the batch it ran in. Built with threads (threads.h),
+// each projection's output rows, the attention heads and the head's vocabulary are split between them.
 #include "kernels.h"
+#include "threads.h"
 
 // the projections: T rounded rows against four weight rows at a time, with relaxed-dot products (16 an
 // instruction) unless built with -DPLAIN_SIMD
 #ifdef PLAIN_SIMD
 static void gemm_plain(const int8_t* xq, const float* xs, const float* xsum, int T, int K, const uint8_t* w,
-                       const float* ws, const float* wm, int N, float* y) {
+                       const float* ws, const float* wm, int N, float* y, int ldy) {
   for (int t = 0; t < T; t++)
-    gemv_q4x4(xq + (size_t)t * K, xs + (size_t)t * (K / 32), xsum + (size_t)t * (K / 32), K, w, ws, wm, N, y + (size_t)t * N);
+    gemv_q4x4(xq + (size_t)t * K, xs + (size_t)t * (K / 32), xsum + (size_t)t * (K / 32), K, w, ws, wm, N, y + (size_t)t * ldy);
 }
 #define GEMM_Q4 gemm_plain
 #else
@@ -61,6 +63,7 @@ typedef struct {
 
 static float *x, *xn, *q, *kk, *vv, *att, *sc, *g, *u, *xs, *xsum;
 static int8_t* xq;
+static int32_t* row_of;       // a step's token -> its batch row
 static int32_t capacity = 0;  // tokens a step may hold (step_init)
 
 // Scratch for steps of up to max_tokens tokens; 0 when the memory cannot grow that far.
@@ -69,7 +72,8 @@ EXPORT int step_init(const Model* m, int32_t max_tokens) {
   x = arena(4 * n * m->dim), xn = arena(4 * n * big), q = arena(4 * n * m->heads * m->head_dim);
   kk = arena(4 * n * m->kv_heads * m->head_dim), vv = arena(4 * n * m->kv_heads * m->head_dim);
   att = arena(4 * n * m->heads * m->head_dim), g = arena(4 * n * m->hidden), u = arena(4 * n * m->hidden);
-  sc = arena(4 * m->max_pos), xs = arena(4 * n * big / 32), xsum = arena(4 * n * big / 32), xq = arena(n * big);
+  sc = arena(4 * MAX_THREADS * m->max_pos), xs = arena(4 * n * big / 32), xsum = arena(4 * n * big / 32);
+  row_of = arena(4 * n), xq = arena(n * big);
   capacity = xq ? max_tokens : 0;
   return capacity;
 }
@@ -103,8 +107,42 @@ static void quantize_rows(const float* in, int T, int K) {
   for (int t = 0; t < T; t++) quantize_x(in + (size_t)t * K, K, xq + (size_t)t * K, xs + (size_t)t * (K / 32), xsum + (size_t)t * (K / 32));
 }
 
-static void project(const Q4* w, int T, int K, int N, float* out) {  // the rounded rows by w: out [T, N]
-  GEMM_Q4(xq, xs, xsum, T, K, w->w, w->d, w->m, N, out);
+// Up to three projections of the same rounded rows (xq, xs, xsum: T rows of K), out [T, N] each, as one
+// job: each part takes its share of every projection's output rows. `gated`: then out[0] = silu(out[0]) *
+// out[1] (SwiGLU) on the part's own columns; `residual`: then residual += out[0] on them.
+typedef struct {
+  int T, K, count, gated;
+  const Q4* w[3];
+  int N[3];
+  float* out[3];
+  float* residual;
+} Projections;
+
+static void projections_part(const void* ctx, int part, int parts) {
+  const Projections* j = ctx;
+  const int blocks = j->K / 32;
+  for (int i = 0; i < j->count; i++) {
+    int lo, hi;
+    part_range(j->N[i], 4, part, parts, &lo, &hi);
+    const Q4* w = j->w[i];
+    GEMM_Q4(xq, xs, xsum, j->T, j->K, w->w + (size_t)lo * j->K / 2, w->d + (size_t)lo * blocks, w->m + (size_t)lo * blocks,
+            hi - lo, j->out[i] + lo, j->N[i]);
+  }
+  int lo, hi;
+  part_range(j->N[0], 4, part, parts, &lo, &hi);
+  for (int t = 0; t < j->T; t++) {
+    float* a = j->out[0] + (size_t)t * j->N[0];
+    if (j->gated)
+      for (int c = lo; c < hi; c++) a[c] = a[c] / (1.f + exp_(-a[c])) * j->out[1][(size_t)t * j->N[1] + c];
+    if (j->residual)
+      for (int c = lo; c < hi; c++) j->residual[(size_t)t * j->N[0] + c] += a[c];
+  }
+}
+
+static void project(int T, int K, int count, const Q4* const* w, const int* N, float* const* out, int gated, float* residual) {
+  Projections j = {T, K, count, gated, {0}, {0}, {0}, residual};
+  for (int i = 0; i < count; i++) j.w[i] = w[i], j.N[i] = N[i], j.out[i] = out[i];
+  parallel(projections_part, &j);
 }
 
 static void rope(float* v, int heads, int hd, const float* cs) {  // adjacent pairs (GGUF's llama order)
@@ -117,22 +155,25 @@ static void rope(float* v, int heads, int hd, const float* cs) {  // adjacent pa
     }
 }
 
-// token n (row b, position p) over its row's positions 0 .. p in layer l's pool: att [H * hd]
-static void attend(const Model* m, const Pool* P, const Batch* B, int l, int b, int p, const float* qn, float* out) {
+// head h of token n (row b, position p) over its row's positions 0 .. p in layer l's pool: out [hd];
+// sc: room for p + 1 scores
+static void attend(const Model* m, const Pool* P, const Batch* B, int l, int b, int p, int h, const float* qn,
+                   float* out, float* sc) {
   const int hd = m->head_dim, H = m->heads, Hkv = m->kv_heads, G = H / Hkv, bs = P->block_size;
   const size_t rows = (size_t)P->num_blocks * bs;
   const int32_t* table = B->tables + (size_t)b * B->max_blocks;
   const float scale = 1.f / __builtin_sqrtf((float)hd);
-  for (int h = 0; h < H; h++) {
+  (void)H;
+  {
     const float* kh = P->k + ((size_t)l * Hkv + h / G) * rows * hd;
     const float* vh = P->v + ((size_t)l * Hkv + h / G) * rows * hd;
     float mx = -3.4e38f, sum = 0.f;
     for (int t = 0; t <= p; t++) {
-      sc[t] = dot(qn + h * hd, kh + ((size_t)table[t / bs] * bs + t % bs) * hd, hd) * scale;
+      sc[t] = dot(qn, kh + ((size_t)table[t / bs] * bs + t % bs) * hd, hd) * scale;
       mx = sc[t] > mx ? sc[t] : mx;
     }
     for (int t = 0; t <= p; t++) sum += (sc[t] = exp_(sc[t] - mx));
-    float* o = out + h * hd;
+    float* o = out;
     for (int i = 0; i < hd; i += 4) wasm_v128_store(o + i, wasm_f32x4_splat(0.f));
     for (int t = 0; t <= p; t++) {
       const v128_t w = wasm_f32x4_splat(sc[t] / sum);
@@ -143,27 +184,64 @@ static void attend(const Model* m, const Pool* P, const Batch* B, int l, int b, 
   }
 }
 
+typedef struct {
+  const Model* m;
+  const Pool* P;
+  const Batch* B;
+  int l;
+} Attention;
+
+static void attention_part(const void* ctx, int part, int parts) {  // every parts-th (token, head), for balance
+  const Attention* j = ctx;
+  const int H = j->m->heads, hd = j->m->head_dim;
+  float* scores = sc + (size_t)part * j->m->max_pos;
+  for (int i = part; i < j->B->num_tokens * H; i += parts) {
+    const int n = i / H, h = i % H;
+    attend(j->m, j->P, j->B, j->l, row_of[n], j->B->pos[n], h, q + (size_t)n * H * hd + (size_t)h * hd,
+           att + (size_t)n * H * hd + (size_t)h * hd, scores);
+  }
+}
+
+typedef struct {
+  const Model* m;
+  const Batch* B;
+} Head;
+
+static void head_part(const void* ctx, int part, int parts) {  // the part's vocabulary rows for every logits row
+  const Head* j = ctx;
+  const int D = j->m->dim, V = j->m->vocab;
+  int lo, hi;
+  part_range(V, 1, part, parts, &lo, &hi);
+  for (int r = 0; r < j->B->num_logits; r++)
+    gemv_q8(xq + (size_t)r * D, xs + (size_t)r * (D / 32), D, j->m->embd + (size_t)lo * D, j->m->embd_d + (size_t)lo * (D / 32),
+            hi - lo, j->B->logits + (size_t)r * V + lo);
+}
+
 // Runs the batch: writes every token's K/V into its slot and the logits rows. Returns 0, or 1 when the
-// batch holds more tokens than step_init made room for, 2 when a position or slot is out of range.
+// batch holds more tokens (or logits rows) than step_init made room for, 2 when a position, slot or logits
+// row is out of range.
 EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
   const int D = m->dim, hd = m->head_dim, H = m->heads, Hkv = m->kv_heads, F = m->hidden, N = B->num_tokens;
   const int kvw = Hkv * hd, blocks = D / 32;
   const size_t rows = (size_t)P->num_blocks * P->block_size;
-  if (N > capacity) return 1;
+  if (N > capacity || B->num_logits > capacity) return 1;
   for (int n = 0; n < N; n++)
     if (B->pos[n] < 0 || B->pos[n] >= m->max_pos || B->slots[n] < 0 || (size_t)B->slots[n] >= rows) return 2;
+  for (int r = 0; r < B->num_logits; r++)
+    if (B->logits_at[r] < 0 || B->logits_at[r] >= N) return 2;
+  for (int b = 0; b < B->num_rows; b++)
+    for (int n = B->row_first[b]; n < B->row_first[b] + B->row_count[b]; n++) row_of[n] = b;
   for (int n = 0; n < N; n++) {
     const int8_t* e = m->embd + (size_t)B->ids[n] * D;
     const float* es = m->embd_d + (size_t)B->ids[n] * blocks;
     for (int i = 0; i < D; i++) x[(size_t)n * D + i] = e[i] * es[i / 32];
   }
+  const Attention attention = {m, P, B, 0};
   for (int l = 0; l < m->layers; l++) {
     const Layer* L = &m->layer[l];
     for (int n = 0; n < N; n++) rmsnorm(x + (size_t)n * D, L->attn_norm, D, m->eps, xn + (size_t)n * D);
     quantize_rows(xn, N, D);  // one rounding for q, k and v
-    project(&L->q, N, D, H * hd, q);
-    project(&L->k, N, D, kvw, kk);
-    project(&L->v, N, D, kvw, vv);
+    project(N, D, 3, (const Q4* []){&L->q, &L->k, &L->v}, (int[]){H * hd, kvw, kvw}, (float* []){q, kk, vv}, 0, 0);
     for (int n = 0; n < N; n++) {
       const float* cs = m->rope + (size_t)B->pos[n] * hd;
       rope(q + (size_t)n * H * hd, H, hd, cs);
@@ -176,26 +254,23 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
         }
       }
     }
-    for (int b = 0; b < B->num_rows; b++)
-      for (int n = B->row_first[b]; n < B->row_first[b] + B->row_count[b]; n++)
-        attend(m, P, B, l, b, B->pos[n], q + (size_t)n * H * hd, att + (size_t)n * H * hd);
+    Attention layer = attention;
+    layer.l = l;
+    parallel(attention_part, &layer);
     quantize_rows(att, N, H * hd);
-    project(&L->o, N, H * hd, D, xn);
-    for (size_t i = 0; i < (size_t)N * D; i++) x[i] += xn[i];
+    project(N, H * hd, 1, (const Q4* []){&L->o}, (int[]){D}, (float* []){xn}, 0, x);
     for (int n = 0; n < N; n++) rmsnorm(x + (size_t)n * D, L->ffn_norm, D, m->eps, xn + (size_t)n * D);
     quantize_rows(xn, N, D);  // one rounding for gate and up
-    project(&L->gate, N, D, F, g);
-    project(&L->up, N, D, F, u);
-    for (size_t i = 0; i < (size_t)N * F; i++) g[i] = g[i] / (1.f + exp_(-g[i])) * u[i];
+    project(N, D, 2, (const Q4* []){&L->gate, &L->up}, (int[]){F, F}, (float* []){g, u}, 1, 0);
     quantize_rows(g, N, F);
-    project(&L->down, N, F, D, xn);
-    for (size_t i = 0; i < (size_t)N * D; i++) x[i] += xn[i];
+    project(N, F, 1, (const Q4* []){&L->down}, (int[]){D}, (float* []){xn}, 0, x);
   }
-  for (int r = 0; r < B->num_logits; r++) {
-    rmsnorm(x + (size_t)B->logits_at[r] * D, m->out_norm, D, m->eps, xn);
-    quantize_x(xn, D, xq, xs, xsum);
-    gemv_q8(xq, xs, D, m->embd, m->embd_d, m->vocab, B->logits + (size_t)r * m->vocab);
+  for (int r = 0; r < B->num_logits; r++) {  // every logits row rounded first, then the head's rows split
+    rmsnorm(x + (size_t)B->logits_at[r] * D, m->out_norm, D, m->eps, xn + (size_t)r * D);
+    quantize_x(xn + (size_t)r * D, D, xq + (size_t)r * D, xs + (size_t)r * blocks, xsum + (size_t)r * blocks);
   }
+  const Head head = {m, B};
+  parallel(head_part, &head);
   return 0;
 }
 

@@ -43,8 +43,9 @@ export interface CreateEngineOptions {
   /** The model name reported in responses (default: the manifest's). */
   modelName?: string;
   /** What runs each step: 'onnxruntime' (default: onnxruntime-web on the package's ONNX graph), or
-   *  'wasm-step' (the package's own WASM decode step on its GGUF blocks, wasm/step/step.c: one thread,
-   *  fp32 KV, no adapters; the package needs step.bin, written by `--target wasm` from a GGUF). */
+   *  'wasm-step' (the package's own WASM decode step on its GGUF blocks, wasm/step/step.c, on `threads`
+   *  threads where the page is cross-origin isolated; fp32 KV, no adapters; the package needs step.bin,
+   *  written by `--target wasm` from a GGUF). */
   backend?: 'onnxruntime' | 'wasm-step';
 }
 

@@ -133,16 +133,23 @@ async function openLoraGraph() {
 }
 
 // backend 'wasm-step': the package's own WASM step (wasm_step.js) runs the steps, no onnxruntime-web;
-// only its weights are fetched (not the graphs'). One thread, fp32 KV, no adapters yet.
-async function openWasmStep({ model, device, kvDtype }) {
+// only its weights are fetched (not the graphs'). With `threads` > 1 in a cross-origin isolated page, the
+// threaded build and its helper workers (step_helper.js); fp32 KV, no adapters yet.
+async function openWasmStep({ model, device, kvDtype, threads }) {
   const t0 = performance.now();
   if (device === 'webgpu') throw new Error('backend "wasm-step" runs on the CPU: use device "wasm" or "auto"');
   if (kvDtype !== 'fp32') throw new Error('backend "wasm-step" keeps its KV cache in fp32: use kvDtype "fp32"');
-  const wasm = fetch(new URL('./step.wasm', import.meta.url)).then((r) => {
-    if (!r.ok) throw new Error(`step.wasm: HTTP ${r.status}`);
-    return r.arrayBuffer();
-  });
-  wasm.catch(() => {});
+  const bytes = (name) => {
+    const got = fetch(new URL(`./${name}`, import.meta.url)).then((r) => {
+      if (!r.ok) throw new Error(`${name}: HTTP ${r.status}`);
+      return r.arrayBuffer();
+    });
+    got.catch(() => {});
+    return got;
+  };
+  const threaded = threads > 1 && self.crossOriginIsolated;
+  const wasm = threaded ? null : bytes('step.wasm'); // else fetched only if the threaded build does not compile
+  const threadedWasm = threaded ? bytes('step-threads.wasm') : null;
   const skip = (name, manifest) => !stepFiles(manifest).includes(name) && isGraphFile(name);
   const { manifest, files, stats } = await loadPackage(model, (p) => post({ type: 'progress', progress: p }), { skip });
   if (!manifest.wasm_step) throw new Error('backend "wasm-step": this model package has no WASM step weights (step.bin); re-export it from a GGUF with --target wasm');
@@ -152,15 +159,17 @@ async function openWasmStep({ model, device, kvDtype }) {
     Object.values(small).map((b) => b.buffer));
   post({ type: 'progress', progress: { stage: 'session', message: 'preparing the model' } });
   const index = JSON.parse(new TextDecoder().decode(files[manifest.wasm_step.index]));
-  const fallback = async () => (await fetch(new URL('./step-simd128.wasm', import.meta.url))).arrayBuffer();
-  runner = await WasmStepRunner.create(await wasm, index, files[manifest.wasm_step.weights], manifest, fallback);
+  runner = await WasmStepRunner.create(wasm ?? (() => bytes('step.wasm')), index, files[manifest.wasm_step.weights], manifest, {
+    fallback: () => bytes('step-simd128.wasm'), threads: threaded ? threads : 1, threaded: threaded && (() => threadedWasm),
+    spawnHelper: () => new Worker(new URL('./step_helper.js', import.meta.url), { type: 'module' }),
+  });
   promptKV = { name: Promise.resolve(null), saved: Promise.resolve(null) }; // not kept across loads on this backend (yet)
-  return { device: 'wasm', threads: 1, graph: manifest.wasm_step.weights, cache: stats, warmupSteps: 0,
+  return { device: 'wasm', threads: runner.threads, graph: manifest.wasm_step.weights, cache: stats, warmupSteps: 0,
     sessionSeconds: (performance.now() - t0) / 1000 };
 }
 
 async function open({ model, ortURL, device: wanted, threads, kvDtype = 'fp32', backend = 'onnxruntime' }) {
-  if (backend === 'wasm-step') return openWasmStep({ model, device: wanted, kvDtype });
+  if (backend === 'wasm-step') return openWasmStep({ model, device: wanted, kvDtype, threads });
   if (backend !== 'onnxruntime') throw new Error(`backend ${JSON.stringify(backend)}: choose "onnxruntime" or "wasm-step"`);
   const t0 = performance.now();
   const device = await chooseDevice(wanted, kvDtype);

@@ -8,14 +8,45 @@
 // candidates only. Structs are wasm32: 4-byte ints, floats and pointers, in step.c's field order.
 
 const TOKENS_PER_STEP = 512; // step_init's scratch: the page's steps are at most maxBatchTokens (256 by default)
+const HELPER_STACK = 1 << 18; // bytes of stack each helper instance gets (step.c's frames are small)
+const PAGE = 65536;
+
+// resolves when a helper (a Worker, or Node's worker_threads Worker) reports, rejects on its error
+function reply(helper) {
+  return new Promise((resolve, reject) => {
+    const got = (data) => (data?.error ? reject(new Error(`a WASM step helper: ${data.error}`)) : resolve(data));
+    if (helper.once) {
+      helper.once('message', got);
+      helper.once('error', reject);
+    } else {
+      helper.addEventListener('message', (e) => got(e.data), { once: true });
+      helper.addEventListener('error', (e) => reject(new Error(`a WASM step helper: ${e.message ?? 'failed to start'}`)), { once: true });
+    }
+  });
+}
 
 export class WasmStepRunner {
-  /** The module (step.wasm's bytes; `fallback`: a function giving step-simd128.wasm's, for a browser
-   * without relaxed SIMD), the weights' index (step.json) and bytes (step.bin), the package's manifest. */
-  static async create(wasm, index, weights, manifest, fallback) {
+  /** The module (step.wasm's bytes, or a function or promise giving them), the weights' index (step.json) and bytes (step.bin), the package's
+   * manifest. Options: `fallback`, a function giving step-simd128.wasm's bytes, for a browser without
+   * relaxed SIMD; `threads` > 1 with `threaded` (a function giving step-threads.wasm's bytes) and
+   * `spawnHelper` (a function making a Worker that runs step_helper.js): the step's work split across
+   * that many threads over one shared memory (wasm/step/threads.h), where shared memory exists. */
+  static async create(wasm, index, weights, manifest, { fallback, threads = 1, threaded, spawnHelper } = {}) {
+    if (threads > 1 && threaded && spawnHelper && typeof SharedArrayBuffer !== 'undefined' && globalThis.crossOriginIsolated !== false) {
+      const module = await WebAssembly.compile(await threaded()).catch(() => null); // no relaxed SIMD: one thread below
+      if (module) {
+        // the weights and room to grow: more than the module's own data and stack ask for
+        const pages = Math.ceil((weights.length + (16 << 20)) / PAGE);
+        const memory = new WebAssembly.Memory({ initial: pages, maximum: 65535, shared: true });
+        const instance = await WebAssembly.instantiate(module, { env: { memory } });
+        const runner = new WasmStepRunner({ ...instance.exports, memory }, index, weights, manifest);
+        await runner.startHelpers(module, memory, threads - 1, spawnHelper);
+        return runner;
+      }
+    }
     let module;
     try {
-      module = await WebAssembly.compile(wasm);
+      module = await WebAssembly.compile(typeof wasm === 'function' ? await wasm() : await wasm);
     } catch (err) { // no relaxed SIMD here: the SIMD128 build (plain products, no fused multiply-adds)
       if (!fallback) throw err;
       module = await WebAssembly.compile(await fallback());
@@ -31,6 +62,7 @@ export class WasmStepRunner {
     this.scratch = {}; // name -> [pointer, bytes]: grown, never freed
     this.io = null;
     this.pool = null; // { dtype, bytes }: what the worker's prompt-KV code asks of a pool
+    this.helpers = [];
     this.steps = 0;
     this.sessionMs = 0; // inside step_run and step_sample
     this.stepMs = 0;
@@ -54,6 +86,32 @@ export class WasmStepRunner {
     this.i32(this.model + 36, 5).set([at.embd, at.embd_d, at.out_norm, at.rope, layers]);
     if (this.k.step_init(this.model, TOKENS_PER_STEP) !== TOKENS_PER_STEP) throw new Error('the WASM step: out of memory for its scratch');
   }
+
+  /** `count` helper threads, each an instance of `module` over `memory` with a stack of its own, inside
+   * step_helper for good: the next step's jobs are split with them. */
+  async startHelpers(module, memory, count, spawnHelper) {
+    for (let i = 0; i < count; i++) {
+      const helper = spawnHelper();
+      this.helpers.push(helper);
+      const started = reply(helper);
+      helper.postMessage({ module, memory, stackTop: this.alloc(HELPER_STACK) + HELPER_STACK });
+      await started;
+    }
+    // a helper counts itself in as it enters its loop, just after its reply
+    for (let tries = 0; this.k.step_threads() < count + 1; tries++) {
+      if (tries > 500) throw new Error(`the WASM step's helpers did not start (${this.k.step_threads() - 1} of ${count})`);
+      await new Promise((resolve) => setTimeout(resolve, 2));
+    }
+  }
+
+  /** The helper threads leave step_helper and end. */
+  close() {
+    this.k.step_stop();
+    for (const helper of this.helpers) helper.terminate();
+    this.helpers = [];
+  }
+
+  get threads() { return this.k.step_threads(); }
 
   // views made afresh each time: the memory's buffer is replaced when it grows
   u8(p, n) { return new Uint8Array(this.k.memory.buffer, p, n); }
@@ -88,7 +146,8 @@ export class WasmStepRunner {
   }
 
   timings() {
-    return { steps: this.steps, session_ms: this.sessionMs, bridge_ms: this.stepMs, kv_pool_bytes: this.pool?.bytes ?? 0 };
+    return { steps: this.steps, session_ms: this.sessionMs, bridge_ms: this.stepMs, kv_pool_bytes: this.pool?.bytes ?? 0,
+      threads: this.threads };
   }
 
   allocate(numBlocks, blockSize, io) {
@@ -123,7 +182,7 @@ export class WasmStepRunner {
     this.i32(batch, 12).set(fields);
     const t0 = performance.now();
     const status = this.k.step_run(this.model, this.poolStruct, batch);
-    if (status) throw new Error(`the WASM step refused a step: ${status === 1 ? 'too many tokens' : 'a position or slot out of range'}`);
+    if (status) throw new Error(`the WASM step refused a step: ${status === 1 ? 'too many tokens' : 'a position, slot or logits row out of range'}`);
     const result = { topk_ids: [], topk_logprobs: [] };
     if (rows) {
       if (step.want_logits) {

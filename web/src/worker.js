@@ -94,13 +94,13 @@ async function load(opts) {
   engine = api.WebEngine.callKwargs(dir, runner, graphFiles, name,
     Object.fromEntries(Object.entries(chosen).filter(([, v]) => v != null)));
   mark('engine');
-  const { device, graph, sessionSeconds, cache, warmupSteps } = await opened;
+  const { device, graph, sessionSeconds, cache, warmupSteps, threads: usedThreads } = await opened;
   keepPromptKV = opts.promptCache !== false;
   const promptBlocks = keepPromptKV ? await restorePromptKV() : 0;
   timings.model_worker = { fetch: Number(filesMessage.fetchSeconds.toFixed(3)), session: Number(sessionSeconds.toFixed(3)),
     warmup_steps: warmupSteps };
   info = {
-    model: name, backend: opts.backend ?? 'onnxruntime', device, graph, threads: opts.backend === 'wasm-step' ? 1 : threads,
+    model: name, backend: opts.backend ?? 'onnxruntime', device, graph, threads: usedThreads ?? threads,
     kvDtype: opts.kvDtype ?? 'fp32', crossOriginIsolated: self.crossOriginIsolated,
     quantization: manifest.quantization, cache, python: pythonStart, restoredPromptBlocks: promptBlocks,
     loadSeconds: (performance.now() - t0) / 1000, timings,
