@@ -76,11 +76,14 @@ class WebBackend:
             raise AdapterError("this model package has no LoRA graph (exported with --no-lora); re-export it")
         features = target_features(self.pkg.config)
         layers = self.pkg.config["num_layers"]
-        self.lora = {"max_loras": max_loras, "max_rank": max_rank, "rank": 0, "holders": {}}
         spec = {"maxColumns": max_loras * max_rank, "weights": C.LORA_WEIGHTS,
                 "targets": [[t, fin, fout, [[C.lora_a(i, t), C.lora_b(i, t)] for i in range(layers)]]
                             for t, (fin, fout) in features.items()]}
-        self.runner.enable_lora(to_js(spec, dict_converter=Object.fromEntries))
+        try:
+            self.runner.enable_lora(to_js(spec, dict_converter=Object.fromEntries))
+        except Exception as err:  # the model worker's backend refuses adapters (the WASM step): nothing changed
+            raise AdapterError(str(err).removeprefix("Error: ")) from err
+        self.lora = {"max_loras": max_loras, "max_rank": max_rank, "rank": 0, "holders": {}}
 
     def enable_xlora(self, max_loras: int, max_rank: int, xlora) -> None:
         """enable_lora, and send the X-LoRA's classifier (its Linear layers' bytes) to the model worker."""

@@ -86,12 +86,19 @@ def test_a_users_adapter_files_answer_instead_of_the_base_model(offline_page, tm
     (tmp_path / "adapter_config.json").write_text(json.dumps(
         {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}))
     p = open_demo(offline_page)
-    base = ask(p, "Name the capital of France.")
+    assert p.evaluate("window.ruvllm.engine.info.backend") == "wasm-step"  # 'auto' on the default package
+    assert "Paris" in ask(p, "Name the capital of France.")
     p.page.set_input_files("#adapter-files", [str(tmp_path / "adapter_config.json"),
                                               str(tmp_path / "adapter_model.safetensors")])
     p.page.wait_for_function("document.querySelector('#adapter').options.length === 2")
     assert p.page.input_value("#adapter") == "adapter-1"
     assert p.page.inner_text("#adapter-status") == "adapter-1: q_proj, v_proj"
+    # adapters run on onnxruntime-web's LoRA graph: every step from here on, the base model's too
+    p.page.select_option("#adapter", "")
+    p.page.click("#clear")
+    base = ask(p, "Name the capital of France.")
+    assert "Paris" in base
+    p.page.select_option("#adapter", "adapter-1")
     p.page.click("#clear")
     tuned = ask(p, "Name the capital of France.")
     assert tuned != base

@@ -56,7 +56,7 @@ def test_newer_families_in_the_page_equal_native(arch, offline_page, tiny_packag
 def test_smollm2_browser_package_equals_native(offline_page, web_bundle):
     """The browser package computes in fp32 on both sides (weights expanded from int4 at load)."""
     p = offline_page()
-    info = load(p, "/models/smollm2-135m/", device="wasm")
+    info = load(p, "/models/smollm2-135m/", device="wasm", backend="onnxruntime")
     assert info["quantization"]["compute"] == "fp32" and info["quantization"]["weights"] == "int4"
     # WASM runs the main graph; the package's WebGPU variant is never downloaded
     assert info["graph"] == "model.onnx" and not any(u.endswith("/model_webgpu.onnx") for u in p.requests)

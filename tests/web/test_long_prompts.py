@@ -47,7 +47,7 @@ def native_ids(engine, messages: list[dict]) -> list[int]:
 def test_long_prompts_in_the_page_equal_native(offline_page, native):
     p = offline_page()
     p.api()
-    p.evaluate(LOAD_ENGINE, [SMOL, {"device": "wasm", "speculativeTokens": 0}])
+    p.evaluate(LOAD_ENGINE, [SMOL, {"device": "wasm", "speculativeTokens": 0, "backend": "onnxruntime"}])
     for n in LENGTHS:
         messages = messages_of_length(native, n)
         reply = p.evaluate(CHAT, {"messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
@@ -61,7 +61,7 @@ def test_over_the_context_is_the_native_error_and_the_page_keeps_serving(offline
 
     p = offline_page()
     p.api()
-    p.evaluate(LOAD_ENGINE, [SMOL, {"device": "wasm", "speculativeTokens": 0}])
+    p.evaluate(LOAD_ENGINE, [SMOL, {"device": "wasm", "speculativeTokens": 0, "backend": "onnxruntime"}])
     too_long = messages_of_length(native, native.max_context + 10)
     with pytest.raises(ContextLengthError) as native_error:
         native.add_request(messages=too_long)

@@ -49,7 +49,7 @@ def native_ids(engine, schema) -> list[int]:
 def test_ten_schemas_in_the_page_are_valid_and_equal_native(offline_page, native):
     p = offline_page()
     p.api()
-    p.evaluate(LOAD_ENGINE, [SMOL, {"device": "wasm", "speculativeTokens": 0}])
+    p.evaluate(LOAD_ENGINE, [SMOL, {"device": "wasm", "speculativeTokens": 0, "backend": "onnxruntime"}])
     every = schemas()
     picked = [every[i] for i in PICKED]
     # all ten at once, batched in the page

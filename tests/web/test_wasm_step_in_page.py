@@ -62,6 +62,68 @@ def test_the_page_runs_the_wasm_step_as_wasmtime_does_and_fetches_only_its_weigh
     assert any(u.endswith("/ruvllm/step-threads.wasm") for u in p.requests)
 
 
+def test_the_last_prompts_kv_survives_a_reload_on_the_wasm_step(offline_page):
+    """As on onnxruntime-web: after a reload the last prompt's full K/V blocks come back from storage
+    into the step's pool, the same prompt skips their prefill and gets the same greedy answer."""
+    p = offline_page()
+    first = load(p, SMOL, device="wasm", backend="wasm-step", speculativeTokens=0)
+    assert first["restoredPromptBlocks"] == 0
+    greedy = {"messages": QUESTION, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    reply = p.evaluate(CHAT, greedy)
+    expected = reply["choices"][0]["token_ids"]
+    p.evaluate("engine.stats()")  # resolves once the prompt's K/V blocks are saved
+
+    p.page.reload()
+    again = load(p, SMOL, device="wasm", backend="wasm-step", speculativeTokens=0)
+    blocks = reply["usage"]["prompt_tokens"] // 16
+    assert blocks >= 1 and again["restoredPromptBlocks"] == blocks
+    reply = p.evaluate(CHAT, greedy)
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 16 * blocks
+    assert reply["choices"][0]["token_ids"] == expected
+    p.evaluate("engine.stats()")
+    p.page.reload()  # the other backend computed other K/V: it never reads these
+    assert load(p, SMOL, device="wasm", speculativeTokens=0, backend="onnxruntime")["restoredPromptBlocks"] == 0
+
+
+def test_auto_takes_the_step_where_it_runs_and_onnxruntime_elsewhere(offline_page, tiny_package, web_models):
+    """backend 'auto' (the default): the WASM step for a package that carries one; onnxruntime-web for an
+    int8 KV cache (the step keeps fp32) and for a package without step weights."""
+    url = publish(web_models, tiny_package("llama", "fp32"), "tiny-llama-fp32")
+    for model, opts, want in ((SMOL, {}, "wasm-step"), (SMOL, {"kvDtype": "int8"}, "onnxruntime"),
+                              (url, {}, "onnxruntime")):
+        p = offline_page()
+        info = load(p, model, device="wasm", **opts)
+        assert info["backend"] == want, (model, opts, info)
+        assert p.evaluate(CHAT, {"messages": QUESTION, "max_tokens": 4, "temperature": 0})["choices"][0]["message"]["content"]
+
+
+def smol_adapter() -> dict:
+    """A one-layer rank-1 PEFT adapter on SmolLM2's q_proj, its files' bytes by name."""
+    import numpy as np
+    from safetensors.numpy import save
+
+    rng = np.random.default_rng(0)
+    key = "base_model.model.model.layers.0.self_attn.q_proj"
+    weights = save({f"{key}.lora_A.weight": rng.standard_normal((1, 576)).astype(np.float32),
+                    f"{key}.lora_B.weight": rng.standard_normal((576, 1)).astype(np.float32)})
+    config = json.dumps({"peft_type": "LORA", "r": 1, "lora_alpha": 1, "target_modules": ["q_proj"]}).encode()
+    return {"adapter_config.json": list(config), "adapter_model.safetensors": list(weights)}
+
+
+def test_an_adapter_on_a_named_wasm_step_is_a_clear_error_and_the_page_keeps_serving(offline_page):
+    """backend 'wasm-step' asked for by name does not move to onnxruntime-web: loading an adapter is refused
+    by name, and nothing changes (the same greedy answer before and after)."""
+    p = offline_page()
+    load(p, SMOL, device="wasm", backend="wasm-step", speculativeTokens=0)
+    greedy = {"messages": QUESTION, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    before = p.evaluate(CHAT, greedy)["choices"][0]["token_ids"]
+    err = p.evaluate("""async (files) => {
+      const bytes = Object.fromEntries(Object.entries(files).map(([k, v]) => [k, Uint8Array.from(v)]));
+      try { await engine.loadAdapter('mine', bytes); return null; } catch (e) { return e.message; } }""", smol_adapter())
+    assert err and "do not run on the WASM step" in err and 'backend "auto"' in err, err
+    assert p.evaluate(CHAT, greedy)["choices"][0]["token_ids"] == before
+
+
 def test_wasm_step_refusals_are_clear(offline_page, tiny_package, web_models):
     """A package without step weights, an int8 KV cache and WebGPU are refused by name, at load."""
     url = publish(web_models, tiny_package("llama", "fp32"), "tiny-llama-fp32")

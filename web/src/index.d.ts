@@ -42,11 +42,12 @@ export interface CreateEngineOptions {
   promptCache?: boolean;
   /** The model name reported in responses (default: the manifest's). */
   modelName?: string;
-  /** What runs each step: 'onnxruntime' (default: onnxruntime-web on the package's ONNX graph), or
-   *  'wasm-step' (the package's own WASM decode step on its GGUF blocks, wasm/step/step.c, on `threads`
-   *  threads where the page is cross-origin isolated; fp32 KV, no adapters; the package needs step.bin,
-   *  written by `--target wasm` from a GGUF). */
-  backend?: 'onnxruntime' | 'wasm-step';
+  /** What runs each step: 'onnxruntime' (onnxruntime-web on the package's ONNX graph), 'wasm-step' (the
+   *  package's own WASM decode step on its GGUF blocks, wasm/step/step.c, on `threads` threads where the
+   *  page is cross-origin isolated; fp32 KV, no adapters; the package needs step.bin, written by
+   *  `--target wasm` from a GGUF), or 'auto' (default): 'wasm-step' where the package has step.bin, kvDtype
+   *  is 'fp32' and the device would be 'wasm' (no WebGPU adapter, or device 'wasm'), else 'onnxruntime'. */
+  backend?: 'auto' | 'onnxruntime' | 'wasm-step';
 }
 
 export interface ToolCall {
@@ -168,7 +169,7 @@ export interface ChunkStream extends AsyncIterable<ChatCompletionChunk> {
 
 export interface EngineInfo {
   model: string;
-  /** what runs each step (options.backend) */
+  /** what runs each step (options.backend, 'auto' resolved) */
   backend: 'onnxruntime' | 'wasm-step';
   device: 'wasm' | 'webgpu';
   /** the package's graph file in use (a --target wasm package has a WebGPU variant) */

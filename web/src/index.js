@@ -239,11 +239,12 @@ async function storedOrFetched(url, meta, cache) {
  * Start the engine in a Web Worker and load a model package.
  * options: { model, device: 'auto'|'wasm'|'webgpu', threads, onProgress, assetsURL, pyodideURL, ortURL,
  *            pythonURL, kvMemoryMB, kvDtype: 'fp32'|'int8', maxNumSeqs, maxBatchTokens, speculativeTokens,
- *            promptCache, modelName, backend: 'onnxruntime'|'wasm-step' }
+ *            promptCache, modelName, backend: 'auto'|'onnxruntime'|'wasm-step' }
  * kvDtype 'int8' keeps the KV cache as int8 rows with fp16 group scales (a quarter of the memory, and of
  * what each step copies into onnxruntime-web), on the package's int8-KV graph; WASM only, no adapters.
  * backend 'wasm-step' runs the package's own WASM decode step (a GGUF's blocks, wasm/step/step.c) instead
- * of onnxruntime-web: one thread, fp32 KV, no adapters, no prompt cache across reloads yet.
+ * of onnxruntime-web, on `threads` threads: fp32 KV, no adapters yet. 'auto' (the default) takes it where
+ * the package carries one and the step would run on the CPU with fp32 KV, else onnxruntime-web.
  */
 export async function createEngine(options) {
   if (!options?.model) throw new Error('createEngine: options.model (the model package URL) is required');

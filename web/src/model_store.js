@@ -129,6 +129,20 @@ async function readJSON(url, cache) {
   }
 }
 
+const manifests = new Map(); // package URL -> Promise of its manifest: read once per worker
+
+/** A package's manifest (the network first, else the Cache API's copy from the last load), read once. */
+export function readManifest(baseURL) {
+  const base = new URL(baseURL.endsWith('/') ? baseURL : `${baseURL}/`, self.location.href);
+  const url = new URL('manifest.json', base).href;
+  if (!manifests.has(url)) {
+    const read = openCache().then((cache) => readJSON(url, cache));
+    read.catch(() => manifests.delete(url)); // a failure is not kept: the next load tries again
+    manifests.set(url, read);
+  }
+  return manifests.get(url);
+}
+
 /** The manifest's graph key the page runs: `wanted` where the package has it, else 'decoder' (no stand-in for the int8-KV graph). */
 export const pageGraph = (manifest, wanted) => {
   if (manifest.graphs[wanted]) return wanted;
@@ -149,9 +163,9 @@ export const pageGraph = (manifest, wanted) => {
  */
 export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck = () => false, graph = 'decoder', skip = () => false } = {}) {
   const base = new URL(baseURL.endsWith('/') ? baseURL : `${baseURL}/`, self.location.href);
-  const [dir, cache] = await Promise.all([openStore(), openCache()]);
+  const dir = await openStore();
   const t0 = performance.now();
-  const manifest = await readJSON(new URL('manifest.json', base).href, cache);
+  const manifest = await readManifest(base.href);
   if (manifest.format !== 'ruvllm-package') throw new Error(`${base}: not a RuvLLM model package`);
   // one graph is used: `graph` (e.g. a GPU's variant, or the LoRA variant once an adapter is added)
   // where the package has it, else the decoder

@@ -3,7 +3,7 @@
 // (weights expanded to fp32) and Pyodide's boot run at the same time on two cores; a step then costs
 // one small message each way, and the KV pool never leaves this worker.
 
-import { loadPackage, pageGraph } from './model_store.js';
+import { loadPackage, pageGraph, readManifest, sha256Hex } from './model_store.js';
 import { promptKVName, readPromptKV, fits, writePromptKV } from './prompt_kv.js';
 import { StepRunner, inputSpec, makeTensor } from './step_runner.js';
 import { WasmStepRunner } from './wasm_step.js';
@@ -134,8 +134,9 @@ async function openLoraGraph() {
 
 // backend 'wasm-step': the package's own WASM step (wasm_step.js) runs the steps, no onnxruntime-web;
 // only its weights are fetched (not the graphs'). With `threads` > 1 in a cross-origin isolated page, the
-// threaded build and its helper workers (step_helper.js); fp32 KV, no adapters yet.
-async function openWasmStep({ model, device, kvDtype, threads }) {
+// threaded build and its helper workers (step_helper.js); fp32 KV (kept across loads as onnxruntime's
+// is), no adapters yet.
+async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
   const t0 = performance.now();
   if (device === 'webgpu') throw new Error('backend "wasm-step" runs on the CPU: use device "wasm" or "auto"');
   if (kvDtype !== 'fp32') throw new Error('backend "wasm-step" keeps its KV cache in fp32: use kvDtype "fp32"');
@@ -163,14 +164,35 @@ async function openWasmStep({ model, device, kvDtype, threads }) {
     fallback: () => bytes('step-simd128.wasm'), threads: threaded ? threads : 1, threaded: threaded && (() => threadedWasm),
     spawnHelper: () => new Worker(new URL('./step_helper.js', import.meta.url), { type: 'module' }),
   });
-  promptKV = { name: Promise.resolve(null), saved: Promise.resolve(null) }; // not kept across loads on this backend (yet)
+  // the last prompt's K/V across loads: named by the weights and the build that computed them
+  const kvName = sha256Hex(new Uint8Array(runner.moduleBytes))
+    .then((build) => promptKVName(manifest, [manifest.wasm_step.weights, build], 'wasm-step'));
+  promptKV = { name: kvName, saved: kvName.then(readPromptKV).catch(() => null) };
   return { device: 'wasm', threads: runner.threads, graph: manifest.wasm_step.weights, cache: stats, warmupSteps: 0,
     sessionSeconds: (performance.now() - t0) / 1000 };
 }
 
-async function open({ model, ortURL, device: wanted, threads, kvDtype = 'fp32', backend = 'onnxruntime' }) {
-  if (backend === 'wasm-step') return openWasmStep({ model, device: wanted, kvDtype, threads });
-  if (backend !== 'onnxruntime') throw new Error(`backend ${JSON.stringify(backend)}: choose "onnxruntime" or "wasm-step"`);
+// backend 'auto' (the default): the package's own WASM step where the package carries one and it would
+// run on the CPU with an fp32 KV cache (no GPU adapter, or device 'wasm'); else onnxruntime-web
+async function chooseBackend({ model, device, kvDtype }) {
+  const manifest = await readManifest(model);
+  if (!manifest.wasm_step || kvDtype !== 'fp32' || device === 'webgpu') return 'onnxruntime';
+  return (await chooseDevice(device, kvDtype)) === 'wasm' ? 'wasm-step' : 'onnxruntime';
+}
+
+let autoStep = false; // backend 'auto' chose the WASM step: adapters move the steps to onnxruntime-web
+let openOptions = null;
+
+async function open(options) {
+  openOptions = options;
+  const backend = options.backend === 'auto' ? await chooseBackend(options) : options.backend;
+  autoStep = options.backend === 'auto' && backend === 'wasm-step';
+  if (backend === 'wasm-step') return { backend, ...await openWasmStep(options) };
+  if (backend !== 'onnxruntime') throw new Error(`backend ${JSON.stringify(backend)}: choose "auto", "onnxruntime" or "wasm-step"`);
+  return { backend, ...await openOnnxruntime(options) };
+}
+
+async function openOnnxruntime({ model, ortURL, device: wanted, threads, kvDtype = 'fp32' }) {
   const t0 = performance.now();
   const device = await chooseDevice(wanted, kvDtype);
   const key = graphKey(device, kvDtype);
@@ -222,6 +244,25 @@ async function open({ model, ortURL, device: wanted, threads, kvDtype = 'fp32', 
   return { device, threads, graph, cache: stats, warmupSteps, sessionSeconds: (performance.now() - t0) / 1000 };
 }
 
+// backend 'auto' chose the WASM step and the page asks for adapters, which run on onnxruntime-web's LoRA
+// graph (not on the step yet): that graph runs every later step (as on onnxruntime-web once adapters are
+// on), and the KV pool moves there with its block ids, so Python's block tables and prefix cache stay
+// true. The step's K/V agree with the graph's to int8-activation rounding, not bit for bit.
+async function stepToOnnxruntime(spec) {
+  const { model, ortURL, threads } = openOptions;
+  const step = runner;
+  const ort = await startRuntime(ortURL, 'wasm', threads);
+  opened = { ort, model, device: 'wasm' };
+  const session = await openLoraGraph();
+  const next = new StepRunner(ort, session, await readManifest(model));
+  next.allocate(step.pool.numBlocks, step.pool.blockSize, step.io);
+  step.pool.copyInto(next.pool);
+  next.enableLora(spec, async () => session);
+  step.close();
+  runner = next;
+  promptKV = { name: Promise.resolve(null), saved: Promise.resolve(null) }; // the step's saved K/V are not this graph's
+}
+
 self.onmessage = async ({ data }) => {
   const { type, id } = data;
   try {
@@ -232,14 +273,23 @@ self.onmessage = async ({ data }) => {
       await opening;
       runner.allocate(data.numBlocks, data.blockSize, data.io);
     } else if (type === 'enableLora') {
+      const ready = opening; // the messages after this one wait for the switch to onnxruntime-web, if any
+      opening = (async () => {
+        await ready;
+        try {
+          if (autoStep && runner instanceof WasmStepRunner) await stepToOnnxruntime(data.spec);
+          else runner.enableLora(data.spec, openLoraGraph);
+        } catch (err) { // no caller waits: the next step with adapters throws it, the others run on
+          runner.loraError = err;
+        }
+      })();
       await opening;
-      runner.enableLora(data.spec, openLoraGraph);
     } else if (type === 'setAdapter') {
       await opening;
-      runner.lora.set(data.meta, data.bytes);
+      if (!runner.loraError) runner.lora.set(data.meta, data.bytes);
     } else if (type === 'setClassifier') {
       await opening;
-      runner.lora.setClassifier(data.xlora, data.layers, data.blobs);
+      if (!runner.loraError) runner.lora.setClassifier(data.xlora, data.layers, data.blobs);
     } else if (type === 'run') {
       await opening;
       post({ type: 'result', id, result: await runner.run(data.step) });
@@ -257,7 +307,8 @@ self.onmessage = async ({ data }) => {
     } else if (type === 'promptKVSave') {
       await opening;
       const fp32 = runner.pool.dtype === 'fp32'; // an int8 pool's blocks are not kept across loads (yet)
-      post({ type: 'promptKVSaved', id, ok: fp32 && await writePromptKV(await promptKV.name, runner.pool, data.keys, data.ids) });
+      const name = await promptKV.name; // none once the steps moved to another backend
+      post({ type: 'promptKVSaved', id, ok: fp32 && name !== null && await writePromptKV(name, runner.pool, data.keys, data.ids) });
     }
   } catch (err) {
     if (runner && ['enableLora', 'setAdapter', 'setClassifier'].includes(type)) runner.loraError = err; // no caller waits: the next step throws it

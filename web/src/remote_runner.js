@@ -7,6 +7,7 @@ export class RemoteRunner {
     this.nextId = 1;
     this.pending = new Map();
     this.listeners = new Set();
+    this.refuseAdapters = null; // why adapters cannot run on the model worker's backend, if they cannot
     worker.onmessage = ({ data }) => {
       const call = this.pending.get(data.id);
       if (call && data.type !== 'progress' && data.type !== 'files') {
@@ -36,6 +37,7 @@ export class RemoteRunner {
   }
 
   enable_lora(spec) { // in order with the steps after it: the model worker opens the LoRA graph
+    if (this.refuseAdapters) throw new Error(this.refuseAdapters); // to Python, before anything changes
     this.worker.postMessage({ type: 'enableLora', spec });
   }
 

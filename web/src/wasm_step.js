@@ -7,6 +7,7 @@
 // step_sample (the graph's logits processing: penalties, mask, temperature, top-K), and replies with the
 // candidates only. Structs are wasm32: 4-byte ints, floats and pointers, in step.c's field order.
 
+export const NO_ADAPTERS = 'adapters do not run on the WASM step yet: load the engine with backend "auto" or "onnxruntime"';
 const TOKENS_PER_STEP = 512; // step_init's scratch: the page's steps are at most maxBatchTokens (256 by default)
 const HELPER_STACK = 1 << 18; // bytes of stack each helper instance gets (step.c's frames are small)
 const PAGE = 65536;
@@ -25,6 +26,69 @@ function reply(helper) {
   });
 }
 
+// The step's KV pool as prompt_kv.js sees one (the fp32 KvPool's interface): keys and values, each
+// [layers, kv_heads, num_blocks * block_size, head_dim] floats in the module's memory.
+class StepPool {
+  constructor(runner, layout, numBlocks, [keys, values]) {
+    Object.assign(this, layout, { runner, numBlocks, dtype: 'fp32', starts: [keys, values] });
+    this.bytes = 2 * layout.numLayers * layout.kvHeads * numBlocks * layout.blockSize * layout.headDim * 4;
+  }
+
+  get blockFloats() {
+    return this.numLayers * 2 * this.kvHeads * this.blockSize * this.headDim;
+  }
+
+  /** [pointer, floats] of each block's rows, block by block: layer, keys then values, head. */
+  * spans(ids) {
+    const span = this.blockSize * this.headDim, head = this.numBlocks * span;
+    for (const id of ids) {
+      if (!(id >= 0 && id < this.numBlocks)) throw new Error(`KV block ${id} is outside the pool (${this.numBlocks} blocks)`);
+      for (let l = 0; l < this.numLayers; l++) {
+        for (const start of this.starts) {
+          for (let h = 0; h < this.kvHeads; h++) yield [start + 4 * ((l * this.kvHeads + h) * head + id * span), span];
+        }
+      }
+    }
+  }
+
+  /** Every block into `pool` (kv_pool.js's fp32 KvPool over as many blocks), whose layer arrays are
+   * [kv_heads, blocks * block_size, head_dim] as each layer's part of this one. The step's keys are in
+   * the GGUF's order (llama.cpp's converter interleaves each head's halves for RoPE on adjacent pairs:
+   * number 2i is the graph's i, 2i + 1 its i + head_dim / 2), so they are put back in the graph's. */
+  copyInto(pool) {
+    pool.ensure(this.numBlocks);
+    const D = this.headDim, half = D / 2, floats = this.kvHeads * this.numBlocks * this.blockSize * D;
+    for (let l = 0; l < this.numLayers; l++) {
+      const keys = this.runner.f32(this.starts[0] + 4 * l * floats, floats), out = pool.keys[l];
+      for (let row = 0; row < floats; row += D) {
+        for (let i = 0; i < half; i++) {
+          out[row + i] = keys[row + 2 * i];
+          out[row + half + i] = keys[row + 2 * i + 1];
+        }
+      }
+      pool.values[l].set(this.runner.f32(this.starts[1] + 4 * l * floats, floats));
+    }
+  }
+
+  readBlocks(ids) {
+    const out = new Float32Array(ids.length * this.blockFloats);
+    let at = 0;
+    for (const [p, n] of this.spans(ids)) {
+      out.set(this.runner.f32(p, n), at);
+      at += n;
+    }
+    return out;
+  }
+
+  writeBlocks(ids, data) {
+    let at = 0;
+    for (const [p, n] of this.spans(ids)) {
+      this.runner.f32(p, n).set(data.subarray(at, at + n));
+      at += n;
+    }
+  }
+}
+
 export class WasmStepRunner {
   /** The module (step.wasm's bytes, or a function or promise giving them), the weights' index (step.json) and bytes (step.bin), the package's
    * manifest. Options: `fallback`, a function giving step-simd128.wasm's bytes, for a browser without
@@ -33,35 +97,39 @@ export class WasmStepRunner {
    * that many threads over one shared memory (wasm/step/threads.h), where shared memory exists. */
   static async create(wasm, index, weights, manifest, { fallback, threads = 1, threaded, spawnHelper } = {}) {
     if (threads > 1 && threaded && spawnHelper && typeof SharedArrayBuffer !== 'undefined' && globalThis.crossOriginIsolated !== false) {
-      const module = await WebAssembly.compile(await threaded()).catch(() => null); // no relaxed SIMD: one thread below
+      const bytes = await threaded();
+      const module = await WebAssembly.compile(bytes).catch(() => null); // no relaxed SIMD: one thread below
       if (module) {
         // the weights and room to grow: more than the module's own data and stack ask for
         const pages = Math.ceil((weights.length + (16 << 20)) / PAGE);
         const memory = new WebAssembly.Memory({ initial: pages, maximum: 65535, shared: true });
         const instance = await WebAssembly.instantiate(module, { env: { memory } });
-        const runner = new WasmStepRunner({ ...instance.exports, memory }, index, weights, manifest);
+        const runner = new WasmStepRunner({ ...instance.exports, memory }, index, weights, manifest, bytes);
         await runner.startHelpers(module, memory, threads - 1, spawnHelper);
         return runner;
       }
     }
-    let module;
+    let module, bytes = typeof wasm === 'function' ? await wasm() : await wasm;
     try {
-      module = await WebAssembly.compile(typeof wasm === 'function' ? await wasm() : await wasm);
+      module = await WebAssembly.compile(bytes);
     } catch (err) { // no relaxed SIMD here: the SIMD128 build (plain products, no fused multiply-adds)
       if (!fallback) throw err;
-      module = await WebAssembly.compile(await fallback());
+      bytes = await fallback();
+      module = await WebAssembly.compile(bytes);
     }
     const instance = await WebAssembly.instantiate(module, {});
-    return new WasmStepRunner(instance.exports, index, weights, manifest);
+    return new WasmStepRunner(instance.exports, index, weights, manifest, bytes);
   }
 
-  constructor(exports, index, weights, manifest) {
+  /** `moduleBytes`: the build these exports came from (its hash names the K/V it computes: prompt_kv.js). */
+  constructor(exports, index, weights, manifest, moduleBytes) {
     this.k = exports;
+    this.moduleBytes = moduleBytes;
     this.cfg = index.config;
     this.vocabSize = manifest.config.vocab_size;
     this.scratch = {}; // name -> [pointer, bytes]: grown, never freed
     this.io = null;
-    this.pool = null; // { dtype, bytes }: what the worker's prompt-KV code asks of a pool
+    this.pool = null; // StepPool, once allocated
     this.helpers = [];
     this.steps = 0;
     this.sessionMs = 0; // inside step_run and step_sample
@@ -156,17 +224,18 @@ export class WasmStepRunner {
     const keys = this.alloc(bytes), values = this.alloc(bytes);
     this.poolStruct = this.alloc(16);
     this.i32(this.poolStruct, 4).set([numBlocks, blockSize, keys, values]);
-    this.pool = { dtype: 'wasm-step', bytes: 2 * bytes };
+    this.pool = new StepPool(this, { numLayers: c.layers, kvHeads: c.kv_heads, headDim: c.head_dim, blockSize }, numBlocks,
+      [keys, values]);
     this.io = io;
   }
 
   enableLora() {
-    throw new Error('adapters do not run on the WASM step yet: load the engine with backend "onnxruntime"');
+    throw new Error(NO_ADAPTERS);
   }
 
   async run(step) {
     const started = performance.now();
-    if (step.lora || step.classify) this.enableLora();
+    if (step.lora || step.classify) throw this.loraError ?? new Error('adapters do not run on the WASM step yet');
     const r = this.io.step_feeds, f = step.feeds;
     const ids = f[r.ids][0], [rowsIn, maxBlocks] = f[r.block_tables][1];
     const qidx = f[r.query_index][0], rows = step.rows, vocab = this.cfg.vocab;

@@ -7,6 +7,7 @@ import { fetchChecked } from './model_store.js';
 import { findSnapshot, readSnapshot } from './python_snapshot.js';
 import { RemoteRunner } from './remote_runner.js';
 import { installWheels, wheelClosure } from './wheels.js';
+import { NO_ADAPTERS } from './wasm_step.js';
 
 let engine = null; // runtime.serve.web_api.WebEngine (a PyProxy)
 let runner = null; // RemoteRunner
@@ -68,7 +69,7 @@ async function load(opts) {
     else if (msg.type === 'files') { filesMessage = msg; mark('fetched'); resolve(msg); }
   }));
   const opened = runner.call('open', { options: { model: opts.model, ortURL, device: opts.device ?? 'auto', threads,
-    kvDtype: opts.kvDtype ?? 'fp32', backend: opts.backend ?? 'onnxruntime' } })
+    kvDtype: opts.kvDtype ?? 'fp32', backend: opts.backend ?? 'auto' } })
     .then((r) => { mark('session'); return r; });
   progress({ stage: 'runtime', message: 'starting Python' });
   const python = bootPython(pyodideURL, pythonURL, mark).then((py) => { mark('python'); return py; });
@@ -94,13 +95,16 @@ async function load(opts) {
   engine = api.WebEngine.callKwargs(dir, runner, graphFiles, name,
     Object.fromEntries(Object.entries(chosen).filter(([, v]) => v != null)));
   mark('engine');
-  const { device, graph, sessionSeconds, cache, warmupSteps, threads: usedThreads } = await opened;
+  const { backend, device, graph, sessionSeconds, cache, warmupSteps, threads: usedThreads } = await opened;
+  if (opts.backend === 'wasm-step') { // asked for by name: no move to onnxruntime-web as under 'auto'
+    runner.refuseAdapters = NO_ADAPTERS;
+  }
   keepPromptKV = opts.promptCache !== false;
   const promptBlocks = keepPromptKV ? await restorePromptKV() : 0;
   timings.model_worker = { fetch: Number(filesMessage.fetchSeconds.toFixed(3)), session: Number(sessionSeconds.toFixed(3)),
     warmup_steps: warmupSteps };
   info = {
-    model: name, backend: opts.backend ?? 'onnxruntime', device, graph, threads: usedThreads ?? threads,
+    model: name, backend, device, graph, threads: usedThreads ?? threads,
     kvDtype: opts.kvDtype ?? 'fp32', crossOriginIsolated: self.crossOriginIsolated,
     quantization: manifest.quantization, cache, python: pythonStart, restoredPromptBlocks: promptBlocks,
     loadSeconds: (performance.now() - t0) / 1000, timings,
