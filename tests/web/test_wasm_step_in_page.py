@@ -97,6 +97,24 @@ def test_auto_takes_the_step_where_it_runs_and_onnxruntime_elsewhere(offline_pag
         assert p.evaluate(CHAT, {"messages": QUESTION, "max_tokens": 4, "temperature": 0})["choices"][0]["message"]["content"]
 
 
+def test_the_step_drafts_only_when_asked_and_drafts_change_no_token(offline_page):
+    """On the WASM step speculative decoding is off by default (it pays each draft's full compute); asked
+    for, prompt-lookup drafts are verified and the greedy tokens are the same."""
+    ask = {"messages": [{"role": "user", "content": "Repeat this line three times: the quick brown fox jumps over "
+                                                    "the lazy dog near the river bank."}],
+           "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+    runs = []
+    for opts in ({}, {"speculativeTokens": 3}):
+        p = offline_page()
+        assert load(p, SMOL, device="wasm", **opts)["backend"] == "wasm-step"
+        ids = p.evaluate(CHAT, ask)["choices"][0]["token_ids"]
+        runs.append((ids, p.evaluate("engine.stats()")))
+    (plain, plain_stats), (drafted, drafted_stats) = runs
+    assert plain_stats["draft_tokens"] == 0
+    assert drafted_stats["draft_tokens"] > 0 and drafted_stats["accepted_draft_tokens"] > 0
+    assert drafted == plain
+
+
 def smol_adapter() -> dict:
     """A one-layer rank-1 PEFT adapter on SmolLM2's q_proj, its files' bytes by name."""
     import numpy as np

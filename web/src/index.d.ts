@@ -35,7 +35,8 @@ export interface CreateEngineOptions {
   kvDtype?: 'fp32' | 'int8';
   maxNumSeqs?: number;
   maxBatchTokens?: number;
-  /** Prompt-lookup drafts verified per decode step of a greedy or low-temperature request (default 3; 0 turns speculative decoding off). */
+  /** Prompt-lookup drafts verified per decode step of a greedy or low-temperature request (default 3 on
+   *  onnxruntime-web, 0 on the WASM step, which pays each draft's full compute; 0 turns speculative decoding off). */
   speculativeTokens?: number;
   /** Keep the last prompt's K/V blocks in the browser's storage (OPFS), so that after a reload a prompt
    *  sharing them (the system prompt at least) skips their prefill (default true). */

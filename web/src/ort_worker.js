@@ -156,7 +156,7 @@ async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
   if (!manifest.wasm_step) throw new Error('backend "wasm-step": this model package has no WASM step weights (step.bin); re-export it from a GGUF with --target wasm');
   const big = modelFiles(manifest);
   const small = Object.fromEntries(Object.entries(files).filter(([n]) => !big.includes(n)));
-  post({ type: 'files', manifest, files: small, graphFiles: big, cache: stats, device: 'wasm', fetchSeconds: (performance.now() - t0) / 1000 },
+  post({ type: 'files', manifest, files: small, graphFiles: big, cache: stats, device: 'wasm', backend: 'wasm-step', fetchSeconds: (performance.now() - t0) / 1000 },
     Object.values(small).map((b) => b.buffer));
   post({ type: 'progress', progress: { stage: 'session', message: 'preparing the model' } });
   const index = JSON.parse(new TextDecoder().decode(files[manifest.wasm_step.index]));
@@ -222,7 +222,7 @@ async function openOnnxruntime({ model, ortURL, device: wanted, threads, kvDtype
   const kvName = promptKVName(manifest, [graph, ...graphFiles.filter((n) => n.endsWith('.data'))], device);
   promptKV = { name: kvName, saved: kvName.then(readPromptKV).catch(() => null) }; // read while the session builds
   const small = Object.fromEntries(Object.entries(files).filter(([n]) => !graphFiles.includes(n)));
-  post({ type: 'files', manifest, files: small, graphFiles, cache: stats, device, fetchSeconds: (performance.now() - t0) / 1000 },
+  post({ type: 'files', manifest, files: small, graphFiles, cache: stats, device, backend: 'onnxruntime', fetchSeconds: (performance.now() - t0) / 1000 },
     Object.values(small).map((b) => b.buffer));
 
   post({ type: 'progress', progress: { stage: 'session', message: 'preparing the model' } });

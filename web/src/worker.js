@@ -79,7 +79,7 @@ async function load(opts) {
   // Python needs only the small files (manifest, tokenizer, template), which come before the session
   const openFailed = opened.then(() => new Promise(() => {})); // settles only if opening fails
   const [{ pyodide, python: pythonStart }] = await Promise.race([Promise.all([python, filesArrived]), openFailed]);
-  const { manifest, files, graphFiles } = filesMessage;
+  const { manifest, files, graphFiles, backend: stepper } = filesMessage;
   const dir = `/models/${manifest.files[manifest.graphs.decoder.file].sha256.slice(0, 16)}`;
   pyodide.FS.mkdirTree(dir);
   pyodide.FS.writeFile(`${dir}/manifest.json`, JSON.stringify(manifest));
@@ -90,8 +90,11 @@ async function load(opts) {
   // the engine (tokenizer, template, scheduler) is built while the session may still be in creation;
   // the model worker holds the KV-pool allocation until its session is open
   // only what the caller chose: the page's defaults are Python's (runtime/core/config.py, EngineConfig.web)
+  // drafts are nearly free in onnxruntime-web's memory-bound fp32 step, not on the compute-bound WASM step:
+  // it verifies them at their full cost (docs/PERFORMANCE.md), so it drafts only when asked to
   const chosen = { kv_memory_mb: opts.kvMemoryMB, max_num_seqs: opts.maxNumSeqs,
-    max_batch_tokens: opts.maxBatchTokens, speculative_tokens: opts.speculativeTokens, kv_dtype: opts.kvDtype };
+    max_batch_tokens: opts.maxBatchTokens, kv_dtype: opts.kvDtype,
+    speculative_tokens: opts.speculativeTokens ?? (stepper === 'wasm-step' ? 0 : undefined) };
   engine = api.WebEngine.callKwargs(dir, runner, graphFiles, name,
     Object.fromEntries(Object.entries(chosen).filter(([, v]) => v != null)));
   mark('engine');
