@@ -4,9 +4,10 @@ continuation, then build step.wasm and run step.mjs in Node:
 
     python benchmarks/wasm_step/export.py --run
 
-step.mjs (Node; with --browser also page.html in Chromium) prints the per-position KL and largest logit difference against the native engine (the same
-Q4_1 / Q8_0 blocks with activations rounded per block of 32 on both sides), the greedy continuation's
-agreement, and single-thread decode tok/s (issue 33: what a page backend without onnxruntime-web reaches).
+step.mjs (Node; with --browser also page.html in Chromium), on one thread and on --threads, prints the
+per-position KL and largest logit difference against the native engine (the same Q4_1 / Q8_0 blocks with
+activations rounded per block of 32 on both sides), the greedy continuation's agreement, and decode tok/s
+(issue 33: what a page backend without onnxruntime-web reaches).
 """
 
 from __future__ import annotations
@@ -78,11 +79,13 @@ def main() -> None:
             subprocess.run(["node", "--experimental-wasm-relaxed-simd", "--no-liftoff", str(HERE / "step.mjs"), str(args.out),
                             str(threads)], check=True)
         if args.browser:
-            print(json.dumps(in_chromium(args.out)))
+            for threads in sorted({1, args.threads}):
+                print(json.dumps(in_chromium(args.out, threads=threads)))
 
 
-def in_chromium(out: Path, timeout_s: int = 300) -> dict:
-    """page.html in headless Chromium (/usr/bin/chromium), served with the data; its window.result."""
+def in_chromium(out: Path, timeout_s: int = 300, threads: int = 1) -> dict:
+    """page.html in headless Chromium (/usr/bin/chromium), served with the data, on the page's main thread
+    (and threads - 1 helper workers); its window.result."""
     from playwright.sync_api import sync_playwright
 
     sys.path.insert(0, str(HERE.parents[1]))
@@ -94,7 +97,7 @@ def in_chromium(out: Path, timeout_s: int = 300) -> dict:
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"], headless=True)
             page = browser.new_page()
-            page.goto(base + "benchmarks/wasm_step/page.html")
+            page.goto(base + f"benchmarks/wasm_step/page.html?threads={threads}")
             page.wait_for_function("window.result", timeout=timeout_s * 1000)
             result = page.evaluate("window.result")
             browser.close()
