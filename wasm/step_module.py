@@ -165,14 +165,14 @@ class WasmStep:
             exports["__stack_pointer"].set_value(store, wasmtime.Val.i32(top))
             exports["step_helper"](store)  # until close()
 
-        for _ in range(count):
+        for _ in range(min(count, self._exports["step_max_threads"](self.store) - 1)):
             thread = threading.Thread(target=helper, args=(self._alloc(stack) + stack,), daemon=True)
             thread.start()
             self._helpers.append(thread)
         deadline = time.monotonic() + 30
-        while self.threads < count + 1:
+        while self.threads < len(self._helpers) + 1:
             if time.monotonic() > deadline or not all(t.is_alive() for t in self._helpers):
-                raise RuntimeError(f"the WASM step's helpers did not start ({self.threads - 1} of {count})")
+                raise RuntimeError(f"the WASM step's helpers did not start ({self.threads - 1} of {len(self._helpers)})")
             time.sleep(0.002)
 
     @property

@@ -132,6 +132,46 @@ def test_threads_split_a_step_without_changing_a_number(step_files, threads):
     assert split.threads == 1  # the helpers left
 
 
+HELPERS_IN_NODE = """
+import { readFileSync } from 'node:fs';
+import { Worker } from 'node:worker_threads';
+import { WasmStepRunner } from '%(runner)s';
+const dir = process.argv[2], file = (name) => readFileSync(`${dir}/${name}`);
+const index = JSON.parse(file('step.json')), out = {};
+const spawners = {
+  real: () => new Worker(new URL('%(helper)s')),
+  missing: () => new Worker(new URL('file:///no/such/step_helper.js')),
+  throwing: () => { throw new Error('no nested workers here'); },
+};
+for (const [name, spawnHelper] of Object.entries(spawners)) {
+  const runner = await WasmStepRunner.create(file('step.wasm'), index, file('step.bin'), { config: { vocab_size: index.config.vocab } },
+    { threads: 2, threaded: async () => file('%(threaded)s'), spawnHelper });
+  out[name] = runner.threads;
+  runner.close();
+}
+console.log(JSON.stringify(out));
+"""
+
+
+def test_a_helper_that_cannot_start_leaves_the_step_on_fewer_threads(step_files, tmp_path):
+    """The page's runner (web/src/wasm_step.js) in Node: with a helper it runs on two threads; a helper
+    whose script is missing, or a host without nested workers, leaves it on one instead of failing."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from wasm.step_module import THREADED
+
+    src = Path(__file__).resolve().parents[2] / "web" / "src"
+    script = tmp_path / "helpers.mjs"
+    script.write_text(HELPERS_IN_NODE % {"runner": (src / "wasm_step.js").as_uri(), "helper": (src / "step_helper.js").as_uri(),
+                                         "threaded": THREADED})
+    proc = subprocess.run(["node", "--experimental-wasm-relaxed-simd", str(script), str(step_files)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"real": 2, "missing": 1, "throwing": 1}
+
+
 def reference_head(logits: np.ndarray, batch, mask: list) -> tuple[np.ndarray, np.ndarray]:
     """exporter/builders/logits.py's processing in numpy: penalties and bias at the sparse ids, the mask,
     the temperature, log-softmax, the top K (ties: the lower id)."""

@@ -19,6 +19,8 @@ static inline void part_range(int n, int unit, int part, int parts, int* lo, int
   *hi = units * (part + 1) / parts * unit;
 }
 
+EXPORT int32_t step_max_threads(void) { return MAX_THREADS; }
+
 #ifdef STEP_THREADS
 #define SPINS (1 << 18)  // about a millisecond of polling before a helper sleeps
 #define SEQ __ATOMIC_SEQ_CST

@@ -155,19 +155,29 @@ export class WasmStepRunner {
     if (this.k.step_init(this.model, TOKENS_PER_STEP) !== TOKENS_PER_STEP) throw new Error('the WASM step: out of memory for its scratch');
   }
 
-  /** `count` helper threads, each an instance of `module` over `memory` with a stack of its own, inside
-   * step_helper for good: the next step's jobs are split with them. */
+  /** Up to `count` helper threads (no more than the module splits a job between), each an instance of
+   * `module` over `memory` with a stack of its own, inside step_helper for good: the next step's jobs are
+   * split with them. A helper that cannot start (no nested workers, a blocked script) leaves the step on
+   * fewer threads, with the same numbers. */
   async startHelpers(module, memory, count, spawnHelper) {
+    count = Math.min(count, this.k.step_max_threads() - 1);
     for (let i = 0; i < count; i++) {
-      const helper = spawnHelper();
-      this.helpers.push(helper);
-      const started = reply(helper);
-      helper.postMessage({ module, memory, stackTop: this.alloc(HELPER_STACK) + HELPER_STACK });
-      await started;
+      let helper = null;
+      try {
+        helper = spawnHelper();
+        const started = reply(helper);
+        helper.postMessage({ module, memory, stackTop: this.alloc(HELPER_STACK) + HELPER_STACK });
+        await started;
+        this.helpers.push(helper);
+      } catch (err) {
+        helper?.terminate();
+        console.warn(`ruvllm: the WASM step runs on ${1 + this.helpers.length} thread(s): ${err?.message ?? err}`);
+        break;
+      }
     }
     // a helper counts itself in as it enters its loop, just after its reply
-    for (let tries = 0; this.k.step_threads() < count + 1; tries++) {
-      if (tries > 500) throw new Error(`the WASM step's helpers did not start (${this.k.step_threads() - 1} of ${count})`);
+    for (let tries = 0; this.k.step_threads() < this.helpers.length + 1; tries++) {
+      if (tries > 500) throw new Error(`the WASM step's helpers did not start (${this.k.step_threads() - 1} of ${this.helpers.length})`);
       await new Promise((resolve) => setTimeout(resolve, 2));
     }
   }
