@@ -1,7 +1,8 @@
 """The page's WASM decode step's weights (wasm/step/step.c): a llama-family GGUF's own blocks, repacked,
 nothing quantized again. Q4_1 projections become nibbles [N, K / 2] with their scales and minimums
 [N / 4, K / 32, 4] (four output rows a pass); the Q8_0 embedding, which the head reuses, stays int8 rows
-with an fp32 scale per 32; norms stay fp32; RoPE's cos/sin table is precomputed in float64. q and k keep
+with a scale per 32. Scales and minimums stay the GGUF's fp16 (the page widens them to fp32 as it loads
+them: exact); norms stay fp32; RoPE's cos/sin table is precomputed in float64. q and k keep
 the GGUF's row order (llama.cpp's converter permutes them for RoPE on adjacent pairs), which step.c's
 RoPE follows.
 
@@ -26,8 +27,8 @@ ALIGN = 64
 def _q4_1(raw_blocks: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
     """GGUF Q4_1 rows (blocks of 32: fp16 scale, fp16 minimum, 16 bytes of nibbles) in step.c's layout."""
     raw = np.asarray(raw_blocks, np.uint8).reshape(rows, cols // 32, 20)
-    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    m = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0]
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0]
 
     def four(a: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(a.reshape(rows // 4, 4, cols // 32).transpose(0, 2, 1))
@@ -64,7 +65,7 @@ def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[dict, dict[str, np
     raw = np.asarray(embd.data, np.uint8).reshape(vocab, dim // 32, 34)
     arrays: dict[str, np.ndarray] = {
         "embd": np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(vocab, dim),
-        "embd_d": raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32),
+        "embd_d": raw[..., 0:2].copy().view(np.float16)[..., 0],
         "out_norm": np.asarray(tensors["output_norm.weight"].data, np.float32),
     }
     inv = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)

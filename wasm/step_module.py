@@ -127,7 +127,10 @@ class WasmStep:
         self._scratch_at: dict[str, tuple[int, int]] = {}  # name -> (pointer, bytes): grown, never freed
         at = {}
         for a in index["arrays"]:
-            at[a["name"]] = self._put(blob[a["offset"]:a["offset"] + a["bytes"]])
+            data = blob[a["offset"]:a["offset"] + a["bytes"]]
+            if a["dtype"] == "float16":  # the GGUF's scales, widened for step.c (exact)
+                data = np.frombuffer(data, np.float16).astype(np.float32).tobytes()
+            at[a["name"]] = self._put(data)
         layers = []
         for i in range(cfg["layers"]):
             layers.append(at[f"{i}.attn_norm"])

@@ -12,6 +12,22 @@ const TOKENS_PER_STEP = 512; // step_init's scratch: the page's steps are at mos
 const HELPER_STACK = 1 << 18; // bytes of stack each helper instance gets (step.c's frames are small)
 const PAGE = 65536;
 
+let halfTable = null; // fp16 bit pattern -> its value, where the runtime has no Float16Array (Node 20)
+
+/** fp16 numbers (little-endian bytes) as a Float32Array. */
+function widen(bytes) {
+  const bits = new Uint16Array(new Uint8Array(bytes).buffer); // a copy: aligned, and its own buffer (a Node Buffer's slice is not)
+  if (typeof Float16Array === 'function') return new Float32Array(new Float16Array(bits.buffer));
+  if (!halfTable) {
+    halfTable = new Float32Array(65536);
+    for (let h = 0; h < 65536; h++) {
+      const e = (h >> 10) & 31, f = h & 1023, sign = h & 0x8000 ? -1 : 1;
+      halfTable[h] = sign * (e === 0 ? f * 2 ** -24 : e === 31 ? (f ? NaN : Infinity) : (1 + f / 1024) * 2 ** (e - 15));
+    }
+  }
+  return Float32Array.from(bits, (h) => halfTable[h]);
+}
+
 // resolves when a helper (a Worker, or Node's worker_threads Worker) reports, rejects on its error
 function reply(helper) {
   return new Promise((resolve, reject) => {
@@ -136,8 +152,14 @@ export class WasmStepRunner {
     this.stepMs = 0;
     const at = {};
     for (const a of index.arrays) {
-      at[a.name] = this.alloc(a.bytes);
-      this.u8(at[a.name], a.bytes).set(weights.subarray(a.offset, a.offset + a.bytes));
+      const bytes = weights.subarray(a.offset, a.offset + a.bytes);
+      if (a.dtype === 'float16') { // the GGUF's scales and minimums, widened for step.c (exact)
+        at[a.name] = this.alloc(2 * a.bytes);
+        this.f32(at[a.name], a.bytes / 2).set(widen(bytes));
+      } else {
+        at[a.name] = this.alloc(a.bytes);
+        this.u8(at[a.name], a.bytes).set(bytes);
+      }
     }
     const cfg = this.cfg, fields = [];
     for (let l = 0; l < cfg.layers; l++) {
