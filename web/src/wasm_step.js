@@ -106,8 +106,8 @@ class StepPool {
 }
 
 export class WasmStepRunner {
-  /** The module (step.wasm's bytes, or a function or promise giving them), the weights' index (step.json) and bytes (step.bin), the package's
-   * manifest. Options: `fallback`, a function giving step-simd128.wasm's bytes, for a browser without
+  /** The module (step.wasm's bytes, or a function or promise giving them), the weights' index
+   * (step.json) and bytes (step.bin), the package's manifest. Options: `fallback`, a function giving step-simd128.wasm's bytes, for a browser without
    * relaxed SIMD; `threads` > 1 with `threaded` (a function giving step-threads.wasm's bytes) and
    * `spawnHelper` (a function making a Worker that runs step_helper.js): the step's work split across
    * that many threads over one shared memory (wasm/step/threads.h), where shared memory exists. */
