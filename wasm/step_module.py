@@ -152,7 +152,7 @@ class WasmStep:
         # the batch's arrays, made once: ids, pos, slots, row_first, row_count, logits_at, tables; logits
         self._ints_at = [self._alloc(4 * max_tokens) for _ in range(6)] + [self._alloc(4 * max_tokens * self.max_blocks)]
         self._logits = self._alloc(4 * max_logits * cfg["vocab"])
-        self._batch = self._alloc(48)
+        self._batch = self._alloc(52)
         if threads > 1:
             self._start_helpers(engine, module, shared, threads - 1)
 
@@ -215,8 +215,8 @@ class WasmStep:
         for ptr, values in zip(self._ints_at, arrays):
             self.memory.write(self.store, np.asarray(values, np.int32).tobytes(), ptr)
         ids, pos, slots, row_first, row_count, logits_at, tables = self._ints_at
-        self.memory.write(self.store, struct.pack("<4i8I", n, rows, batch.max_blocks, logits, ids, pos, slots,
-                                                  row_first, row_count, tables, logits_at, self._logits), self._batch)
+        self.memory.write(self.store, struct.pack("<4i9I", n, rows, batch.max_blocks, logits, ids, pos, slots,
+                                                  row_first, row_count, tables, logits_at, self._logits, 0), self._batch)
         status = self._run(self.store, self.model, self.pool, self._batch)
         if status:
             raise ValueError("the WASM step refused the batch: " + ("too many tokens" if status == 1 else

@@ -59,9 +59,10 @@ class WebBackend:
                          past_value_scales=[C.past_value_scale(i) for i in range(n)])
         self.runner.allocate(num_blocks, block_size, to_js(roles, dict_converter=Object.fromEntries))
 
-    def enable_lora(self, max_loras: int, max_rank: int) -> None:
+    def enable_lora(self, max_loras: int, max_rank: int, xlora: bool = False) -> None:
         """Have the model worker open the LoRA graph, which then runs every step (adapter columns at zero
-        weight for the base model): one session's weights in the page's memory, not two."""
+        weight for the base model): one session's weights in the page's memory, not two. On the WASM step
+        the adapters run on the step, and an X-LoRA (`xlora`) moves the steps to the LoRA graph."""
         from js import Object
         from pyodide.ffi import to_js
 
@@ -76,7 +77,7 @@ class WebBackend:
             raise AdapterError("this model package has no LoRA graph (exported with --no-lora); re-export it")
         features = target_features(self.pkg.config)
         layers = self.pkg.config["num_layers"]
-        spec = {"maxColumns": max_loras * max_rank, "weights": C.LORA_WEIGHTS,
+        spec = {"maxColumns": max_loras * max_rank, "weights": C.LORA_WEIGHTS, "xlora": xlora,
                 "targets": [[t, fin, fout, [[C.lora_a(i, t), C.lora_b(i, t)] for i in range(layers)]]
                             for t, (fin, fout) in features.items()]}
         try:
@@ -90,7 +91,9 @@ class WebBackend:
         from js import Uint8Array
         from pyodide.ffi import to_js
 
-        self.enable_lora(max_loras, max_rank)
+        from runtime.core.adapters import AdapterError
+
+        self.enable_lora(max_loras, max_rank, xlora=True)
         layers, blobs = [], []
         for file, w, b in xlora.classifier:
             with open(file, "rb") as fh:
@@ -98,7 +101,10 @@ class WebBackend:
                     fh.seek(ref.start)
                     blobs.append(Uint8Array.new(to_js(fh.read(ref.end - ref.start))))
             layers.append([[0, w.end - w.start, w.dtype, list(w.shape)], [0, b.end - b.start, b.dtype, list(b.shape)]])
-        self.runner.set_classifier(xlora.id, to_js(layers), to_js(blobs))
+        try:
+            self.runner.set_classifier(xlora.id, to_js(layers), to_js(blobs))
+        except Exception as err:  # the model worker's backend refuses X-LoRA (the WASM step by name)
+            raise AdapterError(str(err).removeprefix("Error: ")) from err
 
     def set_adapter(self, slot: int, adapter) -> None:
         """Send an adapter's weights (the file's bytes and where each tensor is) into a slot of the model

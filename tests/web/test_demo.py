@@ -93,7 +93,7 @@ def test_a_users_adapter_files_answer_instead_of_the_base_model(offline_page, tm
     p.page.wait_for_function("document.querySelector('#adapter').options.length === 2")
     assert p.page.input_value("#adapter") == "adapter-1"
     assert p.page.inner_text("#adapter-status") == "adapter-1: q_proj, v_proj"
-    # adapters run on onnxruntime-web's LoRA graph: every step from here on, the base model's too
+    # the adapter runs on the step too (base tokens get no adapter columns)
     p.page.select_option("#adapter", "")
     p.page.click("#clear")
     base = ask(p, "Name the capital of France.")

@@ -59,7 +59,19 @@ typedef struct {
   const int32_t *row_first, *row_count, *tables;  // tables [num_rows, max_blocks]
   const int32_t* logits_at;
   float* logits;  // out: [num_logits, vocab]
+  const struct Lora* lora;  // the step's adapters, or null
 } Batch;
+
+// A step's adapters (web/src/lora_store.js's adapter columns, in the module's memory): each target's
+// output gains ((x A^T) * w) B, as the LoRA graph computes it (exporter/builders/lora_path.py), in fp32 on
+// the target's fp32 input. B of q and k holds its rows in the GGUF's order, as step.c's q and k are.
+typedef struct Lora {
+  int32_t columns;         // columns bound this step: the first `columns` rows of every A and B
+  const float* weights;    // [num_tokens, columns]: each token's weight per column
+  const float* const* a;   // [layers * 7] (q k v o gate up down): A [columns, in], or null (not adapted)
+  const float* const* b;   // [layers * 7]: B [columns, out]
+  float* u;                // scratch [3, num_tokens, columns]
+} Lora;
 
 static float *x, *xn, *q, *kk, *vv, *att, *sc, *g, *u, *xs, *xsum;
 static int8_t* xq;
@@ -116,7 +128,25 @@ typedef struct {
   int N[3];
   float* out[3];
   float* residual;
+  int columns;             // adapter columns, 0 without adapters
+  const float *u[3], *b[3];  // per projection: the tokens' (x A^T) * w [T, columns] and B [columns, N], or null
 } Projections;
+
+// rows [lo, hi) of projection i gain the adapters' delta u B
+static void adapter_rows(const Projections* j, int i, int lo, int hi) {
+  const int C = j->columns, N = j->N[i];
+  for (int t = 0; t < j->T; t++) {
+    float* y = j->out[i] + (size_t)t * N;
+    const float* ut = j->u[i] + (size_t)t * C;
+    for (int c = 0; c < C; c++) {
+      if (ut[c] == 0.f) continue;  // a base token, or another adapter's column
+      const v128_t s = wasm_f32x4_splat(ut[c]);
+      const float* bc = j->b[i] + (size_t)c * N;
+      for (int o = lo; o < hi; o += 4)
+        wasm_v128_store(y + o, wasm_f32x4_add(wasm_v128_load(y + o), wasm_f32x4_mul(s, wasm_v128_load(bc + o))));
+    }
+  }
+}
 
 static void projections_part(const void* ctx, int part, int parts) {
   const Projections* j = ctx;
@@ -127,6 +157,7 @@ static void projections_part(const void* ctx, int part, int parts) {
     const Q4* w = j->w[i];
     GEMM_Q4(xq, xs, xsum, j->T, j->K, w->w + (size_t)lo * j->K / 2, w->d + (size_t)lo * blocks, w->m + (size_t)lo * blocks,
             hi - lo, j->out[i] + lo, j->N[i]);
+    if (j->u[i]) adapter_rows(j, i, lo, hi);
   }
   int lo, hi;
   part_range(j->N[0], 4, part, parts, &lo, &hi);
@@ -139,9 +170,27 @@ static void projections_part(const void* ctx, int part, int parts) {
   }
 }
 
-static void project(int T, int K, int count, const Q4* const* w, const int* N, float* const* out, int gated, float* residual) {
-  Projections j = {T, K, count, gated, {0}, {0}, {0}, residual};
+// The projections of layer l's targets first .. first + count - 1 (q k v o gate up down: 0 .. 6) on x
+// [T, K] (fp32; xq, xs and xsum hold it rounded), with the step's adapters where it has some.
+static void project(const Lora* ad, int l, int first, const float* x, int T, int K, int count, const Q4* const* w,
+                    const int* N, float* const* out, int gated, float* residual) {
+  Projections j = {T, K, count, gated, {0}, {0}, {0}, residual, 0, {0}, {0}};
   for (int i = 0; i < count; i++) j.w[i] = w[i], j.N[i] = N[i], j.out[i] = out[i];
+  if (ad && ad->columns > 0) {
+    const int C = ad->columns;
+    j.columns = C;
+    for (int i = 0; i < count; i++) {
+      const float* a = ad->a[l * 7 + first + i];
+      if (!a) continue;
+      float* mix = ad->u + (size_t)i * T * C;
+      for (int t = 0; t < T; t++)
+        for (int c = 0; c < C; c++) {
+          const float wt = ad->weights[(size_t)t * C + c];
+          mix[(size_t)t * C + c] = wt == 0.f ? 0.f : dot(x + (size_t)t * K, a + (size_t)c * K, K) * wt;
+        }
+      j.u[i] = mix, j.b[i] = ad->b[l * 7 + first + i];
+    }
+  }
   parallel(projections_part, &j);
 }
 
@@ -241,7 +290,7 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
     const Layer* L = &m->layer[l];
     for (int n = 0; n < N; n++) rmsnorm(x + (size_t)n * D, L->attn_norm, D, m->eps, xn + (size_t)n * D);
     quantize_rows(xn, N, D);  // one rounding for q, k and v
-    project(N, D, 3, (const Q4* []){&L->q, &L->k, &L->v}, (int[]){H * hd, kvw, kvw}, (float* []){q, kk, vv}, 0, 0);
+    project(B->lora, l, 0, xn, N, D, 3, (const Q4* []){&L->q, &L->k, &L->v}, (int[]){H * hd, kvw, kvw}, (float* []){q, kk, vv}, 0, 0);
     for (int n = 0; n < N; n++) {
       const float* cs = m->rope + (size_t)B->pos[n] * hd;
       rope(q + (size_t)n * H * hd, H, hd, cs);
@@ -258,12 +307,12 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
     layer.l = l;
     parallel(attention_part, &layer);
     quantize_rows(att, N, H * hd);
-    project(N, H * hd, 1, (const Q4* []){&L->o}, (int[]){D}, (float* []){xn}, 0, x);
+    project(B->lora, l, 3, att, N, H * hd, 1, (const Q4* []){&L->o}, (int[]){D}, (float* []){xn}, 0, x);
     for (int n = 0; n < N; n++) rmsnorm(x + (size_t)n * D, L->ffn_norm, D, m->eps, xn + (size_t)n * D);
     quantize_rows(xn, N, D);  // one rounding for gate and up
-    project(N, D, 2, (const Q4* []){&L->gate, &L->up}, (int[]){F, F}, (float* []){g, u}, 1, 0);
+    project(B->lora, l, 4, xn, N, D, 2, (const Q4* []){&L->gate, &L->up}, (int[]){F, F}, (float* []){g, u}, 1, 0);
     quantize_rows(g, N, F);
-    project(N, F, 1, (const Q4* []){&L->down}, (int[]){D}, (float* []){xn}, 0, x);
+    project(B->lora, l, 6, g, N, F, 1, (const Q4* []){&L->down}, (int[]){D}, (float* []){xn}, 0, x);
   }
   for (int r = 0; r < B->num_logits; r++) {  // every logits row rounded first, then the head's rows split
     rmsnorm(x + (size_t)B->logits_at[r] * D, m->out_norm, D, m->eps, xn + (size_t)r * D);

@@ -45,7 +45,7 @@ export interface CreateEngineOptions {
   modelName?: string;
   /** What runs each step: 'onnxruntime' (onnxruntime-web on the package's ONNX graph), 'wasm-step' (the
    *  package's own WASM decode step on its GGUF blocks, wasm/step/step.c, on `threads` threads where the
-   *  page is cross-origin isolated; fp32 KV, no adapters; the package needs step.bin, written by
+   *  page is cross-origin isolated; fp32 KV, LoRA but no X-LoRA; the package needs step.bin, written by
    *  `--target wasm` from a GGUF), or 'auto' (default): 'wasm-step' where the package has step.bin, kvDtype
    *  is 'fp32' and the device would be 'wasm' (no WebGPU adapter, or device 'wasm'), else 'onnxruntime'. */
   backend?: 'auto' | 'onnxruntime' | 'wasm-step';

@@ -243,7 +243,7 @@ async function storedOrFetched(url, meta, cache) {
  * kvDtype 'int8' keeps the KV cache as int8 rows with fp16 group scales (a quarter of the memory, and of
  * what each step copies into onnxruntime-web), on the package's int8-KV graph; WASM only, no adapters.
  * backend 'wasm-step' runs the package's own WASM decode step (a GGUF's blocks, wasm/step/step.c) instead
- * of onnxruntime-web, on `threads` threads: fp32 KV, no adapters yet. 'auto' (the default) takes it where
+ * of onnxruntime-web, on `threads` threads: fp32 KV, LoRA but no X-LoRA yet. 'auto' (the default) takes it where
  * the package carries one and the step would run on the CPU with fp32 KV, else onnxruntime-web.
  */
 export async function createEngine(options) {

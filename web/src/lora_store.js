@@ -16,30 +16,37 @@ export function decodeTensor(bytes, [start, end, dtype]) {
   throw new Error(`adapter tensor dtype ${dtype} is not supported`);
 }
 
+const IN_JS = { make: (n) => new Float32Array(n), view: (held) => held };
+
 export class LoraStore {
-  /** spec (from Python): { maxColumns, weights: input name, targets: [[target, in, out, [[A name, B name] per layer]]] } */
-  constructor(spec) {
+  /** spec (from Python): { maxColumns, weights: input name, targets: [[target, in, out, [[A name, B name] per layer]]] }.
+   * arrays: where the columns live, { make(floats) -> held, view(held) -> Float32Array } (the WASM step's
+   * store keeps them in its module's memory, where a view is made afresh each time). */
+  constructor(spec, arrays = IN_JS) {
+    this.spec = spec;
+    this.arrays = arrays;
     this.weightsName = spec.weights;
     this.maxColumns = spec.maxColumns;
     this.perSlot = 0;
     this.targets = {};
     for (const [name, fin, fout, names] of spec.targets) {
-      this.targets[name] = { fin, fout, names, a: names.map(() => new Float32Array(spec.maxColumns * fin)),
-        b: names.map(() => new Float32Array(spec.maxColumns * fout)) };
+      this.targets[name] = { fin, fout, names, a: names.map(() => arrays.make(spec.maxColumns * fin)),
+        b: names.map(() => arrays.make(spec.maxColumns * fout)) };
     }
   }
 
   /** Put an adapter into a slot: { slot, columns (per slot), parts: [[layer, target, layout, aRef, bRef, scale]] }. */
   set({ slot, columns, parts }, bytes) {
+    const view = this.arrays.view;
     if (columns !== this.perSlot) { // wider slots: Python sends every loaded adapter again
-      for (const t of Object.values(this.targets)) for (const arr of [...t.a, ...t.b]) arr.fill(0);
+      for (const t of Object.values(this.targets)) for (const arr of [...t.a, ...t.b]) view(arr).fill(0);
       this.perSlot = columns;
     }
     const start = (slot - 1) * columns;
     if (start < 0 || (slot * columns) > this.maxColumns) throw new Error(`adapter slot ${slot} is outside the LoRA inputs`);
     for (const t of Object.values(this.targets)) {
-      for (const a of t.a) a.fill(0, start * t.fin, (start + columns) * t.fin);
-      for (const b of t.b) b.fill(0, start * t.fout, (start + columns) * t.fout);
+      for (const a of t.a) view(a).fill(0, start * t.fin, (start + columns) * t.fin);
+      for (const b of t.b) view(b).fill(0, start * t.fout, (start + columns) * t.fout);
     }
     for (const [layer, name, layout, aRef, bRef, scale] of parts) {
       const t = this.targets[name];
@@ -47,19 +54,20 @@ export class LoraStore {
       const A = decodeTensor(bytes, aRef), B = decodeTensor(bytes, bRef);
       const { fin, fout } = t;
       if (layout === 'peft') { // A [r, in], B [out, r], times the scale
-        const r = aRef[3][0];
+        const r = aRef[3][0], a = view(t.a[layer]), b = view(t.b[layer]);
         for (let j = 0; j < r; j++) {
-          t.a[layer].set(A.subarray(j * fin, (j + 1) * fin), (start + j) * fin);
+          a.set(A.subarray(j * fin, (j + 1) * fin), (start + j) * fin);
           const row = (start + j) * fout;
-          for (let o = 0; o < fout; o++) t.b[layer][row + o] = B[o * r + j] * scale;
+          for (let o = 0; o < fout; o++) b[row + o] = B[o * r + j] * scale;
         }
       } else { // stacked: A [layers, in, r], B [layers, r, out], the scale folded in
         const [layers, , r] = aRef[3];
         for (let l = 0; l < layers; l++) {
+          const a = view(t.a[l]), b = view(t.b[l]);
           for (let j = 0; j < r; j++) {
-            const a = t.a[l], at = (start + j) * fin;
+            const at = (start + j) * fin;
             for (let i = 0; i < fin; i++) a[at + i] = A[(l * fin + i) * r + j];
-            t.b[l].set(B.subarray((l * r + j) * fout, (l * r + j + 1) * fout), (start + j) * fout);
+            b.set(B.subarray((l * r + j) * fout, (l * r + j + 1) * fout), (start + j) * fout);
           }
         }
       }
@@ -100,8 +108,8 @@ export class LoraStore {
   addFeeds(ort, feeds, { columns, sets = 1, weights }) {
     for (const t of Object.values(this.targets)) {
       t.names.forEach(([aName, bName], l) => {
-        feeds[aName] = new ort.Tensor('float32', t.a[l].subarray(0, columns * t.fin), [columns, t.fin]);
-        feeds[bName] = new ort.Tensor('float32', t.b[l].subarray(0, columns * t.fout), [columns, t.fout]);
+        feeds[aName] = new ort.Tensor('float32', this.arrays.view(t.a[l]).subarray(0, columns * t.fin), [columns, t.fin]);
+        feeds[bName] = new ort.Tensor('float32', this.arrays.view(t.b[l]).subarray(0, columns * t.fout), [columns, t.fout]);
       });
     }
     const width = columns * sets; // a row: one set of weights for every target, or one per layer and target

@@ -135,7 +135,7 @@ async function openLoraGraph() {
 // backend 'wasm-step': the package's own WASM step (wasm_step.js) runs the steps, no onnxruntime-web;
 // only its weights are fetched (not the graphs'). With `threads` > 1 in a cross-origin isolated page, the
 // threaded build and its helper workers (step_helper.js); fp32 KV (kept across loads as onnxruntime's
-// is), no adapters yet.
+// is), LoRA adapters on the step, no X-LoRA yet.
 async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
   const t0 = performance.now();
   if (device === 'webgpu') throw new Error('backend "wasm-step" runs on the CPU: use device "wasm" or "auto"');
@@ -180,13 +180,8 @@ async function chooseBackend({ model, device, kvDtype }) {
   return (await chooseDevice(device, kvDtype)) === 'wasm' ? 'wasm-step' : 'onnxruntime';
 }
 
-let autoStep = false; // backend 'auto' chose the WASM step: adapters move the steps to onnxruntime-web
-let openOptions = null;
-
 async function open(options) {
-  openOptions = options;
   const backend = options.backend === 'auto' ? await chooseBackend(options) : options.backend;
-  autoStep = options.backend === 'auto' && backend === 'wasm-step';
   if (backend === 'wasm-step') return { backend, ...await openWasmStep(options) };
   if (backend !== 'onnxruntime') throw new Error(`backend ${JSON.stringify(backend)}: choose "auto", "onnxruntime" or "wasm-step"`);
   return { backend, ...await openOnnxruntime(options) };
@@ -244,25 +239,6 @@ async function openOnnxruntime({ model, ortURL, device: wanted, threads, kvDtype
   return { device, threads, graph, cache: stats, warmupSteps, sessionSeconds: (performance.now() - t0) / 1000 };
 }
 
-// backend 'auto' chose the WASM step and the page asks for adapters, which run on onnxruntime-web's LoRA
-// graph (not on the step yet): that graph runs every later step (as on onnxruntime-web once adapters are
-// on), and the KV pool moves there with its block ids, so Python's block tables and prefix cache stay
-// true. The step's K/V agree with the graph's to int8-activation rounding, not bit for bit.
-async function stepToOnnxruntime(spec) {
-  const { model, ortURL, threads } = openOptions;
-  const step = runner;
-  const ort = await startRuntime(ortURL, 'wasm', threads);
-  opened = { ort, model, device: 'wasm' };
-  const session = await openLoraGraph();
-  const next = new StepRunner(ort, session, await readManifest(model));
-  next.allocate(step.pool.numBlocks, step.pool.blockSize, step.io);
-  step.pool.copyInto(next.pool);
-  next.enableLora(spec, async () => session);
-  step.close();
-  runner = next;
-  promptKV = { name: Promise.resolve(null), saved: Promise.resolve(null) }; // the step's saved K/V are not this graph's
-}
-
 self.onmessage = async ({ data }) => {
   const { type, id } = data;
   try {
@@ -273,20 +249,11 @@ self.onmessage = async ({ data }) => {
       await opening;
       runner.allocate(data.numBlocks, data.blockSize, data.io);
     } else if (type === 'enableLora') {
-      const ready = opening; // the messages after this one wait for the switch to onnxruntime-web, if any
-      opening = (async () => {
-        await ready;
-        try {
-          if (autoStep && runner instanceof WasmStepRunner) await stepToOnnxruntime(data.spec);
-          else runner.enableLora(data.spec, openLoraGraph);
-        } catch (err) { // no caller waits: the next step with adapters throws it, the others run on
-          runner.loraError = err;
-        }
-      })();
       await opening;
+      runner.enableLora(data.spec, openLoraGraph); // the LoRA graph, or the step's own adapters
     } else if (type === 'setAdapter') {
       await opening;
-      if (!runner.loraError) runner.lora.set(data.meta, data.bytes);
+      if (!runner.loraError) runner.lora.set(data.meta, data.bytes); // else the next step with adapters says why
     } else if (type === 'setClassifier') {
       await opening;
       if (!runner.loraError) runner.lora.setClassifier(data.xlora, data.layers, data.blobs);

@@ -7,7 +7,7 @@ export class RemoteRunner {
     this.nextId = 1;
     this.pending = new Map();
     this.listeners = new Set();
-    this.refuseAdapters = null; // why adapters cannot run on the model worker's backend, if they cannot
+    this.refuseXlora = null; // why X-LoRA cannot run on the model worker's backend, if it cannot
     worker.onmessage = ({ data }) => {
       const call = this.pending.get(data.id);
       if (call && data.type !== 'progress' && data.type !== 'files') {
@@ -37,7 +37,7 @@ export class RemoteRunner {
   }
 
   enable_lora(spec) { // in order with the steps after it: the model worker opens the LoRA graph
-    if (this.refuseAdapters) throw new Error(this.refuseAdapters); // to Python, before anything changes
+    if (spec.xlora && this.refuseXlora) throw new Error(this.refuseXlora); // to Python, before anything changes
     this.worker.postMessage({ type: 'enableLora', spec });
   }
 
@@ -46,6 +46,7 @@ export class RemoteRunner {
   }
 
   set_classifier(id, layers, blobs) { // an X-LoRA's classifier: its Linear layers, [weight, bias] bytes each
+    if (this.refuseXlora) throw new Error(this.refuseXlora);
     this.worker.postMessage({ type: 'setClassifier', xlora: id, layers, blobs }, blobs.map((b) => b.buffer));
   }
 

@@ -7,7 +7,10 @@
 // step_sample (the graph's logits processing: penalties, mask, temperature, top-K), and replies with the
 // candidates only. Structs are wasm32: 4-byte ints, floats and pointers, in step.c's field order.
 
-export const NO_ADAPTERS = 'adapters do not run on the WASM step yet: load the engine with backend "auto" or "onnxruntime"';
+import { LoraStore } from './lora_store.js';
+
+export const NO_XLORA = 'X-LoRA does not run on the WASM step yet: load the engine with backend "onnxruntime"';
+const TARGETS = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']; // step.c's Lora order
 const TOKENS_PER_STEP = 512; // step_init's scratch: the page's steps are at most maxBatchTokens (256 by default)
 const HELPER_STACK = 1 << 18; // bytes of stack each helper instance gets (step.c's frames are small)
 const PAGE = 65536;
@@ -67,25 +70,6 @@ class StepPool {
     }
   }
 
-  /** Every block into `pool` (kv_pool.js's fp32 KvPool over as many blocks), whose layer arrays are
-   * [kv_heads, blocks * block_size, head_dim] as each layer's part of this one. The step's keys are in
-   * the GGUF's order (llama.cpp's converter interleaves each head's halves for RoPE on adjacent pairs:
-   * number 2i is the graph's i, 2i + 1 its i + head_dim / 2), so they are put back in the graph's. */
-  copyInto(pool) {
-    pool.ensure(this.numBlocks);
-    const D = this.headDim, half = D / 2, floats = this.kvHeads * this.numBlocks * this.blockSize * D;
-    for (let l = 0; l < this.numLayers; l++) {
-      const keys = this.runner.f32(this.starts[0] + 4 * l * floats, floats), out = pool.keys[l];
-      for (let row = 0; row < floats; row += D) {
-        for (let i = 0; i < half; i++) {
-          out[row + i] = keys[row + 2 * i];
-          out[row + half + i] = keys[row + 2 * i + 1];
-        }
-      }
-      pool.values[l].set(this.runner.f32(this.starts[1] + 4 * l * floats, floats));
-    }
-  }
-
   readBlocks(ids) {
     const out = new Float32Array(ids.length * this.blockFloats);
     let at = 0;
@@ -102,6 +86,57 @@ class StepPool {
       this.runner.f32(p, n).set(data.subarray(at, at + n));
       at += n;
     }
+  }
+}
+
+// The step's adapters: lora_store.js's columns in the module's memory, as step.c's Lora reads them. B of
+// q and k is kept in the GGUF's row order (each head's halves interleaved, as the step's q and k rows are).
+class StepAdapters {
+  constructor(runner, spec) {
+    this.runner = runner;
+    this.store = new LoraStore(spec, { make: (n) => ({ at: runner.alloc(4 * n), n }), view: (h) => runner.f32(h.at, h.n) });
+    const layers = runner.cfg.layers, tables = [runner.alloc(4 * 7 * layers), runner.alloc(4 * 7 * layers)];
+    TARGETS.forEach((name, i) => {
+      const t = this.store.targets[name];
+      for (let l = 0; t && l < layers; l++) {
+        runner.i32(tables[0] + 4 * (7 * l + i), 1)[0] = t.a[l].at;
+        runner.i32(tables[1] + 4 * (7 * l + i), 1)[0] = t.b[l].at;
+      }
+    });
+    this.tables = tables;
+    this.scratch = runner.alloc(4 * 3 * TOKENS_PER_STEP * spec.maxColumns);
+    this.struct = runner.alloc(20);
+  }
+
+  set(meta, bytes) {
+    this.store.set(meta, bytes);
+    const hd = this.runner.cfg.head_dim, half = hd / 2, start = (meta.slot - 1) * meta.columns;
+    for (const name of ['q_proj', 'k_proj']) {
+      const t = this.store.targets[name];
+      for (let l = 0; t && l < t.b.length; l++) {
+        const b = this.store.arrays.view(t.b[l]);
+        for (let c = start; c < start + meta.columns; c++) {
+          for (let head = c * t.fout; head < (c + 1) * t.fout; head += hd) {
+            const graph = b.slice(head, head + hd); // number i of the head, and i + head_dim / 2, side by side
+            for (let i = 0; i < half; i++) {
+              b[head + 2 * i] = graph[i];
+              b[head + 2 * i + 1] = graph[half + i];
+            }
+          }
+        }
+      }
+    }
+  }
+
+  setClassifier() {
+    throw new Error(NO_XLORA);
+  }
+
+  /** step.c's Lora for a step: `columns` bound, the tokens' weights at `weights` ([tokens, columns]). */
+  bind(columns, weights) {
+    if (columns > this.store.maxColumns) throw new Error(`${columns} adapter columns: the WASM step holds ${this.store.maxColumns}`);
+    this.runner.i32(this.struct, 5).set([columns, weights, this.tables[0], this.tables[1], this.scratch]);
+    return this.struct;
   }
 }
 
@@ -261,13 +296,16 @@ export class WasmStepRunner {
     this.io = io;
   }
 
-  enableLora() {
-    throw new Error(NO_ADAPTERS);
+  /** Adapters on the step (spec: web.py's, as onnxruntime-web's LoRA graph gets it); not X-LoRA. */
+  enableLora(spec) {
+    if (spec.xlora) throw new Error(NO_XLORA);
+    this.lora ??= new StepAdapters(this, spec);
   }
 
   async run(step) {
     const started = performance.now();
-    if (step.lora || step.classify) throw this.loraError ?? new Error('adapters do not run on the WASM step yet');
+    if (step.classify) throw this.loraError ?? new Error(NO_XLORA);
+    if (step.lora && !this.lora) throw this.loraError ?? new Error('the WASM step got adapter weights before its adapters');
     const r = this.io.step_feeds, f = step.feeds;
     const ids = f[r.ids][0], [rowsIn, maxBlocks] = f[r.block_tables][1];
     const qidx = f[r.query_index][0], rows = step.rows, vocab = this.cfg.vocab;
@@ -275,12 +313,17 @@ export class WasmStepRunner {
       throw new Error(`a step of ${ids.length} tokens: the WASM step holds ${TOKENS_PER_STEP}; set maxBatchTokens lower`);
     }
     const logits = this.buffer('logits', 4 * Math.max(1, rows) * vocab);
-    const batch = this.buffer('batch', 48);
+    let adapters = 0;
+    if (step.lora) { // one set of weights a token: layerwise (X-LoRA) sets come with classify steps
+      if ((step.lora.sets ?? 1) !== 1) throw new Error(NO_XLORA);
+      adapters = this.lora.bind(step.lora.columns, this.floats('lora_weights', step.lora.weights));
+    }
+    const batch = this.buffer('batch', 52);
     const fields = [ids.length, rowsIn, maxBlocks, rows, this.ints('ids', ids), this.ints('pos', f[r.positions][0]),
       this.ints('slots', step.kv_slots), this.ints('first', qidx.map((q) => q[0])),
       this.ints('count', qidx.map((q) => q[q.length - 1] - q[0] + 1)), this.ints('tables', f[r.block_tables][0].flat()),
-      this.ints('logits_at', f[r.logits_index][0]), logits];
-    this.i32(batch, 12).set(fields);
+      this.ints('logits_at', f[r.logits_index][0]), logits, adapters];
+    this.i32(batch, 13).set(fields);
     const t0 = performance.now();
     const status = this.k.step_run(this.model, this.poolStruct, batch);
     if (status) throw new Error(`the WASM step refused a step: ${status === 1 ? 'too many tokens' : 'a position, slot or logits row out of range'}`);

@@ -7,7 +7,7 @@ import { fetchChecked } from './model_store.js';
 import { findSnapshot, readSnapshot } from './python_snapshot.js';
 import { RemoteRunner } from './remote_runner.js';
 import { installWheels, wheelClosure } from './wheels.js';
-import { NO_ADAPTERS } from './wasm_step.js';
+import { NO_XLORA } from './wasm_step.js';
 
 let engine = null; // runtime.serve.web_api.WebEngine (a PyProxy)
 let runner = null; // RemoteRunner
@@ -99,9 +99,7 @@ async function load(opts) {
     Object.fromEntries(Object.entries(chosen).filter(([, v]) => v != null)));
   mark('engine');
   const { backend, device, graph, sessionSeconds, cache, warmupSteps, threads: usedThreads } = await opened;
-  if (opts.backend === 'wasm-step') { // asked for by name: no move to onnxruntime-web as under 'auto'
-    runner.refuseAdapters = NO_ADAPTERS;
-  }
+  if (backend === 'wasm-step') runner.refuseXlora = NO_XLORA; // refused in Python, before anything changes
   keepPromptKV = opts.promptCache !== false;
   const promptBlocks = keepPromptKV ? await restorePromptKV() : 0;
   timings.model_worker = { fetch: Number(filesMessage.fetchSeconds.toFixed(3)), session: Number(sessionSeconds.toFixed(3)),
