@@ -62,7 +62,7 @@ class WebBackend:
     def enable_lora(self, max_loras: int, max_rank: int, xlora: bool = False) -> None:
         """Have the model worker open the LoRA graph, which then runs every step (adapter columns at zero
         weight for the base model): one session's weights in the page's memory, not two. On the WASM step
-        the adapters run on the step, and an X-LoRA (`xlora`) moves the steps to the LoRA graph."""
+        the adapters run on the step itself, which refuses an X-LoRA (`xlora`)."""
         from js import Object
         from pyodide.ffi import to_js
 
@@ -82,7 +82,7 @@ class WebBackend:
                             for t, (fin, fout) in features.items()]}
         try:
             self.runner.enable_lora(to_js(spec, dict_converter=Object.fromEntries))
-        except Exception as err:  # the model worker's backend refuses adapters (the WASM step): nothing changed
+        except Exception as err:  # the model worker's backend refuses them (an X-LoRA on the WASM step): nothing changed
             raise AdapterError(str(err).removeprefix("Error: ")) from err
         self.lora = {"max_loras": max_loras, "max_rank": max_rank, "rank": 0, "holders": {}}
 

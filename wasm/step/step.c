@@ -208,28 +208,24 @@ static void rope(float* v, int heads, int hd, const float* cs) {  // adjacent pa
 // sc: room for p + 1 scores
 static void attend(const Model* m, const Pool* P, const Batch* B, int l, int b, int p, int h, const float* qn,
                    float* out, float* sc) {
-  const int hd = m->head_dim, H = m->heads, Hkv = m->kv_heads, G = H / Hkv, bs = P->block_size;
+  const int hd = m->head_dim, Hkv = m->kv_heads, G = m->heads / Hkv, bs = P->block_size;
   const size_t rows = (size_t)P->num_blocks * bs;
   const int32_t* table = B->tables + (size_t)b * B->max_blocks;
   const float scale = 1.f / __builtin_sqrtf((float)hd);
-  (void)H;
-  {
-    const float* kh = P->k + ((size_t)l * Hkv + h / G) * rows * hd;
-    const float* vh = P->v + ((size_t)l * Hkv + h / G) * rows * hd;
-    float mx = -3.4e38f, sum = 0.f;
-    for (int t = 0; t <= p; t++) {
-      sc[t] = dot(qn, kh + ((size_t)table[t / bs] * bs + t % bs) * hd, hd) * scale;
-      mx = sc[t] > mx ? sc[t] : mx;
-    }
-    for (int t = 0; t <= p; t++) sum += (sc[t] = exp_(sc[t] - mx));
-    float* o = out;
-    for (int i = 0; i < hd; i += 4) wasm_v128_store(o + i, wasm_f32x4_splat(0.f));
-    for (int t = 0; t <= p; t++) {
-      const v128_t w = wasm_f32x4_splat(sc[t] / sum);
-      const float* vt = vh + ((size_t)table[t / bs] * bs + t % bs) * hd;
-      for (int i = 0; i < hd; i += 4)
-        wasm_v128_store(o + i, wasm_f32x4_add(wasm_v128_load(o + i), wasm_f32x4_mul(w, wasm_v128_load(vt + i))));
-    }
+  const float* kh = P->k + ((size_t)l * Hkv + h / G) * rows * hd;
+  const float* vh = P->v + ((size_t)l * Hkv + h / G) * rows * hd;
+  float mx = -3.4e38f, sum = 0.f;
+  for (int t = 0; t <= p; t++) {
+    sc[t] = dot(qn, kh + ((size_t)table[t / bs] * bs + t % bs) * hd, hd) * scale;
+    mx = sc[t] > mx ? sc[t] : mx;
+  }
+  for (int t = 0; t <= p; t++) sum += (sc[t] = exp_(sc[t] - mx));
+  for (int i = 0; i < hd; i += 4) wasm_v128_store(out + i, wasm_f32x4_splat(0.f));
+  for (int t = 0; t <= p; t++) {
+    const v128_t w = wasm_f32x4_splat(sc[t] / sum);
+    const float* vt = vh + ((size_t)table[t / bs] * bs + t % bs) * hd;
+    for (int i = 0; i < hd; i += 4)
+      wasm_v128_store(out + i, wasm_f32x4_add(wasm_v128_load(out + i), wasm_f32x4_mul(w, wasm_v128_load(vt + i))));
   }
 }
 
@@ -285,7 +281,6 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
     const float* es = m->embd_d + (size_t)B->ids[n] * blocks;
     for (int i = 0; i < D; i++) x[(size_t)n * D + i] = e[i] * es[i / 32];
   }
-  const Attention attention = {m, P, B, 0};
   for (int l = 0; l < m->layers; l++) {
     const Layer* L = &m->layer[l];
     for (int n = 0; n < N; n++) rmsnorm(x + (size_t)n * D, L->attn_norm, D, m->eps, xn + (size_t)n * D);
@@ -303,8 +298,7 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
         }
       }
     }
-    Attention layer = attention;
-    layer.l = l;
+    const Attention layer = {m, P, B, l};
     parallel(attention_part, &layer);
     quantize_rows(att, N, H * hd);
     project(B->lora, l, 3, att, N, H * hd, 1, (const Q4* []){&L->o}, (int[]){D}, (float* []){xn}, 0, x);

@@ -23,7 +23,6 @@ export class LoraStore {
    * arrays: where the columns live, { make(floats) -> held, view(held) -> Float32Array } (the WASM step's
    * store keeps them in its module's memory, where a view is made afresh each time). */
   constructor(spec, arrays = IN_JS) {
-    this.spec = spec;
     this.arrays = arrays;
     this.weightsName = spec.weights;
     this.maxColumns = spec.maxColumns;

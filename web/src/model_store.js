@@ -130,11 +130,11 @@ async function readJSON(url, cache) {
 }
 
 const manifests = new Map(); // package URL -> Promise of its manifest: read once per worker
+const packageURL = (baseURL) => new URL(baseURL.endsWith('/') ? baseURL : `${baseURL}/`, self.location.href);
 
 /** A package's manifest (the network first, else the Cache API's copy from the last load), read once. */
 export function readManifest(baseURL) {
-  const base = new URL(baseURL.endsWith('/') ? baseURL : `${baseURL}/`, self.location.href);
-  const url = new URL('manifest.json', base).href;
+  const url = new URL('manifest.json', packageURL(baseURL)).href;
   if (!manifests.has(url)) {
     const read = openCache().then((cache) => readJSON(url, cache));
     read.catch(() => manifests.delete(url)); // a failure is not kept: the next load tries again
@@ -162,7 +162,7 @@ export const pageGraph = (manifest, wanted) => {
  * `skip(name, manifest)` is true is neither read nor fetched (another runner's weights).
  */
 export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck = () => false, graph = 'decoder', skip = () => false } = {}) {
-  const base = new URL(baseURL.endsWith('/') ? baseURL : `${baseURL}/`, self.location.href);
+  const base = packageURL(baseURL);
   const dir = await openStore();
   const t0 = performance.now();
   const manifest = await readManifest(base.href);

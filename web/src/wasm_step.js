@@ -7,6 +7,7 @@
 // step_sample (the graph's logits processing: penalties, mask, temperature, top-K), and replies with the
 // candidates only. Structs are wasm32: 4-byte ints, floats and pointers, in step.c's field order.
 
+import { fromHalf } from './fp16.js';
 import { LoraStore } from './lora_store.js';
 
 export const NO_XLORA = 'X-LoRA does not run on the WASM step yet: load the engine with backend "onnxruntime"';
@@ -15,20 +16,11 @@ const TOKENS_PER_STEP = 512; // step_init's scratch: the page's steps are at mos
 const HELPER_STACK = 1 << 18; // bytes of stack each helper instance gets (step.c's frames are small)
 const PAGE = 65536;
 
-let halfTable = null; // fp16 bit pattern -> its value, where the runtime has no Float16Array (Node 20)
-
-/** fp16 numbers (little-endian bytes) as a Float32Array. */
+/** fp16 numbers (little-endian bytes) as a Float32Array (fp16.js's fromHalf where there is no Float16Array: Node 20). */
 function widen(bytes) {
   const bits = new Uint16Array(new Uint8Array(bytes).buffer); // a copy: aligned, and its own buffer (a Node Buffer's slice is not)
   if (typeof Float16Array === 'function') return new Float32Array(new Float16Array(bits.buffer));
-  if (!halfTable) {
-    halfTable = new Float32Array(65536);
-    for (let h = 0; h < 65536; h++) {
-      const e = (h >> 10) & 31, f = h & 1023, sign = h & 0x8000 ? -1 : 1;
-      halfTable[h] = sign * (e === 0 ? f * 2 ** -24 : e === 31 ? (f ? NaN : Infinity) : (1 + f / 1024) * 2 ** (e - 15));
-    }
-  }
-  return Float32Array.from(bits, (h) => halfTable[h]);
+  return Float32Array.from(bits, fromHalf);
 }
 
 // resolves when a helper (a Worker, or Node's worker_threads Worker) reports, rejects on its error
@@ -50,11 +42,14 @@ function reply(helper) {
 class StepPool {
   constructor(runner, layout, numBlocks, [keys, values]) {
     Object.assign(this, layout, { runner, numBlocks, dtype: 'fp32', starts: [keys, values] });
-    this.bytes = 2 * layout.numLayers * layout.kvHeads * numBlocks * layout.blockSize * layout.headDim * 4;
   }
 
   get blockFloats() {
     return this.numLayers * 2 * this.kvHeads * this.blockSize * this.headDim;
+  }
+
+  get bytes() {
+    return 4 * this.blockFloats * this.numBlocks;
   }
 
   /** [pointer, floats] of each block's rows, block by block: layer, keys then values, head. */
