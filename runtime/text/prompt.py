@@ -27,15 +27,20 @@ class PromptEncoder:
 
     def encode(self, prompt=None, messages: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
         """The request's token ids: a chat rendered through the template (with `tools` for a template that
-        takes them), text encoded, or ids checked."""
+        takes them), text encoded, or ids checked. A text that cannot fit the context whatever it says
+        (the tokenizer's floor) is refused before it is tokenized."""
         if messages is not None:
             if self.chat_template is None:
                 raise RequestError("this model package has no chat template")
             extra = {"tools": tools} if tools else {}
             text = self.chat_template.render(messages, add_generation_prompt=True, **extra)
+            self._check_floor(text)
             return self.tokenizer.encode(text, add_bos=False)
         if isinstance(prompt, str):
+            self._check_floor(prompt)
             return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and len(prompt) >= self.max_context:
+            raise self._too_long(len(prompt), "")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
@@ -50,6 +55,13 @@ class PromptEncoder:
         if not ids:
             raise RequestError("the prompt is empty")
         if len(ids) >= self.max_context:
-            raise ContextLengthError(f"the prompt has {len(ids)} tokens; this model's context is "
-                                     f"{self.max_context} tokens")
+            raise self._too_long(len(ids), "")
         return ids
+
+    def _check_floor(self, text: str) -> None:
+        floor = self.tokenizer.min_tokens(text)
+        if floor is not None and floor >= self.max_context:
+            raise self._too_long(floor, "at least ")
+
+    def _too_long(self, n: int, bound: str) -> ContextLengthError:
+        return ContextLengthError(f"the prompt has {bound}{n} tokens; this model's context is {self.max_context} tokens")

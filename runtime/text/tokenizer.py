@@ -12,6 +12,11 @@ from pathlib import Path
 
 from runtime.errors import PackageError
 from runtime.text.bpe import CHAR_TO_BYTE, PureBPE
+from runtime.text.token_floor import TokenFloor
+
+# Texts longer than this are encoded through encode_batch, which releases the GIL (encode holds it:
+# a long prompt would stall the engine's step thread and every other request).
+GIL_FREE_CHARS = 1 << 14
 
 
 class Tokenizer:
@@ -41,6 +46,9 @@ class Tokenizer:
         self.bos_token_id = meta.get("bos_token_id")
         self.add_bos = bool(meta.get("add_bos_token"))
         self._bytes_cache: dict[int, bytes] = {}
+        # what the token floor is made from, on first use (not the merges: they are the bulk of the file)
+        self._spec: dict | None = {**spec, "model": {k: v for k, v in spec["model"].items() if k != "merges"}}
+        self._floor: TokenFloor | None = None
 
     @classmethod
     def from_file(cls, path: str | Path, meta: dict | None = None, prefer_library: bool = True) -> Tokenizer:
@@ -54,8 +62,18 @@ class Tokenizer:
     def backend(self) -> str:
         return "tokenizers" if self._lib is not None else "pure-python"
 
+    def min_tokens(self, text: str) -> int | None:
+        """The fewest tokens `text` can encode to, from its length alone (None: this vocabulary has no
+        such floor). Lets a prompt far past the context be refused before it is tokenized."""
+        if self._spec is not None:
+            self._floor = TokenFloor.from_spec(self._spec, self.token_bytes, self.byte_level)
+            self._spec = None
+        return None if self._floor is None else self._floor.min_tokens(text)
+
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        if self._lib is not None:
+        if self._lib is not None and len(text) > GIL_FREE_CHARS:
+            ids = self._lib.encode_batch([text], add_special_tokens=False)[0].ids
+        elif self._lib is not None:
             ids = self._lib.encode(text, add_special_tokens=False).ids
         else:
             ids = self._pure.encode(text)
