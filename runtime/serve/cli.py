@@ -14,6 +14,7 @@ from runtime.aliases import ALIASES, DEFAULT_ALIAS, cache_dir, cached_package_di
 from runtime.contract import KV_DTYPES
 from runtime.core.sampling import SamplingParams, check_range, range_text
 from runtime.errors import RuvLLMError
+from runtime.serve.api_keys import KEY_FILE_HELP
 
 
 # ---- resolving a package argument ----
@@ -369,20 +370,39 @@ def cmd_serve(args) -> int:
                           "pip install 'ruvllm[serve]'") from err
     if args.max_concurrent < 1:
         raise RuvLLMError("--max-concurrent must be at least 1")
+    keys, roots = access_options(args)
     packages = [str(resolve_package(p, isq=args.isq)) for p in (args.packages or [None])]
     defaults = sampling_given(args)
     sampling_from(args)  # the defaults are checked before anything loads
     if args.ray is not None:
-        return serve_on_ray(args, packages, defaults)
+        return serve_on_ray(args, packages, defaults, keys, roots)
     models = load_models(packages, args.device, args.max_concurrent, engine_options(args), lora_modules(args),
                          threads=args.threads)
     print(f"serving {', '.join(models)} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    serve(models, args.host, args.port, args.api_key or os.environ.get("RUVLLM_API_KEY"), args.max_queue,
-          log_level=args.log_level, defaults=defaults)
+    serve(models, args.host, args.port, keys, args.max_queue, log_level=args.log_level, defaults=defaults,
+          max_request_bytes=args.max_request_bytes, lora_roots=roots)
     return 0
 
 
-def serve_on_ray(args, packages: list[str], defaults: dict | None) -> int:
+def access_options(args):
+    """(ApiKeys, lora roots or None) from --api-key/--api-key-file and --allow-runtime-lora-updating/--lora-root;
+    checked before anything loads."""
+    from runtime.serve.adapter_roots import AdapterRoots, runtime_updating_allowed
+    from runtime.serve.api_keys import ApiKeys
+
+    keys = ApiKeys.load(args.api_key or os.environ.get("RUVLLM_API_KEY"),
+                        args.api_key_file or os.environ.get("RUVLLM_API_KEY_FILE"))
+    if args.max_request_bytes is not None and args.max_request_bytes < 1024:
+        raise RuvLLMError("--max-request-bytes must be at least 1024")
+    if not runtime_updating_allowed(args.allow_runtime_lora_updating):
+        if args.lora_root:
+            raise RuvLLMError("--lora-root is for adapters loaded at run time: add --allow-runtime-lora-updating")
+        return keys, None
+    AdapterRoots(args.lora_root or [])  # the roots must exist
+    return keys, list(args.lora_root)
+
+
+def serve_on_ray(args, packages: list[str], defaults: dict | None, keys, roots: list[str] | None) -> int:
     """`serve --ray`: the same API with engine replicas on a Ray cluster (docs/SCALING.md)."""
     if len(packages) != 1:
         raise RuvLLMError("--ray serves one package (run one application per package)")
@@ -398,10 +418,14 @@ def serve_on_ray(args, packages: list[str], defaults: dict | None) -> int:
         scale.deployment_options()
     except ValueError as err:
         raise RuvLLMError(str(err)) from None
-    options = ServeOptions(api_key=args.api_key or os.environ.get("RUVLLM_API_KEY"), max_queue=args.max_queue,
-                           defaults=defaults, engine_options=engine_options(args))
+    options = ServeOptions(keys=keys, max_queue=args.max_queue, defaults=defaults, engine_options=engine_options(args),
+                           max_request_bytes=args.max_request_bytes, lora_roots=roots)
     print(f"serving {packages[0]} on Ray ({args.replicas} replicas) at http://{args.host}:{args.port}/v1",
           file=sys.stderr)
+    from runtime.serve.server import access_warnings
+
+    for line in access_warnings(args.host, keys, roots):
+        print(f"warning: {line}", file=sys.stderr)
     run(packages[0], args.ray, args.host, args.port, device=args.device, threads=args.threads,
         adapters=lora_modules(args), scale=scale, options=options)
     return 0
@@ -533,7 +557,20 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("packages", nargs="*", help="package folders or aliases (default: the embedded model)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8080)
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set RUVLLM_API_KEY)")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set RUVLLM_API_KEY); "
+                    "the key's name is 'default'")
+    sv.add_argument("--api-key-file", default=None, metavar="FILE",
+                    help="named API keys, each with an optional limit of requests in flight (or set "
+                         "RUVLLM_API_KEY_FILE): " + KEY_FILE_HELP)
+    sv.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                    help="larger request bodies get a 413 before they are read (default: 1 KiB per token of "
+                         "the longest context served, plus 1 MiB)")
+    sv.add_argument("--allow-runtime-lora-updating", action="store_true",
+                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (or set "
+                         "RUVLLM_ALLOW_RUNTIME_LORA_UPDATING=1); off by default, as vLLM's")
+    sv.add_argument("--lora-root", action="append", default=None, metavar="DIR",
+                    help="a folder runtime-loaded adapters may come from (repeatable; needed by "
+                         "--allow-runtime-lora-updating)")
     sv.add_argument("--max-concurrent", type=int, default=64, help="sequences generated at once")
     sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before answering 429")
     sv.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -200,6 +201,9 @@ def _check_fields(body: dict, known: tuple[str, ...]) -> None:
                                 code="unrecognized_parameter")
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+
+
 def parse_body(text: str):
     """The JSON of a request body, or a ProtocolError: malformed JSON, nesting too deep to parse, or a
     lone UTF-16 surrogate (legal JSON, but no Unicode text: nothing downstream could encode it)."""
@@ -209,6 +213,8 @@ def parse_body(text: str):
         raise ProtocolError(f"the request body is not valid JSON: {err.msg} at position {err.pos}") from None
     except RecursionError:
         raise ProtocolError("the request body is nested too deeply") from None
+    if not _SURROGATE_ESCAPE.search(text):  # a lone surrogate can only come from a \uD800-\uDFFF escape
+        return body
     try:
         json.dumps(body, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

@@ -191,11 +191,10 @@ async def collect(aengine: AsyncEngine, rids: list[str], parsed: P.ParsedRequest
     return P.response(P.new_id("chatcmpl" if chat else "cmpl"), model, chat, choices, lasts), lasts, first
 
 
-def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest, adapter: str | None = None) -> list[str]:
-    """Tokenize, fit max_tokens into the context and queue one engine request per choice; returns their
-    ids. Raises ProtocolError/ContextLengthError. With a seed, choice i samples with seed + i: the
-    choices differ and each is reproducible."""
-    prompts = aengine.prompts
+def encode_request(prompts, parsed: P.ParsedRequest) -> list[int]:
+    """The request's prompt ids: messages rendered through the chat template (with tools), or the prompt.
+    The slow part of a request (template and tokenizer; a prompt past the context is refused by the
+    tokenizer's floor before it is tokenized), with no engine state: the server runs it off its loop."""
     messages, tools = parsed.messages, None
     if messages is not None:
         from runtime.serve.tools import render_messages
@@ -204,7 +203,17 @@ def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest, adapter: str | 
         messages = render_messages(messages, parsed.tools, takes)
         if takes and parsed.tools is not None:
             tools = [{"type": "function", "function": f} for f in parsed.tools.functions]
-    ids = prompts.encode(parsed.prompt, messages, tools)
+    return prompts.encode(parsed.prompt, messages, tools)
+
+
+def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest, adapter: str | None = None,
+                  ids: list[int] | None = None) -> list[str]:
+    """Fit max_tokens into the context and queue one engine request per choice on the prompt's ids
+    (encode_request's, made here when not given); returns their ids. Raises ProtocolError/ContextLengthError.
+    With a seed, choice i samples with seed + i: the choices differ and each is reproducible."""
+    prompts = aengine.prompts
+    if ids is None:
+        ids = encode_request(prompts, parsed)
     room = max(1, prompts.max_context - len(ids))  # the engine refuses a prompt that leaves no room
     params = parsed.params
     params.max_tokens = min(params.max_tokens, room) if parsed.max_tokens_given else room

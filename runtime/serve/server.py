@@ -3,6 +3,10 @@
 Native only (FastAPI, uvicorn, prometheus_client). Requests are parsed from the raw body so every
 client mistake gets a 4xx in OpenAI's error shape naming the field, never a 500. A streaming
 client that disconnects has its request aborted, which frees its KV blocks within a step.
+No request can stall the others: bodies are bounded before they are read (request_limits), a
+prompt past the context is refused before it is tokenized, and templates and tokenizing run off
+the event loop. Keys have names (api_keys); adapters load at run time only from named folders
+(adapter_roots).
 """
 
 from __future__ import annotations
@@ -22,7 +26,10 @@ from runtime.core.adapters import AdapterError, UnknownAdapterError
 from runtime.core.async_engine import AsyncEngine
 from runtime.errors import ContextLengthError, RequestError
 from runtime.serve import openai_protocol as P
-from runtime.serve.openai_stream import ChunkStream, collect, queue_request
+from runtime.serve.adapter_roots import AdapterNotFound, AdapterRoots
+from runtime.serve.api_keys import ANONYMOUS, ApiKeys
+from runtime.serve.openai_stream import ChunkStream, collect, encode_request, queue_request
+from runtime.serve.request_limits import BodyLimit, default_max_request_bytes
 
 
 @dataclass
@@ -70,6 +77,8 @@ class Metrics:
                               buckets=buckets, registry=self.registry)
         self.latency = Histogram("ruvllm_request_latency_seconds", "Request latency, end to end", ["model"],
                                  buckets=buckets + (120, 300), registry=self.registry)
+        self.key_requests = Counter("ruvllm_key_requests", "Authenticated /v1 requests by API key name and status",
+                                    ["key", "status"], registry=self.registry)
 
         class EngineCollector:
             def collect(self):
@@ -113,20 +122,23 @@ class Completions:
                  defaults: dict | None) -> None:
         self.models, self.metrics, self.max_queue, self.defaults = models, metrics, max_queue, defaults
 
-    def _queue(self, body, chat: bool) -> tuple[ServedModel, object, list[str]]:
+    def _parse(self, body, chat: bool) -> tuple[ServedModel, object, str | None]:
         parsed = P.parse_chat(body, self.defaults) if chat else P.parse_completion(body, self.defaults)
         served, adapter = resolve_model(self.models, parsed.model)
         if self.max_queue is not None and served.engine.num_waiting() >= self.max_queue:
             raise P.ProtocolError("the server is busy: the request queue is full, retry later", status=429,
                                   kind="rate_limit_exceeded", code="queue_full")
-        try:
-            return served, parsed, queue_request(served.engine, parsed, adapter)
-        except UnknownAdapterError:  # unloaded since resolve_model looked
-            raise P.model_not_found(parsed.model) from None
+        return served, parsed, adapter
 
     async def handle(self, request: Request, chat: bool):
         try:
-            served, parsed, rids = self._queue(await read_json(request), chat)
+            served, parsed, adapter = self._parse(await read_json(request), chat)
+            # the template and the tokenizer run off the loop: a long prompt never delays the others' steps
+            ids = await asyncio.to_thread(encode_request, served.engine.prompts, parsed)
+            try:
+                rids = queue_request(served.engine, parsed, adapter, ids)
+            except UnknownAdapterError:  # unloaded since resolve_model looked
+                raise P.model_not_found(parsed.model) from None
         except P.ProtocolError as err:
             return JSONResponse(err.body(), status_code=err.status)
         except ContextLengthError as err:
@@ -192,10 +204,11 @@ def model_cards(models: dict[str, ServedModel]) -> list[dict]:
 
 
 class AdapterRoutes:
-    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), while requests stream."""
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), while requests stream; served only
+    when loading at run time is allowed, from adapters under the roots."""
 
-    def __init__(self, models: dict[str, ServedModel]) -> None:
-        self.models = models
+    def __init__(self, models: dict[str, ServedModel], roots: AdapterRoots) -> None:
+        self.models, self.roots = models, roots
 
     async def _body(self, request: Request, *fields: str) -> dict:
         body = await read_json(request)
@@ -219,9 +232,12 @@ class AdapterRoutes:
             served = self.models.get(base) if base else next(iter(self.models.values()))
             if served is None:
                 raise P.model_not_found(base)
-            await asyncio.to_thread(served.engine.add_adapter, name, body["lora_path"])
+            path = self.roots.confine(body["lora_path"])
+            await asyncio.to_thread(served.engine.add_adapter, name, path)
         except P.ProtocolError as err:
             return JSONResponse(err.body(), status_code=err.status)
+        except AdapterNotFound as err:
+            return error_response(400, str(err), param="lora_path", code="adapter_not_found")
         except AdapterError as err:
             return error_response(400, str(err), param="lora_path")
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
@@ -238,10 +254,17 @@ class AdapterRoutes:
 
 
 def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_queue: int | None = None,
-               shutdown_timeout: float = 30.0, defaults: dict | None = None):
-    """defaults: sampling values for requests that leave a field out (`ruvllm serve --temperature ...`)."""
+               shutdown_timeout: float = 30.0, defaults: dict | None = None, *, keys: ApiKeys | None = None,
+               max_request_bytes: int | None = None, lora_roots: list[str] | None = None):
+    """defaults: sampling values for requests that leave a field out (`ruvllm serve --temperature ...`).
+    keys: named API keys (api_key: one key named "default"); max_request_bytes: the body limit (default
+    from the longest context served); lora_roots: runtime adapter loading from these folders (None: off)."""
     metrics = Metrics(models)
     handler = Completions(models, metrics, max_queue, defaults)
+    keys = keys if keys is not None else ApiKeys.load(api_key)
+    if max_request_bytes is None:
+        max_request_bytes = default_max_request_bytes(max(m.engine.prompts.max_context for m in models.values()))
+    roots = AdapterRoots(lora_roots) if lora_roots is not None else None
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -263,7 +286,9 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
     async def validation_error(_request, exc):
         return error_response(400, str(exc))
 
-    app.add_middleware(AuthAndCount, api_key=api_key, metrics=metrics, routes=app.routes)
+    in_flight: dict[str, int] = {}  # per key name, for its max_concurrent
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
+    app.add_middleware(AuthAndCount, keys=keys, metrics=metrics, routes=app.routes, in_flight=in_flight)
 
     @app.get("/health")
     async def health():
@@ -278,9 +303,18 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
     async def list_models():
         return {"object": "list", "data": model_cards(models)}
 
-    adapters = AdapterRoutes(models)
-    app.post("/v1/load_lora_adapter")(adapters.load)
-    app.post("/v1/unload_lora_adapter")(adapters.unload)
+    @app.get("/v1/me")
+    async def me(request: Request):
+        """The key this request was made with (its name, never another's) and its quota."""
+        key = getattr(request.state, "api_key", None)
+        return {"object": "api_key", "name": key.name if key else ANONYMOUS,
+                "max_concurrent": key.max_concurrent if key else None,
+                "in_flight": in_flight.get(key.name, 0) if key else None}
+
+    if roots is not None:
+        adapters = AdapterRoutes(models, roots)
+        app.post("/v1/load_lora_adapter")(adapters.load)
+        app.post("/v1/unload_lora_adapter")(adapters.unload)
 
     def body_schema(chat: bool) -> dict:  # published for clients and fuzzers; parsing stays openai_protocol's
         return {"requestBody": {"required": True, "content": {"application/json": {"schema": P.request_schema(chat, list(models))}}}}
@@ -297,16 +331,19 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
 
 
 class AuthAndCount:
-    """Pure ASGI middleware (BaseHTTPMiddleware interferes with streaming): API key, request counts.
+    """Pure ASGI middleware (BaseHTTPMiddleware interferes with streaming): API keys, per-key concurrency,
+    request counts.
 
+    /v1 requests need a key when the server has keys; the key found is `request.state.api_key`. A key's
+    POST requests in flight (a stream until its last chunk) are counted against its max_concurrent.
     Counts are labelled by route template, and every path no route serves shares one label, so
     random URLs cannot grow the metrics without bound.
     """
 
     UNMATCHED = "unmatched"
 
-    def __init__(self, app, api_key: str | None, metrics: Metrics, routes: list) -> None:
-        self.app, self.api_key, self.metrics, self.routes = app, api_key, metrics, routes
+    def __init__(self, app, keys: ApiKeys, metrics: Metrics, routes: list, in_flight: dict[str, int]) -> None:
+        self.app, self.keys, self.metrics, self.routes, self.in_flight = app, keys, metrics, routes, in_flight
 
     def endpoint(self, scope) -> str:
         from starlette.routing import Match
@@ -320,24 +357,48 @@ class AuthAndCount:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = self.endpoint(scope)
-        if self.api_key and scope["path"].startswith("/v1/"):
-            headers = dict(scope.get("headers") or [])
-            if headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode():
-                self.metrics.requests.labels(path, "401").inc()
-                response = JSONResponse(P.error_body("Incorrect or missing API key", code="invalid_api_key"),
-                                        status_code=401)
-                return await response(scope, receive, send)
-        status = {"code": 500}
+        key = None
+        if self.keys and scope["path"].startswith("/v1/"):
+            key = self.keys.identify(dict(scope.get("headers") or []).get(b"authorization"))
+            if key is None:
+                return await self._refuse(scope, receive, send, path, 401, P.error_body(
+                    "Incorrect or missing API key", code="invalid_api_key"))
+            scope.setdefault("state", {})["api_key"] = key
+        limited = key is not None and key.max_concurrent is not None and scope["method"] == "POST"
+        if limited:
+            if self.in_flight.get(key.name, 0) >= key.max_concurrent:
+                return await self._refuse(scope, receive, send, path, 429, P.error_body(
+                    f"this API key may have {key.max_concurrent} requests in flight at once; retry when one ends",
+                    "rate_limit_exceeded", code="concurrency_limit_exceeded"), key)
+            self.in_flight[key.name] = self.in_flight.get(key.name, 0) + 1
+        status = {"code": 500, "held": limited}
+
+        def release() -> None:  # once the last byte is on its way: a client may send its next request then
+            if status["held"]:
+                status["held"] = False
+                self.in_flight[key.name] -= 1
 
         async def counting_send(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                release()
             await send(message)
 
         try:
             await self.app(scope, receive, counting_send)
         finally:
-            self.metrics.requests.labels(path, str(status["code"])).inc()
+            release()
+            self._count(path, status["code"], key)
+
+    async def _refuse(self, scope, receive, send, path: str, status: int, body: dict, key=None) -> None:
+        self._count(path, status, key)
+        await JSONResponse(body, status_code=status)(scope, receive, send)
+
+    def _count(self, path: str, status: int, key) -> None:
+        self.metrics.requests.labels(path, str(status)).inc()
+        if key is not None:
+            self.metrics.key_requests.labels(key.name, str(status)).inc()
 
 
 async def _abort_on_disconnect(request, aengine: AsyncEngine, rids: list[str]) -> None:
@@ -368,9 +429,27 @@ def load_models(packages: list[str], device: str, max_concurrent: int, engine_kw
     return models
 
 
-def serve(models: dict[str, ServedModel], host: str, port: int, api_key: str | None, max_queue: int | None,
-          log_level: str = "info", defaults: dict | None = None) -> None:
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def access_warnings(host: str, keys: ApiKeys, lora_roots: list[str] | None) -> list[str]:
+    """What the operator should hear at start-up: a server others can reach that asks for no key."""
+    if host in LOOPBACK or host.startswith("127.") or keys:
+        return []
+    also = ", and load adapters from the --lora-root folders" if lora_roots is not None else ""
+    return [f"serving on {host} with no API key: anyone who can reach this port can use it{also} "
+            "(--api-key or --api-key-file)"]
+
+
+def serve(models: dict[str, ServedModel], host: str, port: int, keys: ApiKeys, max_queue: int | None,
+          log_level: str = "info", defaults: dict | None = None, max_request_bytes: int | None = None,
+          lora_roots: list[str] | None = None) -> None:
+    import sys
+
     import uvicorn
 
-    app = create_app(models, api_key=api_key, max_queue=max_queue, defaults=defaults)
+    app = create_app(models, max_queue=max_queue, defaults=defaults, keys=keys, max_request_bytes=max_request_bytes,
+                     lora_roots=lora_roots)
+    for line in access_warnings(host, keys, lora_roots):
+        print(f"warning: {line}", file=sys.stderr)
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)

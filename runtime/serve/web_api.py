@@ -18,23 +18,30 @@ from runtime.errors import ContextLengthError, RequestError
 from runtime.package import load_package
 from runtime.serve import openai_protocol as P
 from runtime.serve.openai_stream import ChunkStream, collect, queue_request
+from runtime.serve.request_limits import default_max_request_bytes, too_large_body
 
 
 class WebEngine:
     def __init__(self, package_dir: str, runner, graph_files: list[str], model_name: str,
-                 kv_memory_mb: int | None = None, kv_dtype: str = "fp32", **engine_options) -> None:
+                 kv_memory_mb: int | None = None, kv_dtype: str = "fp32", max_request_bytes: int | None = None,
+                 **engine_options) -> None:
         """engine_options: EngineConfig fields the page's caller chose; the rest are EngineConfig.web()'s.
-        kv_dtype: the KV pool's numbers, "fp32" or "int8" (WebBackend)."""
+        kv_dtype: the KV pool's numbers, "fp32" or "int8" (WebBackend). max_request_bytes: the largest
+        request (its JSON in UTF-8) taken, by default the server's rule for this context."""
         pkg = load_package(package_dir, elsewhere=tuple(graph_files))
         self.model_name = model_name
         if kv_memory_mb is not None:
             engine_options["kv_memory"] = int(kv_memory_mb) << 20
         engine = Engine(pkg, WebBackend(pkg, runner, kv_dtype), EngineConfig.web(**engine_options))
         self.aengine = AsyncEngine(engine, use_thread=False)
+        self.max_request_bytes = int(max_request_bytes or default_max_request_bytes(engine.prompts.max_context))
         self._jobs: dict[str, list[str]] = {}  # the page's request id -> the engine's (one per choice)
 
     async def create(self, job: str, body_json: str, emit) -> None:
         """Run one chat.completions.create; emit(kind, json_text) with kind chunk | response | error."""
+        if len(body_json) > self.max_request_bytes or len(body_json.encode("utf-8")) > self.max_request_bytes:
+            emit("error", self.too_large())
+            return
         try:
             body = P.parse_body(body_json)
             if isinstance(body, dict):
@@ -60,6 +67,10 @@ class WebEngine:
                 emit("error" if lasts is None else "response", json.dumps(body, ensure_ascii=False))
         finally:
             self._jobs.pop(job, None)
+
+    def too_large(self) -> str:
+        """The error JSON of a request over max_request_bytes (the worker refuses one before copying it here)."""
+        return json.dumps(too_large_body(self.max_request_bytes, "createEngine's maxRequestBytes"))
 
     def _adapter(self, model) -> str | None:
         """A request's `model`: this package (or no name), or an adapter loaded under that name."""

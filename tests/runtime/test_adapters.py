@@ -176,7 +176,7 @@ def test_server_serves_adapters_by_model_and_hot_loads_them_while_requests_strea
     want = {a: solo.tokenizer.decode(run(solo, solo.encode_prompt(prompt), a, 12)) for a in (None, "attn4", "mlp8")}
     assert len(set(want.values())) == 3
     models = load_models([str(pkg)], "cpu", 16, {"speculative_tokens": 0}, {"attn4": str(folders["attn4"])})
-    live = LiveServer(create_app(models))
+    live = LiveServer(create_app(models, lora_roots=[str(folders["mlp8"].parent)]))
     try:
         base = next(iter(models))
         client = OpenAI(base_url=live.url + "/v1", api_key="unused")
@@ -223,7 +223,7 @@ def test_server_serves_adapters_by_model_and_hot_loads_them_while_requests_strea
             assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
             assert http.post(live.url + "/v1/unload_lora_adapter", json={"lora_name": "mlp8"}).status_code == 404
             bad = http.post(live.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(tmp_path)})
-            assert bad.status_code == 400 and "not a LoRA adapter" in bad.json()["error"]["message"]
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "adapter_not_found"
             bad = http.post(live.url + "/v1/load_lora_adapter", json={"lora_name": "attn4", "lora_path": str(tmp_path)})
             assert bad.status_code == 400 and "already loaded" in bad.json()["error"]["message"]
             assert http.post(live.url + "/v1/load_lora_adapter", content=b"{").status_code == 400

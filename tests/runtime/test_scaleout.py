@@ -7,6 +7,7 @@ import asyncio
 import random
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -125,10 +126,10 @@ def cluster():
     ray.shutdown()
 
 
-def deploy(pkg, replicas: int, routing: str = "prefix", imbalance: int = 8) -> None:
+def deploy(pkg, replicas: int, routing: str = "prefix", imbalance: int = 8, lora_roots: list[str] | None = None) -> None:
     from ray import serve
 
-    from runtime.serve.scaleout.app import ScaleOptions, app_builder, build_app
+    from runtime.serve.scaleout.app import ScaleOptions, ServeOptions, app_builder, build_app
 
     serve.delete("ruvllm")
     if routing == "pow2":  # as `serve run runtime.serve.scaleout.app:app_builder package=... replicas=2 routing=pow2`
@@ -136,7 +137,7 @@ def deploy(pkg, replicas: int, routing: str = "prefix", imbalance: int = 8) -> N
     else:
         scale = ScaleOptions(replicas=replicas, routing=routing, replica_cpus=1, routing_stats_period_s=0.5,
                              health_check_period_s=1, imbalance=imbalance)
-        app = build_app(str(pkg), threads=1, scale=scale)
+        app = build_app(str(pkg), threads=1, scale=scale, options=ServeOptions(lora_roots=lora_roots))
     serve.run(app, name="ruvllm", route_prefix="/")
 
 
@@ -260,7 +261,7 @@ def test_openai_client_adapters_and_cancellation_through_ray(cluster, tiny_packa
 
     pkg = tiny_package("llama")
     adapter = str(peft_adapters("llama")["attn4"])
-    deploy(pkg, 2)
+    deploy(pkg, 2, lora_roots=[str(Path(adapter).parent)])
     client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused")
     msgs = [{"role": "user", "content": "Name three rivers."}]
     whole = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=10, temperature=0)
@@ -272,8 +273,16 @@ def test_openai_client_adapters_and_cancellation_through_ray(cluster, tiny_packa
     assert r.status_code == 200, r.text
     bad = httpx.post(f"{cluster}/v1/load_lora_adapter", json={"lora_name": "nope", "lora_path": "/no/such/dir"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+    assert bad.json()["error"]["code"] == "adapter_not_found"
     cards = {m.id: m for m in client.models.list().data}
     assert cards["attn4"].model_extra["parent"] == "tiny-llama"
+    # the single-process server's bounds hold at the ingress: a body past the limit, a prompt past the context
+    chunk = b" " * (1 << 20)
+    big = httpx.post(f"{cluster}/v1/completions", content=iter([chunk] * 2), timeout=60,
+                     headers={"Content-Length": str(2 << 20), "Content-Type": "application/json"})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    long = httpx.post(f"{cluster}/v1/completions", json={"model": "tiny-llama", "prompt": "word " * 200_000}, timeout=60)
+    assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
     prompts = tenant_prompts(8, tenants=8)
     bodies = asyncio.run(complete_all(cluster, prompts, 6, model="attn4", stagger=0))
     want = solo_runs(pkg, prompts, 6, adapter=("attn4", adapter))

@@ -123,16 +123,24 @@ def test_bad_requests_get_clear_errors_and_lose_nothing(offline_page, tiny_url):
         { messages: [{ role: 'user', content: 'word '.repeat(400) }] },
         { messages: [] },
         { messages: [{ role: 'user', content: 'hi' }], temperature: 9 },
+        // past the default body limit (1 KiB a token of the 256-token context, plus 1 MiB)
+        { messages: [{ role: 'user', content: 'x'.repeat(2 << 20) }] },
+        // within it, but ~1 MB of text: refused by its length, before the pure-Python tokenizer sees it
+        { messages: [{ role: 'user', content: 'word '.repeat(200000) }] },
       ];
       const out = [];
       for (const req of tries) {
+        const t0 = performance.now();
         try { await engine.chat.completions.create(req); out.push(null); }
-        catch (e) { out.push({ message: e.message, code: e.code ?? null }); }
+        catch (e) { out.push({ message: e.message, code: e.code ?? null, ms: performance.now() - t0 }); }
       }
       return out;
     }""")
     assert errors[0]["code"] == "context_length_exceeded" and "context" in errors[0]["message"]
     assert "messages" in errors[1]["message"] and "temperature" in errors[2]["message"]
+    assert errors[3]["code"] == "request_too_large" and "maxRequestBytes" in errors[3]["message"]
+    assert errors[4]["code"] == "context_length_exceeded" and "at least" in errors[4]["message"]
+    assert errors[4]["ms"] < 2000, errors[4]
     assert p.evaluate(CHAT, {"messages": HELLO, "max_tokens": 4, **GREEDY})["usage"]["completion_tokens"] == 4
 
 

@@ -30,6 +30,9 @@ export interface CreateEngineOptions {
   pythonURL?: string;
   /** KV-cache budget in MB (default 256). */
   kvMemoryMB?: number;
+  /** A request whose JSON is larger (UTF-8 bytes) is refused with code 'request_too_large' before it is
+   *  parsed; by default 1 KiB a token of the model's context plus 1 MiB, as the server's. */
+  maxRequestBytes?: number;
   /** The KV cache's numbers: 'fp32' (default), or 'int8' rows with an fp16 scale per 32 numbers (about a
    *  quarter of the memory, on the package's int8-KV graph; WASM only, no adapters). */
   kvDtype?: 'fp32' | 'int8';

@@ -239,7 +239,10 @@ async function storedOrFetched(url, meta, cache) {
  * Start the engine in a Web Worker and load a model package.
  * options: { model, device: 'auto'|'wasm'|'webgpu', threads, onProgress, assetsURL, pyodideURL, ortURL,
  *            pythonURL, kvMemoryMB, kvDtype: 'fp32'|'int8', maxNumSeqs, maxBatchTokens, speculativeTokens,
- *            promptCache, modelName, backend: 'auto'|'onnxruntime'|'wasm-step' }
+ *            promptCache, modelName, backend: 'auto'|'onnxruntime'|'wasm-step', maxRequestBytes }
+ * maxRequestBytes: a request whose JSON is larger is refused (code 'request_too_large') before it is parsed;
+ * by default 1 KiB a token of the model's context plus 1 MiB, as the server's. A prompt that cannot fit the
+ * context is refused before it is tokenized.
  * kvDtype 'int8' keeps the KV cache as int8 rows with fp16 group scales (a quarter of the memory, and of
  * what each step copies into onnxruntime-web), on the package's int8-KV graph; WASM only, no adapters.
  * backend 'wasm-step' runs the package's own WASM decode step (a GGUF's blocks, wasm/step/step.c) instead

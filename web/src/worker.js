@@ -93,7 +93,7 @@ async function load(opts) {
   // drafts are nearly free in onnxruntime-web's memory-bound fp32 step, not on the compute-bound WASM step:
   // it verifies them at their full cost (docs/PERFORMANCE.md), so it drafts only when asked to
   const chosen = { kv_memory_mb: opts.kvMemoryMB, max_num_seqs: opts.maxNumSeqs,
-    max_batch_tokens: opts.maxBatchTokens, kv_dtype: opts.kvDtype,
+    max_batch_tokens: opts.maxBatchTokens, kv_dtype: opts.kvDtype, max_request_bytes: opts.maxRequestBytes,
     speculative_tokens: opts.speculativeTokens ?? (stepper === 'wasm-step' ? 0 : undefined) };
   engine = api.WebEngine.callKwargs(dir, runner, graphFiles, name,
     Object.fromEntries(Object.entries(chosen).filter(([, v]) => v != null)));
@@ -150,7 +150,9 @@ function savePromptKV() {
 async function create(id, body) {
   const emit = (kind, json) => post({ type: kind, id, payload: JSON.parse(json) });
   try {
-    await engine.create(String(id), body, emit);
+    // a body past the limit in UTF-16 units is past it in UTF-8 bytes: refused before it is copied into Python
+    if (body.length > engine.max_request_bytes) emit('error', engine.too_large());
+    else await engine.create(String(id), body, emit);
   } catch (err) {
     post({ type: 'error', id, payload: { error: { message: String(err.message ?? err), type: 'internal_error' } } });
   } finally {

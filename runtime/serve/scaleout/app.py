@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from ray import serve
 
+from runtime.serve.api_keys import ApiKeys
 from runtime.serve.scaleout.client import RemoteEngine
 from runtime.serve.scaleout.replica import EngineReplica
 
@@ -64,8 +65,10 @@ class ScaleOptions:
 class ServeOptions:
     """The single-process server's settings, for the ingress."""
 
-    api_key: str | None = None
+    keys: ApiKeys | None = None  # named API keys (None: none asked for)
     max_queue: int | None = None
+    max_request_bytes: int | None = None  # None: from the package's context
+    lora_roots: list[str] | None = None  # runtime adapter loading from these folders (None: off)
     defaults: dict | None = None  # sampling defaults for requests that leave a field out
     shutdown_timeout: float = 30.0
     engine_options: dict = field(default_factory=dict)
@@ -82,9 +85,10 @@ class Ingress:
             client.add_adapter(name, path)
         name = client.model_name
         self.client = client
-        self._app = create_app({name: ServedModel(name, client, int(time.time()))}, api_key=options.api_key,
+        self._app = create_app({name: ServedModel(name, client, int(time.time()))}, keys=options.keys,
                                max_queue=options.max_queue, shutdown_timeout=options.shutdown_timeout,
-                               defaults=options.defaults)
+                               defaults=options.defaults, max_request_bytes=options.max_request_bytes,
+                               lora_roots=options.lora_roots)
 
     def __serve_build_asgi_app__(self):
         return self._app
