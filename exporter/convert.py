@@ -39,6 +39,7 @@ from exporter.sources.locate import (
     resolve,
 )
 from exporter.step_weights import package_step
+from exporter.streamed import convert_streamed, streams
 from exporter.writers.external_data import save_with_shared_data
 from exporter.writers.manifest import carried_summary
 from exporter.writers.manifest import manifest as write_manifest
@@ -70,6 +71,8 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
                           "Hugging Face folder instead")
     started = time.time()
     on = opts.progress
+    if streams(source, opts):
+        return convert_streamed(source, out, opts, started)
 
     bar = stage({"gguf": "reading GGUF", "hub": "downloading/reading"}.get(source.kind, "reading model"), enabled=on)
     model, tok = load_model_and_tokenizer(source)
@@ -152,12 +155,25 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
             if opts.target in BROWSER_TARGETS:  # storage stays quantized, compute becomes fp32 (browser_format)
                 graphs[name] = dequantize_at_load(graphs[name], tied, exact=carried is not None)
 
-    bar = stage("writing package", enabled=on)
-    # stage beside the destination: a rename from another filesystem (a tmpfs /tmp) would fail
+    return write_package(out, graphs, None, tok, source, spec, opts, gen_cfg, started, gptq_calibration, carried)
+
+
+def staging_dir(out: Path) -> Path:
+    """A fresh folder beside the destination (a rename from another filesystem, a tmpfs /tmp, would fail)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".ruvllm-export-", dir=out.parent))
+    return Path(tempfile.mkdtemp(prefix=".ruvllm-export-", dir=out.parent))
+
+
+def write_package(out: Path, graphs: dict, store, tok, source, spec, opts: ConvertOptions, gen_cfg: dict,
+                  started: float, gptq_calibration=None, carried=None, tmp: Path | None = None) -> Path:
+    """The graphs (their weights already in `store`'s file in `tmp`, or in memory), tokenizer and
+    manifest, checked by the runtime's own reader, renamed into place."""
+    bar = stage("writing package", enabled=opts.progress)
+    tmp = tmp or staging_dir(out)
     try:
-        save_with_shared_data(graphs, tmp, DATA_FILE)
+        save_with_shared_data(graphs, tmp, DATA_FILE, store)
+        if store is not None:
+            store.close()
         kv8 = kv_int8_graph(tmp / GRAPH_FILE, tmp / KV8_GRAPH_FILE, spec.num_layers)
         if kv8 is not None:
             graphs[KV8_GRAPH_FILE] = kv8
@@ -165,7 +181,7 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2, default=str))
         manifest = write_manifest(source, spec, opts, tokenizer_meta, gen_cfg, graphs, started, gptq_calibration, carried)
         if opts.target == "wasm" and opts.method == "gguf" and opts.quant == "int4":  # the graphs' own blocks
-            step = package_step(source.path, tmp, spec.max_positions, on)
+            step = package_step(source.path, tmp, spec.max_positions, opts.progress)
             if step:
                 manifest["wasm_step"] = step
         for entry in manifest["graphs"].values():  # what the native backend must fuse, or refuse the graph
@@ -179,6 +195,8 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
         tmp.chmod(0o755)
         tmp.rename(out)
     finally:
+        if store is not None:
+            store.close()
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     bar.close()

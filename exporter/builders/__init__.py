@@ -38,9 +38,12 @@ def builder_for(config) -> type[DecoderBuilder]:
     return cls
 
 
-def build_decoder(spec: DecoderSpec, weights: dict[str, np.ndarray], lora: LoraSlots | None = None,
+def build_decoder(spec: DecoderSpec, weights, lora: LoraSlots | None = None,
                   weight_dtype: type = np.float32, embed_dtype: type = np.float32, tied_gemm: bool = False,
-                  kv_write: str = "TensorScatter", head_rescore: int = 0, lora_scales=None, embed_grid=None):
-    """The onnx.ModelProto of spec's family (see DecoderBuilder for the options)."""
-    options = BuildOptions(lora, weight_dtype, embed_dtype, tied_gemm, kv_write, head_rescore, lora_scales, embed_grid)
+                  kv_write: str = "TensorScatter", head_rescore: int = 0, lora_scales=None, embed_grid=None,
+                  grids=None, store=None):
+    """The onnx.ModelProto of spec's family (see DecoderBuilder for the options); `weights` maps Hugging
+    Face names to float32 [out, in] arrays (a dict, or a mapping that reads them when asked)."""
+    options = BuildOptions(lora, weight_dtype, embed_dtype, tied_gemm, kv_write, head_rescore, lora_scales, embed_grid,
+                           grids, store)
     return BUILDERS[spec.architecture](spec, weights, options).build()

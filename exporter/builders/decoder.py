@@ -36,6 +36,8 @@ class BuildOptions:
     head_rescore: int = 0
     lora_scales: object = None
     embed_grid: object = None
+    grids: object = None  # a projections.ProjectionGrids: projections on their grids as they are built
+    store: object = None  # a writers.external_data.WeightStore: weights to the data file as they are made
 
 
 class DecoderBuilder:
@@ -55,6 +57,8 @@ class DecoderBuilder:
     embed_grid (a grid.Grid of the embedding table, e.g. a GGUF's Q8_0) stores the table as its integers
     and scales and dequantizes only the gathered rows, exactly as the grid defines them (embedding and
     head rescoring alike).
+    grids (a ProjectionGrids) puts a projection that has a grid on it as MatMulNBits at once; `weights`
+    may then be a lazy mapping, read one tensor at a time. store: see GraphBuilder.
     """
 
     architectures: tuple[str, ...] = ()  # the Hugging Face model_type values this class builds
@@ -92,7 +96,7 @@ class DecoderBuilder:
     def __init__(self, spec: DecoderSpec, weights: dict[str, np.ndarray], options: BuildOptions | None = None) -> None:
         self.spec, self.weights = spec, weights
         self.opts = options or BuildOptions()
-        self.b = GraphBuilder(f"ruvllm_{spec.architecture}_decoder")
+        self.b = GraphBuilder(f"ruvllm_{spec.architecture}_decoder", self.opts.store)
 
     def build(self):
         b, spec = self.b, self.spec
@@ -119,13 +123,23 @@ class DecoderBuilder:
         self.past = [(b.input(C.past_key(i), FLOAT, pool_shape), b.input(C.past_value(i), FLOAT, pool_shape))
                      for i in range(spec.num_layers)]
 
-    def matmul_weight(self, name: str, w_out_in: np.ndarray) -> str:
+    def matmul_weight(self, name: str, w_out_in) -> str:
+        """The [in, out] weight of a float MatMul, from its [out, in] array (or a function making it)."""
         b, dtype = self.b, self.opts.weight_dtype
-        wt = np.ascontiguousarray(w_out_in.T)
+        make = w_out_in if callable(w_out_in) else lambda: w_out_in
+        stored = b.named_weight(name, lambda: np.ascontiguousarray(make().T).astype(dtype))
         if dtype == np.float32:
-            return b.weight(name, wt.astype(np.float32))
-        stored = b.weight(name, wt.astype(dtype))
+            return stored
         return b.op("Cast", [stored], to=FLOAT, name=f"{name}/cast")
+
+    def project(self, name: str, x: str, w_out_in, node_name: str | None = None, out: str | None = None) -> str:
+        """x . W for the graph weight `name`: on its grid when it has one (opts.grids), else a float MatMul
+        of `w_out_in` ([out, in], or a function making it: not called when the grid is used)."""
+        if self.opts.grids is not None:
+            y = self.opts.grids.matmul(self.b, name, x, out)
+            if y is not None:
+                return y
+        return self.b.op("MatMul", [x, self.matmul_weight(name, w_out_in)], name=node_name, out=out)
 
     def step_values(self) -> None:
         """What every layer shares: the causal (and sliding-window) mask, the index tensors, the rotary tables."""
@@ -170,15 +184,16 @@ class DecoderBuilder:
 
     def embed_rows(self, ids: str) -> str:
         """The residual stream's first value [N, hidden]; sets self.gather_rows for the head's rescoring."""
-        b, embed, dtype = self.b, self.weights["model.embed_tokens.weight"], self.opts.embed_dtype
+        b, dtype = self.b, self.opts.embed_dtype
+        table = lambda: self.weights["model.embed_tokens.weight"].astype(dtype)  # noqa: E731
         self.embed_name = None
         if self.opts.embed_grid is not None:
             self.gather_rows = grid_rows(b, "model.embed_tokens", self.opts.embed_grid)
         elif dtype == np.float32:
-            self.embed_name = name = b.weight("model.embed_tokens.weight", embed.astype(np.float32))
+            self.embed_name = name = b.named_weight("model.embed_tokens.weight", table)
             self.gather_rows = lambda t: b.op("Gather", [name, t], axis=0)
         else:  # fp16 table, cast only the gathered rows
-            self.embed_name = name = b.weight("model.embed_tokens.weight", embed.astype(np.float16))
+            self.embed_name = name = b.named_weight("model.embed_tokens.weight", table)
             self.gather_rows = lambda t: b.op("Cast", [b.op("Gather", [name, t], axis=0)], to=FLOAT)
         if self.spec.embed_scale != 1.0:  # the residual stream's only (the head reads the table as it is)
             return b.op("Mul", [self.gather_rows(ids), b.const(np.float32(self.spec.embed_scale), np.float32)])
@@ -225,8 +240,8 @@ class DecoderBuilder:
         b, spec, w, idx, lora = self.b, self.spec, self.weights, self.idx, self.lora
         hq, hkv, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
         p = f"model.layers.{i}."
-        wqkv = np.concatenate([w[f"{p}{n}.weight"] for n in FUSED_PROJECTIONS["qkv_proj"]], 0)
-        qkv = b.op("MatMul", [hidden, self.matmul_weight(f"layers.{i}.qkv_proj", wqkv)])
+        wqkv = lambda: np.concatenate([w[f"{p}{n}.weight"] for n in FUSED_PROJECTIONS["qkv_proj"]], 0)  # noqa: E731
+        qkv = self.project(f"layers.{i}.qkv_proj", hidden, wqkv)
         if spec.attention_bias:
             bias = np.concatenate([w[p + f"self_attn.{n}.bias"] for n in ("q_proj", "k_proj", "v_proj")])
             qkv = b.op("Add", [qkv, b.weight(f"layers.{i}.qkv_bias", bias.astype(np.float32))])
@@ -262,7 +277,7 @@ class DecoderBuilder:
         probs = b.op("Softmax", [b.op("Add", [scores, self.masks[i]])], axis=-1)  # [Hkv*B, G*S, T]
         attn = b.op("MatMul", [probs, ctx[1]])  # [Hkv*B, G*S, D]
         attn = b.op("Reshape", [b.op("GatherND", [attn, idx.out_index]), b.const([-1, hq * d])])  # [N, Hq*D]
-        o = b.op("MatMul", [attn, self.matmul_weight(f"layers.{i}.o_proj", w[p + "self_attn.o_proj.weight"])])
+        o = self.project(f"layers.{i}.o_proj", attn, lambda: w[p + "self_attn.o_proj.weight"])
         return lora.apply(i, "o_proj", attn, o)
 
     def head_norms(self, i: int, qk: str) -> str:
@@ -283,13 +298,13 @@ class DecoderBuilder:
         """Layer i's gated MLP: down(act(gate(x)) * up(x)), gate and up as one fused projection."""
         b, w, lora = self.b, self.weights, self.lora
         p = f"model.layers.{i}."
-        wgu = np.concatenate([w[f"{p}{n}.weight"] for n in FUSED_PROJECTIONS["gate_up_proj"]], 0)
-        gu = b.op("MatMul", [hidden, self.matmul_weight(f"layers.{i}.gate_up_proj", wgu)])
+        wgu = lambda: np.concatenate([w[f"{p}{n}.weight"] for n in FUSED_PROJECTIONS["gate_up_proj"]], 0)  # noqa: E731
+        gu = self.project(f"layers.{i}.gate_up_proj", hidden, wgu)
         gate, up = b.op("Split", [gu, b.const([self.spec.intermediate_size] * 2)], n_out=2, axis=1)
         gate = lora.apply(i, "gate_proj", hidden, gate)
         up = lora.apply(i, "up_proj", hidden, up)
         act = b.op("Mul", [self.activation(gate), up])
-        down = b.op("MatMul", [act, self.matmul_weight(f"layers.{i}.down_proj", w[p + "mlp.down_proj.weight"])])
+        down = self.project(f"layers.{i}.down_proj", act, lambda: w[p + "mlp.down_proj.weight"])
         return lora.apply(i, "down_proj", act, down)
 
     def activation(self, gate: str) -> str:
@@ -318,7 +333,7 @@ class DecoderBuilder:
     def lm_head(self, hidden: str) -> str:
         """Raw logits of the rows logits_index picks (C.LOGITS)."""
         b, spec, opts = self.b, self.spec, self.opts
-        embed = self.weights["model.embed_tokens.weight"]
+        embed = lambda: self.weights["model.embed_tokens.weight"]  # noqa: E731
         last = b.op("Gather", [hidden, self.step[C.LOGITS_INDEX]], axis=0)  # [R, H]
         raw = "logits_before_softcap" if spec.final_softcap else C.LOGITS
         if opts.tied_gemm and spec.tie_word_embeddings and self.embed_name and opts.embed_dtype == np.float32:
@@ -326,14 +341,15 @@ class DecoderBuilder:
         elif opts.head_rescore:
             if not spec.tie_word_embeddings:
                 raise ValueError("head_rescore needs tied embeddings: the exact rows come from the embedding table")
-            coarse = b.op("MatMul", [last, self.matmul_weight("lm_head", embed)], name="lm_head/MatMul")
+            coarse = self.project("lm_head", last, embed, node_name="lm_head/MatMul")
             _, cand = b.op("TopK", [coarse, b.const([opts.head_rescore])], n_out=2, axis=1, largest=1, sorted=0)
             rows = self.gather_rows(cand)  # [R, K, H]
             exact = b.op("MatMul", [rows, b.op("Unsqueeze", [last, b.const([2])])])  # [R, K, 1]
             b.op("ScatterElements", [coarse, cand, b.op("Squeeze", [exact, b.const([2])])], axis=1, out=raw)
         else:
-            head = self.weights.get("lm_head.weight", embed) if not spec.tie_word_embeddings else embed
-            b.op("MatMul", [last, self.matmul_weight("lm_head", head)], name="lm_head/MatMul", out=raw)
+            untied = not spec.tie_word_embeddings and "lm_head.weight" in self.weights
+            head = (lambda: self.weights["lm_head.weight"]) if untied else embed
+            self.project("lm_head", last, head, node_name="lm_head/MatMul", out=raw)
         if spec.final_softcap:
             b.op("Identity", [self.softcap(raw, spec.final_softcap)], out=C.LOGITS)
         b.output(C.LOGITS, FLOAT, ["num_logits", spec.vocab_size])

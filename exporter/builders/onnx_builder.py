@@ -12,10 +12,12 @@ MS_DOMAIN = "com.microsoft"
 
 
 class GraphBuilder:
-    """Accumulates nodes, initializers and I/O; names every intermediate value uniquely."""
+    """Accumulates nodes, initializers and I/O; names every intermediate value uniquely. With a
+    `store` (writers.external_data.WeightStore), large weights go to the package's data file as they
+    are added and the graph holds references."""
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, store=None) -> None:
+        self.name, self.store = name, store
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self.inputs: list[onnx.ValueInfoProto] = []
@@ -43,9 +45,19 @@ class GraphBuilder:
         return name
 
     def weight(self, name: str, array: np.ndarray) -> str:
-        # np.ascontiguousarray would turn a 0-d scalar into shape [1]
-        self.initializers.append(numpy_helper.from_array(np.require(array, requirements="C"), name))
+        if self.store is not None:
+            self.initializers.append(self.store.tensor(name, array))
+        else:  # np.ascontiguousarray would turn a 0-d scalar into shape [1]
+            self.initializers.append(numpy_helper.from_array(np.require(array, requirements="C"), name))
         return name
+
+    def named_weight(self, name: str, make) -> str:
+        """A weight made by `make()` only if no graph built on the same store has made it (the base and
+        LoRA graphs share every weight by name)."""
+        if self.store is not None:
+            self.initializers.append(self.store.named(name, make))
+            return name
+        return self.weight(name, make())
 
     def const(self, values, dtype=np.int64) -> str:
         arr = np.asarray(values, dtype=dtype)

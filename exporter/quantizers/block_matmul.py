@@ -11,6 +11,8 @@ the others (Q4_K's dmin * m) as fp32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
@@ -21,6 +23,64 @@ from exporter.quantizers.grid import Grid, fp16_exact, pack_nbits
 MS_DOMAIN = "com.microsoft"
 
 
+@dataclass(frozen=True)
+class GridLayout:
+    """What a graph needs of a grid to wire its MatMulNBits (its numbers aside)."""
+
+    n: int
+    k: int
+    bits: int
+    block: int
+    mins: str | None  # None, "fp16" (held exactly) or "fp32"
+
+
+def layout_of(grid: Grid) -> GridLayout:
+    n, k = grid.q.shape
+    if k % grid.block:
+        raise ValueError(f"K={k} is not a whole number of blocks of {grid.block}")
+    mins = None if grid.mins is None else "fp16" if fp16_exact(grid.mins) else "fp32"
+    return GridLayout(n, k, grid.bits, grid.block, mins)
+
+
+def tensor_names(w: str, layout: GridLayout) -> dict[str, str]:
+    """The initializers of weight `w`'s grid, by role."""
+    names = {"q": f"{w}_Q{layout.bits}", "scales": f"{w}_scales", "zero_points": f"{w}_zero_points"}
+    if layout.mins:
+        names["mins"] = f"{w}_mins_fp16" if layout.mins == "fp16" else f"{w}_mins"
+        names["block_ones"] = f"{w}/block_ones"
+    return names
+
+
+def grid_tensors(grid: Grid, layout: GridLayout) -> dict[str, np.ndarray]:
+    """The initializers' values, by role (tensor_names)."""
+    b, s, z = pack_nbits(grid)
+    out = {"q": b.astype(np.uint8, copy=False), "scales": s.astype(np.float32, copy=False),
+           "zero_points": z.astype(np.uint8, copy=False)}
+    if layout.mins:
+        m = np.ascontiguousarray(grid.mins.T, np.float32)  # [blocks, N]: the sums' MatMul reads it as it is
+        out["mins"] = m.astype(np.float16) if layout.mins == "fp16" else m
+        # [K, blocks]: column b sums block b's activations
+        out["block_ones"] = np.kron(np.eye(layout.k // layout.block, dtype=np.float32),
+                                    np.ones((layout.block, 1), np.float32))
+    return out
+
+
+def grid_nodes(w: str, x: str, y: str, layout: GridLayout, accuracy_level: int = 4) -> list:
+    """The nodes computing y = x . W for weight `w` on its grid (tensor_names' initializers)."""
+    names = tensor_names(w, layout)
+    out = y if not layout.mins else f"{w}/nbits_out"
+    nodes = [helper.make_node("MatMulNBits", [x, names["q"], names["scales"], names["zero_points"]], [out],
+                              name=f"{w}/MatMulNBits", domain=MS_DOMAIN, K=layout.k, N=layout.n, bits=layout.bits,
+                              block_size=layout.block, accuracy_level=accuracy_level)]
+    if layout.mins:
+        mins = f"{w}_mins"
+        if layout.mins == "fp16":
+            nodes.append(helper.make_node("Cast", [names["mins"]], [mins], name=f"{w}/mins_fp32", to=TensorProto.FLOAT))
+        nodes += [helper.make_node("MatMul", [x, names["block_ones"]], [f"{w}/block_sums"], name=f"{w}/block_sums"),
+                  helper.make_node("Gemm", [f"{w}/block_sums", mins, out], [y], name=f"{w}/add_mins")]
+    return nodes
+
+
 def apply_grids(model: onnx.ModelProto, grids: dict[str, Grid], accuracy_level: int = 4) -> onnx.ModelProto:
     """Replace every MatMul whose weight initializer is named in `grids` (stored [K, N], a Grid [N, K])."""
     nodes, added, done = [], [], set()
@@ -29,34 +89,17 @@ def apply_grids(model: onnx.ModelProto, grids: dict[str, Grid], accuracy_level: 
         if grid is None:
             nodes.append(node)
             continue
-        w, x, y = node.input[1], node.input[0], node.output[0]
-        n, k = grid.q.shape
-        if k % grid.block:
-            raise ValueError(f"{w}: K={k} is not a whole number of blocks of {grid.block}")
-        names = (f"{w}_Q{grid.bits}", f"{w}_scales", f"{w}_zero_points")
-        mins = f"{w}_mins"
+        w = node.input[1]
+        try:
+            layout = layout_of(grid)
+        except ValueError as err:
+            raise ValueError(f"{w}: {err}") from None
         if w not in done:
-            b, s, z = pack_nbits(grid)
-            added += [numpy_helper.from_array(np.ascontiguousarray(v), name) for v, name in
-                      zip((b.astype(np.uint8), s.astype(np.float32), z.astype(np.uint8)), names)]
-            if grid.mins is not None:
-                m = np.ascontiguousarray(grid.mins.T, np.float32)  # [blocks, N]: the sums' MatMul reads it as it is
-                if fp16_exact(m):
-                    added.append(numpy_helper.from_array(m.astype(np.float16), f"{mins}_fp16"))
-                    nodes.append(helper.make_node("Cast", [f"{mins}_fp16"], [mins], name=f"{w}/mins_fp32",
-                                                  to=TensorProto.FLOAT))
-                else:
-                    added.append(numpy_helper.from_array(m, mins))
+            names = tensor_names(w, layout)
+            added += [numpy_helper.from_array(np.ascontiguousarray(v), names[role])
+                      for role, v in grid_tensors(grid, layout).items()]
             done.add(w)
-        out = y if grid.mins is None else f"{w}/nbits_out"
-        nodes.append(helper.make_node("MatMulNBits", [x, *names], [out], name=f"{w}/MatMulNBits", domain=MS_DOMAIN,
-                                      K=k, N=n, bits=grid.bits, block_size=grid.block, accuracy_level=accuracy_level))
-        if grid.mins is not None:  # [K, blocks]: column b sums block b's activations
-            ones = f"{w}/block_ones"
-            added.append(numpy_helper.from_array(np.kron(np.eye(k // grid.block, dtype=np.float32),
-                                                         np.ones((grid.block, 1), np.float32)), ones))
-            nodes += [helper.make_node("MatMul", [x, ones], [f"{w}/block_sums"], name=f"{w}/block_sums"),
-                      helper.make_node("Gemm", [f"{w}/block_sums", mins, out], [y], name=f"{w}/add_mins")]
+        nodes += grid_nodes(w, node.input[0], node.output[0], layout, accuracy_level)
     missing = set(grids) - done
     if missing:
         raise ValueError(f"no MatMul reads {len(missing)} gridded weights, e.g. {sorted(missing)[0]}")

@@ -70,6 +70,8 @@ def fp16_exact(a: np.ndarray) -> bool:
 def stack_rows(grids: list[Grid]) -> Grid:
     """Grids of projections sharing an input, stacked along the output (a fused q/k/v or gate/up
     weight) in the finest block and widest format among them, so that nothing is rounded again."""
+    if len(grids) == 1:
+        return grids[0]
     block, bits = min(g.block for g in grids), max(g.bits for g in grids)
     parts = [g.with_block(block).with_bits(bits) for g in grids]
     if any(p.mins is not None for p in parts):
@@ -84,7 +86,7 @@ def pack_nbits(grid: Grid) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     for 4 bits, low nibble first; [N, blocks] for 8)."""
     out_f, in_f = grid.q.shape
     pad = -in_f % grid.block
-    q = np.pad(grid.q, ((0, 0), (0, pad))).reshape(out_f, -1, grid.block)
+    q = (np.pad(grid.q, ((0, 0), (0, pad))) if pad else grid.q).reshape(out_f, -1, grid.block)
     if grid.bits == 8:
         return q, grid.scale, grid.zero.copy()
     if grid.bits != 4:
@@ -92,3 +94,20 @@ def pack_nbits(grid: Grid) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     b = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
     z = grid.zero if grid.zero.shape[1] % 2 == 0 else np.pad(grid.zero, ((0, 0), (0, 1)))
     return b, grid.scale, (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8)
+
+
+def rtn_grid(w: np.ndarray, bits: int, block: int) -> Grid:
+    """Round to nearest on an asymmetric grid, blocks of `block` along the input: the range of each block
+    with 0 in it, 2^bits - 1 steps (onnxruntime's MatMulNBits quantizer's arithmetic)."""
+    out_f, in_f = w.shape
+    if in_f % block:
+        raise ValueError(f"{in_f} inputs are not a whole number of blocks of {block}")
+    top = 2 ** bits - 1
+    blocks = w.reshape(out_f, -1, block).astype(np.float32)
+    lo = np.minimum(blocks.min(-1), 0.0)
+    hi = np.maximum(blocks.max(-1), 0.0)
+    scale = (hi - lo) / top
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    zero = np.clip(np.round(-lo / scale), 0, top)
+    q = np.clip(np.round(blocks / scale[..., None]) + zero[..., None], 0, top)
+    return Grid(q.reshape(out_f, in_f).astype(np.uint8), scale, zero.astype(np.uint8), block, bits)

@@ -215,6 +215,11 @@ def graph_grids(gw: GgufWeights, num_layers: int, bits: int, tied: bool, exact_h
     return GraphGrids(out, embedding, sorted(set(requantized)))
 
 
-def describe(grid: Grid) -> str:
-    mins = "" if grid.mins is None else (", fp16 minimums" if fp16_exact(grid.mins) else ", fp32 minimums")
+def describe(grid) -> str:
+    """A Grid's layout in words (or a block_matmul.GridLayout's: the grid as the graph stores it)."""
+    if isinstance(grid, Grid):
+        kind = None if grid.mins is None else "fp16" if fp16_exact(grid.mins) else "fp32"
+    else:
+        kind = grid.mins
+    mins = f", {kind} minimums" if kind else ""
     return f"{grid.bits}-bit, blocks of {grid.block}{mins}"

@@ -1,0 +1,113 @@
+"""A GGUF file's tensors under Hugging Face names, one at a time from the memory-mapped file.
+
+Loading a GGUF through transformers dequantizes every tensor to fp32 and copies it into a model
+(about 23 bytes of RAM a parameter: a 1B model did not fit in 24 GB). Here `gguf.GGUFReader` maps the
+file and each tensor is read when the graph builder reaches it: as float32 (gguf's dequantization),
+or as its own blocks (a Grid, gguf_blocks.py), with transformers' own tensor processors applied (the
+q/k rows llama.cpp permutes for its rotary, Gemma 2's norm offsets), so a tensor here is bit for bit
+what `from_pretrained(..., gguf_file=...)` would have put in the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+import numpy as np
+
+from exporter.quantizers.grid import Grid
+from exporter.sources import gguf_blocks
+from runtime.errors import RuvLLMError
+
+
+class GgufTensors:
+    def __init__(self, path: str, model) -> None:
+        """model: the transformers model of the file's config, with no weights (meta tensors), for the
+        map of tensor names."""
+        import gguf
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+            read_field,
+        )
+
+        self.path = path
+        self.reader = gguf.GGUFReader(path)
+        arch = read_field(self.reader, "general.architecture")[0]
+        # the config the processors read (head counts), as transformers parsed it from this file
+        self.parsed = {"config": model.config.to_dict()}
+        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.parsed["config"])
+        key_map = get_gguf_hf_weights_map(model, self.processor)
+        self.tensors = {}
+        for t in self.reader.tensors:
+            hf = key_map.get(t.name)
+            if hf is not None:
+                self.tensors[hf] = t
+
+    def type_of(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def float(self, name: str, rows: slice | None = None) -> np.ndarray:
+        """The tensor as float32 ([out, in] for a matrix), or `rows` of it (never the q/k projections,
+        whose rows transformers reorders)."""
+        from gguf import dequantize
+
+        t = self.tensors[name]
+        data = t.data if rows is None else t.data[rows]
+        w = dequantize(data, t.tensor_type)
+        if rows is None:
+            w = self._processed(w, t.name)
+        return np.ascontiguousarray(w, np.float32)
+
+    def rows(self, name: str) -> int:
+        return int(self.tensors[name].shape[-1]) if len(self.tensors[name].shape) > 1 else 1
+
+    def grid(self, name: str) -> Grid | None:
+        """The tensor's own blocks as a Grid in transformers' row order, or None for a type without a
+        grid here (F16, F32, Q2_K, Q3_K, IQ types)."""
+        t = self.tensors[name]
+        if t.tensor_type.name not in gguf_blocks.DECODERS or len(t.shape) != 2:
+            return None
+        cols, rows = (int(d) for d in t.shape)
+        grid = gguf_blocks.decode(t.data, t.tensor_type.name, rows, cols)
+        order = self._processed(np.arange(rows, dtype=np.float64).reshape(rows, 1), t.name).reshape(-1)
+        if not np.array_equal(order, np.arange(rows)):
+            idx = order.astype(np.int64)
+            if not np.array_equal(np.sort(idx), np.arange(rows)) or not np.array_equal(idx, order):
+                raise RuvLLMError(f"{t.name}: transformers changes this tensor beyond reordering its rows; "
+                                  "its blocks cannot be carried over")
+            pick = lambda a: None if a is None else a[idx]  # noqa: E731
+            grid = Grid(grid.q[idx], grid.scale[idx], grid.zero[idx], grid.block, grid.bits, pick(grid.mins))
+        return grid
+
+    def release(self) -> None:
+        """Drop the file's pages from this process (the page cache keeps them): a tensor read is not
+        held, so memory follows one tensor, not the file."""
+        import mmap
+
+        raw = getattr(self.reader.data, "_mmap", None)
+        if raw is not None and hasattr(raw, "madvise"):
+            raw.madvise(mmap.MADV_DONTNEED)
+
+    def _processed(self, w: np.ndarray, gguf_name: str) -> np.ndarray:
+        return self.processor.process(weights=w, name=gguf_name, tensor_key_mapping={},
+                                      parsed_parameters=self.parsed).weights
+
+
+class LazyWeights(Mapping):
+    """The float weights a graph builder reads (by Hugging Face name), each made when it is read and
+    not kept, with the family's own transform (builder.float_weights) applied."""
+
+    def __init__(self, tensors: GgufTensors, family) -> None:
+        self.tensors, self.family = tensors, family
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.tensors.tensors:
+            raise KeyError(name)
+        return self.family.float_weights({name: self.tensors.float(name)})[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors.tensors)

@@ -1,0 +1,175 @@
+"""The export of a GGUF file tensor by tensor: memory follows one tensor, not the model.
+
+The graph is built from the config alone (a transformers model with no weights gives the spec and
+the rotary tables); each projection is read from the memory-mapped file when the builder reaches it,
+as the file's own blocks or, for a type with no grid here, RTN of that one tensor; its packed
+numbers go to the package's data file at once. The page's targets (which dequantize at load) and
+the calibrated methods still load the model whole (convert.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from exporter.builders import FUSED_PROJECTIONS, LoraSlots, build_decoder, builder_for
+from exporter.builders.projections import ProjectionGrids
+from exporter.options import (
+    BROWSER_TARGETS,
+    DATA_FILE,
+    GRAPH_FILE,
+    LORA_GRAPH_FILE,
+    ConvertOptions,
+    head_plan,
+    kv_write_op,
+)
+from exporter.progress import stage
+from exporter.quantizers.grid import Grid, rtn_grid, stack_rows
+from exporter.quantizers.quantize import BITS, MLP_WEIGHTS
+from exporter.sources.gguf_blocks import GraphGrids
+from exporter.sources.gguf_tensors import GgufTensors, LazyWeights
+from exporter.writers.external_data import WeightStore
+from runtime.errors import RuvLLMError
+
+HEAD_ROWS = 8192  # rows of a float LM head quantized at a time (a 128k vocabulary's head is 1 GB in fp32)
+
+
+def streams(source, opts: ConvertOptions) -> bool:
+    """Whether this export reads its GGUF tensor by tensor (the rest load the model whole)."""
+    return (source.kind == "gguf" and opts.method in ("gguf", "rtn") and opts.quant in ("fp32", "fp16", "int8", "int4")
+            and opts.target not in BROWSER_TARGETS)
+
+
+def skeleton(source):
+    """The transformers model of the file's config with no weights (parameters on the meta device;
+    buffers such as the rotary frequencies are real), and its tokenizer and generation config."""
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from exporter.sources.locate import load_config
+
+    config = load_config(source)
+    where, kwargs = source.load_args
+    tok = AutoTokenizer.from_pretrained(where, **kwargs)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = GenerationConfig.from_model_config(config).to_dict()
+    return model.eval(), tok, gen
+
+
+class GgufProjections:
+    """The grid of each graph weight (exporter.builders.FUSED_PROJECTIONS' names and "lm_head"): the
+    file's own blocks, fused as the graph fuses them and widened to the package's bits, or RTN of the
+    floats where a part has no grid here (or, for int8, 4-bit blocks with minimums: gguf_blocks.graph_grids
+    says why). Remembers what it carried and what it quantized again, for the manifest."""
+
+    def __init__(self, tensors: GgufTensors, opts: ConvertOptions, tied: bool, bar=None) -> None:
+        self.t, self.opts, self.tied, self.bar = tensors, opts, tied, bar
+        self.bits, self.head_bits = BITS[opts.quant], BITS[opts.head_quant]
+        self.carried: set[str] = set()  # graph weights on the file's own blocks
+        self.requantized: set[str] = set()
+        self.embedding: Grid | None = None  # the embedding's grid, when the graph has it: a tied head is it
+
+    def grid(self, name: str) -> Grid | None:
+        if name == "model.embed_tokens.weight" and self.embedding is not None:
+            return self.embedding
+        return self.t.grid(name)
+
+    def parts(self, name: str) -> list[str]:
+        if name == "lm_head":
+            untied = not self.tied and "lm_head.weight" in self.t.tensors
+            return ["lm_head.weight" if untied else "model.embed_tokens.weight"]
+        layer, fused = name.split(".")[1], name.split(".")[2]
+        return [f"model.layers.{layer}.{p}.weight" for p in FUSED_PROJECTIONS[fused]]
+
+    def __call__(self, name: str) -> Grid:
+        parts = self.parts(name)
+        head = name == "lm_head"
+        exact = self.opts.method == "gguf" and not (head and self.opts.head_rescore)
+        grids = [self.grid(p) for p in parts] if exact else []
+        if exact and all(g is not None and not (self.bits == 8 and g.bits < 8 and g.mins is not None) for g in grids):
+            grid = stack_rows(grids)
+            grid = grid.with_bits(max(grid.bits, self.bits))
+            self.carried.add(name)
+        else:
+            if exact:  # the file's blocks, but not carried: say so (a coarse rescored head is not a loss)
+                self.requantized.update(parts)
+            bits = self.head_bits if head else self.bits
+            block = (self.opts.mlp_block_size or self.opts.block_size) if name.endswith(MLP_WEIGHTS) \
+                else self.opts.block_size
+            grid = self.rtn(parts, bits, block)
+        self.t.release()
+        if self.bar is not None:
+            self.bar.update(1)
+        return grid
+
+    def rtn(self, parts: list[str], bits: int, block: int) -> Grid:
+        if len(parts) == 1 and self.t.rows(parts[0]) > HEAD_ROWS and ".self_attn." not in parts[0]:
+            n = self.t.rows(parts[0])  # row by row range: never the whole float matrix
+            chunks = [rtn_grid(self.t.float(parts[0], slice(r, min(r + HEAD_ROWS, n))), bits, block)
+                      for r in range(0, n, HEAD_ROWS)]
+            return Grid(np.concatenate([c.q for c in chunks]), np.concatenate([c.scale for c in chunks]),
+                        np.concatenate([c.zero for c in chunks]), block, bits)
+        return rtn_grid(np.concatenate([self.t.float(p) for p in parts]), bits, block)
+
+
+def convert_streamed(source, out: Path, opts: ConvertOptions, started: float) -> Path:
+    from exporter.convert import staging_dir, write_package
+    from exporter.sources.hf_model import decoder_spec
+
+    on = opts.progress
+    bar = stage("reading GGUF", enabled=on)
+    model, tok, gen_cfg = skeleton(source)
+    spec = decoder_spec(model, opts.max_context)
+    tensors = GgufTensors(source.path, model)
+    family = builder_for(model.config)
+    del model
+    bar.close()
+    opts = head_plan(opts, spec.tie_word_embeddings)
+    if opts.head_rescore > spec.vocab_size:
+        raise RuvLLMError(f"--head-rescore {opts.head_rescore} is more than the vocabulary ({spec.vocab_size} tokens)")
+    quantized = opts.quant in ("int8", "int4")
+    weights = LazyWeights(tensors, family)
+    embed_grid = tensors.grid("model.embed_tokens.weight") if opts.method == "gguf" else None
+    n_graphs = 2 if opts.lora else 1
+    bar = stage("building graphs", total=4 * spec.num_layers + 1 if quantized else None, enabled=on)
+    grids = GgufProjections(tensors, opts, spec.tie_word_embeddings, bar) if quantized else None
+    tensors.release()
+    if grids is not None:
+        grids.embedding = embed_grid
+    tmp = staging_dir(out)
+    store = WeightStore(tmp / DATA_FILE)
+    try:
+        projections = None
+        graphs = {}
+        for file_name, slots in ((GRAPH_FILE, None), (LORA_GRAPH_FILE, LoraSlots()))[:n_graphs]:
+            graph_grids = ProjectionGrids(grids) if grids else None
+            if projections is not None and graph_grids is not None:
+                graph_grids.layouts = projections.layouts  # the second graph reuses the first's tensors
+            graphs[file_name] = build_decoder(
+                spec, weights, slots, np.float16 if opts.quant == "fp16" else np.float32,
+                np.float32 if opts.quant == "fp32" else np.float16, tied_gemm=True, kv_write=kv_write_op(opts.target),
+                head_rescore=opts.head_rescore, embed_grid=embed_grid, grids=graph_grids, store=store)
+            projections = projections or graph_grids
+        bar.close()
+    except BaseException:
+        store.close()
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    carried = None
+    if quantized and opts.method == "gguf":
+        layouts = {name: layout for name, layout in projections.layouts.items() if name in grids.carried}
+        carried = GraphGrids(layouts, embed_grid, sorted(grids.requantized))
+        if on:
+            print(f"export: the GGUF's blocks carried over exactly for {len(layouts)} of {len(projections.layouts)} "
+                  f"weights, streamed ({time.time() - started:.1f} s)", file=sys.stderr)
+        if carried.requantized:
+            print(f"warning: {len(carried.requantized)} of the GGUF's matrices (e.g. {carried.requantized[0]}) are "
+                  f"quantized with RTN in blocks of {opts.block_size} (no exact {opts.quant} layout here)", file=sys.stderr)
+    return write_package(out, graphs, store, tok, source, spec, opts, gen_cfg, started, None, carried, tmp=tmp)

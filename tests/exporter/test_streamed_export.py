@@ -1,0 +1,155 @@
+"""A GGUF is exported tensor by tensor: never loaded whole, yet the same weights transformers loads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.exporter.test_gguf_import import package_weights, random_blocks
+
+pytestmark = pytest.mark.slow
+
+# a llama.cpp-style mix: 4-bit K-quants, 6-bit where it matters, the 5/8-bit fallbacks, and an F16 matrix
+MIX = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q6_K", "attn_output": "Q5_K", "ffn_gate": "Q4_K",
+       "ffn_up": "Q8_0", "ffn_down": "F16"}
+
+
+def write_mixed_gguf(path, smol_gguf, mix: dict[str, str] = MIX) -> None:
+    import gguf
+
+    src = gguf.GGUFReader(str(smol_gguf))
+    w = gguf.GGUFWriter(str(path), "llama")
+    hidden, inter, layers, heads, kv_heads = 256, 512, 2, 4, 2
+    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    for add, value in ((w.add_context_length, 256), (w.add_embedding_length, hidden), (w.add_feed_forward_length, inter),
+                       (w.add_block_count, layers), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
+                       (w.add_rope_freq_base, 10000.0), (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, vocab)):
+        add(value)
+    for name, field in src.fields.items():
+        if name.startswith("tokenizer."):
+            w.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    rng = np.random.default_rng(3)
+
+    def tensor(name: str, rows: int, cols: int, t: str) -> None:
+        if t == "F16":
+            w.add_tensor(name, (0.05 * rng.standard_normal((rows, cols))).astype(np.float16))
+        else:
+            w.add_tensor(name, random_blocks(t, rows, cols, seed=int(rng.integers(1 << 30))),
+                         raw_dtype=gguf.GGMLQuantizationType[t])
+
+    tensor("token_embd.weight", vocab, hidden, "Q6_K")
+    tensor("output.weight", vocab, hidden, "Q8_0")  # untied: the head is its own tensor
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    hd = hidden // heads
+    shapes = {"attn_q": (heads * hd, hidden), "attn_k": (kv_heads * hd, hidden), "attn_v": (kv_heads * hd, hidden),
+              "attn_output": (hidden, heads * hd), "ffn_gate": (inter, hidden), "ffn_up": (inter, hidden),
+              "ffn_down": (hidden, inter)}
+    for i in range(layers):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        w.add_tensor(p + "ffn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        for name, (rows, cols) in shapes.items():
+            tensor(f"{p}{name}.weight", rows, cols, mix[name])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(smol_gguf, workdir):
+    path = workdir / "tiny-mixed.gguf"
+    write_mixed_gguf(path, smol_gguf)
+    return path
+
+
+def test_a_mixed_gguf_streams_into_the_files_own_blocks(mixed_gguf, workdir, monkeypatch):
+    """int4 from a K-quant mix: every part with a grid here is carried bit for bit (q/k rows in
+    transformers' order), the F16 matrix is RTN int4 in blocks of 32 and listed as such, and the model is
+    never loaded: transformers' from_pretrained is not called."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from exporter.convert import ConvertOptions, convert
+    from runtime.package import load_package
+    from tests.exporter.test_quantization import teacher_forced_logits
+
+    load = AutoModelForCausalLM.from_pretrained
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the streamed export loaded the whole model")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    pkg_dir = convert(str(mixed_gguf), workdir / "pkg-mixed", ConvertOptions(quant="int4", progress=False))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
+
+    meta = load_package(pkg_dir).manifest["quantization"]["gguf"]
+    assert meta["requantized"] == [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)], meta
+    assert meta["lm_head"] == "the file's own, exact" and meta["embeddings"].startswith("8-bit, blocks of 16")
+    model = load(mixed_gguf.parent, gguf_file=mixed_gguf.name, dtype=torch.float32).eval()
+    hf = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    got = package_weights(pkg_dir)
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for fused, parts in (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj"))):
+            want = np.concatenate([hf[f"{p}{'self_attn' if fused == 'qkv_proj' else 'mlp'}.{x}.weight"] for x in parts])
+            assert np.array_equal(got[f"layers.{i}.{fused}"], want), fused
+        assert np.array_equal(got[f"layers.{i}.o_proj"].view(np.uint32), hf[p + "self_attn.o_proj.weight"].view(np.uint32))
+        want = hf[p + "mlp.down_proj.weight"]  # RTN int4: within half a step of its block's range
+        blocks = want.reshape(want.shape[0], -1, 32)
+        step = (np.maximum(blocks.max(-1), 0) - np.minimum(blocks.min(-1), 0)) / 15
+        err = np.abs(got[f"layers.{i}.down_proj"] - want).reshape(blocks.shape)
+        assert (err <= step[..., None] * 0.5 + 1e-6).all()
+    assert np.array_equal(got["lm_head"], hf["lm_head.weight"])
+    ids = list(range(100, 140))
+    with torch.no_grad():
+        for i in range(2):  # the reference computes with the package's RTN weights where it has them
+            model.model.layers[i].mlp.down_proj.weight.copy_(torch.from_numpy(got[f"layers.{i}.down_proj"]))
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    ours = teacher_forced_logits(pkg_dir, ids)
+    # int8 activations (accuracy level 4) alone: here also on onnxruntime's kernel for the 8-bit grids
+    scale = np.abs(ref).max()
+    assert np.abs(ours - ref).mean() < 0.005 * scale and np.abs(ours - ref).max() < 0.1 * scale
+
+
+def test_streamed_and_whole_exports_are_the_same_package(smol_gguf, workdir, monkeypatch):
+    """The export that loads the model whole through transformers (what the page's targets and the
+    calibrated methods still do) makes the same weights and the same logits, bit for bit, on a mix of
+    every type with a grid here (RTN, where a type has none, is onnxruntime's quantizer there)."""
+    import exporter.convert as convert_module
+    from exporter.convert import ConvertOptions, convert
+    from tests.exporter.test_quantization import teacher_forced_logits
+
+    path = workdir / "tiny-mixed-grids.gguf"
+    write_mixed_gguf(path, smol_gguf, {**MIX, "ffn_down": "Q5_1", "attn_k": "Q4_0", "ffn_up": "Q4_1"})
+    streamed = convert(str(path), workdir / "pkg-mixed-s", ConvertOptions(quant="int4", progress=False, lora=False))
+    monkeypatch.setattr(convert_module, "streams", lambda source, opts: False)
+    whole = convert(str(path), workdir / "pkg-mixed-w", ConvertOptions(quant="int4", progress=False, lora=False))
+    a, b = package_weights(streamed), package_weights(whole)
+    assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    ids = list(range(100, 140))
+    assert np.array_equal(teacher_forced_logits(streamed, ids), teacher_forced_logits(whole, ids))
+
+
+def test_graphs_share_each_weight_and_fp32_streams_too(mixed_gguf, workdir):
+    """The LoRA graph adds no bytes (every weight is written once, by name); an fp32 export of the file
+    (the exact reference) streams its float weights and matches transformers' logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from exporter.convert import ConvertOptions, convert
+    from tests.exporter.test_quantization import teacher_forced_logits
+
+    with_lora = workdir / "pkg-mixed"  # made by the test above, with the LoRA graph (the default)
+    if not with_lora.exists():
+        with_lora = convert(str(mixed_gguf), with_lora, ConvertOptions(quant="int4", progress=False))
+    alone = convert(str(mixed_gguf), workdir / "pkg-mixed-nolora", ConvertOptions(quant="int4", progress=False,
+                                                                                   lora=False))
+    assert (with_lora / "model.onnx.data").stat().st_size == (alone / "model.onnx.data").stat().st_size
+    fp32 = convert(str(mixed_gguf), workdir / "pkg-mixed-fp32", ConvertOptions(quant="fp32", progress=False))
+    model = AutoModelForCausalLM.from_pretrained(mixed_gguf.parent, gguf_file=mixed_gguf.name, dtype=torch.float32).eval()
+    ids = list(range(100, 140))
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(teacher_forced_logits(fp32, ids) - ref).max() < 1e-4 * np.abs(ref).max()
