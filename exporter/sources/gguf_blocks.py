@@ -100,6 +100,18 @@ def _q8_0(b):
     return q, _f16(b, 0), 128, None, 32, 8
 
 
+def q4_k_parts(data: np.ndarray, rows: int, cols: int):
+    """A Q4_K tensor's own parts, nothing computed: q uint8 [rows, cols], d and dmin fp16 [rows, cols/256],
+    the 6-bit scales and minimums uint8 [rows, cols/32] (w = d * sc * q - dmin * m per block of 32)."""
+    from gguf.quants import Q4_K
+
+    b = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, 144)
+    sc, m = Q4_K.get_scale_min(b[:, 4:16].copy())
+    f16 = lambda at: b[:, at:at + 2].copy().view(np.float16).reshape(rows, -1)  # noqa: E731
+    return (_nibbles(b[:, 16:], 32).reshape(rows, cols), f16(0), f16(2),
+            sc.astype(np.uint8).reshape(rows, -1), m.astype(np.uint8).reshape(rows, -1))
+
+
 DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q5_K": _q5_k,
             "Q6_K": _q6_k, "Q8_0": _q8_0}
 
@@ -217,6 +229,8 @@ def graph_grids(gw: GgufWeights, num_layers: int, bits: int, tied: bool, exact_h
 
 def describe(grid) -> str:
     """A Grid's layout in words (or a block_matmul.GridLayout's: the grid as the graph stores it)."""
+    if getattr(grid, "kquant", False):
+        return "Q4_K at its own bits (4-bit, blocks of 32, 6-bit scales and minimums, fp16 super-block scales)"
     if isinstance(grid, Grid):
         kind = None if grid.mins is None else "fp16" if fp16_exact(grid.mins) else "fp32"
     else:

@@ -70,15 +70,33 @@ class GgufTensors:
             return None
         cols, rows = (int(d) for d in t.shape)
         grid = gguf_blocks.decode(t.data, t.tensor_type.name, rows, cols)
-        order = self._processed(np.arange(rows, dtype=np.float64).reshape(rows, 1), t.name).reshape(-1)
-        if not np.array_equal(order, np.arange(rows)):
-            idx = order.astype(np.int64)
-            if not np.array_equal(np.sort(idx), np.arange(rows)) or not np.array_equal(idx, order):
-                raise RuvLLMError(f"{t.name}: transformers changes this tensor beyond reordering its rows; "
-                                  "its blocks cannot be carried over")
+        idx = self._row_order(t.name, rows)
+        if idx is not None:
             pick = lambda a: None if a is None else a[idx]  # noqa: E731
             grid = Grid(grid.q[idx], grid.scale[idx], grid.zero[idx], grid.block, grid.bits, pick(grid.mins))
         return grid
+
+    def q4_k(self, name: str):
+        """A Q4_K tensor's own parts (gguf_blocks.q4_k_parts) in transformers' row order, or None for
+        another type."""
+        t = self.tensors[name]
+        if t.tensor_type.name != "Q4_K" or len(t.shape) != 2:
+            return None
+        cols, rows = (int(d) for d in t.shape)
+        parts = gguf_blocks.q4_k_parts(t.data, rows, cols)
+        idx = self._row_order(t.name, rows)
+        return parts if idx is None else tuple(p[idx] for p in parts)
+
+    def _row_order(self, gguf_name: str, rows: int) -> np.ndarray | None:
+        """The order transformers puts this tensor's rows in (None: the file's), a permutation only."""
+        order = self._processed(np.arange(rows, dtype=np.float64).reshape(rows, 1), gguf_name).reshape(-1)
+        if np.array_equal(order, np.arange(rows)):
+            return None
+        idx = order.astype(np.int64)
+        if not np.array_equal(np.sort(idx), np.arange(rows)) or not np.array_equal(idx, order):
+            raise RuvLLMError(f"{gguf_name}: transformers changes this tensor beyond reordering its rows; "
+                              "its blocks cannot be carried over")
+        return idx
 
     def release(self) -> None:
         """Drop the file's pages from this process (the page cache keeps them): a tensor read is not

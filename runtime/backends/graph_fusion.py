@@ -40,8 +40,14 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     """
     import onnx
 
+    if "MatMulQ4" not in ops:  # layouts only the kernel reads (a GGUF's Q4_K) become MatMulNBits
+        from runtime.backends.block_layouts import portable_graph
+
+        portable_graph(model, base_dir)
     inits = {i.name: i for i in model.graph.initializer}
-    count = q8 = 0
+    # the exporter's own MatMulQ4 (a GGUF's Q4_K at its own bits): already on the kernel, counted as fused
+    count = sum(1 for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP)
+    q8 = 0
     for node in model.graph.node:
         if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.input) != 4:
             continue
@@ -65,7 +71,7 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
         count += 1
     if count:
         fuse_minimums(model)
-        fuse_epilogues(model)
+        fuse_epilogues(model)  # the exporter's MatMulQ4 as well
     layers = 0
     if "PagedAttention" in ops and config is not None and fusable_head_dim(config.get("head_dim", 0)):
         windows = config.get("layer_windows") or [config.get("sliding_window")] * config["num_layers"]
@@ -80,7 +86,7 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     lora_qkv = fuse_lora_split(model) if loras else 0
     if loras and half_adapters:
         adapters_in_half(model)
-    if count or q8 or layers or norms or loras:
+    if (count or q8 or layers or norms or loras) and DOMAIN not in {o.domain for o in model.opset_import}:
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     return {"MatMulQ4": count, "MatMulQ8": q8, "PagedAttention": layers, "SkipRMSNorm": norms, "LoraDelta": loras,
             "LoraSwiGLU": lora_mlps, "LoraSplit": lora_qkv}

@@ -110,13 +110,17 @@ class NativeBackend:
         cpu = self.providers == DEVICE_PROVIDERS["cpu"]
         session = self._kernel_session(graph, opts, entry.get("fusions")) if cpu else None
         if session is None:
-            model = str(graph)
-            opts = self._options()
-            if self.kv_dtype == "int8":  # the graph's own attention on the int8 pool (graph_fusion.kv_in_int8_graph)
-                from runtime.backends import graph_fusion
+            from runtime.backends import graph_fusion
 
-                model, _ = graph_fusion.rewrite_graph(graph, self.pkg.config, frozenset(), kv_int8=True)
-                opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph.parent))
+            # no kernels: layouts only they read become standard operators (graph_fusion.fuse with no ops), and
+            # an int8 pool is read by the graph's own attention (graph_fusion.kv_in_int8_graph)
+            try:
+                model, _ = graph_fusion.rewrite_graph(graph, self.pkg.config, frozenset(),
+                                                      kv_int8=self.kv_dtype == "int8")
+            except Exception:  # a graph onnx cannot parse: onnxruntime's load below names the problem
+                model = str(graph)
+            opts = self._options()
+            opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph.parent))
             try:
                 session = ort.InferenceSession(model, sess_options=opts, providers=self.providers)
             except Exception as err:  # onnxruntime raises its own exception types

@@ -105,11 +105,20 @@ def write_tiny_gguf(path, smol_gguf, type_name: str) -> None:
 
 
 def package_weights(pkg_dir) -> dict[str, np.ndarray]:
-    """Each MatMulNBits weight of the package's graph, dequantized as the graph defines it, [N, K]."""
+    """Each MatMulNBits weight of the package's graph, and each Q4_K kept at its own bits for the kernel
+    (ruvllm.MatMulQ4, kquant=1), dequantized as the graph defines it, [N, K]."""
+    from runtime.backends.block_layouts import kquant_grid
+
     model = onnx.load(str(pkg_dir / "model.onnx"))
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     out = {}
     for node in model.graph.node:
+        a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
+        if node.op_type == "MatMulQ4" and a.get("kquant"):
+            n, k = a["N"], a["K"]
+            q, scale, mins = kquant_grid(inits[node.input[1]], n, k)
+            out[node.input[1].rsplit("_Q4K", 1)[0]] = Grid(q, scale, np.zeros_like(q[:, ::32]), 32, 4, mins).dequantize()
+            continue
         if node.op_type != "MatMulNBits":
             continue
         a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}

@@ -153,3 +153,40 @@ def test_graphs_share_each_weight_and_fp32_streams_too(mixed_gguf, workdir):
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(teacher_forced_logits(fp32, ids) - ref).max() < 1e-4 * np.abs(ref).max()
+
+
+def test_q4_k_at_its_own_bits_runs_with_and_without_the_kernels(smol_gguf, workdir, monkeypatch):
+    """A Q4_K file's projections stay at the file's bits (ruvllm.MatMulQ4's k-quant layout, 37/36 of the
+    file's bytes); with the kernels they compute as llama.cpp does (the minimums times the quantized
+    activations' sum), without them (RUVLLM_CPU_KERNELS=0, another provider) the same weights load as
+    MatMulNBits and its minimum term. Both stay as close to transformers' logits as int8 activations allow."""
+    import onnx
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from exporter.convert import ConvertOptions, convert
+    from runtime.backends import kernel_library
+    from runtime.backends.native import NativeBackend
+    from runtime.package import load_package
+    from tests.exporter.test_gguf_import import write_tiny_gguf
+    from tests.exporter.test_quantization import teacher_forced_logits
+
+    path = workdir / "tiny-Q4_K-own.gguf"
+    write_tiny_gguf(path, smol_gguf, "Q4_K")
+    pkg_dir = convert(str(path), workdir / "pkg-q4k-own", ConvertOptions(quant="int4", progress=False))
+    graph = onnx.load(str(pkg_dir / "model.onnx"), load_external_data=False).graph
+    own = [n for n in graph.node if n.op_type == "MatMulQ4" and n.domain == "ruvllm"]
+    assert len(own) == 8 and not [n for n in graph.node if n.op_type == "MatMulNBits" and "layers" in n.name]
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = list(range(100, 140))
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    runs = {}
+    if kernel_library.library()[0] is not None:
+        assert NativeBackend(load_package(pkg_dir)).matmul_kernel.startswith("ruvllm.MatMulQ4 (8 of")
+        runs["kernels"] = teacher_forced_logits(pkg_dir, ids)
+    monkeypatch.setattr(kernel_library, "_library", (None, "turned off for the test"))
+    assert NativeBackend(load_package(pkg_dir)).matmul_kernel.startswith("onnxruntime MatMulNBits")
+    runs["onnxruntime"] = teacher_forced_logits(pkg_dir, ids)
+    for name, logits in runs.items():
+        assert np.abs(logits - ref).max() < 0.05 * np.abs(ref).max(), name

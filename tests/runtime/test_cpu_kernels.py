@@ -733,3 +733,76 @@ def test_packed_weights_sit_in_huge_page_chunks_returned_when_freed(smol_int4):
     before, loaded, after = map(float, proc.stdout.split())
     assert before == 0 and loaded >= 80, (before, loaded)  # SmolLM2's 4- and 8-bit weights, ~95 MB packed
     assert after <= 32, after  # at most the chunk being filled stays mapped
+
+
+def kquant_model(K: int, N: int, seed: int = 0, op: str = "MatMulQ4"):
+    """ruvllm.MatMulQ4 on a random Q4_K matrix in the exporter's k-quant layout, its fp32 weights [K, N] (as
+    gguf dequantizes: d * sc * q - dmin * m per block of 32) and the layout's parts."""
+    from runtime.backends.block_layouts import kquant_layout
+
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, (N, K), dtype=np.uint8)
+    d = (rng.random((N, K // 256)) * 0.01 + 1e-3).astype(np.float16)
+    dmin = (rng.random((N, K // 256)) * 0.01).astype(np.float16)
+    sc, m = (rng.integers(0, 64, (N, K // 32), dtype=np.uint8) for _ in range(2))
+    rep = lambda a: np.repeat(a.astype(np.float32), 8, axis=1)  # noqa: E731
+    scale, mins = rep(d) * sc, rep(dmin) * m.astype(np.float32)
+    w = (q.reshape(N, -1, 32) * scale[..., None] - mins[..., None]).reshape(N, K)
+    blob = kquant_layout(q, d, dmin, sc, m)
+    init = helper.make_tensor("W", TensorProto.UINT8, blob.shape, blob.tobytes(), raw=True)
+    node = helper.make_node(op, ["X", "W"], ["Y"], domain="ruvllm", K=K, N=N, bits=4, block_size=32, kquant=1)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], [init])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ruvllm", 1)])
+    return model, w.T.copy(), (q, d, dmin, sc, m)
+
+
+def test_the_kquant_layout_holds_a_q4_k_matrix_exactly():
+    """kquant_layout and its inverse; its bytes are 37/32 of the 4-bit weights (the file's Q4_K: 36/32)."""
+    from runtime.backends.block_layouts import kquant_bytes, kquant_grid, kquant_layout, kquant_parts
+
+    _, w, parts = kquant_model(512, 48, seed=5)
+    blob = kquant_layout(*parts)
+    assert blob.nbytes == kquant_bytes(48, 512) == 48 * 512 * 37 // 64
+    for got, want in zip(kquant_parts(blob, 48, 512), parts):
+        assert np.array_equal(got, want)
+    q, scale, mins = kquant_grid(blob, 48, 512)
+    again = (q.reshape(48, -1, 32) * scale[..., None] + mins[..., None]).reshape(48, 512)
+    assert np.array_equal(again, w.T)
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(512, 96), (2048, 256), (256, 16)])
+def test_kquant_kernel_computes_the_int8_product_with_the_q4_k_weights(K, N):
+    """MatMulQ4 on the k-quant layout gives (x rounded to int8 per block) . (d * sc * q - dmin * m), for 1
+    to 37 rows and a 3-D input, and a row's numbers do not depend on its batch."""
+    model, w, _ = kquant_model(K, N)
+    opts = ort.SessionOptions()
+    opts.register_custom_ops_library(str(LIB))
+    ours = ort.InferenceSession(model.SerializeToString(), opts)
+    rng = np.random.default_rng(K + N)
+    for shape in ((1, K), (3, K), (16, K), (37, K), (2, 5, K)):
+        x = rng.standard_normal(shape, dtype=np.float32)
+        got, want = ours.run(None, {"X": x})[0], int8_blocks(x, 32).astype(np.float64) @ w
+        assert got.shape == want.shape == (*shape[:-1], N)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), shape
+    x = rng.standard_normal((9, K), dtype=np.float32)
+    together = ours.run(None, {"X": x})[0]
+    assert all(np.array_equal(ours.run(None, {"X": x[i:i + 1]})[0][0], together[i]) for i in range(9))
+
+
+def test_the_kquant_layout_runs_without_the_kernels_as_matmulnbits(tmp_path):
+    """portable_graph: the same weights as MatMulNBits and its minimum term (exact with fp32 compute)."""
+    from runtime.backends.block_layouts import portable_graph
+
+    model, w, _ = kquant_model(512, 64)
+    assert portable_graph(model, tmp_path) == 1
+    assert {n.domain for n in model.graph.node} <= {"", "com.microsoft"}
+    for node in model.graph.node:
+        for a in node.attribute:
+            if a.name == "accuracy_level":
+                a.i = 0
+    x = np.random.default_rng(4).standard_normal((3, 512)).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString()).run(None, {"X": x})[0]
+    want = x.astype(np.float64) @ w
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

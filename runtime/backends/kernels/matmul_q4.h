@@ -21,6 +21,10 @@
 // The exporter writes that as MatMulNBits + a small MatMul over block sums; this is its fused form.
 // Scales and minimums are kept as fp16 pairs, one 64-byte line per tile and block (they must be exact
 // in fp16, as a GGUF's are), so a block of 32 reads 256 bytes of weights and 64 of scales.
+// A third mode holds a GGUF's Q4_K at its own bits (the exporter writes this layout: kquant_layout in
+// runtime/backends/block_layouts.py): per tile, the nibbles as above, per block of 32 its 6-bit scale and
+// minimum as bytes, per super-block of 256 the fp16 d and dmin; the kernel forms s = d * sc and
+// m = -(dmin * mn) in fp32 as gguf's dequantization does, 4.625 bits a weight where the file has 4.5.
 #pragma once
 
 #include "ort_api.h"
@@ -44,7 +48,30 @@ struct PackedWeights {
   std::vector<uint8_t> zero;   // the same, as bytes (a quarter of fp32's: a single row is memory-bound)
   bool mins = false;           // minimums mode: scale and zero unused, scale_min holds both
   std::vector<uint16_t> scale_min;  // per tile, per block: 16 fp16 scales, then 16 fp16 minimums
+  // k-quant mode (Q4_K): sections of w's buffer after the nibbles
+  bool kquant = false;
+  const uint8_t* ksc = nullptr;   // per tile, per block: 16 scales then 16 minimums (6-bit values as bytes)
+  const uint16_t* kd = nullptr;   // per tile, per super-block of 256: 16 fp16 d, then 16 fp16 dmin
+  int nsuper = 0;
+  int mode() const { return kquant ? 2 : mins ? 1 : 0; }
 };
+
+// The k-quant layout's bytes for N columns and K inputs: nibbles, block scales, super-block scales.
+inline size_t kquant_bytes(int64_t N, int64_t K) { return (size_t)(N * K / 2 + N * K / 16 + N * K / 64); }
+
+// Q4_K at its own bits: the exporter's blob (kquant_bytes(N, K), blocks of 32, K a multiple of 256) copied
+// whole into the arena, its sections in place
+void pack_kquant(PackedWeights& wts, int N, int K, const uint8_t* blob) {
+  if (K % 256 || N % kTile) throw std::invalid_argument("a k-quant layout needs K a multiple of 256, N of 16");
+  wts.N = N; wts.K = K; wts.block = 32; wts.nblk = K / 32; wts.ntiles = N / kTile; wts.Kp = K;
+  wts.nsuper = K / 256;
+  wts.kquant = true;
+  const size_t bytes = kquant_bytes(N, K);
+  wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(bytes)));
+  std::memcpy(wts.w.get(), blob, bytes);
+  wts.ksc = wts.w.get() + (size_t)N * K / 2;
+  wts.kd = reinterpret_cast<const uint16_t*>(wts.ksc + (size_t)N * K / 16);
+}
 
 inline bool fp16_exact(float x, uint16_t* h) {
   *h = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
@@ -156,7 +183,8 @@ enum class Prefetch { kAhead, kNext, kNone };
 // partner of the up half, stored as one tile silu(gate) * up (MatMulQ4SwiGLU: no Split, Sigmoid, Muls).
 // `next`: how far the next tile group starts (in tiles), for Prefetch::kNext.
 #if RUVLLM_AVX512
-template <int T, int R, bool SwiGLU, Prefetch F, bool Mins>
+// Mode: 0 zero points and fp32 scales, 1 fp16 scales and minimums, 2 k-quant (PackedWeights::mode)
+template <int T, int R, bool SwiGLU, Prefetch F, int Mode>
 inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0, int64_t m0, const Output& out,
                        int stride, int next) {
   const int nblk = wts.nblk, block = wts.block, K = wts.Kp;  // rows of qa are padded to whole blocks
@@ -176,7 +204,9 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
       for (int i = 0; i < T; i++) {
         const size_t tb = std::min(last_block, (size_t)(t0 + i * stride + (F == Prefetch::kNext ? next : 0)) * nblk + b +
                                                    (F == Prefetch::kAhead ? 4 : 0));
-        if constexpr (Mins) {
+        if constexpr (Mode == 2) {
+          prefetch(wts.ksc + tb * 2 * kTile);  // (a super-block's d line serves 8 blocks: left to the hardware)
+        } else if constexpr (Mode == 1) {
           prefetch(wts.scale_min.data() + tb * 2 * kTile);
         } else {
           prefetch(wts.scale.data() + tb * kTile);
@@ -202,10 +232,22 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
     }
     for (int i = 0; i < T; i++) {
       const size_t tb = (size_t)(t0 + i * stride) * nblk + b;
-      if constexpr (Mins) {
-        const __m512i sm = _mm512_loadu_si512(wts.scale_min.data() + tb * 2 * kTile);
-        const __m512 s = _mm512_cvtph_ps(_mm512_castsi512_si256(sm));
-        const __m512 mn = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(sm, 1));
+      if constexpr (Mode != 0) {
+        __m512 s, mn;
+        if constexpr (Mode == 2) {  // s = d * sc, m = -(dmin * mn), as gguf computes them
+          const size_t ts = (size_t)(t0 + i * stride) * wts.nsuper + b / 8;
+          const __m512i dm = _mm512_loadu_si512(wts.kd + ts * 2 * kTile);
+          const __m256i scm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wts.ksc + tb * 2 * kTile));
+          s = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(dm)),
+                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(scm))));
+          mn = _mm512_sub_ps(_mm512_setzero_ps(),
+                             _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1)),
+                                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(scm, 1)))));
+        } else {
+          const __m512i sm = _mm512_loadu_si512(wts.scale_min.data() + tb * 2 * kTile);
+          s = _mm512_cvtph_ps(_mm512_castsi512_si256(sm));
+          mn = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(sm, 1));
+        }
         for (int r = 0; r < R; r++) {
           const size_t mb = (size_t)(m0 + r) * nblk + b;
           acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][r]), _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[i][r]);
@@ -236,7 +278,7 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
 // product sum (vpmaddubsw: weight 0..15 times activation -127..127, twice: no int16 saturation) then
 // summed in pairs into int32 (vpmaddwd by ones) is vpdpbusd's result. Tiles go one after another within
 // a block, so that R rows' accumulators stay in the 16 registers.
-template <int T, int R, bool SwiGLU, Prefetch F, bool Mins>
+template <int T, int R, bool SwiGLU, Prefetch F, int Mode>
 inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0, int64_t m0, const Output& out,
                        int stride, int next) {
   const int nblk = wts.nblk, block = wts.block, K = wts.Kp;
@@ -254,7 +296,8 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
       if constexpr (F != Prefetch::kNone) {
         const size_t ahead = std::min(last_block, (size_t)(t0 + i * stride + (F == Prefetch::kNext ? next : 0)) * nblk + b +
                                                       (F == Prefetch::kAhead ? 4 : 0));
-        if constexpr (Mins) prefetch(wts.scale_min.data() + ahead * 2 * kTile);
+        if constexpr (Mode == 2) prefetch(wts.ksc + ahead * 2 * kTile);
+        else if constexpr (Mode == 1) prefetch(wts.scale_min.data() + ahead * 2 * kTile);
         else {
           prefetch(wts.scale.data() + ahead * kTile);
           prefetch(wts.zero.data() + ahead * kTile);
@@ -281,7 +324,16 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
       }
       for (int c = 0; c < 2; c++) {
         __m256 s, z_or_min;
-        if constexpr (Mins) {
+        if constexpr (Mode == 2) {  // s = d * sc, m = -(dmin * mn), as gguf computes them
+          const uint16_t* dm = wts.kd + ((size_t)(t0 + i * stride) * wts.nsuper + b / 8) * 2 * kTile;
+          const uint8_t* scm = wts.ksc + tb * 2 * kTile;
+          auto bytes8 = [](const uint8_t* p) {
+            return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+          };
+          auto half8 = [](const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
+          s = _mm256_mul_ps(half8(dm + 8 * c), bytes8(scm + 8 * c));
+          z_or_min = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(dm + kTile + 8 * c), bytes8(scm + kTile + 8 * c)));
+        } else if constexpr (Mode == 1) {
           const uint16_t* sm = wts.scale_min.data() + tb * 2 * kTile;
           s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 8 * c)));
           z_or_min = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kTile + 8 * c)));
@@ -292,7 +344,7 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
         for (int r = 0; r < R; r++) {
           const size_t mb = (size_t)(m0 + r) * nblk + b;
           const __m256 d = _mm256_cvtepi32_ps(dot[r][c]);
-          if constexpr (Mins) {
+          if constexpr (Mode != 0) {
             acc[i][r][c] = _mm256_fmadd_ps(d, _mm256_mul_ps(s, _mm256_set1_ps(acts.scale[mb])), acc[i][r][c]);
             acc[i][r][c] = _mm256_fmadd_ps(z_or_min, _mm256_set1_ps(acts.scale[mb] * acts.sum[mb]), acc[i][r][c]);
           } else {
@@ -315,21 +367,21 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
 }
 #endif
 
-template <int T, bool SwiGLU, bool Mins>
+template <int T, bool SwiGLU, int Mode>
 void tiles_all_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0, int64_t M, const Output& out, int stride) {
   const int next = SwiGLU ? 1 : T;  // the next tile group: the next gate tile (and its up partner), or the next T
   const bool has_next = t0 + next < (SwiGLU ? stride : wts.ntiles);
   int64_t m = 0;
   for (; m + kRowsPer <= M; m += kRowsPer) {
-    if (m == 0) tiles_rows<T, kRowsPer, SwiGLU, Prefetch::kAhead, Mins>(wts, acts, t0, m, out, stride, next);
-    else if (m == kRowsPer && has_next) tiles_rows<T, kRowsPer, SwiGLU, Prefetch::kNext, Mins>(wts, acts, t0, m, out, stride, next);
-    else tiles_rows<T, kRowsPer, SwiGLU, Prefetch::kNone, Mins>(wts, acts, t0, m, out, stride, next);
+    if (m == 0) tiles_rows<T, kRowsPer, SwiGLU, Prefetch::kAhead, Mode>(wts, acts, t0, m, out, stride, next);
+    else if (m == kRowsPer && has_next) tiles_rows<T, kRowsPer, SwiGLU, Prefetch::kNext, Mode>(wts, acts, t0, m, out, stride, next);
+    else tiles_rows<T, kRowsPer, SwiGLU, Prefetch::kNone, Mode>(wts, acts, t0, m, out, stride, next);
   }
   // the last 1-3 rows as one group: row by row, each would unpack the weights again (2 rows cost ~1.3x 4)
   auto tail = [&](auto rows) {
     constexpr int R = decltype(rows)::value;
-    if (m == 0) tiles_rows<T, R, SwiGLU, Prefetch::kAhead, Mins>(wts, acts, t0, m, out, stride, next);
-    else tiles_rows<T, R, SwiGLU, Prefetch::kNone, Mins>(wts, acts, t0, m, out, stride, next);
+    if (m == 0) tiles_rows<T, R, SwiGLU, Prefetch::kAhead, Mode>(wts, acts, t0, m, out, stride, next);
+    else tiles_rows<T, R, SwiGLU, Prefetch::kNone, Mode>(wts, acts, t0, m, out, stride, next);
   };
   switch (M - m) {
     case 1: return tail(std::integral_constant<int, 1>{});
@@ -340,22 +392,25 @@ void tiles_all_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0,
 }
 
 // output tiles [t_begin, t_end) of every row (with SwiGLU, an output tile is a gate tile and its up tile)
-template <bool Mins>
+template <int Mode>
 void gemm_tiles_as(const PackedWeights& wts, const QuantizedRows& acts, int64_t M, const Output& out, int t_begin,
                    int t_end, bool swiglu) {
   int t = t_begin;
   if (swiglu) {
-    for (; t < t_end; t++) tiles_all_rows<2, true, Mins>(wts, acts, t, M, out, wts.ntiles / 2);
+    for (; t < t_end; t++) tiles_all_rows<2, true, Mode>(wts, acts, t, M, out, wts.ntiles / 2);
     return;
   }
-  for (; t + kTilesPer <= t_end; t += kTilesPer) tiles_all_rows<kTilesPer, false, Mins>(wts, acts, t, M, out, 1);
-  for (; t < t_end; t++) tiles_all_rows<1, false, Mins>(wts, acts, t, M, out, 1);
+  for (; t + kTilesPer <= t_end; t += kTilesPer) tiles_all_rows<kTilesPer, false, Mode>(wts, acts, t, M, out, 1);
+  for (; t < t_end; t++) tiles_all_rows<1, false, Mode>(wts, acts, t, M, out, 1);
 }
 
 void gemm_tiles(const PackedWeights& wts, const QuantizedRows& acts, int64_t M, const Output& out, int t_begin, int t_end,
                 bool swiglu) {
-  if (wts.mins) gemm_tiles_as<true>(wts, acts, M, out, t_begin, t_end, swiglu);
-  else gemm_tiles_as<false>(wts, acts, M, out, t_begin, t_end, swiglu);
+  switch (wts.mode()) {
+    case 2: return gemm_tiles_as<2>(wts, acts, M, out, t_begin, t_end, swiglu);
+    case 1: return gemm_tiles_as<1>(wts, acts, M, out, t_begin, t_end, swiglu);
+    default: return gemm_tiles_as<0>(wts, acts, M, out, t_begin, t_end, swiglu);
+  }
 }
 
 // ---- the custom operator ----
@@ -436,7 +491,55 @@ OrtStatus* grid_inputs(const OrtKernelInfo* info, const std::string& op, int64_t
   return nullptr;
 }
 
+// an int attribute that may be absent
+int64_t attr_or(const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  int64_t v = fallback;
+  OrtStatus* st = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64)(info, name, &v);
+  if (st) {
+    api<void (*)(OrtStatus*)>(kReleaseStatus)(st);
+    return fallback;
+  }
+  return v;
+}
+
+Epilogue epilogue_of(const CustomOp* op) {
+  return op == &g_matmul_split ? Epilogue::kSplit : op == &g_matmul_swiglu ? Epilogue::kSwiGLU : Epilogue::kOne;
+}
+
+// MatMulQ4 on a GGUF's Q4_K at its own bits: inputs A and the exporter's blob (kquant=1; K, N attributes)
+OrtStatus* create_kquant_kernel(const CustomOp* op, const OrtKernelInfo* info, void** out) {
+  int64_t K = 0, N = 0, split = 0;
+  auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
+  RETURN_IF(attr(info, "K", &K));
+  RETURN_IF(attr(info, "N", &N));
+  if (K % 256 || N % kTile) return fail("ruvllm.MatMulQ4 (k-quant): needs K a multiple of 256 and N of 16");
+  int is_const = 0;
+  const OrtValue* blob = nullptr;
+  RETURN_IF(api<OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**)>(kKernelInfoGetConstantInput_tensor)(
+      info, 1, &is_const, &blob));
+  if (!is_const) return fail("ruvllm.MatMulQ4 (k-quant): the weights must be an initializer");
+  std::vector<int64_t> dims;
+  RETURN_IF(tensor_shape(blob, dims));
+  int64_t count = 1;
+  for (int64_t d : dims) count *= d;
+  if ((size_t)count != kquant_bytes(N, K)) return fail("ruvllm.MatMulQ4 (k-quant): the weights are not N*K*37/64 bytes");
+  const uint8_t* data = nullptr;
+  RETURN_IF(tensor_data(blob, &data));
+  const Epilogue epilogue = epilogue_of(op);
+  if (epilogue == Epilogue::kSplit) {
+    RETURN_IF(attr(info, "split", &split));
+    if (split <= 0 || split >= N || split % kTile) return fail("ruvllm.MatMulQ4Split: split must be a multiple of 16 in (0, N)");
+  }
+  if (epilogue == Epilogue::kSwiGLU && N % (2 * kTile)) return fail("ruvllm.MatMulQ4SwiGLU: N must be a multiple of 32");
+  return make_kernel<Kernel>("ruvllm.MatMulQ4", [&](Kernel& k) {
+    k.epilogue = epilogue;
+    k.split = split;
+    pack_kquant(k.w, (int)N, (int)K, data);
+  }, out);
+}
+
 OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* info, void** out) {
+  if (attr_or(info, "kquant", 0)) return create_kquant_kernel(op, info, out);
   int64_t K = 0, N = 0, block = 0, has_mins = 0;  // mins: set by the graph rewrite (1: a fifth input, the minimums)
   RETURN_IF(api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64)(
       info, "mins", &has_mins));
@@ -467,8 +570,7 @@ OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* i
     if (dims.size() != 2 || dims[0] != nblk || dims[1] != N) return fail("ruvllm.MatMulQ4: minimums are not [K/block_size, N]");
     RETURN_IF(tensor_data(consts[4], &Mn));
   }
-  const Epilogue epilogue = op == &g_matmul_split ? Epilogue::kSplit : op == &g_matmul_swiglu ? Epilogue::kSwiGLU
-                                                                                              : Epilogue::kOne;
+  const Epilogue epilogue = epilogue_of(op);
   int64_t split = 0;
   if (epilogue == Epilogue::kSplit) {
     RETURN_IF(attr(info, "split", &split));

@@ -112,7 +112,9 @@ CustomOp matmul_op() {
   op.GetName = [](const CustomOp*) { return "MatMulQ4"; };
   op.GetInputType = [](const CustomOp*, size_t i) { return (i == 1 || i == 3) ? kUint8 : i == 4 ? kFloat16 : kFloat; };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 5; };
-  op.GetInputCharacteristic = [](const CustomOp*, size_t i) { return i == 4 ? 1 : 0; };  // minimums: optional
+  // scales and zero points: absent in the k-quant layout (kquant=1: its one weights input holds them);
+  // minimums: optional
+  op.GetInputCharacteristic = [](const CustomOp*, size_t i) { return i >= 2 ? 1 : 0; };
   return op;
 }
 
