@@ -190,7 +190,7 @@ def worker(engine: str, path: str, tokens: int, streams: int, threads: int, qual
         from benchmarks.peers import llamacpp_batch
 
         llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=512,
-                    verbose=False, logits_all=quality_ids is not None)
+                    verbose=False)
 
         def one(ids: list[int], n: int) -> tuple[float, float]:
             llm.reset()
@@ -205,12 +205,14 @@ def worker(engine: str, path: str, tokens: int, streams: int, threads: int, qual
 
         out["load_to_first_token_s"] = round(one(short, 1)[0] + (time.perf_counter() - started), 2)
         batch = lambda: llamacpp_batch(llm, short, streams, tokens, threads)["aggregate_decode_tps"]  # noqa: E731
-        if quality_ids is not None:
-            llm.reset()
-            llm.eval(quality_ids)
+
+        def logits(ids: list[int]):  # after the peak RSS is read: every position's logits cost memory
             import numpy as np
 
-            out["logits"] = np.asarray(llm.scores[:len(quality_ids)], np.float32)
+            full = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512,
+                         verbose=False, logits_all=True)
+            full.eval(ids)
+            return np.asarray(full.scores[:len(ids)], np.float32)
     else:
         from runtime.core.engine import Engine
         from runtime.core.sampling import SamplingParams
@@ -243,10 +245,11 @@ def worker(engine: str, path: str, tokens: int, streams: int, threads: int, qual
                 elif first is not None:
                     after += len(outs)
             return after / (time.perf_counter() - first)
-        if quality_ids is not None:
+
+        def logits(ids: list[int]):  # after the peak RSS is read: a second session on the package
             from exporter.evaluate import teacher_forced_logits
 
-            out["logits"] = teacher_forced_logits(path, quality_ids)
+            return teacher_forced_logits(path, ids)
     import statistics
 
     out["decode_tok_s"] = round(statistics.median(one(short, tokens)[1] for _ in range(3)), 1)
@@ -256,6 +259,8 @@ def worker(engine: str, path: str, tokens: int, streams: int, threads: int, qual
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
             out["peak_rss_mb"] = int(line.split()[1]) // 1024
+    if quality_ids is not None:
+        out["logits"] = logits(quality_ids)
     return out
 
 
