@@ -789,6 +789,12 @@ def test_kquant_kernel_computes_the_int8_product_with_the_q4_k_weights(K, N):
     x = rng.standard_normal((9, K), dtype=np.float32)
     together = ours.run(None, {"X": x})[0]
     assert all(np.array_equal(ours.run(None, {"X": x[i:i + 1]})[0][0], together[i]) for i in range(9))
+    os.environ["RUVLLM_COPY_WEIGHTS"] = "1"  # weights copied into the kernel's arena, not read in place
+    try:
+        copied = ort.InferenceSession(model.SerializeToString(), opts)
+    finally:
+        del os.environ["RUVLLM_COPY_WEIGHTS"]
+    assert np.array_equal(copied.run(None, {"X": x})[0], together)
 
 
 def test_the_kquant_layout_runs_without_the_kernels_as_matmulnbits(tmp_path):

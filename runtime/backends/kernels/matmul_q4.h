@@ -44,6 +44,7 @@ struct PackedWeights {
   int Kp = 0;  // K padded to whole blocks (MatMulNBits pads the last block)
   // per tile, per block, per 8 k: 64 bytes, byte 4j+i = q(col j, k+i) | q(col j, k+4+i) << 4
   std::unique_ptr<uint8_t[], void (*)(void*)> w{nullptr, WeightArena::free};
+  const uint8_t* wdata = nullptr;  // the weights: w's copy, or (k-quant layout) the initializer itself
   std::vector<float> scale;    // per tile, per block: 16 columns each
   std::vector<uint8_t> zero;   // the same, as bytes (a quarter of fp32's: a single row is memory-bound)
   bool mins = false;           // minimums mode: scale and zero unused, scale_min holds both
@@ -67,9 +68,17 @@ void pack_kquant(PackedWeights& wts, int N, int K, const uint8_t* blob) {
   wts.nsuper = K / 256;
   wts.kquant = true;
   const size_t bytes = kquant_bytes(N, K);
-  wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(bytes)));
-  std::memcpy(wts.w.get(), blob, bytes);
-  wts.ksc = wts.w.get() + (size_t)N * K / 2;
+  // computed where it lies (onnxruntime maps the package's weights file: nothing copied, the page cache
+  // shared) when aligned as the exporter writes it; RUVLLM_COPY_WEIGHTS=1 copies into the arena instead
+  const char* copy = std::getenv("RUVLLM_COPY_WEIGHTS");
+  if (reinterpret_cast<uintptr_t>(blob) % 64 == 0 && !(copy && copy[0] == '1')) {
+    wts.wdata = blob;
+  } else {
+    wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(bytes)));
+    std::memcpy(wts.w.get(), blob, bytes);
+    wts.wdata = wts.w.get();
+  }
+  wts.ksc = wts.wdata + (size_t)N * K / 2;
   wts.kd = reinterpret_cast<const uint16_t*>(wts.ksc + (size_t)N * K / 16);
 }
 
@@ -85,6 +94,7 @@ void pack(PackedWeights& wts, int N, int K, int block, const uint8_t* B, const f
   wts.Kp = wts.nblk * block;
   const size_t bytes = (size_t)N * wts.Kp / 2;
   wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(bytes)));
+  wts.wdata = wts.w.get();
   wts.mins = M != nullptr;
   if (wts.mins) wts.scale_min.resize((size_t)N * wts.nblk * 2);
   else {
@@ -198,7 +208,7 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
     __m512i dot[T][R];
     for (int i = 0; i < T; i++)
       for (int r = 0; r < R; r++) dot[i][r] = _mm512_setzero_si512();
-    const uint8_t* wp = wts.w.get() + ((size_t)t0 * nblk + b) * (block / 8) * 64;
+    const uint8_t* wp = wts.wdata + ((size_t)t0 * nblk + b) * (block / 8) * 64;
     const int8_t* ap = acts.q.data() + m0 * K + (size_t)b * block;
     if constexpr (F != Prefetch::kNone)
       for (int i = 0; i < T; i++) {
@@ -292,7 +302,7 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
     const int8_t* ap = acts.q.data() + m0 * K + (size_t)b * block;
     for (int i = 0; i < T; i++) {
       const size_t tb = (size_t)(t0 + i * stride) * nblk + b;
-      const uint8_t* wp = wts.w.get() + tb * (block / 8) * 64;
+      const uint8_t* wp = wts.wdata + tb * (block / 8) * 64;
       if constexpr (F != Prefetch::kNone) {
         const size_t ahead = std::min(last_block, (size_t)(t0 + i * stride + (F == Prefetch::kNext ? next : 0)) * nblk + b +
                                                       (F == Prefetch::kAhead ? 4 : 0));
