@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from exporter.builders import FUSED_PROJECTIONS, LoraSlots, build_decoder, builder_for
-from exporter.builders.projections import KQuant, ProjectionGrids
+from exporter.builders.projections import OwnBits, ProjectionGrids
 from exporter.options import (
     BROWSER_TARGETS,
     DATA_FILE,
@@ -86,19 +86,18 @@ class GgufProjections:
         layer, fused = name.split(".")[1], name.split(".")[2]
         return [f"model.layers.{layer}.{p}.weight" for p in FUSED_PROJECTIONS[fused]]
 
-    def __call__(self, name: str) -> Grid | KQuant:
+    def __call__(self, name: str) -> Grid | OwnBits:
         parts = self.parts(name)
         head = name == "lm_head"
         exact = self.opts.method == "gguf" and not (head and self.opts.head_rescore)
-        if exact and self.bits == 4 and all(self.t.type_of(p) == "Q4_K" for p in parts):
-            own = KQuant.stacked([self.t.q4_k(p) for p in parts])  # at its own bits, for the kernel's k-quant layout
-            n, k = own.parts[0].shape
-            if n % 16 == 0 and k % 256 == 0:
+        if exact and self.bits == 4 and all(self.t.type_of(p) in ("Q4_K", "Q6_K") for p in parts):
+            own = [(self.t.type_of(p), self.t.own_bits(p)) for p in parts]  # at their own bits, for the kernel
+            if all(a[0].shape[0] % 16 == 0 and a[0].shape[1] % 256 == 0 for _, a in own):
                 self.carried.add(name)
                 self.t.release()
                 if self.bar is not None:
                     self.bar.update(1)
-                return own
+                return OwnBits.of(own)
         grids = [self.grid(p) for p in parts] if exact else []
         if exact and all(g is not None and not (self.bits == 8 and g.bits < 8 and g.mins is not None) for g in grids):
             grid = stack_rows(grids)

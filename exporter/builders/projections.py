@@ -16,36 +16,52 @@ import numpy as np
 from exporter.builders.onnx_builder import GraphBuilder
 from exporter.quantizers.block_matmul import GridLayout, grid_nodes, grid_tensors, layout_of, tensor_names
 from exporter.quantizers.grid import Grid
-from runtime.backends.block_layouts import DOMAIN, kquant_layout
+from runtime.backends.block_layouts import DOMAIN, kquant_layout, q6k_layout
 
 
 @dataclass
-class KQuant:
-    """A projection kept as a GGUF's Q4_K at its own bits, for ruvllm.MatMulQ4's k-quant layout: q, d,
-    dmin, sc, m (runtime.backends.block_layouts.kquant_layout), the parts' rows stacked."""
+class OwnBits:
+    """A projection kept at a GGUF's own bits for ruvllm.MatMulQ4 (runtime.backends.block_layouts): runs
+    of its parts by type, each (GGUF type, the run's parts stacked by rows): Q4_K's (q, d, dmin, sc, m),
+    Q6_K's (q, d, sc). More than one run: one operator each, their outputs concatenated."""
 
-    parts: tuple
+    runs: list[tuple[str, tuple]]
 
     @classmethod
-    def stacked(cls, parts: list[tuple]) -> KQuant:
-        return cls(tuple(np.concatenate([p[i] for p in parts]) for i in range(5)))
+    def of(cls, parts: list[tuple[str, tuple]]) -> OwnBits:
+        runs: list[tuple[str, list[tuple]]] = []
+        for kind, arrays in parts:
+            if runs and runs[-1][0] == kind:
+                runs[-1][1].append(arrays)
+            else:
+                runs.append((kind, [arrays]))
+        return cls([(kind, tuple(np.concatenate(x) for x in zip(*group))) for kind, group in runs])
 
 
 @dataclass(frozen=True)
-class KQuantLayout:
-    n: int
+class OwnBitsLayout:
     k: int
-    bits: int = 4
-    block: int = 32
-    mins: str = "Q4_K's 6-bit"
+    kinds: tuple[str, ...]
+    rows: tuple[int, ...]
     kquant: bool = True
+
+    @property
+    def bits(self) -> int:
+        return 6 if "Q6_K" in self.kinds else 4
+
+    @property
+    def block(self) -> int:
+        return 16 if "Q6_K" in self.kinds else 32
+
+
+LAYOUTS = {"Q4_K": (1, 32, kquant_layout), "Q6_K": (2, 16, q6k_layout)}  # kquant attribute, block, blob
 
 
 class ProjectionGrids:
-    def __init__(self, make: Callable[[str], Grid | KQuant | None]) -> None:
-        """make(graph weight name) -> its Grid (or KQuant), or None for a float projection."""
+    def __init__(self, make: Callable[[str], Grid | OwnBits | None]) -> None:
+        """make(graph weight name) -> its Grid (or OwnBits), or None for a float projection."""
         self._make = make
-        self.layouts: dict[str, GridLayout | KQuantLayout | None] = {}  # each name's, once made (a second graph's)
+        self.layouts: dict[str, GridLayout | OwnBitsLayout | None] = {}  # each name's, once made (a second graph's)
 
     def matmul(self, b: GraphBuilder, w: str, x: str, out: str | None = None) -> str | None:
         """y = x . W on W's grid, or None when W has no grid (the caller builds a float MatMul)."""
@@ -53,18 +69,27 @@ class ProjectionGrids:
             layout, grid = self.layouts[w], None  # the store has its tensors
         else:
             grid = self._make(w)
-            if isinstance(grid, KQuant):
-                layout = KQuantLayout(*grid.parts[0].shape)
+            if isinstance(grid, OwnBits):
+                layout = OwnBitsLayout(grid.runs[0][1][0].shape[1], tuple(k for k, _ in grid.runs),
+                                       tuple(a[0].shape[0] for _, a in grid.runs))
             else:
                 layout = None if grid is None else layout_of(grid)
             self.layouts[w] = layout
         if layout is None:
             return None
         y = out or f"{w}/out"
-        if isinstance(layout, KQuantLayout):  # the kernel's own op: a host without it gets MatMulNBits at load
-            blob = b.named_weight(f"{w}_Q4K", lambda: kquant_layout(*grid.parts))
-            b.op("MatMulQ4", [x, blob], name=f"{w}/MatMulQ4", out=y, domain=DOMAIN, K=layout.k, N=layout.n, bits=4,
-                 block_size=32, kquant=1)
+        if isinstance(layout, OwnBitsLayout):  # the kernel's own op: a host without it gets MatMulNBits at load
+            outs = []
+            for i, (kind, rows) in enumerate(zip(layout.kinds, layout.rows)):
+                attr, block, make = LAYOUTS[kind]
+                name = f"{w}_{kind.replace('_', '')}" if len(layout.kinds) == 1 else f"{w}_part{i}_{kind.replace('_', '')}"
+                blob = b.named_weight(name, lambda i=i, make=make: make(*grid.runs[i][1]))
+                part_out = y if len(layout.kinds) == 1 else f"{name}/out"
+                b.op("MatMulQ4", [x, blob], name=f"{name}/MatMulQ4", out=part_out, domain=DOMAIN, K=layout.k, N=rows,
+                     bits=4 if attr == 1 else 6, block_size=block, kquant=attr)
+                outs.append(part_out)
+            if len(outs) > 1:
+                b.op("Concat", outs, axis=-1, out=y)
             return y
         values = None
 

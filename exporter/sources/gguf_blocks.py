@@ -112,6 +112,15 @@ def q4_k_parts(data: np.ndarray, rows: int, cols: int):
             sc.astype(np.uint8).reshape(rows, -1), m.astype(np.uint8).reshape(rows, -1))
 
 
+def q6_k_parts(data: np.ndarray, rows: int, cols: int):
+    """A Q6_K tensor's own parts: q uint8 [rows, cols] (0..63), d fp16 [rows, cols/256], the int8 scales
+    [rows, cols/16] (w = d * sc * (q - 32) per block of 16)."""
+    b = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, 210)
+    q, _, _, _, _, _ = _q6_k(b)
+    return (q.reshape(rows, cols).astype(np.uint8), b[:, 208:210].copy().view(np.float16).reshape(rows, -1),
+            b[:, 192:208].copy().view(np.int8).reshape(rows, -1))
+
+
 DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q5_K": _q5_k,
             "Q6_K": _q6_k, "Q8_0": _q8_0}
 
@@ -230,7 +239,7 @@ def graph_grids(gw: GgufWeights, num_layers: int, bits: int, tied: bool, exact_h
 def describe(grid) -> str:
     """A Grid's layout in words (or a block_matmul.GridLayout's: the grid as the graph stores it)."""
     if getattr(grid, "kquant", False):
-        return "Q4_K at its own bits (4-bit, blocks of 32, 6-bit scales and minimums, fp16 super-block scales)"
+        return " + ".join(dict.fromkeys(grid.kinds)) + " at the file's own bits"
     if isinstance(grid, Grid):
         kind = None if grid.mins is None else "fp16" if fp16_exact(grid.mins) else "fp32"
     else:

@@ -124,11 +124,62 @@ def kquant_grid(blob: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarra
     return q, rep(d) * sc.astype(np.float32), -(rep(dmin) * m.astype(np.float32))
 
 
+# ---- Q6_K at its own bits, for ruvllm.MatMulQ4 (kquant=2) ----
+
+def q6k_bytes(n: int, k: int) -> int:
+    return n * k * 3 // 4 + n * k // 16 + n * k // 128
+
+
+def q6k_layout(q: np.ndarray, d: np.ndarray, sc: np.ndarray) -> np.ndarray:
+    """The kernel's blob from a Q6_K matrix's parts: q uint8 [N, K] (0..63), d fp16 [N, K/256], sc int8
+    [N, K/16]; w = d * sc * (q - 32) per block of 16. Per tile and block of 16: two groups of 8 k, their
+    64-byte nibble lines (as the 4-bit layout), then their 32-byte lines of high bits: byte p holds the two
+    high bits of low-nibble lanes p and p + 32, then of high-nibble lanes p and p + 32 (lane 4j + i:
+    column j, k = 8g + i, or 8g + 4 + i in the high nibbles). Lines stay aligned: a block is 192 bytes."""
+    n, k = q.shape
+    if n % TILE or k % SUPER:
+        raise ValueError(f"a six-bit layout needs N a multiple of {TILE} and K of {SUPER} (got {n} x {k})")
+    t, nblk = n // TILE, k // 16
+    qq = q.reshape(t, TILE, nblk, 2, 2, 4)  # [t, j, b, g, h, i]
+    lanes = qq.transpose(0, 2, 3, 4, 1, 5).reshape(t, nblk, 2, 2, 64)  # [t, b, g, h, lane 4j+i]
+    nib = (lanes[:, :, :, 0] & 15) | ((lanes[:, :, :, 1] & 15) << 4)  # [t, b, g, 64]
+    hi = lanes >> 4  # two bits
+    high = (hi[:, :, :, 0, :32] | (hi[:, :, :, 0, 32:] << 2) | (hi[:, :, :, 1, :32] << 4)
+            | (hi[:, :, :, 1, 32:] << 6))  # [t, b, g, 32]
+    weights = np.concatenate([nib.reshape(t, nblk, -1), high.reshape(t, nblk, -1)], axis=2).astype(np.uint8).reshape(-1)
+    per_tile = lambda a: a.reshape(t, TILE, -1).transpose(0, 2, 1)  # noqa: E731  [t, blocks, j]
+    scales = per_tile(sc.astype(np.int8)).reshape(-1).view(np.uint8)
+    supers = per_tile(d.astype(np.float16)).reshape(-1).view(np.uint8)
+    return np.concatenate([weights, scales, supers])
+
+
+def q6k_parts(blob: np.ndarray, n: int, k: int):
+    """q6k_layout's inverse: (q, d, sc)."""
+    t, nblk, nsup = n // TILE, k // 16, k // SUPER
+    a, b = n * k * 3 // 4, n * k * 3 // 4 + n * k // 16
+    blocks = blob[:a].reshape(t, nblk, 192)
+    nib, high = blocks[..., :128].reshape(t, nblk, 2, 64), blocks[..., 128:].reshape(t, nblk, 2, 32)
+    lo = np.concatenate([high & 3, (high >> 2) & 3], axis=-1)  # [t, b, g, 64]
+    hi = np.concatenate([(high >> 4) & 3, high >> 6], axis=-1)
+    lanes = np.stack([(nib & 15) | (lo << 4), (nib >> 4) | (hi << 4)], axis=3)  # [t, b, g, h, 64]
+    q = lanes.reshape(t, nblk, 2, 2, TILE, 4).transpose(0, 4, 1, 2, 3, 5).reshape(n, k)
+    sc = blob[a:b].view(np.int8).reshape(t, nblk, TILE).transpose(0, 2, 1).reshape(n, nblk)
+    d = blob[b:].view(np.float16).reshape(t, nsup, TILE).transpose(0, 2, 1).reshape(n, nsup)
+    return q.astype(np.uint8), d, sc
+
+
+def q6k_grid(blob: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The same weights as an 8-bit grid in blocks of 16 with zero points 32: (q [N, K], scales fp32 [N, K/16])."""
+    q, d, sc = q6k_parts(blob, n, k)
+    return q, np.repeat(d.astype(np.float32), SUPER // 16, axis=1) * sc.astype(np.float32)
+
+
 # ---- the graph with exporter-written kernel ops made portable ----
 
 def portable_graph(model, base_dir) -> int:
-    """Rewrite, in place, every ruvllm.MatMulQ4 the exporter wrote in the k-quant layout into MatMulNBits and
-    its minimum term over the same weights (read from the external data under base_dir). Returns how many."""
+    """Rewrite, in place, every ruvllm.MatMulQ4 the exporter wrote in a GGUF's own layout (Q4_K, Q6_K) into
+    MatMulNBits (and a Q4_K's minimum term) over the same weights (read from the external data under
+    base_dir). Returns how many."""
     from onnx import numpy_helper
 
     inits = {t.name: t for t in model.graph.initializer}
@@ -142,13 +193,18 @@ def portable_graph(model, base_dir) -> int:
             raise ValueError(f"{node.name}: a k-quant {node.op_type} has no portable form here (rewritten before the "
                              "kernels were chosen?)")
         n, k, w = attrs["N"], attrs["K"], node.input[1]
-        layout = GridLayout(n, k, 4, BLOCK, "fp32")
+        six = attrs["kquant"] == 2
+        layout = GridLayout(n, k, 8, 16, None) if six else GridLayout(n, k, 4, BLOCK, "fp32")
         if w not in done:
-            q, scale, mins = kquant_grid(_read(inits[w], base_dir), n, k)
-            b, z = pack_4bit(q, np.zeros_like(scale, dtype=np.uint8), BLOCK)
-            names = nbits_names(w, layout)
-            values = {"q": b, "scales": scale, "zero_points": z, "mins": np.ascontiguousarray(mins.T),
-                      "block_ones": block_ones(k, BLOCK)}
+            blob, names = _read(inits[w], base_dir), nbits_names(w, layout)
+            if six:  # an 8-bit grid in blocks of 16, zero points 32
+                q, scale = q6k_grid(blob, n, k)
+                values = {"q": q.reshape(n, -1, 16), "scales": scale, "zero_points": np.full(scale.shape, 32, np.uint8)}
+            else:
+                q, scale, mins = kquant_grid(blob, n, k)
+                b, z = pack_4bit(q, np.zeros_like(scale, dtype=np.uint8), BLOCK)
+                values = {"q": b, "scales": scale, "zero_points": z, "mins": np.ascontiguousarray(mins.T),
+                          "block_ones": block_ones(k, BLOCK)}
             added += [numpy_helper.from_array(np.ascontiguousarray(v), names[role]) for role, v in values.items()]
             done.add(w)
         nodes += nbits_nodes(w, node.input[0], node.output[0], layout)

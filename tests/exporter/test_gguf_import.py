@@ -107,17 +107,25 @@ def write_tiny_gguf(path, smol_gguf, type_name: str) -> None:
 def package_weights(pkg_dir) -> dict[str, np.ndarray]:
     """Each MatMulNBits weight of the package's graph, and each Q4_K kept at its own bits for the kernel
     (ruvllm.MatMulQ4, kquant=1), dequantized as the graph defines it, [N, K]."""
-    from runtime.backends.block_layouts import kquant_grid
+    import re
+
+    from runtime.backends.block_layouts import kquant_grid, q6k_grid
 
     model = onnx.load(str(pkg_dir / "model.onnx"))
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    out = {}
+    out, parts = {}, {}
     for node in model.graph.node:
         a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
-        if node.op_type == "MatMulQ4" and a.get("kquant"):
+        if node.op_type == "MatMulQ4" and a.get("kquant"):  # a Q4_K or Q6_K at the file's own bits
             n, k = a["N"], a["K"]
-            q, scale, mins = kquant_grid(inits[node.input[1]], n, k)
-            out[node.input[1].rsplit("_Q4K", 1)[0]] = Grid(q, scale, np.zeros_like(q[:, ::32]), 32, 4, mins).dequantize()
+            if a["kquant"] == 2:
+                q, scale = q6k_grid(inits[node.input[1]], n, k)
+                w = Grid(q, scale, np.full(scale.shape, 32, np.uint8), 16, 8).dequantize()
+            else:
+                q, scale, mins = kquant_grid(inits[node.input[1]], n, k)
+                w = Grid(q, scale, np.zeros_like(q[:, ::32]), 32, 4, mins).dequantize()
+            name, part = re.match(r"(.*?)(?:_part(\d+))?_Q[46]K$", node.input[1]).groups()
+            parts.setdefault(name, {})[int(part or 0)] = w
             continue
         if node.op_type != "MatMulNBits":
             continue
@@ -134,6 +142,8 @@ def package_weights(pkg_dir) -> dict[str, np.ndarray]:
         grid = Grid(q, scale.reshape(n, -1).astype(np.float32), z, block, bits,
                     None if mins is None else mins.astype(np.float32).T)
         out[w] = grid.dequantize()
+    for name, ws in parts.items():
+        out[name] = np.concatenate([ws[i] for i in sorted(ws)])
     return out
 
 

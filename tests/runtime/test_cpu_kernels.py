@@ -812,3 +812,78 @@ def test_the_kquant_layout_runs_without_the_kernels_as_matmulnbits(tmp_path):
     got = ort.InferenceSession(model.SerializeToString()).run(None, {"X": x})[0]
     want = x.astype(np.float64) @ w
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def q6k_model(K: int, N: int, seed: int = 0):
+    """ruvllm.MatMulQ4 on a random Q6_K matrix in the exporter's six-bit layout (kquant=2), its fp32 weights
+    [K, N] (as gguf dequantizes: d * sc * (q - 32) per block of 16) and the layout's parts."""
+    from runtime.backends.block_layouts import q6k_layout
+
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 64, (N, K), dtype=np.uint8)
+    d = (rng.random((N, K // 256)) * 0.002 + 1e-4).astype(np.float16)
+    sc = rng.integers(-128, 128, (N, K // 16), dtype=np.int8)
+    scale = np.repeat(d.astype(np.float32), 16, axis=1) * sc.astype(np.float32)
+    w = ((q.reshape(N, -1, 16).astype(np.float32) - 32) * scale[..., None]).reshape(N, K)
+    blob = q6k_layout(q, d, sc)
+    init = helper.make_tensor("W", TensorProto.UINT8, blob.shape, blob.tobytes(), raw=True)
+    node = helper.make_node("MatMulQ4", ["X", "W"], ["Y"], domain="ruvllm", K=K, N=N, bits=6, block_size=16, kquant=2)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], [init])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ruvllm", 1)])
+    return model, w.T.copy(), (q, d, sc)
+
+
+def test_the_six_bit_layout_holds_a_q6_k_matrix_exactly():
+    """q6k_layout and its inverse; its bytes are the file's (210 for 256 weights)."""
+    from runtime.backends.block_layouts import q6k_bytes, q6k_grid, q6k_layout, q6k_parts
+
+    _, w, parts = q6k_model(512, 48, seed=6)
+    blob = q6k_layout(*parts)
+    assert blob.nbytes == q6k_bytes(48, 512) == 48 * 512 * 210 // 256
+    for got, want in zip(q6k_parts(blob, 48, 512), parts):
+        assert np.array_equal(got, want)
+    q, scale = q6k_grid(blob, 48, 512)
+    assert np.array_equal(((q.reshape(48, -1, 16).astype(np.float32) - 32) * scale[..., None]).reshape(48, 512), w.T)
+
+
+@needs_kernel
+@pytest.mark.parametrize("K,N", [(512, 96), (2048, 256), (256, 16)])
+def test_six_bit_kernel_computes_the_int8_product_with_the_q6_k_weights(K, N):
+    """MatMulQ4 on the six-bit layout gives (x rounded to int8 per block of 16) . (d * sc * (q - 32)) for 1
+    to 37 rows and a 3-D input; a row's numbers do not depend on its batch, nor on where its weights lie."""
+    model, w, _ = q6k_model(K, N)
+    opts = ort.SessionOptions()
+    opts.register_custom_ops_library(str(LIB))
+    ours = ort.InferenceSession(model.SerializeToString(), opts)
+    rng = np.random.default_rng(K + N + 1)
+    for shape in ((1, K), (3, K), (16, K), (37, K), (2, 5, K)):
+        x = rng.standard_normal(shape, dtype=np.float32)
+        got, want = ours.run(None, {"X": x})[0], int8_blocks(x, 16).astype(np.float64) @ w
+        assert got.shape == want.shape == (*shape[:-1], N)
+        assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max(), shape
+    x = rng.standard_normal((9, K), dtype=np.float32)
+    together = ours.run(None, {"X": x})[0]
+    assert all(np.array_equal(ours.run(None, {"X": x[i:i + 1]})[0][0], together[i]) for i in range(9))
+    os.environ["RUVLLM_COPY_WEIGHTS"] = "1"
+    try:
+        copied = ort.InferenceSession(model.SerializeToString(), opts)
+    finally:
+        del os.environ["RUVLLM_COPY_WEIGHTS"]
+    assert np.array_equal(copied.run(None, {"X": x})[0], together)
+
+
+def test_the_six_bit_layout_runs_without_the_kernels_as_matmulnbits(tmp_path):
+    from runtime.backends.block_layouts import portable_graph
+
+    model, w, _ = q6k_model(512, 64)
+    assert portable_graph(model, tmp_path) == 1
+    assert {n.domain for n in model.graph.node} <= {"", "com.microsoft"}
+    for node in model.graph.node:
+        for a in node.attribute:
+            if a.name == "accuracy_level":
+                a.i = 0
+    x = np.random.default_rng(4).standard_normal((3, 512)).astype(np.float32)
+    got = ort.InferenceSession(model.SerializeToString()).run(None, {"X": x})[0]
+    want = x.astype(np.float64) @ w
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()

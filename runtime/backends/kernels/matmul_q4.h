@@ -25,6 +25,10 @@
 // runtime/backends/block_layouts.py): per tile, the nibbles as above, per block of 32 its 6-bit scale and
 // minimum as bytes, per super-block of 256 the fp16 d and dmin; the kernel forms s = d * sc and
 // m = -(dmin * mn) in fp32 as gguf's dequantization does, 4.625 bits a weight where the file has 4.5.
+// A fourth holds a GGUF's Q6_K at its own bits (6.5625 bits a weight, the file's): blocks of 16, each
+// its two 64-byte nibble lines and then their two 32-byte lines of the weights' two high bits (byte p:
+// those of lanes p and p + 32 of the low-nibble register, then of the high one, 2 bits each), int8
+// scales per block, fp16 d per 256; w = d * sc * (q - 32).
 #pragma once
 
 #include "ort_api.h"
@@ -54,8 +58,34 @@ struct PackedWeights {
   const uint8_t* ksc = nullptr;   // per tile, per block: 16 scales then 16 minimums (6-bit values as bytes)
   const uint16_t* kd = nullptr;   // per tile, per super-block of 256: 16 fp16 d, then 16 fp16 dmin
   int nsuper = 0;
-  int mode() const { return kquant ? 2 : mins ? 1 : 0; }
+  // six-bit mode (Q6_K): blocks of 16, two nibble lines then their two lines of high bits; ksc holds
+  // the int8 scales (16 a tile and block), kd the fp16 d (16 a tile and super-block)
+  bool six = false;
+  int mode() const { return six ? 3 : kquant ? 2 : mins ? 1 : 0; }
+  size_t group_bytes() const { return six ? 96 : 64; }
 };
+
+inline size_t q6k_bytes(int64_t N, int64_t K) { return (size_t)(N * K * 3 / 4 + N * K / 16 + N * K / 128); }
+
+// Q6_K at its own bits: the exporter's blob (q6k_bytes(N, K), K a multiple of 256), read in place when
+// aligned (as pack_kquant)
+void pack_q6k(PackedWeights& wts, int N, int K, const uint8_t* blob) {
+  if (K % 256 || N % kTile) throw std::invalid_argument("a six-bit layout needs K a multiple of 256, N of 16");
+  wts.N = N; wts.K = K; wts.block = 16; wts.nblk = K / 16; wts.ntiles = N / kTile; wts.Kp = K;
+  wts.nsuper = K / 256;
+  wts.six = true;
+  const size_t bytes = q6k_bytes(N, K);
+  const char* copy = std::getenv("RUVLLM_COPY_WEIGHTS");
+  if (reinterpret_cast<uintptr_t>(blob) % 64 == 0 && !(copy && copy[0] == '1')) {
+    wts.wdata = blob;
+  } else {
+    wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(bytes)));
+    std::memcpy(wts.w.get(), blob, bytes);
+    wts.wdata = wts.w.get();
+  }
+  wts.ksc = wts.wdata + (size_t)N * K * 3 / 4;
+  wts.kd = reinterpret_cast<const uint16_t*>(wts.ksc + (size_t)N * K / 16);
+}
 
 // The k-quant layout's bytes for N columns and K inputs: nibbles, block scales, super-block scales.
 inline size_t kquant_bytes(int64_t N, int64_t K) { return (size_t)(N * K / 2 + N * K / 16 + N * K / 64); }
@@ -198,9 +228,13 @@ template <int T, int R, bool SwiGLU, Prefetch F, int Mode>
 inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0, int64_t m0, const Output& out,
                        int stride, int next) {
   const int nblk = wts.nblk, block = wts.block, K = wts.Kp;  // rows of qa are padded to whole blocks
-  const size_t tile_bytes = (size_t)nblk * (block / 8) * 64;
+  constexpr int GB = Mode == 3 ? 96 : 64;  // bytes a group of 8 k takes in a tile (with the high bits)
+  const size_t tile_bytes = (size_t)nblk * (block / 8) * GB;
   const size_t last_block = (size_t)wts.ntiles * nblk - 1;
   const __m512i low4 = _mm512_set1_epi8(15);
+  // six-bit mode: the high-bit line's fields for the low and high nibble registers (see the layout above)
+  const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const __m512i shift_hi = _mm512_add_epi16(shift_lo, _mm512_set1_epi16(4)), two = _mm512_set1_epi8(3);
   __m512 acc[T][R];
   for (int i = 0; i < T; i++)
     for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_ps();
@@ -208,13 +242,15 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
     __m512i dot[T][R];
     for (int i = 0; i < T; i++)
       for (int r = 0; r < R; r++) dot[i][r] = _mm512_setzero_si512();
-    const uint8_t* wp = wts.wdata + ((size_t)t0 * nblk + b) * (block / 8) * 64;
+    const uint8_t* wp = wts.wdata + ((size_t)t0 * nblk + b) * (block / 8) * GB;
     const int8_t* ap = acts.q.data() + m0 * K + (size_t)b * block;
     if constexpr (F != Prefetch::kNone)
       for (int i = 0; i < T; i++) {
         const size_t tb = std::min(last_block, (size_t)(t0 + i * stride + (F == Prefetch::kNext ? next : 0)) * nblk + b +
                                                    (F == Prefetch::kAhead ? 4 : 0));
-        if constexpr (Mode == 2) {
+        if constexpr (Mode == 3) {
+          prefetch(wts.ksc + tb * kTile);
+        } else if constexpr (Mode == 2) {
           prefetch(wts.ksc + tb * 2 * kTile);  // (a super-block's d line serves 8 blocks: left to the hardware)
         } else if constexpr (Mode == 1) {
           prefetch(wts.scale_min.data() + tb * 2 * kTile);
@@ -226,11 +262,18 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
     for (int g = 0; g < block / 8; g++) {
       __m512i w[T][2];
       for (int i = 0; i < T; i++) {
-        if constexpr (F == Prefetch::kAhead) prefetch(wp + i * stride * tile_bytes + g * 64 + 2048);
-        if constexpr (F == Prefetch::kNext) prefetch(wp + (next + i * stride) * tile_bytes + g * 64);
-        const __m512i v = _mm512_load_si512(wp + i * stride * tile_bytes + g * 64);
+        const uint8_t* gp = wp + i * stride * tile_bytes + g * 64;
+        if constexpr (F == Prefetch::kAhead) prefetch(gp + 2048);
+        if constexpr (F == Prefetch::kNext) prefetch(gp + next * tile_bytes);
+        const __m512i v = _mm512_load_si512(gp);
         w[i][0] = _mm512_and_si512(v, low4);
         w[i][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        if constexpr (Mode == 3) {  // each byte's two high bits, to bits 4 and 5
+          const uint8_t* hp = wp + i * stride * tile_bytes + (block / 8) * 64 + g * 32;
+          const __m512i h = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(hp)));
+          w[i][0] = _mm512_or_si512(w[i][0], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_lo), two), 4));
+          w[i][1] = _mm512_or_si512(w[i][1], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_hi), two), 4));
+        }
       }
       for (int h = 0; h < 2; h++)
         for (int r = 0; r < R; r++) {
@@ -242,6 +285,17 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
     }
     for (int i = 0; i < T; i++) {
       const size_t tb = (size_t)(t0 + i * stride) * nblk + b;
+      if constexpr (Mode == 3) {  // w = d * sc * (q - 32): d * sc exact in fp32, as gguf computes it
+        const size_t ts = (size_t)(t0 + i * stride) * wts.nsuper + b / 16;
+        const __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wts.kd + ts * kTile))),
+                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wts.ksc + tb * kTile)))));
+        for (int r = 0; r < R; r++) {
+          const size_t mb = (size_t)(m0 + r) * nblk + b;
+          const __m512 x = _mm512_sub_ps(_mm512_cvtepi32_ps(dot[i][r]), _mm512_set1_ps(32.f * acts.sum[mb]));
+          acc[i][r] = _mm512_fmadd_ps(x, _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[i][r]);
+        }
+        continue;
+      }
       if constexpr (Mode != 0) {
         __m512 s, mn;
         if constexpr (Mode == 2) {  // s = d * sc, m = -(dmin * mn), as gguf computes them
@@ -292,9 +346,10 @@ template <int T, int R, bool SwiGLU, Prefetch F, int Mode>
 inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0, int64_t m0, const Output& out,
                        int stride, int next) {
   const int nblk = wts.nblk, block = wts.block, K = wts.Kp;
-  const size_t tile_bytes = (size_t)nblk * (block / 8) * 64;
+  constexpr int GB = Mode == 3 ? 96 : 64;  // bytes a group of 8 k takes in a tile (with the high bits)
+  const size_t tile_bytes = (size_t)nblk * (block / 8) * GB;
   const size_t last_block = (size_t)wts.ntiles * nblk - 1;
-  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), two = _mm256_set1_epi8(3);
   __m256 acc[T][R][2];
   for (int i = 0; i < T; i++)
     for (int r = 0; r < R; r++) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_ps();
@@ -302,11 +357,12 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
     const int8_t* ap = acts.q.data() + m0 * K + (size_t)b * block;
     for (int i = 0; i < T; i++) {
       const size_t tb = (size_t)(t0 + i * stride) * nblk + b;
-      const uint8_t* wp = wts.wdata + tb * (block / 8) * 64;
+      const uint8_t* wp = wts.wdata + tb * (block / 8) * GB;
       if constexpr (F != Prefetch::kNone) {
         const size_t ahead = std::min(last_block, (size_t)(t0 + i * stride + (F == Prefetch::kNext ? next : 0)) * nblk + b +
                                                       (F == Prefetch::kAhead ? 4 : 0));
-        if constexpr (Mode == 2) prefetch(wts.ksc + ahead * 2 * kTile);
+        if constexpr (Mode == 3) prefetch(wts.ksc + ahead * kTile);
+        else if constexpr (Mode == 2) prefetch(wts.ksc + ahead * 2 * kTile);
         else if constexpr (Mode == 1) prefetch(wts.scale_min.data() + ahead * 2 * kTile);
         else {
           prefetch(wts.scale.data() + ahead * kTile);
@@ -320,9 +376,17 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
         if constexpr (F == Prefetch::kNext) prefetch(wp + next * tile_bytes + g * 64);
         const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + g * 64));
         const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + g * 64 + 32));
+        __m256i hb = _mm256_setzero_si256();
+        if constexpr (Mode == 3) hb = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + (block / 8) * 64 + g * 32));
         for (int h = 0; h < 2; h++) {
-          const __m256i w0 = h ? _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4) : _mm256_and_si256(v0, low4);
-          const __m256i w1 = h ? _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4) : _mm256_and_si256(v1, low4);
+          __m256i w0 = h ? _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4) : _mm256_and_si256(v0, low4);
+          __m256i w1 = h ? _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4) : _mm256_and_si256(v1, low4);
+          if constexpr (Mode == 3) {  // each byte's two high bits, to bits 4 and 5 (see the layout above)
+            const __m256i f0 = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(4 * h)), two);
+            const __m256i f1 = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(4 * h + 2)), two);
+            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(f0, 4));
+            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(f1, 4));
+          }
           for (int r = 0; r < R; r++) {
             int32_t word;
             std::memcpy(&word, ap + (size_t)r * K + g * 8 + h * 4, 4);
@@ -334,7 +398,12 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
       }
       for (int c = 0; c < 2; c++) {
         __m256 s, z_or_min;
-        if constexpr (Mode == 2) {  // s = d * sc, m = -(dmin * mn), as gguf computes them
+        if constexpr (Mode == 3) {  // w = d * sc * (q - 32)
+          const uint16_t* dp = wts.kd + ((size_t)(t0 + i * stride) * wts.nsuper + b / 16) * kTile;
+          s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + 8 * c))),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wts.ksc + tb * kTile + 8 * c)))));
+          z_or_min = _mm256_set1_ps(32.f);
+        } else if constexpr (Mode == 2) {  // s = d * sc, m = -(dmin * mn), as gguf computes them
           const uint16_t* dm = wts.kd + ((size_t)(t0 + i * stride) * wts.nsuper + b / 8) * 2 * kTile;
           const uint8_t* scm = wts.ksc + tb * 2 * kTile;
           auto bytes8 = [](const uint8_t* p) {
@@ -354,7 +423,7 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
         for (int r = 0; r < R; r++) {
           const size_t mb = (size_t)(m0 + r) * nblk + b;
           const __m256 d = _mm256_cvtepi32_ps(dot[r][c]);
-          if constexpr (Mode != 0) {
+          if constexpr (Mode == 1 || Mode == 2) {
             acc[i][r][c] = _mm256_fmadd_ps(d, _mm256_mul_ps(s, _mm256_set1_ps(acts.scale[mb])), acc[i][r][c]);
             acc[i][r][c] = _mm256_fmadd_ps(z_or_min, _mm256_set1_ps(acts.scale[mb] * acts.sum[mb]), acc[i][r][c]);
           } else {
@@ -417,6 +486,7 @@ void gemm_tiles_as(const PackedWeights& wts, const QuantizedRows& acts, int64_t 
 void gemm_tiles(const PackedWeights& wts, const QuantizedRows& acts, int64_t M, const Output& out, int t_begin, int t_end,
                 bool swiglu) {
   switch (wts.mode()) {
+    case 3: return gemm_tiles_as<3>(wts, acts, M, out, t_begin, t_end, swiglu);
     case 2: return gemm_tiles_as<2>(wts, acts, M, out, t_begin, t_end, swiglu);
     case 1: return gemm_tiles_as<1>(wts, acts, M, out, t_begin, t_end, swiglu);
     default: return gemm_tiles_as<0>(wts, acts, M, out, t_begin, t_end, swiglu);
@@ -532,7 +602,9 @@ OrtStatus* create_kquant_kernel(const CustomOp* op, const OrtKernelInfo* info, v
   RETURN_IF(tensor_shape(blob, dims));
   int64_t count = 1;
   for (int64_t d : dims) count *= d;
-  if ((size_t)count != kquant_bytes(N, K)) return fail("ruvllm.MatMulQ4 (k-quant): the weights are not N*K*37/64 bytes");
+  const int64_t kind = attr_or(info, "kquant", 1);  // 1: Q4_K, 2: Q6_K
+  if ((size_t)count != (kind == 2 ? q6k_bytes(N, K) : kquant_bytes(N, K)))
+    return fail("ruvllm.MatMulQ4 (k-quant): the weights are not the layout's size for N and K");
   const uint8_t* data = nullptr;
   RETURN_IF(tensor_data(blob, &data));
   const Epilogue epilogue = epilogue_of(op);
@@ -544,7 +616,8 @@ OrtStatus* create_kquant_kernel(const CustomOp* op, const OrtKernelInfo* info, v
   return make_kernel<Kernel>("ruvllm.MatMulQ4", [&](Kernel& k) {
     k.epilogue = epilogue;
     k.split = split;
-    pack_kquant(k.w, (int)N, (int)K, data);
+    if (kind == 2) pack_q6k(k.w, (int)N, (int)K, data);
+    else pack_kquant(k.w, (int)N, (int)K, data);
   }, out);
 }
 
