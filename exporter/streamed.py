@@ -125,6 +125,17 @@ class GgufProjections:
         return rtn_grid(np.concatenate([self.t.float(p) for p in parts]), bits, block)
 
 
+def embedding(tensors: GgufTensors, opts: ConvertOptions) -> Grid | OwnBits | None:
+    """The embedding table as the graph gathers it: a Q4_K or Q6_K table at its own bits in an int4
+    package (ruvllm.GatherQ on the layout its tied head computes with), else the file's grid (or None)."""
+    name = "model.embed_tokens.weight"
+    if opts.quant == "int4" and tensors.type_of(name) in ("Q4_K", "Q6_K"):
+        parts = tensors.own_bits(name)
+        if parts[0].shape[0] % 16 == 0 and parts[0].shape[1] % 256 == 0:
+            return OwnBits.of([(tensors.type_of(name), parts)])
+    return tensors.grid(name)
+
+
 def convert_streamed(source, out: Path, opts: ConvertOptions, started: float) -> Path:
     from exporter.convert import staging_dir, write_package
     from exporter.sources.hf_model import decoder_spec
@@ -142,12 +153,12 @@ def convert_streamed(source, out: Path, opts: ConvertOptions, started: float) ->
         raise RuvLLMError(f"--head-rescore {opts.head_rescore} is more than the vocabulary ({spec.vocab_size} tokens)")
     quantized = opts.quant in ("int8", "int4")
     weights = LazyWeights(tensors, family)
-    embed_grid = tensors.grid("model.embed_tokens.weight") if opts.method == "gguf" else None
+    embed_grid = embedding(tensors, opts) if opts.method == "gguf" else None
     n_graphs = 2 if opts.lora else 1
     bar = stage("building graphs", total=4 * spec.num_layers + 1 if quantized else None, enabled=on)
     grids = GgufProjections(tensors, opts, spec.tie_word_embeddings, bar) if quantized else None
     tensors.release()
-    if grids is not None:
+    if grids is not None and isinstance(embed_grid, Grid):
         grids.embedding = embed_grid
     tmp = staging_dir(out)
     store = WeightStore(tmp / DATA_FILE)

@@ -187,7 +187,9 @@ class DecoderBuilder:
         b, dtype = self.b, self.opts.embed_dtype
         table = lambda: self.weights["model.embed_tokens.weight"].astype(dtype)  # noqa: E731
         self.embed_name = None
-        if self.opts.embed_grid is not None:
+        if getattr(self.opts.embed_grid, "kquant", False):  # at the file's own bits (projections.OwnBits)
+            self.gather_rows = self.opts.embed_grid.gather(b, "model.embed_tokens")
+        elif self.opts.embed_grid is not None:
             self.gather_rows = grid_rows(b, "model.embed_tokens", self.opts.embed_grid)
         elif dtype == np.float32:
             self.embed_name = name = b.named_weight("model.embed_tokens.weight", table)

@@ -26,6 +26,24 @@ class OwnBits:
     Q6_K's (q, d, sc). More than one run: one operator each, their outputs concatenated."""
 
     runs: list[tuple[str, tuple]]
+    kquant = True  # (for gguf_blocks.describe)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(kind for kind, _ in self.runs)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(a[0].shape[0] for _, a in self.runs), self.runs[0][1][0].shape[1]
+
+    def gather(self, b: GraphBuilder, name: str):
+        """A function of token ids -> their rows, dequantized by ruvllm.GatherQ from this table's layout
+        (one run: an embedding table)."""
+        (kind, arrays), = self.runs
+        attr, _, make = LAYOUTS[kind]
+        n, k = self.shape
+        blob = b.named_weight(f"{name}_{kind.replace('_', '')}", lambda: make(*arrays))
+        return lambda ids: b.op("GatherQ", [blob, ids], domain=DOMAIN, N=n, K=k, kquant=attr)
 
     @classmethod
     def of(cls, parts: list[tuple[str, tuple]]) -> OwnBits:

@@ -178,14 +178,22 @@ def q6k_grid(blob: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 def portable_graph(model, base_dir) -> int:
     """Rewrite, in place, every ruvllm.MatMulQ4 the exporter wrote in a GGUF's own layout (Q4_K, Q6_K) into
-    MatMulNBits (and a Q4_K's minimum term) over the same weights (read from the external data under
-    base_dir). Returns how many."""
+    MatMulNBits (and a Q4_K's minimum term), and every ruvllm.GatherQ into standard gathers, over the same
+    weights (read from the external data under base_dir). Returns how many."""
     from onnx import numpy_helper
 
     inits = {t.name: t for t in model.graph.initializer}
     nodes, added, done, count = [], [], set(), 0
     for node in model.graph.node:
         attrs = {a.name: a.i for a in node.attribute}
+        if node.domain == DOMAIN and node.op_type == "GatherQ":
+            table = node.input[0]
+            nodes += gather_nodes(node, attrs, f"{table}/portable")
+            if table not in done:
+                added += gather_tables(_read(inits[table], base_dir), attrs, f"{table}/portable")
+                done.add(table)
+            count += 1
+            continue
         if node.domain != DOMAIN or not node.op_type.startswith("MatMulQ4") or not attrs.get("kquant"):
             nodes.append(node)
             continue
@@ -216,6 +224,53 @@ def portable_graph(model, base_dir) -> int:
         model.graph.ClearField("initializer")
         model.graph.initializer.extend(kept + added)
     return count
+
+
+def gather_tables(blob: np.ndarray, attrs: dict, prefix: str) -> list:
+    """GatherQ's table as plain initializers: q [N, K] uint8, scales (and a Q4_K's minimums) [N, blocks] fp32."""
+    from onnx import numpy_helper
+
+    n, k = attrs["N"], attrs["K"]
+    if attrs["kquant"] == 2:
+        q, scale = q6k_grid(blob, n, k)
+        arrays = {"q": q, "scales": scale}
+    else:
+        q, scale, mins = kquant_grid(blob, n, k)
+        arrays = {"q": q, "scales": scale, "mins": mins}
+    return [numpy_helper.from_array(np.ascontiguousarray(v), f"{prefix}.{role}") for role, v in arrays.items()]
+
+
+def gather_nodes(node, attrs: dict, prefix: str) -> list:
+    """GatherQ in standard operators on gather_tables' initializers: the rows' integers, minus 32 for Q6_K,
+    times their block's scale (plus a Q4_K's minimum), as gguf computes them."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    six = attrs["kquant"] == 2
+    block = 16 if six else BLOCK
+    ids, out, p = node.input[1], node.output[0], f"{node.name or prefix}/"
+    consts = {"flat": np.array([-1], np.int64), "blocks": np.array([-1, attrs["K"] // block, block], np.int64),
+              "axis2": np.array([2], np.int64), "k": np.array([attrs["K"]], np.int64), "32": np.array(32, np.float32)}
+    nodes = [helper.make_node("Constant", [], [p + name], value=numpy_helper.from_array(v)) for name, v in consts.items()]
+    nodes += [helper.make_node("Reshape", [ids, p + "flat"], [p + "ids"]),
+              helper.make_node("Gather", [f"{prefix}.q", p + "ids"], [p + "q8"], axis=0),
+              helper.make_node("Cast", [p + "q8"], [p + "qf"], to=TensorProto.FLOAT),
+              helper.make_node("Reshape", [p + "qf", p + "blocks"], [p + "qb"])]
+    q = p + "qb"
+    if six:
+        nodes.append(helper.make_node("Sub", [q, p + "32"], [p + "centred"]))
+        q = p + "centred"
+    for role in ("scales", "mins") if not six else ("scales",):
+        nodes += [helper.make_node("Gather", [f"{prefix}.{role}", p + "ids"], [p + role], axis=0),
+                  helper.make_node("Unsqueeze", [p + role, p + "axis2"], [p + role + "3"])]
+    nodes.append(helper.make_node("Mul", [q, p + "scales3"], [p + "scaled"]))
+    rows = p + "scaled"
+    if not six:
+        nodes.append(helper.make_node("Add", [rows, p + "mins3"], [p + "rows"]))
+        rows = p + "rows"
+    nodes += [helper.make_node("Shape", [ids], [p + "ids_shape"]),
+              helper.make_node("Concat", [p + "ids_shape", p + "k"], [p + "shape"], axis=0),
+              helper.make_node("Reshape", [rows, p + "shape"], [out])]
+    return nodes
 
 
 def _read(tensor, base_dir) -> np.ndarray:

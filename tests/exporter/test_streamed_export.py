@@ -86,7 +86,7 @@ def test_a_mixed_gguf_streams_into_the_files_own_blocks(mixed_gguf, workdir, mon
 
     meta = load_package(pkg_dir).manifest["quantization"]["gguf"]
     assert meta["requantized"] == [f"model.layers.{i}.mlp.down_proj.weight" for i in range(2)], meta
-    assert meta["lm_head"] == "the file's own, exact" and meta["embeddings"].startswith("8-bit, blocks of 16")
+    assert meta["lm_head"] == "the file's own, exact" and meta["embeddings"] == "Q6_K at the file's own bits"
     model = load(mixed_gguf.parent, gguf_file=mixed_gguf.name, dtype=torch.float32).eval()
     hf = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     got = package_weights(pkg_dir)

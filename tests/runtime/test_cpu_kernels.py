@@ -887,3 +887,31 @@ def test_the_six_bit_layout_runs_without_the_kernels_as_matmulnbits(tmp_path):
     got = ort.InferenceSession(model.SerializeToString()).run(None, {"X": x})[0]
     want = x.astype(np.float64) @ w
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def gather_model(kind: int, N: int = 64, K: int = 512):
+    """ruvllm.GatherQ over a random table in MatMulQ4's Q4_K (1) or Q6_K (2) layout, and its fp32 rows."""
+    model, w, _ = kquant_model(K, N) if kind == 1 else q6k_model(K, N)
+    table = model.graph.initializer[0]
+    node = helper.make_node("GatherQ", ["W", "ids"], ["rows"], domain="ruvllm", N=N, K=K, kquant=kind)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, None)],
+                              [helper.make_tensor_value_info("rows", TensorProto.FLOAT, None)], [table])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ruvllm", 1)]), w.T
+
+
+@pytest.mark.parametrize("kind", [1, 2])
+def test_gathered_rows_are_the_tables_dequantization_bit_for_bit(kind, tmp_path):
+    """With the kernels and without them (portable_graph): the rows gguf's dequantization gives, exactly."""
+    from runtime.backends.block_layouts import portable_graph
+
+    model, w = gather_model(kind)
+    ids = np.array([[3, 63, 0], [17, 17, 40]], np.int64)
+    runs = []
+    if LIB is not None:
+        opts = ort.SessionOptions()
+        opts.register_custom_ops_library(str(LIB))
+        runs.append(ort.InferenceSession(model.SerializeToString(), opts).run(None, {"ids": ids})[0])
+    assert portable_graph(model, tmp_path) == 1
+    runs.append(ort.InferenceSession(model.SerializeToString()).run(None, {"ids": ids})[0])
+    for got in runs:
+        assert got.shape == (2, 3, 512) and np.array_equal(got.view(np.uint32), w[ids].view(np.uint32))

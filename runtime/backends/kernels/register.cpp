@@ -4,6 +4,7 @@
 // library's exported functions. tests/runtime/test_cpu_kernels.py checks every operator against what
 // it replaces.
 
+#include "gather_blocks.h"
 #include "lora_delta.h"
 #include "matmul_q4.h"
 #include "matmul_q8.h"
@@ -93,7 +94,7 @@ OrtStatus* guarded(void* kernel, OrtKernelContext* ctx) {
 constexpr char kMatMulName[] = "ruvllm.MatMulQ4", kAttentionName[] = "ruvllm.PagedAttention",
                kNormName[] = "ruvllm.SkipRMSNorm", kLoraName[] = "ruvllm.LoraDelta",
                kMatMulQ8Name[] = "ruvllm.MatMulQ8", kLoraSwigluName[] = "ruvllm.LoraSwiGLU",
-               kLoraSplitName[] = "ruvllm.LoraSplit";
+               kLoraSplitName[] = "ruvllm.LoraSplit", kGatherName[] = "ruvllm.GatherQ";
 
 // the entry points of an operator whose kernel object (a K) `create` makes and `run` computes with
 template <typename K, CreateFn create, ComputeFn run, const char* what>
@@ -177,6 +178,14 @@ CustomOp matmul_q8_op() {
   return op;
 }
 
+CustomOp gather_op() {
+  CustomOp op = kernel_op<GatherKernel, create_gather, gather_rows, kGatherName>();
+  op.GetName = [](const CustomOp*) { return "GatherQ"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return i == 0 ? kUint8 : kInt64; };
+  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 2; };
+  return op;
+}
+
 CustomOp matmul_split_op() {
   CustomOp op = matmul_op();
   op.GetName = [](const CustomOp*) { return "MatMulQ4Split"; };
@@ -197,6 +206,7 @@ const CustomOp g_lora = lora_op();
 const CustomOp g_lora_swiglu = lora_swiglu_op();
 const CustomOp g_lora_split = lora_split_op();
 const CustomOp g_matmul_q8 = matmul_q8_op();
+const CustomOp g_gather = gather_op();
 #if RUVLLM_AVX512
 const CustomOp g_attention = attention_op();
 const CustomOp g_norm = norm_op();
@@ -214,11 +224,12 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   RETURN_IF(api<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ruvllm", &domain));
   auto add = api<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomain_Add);
 #if RUVLLM_AVX512
-  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_matmul_q8, &g_attention, &g_norm, &g_lora, &g_lora_swiglu,
-                            &g_lora_split})
+  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_matmul_q8, &g_gather, &g_attention, &g_norm, &g_lora,
+                            &g_lora_swiglu, &g_lora_split})
     RETURN_IF(add(domain, op));
 #else
-  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_matmul_q8, &g_lora, &g_lora_swiglu, &g_lora_split})
+  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_matmul_q8, &g_gather, &g_lora, &g_lora_swiglu,
+                            &g_lora_split})
     RETURN_IF(add(domain, op));
 #endif
   return api<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
