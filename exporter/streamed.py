@@ -32,6 +32,7 @@ from exporter.quantizers.quantize import BITS, MLP_WEIGHTS
 from exporter.sources.gguf_blocks import GraphGrids
 from exporter.sources.gguf_tensors import GgufTensors, LazyWeights
 from exporter.writers.external_data import WeightStore
+from runtime.backends.block_layouts import OWN
 from runtime.errors import RuvLLMError
 
 HEAD_ROWS = 8192  # rows of a float LM head quantized at a time (a 128k vocabulary's head is 1 GB in fp32)
@@ -90,9 +91,9 @@ class GgufProjections:
         parts = self.parts(name)
         head = name == "lm_head"
         exact = self.opts.method == "gguf" and not (head and self.opts.head_rescore)
-        if exact and self.bits == 4 and all(self.t.type_of(p) in ("Q4_K", "Q6_K") for p in parts):
+        if exact and self.bits == 4 and all(self.t.type_of(p) in OWN for p in parts):
             own = [(self.t.type_of(p), self.t.own_bits(p)) for p in parts]  # at their own bits, for the kernel
-            if all(a[0].shape[0] % 16 == 0 and a[0].shape[1] % 256 == 0 for _, a in own):
+            if all(a[0].shape[0] % 16 == 0 and a[0].shape[1] % OWN[kind].superblock == 0 for kind, a in own):
                 self.carried.add(name)
                 self.t.release()
                 if self.bar is not None:

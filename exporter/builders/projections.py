@@ -16,14 +16,14 @@ import numpy as np
 from exporter.builders.onnx_builder import GraphBuilder
 from exporter.quantizers.block_matmul import GridLayout, grid_nodes, grid_tensors, layout_of, tensor_names
 from exporter.quantizers.grid import Grid
-from runtime.backends.block_layouts import DOMAIN, kquant_layout, q6k_layout
+from runtime.backends.block_layouts import DOMAIN, OWN, own_layout
 
 
 @dataclass
 class OwnBits:
     """A projection kept at a GGUF's own bits for ruvllm.MatMulQ4 (runtime.backends.block_layouts): runs
-    of its parts by type, each (GGUF type, the run's parts stacked by rows): Q4_K's (q, d, dmin, sc, m),
-    Q6_K's (q, d, sc). More than one run: one operator each, their outputs concatenated."""
+    of its parts by type, each (GGUF type, the run's parts stacked by rows: q and the type's scales, as
+    block_layouts.own_layout takes them). More than one run: one operator each, their outputs concatenated."""
 
     runs: list[tuple[str, tuple]]
     kquant = True  # (for gguf_blocks.describe)
@@ -40,10 +40,9 @@ class OwnBits:
         """A function of token ids -> their rows, dequantized by ruvllm.GatherQ from this table's layout
         (one run: an embedding table)."""
         (kind, arrays), = self.runs
-        attr, _, make = LAYOUTS[kind]
         n, k = self.shape
-        blob = b.named_weight(f"{name}_{kind.replace('_', '')}", lambda: make(*arrays))
-        return lambda ids: b.op("GatherQ", [blob, ids], domain=DOMAIN, N=n, K=k, kquant=attr)
+        blob = b.named_weight(f"{name}_{kind.replace('_', '')}", lambda: own_layout(kind, *arrays))
+        return lambda ids: b.op("GatherQ", [blob, ids], domain=DOMAIN, N=n, K=k, kquant=OWN[kind].kind)
 
     @classmethod
     def of(cls, parts: list[tuple[str, tuple]]) -> OwnBits:
@@ -65,14 +64,13 @@ class OwnBitsLayout:
 
     @property
     def bits(self) -> int:
-        return 6 if "Q6_K" in self.kinds else 4
+        return max(4 + OWN[kind].high_bits for kind in self.kinds)
 
     @property
     def block(self) -> int:
-        return 16 if "Q6_K" in self.kinds else 32
+        return min(OWN[kind].block for kind in self.kinds)
 
 
-LAYOUTS = {"Q4_K": (1, 32, kquant_layout), "Q6_K": (2, 16, q6k_layout)}  # kquant attribute, block, blob
 
 
 class ProjectionGrids:
@@ -99,12 +97,12 @@ class ProjectionGrids:
         if isinstance(layout, OwnBitsLayout):  # the kernel's own op: a host without it gets MatMulNBits at load
             outs = []
             for i, (kind, rows) in enumerate(zip(layout.kinds, layout.rows)):
-                attr, block, make = LAYOUTS[kind]
+                t = OWN[kind]
                 name = f"{w}_{kind.replace('_', '')}" if len(layout.kinds) == 1 else f"{w}_part{i}_{kind.replace('_', '')}"
-                blob = b.named_weight(name, lambda i=i, make=make: make(*grid.runs[i][1]))
+                blob = b.named_weight(name, lambda i=i, kind=kind: own_layout(kind, *grid.runs[i][1]))
                 part_out = y if len(layout.kinds) == 1 else f"{name}/out"
                 b.op("MatMulQ4", [x, blob], name=f"{name}/MatMulQ4", out=part_out, domain=DOMAIN, K=layout.k, N=rows,
-                     bits=4 if attr == 1 else 6, block_size=block, kquant=attr)
+                     bits=4 + t.high_bits, block_size=t.block, kquant=t.kind)
                 outs.append(part_out)
             if len(outs) > 1:
                 b.op("Concat", outs, axis=-1, out=y)

@@ -121,6 +121,37 @@ def q6_k_parts(data: np.ndarray, rows: int, cols: int):
             b[:, 192:208].copy().view(np.int8).reshape(rows, -1))
 
 
+def q5_k_parts(data: np.ndarray, rows: int, cols: int):
+    """A Q5_K tensor's own parts: as q4_k_parts, with q's fifth bit (0..31)."""
+    from gguf.quants import Q4_K
+
+    b = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, 176)
+    n = b.shape[0]
+    sc, m = Q4_K.get_scale_min(b[:, 4:16].copy())
+    qh = b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    q = _nibbles(b[:, 48:], 32) | ((qh & 1) << 4).reshape(n, -1)
+    f16 = lambda at: b[:, at:at + 2].copy().view(np.float16).reshape(rows, -1)  # noqa: E731
+    return (q.reshape(rows, cols).astype(np.uint8), f16(0), f16(2), sc.astype(np.uint8).reshape(rows, -1),
+            m.astype(np.uint8).reshape(rows, -1))
+
+
+def own_parts(type_name: str, data: np.ndarray, rows: int, cols: int) -> tuple:
+    """A tensor's own parts, as runtime.backends.block_layouts.own_layout takes them: q [rows, cols] and the
+    type's scales (Q4_K, Q5_K: d, dmin, sc, m; Q6_K: d, sc; Q4_0, Q5_0: d; Q4_1, Q5_1: d, m), nothing computed."""
+    if type_name == "Q4_K":
+        return q4_k_parts(data, rows, cols)
+    if type_name == "Q5_K":
+        return q5_k_parts(data, rows, cols)
+    if type_name == "Q6_K":
+        return q6_k_parts(data, rows, cols)
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1])
+    q, d, _, mins, _, _ = DECODERS[type_name](blocks)  # d and m: fp16 in the file, widened exactly
+    half = lambda a: a.astype(np.float16).reshape(rows, -1)  # noqa: E731
+    return (q.reshape(rows, cols).astype(np.uint8), half(d)) + (() if mins is None else (half(mins),))
+
+
 DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q5_K": _q5_k,
             "Q6_K": _q6_k, "Q8_0": _q8_0}
 

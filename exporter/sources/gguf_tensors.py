@@ -76,16 +76,16 @@ class GgufTensors:
             grid = Grid(grid.q[idx], grid.scale[idx], grid.zero[idx], grid.block, grid.bits, pick(grid.mins))
         return grid
 
-    OWN_BITS = {"Q4_K": gguf_blocks.q4_k_parts, "Q6_K": gguf_blocks.q6_k_parts}
-
     def own_bits(self, name: str):
-        """A Q4_K or Q6_K tensor's own parts (gguf_blocks.q4_k_parts / q6_k_parts) in transformers' row
-        order, or None for another type."""
+        """A tensor's own parts (gguf_blocks.own_parts) in transformers' row order, or None for a type the
+        kernels do not read at its own bits (runtime.backends.block_layouts.OWN)."""
+        from runtime.backends.block_layouts import OWN
+
         t = self.tensors[name]
-        if t.tensor_type.name not in self.OWN_BITS or len(t.shape) != 2:
+        if t.tensor_type.name not in OWN or len(t.shape) != 2:
             return None
         cols, rows = (int(d) for d in t.shape)
-        parts = self.OWN_BITS[t.tensor_type.name](t.data, rows, cols)
+        parts = gguf_blocks.own_parts(t.tensor_type.name, t.data, rows, cols)
         idx = self._row_order(t.name, rows)
         return parts if idx is None else tuple(p[idx] for p in parts)
 

@@ -78,100 +78,146 @@ def pack_4bit(q: np.ndarray, zero: np.ndarray, block: int) -> tuple[np.ndarray, 
     return b, (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8)
 
 
-# ---- Q4_K at its own bits, for ruvllm.MatMulQ4 (kquant=1) ----
+# ---- a GGUF's block types at their own bits, for ruvllm.MatMulQ4 (kquant = OWN[type].kind) ----
 
-def kquant_bytes(n: int, k: int) -> int:
-    return n * k // 2 + n * k // 16 + n * k // 64
+@dataclass(frozen=True)
+class OwnType:
+    """One GGUF block type as the kernel reads it (kernels/matmul_q4.h's kOwnBits, in the same order)."""
+
+    kind: int  # the operator's kquant attribute
+    high_bits: int  # bits above the low nibble: 0, 1 or 2
+    block: int  # weights a scale covers
+    zero: int  # the zero point (0: the type has minimums instead)
+    scales: str  # "kquant" (q, d, dmin, sc, m), "six" (q, d, sc), "half" (q, d), "halfmin" (q, d, m)
+    superblock: int = BLOCK  # K must be a multiple of it (SUPER for the K-quants)
 
 
-def kquant_layout(q: np.ndarray, d: np.ndarray, dmin: np.ndarray, sc: np.ndarray, m: np.ndarray) -> np.ndarray:
-    """The kernel's blob from a Q4_K matrix's parts: q uint8 [N, K] (0..15), d and dmin fp16 [N, K/256],
-    sc and m uint8 [N, K/32] (0..63); w = d * sc * q - dmin * m per block of 32."""
+OWN = {"Q4_K": OwnType(1, 0, 32, 0, "kquant", SUPER), "Q6_K": OwnType(2, 2, 16, 32, "six", SUPER),
+       "Q5_K": OwnType(3, 1, 32, 0, "kquant", SUPER), "Q5_0": OwnType(4, 1, 32, 16, "half"),
+       "Q4_0": OwnType(5, 0, 32, 8, "half"), "Q4_1": OwnType(6, 0, 32, 0, "halfmin"),
+       "Q5_1": OwnType(7, 1, 32, 0, "halfmin")}
+BY_KIND = {t.kind: name for name, t in OWN.items()}
+
+
+def own_sections(t: OwnType, n: int, k: int) -> tuple[int, int, int]:
+    """Bytes of the layout's sections: weights (nibble and high-bit lines), scale bytes, fp16 scales."""
+    blocks, supers = n * (k // t.block), n * (k // SUPER)
+    sc, half = {"kquant": (blocks * 2, supers * 4), "six": (blocks, supers * 2), "half": (0, blocks * 2),
+                "halfmin": (0, blocks * 4)}[t.scales]
+    return n * k // 2 + n * k * t.high_bits // 8, sc, half
+
+
+def own_bytes(name: str, n: int, k: int) -> int:
+    return sum(own_sections(OWN[name], n, k))
+
+
+def _lanes(q: np.ndarray, t: OwnType) -> np.ndarray:
+    """q [N, K] as the kernel's registers see it: [tiles, blocks, groups, 2 (low, high nibble), 64 lanes],
+    lane 4j + i holding column j's k = 8g + i (+ 4 in the high nibble register)."""
     n, k = q.shape
-    if n % TILE or k % SUPER:
-        raise ValueError(f"a k-quant layout needs N a multiple of {TILE} and K of {SUPER} (got {n} x {k})")
-    t, nblk, nsup = n // TILE, k // BLOCK, k // SUPER
-    # k = 32 b + 8 g + 4 h + i: byte 4j + i of group g = q(k with h=0) | q(k with h=1) << 4
-    qq = q.reshape(t, TILE, nblk, 4, 2, 4)
-    nib = (qq[..., 0, :] | (qq[..., 1, :] << 4)).astype(np.uint8)  # [t, j, b, g, i]
-    weights = nib.transpose(0, 2, 3, 1, 4).reshape(-1)  # [t, b, g, j, i]
-    per_tile = lambda a: a.reshape(t, TILE, -1).transpose(0, 2, 1)  # noqa: E731  [t, blocks, j]
-    scales = np.stack([per_tile(sc), per_tile(m)], axis=2).astype(np.uint8).reshape(-1)  # [t, b, 2, j]
-    supers = np.stack([per_tile(d.astype(np.float16)), per_tile(dmin.astype(np.float16))], axis=2)  # [t, s, 2, j]
-    assert supers.shape == (t, nsup, 2, TILE)
-    return np.concatenate([weights, scales, supers.reshape(-1).view(np.uint8)])
+    qq = q.reshape(n // TILE, TILE, k // t.block, t.block // 8, 2, 4)  # [t, j, b, g, h, i]
+    return qq.transpose(0, 2, 3, 4, 1, 5).reshape(n // TILE, k // t.block, t.block // 8, 2, 64)
 
 
-def kquant_parts(blob: np.ndarray, n: int, k: int):
-    """kquant_layout's inverse: (q, d, dmin, sc, m)."""
-    t, nblk, nsup = n // TILE, k // BLOCK, k // SUPER
-    a, b = n * k // 2, n * k // 2 + n * k // 16
-    nib = blob[:a].reshape(t, nblk, 4, TILE, 4)  # [t, b, g, j, i]
-    q = np.stack([nib & 15, nib >> 4], axis=3)  # [t, b, g, h, j, i]
-    q = q.transpose(0, 4, 1, 2, 3, 5).reshape(n, k)  # [t, j, b, g, h, i]
-    scales = blob[a:b].reshape(t, nblk, 2, TILE)
-    sc, m = (scales[:, :, i, :].transpose(0, 2, 1).reshape(n, nblk) for i in range(2))
-    supers = blob[b:].view(np.float16).reshape(t, nsup, 2, TILE)
-    d, dmin = (supers[:, :, i, :].transpose(0, 2, 1).reshape(n, nsup) for i in range(2))
-    return q, d, dmin, sc, m
-
-
-def kquant_grid(blob: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The same weights as a grid: (q [N, K], scales fp32 [N, K/32], minimums fp32 [N, K/32]) with
-    w = scale * q + minimum, each the one fp32 product gguf computes."""
-    q, d, dmin, sc, m = kquant_parts(blob, n, k)
-    rep = lambda a: np.repeat(a.astype(np.float32), SUPER // BLOCK, axis=1)  # noqa: E731
-    return q, rep(d) * sc.astype(np.float32), -(rep(dmin) * m.astype(np.float32))
-
-
-# ---- Q6_K at its own bits, for ruvllm.MatMulQ4 (kquant=2) ----
-
-def q6k_bytes(n: int, k: int) -> int:
-    return n * k * 3 // 4 + n * k // 16 + n * k // 128
-
-
-def q6k_layout(q: np.ndarray, d: np.ndarray, sc: np.ndarray) -> np.ndarray:
-    """The kernel's blob from a Q6_K matrix's parts: q uint8 [N, K] (0..63), d fp16 [N, K/256], sc int8
-    [N, K/16]; w = d * sc * (q - 32) per block of 16. Per tile and block of 16: two groups of 8 k, their
-    64-byte nibble lines (as the 4-bit layout), then their 32-byte lines of high bits: byte p holds the two
-    high bits of low-nibble lanes p and p + 32, then of high-nibble lanes p and p + 32 (lane 4j + i:
-    column j, k = 8g + i, or 8g + 4 + i in the high nibbles). Lines stay aligned: a block is 192 bytes."""
+def own_layout(name: str, q: np.ndarray, *scales: np.ndarray) -> np.ndarray:
+    """The kernel's bytes for a matrix of GGUF type `name` from its parts (q uint8 [N, K], then the type's
+    scales: see OwnType.scales; fp16 d, dmin and m, uint8 6-bit sc and m, int8 Q6_K sc). Per tile of 16
+    columns and block: the low nibbles as 64-byte lines (byte 4j + i: the low-nibble register's lane 4j + i
+    | the high one's << 4), then the high bits' lines: 2 bits, 32 bytes a group (byte p: lanes p and p + 32
+    of the low register, then of the high one); 1 bit, 16 bytes a group (bit q of byte p: lane 16q + p of the
+    low register, bit 4 + q of the high one). Then the scale bytes, then the fp16 scales, each [tile, block
+    (or super-block of 256), ..., column]."""
+    t = OWN[name]
     n, k = q.shape
-    if n % TILE or k % SUPER:
-        raise ValueError(f"a six-bit layout needs N a multiple of {TILE} and K of {SUPER} (got {n} x {k})")
-    t, nblk = n // TILE, k // 16
-    qq = q.reshape(t, TILE, nblk, 2, 2, 4)  # [t, j, b, g, h, i]
-    lanes = qq.transpose(0, 2, 3, 4, 1, 5).reshape(t, nblk, 2, 2, 64)  # [t, b, g, h, lane 4j+i]
-    nib = (lanes[:, :, :, 0] & 15) | ((lanes[:, :, :, 1] & 15) << 4)  # [t, b, g, 64]
-    hi = lanes >> 4  # two bits
-    high = (hi[:, :, :, 0, :32] | (hi[:, :, :, 0, 32:] << 2) | (hi[:, :, :, 1, :32] << 4)
-            | (hi[:, :, :, 1, 32:] << 6))  # [t, b, g, 32]
-    weights = np.concatenate([nib.reshape(t, nblk, -1), high.reshape(t, nblk, -1)], axis=2).astype(np.uint8).reshape(-1)
-    per_tile = lambda a: a.reshape(t, TILE, -1).transpose(0, 2, 1)  # noqa: E731  [t, blocks, j]
-    scales = per_tile(sc.astype(np.int8)).reshape(-1).view(np.uint8)
-    supers = per_tile(d.astype(np.float16)).reshape(-1).view(np.uint8)
-    return np.concatenate([weights, scales, supers])
+    if n % TILE or k % t.superblock:
+        raise ValueError(f"{name} at its own bits needs N a multiple of {TILE} and K of {t.superblock} (got {n} x {k})")
+    lanes = _lanes(q, t)
+    tiles, nblk = lanes.shape[:2]
+    lines = [(lanes[:, :, :, 0] & 15) | ((lanes[:, :, :, 1] & 15) << 4)]  # [t, b, g, 64]
+    hi = lanes >> 4
+    if t.high_bits == 2:
+        lines.append(hi[..., 0, :32] | (hi[..., 0, 32:] << 2) | (hi[..., 1, :32] << 4) | (hi[..., 1, 32:] << 6))
+    elif t.high_bits == 1:
+        lo4, hi4 = (hi[..., h, :].reshape(*hi.shape[:3], 4, 16) for h in (0, 1))  # [t, b, g, q, p]
+        weights = np.arange(4, dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+        lines.append(((lo4 << weights) | (hi4 << (weights + 4))).sum(axis=3, dtype=np.uint8))
+    weights = np.concatenate([x.reshape(tiles, nblk, -1) for x in lines], axis=2).astype(np.uint8).reshape(-1)
+    per_tile = lambda a: a.reshape(tiles, TILE, -1).transpose(0, 2, 1)  # noqa: E731  [t, blocks, j]
+    if t.scales == "kquant":
+        d, dmin, sc, m = scales
+        parts = [np.stack([per_tile(sc), per_tile(m)], axis=2).astype(np.uint8),
+                 np.stack([per_tile(d), per_tile(dmin)], axis=2).astype(np.float16)]
+    elif t.scales == "six":
+        d, sc = scales
+        parts = [per_tile(sc).astype(np.int8), per_tile(d).astype(np.float16)]
+    elif t.scales == "half":
+        parts = [per_tile(scales[0]).astype(np.float16)]
+    else:
+        d, m = scales
+        parts = [np.stack([per_tile(d), per_tile(m)], axis=2).astype(np.float16)]
+    return np.concatenate([weights] + [np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in parts])
 
 
-def q6k_parts(blob: np.ndarray, n: int, k: int):
-    """q6k_layout's inverse: (q, d, sc)."""
-    t, nblk, nsup = n // TILE, k // 16, k // SUPER
-    a, b = n * k * 3 // 4, n * k * 3 // 4 + n * k // 16
-    blocks = blob[:a].reshape(t, nblk, 192)
-    nib, high = blocks[..., :128].reshape(t, nblk, 2, 64), blocks[..., 128:].reshape(t, nblk, 2, 32)
-    lo = np.concatenate([high & 3, (high >> 2) & 3], axis=-1)  # [t, b, g, 64]
-    hi = np.concatenate([(high >> 4) & 3, high >> 6], axis=-1)
-    lanes = np.stack([(nib & 15) | (lo << 4), (nib >> 4) | (hi << 4)], axis=3)  # [t, b, g, h, 64]
-    q = lanes.reshape(t, nblk, 2, 2, TILE, 4).transpose(0, 4, 1, 2, 3, 5).reshape(n, k)
-    sc = blob[a:b].view(np.int8).reshape(t, nblk, TILE).transpose(0, 2, 1).reshape(n, nblk)
-    d = blob[b:].view(np.float16).reshape(t, nsup, TILE).transpose(0, 2, 1).reshape(n, nsup)
-    return q.astype(np.uint8), d, sc
+def own_parts(name: str, blob: np.ndarray, n: int, k: int) -> tuple:
+    """own_layout's inverse: (q, *scales)."""
+    t = OWN[name]
+    tiles, nblk, groups = n // TILE, k // t.block, t.block // 8
+    w_bytes, sc_bytes, _ = own_sections(t, n, k)
+    blocks = blob[:w_bytes].reshape(tiles, nblk, -1)
+    nib = blocks[..., :groups * 64].reshape(tiles, nblk, groups, 64)
+    high = np.zeros((tiles, nblk, groups, 2, 64), np.uint8)
+    if t.high_bits == 2:
+        h = blocks[..., groups * 64:].reshape(tiles, nblk, groups, 32)
+        high[..., 0, :] = np.concatenate([h & 3, (h >> 2) & 3], axis=-1)
+        high[..., 1, :] = np.concatenate([(h >> 4) & 3, h >> 6], axis=-1)
+    elif t.high_bits == 1:
+        h = blocks[..., groups * 64:].reshape(tiles, nblk, groups, 1, 16)
+        bit = np.arange(4, dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+        high[..., 0, :] = ((h >> bit) & 1).reshape(tiles, nblk, groups, 64)
+        high[..., 1, :] = ((h >> (bit + 4)) & 1).reshape(tiles, nblk, groups, 64)
+    lanes = np.stack([nib & 15, nib >> 4], axis=3) | (high << 4)  # [t, b, g, h, 64]
+    q = lanes.reshape(tiles, nblk, groups, 2, TILE, 4).transpose(0, 4, 1, 2, 3, 5).reshape(n, k).astype(np.uint8)
+    rest = blob[w_bytes:]
+    rows = lambda a, count: a.reshape(tiles, -1, count, TILE).transpose(0, 3, 1, 2).reshape(n, -1, count)  # noqa: E731
+    if t.scales == "kquant":
+        scm = rows(rest[:sc_bytes], 2)
+        dm = rows(rest[sc_bytes:].view(np.float16), 2)
+        return q, dm[..., 0], dm[..., 1], scm[..., 0], scm[..., 1]
+    if t.scales == "six":
+        return q, rows(rest[sc_bytes:].view(np.float16), 1)[..., 0], rows(rest[:sc_bytes].view(np.int8), 1)[..., 0]
+    if t.scales == "half":
+        return q, rows(rest.view(np.float16), 1)[..., 0]
+    dm = rows(rest.view(np.float16), 2)
+    return q, dm[..., 0], dm[..., 1]
 
 
-def q6k_grid(blob: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The same weights as an 8-bit grid in blocks of 16 with zero points 32: (q [N, K], scales fp32 [N, K/16])."""
-    q, d, sc = q6k_parts(blob, n, k)
-    return q, np.repeat(d.astype(np.float32), SUPER // 16, axis=1) * sc.astype(np.float32)
+def own_grid(name: str, blob: np.ndarray, n: int, k: int):
+    """The same weights as a grid: (q [N, K], scales fp32 [N, K/block], zero points uint8 or None,
+    minimums fp32 or None) with w = scale * (q - zero) or scale * q + minimum, each the fp32 product gguf
+    forms."""
+    t, parts = OWN[name], own_parts(name, blob, n, k)
+    q = parts[0]
+    per_block = lambda a: np.repeat(a.astype(np.float32), SUPER // t.block, axis=1)  # noqa: E731 (super-block -> block)
+    if t.scales == "kquant":
+        _, d, dmin, sc, m = parts
+        return q, per_block(d) * sc.astype(np.float32), None, -(per_block(dmin) * m.astype(np.float32))
+    if t.scales == "six":
+        _, d, sc = parts
+        scale = per_block(d) * sc.astype(np.float32)
+        return q, scale, np.full(scale.shape, t.zero, np.uint8), None
+    if t.scales == "half":
+        scale = parts[1].astype(np.float32)
+        return q, scale, np.full(scale.shape, t.zero, np.uint8), None
+    return q, parts[1].astype(np.float32), None, parts[2].astype(np.float32)
+
+
+def dequantize_own(name: str, blob: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The matrix [N, K] in fp32, as gguf dequantizes it."""
+    t = OWN[name]
+    q, scale, zero, mins = own_grid(name, blob, n, k)
+    qb = q.reshape(n, -1, t.block).astype(np.float32)
+    w = (qb - zero[..., None]) * scale[..., None] if zero is not None else qb * scale[..., None] + mins[..., None]
+    return w.reshape(n, k)
 
 
 # ---- the graph with exporter-written kernel ops made portable ----
@@ -201,18 +247,21 @@ def portable_graph(model, base_dir) -> int:
             raise ValueError(f"{node.name}: a k-quant {node.op_type} has no portable form here (rewritten before the "
                              "kernels were chosen?)")
         n, k, w = attrs["N"], attrs["K"], node.input[1]
-        six = attrs["kquant"] == 2
-        layout = GridLayout(n, k, 8, 16, None) if six else GridLayout(n, k, 4, BLOCK, "fp32")
+        name = BY_KIND[attrs["kquant"]]
+        t = OWN[name]
+        bits = 4 if t.high_bits == 0 else 8
+        q, scale, zero, mins = own_grid(name, _read(inits[w], base_dir), n, k)
+        layout = GridLayout(n, k, bits, t.block, None if mins is None else "fp32")
         if w not in done:
-            blob, names = _read(inits[w], base_dir), nbits_names(w, layout)
-            if six:  # an 8-bit grid in blocks of 16, zero points 32
-                q, scale = q6k_grid(blob, n, k)
-                values = {"q": q.reshape(n, -1, 16), "scales": scale, "zero_points": np.full(scale.shape, 32, np.uint8)}
+            names = nbits_names(w, layout)
+            zero = np.zeros(scale.shape, np.uint8) if zero is None else zero
+            if bits == 4:
+                b, z = pack_4bit(q, zero, t.block)
             else:
-                q, scale, mins = kquant_grid(blob, n, k)
-                b, z = pack_4bit(q, np.zeros_like(scale, dtype=np.uint8), BLOCK)
-                values = {"q": b, "scales": scale, "zero_points": z, "mins": np.ascontiguousarray(mins.T),
-                          "block_ones": block_ones(k, BLOCK)}
+                b, z = q.reshape(n, -1, t.block), zero
+            values = {"q": b, "scales": scale, "zero_points": z}
+            if mins is not None:
+                values.update(mins=np.ascontiguousarray(mins.T), block_ones=block_ones(k, t.block))
             added += [numpy_helper.from_array(np.ascontiguousarray(v), names[role]) for role, v in values.items()]
             done.add(w)
         nodes += nbits_nodes(w, node.input[0], node.output[0], layout)
@@ -227,44 +276,40 @@ def portable_graph(model, base_dir) -> int:
 
 
 def gather_tables(blob: np.ndarray, attrs: dict, prefix: str) -> list:
-    """GatherQ's table as plain initializers: q [N, K] uint8, scales (and a Q4_K's minimums) [N, blocks] fp32."""
+    """GatherQ's table as plain initializers: q [N, K] uint8, scales (and minimums) [N, blocks] fp32."""
     from onnx import numpy_helper
 
-    n, k = attrs["N"], attrs["K"]
-    if attrs["kquant"] == 2:
-        q, scale = q6k_grid(blob, n, k)
-        arrays = {"q": q, "scales": scale}
-    else:
-        q, scale, mins = kquant_grid(blob, n, k)
-        arrays = {"q": q, "scales": scale, "mins": mins}
+    q, scale, _, mins = own_grid(BY_KIND[attrs["kquant"]], blob, attrs["N"], attrs["K"])
+    arrays = {"q": q, "scales": scale, **({"mins": mins} if mins is not None else {})}
     return [numpy_helper.from_array(np.ascontiguousarray(v), f"{prefix}.{role}") for role, v in arrays.items()]
 
 
 def gather_nodes(node, attrs: dict, prefix: str) -> list:
-    """GatherQ in standard operators on gather_tables' initializers: the rows' integers, minus 32 for Q6_K,
-    times their block's scale (plus a Q4_K's minimum), as gguf computes them."""
+    """GatherQ in standard operators on gather_tables' initializers: the rows' integers, minus the type's
+    zero point, times their block's scale (or times it plus their block's minimum), as gguf computes them."""
     from onnx import TensorProto, helper, numpy_helper
 
-    six = attrs["kquant"] == 2
-    block = 16 if six else BLOCK
+    t = OWN[BY_KIND[attrs["kquant"]]]
+    minimums = t.scales in ("kquant", "halfmin")
     ids, out, p = node.input[1], node.output[0], f"{node.name or prefix}/"
-    consts = {"flat": np.array([-1], np.int64), "blocks": np.array([-1, attrs["K"] // block, block], np.int64),
-              "axis2": np.array([2], np.int64), "k": np.array([attrs["K"]], np.int64), "32": np.array(32, np.float32)}
+    consts = {"flat": np.array([-1], np.int64), "blocks": np.array([-1, attrs["K"] // t.block, t.block], np.int64),
+              "axis2": np.array([2], np.int64), "k": np.array([attrs["K"]], np.int64),
+              "zero": np.array(t.zero, np.float32)}
     nodes = [helper.make_node("Constant", [], [p + name], value=numpy_helper.from_array(v)) for name, v in consts.items()]
     nodes += [helper.make_node("Reshape", [ids, p + "flat"], [p + "ids"]),
               helper.make_node("Gather", [f"{prefix}.q", p + "ids"], [p + "q8"], axis=0),
               helper.make_node("Cast", [p + "q8"], [p + "qf"], to=TensorProto.FLOAT),
               helper.make_node("Reshape", [p + "qf", p + "blocks"], [p + "qb"])]
     q = p + "qb"
-    if six:
-        nodes.append(helper.make_node("Sub", [q, p + "32"], [p + "centred"]))
+    if not minimums:
+        nodes.append(helper.make_node("Sub", [q, p + "zero"], [p + "centred"]))
         q = p + "centred"
-    for role in ("scales", "mins") if not six else ("scales",):
+    for role in ("scales", "mins") if minimums else ("scales",):
         nodes += [helper.make_node("Gather", [f"{prefix}.{role}", p + "ids"], [p + role], axis=0),
                   helper.make_node("Unsqueeze", [p + role, p + "axis2"], [p + role + "3"])]
     nodes.append(helper.make_node("Mul", [q, p + "scales3"], [p + "scaled"]))
     rows = p + "scaled"
-    if not six:
+    if minimums:
         nodes.append(helper.make_node("Add", [rows, p + "mins3"], [p + "rows"]))
         rows = p + "rows"
     nodes += [helper.make_node("Shape", [ids], [p + "ids_shape"]),

@@ -109,22 +109,16 @@ def package_weights(pkg_dir) -> dict[str, np.ndarray]:
     (ruvllm.MatMulQ4, kquant=1), dequantized as the graph defines it, [N, K]."""
     import re
 
-    from runtime.backends.block_layouts import kquant_grid, q6k_grid
+    from runtime.backends.block_layouts import BY_KIND, dequantize_own
 
     model = onnx.load(str(pkg_dir / "model.onnx"))
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     out, parts = {}, {}
     for node in model.graph.node:
         a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
-        if node.op_type == "MatMulQ4" and a.get("kquant"):  # a Q4_K or Q6_K at the file's own bits
-            n, k = a["N"], a["K"]
-            if a["kquant"] == 2:
-                q, scale = q6k_grid(inits[node.input[1]], n, k)
-                w = Grid(q, scale, np.full(scale.shape, 32, np.uint8), 16, 8).dequantize()
-            else:
-                q, scale, mins = kquant_grid(inits[node.input[1]], n, k)
-                w = Grid(q, scale, np.zeros_like(q[:, ::32]), 32, 4, mins).dequantize()
-            name, part = re.match(r"(.*?)(?:_part(\d+))?_Q[46]K$", node.input[1]).groups()
+        if node.op_type == "MatMulQ4" and a.get("kquant"):  # a GGUF type at the file's own bits
+            w = dequantize_own(BY_KIND[a["kquant"]], inits[node.input[1]], a["N"], a["K"])
+            name, part = re.match(r"(.*?)(?:_part(\d+))?_Q\d[K01]$", node.input[1]).groups()
             parts.setdefault(name, {})[int(part or 0)] = w
             continue
         if node.op_type != "MatMulNBits":

@@ -107,16 +107,21 @@ def test_a_mixed_gguf_streams_into_the_files_own_blocks(mixed_gguf, workdir, mon
         for i in range(2):  # the reference computes with the package's RTN weights where it has them
             model.model.layers[i].mlp.down_proj.weight.copy_(torch.from_numpy(got[f"layers.{i}.down_proj"]))
         ref = model(torch.tensor([ids])).logits[0].numpy()
+    # int8 activations (accuracy level 4) alone: on RuvLLM's kernels (the file's own bits) as close to the
+    # reference as on onnxruntime's own (the same weights as MatMulNBits)
+    from runtime.backends import kernel_library
+
     ours = teacher_forced_logits(pkg_dir, ids)
-    # int8 activations (accuracy level 4) alone: here also on onnxruntime's kernel for the 8-bit grids
-    scale = np.abs(ref).max()
-    assert np.abs(ours - ref).mean() < 0.005 * scale and np.abs(ours - ref).max() < 0.1 * scale
+    monkeypatch.setattr(kernel_library, "_library", (None, "compared"))
+    plain = teacher_forced_logits(pkg_dir, ids)
+    rel = lambda x: float(np.sqrt(((x - ref) ** 2).mean() / (ref ** 2).mean()))  # noqa: E731
+    assert rel(ours) < 0.08 and rel(ours) <= 1.05 * rel(plain), (rel(ours), rel(plain))
 
 
 def test_streamed_and_whole_exports_are_the_same_package(smol_gguf, workdir, monkeypatch):
     """The export that loads the model whole through transformers (what the page's targets and the
-    calibrated methods still do) makes the same weights and the same logits, bit for bit, on a mix of
-    every type with a grid here (RTN, where a type has none, is onnxruntime's quantizer there)."""
+    calibrated methods still do) makes the same weights, bit for bit, on a mix of every type with a grid
+    here (RTN, where a type has none, is onnxruntime's quantizer there)."""
     import exporter.convert as convert_module
     from exporter.convert import ConvertOptions, convert
     from tests.exporter.test_quantization import teacher_forced_logits
@@ -128,8 +133,19 @@ def test_streamed_and_whole_exports_are_the_same_package(smol_gguf, workdir, mon
     whole = convert(str(path), workdir / "pkg-mixed-w", ConvertOptions(quant="int4", progress=False, lora=False))
     a, b = package_weights(streamed), package_weights(whole)
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    # the streamed package keeps the file's own bits for RuvLLM's kernel (the whole one: MatMulNBits grids, whose
+    # minimum term meets the fp32 activation sums): only the activations' int8 rounding differs, and the kernel,
+    # which rounds as llama.cpp does, is the closer to transformers' exact logits (here 0.047 against 0.082)
+    import torch
+    from transformers import AutoModelForCausalLM
+
     ids = list(range(100, 140))
-    assert np.array_equal(teacher_forced_logits(streamed, ids), teacher_forced_logits(whole, ids))
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    rel = lambda x: float(np.sqrt(((x - ref) ** 2).mean() / (ref ** 2).mean()))  # noqa: E731
+    s_err, w_err = rel(teacher_forced_logits(streamed, ids)), rel(teacher_forced_logits(whole, ids))
+    assert s_err < 0.08 and s_err <= w_err * 1.05, (s_err, w_err)
 
 
 def test_graphs_share_each_weight_and_fp32_streams_too(mixed_gguf, workdir):

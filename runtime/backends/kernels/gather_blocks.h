@@ -22,8 +22,10 @@ inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
 void q4k_row(const GatherKernel& g, int64_t row, float* out) {
   const int64_t nblk = g.K / 32, nsup = g.K / 256, t = row / kTile, j = row % kTile;
   const uint8_t* w = g.table;
-  const uint8_t* scales = w + g.N * g.K / 2;
-  const uint16_t* supers = reinterpret_cast<const uint16_t*>(scales + g.N * g.K / 16);
+  size_t wb, sb, hb;
+  own_sections(own_bits(2), g.N, g.K, &wb, &sb, &hb);
+  const uint8_t* scales = w + wb;
+  const uint16_t* supers = reinterpret_cast<const uint16_t*>(scales + sb);
   for (int64_t b = 0; b < nblk; b++) {
     const uint16_t* dm = supers + (t * nsup + b / 8) * 2 * kTile;
     const uint8_t* sm = scales + (t * nblk + b) * 2 * kTile;
@@ -43,8 +45,10 @@ void q4k_row(const GatherKernel& g, int64_t row, float* out) {
 void q6k_row(const GatherKernel& g, int64_t row, float* out) {
   const int64_t nblk = g.K / 16, nsup = g.K / 256, t = row / kTile, j = row % kTile;
   const uint8_t* w = g.table;
-  const int8_t* scales = reinterpret_cast<const int8_t*>(w + g.N * g.K * 3 / 4);
-  const uint16_t* supers = reinterpret_cast<const uint16_t*>(w + g.N * g.K * 3 / 4 + g.N * g.K / 16);
+  size_t wb, sb, hb;
+  own_sections(own_bits(3), g.N, g.K, &wb, &sb, &hb);
+  const int8_t* scales = reinterpret_cast<const int8_t*>(w + wb);
+  const uint16_t* supers = reinterpret_cast<const uint16_t*>(w + wb + sb);
   for (int64_t b = 0; b < nblk; b++) {
     const float s = half_to_float(supers[(t * nsup + b / 16) * kTile + j]) * (float)scales[(t * nblk + b) * kTile + j];
     const uint8_t* blk = w + (t * nblk + b) * 192;
@@ -77,8 +81,8 @@ OrtStatus* create_gather(const CustomOp*, const void*, const OrtKernelInfo* info
   if (!st) {
     int64_t count = 1;
     for (int64_t d : dims) count *= d;
-    const size_t want = k->kind == 2 ? q6k_bytes(k->N, k->K) : kquant_bytes(k->N, k->K);
-    if (k->K % 256 || k->N % kTile || (size_t)count != want)
+    if (k->kind != 1 && k->kind != 2) st = fail("ruvllm.GatherQ: tables of Q4_K (1) or Q6_K (2) only");
+    else if (k->K % 256 || k->N % kTile || (size_t)count != own_bytes((int)k->kind + 1, k->N, k->K))
       st = fail("ruvllm.GatherQ: the table is not the layout's size for N and K");
   }
   const uint8_t* data = nullptr;

@@ -21,14 +21,13 @@
 // The exporter writes that as MatMulNBits + a small MatMul over block sums; this is its fused form.
 // Scales and minimums are kept as fp16 pairs, one 64-byte line per tile and block (they must be exact
 // in fp16, as a GGUF's are), so a block of 32 reads 256 bytes of weights and 64 of scales.
-// A third mode holds a GGUF's Q4_K at its own bits (the exporter writes this layout: kquant_layout in
-// runtime/backends/block_layouts.py): per tile, the nibbles as above, per block of 32 its 6-bit scale and
-// minimum as bytes, per super-block of 256 the fp16 d and dmin; the kernel forms s = d * sc and
-// m = -(dmin * mn) in fp32 as gguf's dequantization does, 4.625 bits a weight where the file has 4.5.
-// A fourth holds a GGUF's Q6_K at its own bits (6.5625 bits a weight, the file's): blocks of 16, each
-// its two 64-byte nibble lines and then their two 32-byte lines of the weights' two high bits (byte p:
-// those of lanes p and p + 32 of the low-nibble register, then of the high one, 2 bits each), int8
-// scales per block, fp16 d per 256; w = d * sc * (q - 32).
+// The other modes hold a GGUF's block types at the file's own bits, in layouts the exporter writes
+// (runtime/backends/block_layouts.py) and the kernel reads where onnxruntime maps them (OwnBits below):
+// per tile and block, the weights' low 4 bits as the nibble lines above, then (5- and 6-bit types) lines
+// of their high bits; then each type's own scales (6-bit scales and minimums as bytes with fp16 d and
+// dmin per 256 for Q4_K and Q5_K, int8 scales with fp16 d per 256 for Q6_K, fp16 d (and m) per block for
+// Q4_0, Q5_0, Q4_1, Q5_1), from which the kernel forms each block's scale and minimum (or zero point) in
+// fp32 as gguf's dequantization does.
 #pragma once
 
 #include "ort_api.h"
@@ -53,63 +52,68 @@ struct PackedWeights {
   std::vector<uint8_t> zero;   // the same, as bytes (a quarter of fp32's: a single row is memory-bound)
   bool mins = false;           // minimums mode: scale and zero unused, scale_min holds both
   std::vector<uint16_t> scale_min;  // per tile, per block: 16 fp16 scales, then 16 fp16 minimums
-  // k-quant mode (Q4_K): sections of w's buffer after the nibbles
-  bool kquant = false;
-  const uint8_t* ksc = nullptr;   // per tile, per block: 16 scales then 16 minimums (6-bit values as bytes)
-  const uint16_t* kd = nullptr;   // per tile, per super-block of 256: 16 fp16 d, then 16 fp16 dmin
+  // an own-bit layout (OwnBits::mode, 2 and up; 0: packed from MatMulNBits at load): its scale sections
+  int own = 0;
+  const uint8_t* ksc = nullptr;   // per tile and block: K-quants' scale bytes (Q4_K, Q5_K: 16 sc, 16 m; Q6_K: 16 int8)
+  const uint16_t* kd = nullptr;   // fp16: per tile and super-block (K-quants: d, then dmin), or per tile and block
   int nsuper = 0;
-  // six-bit mode (Q6_K): blocks of 16, two nibble lines then their two lines of high bits; ksc holds
-  // the int8 scales (16 a tile and block), kd the fp16 d (16 a tile and super-block)
-  bool six = false;
-  int mode() const { return six ? 3 : kquant ? 2 : mins ? 1 : 0; }
-  size_t group_bytes() const { return six ? 96 : 64; }
+  int mode() const { return own ? own : mins ? 1 : 0; }
 };
 
-inline size_t q6k_bytes(int64_t N, int64_t K) { return (size_t)(N * K * 3 / 4 + N * K / 16 + N * K / 128); }
+// The own-bit layouts, by the operator's `kquant` attribute (1-7) and the kernel's mode (2-8): one line each.
+enum class Scales { kKQuant, kSix, kHalf, kHalfMin };  // d*sc & -dmin*m / d*sc, zero 32 / d, zero / d & m
+struct OwnBits {
+  const char* name;
+  int high_bits, block, zero, superblock;  // superblock: 256 for K-quants (K must be a multiple), else 32
+  Scales scales;
+};
+constexpr OwnBits kOwnBits[] = {
+    {"Q4_K", 0, 32, 0, 256, Scales::kKQuant}, {"Q6_K", 2, 16, 32, 256, Scales::kSix},
+    {"Q5_K", 1, 32, 0, 256, Scales::kKQuant}, {"Q5_0", 1, 32, 16, 32, Scales::kHalf},
+    {"Q4_0", 0, 32, 8, 32, Scales::kHalf},    {"Q4_1", 0, 32, 0, 32, Scales::kHalfMin},
+    {"Q5_1", 1, 32, 0, 32, Scales::kHalfMin}};
+constexpr int kOwnKinds = sizeof(kOwnBits) / sizeof(kOwnBits[0]);
+constexpr const OwnBits& own_bits(int mode) { return kOwnBits[mode - 2]; }
 
-// Q6_K at its own bits: the exporter's blob (q6k_bytes(N, K), K a multiple of 256), read in place when
-// aligned (as pack_kquant)
-void pack_q6k(PackedWeights& wts, int N, int K, const uint8_t* blob) {
-  if (K % 256 || N % kTile) throw std::invalid_argument("a six-bit layout needs K a multiple of 256, N of 16");
-  wts.N = N; wts.K = K; wts.block = 16; wts.nblk = K / 16; wts.ntiles = N / kTile; wts.Kp = K;
-  wts.nsuper = K / 256;
-  wts.six = true;
-  const size_t bytes = q6k_bytes(N, K);
-  const char* copy = std::getenv("RUVLLM_COPY_WEIGHTS");
-  if (reinterpret_cast<uintptr_t>(blob) % 64 == 0 && !(copy && copy[0] == '1')) {
-    wts.wdata = blob;
-  } else {
-    wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(bytes)));
-    std::memcpy(wts.w.get(), blob, bytes);
-    wts.wdata = wts.w.get();
+// Bytes of each section for N columns and K inputs: weights (nibble and high-bit lines), scale bytes, fp16 scales
+inline void own_sections(const OwnBits& t, int64_t N, int64_t K, size_t* weights, size_t* sc, size_t* half) {
+  *weights = (size_t)(N * K / 2 + N * K * t.high_bits / 8);
+  const int64_t blocks = N * (K / t.block), supers = N * (K / 256);
+  switch (t.scales) {
+    case Scales::kKQuant: *sc = (size_t)blocks * 2; *half = (size_t)supers * 4; break;
+    case Scales::kSix: *sc = (size_t)blocks; *half = (size_t)supers * 2; break;
+    case Scales::kHalf: *sc = 0; *half = (size_t)blocks * 2; break;
+    case Scales::kHalfMin: *sc = 0; *half = (size_t)blocks * 4; break;
   }
-  wts.ksc = wts.wdata + (size_t)N * K * 3 / 4;
-  wts.kd = reinterpret_cast<const uint16_t*>(wts.ksc + (size_t)N * K / 16);
+}
+inline size_t own_bytes(int mode, int64_t N, int64_t K) {
+  size_t w, sc, half;
+  own_sections(own_bits(mode), N, K, &w, &sc, &half);
+  return w + sc + half;
 }
 
-// The k-quant layout's bytes for N columns and K inputs: nibbles, block scales, super-block scales.
-inline size_t kquant_bytes(int64_t N, int64_t K) { return (size_t)(N * K / 2 + N * K / 16 + N * K / 64); }
-
-// Q4_K at its own bits: the exporter's blob (kquant_bytes(N, K), blocks of 32, K a multiple of 256) copied
-// whole into the arena, its sections in place
-void pack_kquant(PackedWeights& wts, int N, int K, const uint8_t* blob) {
-  if (K % 256 || N % kTile) throw std::invalid_argument("a k-quant layout needs K a multiple of 256, N of 16");
-  wts.N = N; wts.K = K; wts.block = 32; wts.nblk = K / 32; wts.ntiles = N / kTile; wts.Kp = K;
+// A layout the exporter wrote (own_bytes(mode, N, K)): read where it lies when aligned as the exporter writes
+// it (onnxruntime maps the package's weights file: nothing copied, the page cache shared), else, or with
+// RUVLLM_COPY_WEIGHTS=1, copied whole into the arena
+void pack_own(PackedWeights& wts, int mode, int N, int K, const uint8_t* blob) {
+  const OwnBits& t = own_bits(mode);
+  if (K % t.superblock || N % kTile)
+    throw std::invalid_argument(std::string(t.name) + " needs K a multiple of " + std::to_string(t.superblock) + ", N of 16");
+  wts.N = N; wts.K = K; wts.block = t.block; wts.nblk = K / t.block; wts.ntiles = N / kTile; wts.Kp = K;
   wts.nsuper = K / 256;
-  wts.kquant = true;
-  const size_t bytes = kquant_bytes(N, K);
-  // computed where it lies (onnxruntime maps the package's weights file: nothing copied, the page cache
-  // shared) when aligned as the exporter writes it; RUVLLM_COPY_WEIGHTS=1 copies into the arena instead
+  wts.own = mode;
+  size_t weights, sc, half;
+  own_sections(t, N, K, &weights, &sc, &half);
   const char* copy = std::getenv("RUVLLM_COPY_WEIGHTS");
   if (reinterpret_cast<uintptr_t>(blob) % 64 == 0 && !(copy && copy[0] == '1')) {
     wts.wdata = blob;
   } else {
-    wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(bytes)));
-    std::memcpy(wts.w.get(), blob, bytes);
+    wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(weights + sc + half)));
+    std::memcpy(wts.w.get(), blob, weights + sc + half);
     wts.wdata = wts.w.get();
   }
-  wts.ksc = wts.wdata + (size_t)N * K / 2;
-  wts.kd = reinterpret_cast<const uint16_t*>(wts.ksc + (size_t)N * K / 16);
+  wts.ksc = wts.wdata + weights;
+  wts.kd = reinterpret_cast<const uint16_t*>(wts.ksc + sc);
 }
 
 inline bool fp16_exact(float x, uint16_t* h) {
@@ -222,19 +226,32 @@ enum class Prefetch { kAhead, kNext, kNone };
 // T tiles (weight tiles t0 + i * stride) x R rows. SwiGLU: T = 2, tile t0 of the gate half and its
 // partner of the up half, stored as one tile silu(gate) * up (MatMulQ4SwiGLU: no Split, Sigmoid, Muls).
 // `next`: how far the next tile group starts (in tiles), for Prefetch::kNext.
+// The layout traits of a kernel mode (0: MatMulNBits' zero points, 1: fp16 scale and minimum pairs, 2 and up:
+// an own-bit layout)
+template <int Mode>
+constexpr OwnBits traits() {
+  if constexpr (Mode >= 2) return kOwnBits[Mode - 2];
+  else return OwnBits{"", 0, 32, 0, 32, Mode == 1 ? Scales::kHalfMin : Scales::kHalf};
+}
+
 #if RUVLLM_AVX512
-// Mode: 0 zero points and fp32 scales, 1 fp16 scales and minimums, 2 k-quant (PackedWeights::mode)
+// Mode: 0 zero points and fp32 scales, 1 fp16 scales and minimums, 2 and up an own-bit layout (PackedWeights::mode)
 template <int T, int R, bool SwiGLU, Prefetch F, int Mode>
 inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0, int64_t m0, const Output& out,
                        int stride, int next) {
+  constexpr OwnBits L = traits<Mode>();
+  constexpr int GB = 64 + 16 * L.high_bits;  // bytes a group of 8 k takes in a tile (with its high bits)
   const int nblk = wts.nblk, block = wts.block, K = wts.Kp;  // rows of qa are padded to whole blocks
-  constexpr int GB = Mode == 3 ? 96 : 64;  // bytes a group of 8 k takes in a tile (with the high bits)
   const size_t tile_bytes = (size_t)nblk * (block / 8) * GB;
   const size_t last_block = (size_t)wts.ntiles * nblk - 1;
   const __m512i low4 = _mm512_set1_epi8(15);
-  // six-bit mode: the high-bit line's fields for the low and high nibble registers (see the layout above)
-  const __m512i shift_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-  const __m512i shift_hi = _mm512_add_epi16(shift_lo, _mm512_set1_epi16(4)), two = _mm512_set1_epi8(3);
+  // high bits: each byte's field for the low and high nibble registers' lanes (see block_layouts.py)
+  const __m512i two_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  // 2 bits: lanes 32+ at 2
+  const __m512i one_lo = _mm512_cvtepu8_epi16(_mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m512i field = _mm512_set1_epi8(L.high_bits == 2 ? 3 : 1);
+  const __m512i shift_lo = L.high_bits == 2 ? two_lo : one_lo;
+  const __m512i shift_hi = _mm512_add_epi16(shift_lo, _mm512_set1_epi16(4));
   __m512 acc[T][R];
   for (int i = 0; i < T; i++)
     for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_ps();
@@ -248,10 +265,11 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
       for (int i = 0; i < T; i++) {
         const size_t tb = std::min(last_block, (size_t)(t0 + i * stride + (F == Prefetch::kNext ? next : 0)) * nblk + b +
                                                    (F == Prefetch::kAhead ? 4 : 0));
-        if constexpr (Mode == 3) {
-          prefetch(wts.ksc + tb * kTile);
-        } else if constexpr (Mode == 2) {
-          prefetch(wts.ksc + tb * 2 * kTile);  // (a super-block's d line serves 8 blocks: left to the hardware)
+        if constexpr (Mode >= 2) {  // (a super-block's d line serves several blocks: left to the hardware)
+          if constexpr (L.scales == Scales::kKQuant) prefetch(wts.ksc + tb * 2 * kTile);
+          else if constexpr (L.scales == Scales::kSix) prefetch(wts.ksc + tb * kTile);
+          else if constexpr (L.scales == Scales::kHalf) prefetch(wts.kd + tb * kTile);
+          else prefetch(wts.kd + tb * 2 * kTile);
         } else if constexpr (Mode == 1) {
           prefetch(wts.scale_min.data() + tb * 2 * kTile);
         } else {
@@ -268,11 +286,13 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
         const __m512i v = _mm512_load_si512(gp);
         w[i][0] = _mm512_and_si512(v, low4);
         w[i][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        if constexpr (Mode == 3) {  // each byte's two high bits, to bits 4 and 5
-          const uint8_t* hp = wp + i * stride * tile_bytes + (block / 8) * 64 + g * 32;
-          const __m512i h = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(hp)));
-          w[i][0] = _mm512_or_si512(w[i][0], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_lo), two), 4));
-          w[i][1] = _mm512_or_si512(w[i][1], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_hi), two), 4));
+        if constexpr (L.high_bits) {  // each weight's high bits, to bits 4 (and 5)
+          const uint8_t* hp = wp + i * stride * tile_bytes + (block / 8) * 64 + g * 16 * L.high_bits;
+          __m512i h;
+          if constexpr (L.high_bits == 2) h = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(hp)));
+          else h = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(hp)));
+          w[i][0] = _mm512_or_si512(w[i][0], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_lo), field), 4));
+          w[i][1] = _mm512_or_si512(w[i][1], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_hi), field), 4));
         }
       }
       for (int h = 0; h < 2; h++)
@@ -285,46 +305,48 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
     }
     for (int i = 0; i < T; i++) {
       const size_t tb = (size_t)(t0 + i * stride) * nblk + b;
-      if constexpr (Mode == 3) {  // w = d * sc * (q - 32): d * sc exact in fp32, as gguf computes it
-        const size_t ts = (size_t)(t0 + i * stride) * wts.nsuper + b / 16;
-        const __m512 s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wts.kd + ts * kTile))),
-                                       _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wts.ksc + tb * kTile)))));
-        for (int r = 0; r < R; r++) {
-          const size_t mb = (size_t)(m0 + r) * nblk + b;
-          const __m512 x = _mm512_sub_ps(_mm512_cvtepi32_ps(dot[i][r]), _mm512_set1_ps(32.f * acts.sum[mb]));
-          acc[i][r] = _mm512_fmadd_ps(x, _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[i][r]);
-        }
-        continue;
+      // this tile and block's scale s and minimum mn (w = s q + mn) or zero point z (w = s (q - z)), in fp32
+      // as gguf's dequantization forms them
+      __m512 s, mn_or_z;
+      constexpr bool minimums = L.scales == Scales::kKQuant || L.scales == Scales::kHalfMin;
+      if constexpr (Mode == 0) {
+        mn_or_z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wts.zero.data() + tb * kTile))));
+        s = _mm512_loadu_ps(wts.scale.data() + tb * kTile);
+      } else if constexpr (Mode == 1) {
+        const __m512i sm = _mm512_loadu_si512(wts.scale_min.data() + tb * 2 * kTile);
+        s = _mm512_cvtph_ps(_mm512_castsi512_si256(sm));
+        mn_or_z = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(sm, 1));
+      } else if constexpr (L.scales == Scales::kKQuant) {  // s = d * sc, mn = -(dmin * m)
+        const size_t ts = (size_t)(t0 + i * stride) * wts.nsuper + b / (256 / L.block);
+        const __m512i dm = _mm512_loadu_si512(wts.kd + ts * 2 * kTile);
+        const __m256i scm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wts.ksc + tb * 2 * kTile));
+        s = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(dm)),
+                          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(scm))));
+        mn_or_z = _mm512_sub_ps(_mm512_setzero_ps(),
+                                _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1)),
+                                              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(scm, 1)))));
+      } else if constexpr (L.scales == Scales::kSix) {  // s = d * sc (int8), zero 32
+        const size_t ts = (size_t)(t0 + i * stride) * wts.nsuper + b / (256 / L.block);
+        s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wts.kd + ts * kTile))),
+                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wts.ksc + tb * kTile)))));
+        mn_or_z = _mm512_set1_ps((float)L.zero);
+      } else if constexpr (L.scales == Scales::kHalf) {  // s = d, the type's zero point
+        s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wts.kd + tb * kTile)));
+        mn_or_z = _mm512_set1_ps((float)L.zero);
+      } else {  // s = d, mn = m
+        const __m512i sm = _mm512_loadu_si512(wts.kd + tb * 2 * kTile);
+        s = _mm512_cvtph_ps(_mm512_castsi512_si256(sm));
+        mn_or_z = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(sm, 1));
       }
-      if constexpr (Mode != 0) {
-        __m512 s, mn;
-        if constexpr (Mode == 2) {  // s = d * sc, m = -(dmin * mn), as gguf computes them
-          const size_t ts = (size_t)(t0 + i * stride) * wts.nsuper + b / 8;
-          const __m512i dm = _mm512_loadu_si512(wts.kd + ts * 2 * kTile);
-          const __m256i scm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wts.ksc + tb * 2 * kTile));
-          s = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(dm)),
-                            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(scm))));
-          mn = _mm512_sub_ps(_mm512_setzero_ps(),
-                             _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1)),
-                                           _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(scm, 1)))));
-        } else {
-          const __m512i sm = _mm512_loadu_si512(wts.scale_min.data() + tb * 2 * kTile);
-          s = _mm512_cvtph_ps(_mm512_castsi512_si256(sm));
-          mn = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(sm, 1));
-        }
-        for (int r = 0; r < R; r++) {
-          const size_t mb = (size_t)(m0 + r) * nblk + b;
-          acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][r]), _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[i][r]);
-          acc[i][r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(acts.scale[mb] * acts.sum[mb]), acc[i][r]);
-        }
-        continue;
-      }
-      const __m512 z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wts.zero.data() + tb * kTile))));
-      const __m512 s = _mm512_loadu_ps(wts.scale.data() + tb * kTile);
       for (int r = 0; r < R; r++) {
         const size_t mb = (size_t)(m0 + r) * nblk + b;
-        const __m512 x = _mm512_fnmadd_ps(z, _mm512_set1_ps(acts.sum[mb]), _mm512_cvtepi32_ps(dot[i][r]));
-        acc[i][r] = _mm512_fmadd_ps(x, _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[i][r]);
+        if constexpr (minimums) {
+          acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][r]), _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[i][r]);
+          acc[i][r] = _mm512_fmadd_ps(mn_or_z, _mm512_set1_ps(acts.scale[mb] * acts.sum[mb]), acc[i][r]);
+        } else {
+          const __m512 x = _mm512_fnmadd_ps(mn_or_z, _mm512_set1_ps(acts.sum[mb]), _mm512_cvtepi32_ps(dot[i][r]));
+          acc[i][r] = _mm512_fmadd_ps(x, _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[i][r]);
+        }
       }
     }
   }
@@ -345,11 +367,15 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
 template <int T, int R, bool SwiGLU, Prefetch F, int Mode>
 inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0, int64_t m0, const Output& out,
                        int stride, int next) {
+  constexpr OwnBits L = traits<Mode>();
+  constexpr int GB = 64 + 16 * L.high_bits;  // bytes a group of 8 k takes in a tile (with its high bits)
+  constexpr bool minimums = L.scales == Scales::kKQuant || L.scales == Scales::kHalfMin;
   const int nblk = wts.nblk, block = wts.block, K = wts.Kp;
-  constexpr int GB = Mode == 3 ? 96 : 64;  // bytes a group of 8 k takes in a tile (with the high bits)
   const size_t tile_bytes = (size_t)nblk * (block / 8) * GB;
   const size_t last_block = (size_t)wts.ntiles * nblk - 1;
-  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1), two = _mm256_set1_epi8(3);
+  const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  const __m256i field = _mm256_set1_epi8(L.high_bits == 2 ? 3 : 1);
+  const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // one high bit: the 128-bit halves' fields
   __m256 acc[T][R][2];
   for (int i = 0; i < T; i++)
     for (int r = 0; r < R; r++) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_ps();
@@ -361,10 +387,14 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
       if constexpr (F != Prefetch::kNone) {
         const size_t ahead = std::min(last_block, (size_t)(t0 + i * stride + (F == Prefetch::kNext ? next : 0)) * nblk + b +
                                                       (F == Prefetch::kAhead ? 4 : 0));
-        if constexpr (Mode == 3) prefetch(wts.ksc + ahead * kTile);
-        else if constexpr (Mode == 2) prefetch(wts.ksc + ahead * 2 * kTile);
-        else if constexpr (Mode == 1) prefetch(wts.scale_min.data() + ahead * 2 * kTile);
-        else {
+        if constexpr (Mode >= 2) {
+          if constexpr (L.scales == Scales::kKQuant) prefetch(wts.ksc + ahead * 2 * kTile);
+          else if constexpr (L.scales == Scales::kSix) prefetch(wts.ksc + ahead * kTile);
+          else if constexpr (L.scales == Scales::kHalf) prefetch(wts.kd + ahead * kTile);
+          else prefetch(wts.kd + ahead * 2 * kTile);
+        } else if constexpr (Mode == 1) {
+          prefetch(wts.scale_min.data() + ahead * 2 * kTile);
+        } else {
           prefetch(wts.scale.data() + ahead * kTile);
           prefetch(wts.zero.data() + ahead * kTile);
         }
@@ -377,15 +407,23 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
         const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + g * 64));
         const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + g * 64 + 32));
         __m256i hb = _mm256_setzero_si256();
-        if constexpr (Mode == 3) hb = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + (block / 8) * 64 + g * 32));
+        const uint8_t* hp = wp + (block / 8) * 64 + g * 16 * L.high_bits;
+        if constexpr (L.high_bits == 2) hb = _mm256_load_si256(reinterpret_cast<const __m256i*>(hp));
+        if constexpr (L.high_bits == 1) hb = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(hp)));
         for (int h = 0; h < 2; h++) {
           __m256i w0 = h ? _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4) : _mm256_and_si256(v0, low4);
           __m256i w1 = h ? _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4) : _mm256_and_si256(v1, low4);
-          if constexpr (Mode == 3) {  // each byte's two high bits, to bits 4 and 5 (see the layout above)
-            const __m256i f0 = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(4 * h)), two);
-            const __m256i f1 = _mm256_and_si256(_mm256_srl_epi16(hb, _mm_cvtsi32_si128(4 * h + 2)), two);
-            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(f0, 4));
-            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(f1, 4));
+          if constexpr (L.high_bits) {  // each weight's high bits, to bits 4 (and 5) (see block_layouts.py)
+            __m256i f0, f1;
+            if constexpr (L.high_bits == 2) {  // lanes 0-31 (v0) at bits 4h, lanes 32-63 (v1) at 4h + 2
+              f0 = _mm256_srl_epi16(hb, _mm_cvtsi32_si128(4 * h));
+              f1 = _mm256_srl_epi16(hb, _mm_cvtsi32_si128(4 * h + 2));
+            } else {  // lanes 16q + p at bit q (+ 4 for the high nibbles): v0 holds q = 0, 1, v1 q = 2, 3
+              f0 = _mm256_srlv_epi32(hb, _mm256_add_epi32(halves, _mm256_set1_epi32(4 * h)));
+              f1 = _mm256_srlv_epi32(hb, _mm256_add_epi32(halves, _mm256_set1_epi32(4 * h + 2)));
+            }
+            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(f0, field), 4));
+            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(f1, field), 4));
           }
           for (int r = 0; r < R; r++) {
             int32_t word;
@@ -396,38 +434,44 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
           }
         }
       }
+      auto half8 = [](const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
       for (int c = 0; c < 2; c++) {
-        __m256 s, z_or_min;
-        if constexpr (Mode == 3) {  // w = d * sc * (q - 32)
-          const uint16_t* dp = wts.kd + ((size_t)(t0 + i * stride) * wts.nsuper + b / 16) * kTile;
-          s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + 8 * c))),
-                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wts.ksc + tb * kTile + 8 * c)))));
-          z_or_min = _mm256_set1_ps(32.f);
-        } else if constexpr (Mode == 2) {  // s = d * sc, m = -(dmin * mn), as gguf computes them
-          const uint16_t* dm = wts.kd + ((size_t)(t0 + i * stride) * wts.nsuper + b / 8) * 2 * kTile;
+        __m256 s, mn_or_z;  // as the AVX-512 path: w = s q + mn, or s (q - z)
+        if constexpr (Mode == 0) {
+          s = _mm256_loadu_ps(wts.scale.data() + tb * kTile + 8 * c);
+          mn_or_z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wts.zero.data() + tb * kTile + 8 * c))));
+        } else if constexpr (Mode == 1) {
+          const uint16_t* sm = wts.scale_min.data() + tb * 2 * kTile;
+          s = half8(sm + 8 * c);
+          mn_or_z = half8(sm + kTile + 8 * c);
+        } else if constexpr (L.scales == Scales::kKQuant) {  // s = d * sc, mn = -(dmin * m)
+          const uint16_t* dm = wts.kd + ((size_t)(t0 + i * stride) * wts.nsuper + b / (256 / L.block)) * 2 * kTile;
           const uint8_t* scm = wts.ksc + tb * 2 * kTile;
           auto bytes8 = [](const uint8_t* p) {
             return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
           };
-          auto half8 = [](const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
           s = _mm256_mul_ps(half8(dm + 8 * c), bytes8(scm + 8 * c));
-          z_or_min = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(dm + kTile + 8 * c), bytes8(scm + kTile + 8 * c)));
-        } else if constexpr (Mode == 1) {
-          const uint16_t* sm = wts.scale_min.data() + tb * 2 * kTile;
-          s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + 8 * c)));
-          z_or_min = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sm + kTile + 8 * c)));
-        } else {
-          s = _mm256_loadu_ps(wts.scale.data() + tb * kTile + 8 * c);
-          z_or_min = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wts.zero.data() + tb * kTile + 8 * c))));
+          mn_or_z = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(dm + kTile + 8 * c), bytes8(scm + kTile + 8 * c)));
+        } else if constexpr (L.scales == Scales::kSix) {  // s = d * sc (int8), zero 32
+          const uint16_t* dp = wts.kd + ((size_t)(t0 + i * stride) * wts.nsuper + b / (256 / L.block)) * kTile;
+          s = _mm256_mul_ps(half8(dp + 8 * c),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wts.ksc + tb * kTile + 8 * c)))));
+          mn_or_z = _mm256_set1_ps((float)L.zero);
+        } else if constexpr (L.scales == Scales::kHalf) {  // s = d, the type's zero point
+          s = half8(wts.kd + tb * kTile + 8 * c);
+          mn_or_z = _mm256_set1_ps((float)L.zero);
+        } else {  // s = d, mn = m
+          s = half8(wts.kd + tb * 2 * kTile + 8 * c);
+          mn_or_z = half8(wts.kd + tb * 2 * kTile + kTile + 8 * c);
         }
         for (int r = 0; r < R; r++) {
           const size_t mb = (size_t)(m0 + r) * nblk + b;
           const __m256 d = _mm256_cvtepi32_ps(dot[r][c]);
-          if constexpr (Mode == 1 || Mode == 2) {
+          if constexpr (minimums) {
             acc[i][r][c] = _mm256_fmadd_ps(d, _mm256_mul_ps(s, _mm256_set1_ps(acts.scale[mb])), acc[i][r][c]);
-            acc[i][r][c] = _mm256_fmadd_ps(z_or_min, _mm256_set1_ps(acts.scale[mb] * acts.sum[mb]), acc[i][r][c]);
+            acc[i][r][c] = _mm256_fmadd_ps(mn_or_z, _mm256_set1_ps(acts.scale[mb] * acts.sum[mb]), acc[i][r][c]);
           } else {
-            const __m256 x = _mm256_fnmadd_ps(z_or_min, _mm256_set1_ps(acts.sum[mb]), d);
+            const __m256 x = _mm256_fnmadd_ps(mn_or_z, _mm256_set1_ps(acts.sum[mb]), d);
             acc[i][r][c] = _mm256_fmadd_ps(x, _mm256_mul_ps(s, _mm256_set1_ps(acts.scale[mb])), acc[i][r][c]);
           }
         }
@@ -486,6 +530,11 @@ void gemm_tiles_as(const PackedWeights& wts, const QuantizedRows& acts, int64_t 
 void gemm_tiles(const PackedWeights& wts, const QuantizedRows& acts, int64_t M, const Output& out, int t_begin, int t_end,
                 bool swiglu) {
   switch (wts.mode()) {
+    case 8: return gemm_tiles_as<8>(wts, acts, M, out, t_begin, t_end, swiglu);
+    case 7: return gemm_tiles_as<7>(wts, acts, M, out, t_begin, t_end, swiglu);
+    case 6: return gemm_tiles_as<6>(wts, acts, M, out, t_begin, t_end, swiglu);
+    case 5: return gemm_tiles_as<5>(wts, acts, M, out, t_begin, t_end, swiglu);
+    case 4: return gemm_tiles_as<4>(wts, acts, M, out, t_begin, t_end, swiglu);
     case 3: return gemm_tiles_as<3>(wts, acts, M, out, t_begin, t_end, swiglu);
     case 2: return gemm_tiles_as<2>(wts, acts, M, out, t_begin, t_end, swiglu);
     case 1: return gemm_tiles_as<1>(wts, acts, M, out, t_begin, t_end, swiglu);
@@ -586,25 +635,30 @@ Epilogue epilogue_of(const CustomOp* op) {
   return op == &g_matmul_split ? Epilogue::kSplit : op == &g_matmul_swiglu ? Epilogue::kSwiGLU : Epilogue::kOne;
 }
 
-// MatMulQ4 on a GGUF's Q4_K at its own bits: inputs A and the exporter's blob (kquant=1; K, N attributes)
-OrtStatus* create_kquant_kernel(const CustomOp* op, const OrtKernelInfo* info, void** out) {
+// MatMulQ4 on a GGUF type at its own bits: inputs A and the exporter's layout (kquant: the type, 1-7, kOwnBits'
+// order; K, N attributes)
+OrtStatus* create_own_kernel(const CustomOp* op, const OrtKernelInfo* info, int64_t kind, void** out) {
   int64_t K = 0, N = 0, split = 0;
   auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
   RETURN_IF(attr(info, "K", &K));
   RETURN_IF(attr(info, "N", &N));
-  if (K % 256 || N % kTile) return fail("ruvllm.MatMulQ4 (k-quant): needs K a multiple of 256 and N of 16");
+  if (kind < 1 || kind > kOwnKinds) return fail("ruvllm.MatMulQ4: unknown kquant " + std::to_string(kind));
+  const int mode = (int)kind + 1;
+  const OwnBits& t = own_bits(mode);
+  if (K % t.superblock || N % kTile)
+    return fail(std::string("ruvllm.MatMulQ4 (") + t.name + "): needs K a multiple of " + std::to_string(t.superblock) +
+                " and N of 16");
   int is_const = 0;
   const OrtValue* blob = nullptr;
   RETURN_IF(api<OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**)>(kKernelInfoGetConstantInput_tensor)(
       info, 1, &is_const, &blob));
-  if (!is_const) return fail("ruvllm.MatMulQ4 (k-quant): the weights must be an initializer");
+  if (!is_const) return fail("ruvllm.MatMulQ4: the weights must be an initializer");
   std::vector<int64_t> dims;
   RETURN_IF(tensor_shape(blob, dims));
   int64_t count = 1;
   for (int64_t d : dims) count *= d;
-  const int64_t kind = attr_or(info, "kquant", 1);  // 1: Q4_K, 2: Q6_K
-  if ((size_t)count != (kind == 2 ? q6k_bytes(N, K) : kquant_bytes(N, K)))
-    return fail("ruvllm.MatMulQ4 (k-quant): the weights are not the layout's size for N and K");
+  if ((size_t)count != own_bytes(mode, N, K))
+    return fail(std::string("ruvllm.MatMulQ4 (") + t.name + "): the weights are not the layout's size for N and K");
   const uint8_t* data = nullptr;
   RETURN_IF(tensor_data(blob, &data));
   const Epilogue epilogue = epilogue_of(op);
@@ -616,13 +670,12 @@ OrtStatus* create_kquant_kernel(const CustomOp* op, const OrtKernelInfo* info, v
   return make_kernel<Kernel>("ruvllm.MatMulQ4", [&](Kernel& k) {
     k.epilogue = epilogue;
     k.split = split;
-    if (kind == 2) pack_q6k(k.w, (int)N, (int)K, data);
-    else pack_kquant(k.w, (int)N, (int)K, data);
+    pack_own(k.w, mode, (int)N, (int)K, data);
   }, out);
 }
 
 OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* info, void** out) {
-  if (attr_or(info, "kquant", 0)) return create_kquant_kernel(op, info, out);
+  if (const int64_t kind = attr_or(info, "kquant", 0)) return create_own_kernel(op, info, kind, out);
   int64_t K = 0, N = 0, block = 0, has_mins = 0;  // mins: set by the graph rewrite (1: a fifth input, the minimums)
   RETURN_IF(api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64)(
       info, "mins", &has_mins));
