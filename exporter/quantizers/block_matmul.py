@@ -11,27 +11,17 @@ the others (Q4_K's dmin * m) as fp32.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import numpy_helper
 
 from exporter.builders.onnx_builder import replace_graph
 from exporter.quantizers.grid import Grid, fp16_exact, pack_nbits
+from runtime.backends.block_layouts import GridLayout, block_ones
+from runtime.backends.block_layouts import nbits_names as tensor_names
+from runtime.backends.block_layouts import nbits_nodes as grid_nodes
 
-MS_DOMAIN = "com.microsoft"
-
-
-@dataclass(frozen=True)
-class GridLayout:
-    """What a graph needs of a grid to wire its MatMulNBits (its numbers aside)."""
-
-    n: int
-    k: int
-    bits: int
-    block: int
-    mins: str | None  # None, "fp16" (held exactly) or "fp32"
+__all__ = ["GridLayout", "apply_grids", "grid_nodes", "grid_tensors", "layout_of", "take_minimum_terms", "tensor_names"]
 
 
 def layout_of(grid: Grid) -> GridLayout:
@@ -42,15 +32,6 @@ def layout_of(grid: Grid) -> GridLayout:
     return GridLayout(n, k, grid.bits, grid.block, mins)
 
 
-def tensor_names(w: str, layout: GridLayout) -> dict[str, str]:
-    """The initializers of weight `w`'s grid, by role."""
-    names = {"q": f"{w}_Q{layout.bits}", "scales": f"{w}_scales", "zero_points": f"{w}_zero_points"}
-    if layout.mins:
-        names["mins"] = f"{w}_mins_fp16" if layout.mins == "fp16" else f"{w}_mins"
-        names["block_ones"] = f"{w}/block_ones"
-    return names
-
-
 def grid_tensors(grid: Grid, layout: GridLayout) -> dict[str, np.ndarray]:
     """The initializers' values, by role (tensor_names)."""
     b, s, z = pack_nbits(grid)
@@ -59,26 +40,8 @@ def grid_tensors(grid: Grid, layout: GridLayout) -> dict[str, np.ndarray]:
     if layout.mins:
         m = np.ascontiguousarray(grid.mins.T, np.float32)  # [blocks, N]: the sums' MatMul reads it as it is
         out["mins"] = m.astype(np.float16) if layout.mins == "fp16" else m
-        # [K, blocks]: column b sums block b's activations
-        out["block_ones"] = np.kron(np.eye(layout.k // layout.block, dtype=np.float32),
-                                    np.ones((layout.block, 1), np.float32))
+        out["block_ones"] = block_ones(layout.k, layout.block)
     return out
-
-
-def grid_nodes(w: str, x: str, y: str, layout: GridLayout, accuracy_level: int = 4) -> list:
-    """The nodes computing y = x . W for weight `w` on its grid (tensor_names' initializers)."""
-    names = tensor_names(w, layout)
-    out = y if not layout.mins else f"{w}/nbits_out"
-    nodes = [helper.make_node("MatMulNBits", [x, names["q"], names["scales"], names["zero_points"]], [out],
-                              name=f"{w}/MatMulNBits", domain=MS_DOMAIN, K=layout.k, N=layout.n, bits=layout.bits,
-                              block_size=layout.block, accuracy_level=accuracy_level)]
-    if layout.mins:
-        mins = f"{w}_mins"
-        if layout.mins == "fp16":
-            nodes.append(helper.make_node("Cast", [names["mins"]], [mins], name=f"{w}/mins_fp32", to=TensorProto.FLOAT))
-        nodes += [helper.make_node("MatMul", [x, names["block_ones"]], [f"{w}/block_sums"], name=f"{w}/block_sums"),
-                  helper.make_node("Gemm", [f"{w}/block_sums", mins, out], [y], name=f"{w}/add_mins")]
-    return nodes
 
 
 def apply_grids(model: onnx.ModelProto, grids: dict[str, Grid], accuracy_level: int = 4) -> onnx.ModelProto:

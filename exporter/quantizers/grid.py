@@ -91,9 +91,10 @@ def pack_nbits(grid: Grid) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return q, grid.scale, grid.zero.copy()
     if grid.bits != 4:
         raise ValueError(f"MatMulNBits packing is implemented for 4 and 8 bits, not {grid.bits}")
-    b = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-    z = grid.zero if grid.zero.shape[1] % 2 == 0 else np.pad(grid.zero, ((0, 0), (0, 1)))
-    return b, grid.scale, (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8)
+    from runtime.backends.block_layouts import pack_4bit
+
+    b, z = pack_4bit(grid.q, grid.zero, grid.block)
+    return b, grid.scale, z
 
 
 def rtn_grid(w: np.ndarray, bits: int, block: int) -> Grid:

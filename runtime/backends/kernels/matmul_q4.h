@@ -631,8 +631,15 @@ int64_t attr_or(const OrtKernelInfo* info, const char* name, int64_t fallback) {
   return v;
 }
 
-Epilogue epilogue_of(const CustomOp* op) {
-  return op == &g_matmul_split ? Epilogue::kSplit : op == &g_matmul_swiglu ? Epilogue::kSwiGLU : Epilogue::kOne;
+// The operator's epilogue (MatMulQ4, MatMulQ4Split, MatMulQ4SwiGLU) and its split, checked against N
+OrtStatus* epilogue_attrs(const CustomOp* op, const OrtKernelInfo* info, int64_t N, Epilogue* epilogue, int64_t* split) {
+  *epilogue = op == &g_matmul_split ? Epilogue::kSplit : op == &g_matmul_swiglu ? Epilogue::kSwiGLU : Epilogue::kOne;
+  if (*epilogue == Epilogue::kSplit) {
+    RETURN_IF(api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64)(info, "split", split));
+    if (*split <= 0 || *split >= N || *split % kTile) return fail("ruvllm.MatMulQ4Split: split must be a multiple of 16 in (0, N)");
+  }
+  if (*epilogue == Epilogue::kSwiGLU && N % (2 * kTile)) return fail("ruvllm.MatMulQ4SwiGLU: N must be a multiple of 32");
+  return nullptr;
 }
 
 // MatMulQ4 on a GGUF type at its own bits: inputs A and the exporter's layout (kquant: the type, 1-7, kOwnBits'
@@ -661,12 +668,8 @@ OrtStatus* create_own_kernel(const CustomOp* op, const OrtKernelInfo* info, int6
     return fail(std::string("ruvllm.MatMulQ4 (") + t.name + "): the weights are not the layout's size for N and K");
   const uint8_t* data = nullptr;
   RETURN_IF(tensor_data(blob, &data));
-  const Epilogue epilogue = epilogue_of(op);
-  if (epilogue == Epilogue::kSplit) {
-    RETURN_IF(attr(info, "split", &split));
-    if (split <= 0 || split >= N || split % kTile) return fail("ruvllm.MatMulQ4Split: split must be a multiple of 16 in (0, N)");
-  }
-  if (epilogue == Epilogue::kSwiGLU && N % (2 * kTile)) return fail("ruvllm.MatMulQ4SwiGLU: N must be a multiple of 32");
+  Epilogue epilogue;
+  RETURN_IF(epilogue_attrs(op, info, N, &epilogue, &split));
   return make_kernel<Kernel>("ruvllm.MatMulQ4", [&](Kernel& k) {
     k.epilogue = epilogue;
     k.split = split;
@@ -681,7 +684,6 @@ OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* i
       info, "mins", &has_mins));
   const OrtValue* consts[5] = {};
   RETURN_IF(grid_inputs(info, "ruvllm.MatMulQ4", 4, has_mins ? 5 : 4, &K, &N, &block, consts));
-  auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
   const uint8_t *B = nullptr, *Z = nullptr;
   const float* S = nullptr;
   RETURN_IF(tensor_data(consts[1], &B));
@@ -706,13 +708,9 @@ OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* i
     if (dims.size() != 2 || dims[0] != nblk || dims[1] != N) return fail("ruvllm.MatMulQ4: minimums are not [K/block_size, N]");
     RETURN_IF(tensor_data(consts[4], &Mn));
   }
-  const Epilogue epilogue = epilogue_of(op);
+  Epilogue epilogue;
   int64_t split = 0;
-  if (epilogue == Epilogue::kSplit) {
-    RETURN_IF(attr(info, "split", &split));
-    if (split <= 0 || split >= N || split % kTile) return fail("ruvllm.MatMulQ4Split: split must be a multiple of 16 in (0, N)");
-  }
-  if (epilogue == Epilogue::kSwiGLU && N % (2 * kTile)) return fail("ruvllm.MatMulQ4SwiGLU: N must be a multiple of 32");
+  RETURN_IF(epilogue_attrs(op, info, N, &epilogue, &split));
   return make_kernel<Kernel>("ruvllm.MatMulQ4", [&](Kernel& k) {
     k.epilogue = epilogue;
     k.split = split;
