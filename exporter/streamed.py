@@ -127,13 +127,14 @@ class GgufProjections:
 
 
 def embedding(tensors: GgufTensors, opts: ConvertOptions) -> Grid | OwnBits | None:
-    """The embedding table as the graph gathers it: a Q4_K or Q6_K table at its own bits in an int4
+    """The embedding table as the graph gathers it: a Q4_K, Q6_K or Q8_0 table at its own bits in an int4
     package (ruvllm.GatherQ on the layout its tied head computes with), else the file's grid (or None)."""
     name = "model.embed_tokens.weight"
-    if opts.quant == "int4" and tensors.type_of(name) in ("Q4_K", "Q6_K"):
+    kind = tensors.type_of(name)
+    if opts.quant == "int4" and kind in ("Q4_K", "Q6_K", "Q8_0"):  # the tables ruvllm.GatherQ reads
         parts = tensors.own_bits(name)
-        if parts[0].shape[0] % 16 == 0 and parts[0].shape[1] % 256 == 0:
-            return OwnBits.of([(tensors.type_of(name), parts)])
+        if parts[0].shape[0] % 16 == 0 and parts[0].shape[1] % OWN[kind].superblock == 0:
+            return OwnBits.of([(kind, parts)])
     return tensors.grid(name)
 
 

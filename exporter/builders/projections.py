@@ -101,7 +101,7 @@ class ProjectionGrids:
                 name = f"{w}_{kind.replace('_', '')}" if len(layout.kinds) == 1 else f"{w}_part{i}_{kind.replace('_', '')}"
                 blob = b.named_weight(name, lambda i=i, kind=kind: own_layout(kind, *grid.runs[i][1]))
                 part_out = y if len(layout.kinds) == 1 else f"{name}/out"
-                b.op("MatMulQ4", [x, blob], name=f"{name}/MatMulQ4", out=part_out, domain=DOMAIN, K=layout.k, N=rows,
+                b.op(t.op, [x, blob], name=f"{name}/{t.op}", out=part_out, domain=DOMAIN, K=layout.k, N=rows,
                      bits=4 + t.high_bits, block_size=t.block, kquant=t.kind)
                 outs.append(part_out)
             if len(outs) > 1:

@@ -85,17 +85,21 @@ class OwnType:
     """One GGUF block type as the kernel reads it (kernels/matmul_q4.h's kOwnBits, in the same order)."""
 
     kind: int  # the operator's kquant attribute
-    high_bits: int  # bits above the low nibble: 0, 1 or 2
+    high_bits: int  # bits above the low nibble: 0, 1 or 2 (Q8_0: 4, a whole byte)
     block: int  # weights a scale covers
     zero: int  # the zero point (0: the type has minimums instead)
     scales: str  # "kquant" (q, d, dmin, sc, m), "six" (q, d, sc), "half" (q, d), "halfmin" (q, d, m)
     superblock: int = BLOCK  # K must be a multiple of it (SUPER for the K-quants)
+    op: str = "MatMulQ4"  # the kernel that reads it
 
 
 OWN = {"Q4_K": OwnType(1, 0, 32, 0, "kquant", SUPER), "Q6_K": OwnType(2, 2, 16, 32, "six", SUPER),
        "Q5_K": OwnType(3, 1, 32, 0, "kquant", SUPER), "Q5_0": OwnType(4, 1, 32, 16, "half"),
        "Q4_0": OwnType(5, 0, 32, 8, "half"), "Q4_1": OwnType(6, 0, 32, 0, "halfmin"),
-       "Q5_1": OwnType(7, 1, 32, 0, "halfmin")}
+       "Q5_1": OwnType(7, 1, 32, 0, "halfmin"),
+       # MatMulQ8's (kernels/matmul_q8.h): per tile and block, the int8 weights as 8 lines of 64 bytes (byte 4j + i
+       # of line g: column j, k = 4g + i), q stored as the file's q (here q + 128 unsigned, zero point 128)
+       "Q8_0": OwnType(8, 4, 32, 128, "half", op="MatMulQ8")}
 BY_KIND = {t.kind: name for name, t in OWN.items()}
 
 
@@ -131,6 +135,11 @@ def own_layout(name: str, q: np.ndarray, *scales: np.ndarray) -> np.ndarray:
     n, k = q.shape
     if n % TILE or k % t.superblock:
         raise ValueError(f"{name} at its own bits needs N a multiple of {TILE} and K of {t.superblock} (got {n} x {k})")
+    if t.op == "MatMulQ8":
+        bytes_ = (q.astype(np.int16) - t.zero).astype(np.int8).view(np.uint8)
+        lines = bytes_.reshape(n // TILE, TILE, k // t.block, t.block // 4, 4).transpose(0, 2, 3, 1, 4)  # [t, b, g, j, i]
+        d = scales[0].reshape(n // TILE, TILE, -1).transpose(0, 2, 1).astype(np.float16)  # [t, b, j]
+        return np.concatenate([lines.reshape(-1), np.ascontiguousarray(d).reshape(-1).view(np.uint8)])
     lanes = _lanes(q, t)
     tiles, nblk = lanes.shape[:2]
     lines = [(lanes[:, :, :, 0] & 15) | ((lanes[:, :, :, 1] & 15) << 4)]  # [t, b, g, 64]
@@ -163,6 +172,11 @@ def own_parts(name: str, blob: np.ndarray, n: int, k: int) -> tuple:
     t = OWN[name]
     tiles, nblk, groups = n // TILE, k // t.block, t.block // 8
     w_bytes, sc_bytes, _ = own_sections(t, n, k)
+    if t.op == "MatMulQ8":
+        lines = blob[:w_bytes].reshape(tiles, nblk, t.block // 4, TILE, 4).view(np.int8)
+        q = (lines.transpose(0, 3, 1, 2, 4).reshape(n, k).astype(np.int16) + t.zero).astype(np.uint8)
+        d = blob[w_bytes:].view(np.float16).reshape(tiles, nblk, TILE).transpose(0, 2, 1).reshape(n, nblk)
+        return q, d
     blocks = blob[:w_bytes].reshape(tiles, nblk, -1)
     nib = blocks[..., :groups * 64].reshape(tiles, nblk, groups, 64)
     high = np.zeros((tiles, nblk, groups, 2, 64), np.uint8)
@@ -240,10 +254,10 @@ def portable_graph(model, base_dir) -> int:
                 done.add(table)
             count += 1
             continue
-        if node.domain != DOMAIN or not node.op_type.startswith("MatMulQ4") or not attrs.get("kquant"):
+        if node.domain != DOMAIN or not node.op_type.startswith("MatMulQ") or not attrs.get("kquant"):
             nodes.append(node)
             continue
-        if node.op_type != "MatMulQ4":
+        if node.op_type not in ("MatMulQ4", "MatMulQ8"):
             raise ValueError(f"{node.name}: a k-quant {node.op_type} has no portable form here (rewritten before the "
                              "kernels were chosen?)")
         n, k, w = attrs["N"], attrs["K"], node.input[1]

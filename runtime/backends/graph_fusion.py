@@ -47,7 +47,7 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     inits = {i.name: i for i in model.graph.initializer}
     # the exporter's own MatMulQ4 (a GGUF's Q4_K at its own bits): already on the kernel, counted as fused
     count = sum(1 for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP)
-    q8 = 0
+    q8 = sum(1 for n in model.graph.node if n.domain == DOMAIN and n.op_type == "MatMulQ8")
     for node in model.graph.node:
         if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.input) != 4:
             continue

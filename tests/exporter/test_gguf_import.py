@@ -116,7 +116,7 @@ def package_weights(pkg_dir) -> dict[str, np.ndarray]:
     out, parts = {}, {}
     for node in model.graph.node:
         a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
-        if node.op_type == "MatMulQ4" and a.get("kquant"):  # a GGUF type at the file's own bits
+        if node.op_type in ("MatMulQ4", "MatMulQ8") and a.get("kquant"):  # a GGUF type at the file's own bits
             w = dequantize_own(BY_KIND[a["kquant"]], inits[node.input[1]], a["N"], a["K"])
             name, part = re.match(r"(.*?)(?:_part(\d+))?_Q\d[K01]$", node.input[1]).groups()
             parts.setdefault(name, {})[int(part or 0)] = w

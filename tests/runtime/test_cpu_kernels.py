@@ -738,7 +738,7 @@ def test_packed_weights_sit_in_huge_page_chunks_returned_when_freed(smol_int4):
         assert after <= 32, after  # at most the chunk being filled stays mapped
 
 
-OWN_TYPES = ("Q4_K", "Q6_K", "Q5_K", "Q5_0", "Q4_0", "Q4_1", "Q5_1")
+OWN_TYPES = ("Q4_K", "Q6_K", "Q5_K", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "Q8_0")
 
 
 def own_parts_and_weights(name: str, N: int, K: int, seed: int = 0):
@@ -777,7 +777,7 @@ def own_model(name: str, K: int, N: int, seed: int = 0):
     blob = own_layout(name, *parts)
     t = OWN[name]
     init = helper.make_tensor("W", TensorProto.UINT8, blob.shape, blob.tobytes(), raw=True)
-    node = helper.make_node("MatMulQ4", ["X", "W"], ["Y"], domain="ruvllm", K=K, N=N, bits=4 + t.high_bits,
+    node = helper.make_node(t.op, ["X", "W"], ["Y"], domain="ruvllm", K=K, N=N, bits=4 + t.high_bits,
                             block_size=t.block, kquant=t.kind)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, None)],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], [init])
@@ -792,7 +792,8 @@ def test_each_own_bit_layout_holds_its_type_exactly(name):
 
     parts, w = own_parts_and_weights(name, 48, 512, seed=5)
     blob = own_layout(name, *parts)
-    gguf_bits = {"Q4_K": 4.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_0": 5.5, "Q4_0": 4.5, "Q4_1": 5.0, "Q5_1": 6.0}[name]
+    gguf_bits = {"Q4_K": 4.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_0": 5.5, "Q4_0": 4.5, "Q4_1": 5.0, "Q5_1": 6.0,
+                 "Q8_0": 8.5}[name]
     assert blob.nbytes == own_bytes(name, 48, 512) == 48 * 512 * (gguf_bits + (0.125 if name in ("Q4_K", "Q5_K") else 0)) / 8
     for got, want in zip(own_parts(name, blob, 48, 512), parts):
         assert np.array_equal(got, want)
@@ -803,7 +804,7 @@ def test_each_own_bit_layout_holds_its_type_exactly(name):
 @pytest.mark.parametrize("name", OWN_TYPES)
 @pytest.mark.parametrize("K,N", [(512, 96), (256, 16)])
 def test_own_bit_kernel_computes_the_int8_product_with_the_files_weights(name, K, N):
-    """MatMulQ4 on each type's layout gives (x rounded to int8 per block) . (the weights gguf dequantizes), for 1
+    """MatMulQ4 (MatMulQ8 for Q8_0) on each type's layout gives (x rounded to int8 per block) . (the weights gguf dequantizes), for 1
     to 37 rows and a 3-D input; a row's numbers do not depend on its batch, nor on where its weights lie."""
     from runtime.backends.block_layouts import OWN
 
@@ -857,7 +858,7 @@ def gather_model(name: str, N: int = 64, K: int = 512):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ruvllm", 1)]), w.T
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
 def test_gathered_rows_are_the_tables_dequantization_bit_for_bit(name, tmp_path):
     """With the kernels and without them (portable_graph): the rows gguf's dequantization gives, exactly."""
     from runtime.backends.block_layouts import portable_graph

@@ -1,4 +1,4 @@
-// GatherQ: rows of a table kept in one of MatMulQ4's own-bit layouts (a GGUF's Q4_K or Q6_K embedding,
+// GatherQ: rows of a table kept in an own-bit layout (a GGUF's Q4_K, Q6_K or Q8_0 embedding,
 // runtime/backends/block_layouts.py), dequantized to fp32 exactly as gguf dequantizes them: ((d * sc) * q
 // - dmin * m for Q4_K, (d * sc) * (q - 32) for Q6_K). Why: a tied model's LM head and its embedding table
 // are one tensor; the head runs on the layout, so the gather reads the same bytes instead of a second,
@@ -64,6 +64,19 @@ void q6k_row(const GatherKernel& g, int64_t row, float* out) {
   }
 }
 
+// one row of a Q8_0 layout (pack_q8_own): per block of 32, eight int8 lines; then every tile and block's fp16 d
+void q8_row(const GatherKernel& g, int64_t row, float* out) {
+  const int64_t nblk = g.K / 32, t = row / kTile, j = row % kTile;
+  const uint16_t* d = reinterpret_cast<const uint16_t*>(g.table + g.N * g.K);
+  for (int64_t b = 0; b < nblk; b++) {
+    const float s = half_to_float(d[(t * nblk + b) * kTile + j]);
+    for (int gr = 0; gr < 8; gr++) {
+      const int8_t* line = reinterpret_cast<const int8_t*>(g.table + ((t * nblk + b) * 8 + gr) * 64 + 4 * j);
+      for (int i = 0; i < 4; i++) out[b * 32 + gr * 4 + i] = s * (float)line[i];
+    }
+  }
+}
+
 OrtStatus* create_gather(const CustomOp*, const void*, const OrtKernelInfo* info, void** out) {
   auto* k = new (std::nothrow) GatherKernel();
   if (!k) return fail("ruvllm.GatherQ: out of memory");
@@ -81,8 +94,10 @@ OrtStatus* create_gather(const CustomOp*, const void*, const OrtKernelInfo* info
   if (!st) {
     int64_t count = 1;
     for (int64_t d : dims) count *= d;
-    if (k->kind != 1 && k->kind != 2) st = fail("ruvllm.GatherQ: tables of Q4_K (1) or Q6_K (2) only");
-    else if (k->K % 256 || k->N % kTile || (size_t)count != own_bytes((int)k->kind + 1, k->N, k->K))
+    const size_t want = k->kind == 8 ? (size_t)(k->N * k->K + k->N * k->K / 16)
+                                     : k->kind == 1 || k->kind == 2 ? own_bytes((int)k->kind + 1, k->N, k->K) : 0;
+    if (!want) st = fail("ruvllm.GatherQ: tables of Q4_K (1), Q6_K (2) or Q8_0 (8) only");
+    else if (k->K % (k->kind == 8 ? 32 : 256) || k->N % kTile || (size_t)count != want)
       st = fail("ruvllm.GatherQ: the table is not the layout's size for N and K");
   }
   const uint8_t* data = nullptr;
@@ -112,7 +127,8 @@ OrtStatus* gather_rows(void* kernel, OrtKernelContext* ctx) {
   for (int64_t r = 0; r < n; r++) {
     const int64_t id = ids[r];
     if (id < 0 || id >= g.N) return fail("ruvllm.GatherQ: a token id is outside the table");
-    if (g.kind == 2) q6k_row(g, id, out + r * g.K);
+    if (g.kind == 8) q8_row(g, id, out + r * g.K);
+    else if (g.kind == 2) q6k_row(g, id, out + r * g.K);
     else q4k_row(g, id, out + r * g.K);
   }
   return nullptr;

@@ -22,10 +22,31 @@ namespace {
 
 struct PackedQ8 {
   int N = 0, K = 0, block = 0, nblk = 0, ntiles = 0, Kp = 0;
-  size_t tile_block_bytes = 0;  // block/4 weight lines and a scale line
+  size_t tile_block_bytes = 0;  // block/4 weight lines and a scale line (a Q8_0 at its own bits: no scale line)
   std::unique_ptr<uint8_t[], void (*)(void*)> w{nullptr, WeightArena::free};
-  const uint8_t* at(int t, int b) const { return w.get() + ((size_t)t * nblk + b) * tile_block_bytes; }
+  const uint8_t* wdata = nullptr;  // w's copy, or the exporter's layout in place
+  const uint16_t* half = nullptr;  // a Q8_0 at its own bits: its fp16 d, 16 a tile and block, after the weights
+  const uint8_t* at(int t, int b) const { return wdata + ((size_t)t * nblk + b) * tile_block_bytes; }
 };
+
+// A GGUF's Q8_0 at its own bits (block_layouts.own_layout): per tile and block the weights' int8 lines as
+// pack_q8 writes them, then every tile and block's 16 fp16 d; N*K + N*K/16 bytes (the file's 8.5 bits). Read
+// in place when aligned, as the own-bit layouts of MatMulQ4 are.
+void pack_q8_own(PackedQ8& wts, int N, int K, const uint8_t* blob) {
+  if (K % 32 || N % kTile) throw std::invalid_argument("Q8_0 needs K a multiple of 32, N of 16");
+  wts.N = N; wts.K = K; wts.block = 32; wts.nblk = K / 32; wts.ntiles = N / kTile; wts.Kp = K;
+  wts.tile_block_bytes = (size_t)(32 / 4) * 64;
+  const size_t bytes = (size_t)N * K + (size_t)N * K / 16;
+  const char* copy = std::getenv("RUVLLM_COPY_WEIGHTS");
+  if (reinterpret_cast<uintptr_t>(blob) % 64 == 0 && !(copy && copy[0] == '1')) {
+    wts.wdata = blob;
+  } else {
+    wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(bytes)));
+    std::memcpy(wts.w.get(), blob, bytes);
+    wts.wdata = wts.w.get();
+  }
+  wts.half = reinterpret_cast<const uint16_t*>(wts.wdata + (size_t)N * K);
+}
 
 // B: MatMulNBits' 8-bit [N, K/block, block]; S: fp32 [N, K/block]; Z: uint8 [N, K/block] or null (128)
 void pack_q8(PackedQ8& wts, int N, int K, int block, const uint8_t* B, const float* S, const uint8_t* Z) {
@@ -34,6 +55,7 @@ void pack_q8(PackedQ8& wts, int N, int K, int block, const uint8_t* B, const flo
   wts.tile_block_bytes = (size_t)(block / 4 + 1) * 64;
   const size_t bytes = (size_t)wts.ntiles * wts.nblk * wts.tile_block_bytes;
   wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(bytes)));
+  wts.wdata = wts.w.get();
   for (int t = 0; t < wts.ntiles; t++)
     for (int b = 0; b < wts.nblk; b++) {
       uint8_t* dst = wts.w.get() + ((size_t)t * wts.nblk + b) * wts.tile_block_bytes;
@@ -78,7 +100,8 @@ inline void q8_tile_rows(const PackedQ8& wts, const QuantizedRows& acts, int t, 
         dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(word));
       }
     }
-    const __m512 s = _mm512_load_ps(reinterpret_cast<const float*>(wp + (size_t)groups * 64));
+    const __m512 s = wts.half ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wts.half + ((size_t)t * wts.nblk + b) * kTile)))
+                              : _mm512_load_ps(reinterpret_cast<const float*>(wp + (size_t)groups * 64));
     for (int r = 0; r < R; r++) {
       const size_t mb = (size_t)(m0 + r) * wts.nblk + b;
       const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * (int)acts.sum[mb]));
@@ -113,8 +136,16 @@ inline void q8_tile_rows(const PackedQ8& wts, const QuantizedRows& acts, int t, 
         dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(x, v1)), ones));
       }
     }
-    const float* s = reinterpret_cast<const float*>(wp + (size_t)groups * 64);
-    const __m256 s0 = _mm256_load_ps(s), s1 = _mm256_load_ps(s + 8);
+    __m256 s0, s1;
+    if (wts.half) {
+      const uint16_t* h = wts.half + ((size_t)t * wts.nblk + b) * kTile;
+      s0 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+      s1 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 8)));
+    } else {
+      const float* s = reinterpret_cast<const float*>(wp + (size_t)groups * 64);
+      s0 = _mm256_load_ps(s);
+      s1 = _mm256_load_ps(s + 8);
+    }
     for (int r = 0; r < R; r++) {
       const __m256 sa = _mm256_set1_ps(acts.scale[(size_t)(m0 + r) * wts.nblk + b]);
       acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, sa), acc[r][0]);
@@ -162,7 +193,30 @@ void run_q8_item(void* data, size_t i) {
   q8_tiles(*job.w, *job.a, job.M, job.out, begin, std::min(job.w->ntiles, begin + job.tiles_per_item));
 }
 
+// MatMulQ8 on a GGUF's Q8_0 at its own bits: inputs A and the exporter's layout (kquant 8; K, N attributes)
+OrtStatus* create_q8_own(const OrtKernelInfo* info, void** out) {
+  int64_t K = 0, N = 0;
+  auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
+  RETURN_IF(attr(info, "K", &K));
+  RETURN_IF(attr(info, "N", &N));
+  if (K % 32 || N % kTile) return fail("ruvllm.MatMulQ8 (Q8_0): needs K a multiple of 32 and N of 16");
+  int is_const = 0;
+  const OrtValue* blob = nullptr;
+  RETURN_IF(api<OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**)>(kKernelInfoGetConstantInput_tensor)(
+      info, 1, &is_const, &blob));
+  if (!is_const) return fail("ruvllm.MatMulQ8: the weights must be an initializer");
+  std::vector<int64_t> dims;
+  RETURN_IF(tensor_shape(blob, dims));
+  int64_t count = 1;
+  for (int64_t d : dims) count *= d;
+  if (count != N * K + N * K / 16) return fail("ruvllm.MatMulQ8 (Q8_0): the weights are not the layout's size for N and K");
+  const uint8_t* data = nullptr;
+  RETURN_IF(tensor_data(blob, &data));
+  return make_kernel<Q8Kernel>("ruvllm.MatMulQ8", [&](Q8Kernel& k) { pack_q8_own(k.w, (int)N, (int)K, data); }, out);
+}
+
 OrtStatus* create_q8(const CustomOp*, const void*, const OrtKernelInfo* info, void** out) {
+  if (attr_or(info, "kquant", 0) == 8) return create_q8_own(info, out);
   int64_t K = 0, N = 0, block = 0;
   const OrtValue* consts[4] = {};
   RETURN_IF(grid_inputs(info, "ruvllm.MatMulQ8", 8, 4, &K, &N, &block, consts));

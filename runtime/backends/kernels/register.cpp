@@ -175,6 +175,7 @@ CustomOp matmul_q8_op() {
   op.GetName = [](const CustomOp*) { return "MatMulQ8"; };
   op.GetInputType = [](const CustomOp*, size_t i) { return (i == 1 || i == 3) ? kUint8 : kFloat; };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 4; };
+  op.GetInputCharacteristic = [](const CustomOp*, size_t i) { return i >= 2 ? 1 : 0; };  // absent in Q8_0's own layout
   return op;
 }
 
