@@ -143,7 +143,10 @@ runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
 def gguf_file(work: Path, name: str, qtype: str) -> Path:
     f16 = work / f"{name}-F16.gguf"
     if not f16.exists():
-        run([sys.executable, "-c", CONVERT, str(llama_cpp_dir(work)), str(hf_folder(work, name)), str(f16)],
+        hf = work / f"{name}-hf"
+        if not (hf / "model.safetensors.index.json").exists():  # in its own process: a child's peak RSS counts
+            run([sys.executable, __file__, "--make-hf", name, "--work", str(work)])  # what it inherits at fork
+        run([sys.executable, "-c", CONVERT, str(llama_cpp_dir(work)), str(hf), str(f16)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out = work / f"{name}-{qtype}.gguf"
     if not out.exists():  # in a process of its own: llama.cpp logs every tensor on the standard streams
@@ -301,8 +304,12 @@ def main() -> None:
     ap.add_argument("--quality", action="store_true", help="teacher-forced logits against the fp32 export")
     ap.add_argument("--work", default=str(Path.home() / ".cache" / "ruvllm" / "bench" / "sizes"))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--make-hf", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--path", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.make_hf:
+        hf_folder(Path(args.work), args.make_hf)
+        return
     if args.worker:  # measure() runs each engine so
         import numpy as np
 
