@@ -57,6 +57,8 @@ def manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict, 
                          gguf=carried_summary(carried, opts))
             if carried.embedding is not None:
                 quant["embeddings"] = f"the file's blocks ({gguf_blocks.describe(carried.embedding)})"
+            if "lm_head" in carried.projections:
+                quant["lm_head"] = f"the file's blocks ({gguf_blocks.describe(carried.projections['lm_head'])})"
         if opts.method not in ("rtn", "gguf"):
             quant["calibration"] = opts.calibration and Path(opts.calibration).name or "python-stdlib-docs"
         if "gptq" in opts.method:
