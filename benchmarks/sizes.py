@@ -15,7 +15,8 @@ does not know SmolLM2's pre-tokenizer hash: the gpt2 path and the `smollm` pre-t
 Then RuvLLM exports each file (`python -m exporter convert`: wall time, peak RSS, package size), and
 each engine, in a process of its own on --threads threads, measures: load to first token, one stream's
 decode tok/s (greedy, no drafts), TTFT of a 512-token prompt, aggregate decode tok/s of 16 streams,
-and the process's peak RSS; llama.cpp first, then RuvLLM, per file. --quality adds the relative
+and the process's peak RSS (and the GB/s of the file's weights one stream reads: every matrix but the
+embedding table, which is read whole only as a tied head); llama.cpp first, then RuvLLM, per file. --quality adds the relative
 error of each engine's teacher-forced logits over 512 tokens against RuvLLM's fp32 export of the same
 file (the file's exact dequantization; random weights make KL meaningless: their softmax is nearly flat).
 Prints JSON and keeps every file in --work (default ~/.cache/ruvllm/bench/sizes).
@@ -175,6 +176,16 @@ def export(work: Path, gguf: Path, quant: str = "int4") -> dict:
             "package_to_gguf": round(size / gguf.stat().st_size, 3)}
 
 
+def bytes_per_token(gguf: Path) -> int:
+    """The file's bytes one decode step reads: every matrix but the embedding table (a step gathers a few of
+    its rows), and that table too where it is the tied LM head."""
+    import gguf as gguf_py
+
+    tensors = {t.name: int(t.n_bytes) for t in gguf_py.GGUFReader(str(gguf)).tensors if len(t.shape) > 1}
+    read = sum(n for name, n in tensors.items() if name != "token_embd.weight")
+    return read + (tensors.get("token_embd.weight", 0) if "output.weight" not in tensors else 0)
+
+
 def prompt_ids(n: int) -> list[int]:
     import random
 
@@ -328,6 +339,7 @@ def main() -> None:
         for qtype in args.types.split(","):
             gguf = gguf_file(work, name, qtype)
             row = {"shape": name, "type": qtype, **export(work, gguf)}
+            per_token = bytes_per_token(gguf)
             ref = None
             if args.quality:  # the file's exact dequantization: RuvLLM's fp32 export of the same file
                 fp32 = export(work, gguf, "fp32")
@@ -340,6 +352,8 @@ def main() -> None:
                 logits = got.pop("logits", None)
                 if ref is not None and logits is not None:
                     got["logit_rel_error_vs_fp32"] = relative_error(logits, ref)
+                if "decode_tok_s" in got:  # the file's weights streamed per second by one stream
+                    got["weights_gb_s"] = round(got["decode_tok_s"] * per_token / 1e9, 1)
                 row[engine] = got
             print(json.dumps(row), file=sys.stderr, flush=True)
             results.append(row)
