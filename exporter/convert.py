@@ -38,6 +38,7 @@ from exporter.sources.locate import (
     load_model_and_tokenizer,
     resolve,
 )
+from exporter.sources.safetensors_tensors import NotStreamable
 from exporter.step_weights import package_step
 from exporter.streamed import convert_streamed, streams
 from exporter.writers.external_data import save_with_shared_data
@@ -71,8 +72,12 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
                           "Hugging Face folder instead")
     started = time.time()
     on = opts.progress
-    if streams(source, opts):
-        return convert_streamed(source, out, opts, started)
+    if streams(source, opts, arch):
+        try:
+            return convert_streamed(source, out, opts, started)
+        except NotStreamable as err:  # (before anything is written)
+            if on:
+                print(f"export: {err}; loading the model whole", file=sys.stderr)
 
     bar = stage({"gguf": "reading GGUF", "hub": "downloading/reading"}.get(source.kind, "reading model"), enabled=on)
     model, tok = load_model_and_tokenizer(source)

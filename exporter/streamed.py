@@ -1,10 +1,11 @@
-"""The export of a GGUF file tensor by tensor: memory follows one tensor, not the model.
+"""The export of a GGUF file or a Hugging Face folder tensor by tensor: memory follows one tensor.
 
 The graph is built from the config alone (a transformers model with no weights gives the spec and
 the rotary tables); each projection is read from the memory-mapped file when the builder reaches it,
-as the file's own blocks or, for a type with no grid here, RTN of that one tensor; its packed
-numbers go to the package's data file at once. The page's targets (which dequantize at load) and
-the calibrated methods still load the model whole (convert.py).
+as the file's own blocks or, for a type with no grid here (and for a folder's float weights), RTN of
+that one tensor; its packed numbers go to the package's data file at once. The page's targets (which
+dequantize at load) and the calibrated methods (AWQ, GPTQ, HQQ, SmoothQuant: they need activations)
+still load the model whole (convert.py), as does a checkpoint that names its weights otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from exporter.quantizers.grid import Grid, rtn_grid, stack_rows
 from exporter.quantizers.quantize import BITS, MLP_WEIGHTS
 from exporter.sources.gguf_blocks import GraphGrids
 from exporter.sources.gguf_tensors import GgufTensors, LazyWeights
+from exporter.sources.safetensors_tensors import SafetensorsTensors
 from exporter.writers.external_data import WeightStore
 from runtime.backends.block_layouts import OWN
 from runtime.errors import RuvLLMError
@@ -38,10 +40,11 @@ from runtime.errors import RuvLLMError
 HEAD_ROWS = 8192  # rows of a float LM head quantized at a time (a 128k vocabulary's head is 1 GB in fp32)
 
 
-def streams(source, opts: ConvertOptions) -> bool:
-    """Whether this export reads its GGUF tensor by tensor (the rest load the model whole)."""
-    return (source.kind == "gguf" and opts.method in ("gguf", "rtn") and opts.quant in ("fp32", "fp16", "int8", "int4")
-            and opts.target not in BROWSER_TARGETS)
+def streams(source, opts: ConvertOptions, architecture: str) -> bool:
+    """Whether this export reads its source tensor by tensor (the rest load the model whole)."""
+    return (source.kind in ("gguf", "folder") and opts.method in ("gguf", "rtn")
+            and opts.quant in ("fp32", "fp16", "int8", "int4") and opts.target not in BROWSER_TARGETS
+            and architecture != "phi3")  # (Phi-3's fused checkpoint is rebuilt as Mistral from the loaded model)
 
 
 def skeleton(source):
@@ -58,17 +61,22 @@ def skeleton(source):
     tok = AutoTokenizer.from_pretrained(where, **kwargs)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    gen = GenerationConfig.from_model_config(config).to_dict()
-    return model.eval(), tok, gen
+    try:  # a folder's own generation_config.json, as from_pretrained reads it
+        gen = GenerationConfig.from_pretrained(where).to_dict() if source.kind == "folder" else None
+    except OSError:
+        gen = None
+    return model.eval(), tok, gen or GenerationConfig.from_model_config(config).to_dict()
 
 
-class GgufProjections:
-    """The grid of each graph weight (exporter.builders.FUSED_PROJECTIONS' names and "lm_head"): the
-    file's own blocks, fused as the graph fuses them and widened to the package's bits, or RTN of the
-    floats where a part has no grid here (or, for int8, 4-bit blocks with minimums: gguf_blocks.graph_grids
-    says why). Remembers what it carried and what it quantized again, for the manifest."""
+class StreamedProjections:
+    """The grid of each graph weight (exporter.builders.FUSED_PROJECTIONS' names and "lm_head"): a GGUF's
+    own blocks (at their own bits for the kernel, or fused as the graph fuses them and widened to the
+    package's bits), or RTN of the floats where a part has no grid here (or, for int8, 4-bit blocks with
+    minimums: gguf_blocks.graph_grids says why), and of a folder's float weights. Remembers what it
+    carried and what it quantized again, for the manifest."""
 
-    def __init__(self, tensors: GgufTensors, opts: ConvertOptions, tied: bool, bar=None) -> None:
+    def __init__(self, tensors, opts: ConvertOptions, tied: bool, bar=None) -> None:
+        """tensors: a GgufTensors or a SafetensorsTensors."""
         self.t, self.opts, self.tied, self.bar = tensors, opts, tied, bar
         self.bits, self.head_bits = BITS[opts.quant], BITS[opts.head_quant]
         self.carried: set[str] = set()  # graph weights on the file's own blocks
@@ -139,6 +147,7 @@ def embedding(tensors: GgufTensors, opts: ConvertOptions) -> Grid | OwnBits | No
 
 
 def convert_streamed(source, out: Path, opts: ConvertOptions, started: float) -> Path:
+    """The package, streamed (raises safetensors_tensors.NotStreamable for a folder it cannot read so)."""
     from exporter.convert import staging_dir, write_package
     from exporter.sources.hf_model import decoder_spec
 
@@ -146,7 +155,7 @@ def convert_streamed(source, out: Path, opts: ConvertOptions, started: float) ->
     bar = stage("reading GGUF", enabled=on)
     model, tok, gen_cfg = skeleton(source)
     spec = decoder_spec(model, opts.max_context)
-    tensors = GgufTensors(source.path, model)
+    tensors = GgufTensors(source.path, model) if source.kind == "gguf" else SafetensorsTensors(source.path, model)
     family = builder_for(model.config)
     del model
     bar.close()
@@ -158,7 +167,7 @@ def convert_streamed(source, out: Path, opts: ConvertOptions, started: float) ->
     embed_grid = embedding(tensors, opts) if opts.method == "gguf" else None
     n_graphs = 2 if opts.lora else 1
     bar = stage("building graphs", total=4 * spec.num_layers + 1 if quantized else None, enabled=on)
-    grids = GgufProjections(tensors, opts, spec.tie_word_embeddings, bar) if quantized else None
+    grids = StreamedProjections(tensors, opts, spec.tie_word_embeddings, bar) if quantized else None
     tensors.release()
     if grids is not None and isinstance(embed_grid, Grid):
         grids.embedding = embed_grid

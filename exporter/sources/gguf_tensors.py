@@ -116,9 +116,10 @@ class GgufTensors:
 
 class LazyWeights(Mapping):
     """The float weights a graph builder reads (by Hugging Face name), each made when it is read and
-    not kept, with the family's own transform (builder.float_weights) applied."""
+    not kept, with the family's own transform (builder.float_weights) applied; from a GgufTensors or a
+    safetensors_tensors.SafetensorsTensors."""
 
-    def __init__(self, tensors: GgufTensors, family) -> None:
+    def __init__(self, tensors, family) -> None:
         self.tensors, self.family = tensors, family
 
     def __getitem__(self, name: str) -> np.ndarray:

@@ -221,3 +221,47 @@ def test_k_quants_at_their_own_bits_run_with_and_without_the_kernels(smol_gguf, 
     for name, logits in runs.items():  # int8 activations (K-quant mixes have wide rows: the max moves more)
         err = np.abs(logits - ref)
         assert err.mean() < 0.005 * scale and err.max() < 0.1 * scale, (name, err.mean() / scale, err.max() / scale)
+
+
+def test_a_hugging_face_folder_streams_too(tiny_model_dir, workdir, monkeypatch):
+    """A folder's safetensors are read tensor by tensor as a GGUF's are (fp32: transformers' logits; int8:
+    RTN per tensor), never loading the model; a checkpoint that names its weights otherwise is not streamed
+    (convert() then loads it whole, as before)."""
+    import shutil
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from exporter.convert import ConvertOptions, convert
+    from tests.exporter.test_quantization import teacher_forced_logits
+
+    folder = tiny_model_dir("qwen2")
+    load = AutoModelForCausalLM.from_pretrained
+    model = load(folder, dtype=torch.float32).eval()
+    ids = list(range(100, 140))
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the streamed export loaded the whole model")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    fp32 = convert(str(folder), workdir / "pkg-qwen2-streamed-fp32", ConvertOptions(progress=False))
+    int8 = convert(str(folder), workdir / "pkg-qwen2-streamed-int8", ConvertOptions(quant="int8", progress=False))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
+    assert np.abs(teacher_forced_logits(fp32, ids) - ref).max() < 1e-4 * np.abs(ref).max()
+    assert np.abs(teacher_forced_logits(int8, ids) - ref).max() < 0.06 * np.abs(ref).max()
+    renamed = workdir / "tiny-qwen2-renamed"  # weights under other names: no streaming, the whole way instead
+    shutil.copytree(folder, renamed, dirs_exist_ok=True)
+    from safetensors.torch import load_file, save_file
+
+    from exporter.sources.locate import resolve
+    from exporter.sources.safetensors_tensors import NotStreamable, SafetensorsTensors
+    from exporter.streamed import skeleton
+
+    weights = load_file(str(renamed / "model.safetensors"))
+    save_file({k.replace("model.layers.1.", "model.blocks.1."): v for k, v in weights.items()},
+              str(renamed / "model.safetensors"))
+    with pytest.raises(NotStreamable, match="lacks model.layers.1"):
+        SafetensorsTensors(str(renamed), skeleton(resolve(str(renamed)))[0])
