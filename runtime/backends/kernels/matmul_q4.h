@@ -107,6 +107,7 @@ void pack_own(PackedWeights& wts, int mode, int N, int K, const uint8_t* blob) {
   const char* copy = std::getenv("RUVLLM_COPY_WEIGHTS");
   if (reinterpret_cast<uintptr_t>(blob) % 64 == 0 && !(copy && copy[0] == '1')) {
     wts.wdata = blob;
+    populate(blob, weights + sc + half);
   } else {
     wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(weights + sc + half)));
     std::memcpy(wts.w.get(), blob, weights + sc + half);

@@ -40,6 +40,7 @@ void pack_q8_own(PackedQ8& wts, int N, int K, const uint8_t* blob) {
   const char* copy = std::getenv("RUVLLM_COPY_WEIGHTS");
   if (reinterpret_cast<uintptr_t>(blob) % 64 == 0 && !(copy && copy[0] == '1')) {
     wts.wdata = blob;
+    populate(blob, bytes);
   } else {
     wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(bytes)));
     std::memcpy(wts.w.get(), blob, bytes);

@@ -99,4 +99,16 @@ class WeightArena {
   int current_ = -1;
 };
 
+// Weights a kernel reads where onnxruntime maps them: their page tables filled in one call (Linux 5.14's
+// MADV_POPULATE_READ; else a read-ahead hint), as llama.cpp maps its file with MAP_POPULATE. Left to page
+// faults, the first step took ~0.8 s of a 1B model's load (a fault each 4 KB).
+inline void populate(const void* p, size_t bytes) {
+  const size_t page = 4096;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(p) & ~(uintptr_t)(page - 1);
+  const size_t len = reinterpret_cast<uintptr_t>(p) + bytes - start;
+  constexpr int kPopulateRead = 22;  // MADV_POPULATE_READ, absent from older headers
+  if (madvise(reinterpret_cast<void*>(start), len, kPopulateRead) != 0)
+    madvise(reinterpret_cast<void*>(start), len, MADV_WILLNEED);
+}
+
 }  // namespace
