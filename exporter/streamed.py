@@ -152,7 +152,7 @@ def convert_streamed(source, out: Path, opts: ConvertOptions, started: float) ->
     from exporter.sources.hf_model import decoder_spec
 
     on = opts.progress
-    bar = stage("reading GGUF", enabled=on)
+    bar = stage("reading GGUF" if source.kind == "gguf" else "reading model", enabled=on)
     model, tok, gen_cfg = skeleton(source)
     spec = decoder_spec(model, opts.max_context)
     tensors = GgufTensors(source.path, model) if source.kind == "gguf" else SafetensorsTensors(source.path, model)
