@@ -1,100 +1,172 @@
-"""The page's WASM decode step's weights (wasm/step/step.c): a llama-family GGUF's own blocks, repacked,
-nothing quantized again. Q4_1 projections become nibbles [N, K / 2] with their scales and minimums
-[N / 4, K / 32, 4] (four output rows a pass); the Q8_0 embedding, which the head reuses, stays int8 rows
-with a scale per 32. Scales and minimums stay the GGUF's fp16 (the page widens them to fp32 as it loads
-them: exact); norms stay fp32; RoPE's cos/sin table is precomputed in float64. q and k keep
-the GGUF's row order (llama.cpp's converter permutes them for RoPE on adjacent pairs), which step.c's
-RoPE follows.
+"""The page's WASM step's weights (wasm/step/step.c): a llama or Qwen2 GGUF's own blocks, repacked, nothing
+quantized again. Every matrix keeps its file type's bits (runtime/backends/block_layouts.OWN lists the
+types; step.c's `enum kind` numbers them the same), in one shape of layout for all of them, so the step
+reads four output rows at a time and a block of 32 weights at a time whatever the type:
 
-One file of arrays (`step.bin`) and its index: {"config": {...}, "arrays": [{"name", "dtype", "offset",
-"bytes"}, ...]}, every array 64-byte aligned.
+| part | what | types |
+|---|---|---|
+| `w` | the low nibbles [N, K/2], block by block: byte i of a block of 32 holds weight i (low) and i + 16 (high); Q8_0: the int8 weights [N, K] | all |
+| `hb` | the bits above the nibble as bit planes, uint32 [N, K/32, planes]: bit j of plane p is weight j's bit 4 + p | Q5_0, Q5_1, Q5_K (1 plane), Q6_K (2) |
+| `d` | fp16 scales, four rows side by side: [N/4, K/32, 4]; K-quants: the super-block's d [N/4, K/256, 4] | all |
+| `m` | fp16 minimums [N/4, K/32, 4]; K-quants: the super-block's dmin [N/4, K/256, 4] | Q4_1, Q5_1, Q4_K, Q5_K |
+| `sc` | the 6-bit scales as bytes [N/4, K/32, 4]; Q6_K: int8 scales of each half [N/4, K/32, 2, 4] | K-quants |
+| `mb` | the 6-bit minimums as bytes [N/4, K/32, 4] | Q4_K, Q5_K |
+
+Sizes are the file's (Q4_K and Q5_K: +1/8 bit a weight, their scales as whole bytes). Scales stay fp16:
+step.c widens them as it reads them (exactly), so the file is the module's memory image and is copied in
+as it downloads. q and k keep the file's row order (llama.cpp's converter permutes a llama's rows for
+RoPE on adjacent pairs; a Qwen2's rotate halves), which step.c's RoPE follows (`rope_neox`).
+
+One file of arrays (`step.bin`) and its index: {"config": {...}, "matrices": {name: type}, "arrays":
+[{"name", "dtype", "offset", "bytes"}, ...]}, every array 64-byte aligned.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
+from exporter.sources.gguf_blocks import own_parts
+from runtime.backends.block_layouts import OWN
 from runtime.errors import PackageError
 
 PROJECTIONS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
                "down": "ffn_down"}
+PARTS = ("w", "hb", "d", "m", "sc", "mb")  # a matrix's arrays, in step.c's QMat field order
+ARCHS = {"llama": False, "qwen2": True}  # the step's architectures: RoPE on halves (NeoX) or adjacent pairs
 ALIGN = 64
 
 
-def _q4_1(raw_blocks: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
-    """GGUF Q4_1 rows (blocks of 32: fp16 scale, fp16 minimum, 16 bytes of nibbles) in step.c's layout."""
-    raw = np.asarray(raw_blocks, np.uint8).reshape(rows, cols // 32, 20)
-    d = raw[..., 0:2].copy().view(np.float16)[..., 0]
-    m = raw[..., 2:4].copy().view(np.float16)[..., 0]
-
-    def four(a: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(a.reshape(rows // 4, 4, cols // 32).transpose(0, 2, 1))
-
-    return {"w": np.ascontiguousarray(raw[..., 4:]).reshape(rows, cols // 2), "d": four(d), "m": four(m)}
+def _four(a: np.ndarray) -> np.ndarray:
+    """[N, blocks, ...] -> [N / 4, blocks, ..., 4]: four rows' numbers side by side."""
+    n = a.shape[0]
+    b = a.reshape(n // 4, 4, *a.shape[1:])
+    return np.ascontiguousarray(np.moveaxis(b, 1, -1))
 
 
-def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[dict, dict[str, np.ndarray]]:
-    """(config, arrays) of a GGUF for step.c; PackageError where its tensors are not the types step.c
-    computes (llama architecture, Q4_1 projections, a Q8_0 embedding tied to the head)."""
+def step_matrix(type_name: str, raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    """One matrix of GGUF type `type_name` ([rows, cols], the file's raw blocks) in step.c's layout."""
+    if type_name not in OWN or rows % 4 or cols % OWN[type_name].superblock:
+        raise PackageError(f"a {type_name} matrix [{rows}, {cols}]: the WASM step reads "
+                           f"{', '.join(OWN)} with rows in fours")
+    parts = own_parts(type_name, raw, rows, cols)
+    q = parts[0]
+    t = OWN[type_name]
+    if t.op == "MatMulQ8":
+        return {"w": (q.astype(np.int16) - t.zero).astype(np.int8), "d": _four(parts[1])}
+    blocks = q.reshape(rows, cols // 32, 32)
+    out = {"w": ((blocks[..., :16] & 15) | ((blocks[..., 16:] & 15) << 4)).astype(np.uint8).reshape(rows, cols // 2)}
+    if t.high_bits:
+        weights = (np.uint32(1) << np.arange(32, dtype=np.uint32))
+        planes = [((((blocks >> (4 + p)) & 1).astype(np.uint32)) * weights).sum(-1, dtype=np.uint32)
+                  for p in range(t.high_bits)]
+        out["hb"] = np.stack(planes, -1)
+    if t.scales == "kquant":
+        _, d, dmin, sc, m = parts
+        out.update(d=_four(d), m=_four(dmin), sc=_four(sc), mb=_four(m))
+    elif t.scales == "six":
+        _, d, sc = parts
+        out.update(d=_four(d), sc=_four(sc.reshape(rows, cols // 32, 2)))
+    elif t.scales == "half":
+        out["d"] = _four(parts[1])
+    else:
+        out.update(d=_four(parts[1]), m=_four(parts[2]))
+    return out
+
+
+def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[dict, dict[str, str], Iterator[tuple[str, np.ndarray]]]:
+    """(config, matrix types, the arrays one at a time) of a GGUF for step.c: the types fill in as the
+    arrays are read, one matrix in memory at a time. PackageError where the file is not what step.c
+    computes (a llama or Qwen2 GGUF whose matrices are of the types in OWN), before the first array."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
     tensors = {t.name: t for t in reader.tensors}
 
-    def field(key: str):
+    def field(key: str, default=None):
         if key not in reader.fields:
-            raise PackageError(f"{gguf_path}: no {key}: the WASM step runs llama-family GGUFs only")
+            if default is not None:
+                return default
+            raise PackageError(f"{gguf_path}: no {key}: the WASM step runs llama and Qwen2 GGUFs only")
         part = reader.fields[key].parts[-1]
         return bytes(part).decode() if part.dtype == np.uint8 else part[0]
 
-    if field("general.architecture") != "llama":
-        raise PackageError(f"{gguf_path}: architecture {field('general.architecture')!r}; the WASM step runs llama")
-    if "output.weight" in tensors:
-        raise PackageError(f"{gguf_path}: an untied output head; the WASM step reads the head from the embedding")
-    dim, layers = int(field("llama.embedding_length")), int(field("llama.block_count"))
-    hidden, heads = int(field("llama.feed_forward_length")), int(field("llama.attention.head_count"))
-    kv_heads, theta = int(field("llama.attention.head_count_kv")), float(field("llama.rope.freq_base"))
-    eps, hd = float(field("llama.attention.layer_norm_rms_epsilon")), dim // heads
-    embd = tensors["token_embd.weight"]
-    if embd.tensor_type.name != "Q8_0":
-        raise PackageError(f"{gguf_path}: a {embd.tensor_type.name} embedding; the WASM step reads Q8_0")
-    vocab = int(embd.shape[1])
-    raw = np.asarray(embd.data, np.uint8).reshape(vocab, dim // 32, 34)
-    arrays: dict[str, np.ndarray] = {
-        "embd": np.ascontiguousarray(raw[..., 2:]).view(np.int8).reshape(vocab, dim),
-        "embd_d": raw[..., 0:2].copy().view(np.float16)[..., 0],
-        "out_norm": np.asarray(tensors["output_norm.weight"].data, np.float32),
-    }
-    inv = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
-    angle = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
-    arrays["rope"] = np.stack([np.cos(angle), np.sin(angle)], -1).astype(np.float32)
+    arch = field("general.architecture")
+    if arch not in ARCHS:
+        raise PackageError(f"{gguf_path}: architecture {arch!r}; the WASM step runs {' and '.join(ARCHS)}")
+    dim, layers = int(field(f"{arch}.embedding_length")), int(field(f"{arch}.block_count"))
+    hidden, heads = int(field(f"{arch}.feed_forward_length")), int(field(f"{arch}.attention.head_count"))
+    kv_heads, theta = int(field(f"{arch}.attention.head_count_kv")), float(field(f"{arch}.rope.freq_base", 10000.0))
+    eps = float(field(f"{arch}.attention.layer_norm_rms_epsilon"))
+    hd = int(field(f"{arch}.attention.key_length", dim // heads))
+    if dim % 32 or hidden % 32 or (heads * hd) % 32 or hd % 4:
+        raise PackageError(f"{gguf_path}: widths {dim}, {hidden}, {heads} x {hd}: the WASM step needs multiples of 32")
+    vocab = int(tensors["token_embd.weight"].shape[1])
     shapes = {"q": (heads * hd, dim), "k": (kv_heads * hd, dim), "v": (kv_heads * hd, dim), "o": (dim, heads * hd),
               "gate": (hidden, dim), "up": (hidden, dim), "down": (dim, hidden)}
+    wanted = {"embd": ("token_embd.weight", vocab, dim)}
+    if "output.weight" in tensors:
+        wanted["head"] = ("output.weight", vocab, dim)
     for i in range(layers):
-        arrays[f"{i}.attn_norm"] = np.asarray(tensors[f"blk.{i}.attn_norm.weight"].data, np.float32)
-        arrays[f"{i}.ffn_norm"] = np.asarray(tensors[f"blk.{i}.ffn_norm.weight"].data, np.float32)
         for key, (rows, cols) in shapes.items():
-            t = tensors[f"blk.{i}.{PROJECTIONS[key]}.weight"]
-            if t.tensor_type.name != "Q4_1" or rows % 4 or cols % 32:
-                raise PackageError(f"{gguf_path}: blk.{i}.{PROJECTIONS[key]} is {t.tensor_type.name} "
-                                   f"[{rows}, {cols}]; the WASM step reads Q4_1 with rows in fours")
-            for part, arr in _q4_1(t.data, rows, cols).items():
-                arrays[f"{i}.{key}.{part}"] = arr
-    config = {"dim": dim, "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": hd,
-              "vocab": vocab, "max_pos": max_pos, "eps": eps}
-    return config, arrays
+            wanted[f"{i}.{key}"] = (f"blk.{i}.{PROJECTIONS[key]}.weight", rows, cols)
+            bias = f"blk.{i}.{PROJECTIONS[key]}.bias"
+            if bias in tensors and key not in ("q", "k", "v"):
+                raise PackageError(f"{gguf_path}: a bias on {PROJECTIONS[key]}; the WASM step adds q, k and v's only")
+    for gguf_name, rows, cols in wanted.values():  # every matrix checked before any is read
+        t = tensors.get(gguf_name)
+        if t is None:
+            raise PackageError(f"{gguf_path}: no {gguf_name}")
+        if (int(t.shape[-1]), int(t.shape[0])) != (rows, cols):
+            raise PackageError(f"{gguf_path}: {gguf_name} is {[int(d) for d in t.shape][::-1]}, not [{rows}, {cols}]")
+        kind = OWN.get(t.tensor_type.name)
+        if kind is None or rows % 4 or cols % kind.superblock:
+            raise PackageError(f"{gguf_path}: {gguf_name} is {t.tensor_type.name} [{rows}, {cols}]; the WASM step "
+                               f"reads {', '.join(OWN)} with rows in fours")
+    matrices: dict[str, str] = {}
+
+    def arrays() -> Iterator[tuple[str, np.ndarray]]:
+        def matrix(name: str):
+            gguf_name, rows, cols = wanted[name]
+            t = tensors[gguf_name]
+            matrices[name] = t.tensor_type.name
+            parts = step_matrix(t.tensor_type.name, t.data, rows, cols)
+            return [(f"{name}.{part}", parts[part]) for part in PARTS if part in parts]
+
+        yield from matrix("embd")
+        if "head" in wanted:
+            yield from matrix("head")
+        yield "out_norm", np.asarray(tensors["output_norm.weight"].data, np.float32)
+        inv = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+        if "rope_freqs.weight" in tensors:  # llama 3's frequency factors: llama.cpp divides each frequency by its own
+            inv = inv / np.asarray(tensors["rope_freqs.weight"].data, np.float64)
+        angle = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
+        yield "rope", np.stack([np.cos(angle), np.sin(angle)], -1).astype(np.float32)
+        for i in range(layers):
+            yield f"{i}.attn_norm", np.asarray(tensors[f"blk.{i}.attn_norm.weight"].data, np.float32)
+            yield f"{i}.ffn_norm", np.asarray(tensors[f"blk.{i}.ffn_norm.weight"].data, np.float32)
+            for key in shapes:
+                yield from matrix(f"{i}.{key}")
+                bias = tensors.get(f"blk.{i}.{PROJECTIONS[key]}.bias")
+                if bias is not None:
+                    yield f"{i}.{key}.bias", np.asarray(bias.data, np.float32)
+
+    config = {"arch": arch, "dim": dim, "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
+              "head_dim": hd, "vocab": vocab, "max_pos": max_pos, "eps": eps, "rope_neox": ARCHS[arch],
+              "kinds": {name: t.kind for name, t in OWN.items()}}
+    return config, matrices, arrays()
 
 
 def write_step_weights(gguf_path: str | Path, out: str | Path, max_pos: int) -> dict:
     """step.bin under `out` and its index (returned, and written beside it as step.json)."""
     out = Path(out)
-    config, arrays = step_arrays(gguf_path, max_pos)
-    index: dict = {"config": config, "arrays": []}
+    config, matrices, arrays = step_arrays(gguf_path, max_pos)
+    index: dict = {"config": config, "matrices": matrices, "arrays": []}
     with open(out / "step.bin", "wb") as f:
-        for name, arr in arrays.items():
+        for name, arr in arrays:
             f.write(b"\0" * (-f.tell() % ALIGN))
             index["arrays"].append({"name": name, "dtype": str(arr.dtype), "offset": f.tell(), "bytes": arr.nbytes})
             f.write(np.ascontiguousarray(arr).tobytes())
@@ -104,7 +176,7 @@ def write_step_weights(gguf_path: str | Path, out: str | Path, max_pos: int) -> 
 
 def package_step(gguf_path: str | Path, out: str | Path, max_pos: int, progress: bool = True) -> dict | None:
     """The package's WASM step entry (manifest "wasm_step"), its files written under `out`; None, with a
-    warning, where the GGUF's tensors are not the types step.c computes (the page then runs onnxruntime-web)."""
+    warning, where the GGUF's tensors are not what step.c computes (the page then runs onnxruntime-web)."""
     import sys
 
     try:

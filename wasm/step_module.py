@@ -22,7 +22,6 @@ SOURCE = Path(__file__).resolve().parent / "step" / "step.c"
 # against 0.0042 and 35 / 64 unfused) and faster. Node 20 needs --experimental-wasm-relaxed-simd.
 FLAGS = ["--target=wasm32-freestanding", "-O3", "-msimd128", "-mrelaxed-simd", "-nostdlib", "-Wl,--no-entry",
          "-Wl,--export-dynamic"]
-LAYER_FIELDS = 23  # attn_norm, q/k/v/o (w, d, m each), ffn_norm, gate/up/down (w, d, m each)
 
 
 # For browsers without relaxed SIMD (the page falls back to it when step.wasm does not compile): SIMD128
@@ -125,24 +124,8 @@ class WasmStep:
         self._arena, self._run = exports["arena"], exports["step_run"]
         self._sample = exports["step_sample"]
         self._scratch_at: dict[str, tuple[int, int]] = {}  # name -> (pointer, bytes): grown, never freed
-        at = {}
-        for a in index["arrays"]:
-            data = blob[a["offset"]:a["offset"] + a["bytes"]]
-            if a["dtype"] == "float16":  # the GGUF's scales, widened for step.c (exact)
-                data = np.frombuffer(data, np.float16).astype(np.float32).tobytes()
-            at[a["name"]] = self._put(data)
-        layers = []
-        for i in range(cfg["layers"]):
-            layers.append(at[f"{i}.attn_norm"])
-            for p in ("q", "k", "v", "o"):
-                layers += [at[f"{i}.{p}.{part}"] for part in "wdm"]
-            layers.append(at[f"{i}.ffn_norm"])
-            for p in ("gate", "up", "down"):
-                layers += [at[f"{i}.{p}.{part}"] for part in "wdm"]
-        table = self._put(struct.pack(f"<{len(layers)}I", *layers))
-        self.model = self._put(struct.pack("<8if5I", cfg["dim"], cfg["hidden"], cfg["layers"], cfg["heads"],
-                                           cfg["kv_heads"], cfg["head_dim"], cfg["vocab"], cfg["max_pos"], cfg["eps"],
-                                           at["embd"], at["embd_d"], at["out_norm"], at["rope"], table))
+        at = {a["name"]: self._put(blob[a["offset"]:a["offset"] + a["bytes"]]) for a in index["arrays"]}
+        self.model = self._model(index, at)
         rows = cfg["layers"] * cfg["kv_heads"] * num_blocks * block_size * cfg["head_dim"] * 4
         self.pool = self._put(struct.pack("<2i2I", num_blocks, block_size, self._alloc(rows), self._alloc(rows)))
         if exports["step_init"](self.store, self.model, max_tokens) != max_tokens:
@@ -177,6 +160,54 @@ class WasmStep:
             if time.monotonic() > deadline or not all(t.is_alive() for t in self._helpers):
                 raise RuntimeError(f"the WASM step's helpers did not start ({self.threads - 1} of {len(self._helpers)})")
             time.sleep(0.002)
+
+    def _model(self, index: dict, at: dict[str, int]) -> int:
+        """step.c's Model and its Layers over arrays placed at `at` (name -> address), as
+        web/src/wasm_step.js builds them."""
+        from exporter.step_weights import PARTS, PROJECTIONS
+
+        cfg = index["config"]
+
+        def qmat(name: str) -> list[int]:  # blocks.h's QMat: the kind, then the parts' addresses (0: none)
+            return [cfg["kinds"][index["matrices"][name]]] + [at.get(f"{name}.{part}", 0) for part in PARTS]
+
+        words: list[int] = []
+        layer_words = 5 + 7 * len(PROJECTIONS)
+        for i in range(cfg["layers"]):
+            words += [at[f"{i}.attn_norm"], at[f"{i}.ffn_norm"], *(at.get(f"{i}.{p}.bias", 0) for p in "qkv")]
+            for p in PROJECTIONS:
+                words += qmat(f"{i}.{p}")
+        layers = self._put(struct.pack(f"<{len(words)}I", *words))
+        head = qmat("head" if "head" in index["matrices"] else "embd")
+        model = self._put(struct.pack("<8ifi17I", cfg["dim"], cfg["hidden"], cfg["layers"], cfg["heads"], cfg["kv_heads"],
+                                     cfg["head_dim"], cfg["vocab"], cfg["max_pos"], cfg["eps"], int(cfg["rope_neox"]),
+                                     *qmat("embd"), *head, at["out_norm"], at["rope"], layers))
+        self.matrices = {"embd": model + 40, "head": model + 68}  # name -> its QMat's address
+        for i in range(cfg["layers"]):
+            for j, p in enumerate(PROJECTIONS):
+                self.matrices[f"{i}.{p}"] = layers + 4 * (i * layer_words + 5 + 7 * j)
+        return model
+
+    def project(self, name: str, x: np.ndarray) -> np.ndarray:
+        """Matrix `name` ("embd", "head", "0.q", ...) times the rows of x [T, K] as step_run computes a
+        projection (x rounded per block of 32): [T, N]."""
+        n = self.cfg["vocab"] if name in ("embd", "head") else None
+        x = np.ascontiguousarray(x, np.float32)
+        t, k = x.shape
+        if n is None:
+            n = {"q": self.cfg["heads"] * self.cfg["head_dim"], "o": self.cfg["dim"], "down": self.cfg["dim"],
+                 "gate": self.cfg["hidden"], "up": self.cfg["hidden"]}.get(name.split(".")[1],
+                                                                          self.cfg["kv_heads"] * self.cfg["head_dim"])
+        xp, yp = self._scratch("project_x", x.tobytes()), self._scratch("project_y", bytes(4 * t * n))
+        if self._exports["step_project"](self.store, self.matrices[name], n, k, t, xp, yp):
+            raise ValueError(f"step_project: {t} rows of {k} is more than the step holds")
+        return np.frombuffer(self.memory.read(self.store, yp, yp + 4 * t * n), np.float32).reshape(t, n)
+
+    def dequantize(self, name: str, row: int, k: int) -> np.ndarray:
+        """Row `row` of matrix `name` in fp32, as the step's embedding lookup reads it."""
+        out = self._scratch("dequantize", bytes(4 * k))
+        self._exports["step_dequantize"](self.store, self.matrices[name], row, k, out)
+        return np.frombuffer(self.memory.read(self.store, out, out + 4 * k), np.float32)
 
     @property
     def threads(self) -> int:

@@ -14,7 +14,9 @@ MIX = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q6_K", "attn_output": "Q5_
        "ffn_up": "Q8_0", "ffn_down": "F16"}
 
 
-def write_mixed_gguf(path, smol_gguf, mix: dict[str, str] = MIX) -> None:
+def write_mixed_gguf(path, smol_gguf, mix: dict[str, str] = MIX, embedding: str = "Q6_K", head: str | None = "Q8_0") -> None:
+    """A tiny llama GGUF with SmolLM2's vocabulary, random blocks of `mix`'s types (by tensor), the
+    embedding's, and an untied head's (None: tied to the embedding)."""
     import gguf
 
     src = gguf.GGUFReader(str(smol_gguf))
@@ -37,8 +39,9 @@ def write_mixed_gguf(path, smol_gguf, mix: dict[str, str] = MIX) -> None:
             w.add_tensor(name, random_blocks(t, rows, cols, seed=int(rng.integers(1 << 30))),
                          raw_dtype=gguf.GGMLQuantizationType[t])
 
-    tensor("token_embd.weight", vocab, hidden, "Q6_K")
-    tensor("output.weight", vocab, hidden, "Q8_0")  # untied: the head is its own tensor
+    tensor("token_embd.weight", vocab, hidden, embedding)
+    if head:
+        tensor("output.weight", vocab, hidden, head)  # untied: the head is its own tensor
     w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
     hd = hidden // heads
     shapes = {"attn_q": (heads * hd, hidden), "attn_k": (kv_heads * hd, hidden), "attn_v": (kv_heads * hd, hidden),

@@ -35,8 +35,9 @@ static float absmax(const float* x, int n) {
   return a > c ? a : c;
 }
 
-// x rounded per block of 32: steps xq [K], scales xs [K/32], sums of steps xsum [K/32]
-EXPORT void quantize_x(const float* x, int K, int8_t* xq, float* xs, float* xsum) {
+// x rounded per block of 32: steps xq [K], scales xs [K/32], sums of steps xsum [K/32] (and per 16,
+// xsum16 [K/16], unless null)
+EXPORT void quantize_x(const float* x, int K, int8_t* xq, float* xs, float* xsum, float* xsum16) {
   for (int b = 0; b < K / 32; b++) {
     const float m = absmax(x + 32 * b, 32), s = m / 127.f, inv = m > 0.f ? 127.f / m : 0.f;
     xs[b] = s;
@@ -50,8 +51,10 @@ EXPORT void quantize_x(const float* x, int K, int8_t* xq, float* xs, float* xsum
         xq[32 * b + i + l] = (int8_t)lanes[l];
         sum += lanes[l];
       }
+      if (xsum16 && i == 12) xsum16[2 * b] = (float)sum;
     }
     xsum[b] = (float)sum;
+    if (xsum16) xsum16[2 * b + 1] = (float)sum - xsum16[2 * b];
   }
 }
 

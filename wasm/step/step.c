@@ -1,45 +1,26 @@
-// One engine step of a llama-family model in WASM SIMD, for the page without onnxruntime-web (issue 33):
+// One engine step of a llama or Qwen2 model in WASM SIMD, for the page without onnxruntime-web (issue 33):
 // the rows of a StepBatch (prompt chunks and decodes of many sequences) against a paged KV pool, the
-// engine's block tables and slots, logits for the rows that ask. Weights are the GGUF's own blocks,
-// repacked (exporter/step_weights.py): Q4_1 projections, the Q8_0 embedding tied to the head, fp32 norms.
+// engine's block tables and slots, logits for the rows that ask. Weights are the GGUF's own blocks at their
+// own bits, repacked (exporter/step_weights.py; blocks.h computes on them), fp32 norms and biases.
 // Activations are rounded per block of 32 to int8 before each projection (kernels.h), as the native
-// engine's MatMulQ4 does; norms, RoPE (adjacent pairs: the GGUF's q/k row order), attention and SwiGLU in
-// fp32. Every token's numbers are computed alone (per-token projections, attention over its own row's
-// positions), so a token's logits do not depend on the batch it ran in. Built with threads (threads.h),
+// engine's MatMulQ4 does; norms, RoPE (the GGUF's q/k row order), attention and SwiGLU in fp32. Every
+// token's numbers are computed alone (per-token projections, attention over its own row's positions), so
+// a token's logits do not depend on the batch it ran in. Built with threads (threads.h),
 // each projection's output rows, the attention heads and the head's vocabulary are split between them.
-#include "kernels.h"
+#include "blocks.h"
 #include "threads.h"
 
-// the projections: T rounded rows against four weight rows at a time, with relaxed-dot products (16 an
-// instruction) unless built with -DPLAIN_SIMD
-#ifdef PLAIN_SIMD
-static void gemm_plain(const int8_t* xq, const float* xs, const float* xsum, int T, int K, const uint8_t* w,
-                       const float* ws, const float* wm, int N, float* y, int ldy) {
-  for (int t = 0; t < T; t++)
-    gemv_q4x4(xq + (size_t)t * K, xs + (size_t)t * (K / 32), xsum + (size_t)t * (K / 32), K, w, ws, wm, N, y + (size_t)t * ldy);
-}
-#define GEMM_Q4 gemm_plain
-#else
-#define GEMM_Q4 gemm_q4x4_relaxed
-#endif
-
 typedef struct {
-  const uint8_t* w;    // nibbles [N, K / 2]: byte i of a block of 32 holds weight i (low) and i + 16 (high)
-  const float *d, *m;  // scales and minimums [N / 4, K / 32, 4] (gemv_q4x4's layout)
-} Q4;
-
-typedef struct {
-  const float* attn_norm;
-  Q4 q, k, v, o;
-  const float* ffn_norm;
-  Q4 gate, up, down;
+  const float *attn_norm, *ffn_norm;
+  const float* bias[3];  // q, k and v's (Qwen2), or null
+  QMat mat[7];           // q k v o gate up down
 } Layer;
 
 typedef struct {
   int32_t dim, hidden, layers, heads, kv_heads, head_dim, vocab, max_pos;
   float eps;
-  const int8_t* embd;  // Q8_0 [vocab, dim] and its scales [vocab, dim / 32]: the embedding and the head
-  const float* embd_d;
+  int32_t rope_neox;  // RoPE on the halves of each head (a Qwen2 GGUF's rows), else on adjacent pairs (llama's)
+  QMat embd, head;    // the embedding and the head [vocab, dim] (the same arrays where they are tied)
   const float* out_norm;
   const float* rope;  // [max_pos, head_dim / 2, 2]: cos, sin
   const Layer* layer;
@@ -73,10 +54,11 @@ typedef struct Lora {
   float* u;                // scratch [3, num_tokens, columns]
 } Lora;
 
-static float *x, *xn, *q, *kk, *vv, *att, *sc, *g, *u, *xs, *xsum;
+static float *x, *xn, *q, *kk, *vv, *att, *sc, *g, *u, *xs, *xsum, *xsum16;
 static int8_t* xq;
 static int32_t* row_of;       // a step's token -> its batch row
 static int32_t capacity = 0;  // tokens a step may hold (step_init)
+static int32_t width = 0;     // the widest activation row it holds
 
 // Scratch for steps of up to max_tokens tokens; 0 when the memory cannot grow that far.
 EXPORT int step_init(const Model* m, int32_t max_tokens) {
@@ -85,8 +67,10 @@ EXPORT int step_init(const Model* m, int32_t max_tokens) {
   kk = arena(4 * n * m->kv_heads * m->head_dim), vv = arena(4 * n * m->kv_heads * m->head_dim);
   att = arena(4 * n * m->heads * m->head_dim), g = arena(4 * n * m->hidden), u = arena(4 * n * m->hidden);
   sc = arena(4 * MAX_THREADS * m->max_pos), xs = arena(4 * n * big / 32), xsum = arena(4 * n * big / 32);
+  xsum16 = arena(4 * n * big / 16);
   row_of = arena(4 * n), xq = arena(n * big);
   capacity = xq ? max_tokens : 0;
+  width = big;
   return capacity;
 }
 
@@ -116,7 +100,9 @@ static void rmsnorm(const float* in, const float* w, int n, float eps, float* ou
 
 // every row of `in` [T, K] rounded alone (xq, xs, xsum: T rows), for the projections that read them
 static void quantize_rows(const float* in, int T, int K) {
-  for (int t = 0; t < T; t++) quantize_x(in + (size_t)t * K, K, xq + (size_t)t * K, xs + (size_t)t * (K / 32), xsum + (size_t)t * (K / 32));
+  for (int t = 0; t < T; t++)
+    quantize_x(in + (size_t)t * K, K, xq + (size_t)t * K, xs + (size_t)t * (K / 32), xsum + (size_t)t * (K / 32),
+               xsum16 + (size_t)t * (K / 16));
 }
 
 // Up to three projections of the same rounded rows (xq, xs, xsum: T rows of K), out [T, N] each, as one
@@ -124,7 +110,8 @@ static void quantize_rows(const float* in, int T, int K) {
 // out[1] (SwiGLU) on the part's own columns; `residual`: then residual += out[0] on them.
 typedef struct {
   int T, K, count, gated;
-  const Q4* w[3];
+  const QMat* w[3];
+  const float* bias[3];  // added to each token's outputs, or null
   int N[3];
   float* out[3];
   float* residual;
@@ -150,13 +137,13 @@ static void adapter_rows(const Projections* j, int i, int lo, int hi) {
 
 static void projections_part(const void* ctx, int part, int parts) {
   const Projections* j = ctx;
-  const int blocks = j->K / 32;
   for (int i = 0; i < j->count; i++) {
     int lo, hi;
     part_range(j->N[i], 4, part, parts, &lo, &hi);
-    const Q4* w = j->w[i];
-    GEMM_Q4(xq, xs, xsum, j->T, j->K, w->w + (size_t)lo * j->K / 2, w->d + (size_t)lo * blocks, w->m + (size_t)lo * blocks,
-            hi - lo, j->out[i] + lo, j->N[i]);
+    qmat_gemm(j->w[i], lo, hi, j->K, j->T, xq, xs, xsum, xsum16, j->out[i], j->N[i]);
+    if (j->bias[i])
+      for (int t = 0; t < j->T; t++)
+        for (int c = lo; c < hi; c++) j->out[i][(size_t)t * j->N[i] + c] += j->bias[i][c];
     if (j->u[i]) adapter_rows(j, i, lo, hi);
   }
   int lo, hi;
@@ -172,10 +159,12 @@ static void projections_part(const void* ctx, int part, int parts) {
 
 // The projections of layer l's targets first .. first + count - 1 (q k v o gate up down: 0 .. 6) on x
 // [T, K] (fp32; xq, xs and xsum hold it rounded), with the step's adapters where it has some.
-static void project(const Lora* ad, int l, int first, const float* x, int T, int K, int count, const Q4* const* w,
+static void project(const Model* m, const Lora* ad, int l, int first, const float* x, int T, int K, int count,
                     const int* N, float* const* out, int gated, float* residual) {
-  Projections j = {T, K, count, gated, {0}, {0}, {0}, residual, 0, {0}, {0}};
-  for (int i = 0; i < count; i++) j.w[i] = w[i], j.N[i] = N[i], j.out[i] = out[i];
+  Projections j = {T, K, count, gated, {0}, {0}, {0}, {0}, residual, 0, {0}, {0}};
+  const Layer* L = &m->layer[l];
+  for (int i = 0; i < count; i++)
+    j.w[i] = &L->mat[first + i], j.N[i] = N[i], j.out[i] = out[i], j.bias[i] = first + i < 3 ? L->bias[first + i] : 0;
   if (ad && ad->columns > 0) {
     const int C = ad->columns;
     j.columns = C;
@@ -194,13 +183,15 @@ static void project(const Lora* ad, int l, int first, const float* x, int T, int
   parallel(projections_part, &j);
 }
 
-static void rope(float* v, int heads, int hd, const float* cs) {  // adjacent pairs (GGUF's llama order)
+// each head's pairs rotated: adjacent numbers (a llama GGUF's rows), or i and i + hd / 2 (NeoX: Qwen2's)
+static void rope(float* v, int heads, int hd, const float* cs, int neox) {
+  const int step = neox ? 1 : 2, apart = neox ? hd / 2 : 1;
   for (int h = 0; h < heads; h++)
     for (int i = 0; i < hd / 2; i++) {
-      float* p = v + h * hd + 2 * i;
-      const float c = cs[2 * i], s = cs[2 * i + 1], a = p[0], b = p[1];
+      float* p = v + h * hd + step * i;
+      const float c = cs[2 * i], s = cs[2 * i + 1], a = p[0], b = p[apart];
       p[0] = a * c - b * s;
-      p[1] = a * s + b * c;
+      p[apart] = a * s + b * c;
     }
 }
 
@@ -256,10 +247,8 @@ static void head_part(const void* ctx, int part, int parts) {  // the part's voc
   const Head* j = ctx;
   const int D = j->m->dim, V = j->m->vocab;
   int lo, hi;
-  part_range(V, 1, part, parts, &lo, &hi);
-  for (int r = 0; r < j->B->num_logits; r++)
-    gemv_q8(xq + (size_t)r * D, xs + (size_t)r * (D / 32), D, j->m->embd + (size_t)lo * D, j->m->embd_d + (size_t)lo * (D / 32),
-            hi - lo, j->B->logits + (size_t)r * V + lo);
+  part_range(V, 4, part, parts, &lo, &hi);
+  qmat_gemm(&j->m->head, lo, hi, D, j->B->num_logits, xq, xs, xsum, xsum16, j->B->logits, V);
 }
 
 // Runs the batch: writes every token's K/V into its slot and the logits rows. Returns 0, or 1 when the
@@ -277,19 +266,18 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
   for (int b = 0; b < B->num_rows; b++)
     for (int n = B->row_first[b]; n < B->row_first[b] + B->row_count[b]; n++) row_of[n] = b;
   for (int n = 0; n < N; n++) {
-    const int8_t* e = m->embd + (size_t)B->ids[n] * D;
-    const float* es = m->embd_d + (size_t)B->ids[n] * blocks;
-    for (int i = 0; i < D; i++) x[(size_t)n * D + i] = e[i] * es[i / 32];
+    if (B->ids[n] < 0 || B->ids[n] >= m->vocab) return 2;
+    qmat_row(&m->embd, B->ids[n], D, x + (size_t)n * D);
   }
   for (int l = 0; l < m->layers; l++) {
     const Layer* L = &m->layer[l];
     for (int n = 0; n < N; n++) rmsnorm(x + (size_t)n * D, L->attn_norm, D, m->eps, xn + (size_t)n * D);
     quantize_rows(xn, N, D);  // one rounding for q, k and v
-    project(B->lora, l, 0, xn, N, D, 3, (const Q4* []){&L->q, &L->k, &L->v}, (int[]){H * hd, kvw, kvw}, (float* []){q, kk, vv}, 0, 0);
+    project(m, B->lora, l, 0, xn, N, D, 3, (int[]){H * hd, kvw, kvw}, (float* []){q, kk, vv}, 0, 0);
     for (int n = 0; n < N; n++) {
       const float* cs = m->rope + (size_t)B->pos[n] * hd;
-      rope(q + (size_t)n * H * hd, H, hd, cs);
-      rope(kk + (size_t)n * kvw, Hkv, hd, cs);
+      rope(q + (size_t)n * H * hd, H, hd, cs, m->rope_neox);
+      rope(kk + (size_t)n * kvw, Hkv, hd, cs, m->rope_neox);
       for (int h = 0; h < Hkv; h++) {  // into the pool first: the row's later tokens read it
         const size_t at = (((size_t)l * Hkv + h) * rows + B->slots[n]) * hd;
         for (int i = 0; i < hd; i++) {
@@ -301,16 +289,17 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
     const Attention layer = {m, P, B, l};
     parallel(attention_part, &layer);
     quantize_rows(att, N, H * hd);
-    project(B->lora, l, 3, att, N, H * hd, 1, (const Q4* []){&L->o}, (int[]){D}, (float* []){xn}, 0, x);
+    project(m, B->lora, l, 3, att, N, H * hd, 1, (int[]){D}, (float* []){xn}, 0, x);
     for (int n = 0; n < N; n++) rmsnorm(x + (size_t)n * D, L->ffn_norm, D, m->eps, xn + (size_t)n * D);
     quantize_rows(xn, N, D);  // one rounding for gate and up
-    project(B->lora, l, 4, xn, N, D, 2, (const Q4* []){&L->gate, &L->up}, (int[]){F, F}, (float* []){g, u}, 1, 0);
+    project(m, B->lora, l, 4, xn, N, D, 2, (int[]){F, F}, (float* []){g, u}, 1, 0);
     quantize_rows(g, N, F);
-    project(B->lora, l, 6, g, N, F, 1, (const Q4* []){&L->down}, (int[]){D}, (float* []){xn}, 0, x);
+    project(m, B->lora, l, 6, g, N, F, 1, (int[]){D}, (float* []){xn}, 0, x);
   }
   for (int r = 0; r < B->num_logits; r++) {  // every logits row rounded first, then the head's rows split
     rmsnorm(x + (size_t)B->logits_at[r] * D, m->out_norm, D, m->eps, xn + (size_t)r * D);
-    quantize_x(xn + (size_t)r * D, D, xq + (size_t)r * D, xs + (size_t)r * blocks, xsum + (size_t)r * blocks);
+    quantize_x(xn + (size_t)r * D, D, xq + (size_t)r * D, xs + (size_t)r * blocks, xsum + (size_t)r * blocks,
+               xsum16 + (size_t)r * (D / 16));
   }
   const Head head = {m, B};
   parallel(head_part, &head);
@@ -392,3 +381,15 @@ EXPORT int step_sample(const Model* m, const Sampling* s) {
   }
   return 0;
 }
+
+// For tests and benchmarks: rows [0, N) of W times the T rows of x [T, K], rounded as step_run rounds
+// them, into y [T, N]; 1 when T or K is more than step_init made room for.
+EXPORT int step_project(const QMat* W, int N, int K, int T, const float* in, float* y) {
+  if (T > capacity || K > width) return 1;
+  quantize_rows(in, T, K);
+  qmat_gemm(W, 0, N, K, T, xq, xs, xsum, xsum16, y, N);
+  return 0;
+}
+
+// row n of W [N, K] in fp32, as the embedding's lookup reads it
+EXPORT void step_dequantize(const QMat* W, int n, int K, float* out) { qmat_row(W, n, K, out); }

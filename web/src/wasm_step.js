@@ -1,13 +1,12 @@
 // Runs engine steps on the page's own WASM decode step (wasm/step/step.c, built as step.wasm) instead of
 // an onnxruntime-web session: the bridge runtime/backends/web.py calls, with StepRunner's interface.
 //
-// The package's step weights (step.bin and its index step.json: the GGUF's own Q4_1 / Q8_0 blocks,
+// The package's step weights (step.bin and its index step.json: the GGUF's own blocks at their own bits,
 // exporter/step_weights.py) are copied into the module's memory once; the KV pool lives there too. A step
 // writes the batch's small arrays in, runs step_run (K/V into the pool, logits of the rows asking) and
 // step_sample (the graph's logits processing: penalties, mask, temperature, top-K), and replies with the
 // candidates only. Structs are wasm32: 4-byte ints, floats and pointers, in step.c's field order.
 
-import { fromHalf } from './fp16.js';
 import { LoraStore } from './lora_store.js';
 
 export const NO_XLORA = 'X-LoRA does not run on the WASM step yet: load the engine with backend "onnxruntime"';
@@ -15,13 +14,8 @@ const TARGETS = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj',
 const TOKENS_PER_STEP = 512; // step_init's scratch: the page's steps are at most maxBatchTokens (256 by default)
 const HELPER_STACK = 1 << 18; // bytes of stack each helper instance gets (step.c's frames are small)
 const PAGE = 65536;
-
-/** fp16 numbers (little-endian bytes) as a Float32Array (fp16.js's fromHalf where there is no Float16Array: Node 20). */
-function widen(bytes) {
-  const bits = new Uint16Array(new Uint8Array(bytes).buffer); // a copy: aligned, and its own buffer (a Node Buffer's slice is not)
-  if (typeof Float16Array === 'function') return new Float32Array(new Float16Array(bits.buffer));
-  return Float32Array.from(bits, fromHalf);
-}
+const QMAT_PARTS = ['w', 'hb', 'd', 'm', 'sc', 'mb']; // exporter/step_weights.py's PARTS: blocks.h's QMat fields
+const MATRICES = ['q', 'k', 'v', 'o', 'gate', 'up', 'down']; // a Layer's QMats, in step.c's order
 
 // resolves when a helper (a Worker, or Node's worker_threads Worker) reports, rejects on its error
 function reply(helper) {
@@ -85,7 +79,8 @@ class StepPool {
 }
 
 // The step's adapters: lora_store.js's columns in the module's memory, as step.c's Lora reads them. B of
-// q and k is kept in the GGUF's row order (each head's halves interleaved, as the step's q and k rows are).
+// q and k is kept in the GGUF's row order (a llama's: each head's halves interleaved, as the step's q and k
+// rows are).
 class StepAdapters {
   constructor(runner, spec) {
     this.runner = runner;
@@ -106,6 +101,7 @@ class StepAdapters {
   set(meta, bytes) {
     this.store.set(meta, bytes);
     const hd = this.runner.cfg.head_dim, half = hd / 2, start = (meta.slot - 1) * meta.columns;
+    if (this.runner.cfg.rope_neox) return; // a Qwen2 GGUF keeps the graph's rows: nothing to reorder
     for (const name of ['q_proj', 'k_proj']) {
       const t = this.store.targets[name];
       for (let l = 0; t && l < t.b.length; l++) {
@@ -181,30 +177,31 @@ export class WasmStepRunner {
     this.sessionMs = 0; // inside step_run and step_sample
     this.stepMs = 0;
     const at = {};
-    for (const a of index.arrays) {
-      const bytes = weights.subarray(a.offset, a.offset + a.bytes);
-      if (a.dtype === 'float16') { // the GGUF's scales and minimums, widened for step.c (exact)
-        at[a.name] = this.alloc(2 * a.bytes);
-        this.f32(at[a.name], a.bytes / 2).set(widen(bytes));
-      } else {
-        at[a.name] = this.alloc(a.bytes);
-        this.u8(at[a.name], a.bytes).set(bytes);
-      }
+    for (const a of index.arrays) { // the file is the memory image: fp16 scales are widened as step.c reads them
+      at[a.name] = this.alloc(a.bytes);
+      this.u8(at[a.name], a.bytes).set(weights.subarray(a.offset, a.offset + a.bytes));
     }
-    const cfg = this.cfg, fields = [];
-    for (let l = 0; l < cfg.layers; l++) {
-      fields.push(at[`${l}.attn_norm`]);
-      for (const p of ['q', 'k', 'v', 'o']) fields.push(at[`${l}.${p}.w`], at[`${l}.${p}.d`], at[`${l}.${p}.m`]);
-      fields.push(at[`${l}.ffn_norm`]);
-      for (const p of ['gate', 'up', 'down']) fields.push(at[`${l}.${p}.w`], at[`${l}.${p}.d`], at[`${l}.${p}.m`]);
-    }
-    const layers = this.alloc(4 * fields.length);
-    this.i32(layers, fields.length).set(fields);
-    this.model = this.alloc(56);
-    this.i32(this.model, 8).set([cfg.dim, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.vocab, cfg.max_pos]);
-    this.f32(this.model + 32, 1)[0] = cfg.eps;
-    this.i32(this.model + 36, 5).set([at.embd, at.embd_d, at.out_norm, at.rope, layers]);
+    this.model = this.placeModel(index, at);
     if (this.k.step_init(this.model, TOKENS_PER_STEP) !== TOKENS_PER_STEP) throw new Error('the WASM step: out of memory for its scratch');
+  }
+
+  /** step.c's Model and its Layers over the arrays placed at `at` (name -> address), as
+   * wasm/step_module.py builds them: blocks.h's QMat is the matrix's kind, then its parts' addresses. */
+  placeModel(index, at) {
+    const cfg = this.cfg, words = [];
+    const qmat = (name) => [cfg.kinds[index.matrices[name]], ...QMAT_PARTS.map((part) => at[`${name}.${part}`] ?? 0)];
+    for (let l = 0; l < cfg.layers; l++) {
+      words.push(at[`${l}.attn_norm`], at[`${l}.ffn_norm`], ...['q', 'k', 'v'].map((p) => at[`${l}.${p}.bias`] ?? 0));
+      for (const p of MATRICES) words.push(...qmat(`${l}.${p}`));
+    }
+    const layers = this.alloc(4 * words.length);
+    this.i32(layers, words.length).set(words);
+    const model = this.alloc(4 * 27);
+    this.i32(model, 8).set([cfg.dim, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.vocab, cfg.max_pos]);
+    this.f32(model + 32, 1)[0] = cfg.eps;
+    this.i32(model + 36, 18).set([cfg.rope_neox ? 1 : 0, ...qmat('embd'), ...qmat(index.matrices.head ? 'head' : 'embd'),
+      at.out_norm, at.rope, layers]);
+    return model;
   }
 
   /** Up to `count` helper threads (no more than the module splits a job between), each an instance of

@@ -1,0 +1,141 @@
+"""The page's WASM step on every common GGUF block type at its own bits (issue 48): each type's rows and
+products exactly gguf's dequantization, step.bin the file's size, and a whole model of each type giving
+the native engine's logits on the same file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.backends.block_layouts import OWN
+from runtime.core.step_batch import Chunk, build_step
+from tests.exporter.test_gguf_import import random_blocks
+from tests.exporter.test_streamed_export import MIX, write_mixed_gguf
+from tests.web.test_wasm_step import PROMPT, log_softmax
+
+TYPES = list(OWN)
+
+
+@pytest.fixture(scope="module")
+def step_wasm(workdir):
+    from wasm.step_module import FALLBACK, build
+
+    out = workdir / "wasm-step-types"
+    out.mkdir(exist_ok=True)
+    return {"step.wasm": build(out / "step.wasm"), FALLBACK: build(out / FALLBACK, relaxed=False)}
+
+
+def one_matrix_gguf(path, type_name: str, rows: int, cols: int) -> np.ndarray:
+    """A GGUF whose only matrices are one random matrix of `type_name`, as every role step.c reads;
+    returns its raw blocks."""
+    import gguf
+
+    blocks = random_blocks(type_name, rows, cols, seed=len(type_name) + rows)
+    w = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((w.add_context_length, 64), (w.add_embedding_length, cols), (w.add_feed_forward_length, cols),
+                       (w.add_block_count, 1), (w.add_head_count, cols // 64), (w.add_head_count_kv, cols // 64),
+                       (w.add_rope_freq_base, 10000.0), (w.add_layer_norm_rms_eps, 1e-5)):
+        add(value)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    square = random_blocks(type_name, cols, cols, seed=1)
+    w.add_tensor("token_embd.weight", blocks, raw_dtype=qtype)
+    w.add_tensor("output_norm.weight", np.ones(cols, np.float32))
+    for name in ("attn_norm", "ffn_norm"):
+        w.add_tensor(f"blk.0.{name}.weight", np.ones(cols, np.float32))
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        w.add_tensor(f"blk.0.{name}.weight", square, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return blocks
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_each_type_is_gguf_own_dequantization_in_the_step(type_name, step_wasm, tmp_path):
+    """Rows read back bit for bit as gguf dequantizes them; products equal the dequantized matrix times
+    the activations as the step rounds them (int8 per block of 32), to fp32 rounding, in both builds;
+    step.bin no bigger than the file but for the K-quants' byte scales (+1/8 bit a weight)."""
+    from gguf import GGMLQuantizationType, quants
+
+    from exporter.step_weights import write_step_weights
+    from wasm.step_module import FALLBACK, WasmStep
+
+    rows, cols = 96, 512
+    path = tmp_path / f"{type_name}.gguf"
+    blocks = one_matrix_gguf(path, type_name, rows, cols)
+    want = quants.dequantize(blocks, GGMLQuantizationType[type_name]).reshape(rows, cols)
+    index = write_step_weights(path, tmp_path, max_pos=64)
+    size = sum(a["bytes"] for a in index["arrays"] if a["name"] != "rope")  # RoPE's table: not in the file
+    assert size <= path.stat().st_size * (1.03 if type_name in ("Q4_K", "Q5_K") else 1.0), (size, path.stat().st_size)
+    x = np.random.default_rng(7).standard_normal((3, cols)).astype(np.float32)
+    # the activations as the step rounds them: per block of 32, scale max / 127, round half to even
+    xb = x.reshape(3, -1, 32)
+    scale = np.abs(xb).max(-1, keepdims=True).astype(np.float32) / np.float32(127)
+    xq = np.rint(xb * (np.float32(127) / np.abs(xb).max(-1, keepdims=True))) * scale
+    ref = xq.reshape(3, cols).astype(np.float64) @ want.T.astype(np.float64)
+    for module in ("step.wasm", FALLBACK):
+        step = WasmStep(step_wasm[module], tmp_path, 4, 16, max_tokens=8)
+        for r in (0, 1, 37, rows - 1):
+            np.testing.assert_array_equal(step.dequantize("embd", r, cols), want[r])
+        got = step.project("embd", x)
+        np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+        assert np.array_equal(step.project("embd", x[:1])[0], got[0])  # alone or beside others: the same numbers
+
+
+@pytest.fixture(scope="module")
+def native_engine_for(workdir, smol_gguf):
+    """A GGUF of the given projection type (a Q6_K embedding, a Q8_0 head) and its native int4 package."""
+    from exporter.convert import ConvertOptions, convert
+
+    made = {}
+
+    def make(type_name: str, embedding: str = "Q6_K", head: str | None = "Q8_0"):
+        key = (type_name, embedding, head)
+        if key not in made:
+            path = workdir / f"step-{type_name}-{embedding}-{head}.gguf"
+            write_mixed_gguf(path, smol_gguf, {name: type_name for name in MIX}, embedding=embedding, head=head)
+            pkg = convert(str(path), workdir / f"step-pkg-{type_name}-{embedding}-{head}",
+                          ConvertOptions(quant="int4", progress=False, lora=False))
+            made[key] = (path, pkg)
+        return made[key]
+
+    return make
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("type_name,embedding,head", [(t, "Q6_K", "Q8_0") for t in TYPES] +
+                         [("Q4_K", "Q4_K", None), ("Q5_0", "Q8_0", None)])
+def test_a_model_of_each_type_gives_the_native_engines_logits(type_name, embedding, head, native_engine_for, step_wasm,
+                                                             tmp_path):
+    """A whole model whose projections are all of one type, teacher-forced through a prompt in one step:
+    the step's log-probabilities against the native engine's on the same file (mean KL under 1e-3),
+    with an untied head of its own type or the embedding as the head."""
+    from exporter.step_weights import write_step_weights
+    from runtime.core.engine import Engine
+    from wasm.step_module import WasmStep
+
+    path, pkg = native_engine_for(type_name, embedding, head)
+    write_step_weights(path, tmp_path, max_pos=256)
+    engine = Engine.from_package(pkg, verify=False)
+    ids = engine.encode_prompt(PROMPT)
+    bs, table = 16, list(range(8))
+    slots = [table[p // bs] * bs + p % bs for p in range(len(ids))]
+    batch = build_step([Chunk(ids, 0, table, slots, True, logits_rows=len(ids), top_k=5)], bs, want_full_logits=True)
+    want = log_softmax(np.asarray(engine.backend.run(batch).logits))
+    got = log_softmax(WasmStep(step_wasm["step.wasm"], tmp_path, 16, bs).run(batch))
+    kl = (np.exp(want) * (want - got)).sum(axis=1)
+    assert kl.mean() < 1e-3 and kl.max() < 1e-2, (kl.mean(), kl.max())
+
+
+def test_a_file_the_step_cannot_read_is_named(workdir, smol_gguf, tmp_path):
+    """An F16 matrix (or a Q2_K / Q3_K / IQ one) names the tensor and the types the step reads; the
+    package then has no step, and the page runs onnxruntime-web."""
+    from exporter.step_weights import package_step, write_step_weights
+    from runtime.errors import PackageError
+
+    path = tmp_path / "f16.gguf"
+    write_mixed_gguf(path, smol_gguf)  # its ffn_down is F16
+    with pytest.raises(PackageError, match=r"blk\.0\.ffn_down\.weight is F16 .*Q4_K"):
+        write_step_weights(path, tmp_path, max_pos=64)
+    assert package_step(path, tmp_path, 64, progress=False) is None
