@@ -14,13 +14,14 @@ MIX = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q6_K", "attn_output": "Q5_
        "ffn_up": "Q8_0", "ffn_down": "F16"}
 
 
-def write_mixed_gguf(path, smol_gguf, mix: dict[str, str] = MIX, embedding: str = "Q6_K", head: str | None = "Q8_0") -> None:
-    """A tiny llama GGUF with SmolLM2's vocabulary, random blocks of `mix`'s types (by tensor), the
-    embedding's, and an untied head's (None: tied to the embedding)."""
+def write_mixed_gguf(path, smol_gguf, mix: dict[str, str] = MIX, embedding: str = "Q6_K", head: str | None = "Q8_0",
+                     arch: str = "llama") -> None:
+    """A tiny llama (or Qwen2: q, k and v with biases) GGUF with SmolLM2's vocabulary, random blocks of
+    `mix`'s types (by tensor), the embedding's, and an untied head's (None: tied to the embedding)."""
     import gguf
 
     src = gguf.GGUFReader(str(smol_gguf))
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     hidden, inter, layers, heads, kv_heads = 256, 512, 2, 4, 2
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
     for add, value in ((w.add_context_length, 256), (w.add_embedding_length, hidden), (w.add_feed_forward_length, inter),
@@ -53,6 +54,8 @@ def write_mixed_gguf(path, smol_gguf, mix: dict[str, str] = MIX, embedding: str 
         w.add_tensor(p + "ffn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
         for name, (rows, cols) in shapes.items():
             tensor(f"{p}{name}.weight", rows, cols, mix[name])
+            if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):
+                w.add_tensor(f"{p}{name}.bias", (0.5 * rng.standard_normal(rows)).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -90,12 +90,12 @@ def native_engine_for(workdir, smol_gguf):
 
     made = {}
 
-    def make(type_name: str, embedding: str = "Q6_K", head: str | None = "Q8_0"):
-        key = (type_name, embedding, head)
+    def make(type_name: str, embedding: str = "Q6_K", head: str | None = "Q8_0", arch: str = "llama"):
+        key = (type_name, embedding, head, arch)
         if key not in made:
-            path = workdir / f"step-{type_name}-{embedding}-{head}.gguf"
-            write_mixed_gguf(path, smol_gguf, {name: type_name for name in MIX}, embedding=embedding, head=head)
-            pkg = convert(str(path), workdir / f"step-pkg-{type_name}-{embedding}-{head}",
+            path = workdir / f"step-{arch}-{type_name}-{embedding}-{head}.gguf"
+            write_mixed_gguf(path, smol_gguf, {name: type_name for name in MIX}, embedding=embedding, head=head, arch=arch)
+            pkg = convert(str(path), workdir / f"step-pkg-{arch}-{type_name}-{embedding}-{head}",
                           ConvertOptions(quant="int4", progress=False, lora=False))
             made[key] = (path, pkg)
         return made[key]
@@ -104,18 +104,19 @@ def native_engine_for(workdir, smol_gguf):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("type_name,embedding,head", [(t, "Q6_K", "Q8_0") for t in TYPES] +
-                         [("Q4_K", "Q4_K", None), ("Q5_0", "Q8_0", None)])
-def test_a_model_of_each_type_gives_the_native_engines_logits(type_name, embedding, head, native_engine_for, step_wasm,
-                                                             tmp_path):
+@pytest.mark.parametrize("type_name,embedding,head,arch", [(t, "Q6_K", "Q8_0", "llama") for t in TYPES] +
+                         [("Q4_K", "Q4_K", None, "llama"), ("Q5_0", "Q8_0", None, "qwen2")])
+def test_a_model_of_each_type_gives_the_native_engines_logits(type_name, embedding, head, arch, native_engine_for,
+                                                             step_wasm, tmp_path):
     """A whole model whose projections are all of one type, teacher-forced through a prompt in one step:
     the step's log-probabilities against the native engine's on the same file (mean KL under 1e-3),
-    with an untied head of its own type or the embedding as the head."""
+    with an untied head of its own type or the embedding as the head, a llama or a Qwen2 (biases, RoPE
+    on halves)."""
     from exporter.step_weights import write_step_weights
     from runtime.core.engine import Engine
     from wasm.step_module import WasmStep
 
-    path, pkg = native_engine_for(type_name, embedding, head)
+    path, pkg = native_engine_for(type_name, embedding, head, arch)
     write_step_weights(path, tmp_path, max_pos=256)
     engine = Engine.from_package(pkg, verify=False)
     ids = engine.encode_prompt(PROMPT)
