@@ -1,4 +1,4 @@
-"""python -m wasm build [--out dist/web] [--model ALIAS] | serve [--port 8000]"""
+"""python -m wasm build [--out dist/web] [--model SOURCE ...] | serve [--port 8000]"""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from runtime.errors import RuvLLMError
 from wasm.build import ROOT, build
 from wasm.serve import make_server
 
@@ -15,7 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build", help="assemble dist/web/")
     b.add_argument("--out", default=str(ROOT / "dist" / "web"))
-    b.add_argument("--model", default="smollm2-135m", help="alias or package source to export for the page")
+    b.add_argument("--model", action="append", help="a model for the page (repeatable): an alias, a Hugging Face hub "
+                   "id, a local folder or a .gguf file (default: smollm2-135m)")
     b.add_argument("--quant", default="int4", choices=["fp32", "int8", "int4"])
     b.add_argument("--no-model", action="store_true")
     s = sub.add_parser("serve", help="serve the bundle with cross-origin isolation headers")
@@ -24,7 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)
     if args.cmd == "build":
-        build(Path(args.out), None if args.no_model else args.model, args.quant)
+        try:
+            build(Path(args.out), None if args.no_model else args.model or ["smollm2-135m"], args.quant)
+        except RuvLLMError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
         return 0
     root = Path(args.dir)
     if not (root / "index.html").exists():

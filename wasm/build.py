@@ -4,12 +4,15 @@ the demo page and a model package exported for the browser. Nothing in it points
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from runtime.errors import RuvLLMError
 from wasm.bytecode import add_bytecode
 from wasm.snapshot import make_snapshot
 from wasm.step_module import FALLBACK as STEP_FALLBACK
@@ -89,14 +92,33 @@ def _project_version() -> str:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
-def export_model(alias: str, quant: str) -> Path:
+def model_id(source: str) -> str:
+    """The bundle's name for a model source: an alias or hub id as it is ("/" as "--"), a local folder or
+    GGUF by its file name (without .gguf)."""
+    path = Path(source).expanduser()
+    name = path.resolve().name.removesuffix(".gguf") if path.exists() else source.replace("/", "--")
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
+
+
+def export_model(source: str, quant: str) -> Path:
+    """The source's package for the page, exported once into the cache: an alias or hub id by name, a
+    local folder or GGUF by its resolved path, size and time (so an absolute and a relative path share a
+    package, and a changed file gets a new one)."""
     from runtime.aliases import cached_package_dir
     from runtime.serve.cli import export_into_cache
 
-    dest = cached_package_dir(alias, quant, "wasm")
+    path = Path(source).expanduser()
+    if path.exists():
+        path = path.resolve()
+        stat = path.stat()
+        key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        cache_key, source = f"{model_id(str(path))}-{key}", str(path)
+    else:
+        cache_key = source
+    dest = cached_package_dir(cache_key, quant, "wasm")
     if not (dest / "manifest.json").exists():
-        log(f"exporting {alias} ({quant}) for the browser, once, into {dest}")
-        export_into_cache(alias, quant, dest, target="wasm")
+        log(f"exporting {source} ({quant}) for the browser, once, into {dest}")
+        export_into_cache(source, quant, dest, target="wasm")
     return dest
 
 
@@ -108,9 +130,32 @@ def copy_package(src: Path, dest: Path) -> None:
             shutil.copy2(f, target)
 
 
-def build(out: Path, model: str | None = "smollm2-135m", quant: str = "int4") -> Path:
-    modules = npm_install()
+def add_model(out: Path, source: str, quant: str) -> dict:
+    """The source's package exported for the page and copied under out/models/<id>/; its models.json entry."""
+    ident = model_id(source)
+    pkg = export_model(source, quant)
+    copy_package(pkg, out / "models" / ident)
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    files = manifest["files"]
+    step = {manifest["wasm_step"]["weights"], manifest["wasm_step"]["index"]} if manifest.get("wasm_step") else set()
+    graphs = {n for n in files if n.endswith((".onnx", ".data"))}
+    size = lambda names: sum(int(files[n]["size"]) for n in names)  # noqa: E731
+    entry = {"id": ident, "url": f"models/{ident}/", "name": manifest["name"],
+             "bytes": size(set(files) - step),  # what the page fetches on onnxruntime-web
+             "quantization": manifest.get("quantization")}
+    if step:  # and with backend 'wasm-step': its weights instead of the graphs
+        entry["wasm_step_bytes"] = size(set(files) - graphs)
+    return entry
+
+
+def build(out: Path, model: str | list[str] | None = "smollm2-135m", quant: str = "int4") -> Path:
     out.mkdir(parents=True, exist_ok=True)
+    # the models first: a source that cannot be exported fails the build before anything else is done
+    models = [add_model(out, source, quant) for source in ([model] if isinstance(model, str) else model or [])]
+    ids = [m["id"] for m in models]
+    if len(set(ids)) < len(ids):
+        raise RuvLLMError(f"two models would share a name in the bundle: {ids}")
+    modules = npm_install()
     for sub in ("pyodide", "ort", "python", "ruvllm"):
         shutil.rmtree(out / sub, ignore_errors=True)
     for name in PYODIDE_CORE:
@@ -137,21 +182,6 @@ def build(out: Path, model: str | None = "smollm2-135m", quant: str = "int4") ->
     shutil.copytree(WEB / "src", out / "ruvllm")
     for f in (WEB / "demo").iterdir():
         shutil.copy(f, out / f.name)
-    models = []
-    if model:
-        pkg = export_model(model, quant)
-        copy_package(pkg, out / "models" / model)
-        manifest = json.loads((pkg / "manifest.json").read_text())
-        files = manifest["files"]
-        step = {manifest["wasm_step"]["weights"], manifest["wasm_step"]["index"]} if manifest.get("wasm_step") else set()
-        graphs = {n for n in files if n.endswith((".onnx", ".data"))}
-        size = lambda names: sum(int(files[n]["size"]) for n in names)  # noqa: E731
-        entry = {"id": model, "url": f"models/{model}/", "name": manifest["name"],
-                 "bytes": size(set(files) - step),  # what the page fetches on onnxruntime-web
-                 "quantization": manifest.get("quantization")}
-        if step:  # and with backend 'wasm-step': its weights instead of the graphs
-            entry["wasm_step_bytes"] = size(set(files) - graphs)
-        models.append(entry)
     (out / "models.json").write_text(json.dumps({"models": models}, indent=1))
     versions = {n: json.loads((modules / n / "package.json").read_text())["version"] for n in ("pyodide", "onnxruntime-web")}
     (out / "bundle.json").write_text(json.dumps({"versions": versions, "python": lock["info"]["python"]}, indent=1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -51,6 +52,9 @@ def export_into_cache(source: str, quant: str, dest: Path, quiet: bool = False, 
     if quiet:
         cmd.append("--quiet")
     env = {**os.environ, "RUVLLM_PROGRESS": "off" if quiet else ("bars" if sys.stderr.isatty() else "lines")}
+    spec = importlib.util.find_spec("exporter")  # found, not imported: where this process would import it from
+    if spec is not None and spec.origin:  # the child finds it too, whatever its working directory
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(spec.origin).parent.parent), *filter(None, [env.get("PYTHONPATH")])])
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL if quiet else None, stderr=subprocess.PIPE, env=env)
     held, errors, seen = b"", [], []
     while chunk := proc.stderr.read1(1 << 14):

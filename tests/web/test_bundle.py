@@ -10,6 +10,8 @@ import zipfile
 
 import pytest
 
+from tests.conftest import run_cli
+
 pytestmark = pytest.mark.slow
 
 
@@ -111,3 +113,32 @@ def test_the_warmup_model_follows_the_graph_contract(web_bundle):
         feeds[mask["name"]] = np.zeros((1, mask["shape"][1]), np.float32)  # as the worker feeds it: none constrained
         ids, lps = session.run([plan["io"]["roles"]["topk_ids"], plan["io"]["roles"]["topk_logprobs"]], feeds)
         assert ids.shape == (1, 1) and np.isfinite(lps).all()
+
+
+def test_build_takes_a_model_from_any_source(web_bundle, workdir, tmp_path, tiny_model_dir, smol_gguf, monkeypatch):
+    """`python -m wasm build --model` takes an alias, a folder or a .gguf, absolute or relative (one package
+    for both spellings), each under models/<its name>/ with its entry; a hub id offline is a clear error."""
+    from tests.exporter.test_streamed_export import write_mixed_gguf
+    from wasm.build import add_model, model_id
+
+    monkeypatch.setenv("RUVLLM_CACHE_DIR", str(workdir / "cache"))  # where web_bundle exported the alias
+    out = tmp_path / "bundle"
+    gguf = tmp_path / "files" / "Tiny Mixed.Q4_K_M.gguf"
+    gguf.parent.mkdir()
+    write_mixed_gguf(gguf, smol_gguf, {n: "Q4_K" for n in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                            "ffn_up", "ffn_down")}, head=None)
+    folder = tiny_model_dir("llama")
+    monkeypatch.chdir(gguf.parent)
+    entries = {source: add_model(out, source, "int4")
+               for source in ("smollm2-135m", str(gguf), gguf.name, str(folder))}
+    assert entries["smollm2-135m"]["id"] == "smollm2-135m"
+    assert entries[str(gguf)] == entries[gguf.name] and entries[gguf.name]["id"] == model_id(str(gguf)) == "Tiny-Mixed.Q4_K_M"
+    assert entries[str(gguf)]["wasm_step_bytes"] < entries[str(gguf)]["bytes"]  # a K-quant file gets the step
+    assert entries[str(folder)]["id"] == folder.name and "wasm_step_bytes" not in entries[str(folder)]
+    for entry in entries.values():
+        assert (out / entry["url"] / "manifest.json").exists()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    proc = run_cli("build", "--out", str(tmp_path / "hub"), "--model", "someone/not-cached-anywhere", module="wasm",
+                   env={"RUVLLM_CACHE_DIR": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}, timeout=1200)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "error:" in proc.stderr and "someone/not-cached-anywhere" in proc.stderr
