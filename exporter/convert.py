@@ -48,7 +48,7 @@ from exporter.writers.tokenizer_files import write_tokenizer
 from runtime import contract as C
 from runtime.backends.graph_fusion import declared_fusions
 from runtime.errors import RuvLLMError
-from runtime.package import file_digest, load_package
+from runtime.package import file_entry, load_package
 
 
 def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None = None) -> Path:
@@ -191,7 +191,7 @@ def write_package(out: Path, graphs: dict, store, tok, source, spec, opts: Conve
                 manifest["wasm_step"] = step
         for entry in manifest["graphs"].values():  # what the native backend must fuse, or refuse the graph
             entry["fusions"] = declared_fusions(tmp / entry["file"], manifest["config"])
-        manifest["files"] = {f.name: {"size": f.stat().st_size, "sha256": file_digest(f)}
+        manifest["files"] = {f.name: file_entry(f)
                              for f in sorted(tmp.iterdir()) if f.name != C.MANIFEST}
         (tmp / C.MANIFEST).write_text(json.dumps(manifest, indent=2))
         load_package(tmp, verify_hashes=False)  # what we wrote must pass the runtime's own checks

@@ -77,6 +77,24 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+CHUNK_BYTES = 1 << 24  # a large file's pieces, each with its own sha256 in the manifest
+
+
+def file_entry(path: Path) -> dict:
+    """A manifest's entry for a file: size and sha256, and for a file of more than one chunk each chunk's
+    sha256 too, so that a page can check it piece by piece as it streams in, never holding it whole in
+    JS (WebCrypto digests one buffer at a time)."""
+    size, whole, pieces = path.stat().st_size, hashlib.sha256(), []
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(CHUNK_BYTES), b""):
+            whole.update(chunk)
+            pieces.append(hashlib.sha256(chunk).hexdigest())
+    entry = {"size": size, "sha256": whole.hexdigest()}
+    if len(pieces) > 1:
+        entry["chunks"] = {"bytes": CHUNK_BYTES, "sha256": pieces}
+    return entry
+
+
 def _verified_record(path: Path) -> Path:
     from runtime.aliases import cache_dir
 

@@ -202,3 +202,43 @@ def test_a_browser_without_relaxed_simd_gets_the_simd128_build(offline_page, web
     assert any(u.endswith("/ruvllm/step-simd128.wasm") for u in p.requests)
     reply = p.evaluate(CHAT, {"messages": QUESTION, "max_tokens": 12, "temperature": 0})
     assert "Paris" in reply["choices"][0]["message"]["content"]
+
+
+def test_step_weights_stream_in_checked_and_a_model_past_wasm32_is_refused_first(offline_page, web_bundle, web_models):
+    """step.bin streams into the step's memory chunk by chunk, each checked against the manifest's sha256
+    as it arrives, and is kept in OPFS: a reload reads it from there, a damaged stored copy is fetched
+    again with the same answer. A package whose step needs more than wasm32's 4 GB is refused by name
+    before anything but its manifest is fetched."""
+    from tests.web.test_engine_api import CORRUPT
+
+    manifest = json.loads((web_bundle / "models" / "smollm2-135m" / "manifest.json").read_text())
+    assert len(manifest["files"]["step.bin"]["chunks"]["sha256"]) > 1
+    p = offline_page()
+    first = load(p, SMOL, device="wasm", backend="wasm-step", speculativeTokens=0)
+    greedy = {"messages": QUESTION, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    expected = p.evaluate(CHAT, greedy)["choices"][0]["token_ids"]
+    assert any(u.endswith(SMOL + "step.bin") for u in p.requests)
+    seen = len(p.requests)
+    p.page.reload()
+    again = load(p, SMOL, device="wasm", backend="wasm-step", speculativeTokens=0)
+    assert again["cache"]["downloaded"] == 0 and again["cache"]["fromCache"] >= 1, (first["cache"], again["cache"])
+    assert not any(u.endswith("/step.bin") for u in p.requests[seen:])
+    assert p.evaluate(CHAT, greedy)["choices"][0]["token_ids"] == expected
+    p.evaluate(CORRUPT, [SMOL, "step.bin"])
+    p.page.reload()
+    healed = load(p, SMOL, device="wasm", backend="wasm-step", speculativeTokens=0)
+    assert healed["cache"]["refetched"] == 1 and healed["cache"]["downloaded"] == 1
+    assert p.evaluate(CHAT, greedy)["choices"][0]["token_ids"] == expected
+
+    big = web_models / "past-wasm32"
+    big.mkdir(exist_ok=True)
+    huge = {**manifest, "files": {**manifest["files"], "step.bin": {**manifest["files"]["step.bin"], "size": 5 << 30}}}
+    (big / "manifest.json").write_text(json.dumps(huge))
+    p = offline_page()
+    p.api()
+    err = p.evaluate("""async (model) => {
+      try { await window.createEngine({ model, device: 'wasm' }); return null; }
+      catch (e) { return String(e.message ?? e); }
+    }""", "/test-models/past-wasm32/")
+    assert err and "4.0 GB" in err and "wasm32" in err and "5.0 GB of weights" in err, err
+    assert [u for u in p.requests if "past-wasm32" in u and not u.endswith("manifest.json")] == []

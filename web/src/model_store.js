@@ -214,3 +214,94 @@ export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck =
   const checked = Promise.all(deferred).then((names) => names.filter(Boolean));
   return { manifest, files, stats, checked };
 }
+
+const DIGESTS_IN_FLIGHT = 4; // chunks being hashed at once (each a copy WebCrypto makes)
+
+/**
+ * One large file (a manifest entry with `chunks`: each piece's sha256) placed straight into memory the
+ * caller owns (`view(at, n)`: a Uint8Array of n bytes at offset `at`, e.g. the WASM step's weights),
+ * from OPFS where it is stored and intact, else from the network (and then stored). Each chunk is checked
+ * as it arrives, so JS never holds more than a few chunks: no whole second copy of the file. A stored
+ * copy that fails its check is deleted and fetched again; a download that fails one throws.
+ * Returns { cached, refetched, ms }.
+ */
+export async function streamFile(baseURL, name, meta, view, onBytes = () => {}) {
+  const { bytes: chunkBytes, sha256: chunkDigests } = meta.chunks;
+  const size = Number(meta.size);
+  const dir = await openStore();
+  const t0 = performance.now();
+  const checker = () => { // digests in flight, bounded; resolves to the first failing chunk's index, or -1
+    const pending = new Set();
+    let bad = -1;
+    return {
+      async add(i, bytes) {
+        const p = sha256Hex(bytes).then((hex) => { if (hex !== chunkDigests[i] && (bad < 0 || i < bad)) bad = i; });
+        pending.add(p);
+        p.finally(() => pending.delete(p));
+        if (pending.size >= DIGESTS_IN_FLIGHT) await Promise.race(pending);
+      },
+      async done() { await Promise.all(pending); return bad; },
+    };
+  };
+  let refetched = false;
+  if (dir) { // stored: read chunk by chunk through a sync access handle, checked as read
+    const access = await dir.getFileHandle(meta.sha256).then((h) => h.createSyncAccessHandle()).catch(() => null);
+    if (access) {
+      let bad = 0;
+      try {
+        if (access.getSize() === size) {
+          const check = checker(), scratch = new Uint8Array(chunkBytes);
+          for (let i = 0, at = 0; at < size; i++, at += chunkBytes) {
+            const piece = scratch.subarray(0, Math.min(chunkBytes, size - at));
+            access.read(piece, { at });
+            await check.add(i, piece); // WebCrypto copies the bytes as it is called
+            view(at, piece.length).set(piece);
+            onBytes(piece.length, true);
+          }
+          bad = await check.done();
+        }
+      } finally {
+        access.close();
+      }
+      if (bad < 0) return { cached: true, refetched, ms: performance.now() - t0 };
+      await dir.removeEntry(meta.sha256).catch(() => {}); // damaged or partial: fetched again below
+      refetched = true;
+    }
+  }
+  const url = new URL(name, packageURL(baseURL)).href;
+  const res = await fetch(url, { cache: 'no-store' });
+  if (!res.ok || !res.body) throw new Error(`${url}: HTTP ${res.status}`);
+  const part = `${meta.sha256}.part`;
+  const out = dir ? await dir.getFileHandle(part, { create: true }).then((h) => h.createSyncAccessHandle()).catch(() => null) : null;
+  const check = checker(), reader = res.body.getReader();
+  let at = 0, chunk = 0;
+  try {
+    out?.truncate(0);
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) break;
+      if (at + value.length > size) throw new Error(`${url}: larger than the manifest's ${size} bytes`);
+      view(at, value.length).set(value);
+      out?.write(value, { at });
+      at += value.length;
+      onBytes(value.length, false);
+      while ((chunk + 1) * chunkBytes <= at || (at === size && chunk * chunkBytes < size)) { // whole chunks, as they complete
+        const start = chunk * chunkBytes;
+        await check.add(chunk++, view(start, Math.min(chunkBytes, size - start)).slice()); // a copy: the memory may be shared
+      }
+    }
+    if (at !== size) throw new Error(`${url}: got ${at} bytes, the manifest says ${size}`);
+    const bad = await check.done();
+    if (bad >= 0) throw new Error(`${url}: chunk ${bad} does not match the manifest's sha256`);
+    out?.flush();
+  } catch (err) {
+    out?.close();
+    await dir?.removeEntry(part).catch(() => {});
+    throw err;
+  }
+  if (out) {
+    out.close();
+    await dir.getFileHandle(part).then((h) => h.move(meta.sha256)).catch(() => dir.removeEntry(part).catch(() => {}));
+  }
+  return { cached: false, refetched, ms: performance.now() - t0 };
+}

@@ -3,7 +3,7 @@
 // (weights expanded to fp32) and Pyodide's boot run at the same time on two cores; a step then costs
 // one small message each way, and the KV pool never leaves this worker.
 
-import { loadPackage, pageGraph, readManifest, sha256Hex } from './model_store.js';
+import { loadPackage, pageGraph, readManifest, sha256Hex, streamFile } from './model_store.js';
 import { promptKVName, readPromptKV, fits, writePromptKV } from './prompt_kv.js';
 import { StepRunner, inputSpec, makeTensor } from './step_runner.js';
 import { WasmStepRunner } from './wasm_step.js';
@@ -54,6 +54,9 @@ async function startRuntime(ortURL, device, threads) {
 }
 
 const isGraphFile = (name) => name.endsWith('.onnx') || name.endsWith('.data');
+// wasm32's memory (4 GB less a page), and what the step needs beside its weights: scratch, a KV pool
+const WASM32_BYTES = 65535 * 65536;
+const STEP_ROOM = 256 << 20;
 // the WASM step's weights and their index (manifest.wasm_step: exporter/step_weights.py)
 const stepFiles = (manifest) => (manifest.wasm_step ? [manifest.wasm_step.weights, manifest.wasm_step.index] : []);
 // files Python never reads: onnxruntime-web's or the WASM step's
@@ -151,16 +154,41 @@ async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
   const threaded = threads > 1 && self.crossOriginIsolated;
   const wasm = threaded ? null : bytes('step.wasm'); // else fetched only if the threaded build does not compile
   const threadedWasm = threaded ? bytes('step-threads.wasm') : null;
-  const skip = (name, manifest) => !stepFiles(manifest).includes(name) && isGraphFile(name);
-  const { manifest, files, stats } = await loadPackage(model, (p) => post({ type: 'progress', progress: p }), { skip });
+  const early = await readManifest(model);
+  const stepMeta = early.wasm_step && early.files[early.wasm_step.weights];
+  if (stepMeta && Number(stepMeta.size) + STEP_ROOM > WASM32_BYTES) { // before anything is downloaded
+    const gb = (n) => `${(n / 2 ** 30).toFixed(1)} GB`;
+    throw new Error(`this model's WASM step needs ${gb(Number(stepMeta.size) + STEP_ROOM)} of memory (${gb(Number(stepMeta.size))} of weights and room for its KV cache); a page's WebAssembly memory holds at most ${gb(WASM32_BYTES)} (wasm32): choose a smaller model or a smaller quantization`);
+  }
+  // the step's weights stream into the module's memory below (chunk by chunk, checked as they come) where
+  // the manifest has each chunk's sha256; else they come whole with the other files
+  const streamed = (m) => Boolean(m.wasm_step && m.files[m.wasm_step.weights]?.chunks);
+  const skip = (name, manifest) => (!stepFiles(manifest).includes(name) && isGraphFile(name))
+    || (streamed(manifest) && name === manifest.wasm_step.weights);
+  const progress = (p) => post({ type: 'progress', progress: p });
+  const { manifest, files, stats } = await loadPackage(model, progress, { skip });
   if (!manifest.wasm_step) throw new Error('backend "wasm-step": this model package has no WASM step weights (step.bin); re-export it from a GGUF with --target wasm');
   const big = modelFiles(manifest);
   const small = Object.fromEntries(Object.entries(files).filter(([n]) => !big.includes(n)));
   post({ type: 'files', manifest, files: small, graphFiles: big, cache: stats, device: 'wasm', backend: 'wasm-step', fetchSeconds: (performance.now() - t0) / 1000 },
     Object.values(small).map((b) => b.buffer));
-  post({ type: 'progress', progress: { stage: 'session', message: 'preparing the model' } });
   const index = JSON.parse(new TextDecoder().decode(files[manifest.wasm_step.index]));
-  runner = await WasmStepRunner.create(wasm ?? (() => bytes('step.wasm')), index, files[manifest.wasm_step.weights], manifest, {
+  const name = manifest.wasm_step.weights, meta = manifest.files[name];
+  let weights = files[name];
+  if (streamed(manifest)) {
+    weights = async (view) => {
+      let loaded = 0;
+      const got = await streamFile(model, name, meta, view, (n, cached) => {
+        loaded += n;
+        progress({ stage: 'model', loaded, total: Number(meta.size), file: name, cached });
+      });
+      stats[got.cached ? 'fromCache' : 'downloaded']++;
+      if (got.refetched) stats.refetched++;
+      stats.weightsMs = got.ms;
+    };
+  }
+  post({ type: 'progress', progress: { stage: 'session', message: 'preparing the model' } });
+  runner = await WasmStepRunner.create(wasm ?? (() => bytes('step.wasm')), index, weights, manifest, {
     fallback: () => bytes('step-simd128.wasm'), threads: threaded ? threads : 1, threaded: threaded && (() => threadedWasm),
     spawnHelper: () => new Worker(new URL('./step_helper.js', import.meta.url), { type: 'module' }),
   });

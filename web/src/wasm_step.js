@@ -131,10 +131,15 @@ class StepAdapters {
   }
 }
 
+/** step.bin's bytes: its last array's end. */
+export const weightBytes = (index) => Math.max(...index.arrays.map((a) => a.offset + a.bytes));
+
 export class WasmStepRunner {
   /** The module (step.wasm's bytes, or a function or promise giving them), the weights' index
-   * (step.json) and bytes (step.bin), the package's manifest. Options: `fallback`, a function giving step-simd128.wasm's bytes, for a browser without
-   * relaxed SIMD; `threads` > 1 with `threaded` (a function giving step-threads.wasm's bytes) and
+   * (step.json) and the weights: step.bin's bytes, or `async (view) => ...` that writes them through
+   * view(at, n) (a Uint8Array of n bytes at file offset `at`, in the module's memory: streamed in, no
+   * whole copy in JS); the package's manifest. Options: `fallback`, a function giving step-simd128.wasm's
+   * bytes, for a browser without relaxed SIMD; `threads` > 1 with `threaded` (a function giving step-threads.wasm's bytes) and
    * `spawnHelper` (a function making a Worker that runs step_helper.js): the step's work split across
    * that many threads over one shared memory (wasm/step/threads.h), where shared memory exists. */
   static async create(wasm, index, weights, manifest, { fallback, threads = 1, threaded, spawnHelper } = {}) {
@@ -143,10 +148,11 @@ export class WasmStepRunner {
       const module = await WebAssembly.compile(bytes).catch(() => null); // no relaxed SIMD: one thread below
       if (module) {
         // the weights and room to grow: more than the module's own data and stack ask for
-        const pages = Math.ceil((weights.length + (16 << 20)) / PAGE);
+        const pages = Math.ceil((weightBytes(index) + (16 << 20)) / PAGE);
         const memory = new WebAssembly.Memory({ initial: pages, maximum: 65535, shared: true });
         const instance = await WebAssembly.instantiate(module, { env: { memory } });
-        const runner = new WasmStepRunner({ ...instance.exports, memory }, index, weights, manifest, bytes);
+        const runner = new WasmStepRunner({ ...instance.exports, memory }, index, manifest, bytes);
+        await runner.load(index, weights);
         await runner.startHelpers(module, memory, threads - 1, spawnHelper);
         return runner;
       }
@@ -160,11 +166,13 @@ export class WasmStepRunner {
       module = await WebAssembly.compile(bytes);
     }
     const instance = await WebAssembly.instantiate(module, {});
-    return new WasmStepRunner(instance.exports, index, weights, manifest, bytes);
+    const runner = new WasmStepRunner(instance.exports, index, manifest, bytes);
+    await runner.load(index, weights);
+    return runner;
   }
 
   /** `moduleBytes`: the build these exports came from (its hash names the K/V it computes: prompt_kv.js). */
-  constructor(exports, index, weights, manifest, moduleBytes) {
+  constructor(exports, index, manifest, moduleBytes) {
     this.k = exports;
     this.moduleBytes = moduleBytes;
     this.cfg = index.config;
@@ -176,11 +184,21 @@ export class WasmStepRunner {
     this.steps = 0;
     this.sessionMs = 0; // inside step_run and step_sample
     this.stepMs = 0;
-    const at = {};
-    for (const a of index.arrays) { // the file is the memory image: fp16 scales are widened as step.c reads them
-      at[a.name] = this.alloc(a.bytes);
-      this.u8(at[a.name], a.bytes).set(weights.subarray(a.offset, a.offset + a.bytes));
+  }
+
+  /** The weights into the module's memory as step.bin lies (the file is the memory image: its arrays at
+   * their offsets, 64-byte aligned; fp16 scales are widened as step.c reads them), then the model's structs. */
+  async load(index, weights) {
+    const size = weightBytes(index), base = this.alloc(size);
+    if (typeof weights === 'function') {
+      await weights((at, n) => {
+        if (at < 0 || at + n > size) throw new Error(`bytes ${at}..${at + n} are outside step.bin (${size} bytes)`);
+        return this.u8(base + at, n);
+      });
+    } else {
+      this.u8(base, size).set(weights.subarray(0, size));
     }
+    const at = Object.fromEntries(index.arrays.map((a) => [a.name, base + a.offset]));
     this.model = this.placeModel(index, at);
     if (this.k.step_init(this.model, TOKENS_PER_STEP) !== TOKENS_PER_STEP) throw new Error('the WASM step: out of memory for its scratch');
   }
