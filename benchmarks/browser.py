@@ -6,6 +6,10 @@ browser's caches), rounds interleaved; prints JSON with medians of load time, TT
 for both visits. Not a test: speed is never asserted.
 
     python benchmarks/browser.py [--repeats 3] [--threads 2] [--tokens 128]
+    python benchmarks/browser.py --gguf FILE --engines ruvllm:step.nolookup,wllama [--context 500]
+
+With --gguf, RuvLLM gets FILE exported for the page (its WASM step reads the file's own blocks) and
+wllama gets FILE itself; benchmarks/sizes.py makes random-weight GGUFs of real shapes.
 
 Needs the bundle (`python -m wasm build`), Debian's Chromium and, once, the peers' npm packages
 (benchmarks/browser/package.json) and models: transformers.js gets SmolLM2 as an ONNX decoder with
@@ -120,8 +124,23 @@ class RendererPeak:
         return round(self.peak, 1)
 
 
+def gguf_models(gguf: Path) -> tuple[str, str]:
+    """(RuvLLM's package URL, wllama's file URL) under /bench-models/ for a GGUF: the package exported for
+    the page once (wasm.build.export_model's cache), both linked into MODELS."""
+    from wasm.build import export_model, model_id
+
+    pkg, name = export_model(str(gguf), "int4"), model_id(str(gguf))
+    MODELS.mkdir(parents=True, exist_ok=True)
+    for link, target in ((MODELS / name, pkg), (MODELS / gguf.name, gguf.resolve())):
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(target)
+    return f"/bench-models/{name}/", f"/bench-models/{gguf.name}"
+
+
 def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens: int, dtype: str | None,
-            timeout_s: int, reload_prompt: str = "same", kv: str = "fp32", context: int = 0) -> dict:
+            timeout_s: int, reload_prompt: str = "same", kv: str = "fp32", context: int = 0,
+            files: tuple[str, str] | None = None) -> dict:
     """A first visit, then a reload: a returning visitor's load, from the browser's own caches.
 
     Each run gets a new persistent profile (a fresh user-data folder), so the first visit is cold and
@@ -143,7 +162,8 @@ def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens:
         page = ctx.pages[0] if ctx.pages else ctx.new_page()
         try:
             url = (f"{base}bench/bench.html?engine={engine}&threads={threads}&tokens={tokens}"
-                   + (f"&dtype={dtype}" if dtype else "") + f"&reload={reload_prompt}&kv={kv}&context={context}")
+                   + (f"&dtype={dtype}" if dtype else "") + f"&reload={reload_prompt}&kv={kv}&context={context}"
+                   + (f"&model={files[0]}&gguf={files[1]}" if files else ""))
             memory = RendererPeak(profile)
             page.goto(url)
             page.wait_for_function("window.result || window.failure", timeout=timeout_s * 1000, polling=500)
@@ -188,6 +208,8 @@ def main() -> None:
                          "last prompt's K/V blocks across reloads; with 'other' only the shared system prompt's apply)")
     ap.add_argument("--kv", default="fp32", help="RuvLLM's KV pool: fp32, int8, or both (fp32,int8: each a row)")
     ap.add_argument("--context", type=int, default=0, help="about this many tokens of text before the question")
+    ap.add_argument("--gguf", type=Path, help="a GGUF for RuvLLM (exported for the page) and wllama alike, instead "
+                    "of SmolLM2")
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -202,7 +224,8 @@ def main() -> None:
     engines = [(name, dtype, kv) for name, dtype in engines for kv in (kvs if name == "ruvllm" else ["fp32"])]
     if any(e[0] == "transformers.js" for e in engines):
         transformersjs_model()
-    if any(e[0] == "wllama" for e in engines):
+    files = gguf_models(args.gguf) if args.gguf else None
+    if any(e[0] == "wllama" for e in engines) and not files:
         wllama_model()
     server, base = serve_in_thread(bundle, {"/bench/": HERE, "/bench-models/": MODELS})
     launch = ["--no-sandbox", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -214,7 +237,7 @@ def main() -> None:
             for name, dtype, kv in engines:
                 key = (name if not dtype else f"{name}:{dtype}") + (f"[kv {kv}]" if kv != "fp32" else "")
                 res = run_one(p, launch, base, name, args.threads, args.tokens, dtype, args.timeout, args.reload_prompt,
-                              kv, args.context)
+                              kv, args.context, files)
                 log(f"round {r + 1} {key}: {json.dumps(res)[:300]}")
                 runs.setdefault(key, []).append(res)
     server.shutdown()
@@ -248,7 +271,7 @@ def main() -> None:
     step_ratios = {field: {k: round(step[field] / v[field], 2) for k, v in summary.items()
                            if not k.startswith("ruvllm") and step.get(field) and v.get(field)}
                    for field in ("decode_tok_s", "cached_decode_tok_s", "ttft_ms")} if step else {}
-    print(json.dumps({"threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "reload_prompt": args.reload_prompt, "summary": summary,
+    print(json.dumps({"gguf": str(args.gguf) if args.gguf else None, "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "reload_prompt": args.reload_prompt, "summary": summary,
                       "ruvllm_decode_ratio": ratios, "ruvllm_nolookup_decode_ratio": nolookup_ratios,
                       "ruvllm_step_nolookup_ratio": step_ratios,
                       "runs": runs}, indent=1))

@@ -170,9 +170,11 @@ def staging_dir(out: Path) -> Path:
 
 
 def write_package(out: Path, graphs: dict, store, tok, source, spec, opts: ConvertOptions, gen_cfg: dict,
-                  started: float, gptq_calibration=None, carried=None, tmp: Path | None = None) -> Path:
+                  started: float, gptq_calibration=None, carried=None, tmp: Path | None = None,
+                  browser_graphs: bool = True) -> Path:
     """The graphs (their weights already in `store`'s file in `tmp`, or in memory), tokenizer and
-    manifest, checked by the runtime's own reader, renamed into place."""
+    manifest, checked by the runtime's own reader, renamed into place. browser_graphs=False: a page's
+    package whose graphs are the native engine's (the page runs its WASM step only)."""
     bar = stage("writing package", enabled=opts.progress)
     tmp = tmp or staging_dir(out)
     try:
@@ -188,7 +190,9 @@ def write_package(out: Path, graphs: dict, store, tok, source, spec, opts: Conve
         if opts.target == "wasm" and opts.method == "gguf" and opts.quant == "int4":  # the graphs' own blocks
             step = package_step(source.path, tmp, spec.max_positions, opts.progress)
             if step:
-                manifest["wasm_step"] = step
+                manifest["wasm_step"] = step if browser_graphs else {**step, "only": True}
+            elif not browser_graphs:
+                raise RuvLLMError(f"{source.id}: the WASM step cannot read this file, and its graphs are not the page's")
         for entry in manifest["graphs"].values():  # what the native backend must fuse, or refuse the graph
             entry["fusions"] = declared_fusions(tmp / entry["file"], manifest["config"])
         manifest["files"] = {f.name: file_entry(f)

@@ -41,10 +41,38 @@ HEAD_ROWS = 8192  # rows of a float LM head quantized at a time (a 128k vocabula
 
 
 def streams(source, opts: ConvertOptions, architecture: str) -> bool:
-    """Whether this export reads its source tensor by tensor (the rest load the model whole)."""
+    """Whether this export reads its source tensor by tensor (the rest load the model whole). A page's
+    package streams where the page runs it on its WASM step alone (a GGUF the step reads, int4 from the
+    file's blocks): its graphs are then the native engine's, and the page never runs them."""
+    if architecture == "phi3":  # (Phi-3's fused checkpoint is rebuilt as Mistral from the loaded model)
+        return False
+    if opts.target in BROWSER_TARGETS:
+        return opts.target == "wasm" and step_only(source, opts)
     return (source.kind in ("gguf", "folder") and opts.method in ("gguf", "rtn")
-            and opts.quant in ("fp32", "fp16", "int8", "int4") and opts.target not in BROWSER_TARGETS
-            and architecture != "phi3")  # (Phi-3's fused checkpoint is rebuilt as Mistral from the loaded model)
+            and opts.quant in ("fp32", "fp16", "int8", "int4"))
+
+
+PAGE_FP32_BYTES = 2 << 30  # past this, a page cannot hold the graphs' fp32 weights (onnxruntime-web's form)
+
+
+def step_only(source, opts: ConvertOptions) -> bool:
+    """Whether a page's package carries the WASM step alone: a GGUF whose tensors the step reads, int4
+    from its own blocks, too large for the page's onnxruntime-web graphs (their weights become fp32 at
+    load) to run anyway."""
+    if source.kind != "gguf" or opts.method != "gguf" or opts.quant != "int4":
+        return False
+    import gguf
+
+    from exporter.step_weights import step_arrays
+    from runtime.errors import PackageError
+
+    if 4 * sum(int(t.n_elements) for t in gguf.GGUFReader(source.path).tensors) <= PAGE_FP32_BYTES:
+        return False
+    try:
+        step_arrays(source.path, 16)  # the header's checks; no array is read
+    except PackageError:
+        return False
+    return True
 
 
 def skeleton(source):
@@ -202,4 +230,5 @@ def convert_streamed(source, out: Path, opts: ConvertOptions, started: float) ->
         if carried.requantized:
             print(f"warning: {len(carried.requantized)} of the GGUF's matrices (e.g. {carried.requantized[0]}) are "
                   f"quantized with RTN in blocks of {opts.block_size} (no exact {opts.quant} layout here)", file=sys.stderr)
-    return write_package(out, graphs, store, tok, source, spec, opts, gen_cfg, started, None, carried, tmp=tmp)
+    return write_package(out, graphs, store, tok, source, spec, opts, gen_cfg, started, None, carried, tmp=tmp,
+                         browser_graphs=False)

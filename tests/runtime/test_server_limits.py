@@ -129,7 +129,8 @@ with httpx.Client(timeout=60) as client:
 
 def test_a_small_request_is_not_delayed_while_large_prompts_are_refused(smol_server, tmp_path):
     """Another client sends 4 MB prompts without pause (each refused); a two-token chat request answers
-    within 100 ms of its time alone (medians)."""
+    within a second of its time alone (medians; ~50 ms apart measured, 7 s with the refusal done on the
+    event loop after tokenizing, 21 s before that: a bound loose enough for a loaded two-core machine)."""
     small = {"model": smol_server.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
              "temperature": 0}
     big = tmp_path / "big.json"
@@ -152,4 +153,4 @@ def test_a_small_request_is_not_delayed_while_large_prompts_are_refused(smol_ser
         finally:
             hammer.kill()
             hammer.wait()
-    assert busy - alone < 0.1, (alone, busy)
+    assert busy - alone < 1.0, (alone, busy)

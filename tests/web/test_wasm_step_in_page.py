@@ -242,3 +242,52 @@ def test_step_weights_stream_in_checked_and_a_model_past_wasm32_is_refused_first
     }""", "/test-models/past-wasm32/")
     assert err and "4.0 GB" in err and "wasm32" in err and "5.0 GB of weights" in err, err
     assert [u for u in p.requests if "past-wasm32" in u and not u.endswith("manifest.json")] == []
+
+
+@pytest.fixture(scope="module")
+def step_only_package(workdir, smol_gguf):
+    """A page's package from a K-quant GGUF past the size the page's onnxruntime-web graphs can hold
+    (the limit lowered so that a tiny file is): streamed, native graphs, the WASM step its page path."""
+    import exporter.streamed as streamed
+    from exporter.convert import ConvertOptions, convert
+    from tests.exporter.test_streamed_export import MIX, write_mixed_gguf
+
+    path = workdir / "step-only.gguf"
+    write_mixed_gguf(path, smol_gguf, {**{n: "Q4_K" for n in MIX}, "attn_v": "Q6_K", "ffn_down": "Q6_K"}, head=None)
+    limit, streamed.PAGE_FP32_BYTES = streamed.PAGE_FP32_BYTES, 0
+    try:
+        return convert(str(path), workdir / "step-only-pkg", ConvertOptions(quant="int4", target="wasm", progress=False))
+    finally:
+        streamed.PAGE_FP32_BYTES = limit
+
+
+def test_a_step_only_package_answers_on_the_step_and_refuses_onnxruntime_clearly(offline_page, step_only_package,
+                                                                                  web_models, web_bundle):
+    """Its greedy tokens in the page equal the same engine over the bundle's step.wasm in wasmtime, and
+    the native engine loads the same package; onnxruntime-web is refused by name, before any download."""
+    from runtime.core.engine import Engine
+    from runtime.core.sampling import SamplingParams
+    from runtime.package import load_package
+
+    manifest = json.loads((step_only_package / "manifest.json").read_text())
+    assert manifest["wasm_step"]["only"] is True and manifest["graphs"]["decoder"]["fusions"]["MatMulQ4"] > 0
+    url = publish(web_models, step_only_package, "step-only")
+    p = offline_page()
+    info = load(p, url, device="wasm", speculativeTokens=0)
+    assert info["backend"] == "wasm-step"
+    greedy = {"max_tokens": 12, "temperature": 0}
+    ids = p.evaluate(CHAT, {"messages": QUESTION, "return_token_ids": True, **greedy})["choices"][0]["token_ids"]
+    engine = Engine(load_package(step_only_package), WasmtimeBackend(step_only_package, web_bundle / "ruvllm" / "step.wasm"),
+                    speculative_tokens=0)
+    assert ids == [t for o in engine.generate(messages=QUESTION, params=SamplingParams(**greedy)) for t in o.token_ids]
+    native = Engine.from_package(step_only_package, verify=False).generate(messages=QUESTION, params=SamplingParams(**greedy))
+    assert [t for o in native for t in o.token_ids][:1] == ids[:1]  # the same file natively: its first token
+    for opts in ({"backend": "onnxruntime"}, {"kvDtype": "int8"}):
+        p = offline_page()
+        p.api()
+        err = p.evaluate("""async ([model, opts]) => {
+          try { await window.createEngine({ model, device: 'wasm', ...opts }); return null; }
+          catch (e) { return String(e.message ?? e); }
+        }""", [url, opts])
+        assert err and "WASM step only" in err, (opts, err)
+        assert not [u for u in p.requests if "step-only" in u and u.endswith((".onnx", ".data", ".bin"))]

@@ -212,6 +212,10 @@ async function open(options) {
   const backend = options.backend === 'auto' ? await chooseBackend(options) : options.backend;
   if (backend === 'wasm-step') return { backend, ...await openWasmStep(options) };
   if (backend !== 'onnxruntime') throw new Error(`backend ${JSON.stringify(backend)}: choose "auto", "onnxruntime" or "wasm-step"`);
+  if ((await readManifest(options.model)).wasm_step?.only) { // a large GGUF's page package: native graphs and the step
+    throw new Error('this model package runs in the page on its WASM step only (its graphs are the native engine\'s, '
+      + 'with RuvLLM\'s CPU kernels): use backend "wasm-step" (or "auto") with device "wasm" and kvDtype "fp32"');
+  }
   return { backend, ...await openOnnxruntime(options) };
 }
 
