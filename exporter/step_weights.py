@@ -38,6 +38,7 @@ PROJECTIONS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", 
 PARTS = ("w", "hb", "d", "m", "sc", "mb")  # a matrix's arrays, in step.c's QMat field order
 ARCHS = {"llama": False, "qwen2": True}  # the step's architectures: RoPE on halves (NeoX) or adjacent pairs
 ALIGN = 64
+FORMAT = 2  # step.bin's layout (1: Q4_1 only, fp32 scales); web/src/wasm_step.js reads this one
 
 
 def _four(a: np.ndarray) -> np.ndarray:
@@ -185,4 +186,4 @@ def package_step(gguf_path: str | Path, out: str | Path, max_pos: int, progress:
         if progress:
             print(f"note: no WASM step in this package ({err})", file=sys.stderr)
         return None
-    return {"weights": "step.bin", "index": "step.json", "max_positions": max_pos}
+    return {"weights": "step.bin", "index": "step.json", "max_positions": max_pos, "format": FORMAT}

@@ -115,8 +115,15 @@ def export_model(source: str, quant: str) -> Path:
         cache_key, source = f"{model_id(str(path))}-{key}", str(path)
     else:
         cache_key = source
+    from exporter.step_weights import FORMAT
+
     dest = cached_package_dir(cache_key, quant, "wasm")
-    if not (dest / "manifest.json").exists():
+    manifest = dest / "manifest.json"
+    step = manifest.exists() and json.loads(manifest.read_text()).get("wasm_step")
+    if step and step.get("format") != FORMAT:  # exported by an older exporter: its step.bin is another layout
+        log(f"{dest}: its WASM step weights are an older layout; exporting again")
+        shutil.rmtree(dest)
+    if not manifest.exists():
         log(f"exporting {source} ({quant}) for the browser, once, into {dest}")
         export_into_cache(source, quant, dest, target="wasm")
     return dest

@@ -170,10 +170,22 @@ def test_adapters_run_on_the_step_as_natively(offline_page, web_models, smol_int
     assert stats["info"]["backend"] == "wasm-step" and stats["backend"]["steps"] > 0
 
 
-def test_wasm_step_refusals_are_clear(offline_page, tiny_package, web_models):
-    """A package without step weights, an int8 KV cache and WebGPU are refused by name, at load."""
+def test_wasm_step_refusals_are_clear(offline_page, tiny_package, web_models, web_bundle):
+    """A package without step weights, one whose step weights are an older layout, an int8 KV cache and
+    WebGPU are refused by name, at load; under 'auto' the older layout runs on onnxruntime-web."""
     url = publish(web_models, tiny_package("llama", "fp32"), "tiny-llama-fp32")
+    old = web_models / "smol-old-step"
+    old.mkdir(exist_ok=True)
+    for f in (web_bundle / "models" / "smollm2-135m").iterdir():
+        if f.name != "manifest.json" and not (old / f.name).exists():
+            (old / f.name).symlink_to(f)
+    manifest = json.loads((web_bundle / "models" / "smollm2-135m" / "manifest.json").read_text())
+    del manifest["wasm_step"]["format"]  # as an export before the step read every type
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    p = offline_page()
+    assert load(p, "/test-models/smol-old-step/", device="wasm")["backend"] == "onnxruntime"
     for model, opts, want in ((url, {}, "has no WASM step weights"),
+                              ("/test-models/smol-old-step/", {}, "an older layout (format 1; this page reads 2)"),
                               (SMOL, {"kvDtype": "int8"}, 'use kvDtype "fp32"'),
                               (SMOL, {"device": "webgpu"}, 'use device "wasm"')):
         p = offline_page()

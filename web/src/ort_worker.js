@@ -6,7 +6,7 @@
 import { loadPackage, pageGraph, readManifest, sha256Hex, streamFile } from './model_store.js';
 import { promptKVName, readPromptKV, fits, writePromptKV } from './prompt_kv.js';
 import { StepRunner, inputSpec, makeTensor } from './step_runner.js';
-import { WasmStepRunner } from './wasm_step.js';
+import { STEP_FORMAT, WasmStepRunner } from './wasm_step.js';
 
 let runner = null;
 let opened = null; // { ort, manifest, model, device }: what opening the LoRA graph needs
@@ -57,7 +57,9 @@ const isGraphFile = (name) => name.endsWith('.onnx') || name.endsWith('.data');
 // wasm32's memory (4 GB less a page), and what the step needs beside its weights: scratch, a KV pool
 const WASM32_BYTES = 65535 * 65536;
 const STEP_ROOM = 256 << 20;
-// the WASM step's weights and their index (manifest.wasm_step: exporter/step_weights.py)
+// the WASM step's weights and their index (manifest.wasm_step: exporter/step_weights.py), in the layout
+// this step reads (an older export's are another: the page then runs onnxruntime-web)
+const hasStep = (manifest) => manifest.wasm_step?.format === STEP_FORMAT;
 const stepFiles = (manifest) => (manifest.wasm_step ? [manifest.wasm_step.weights, manifest.wasm_step.index] : []);
 // files Python never reads: onnxruntime-web's or the WASM step's
 const modelFiles = (manifest) => [...Object.keys(manifest.files).filter(isGraphFile), ...stepFiles(manifest)];
@@ -168,6 +170,7 @@ async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
   const progress = (p) => post({ type: 'progress', progress: p });
   const { manifest, files, stats } = await loadPackage(model, progress, { skip });
   if (!manifest.wasm_step) throw new Error('backend "wasm-step": this model package has no WASM step weights (step.bin); re-export it from a GGUF with --target wasm');
+  if (!hasStep(manifest)) throw new Error(`backend "wasm-step": this model package's step weights are an older layout (format ${manifest.wasm_step.format ?? 1}; this page reads ${STEP_FORMAT}); re-export it with --target wasm`);
   const big = modelFiles(manifest);
   const small = Object.fromEntries(Object.entries(files).filter(([n]) => !big.includes(n)));
   post({ type: 'files', manifest, files: small, graphFiles: big, cache: stats, device: 'wasm', backend: 'wasm-step', fetchSeconds: (performance.now() - t0) / 1000 },
@@ -204,7 +207,7 @@ async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
 // run on the CPU with an fp32 KV cache (no GPU adapter, or device 'wasm'); else onnxruntime-web
 async function chooseBackend({ model, device, kvDtype }) {
   const manifest = await readManifest(model);
-  if (!manifest.wasm_step || kvDtype !== 'fp32' || device === 'webgpu') return 'onnxruntime';
+  if (!hasStep(manifest) || kvDtype !== 'fp32' || device === 'webgpu') return 'onnxruntime';
   return (await chooseDevice(device, kvDtype)) === 'wasm' ? 'wasm-step' : 'onnxruntime';
 }
 

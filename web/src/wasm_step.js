@@ -14,6 +14,7 @@ const TARGETS = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj',
 const TOKENS_PER_STEP = 512; // step_init's scratch: the page's steps are at most maxBatchTokens (256 by default)
 const HELPER_STACK = 1 << 18; // bytes of stack each helper instance gets (step.c's frames are small)
 const PAGE = 65536;
+export const STEP_FORMAT = 2; // the step.bin layout this module reads (exporter/step_weights.py's FORMAT)
 const QMAT_PARTS = ['w', 'hb', 'd', 'm', 'sc', 'mb']; // exporter/step_weights.py's PARTS: blocks.h's QMat fields
 const MATRICES = ['q', 'k', 'v', 'o', 'gate', 'up', 'down']; // a Layer's QMats, in step.c's order
 
