@@ -93,63 +93,65 @@ typedef struct {
   const float *s, *sum, *sum16;
 } Rounded;
 
-// Rows [lo, hi) (multiples of 4) of W times TT tokens' rounded activations x[0 .. TT-1], into y[t] + n.
+#define TILE_TOKENS 16  // a prompt's tokens computed against each block of four rows once it is unpacked
+
+// Rows [lo, hi) (multiples of 4) of W times TT (<= TILE_TOKENS) tokens' rounded activations x[0 .. TT-1],
+// into y[t] + n. Each block of four rows is unpacked, and its scales widened, once for all TT tokens.
 // Each token's sums are computed by the same operations in the same order whatever TT is: a token's
 // numbers do not depend on the tokens beside it.
-static inline __attribute__((always_inline)) void qmat_rows(const int kind, const int relaxed, const int TT, const QMat* W,
-                                                             int lo, int hi, int K, const Rounded* x, float* const* y) {
-  const int blocks = K / 32, split = kind == Q6_K, z = zero_of(kind);
+static inline __attribute__((always_inline)) void qmat_rows(const int kind, const int relaxed, const QMat* W, int lo,
+                                                             int hi, int K, const Rounded* x, float* const* y, int TT) {
+  const int blocks = K / 32, z = zero_of(kind);
+  v128_t acc[TILE_TOKENS];
   for (int n = lo; n < hi; n += 4) {
     const size_t quad = (size_t)n / 4;
-    v128_t acc[2] = {wasm_f32x4_splat(0.f), wasm_f32x4_splat(0.f)};
+    for (int t = 0; t < TT; t++) acc[t] = wasm_f32x4_splat(0.f);
     v128_t D = wasm_f32x4_splat(0.f), M = D;
     for (int b = 0; b < blocks; b++) {
       if (is_kquant(kind) && b % 8 == 0) {  // a new super-block: its d (and dmin) for the four rows
         D = half4(W->d + (quad * (K / 256) + b / 8) * 4);
         if (kind != Q6_K) M = half4(W->m + (quad * (K / 256) + b / 8) * 4);
       }
-      v128_t s0[2][4], s1[2][4];  // [token][row]: sums of weights 0-15 and 16-31
+      v128_t w0[4], w1[4];  // each row's weights 0-15 and 16-31
       for (int r = 0; r < 4; r++) {
         if (kind == Q8_0) {
           const int8_t* w = (const int8_t*)W->w + (size_t)(n + r) * K + 32 * b;
-          const v128_t w0 = wasm_v128_load(w), w1 = wasm_v128_load(w + 16);
-          for (int t = 0; t < TT; t++) {
-            s0[t][r] = dot_s(wasm_v128_load(x[t].q + 32 * b), w0);
-            s1[t][r] = dot_s(wasm_v128_load(x[t].q + 32 * b + 16), w1);
-          }
+          w0[r] = wasm_v128_load(w), w1[r] = wasm_v128_load(w + 16);
         } else {
-          v128_t wl, wh;
-          unpack(kind, W, n + r, K, b, &wl, &wh);
-          for (int t = 0; t < TT; t++) {
-            s0[t][r] = dot_u(wasm_v128_load(x[t].q + 32 * b), wl, relaxed);
-            s1[t][r] = dot_u(wasm_v128_load(x[t].q + 32 * b + 16), wh, relaxed);
-          }
+          unpack(kind, W, n + r, K, b, &w0[r], &w1[r]);
         }
       }
       const size_t at = (quad * blocks + b) * 4;
+      v128_t scale, mins = wasm_f32x4_splat(0.f), d1 = mins;  // the four rows' (Q6_K: each half's scale)
+      if (kind == Q6_K) {
+        scale = wasm_f32x4_mul(D, bytes4_s(W->sc + 2 * at)), d1 = wasm_f32x4_mul(D, bytes4_s(W->sc + 2 * at + 4));
+      } else if (kind == Q4_K || kind == Q5_K) {
+        scale = wasm_f32x4_mul(D, bytes4_u(W->sc + at));
+        mins = wasm_f32x4_neg(wasm_f32x4_mul(M, bytes4_u(W->mb + at)));
+      } else {
+        scale = half4(W->d + at);
+        if (kind == Q4_1 || kind == Q5_1) mins = half4(W->m + at);
+      }
       for (int t = 0; t < TT; t++) {
+        const v128_t x0 = wasm_v128_load(x[t].q + 32 * b), x1 = wasm_v128_load(x[t].q + 32 * b + 16);
+        v128_t s0[4], s1[4];
+        for (int r = 0; r < 4; r++) {
+          s0[r] = kind == Q8_0 ? dot_s(x0, w0[r]) : dot_u(x0, w0[r], relaxed);
+          s1[r] = kind == Q8_0 ? dot_s(x1, w1[r]) : dot_u(x1, w1[r], relaxed);
+        }
         const v128_t xs = wasm_f32x4_splat(x[t].s[b]);
-        if (split) {  // Q6_K: a scale per 16, zero point 32
-          const v128_t i0 = wasm_f32x4_convert_i32x4(sum4(s0[t][0], s0[t][1], s0[t][2], s0[t][3]));
-          const v128_t i1 = wasm_f32x4_convert_i32x4(sum4(s1[t][0], s1[t][1], s1[t][2], s1[t][3]));
-          const v128_t d0 = wasm_f32x4_mul(D, bytes4_s(W->sc + 2 * at)), d1 = wasm_f32x4_mul(D, bytes4_s(W->sc + 2 * at + 4));
+        if (kind == Q6_K) {  // a scale per 16, zero point 32
+          const v128_t i0 = wasm_f32x4_convert_i32x4(sum4(s0[0], s0[1], s0[2], s0[3]));
+          const v128_t i1 = wasm_f32x4_convert_i32x4(sum4(s1[0], s1[1], s1[2], s1[3]));
           const v128_t c0 = wasm_f32x4_sub(i0, wasm_f32x4_splat(32.f * x[t].sum16[2 * b]));
           const v128_t c1 = wasm_f32x4_sub(i1, wasm_f32x4_splat(32.f * x[t].sum16[2 * b + 1]));
-          acc[t] = wasm_f32x4_add(acc[t], wasm_f32x4_mul(wasm_f32x4_mul(c0, xs), d0));
+          acc[t] = wasm_f32x4_add(acc[t], wasm_f32x4_mul(wasm_f32x4_mul(c0, xs), scale));
           acc[t] = wasm_f32x4_add(acc[t], wasm_f32x4_mul(wasm_f32x4_mul(c1, xs), d1));
           continue;
         }
-        v128_t i = wasm_f32x4_convert_i32x4(sum4(wasm_i32x4_add(s0[t][0], s1[t][0]), wasm_i32x4_add(s0[t][1], s1[t][1]),
-                                                 wasm_i32x4_add(s0[t][2], s1[t][2]), wasm_i32x4_add(s0[t][3], s1[t][3])));
+        v128_t i = wasm_f32x4_convert_i32x4(sum4(wasm_i32x4_add(s0[0], s1[0]), wasm_i32x4_add(s0[1], s1[1]),
+                                                 wasm_i32x4_add(s0[2], s1[2]), wasm_i32x4_add(s0[3], s1[3])));
         if (z) i = wasm_f32x4_sub(i, wasm_f32x4_splat((float)z * x[t].sum[b]));  // exact: integers below 2^24
-        v128_t scale, mins = wasm_f32x4_splat(0.f);
-        if (kind == Q4_K || kind == Q5_K) {
-          scale = wasm_f32x4_mul(D, bytes4_u(W->sc + at));
-          mins = wasm_f32x4_neg(wasm_f32x4_mul(M, bytes4_u(W->mb + at)));
-        } else {
-          scale = half4(W->d + at);
-          if (kind == Q4_1 || kind == Q5_1) mins = half4(W->m + at);
-        }
         acc[t] = wasm_f32x4_add(acc[t], wasm_f32x4_mul(wasm_f32x4_mul(i, xs), scale));
         if (!z && kind != Q8_0) acc[t] = wasm_f32x4_add(acc[t], wasm_f32x4_mul(mins, wasm_f32x4_splat(x[t].s[b] * x[t].sum[b])));
       }
@@ -158,10 +160,10 @@ static inline __attribute__((always_inline)) void qmat_rows(const int kind, cons
   }
 }
 
-#define QMAT_KIND(kind, relaxed)                                                                         \
+#define QMAT_KIND(kind, relaxed)                                                                                     \
   static void rows_##kind##_##relaxed(const QMat* W, int lo, int hi, int K, const Rounded* x, float* const* y, int TT) { \
-    if (TT == 2) qmat_rows(kind, relaxed, 2, W, lo, hi, K, x, y);                                        \
-    else qmat_rows(kind, relaxed, 1, W, lo, hi, K, x, y);                                                \
+    if (TT == 1) qmat_rows(kind, relaxed, W, lo, hi, K, x, y, 1); /* a decode: its sums in registers */           \
+    else qmat_rows(kind, relaxed, W, lo, hi, K, x, y, TT);                                                           \
   }
 #define QMAT_KINDS(relaxed) \
   QMAT_KIND(Q4_K, relaxed) QMAT_KIND(Q6_K, relaxed) QMAT_KIND(Q5_K, relaxed) QMAT_KIND(Q5_0, relaxed) \
@@ -197,15 +199,14 @@ static rows_fn rows_of(int kind) {
 }
 
 // y [T, ldy] columns [lo, hi) = T rows of rounded activations (x: q [T, K], s and sum [T, K/32], sum16
-// [T, K/16]) times W's rows [lo, hi): two tokens at a time (each block of four rows unpacked once for both)
+// [T, K/16]) times W's rows [lo, hi), TILE_TOKENS tokens at a time
 static void qmat_gemm(const QMat* W, int lo, int hi, int K, int T, const int8_t* xq, const float* xs, const float* xsum,
                       const float* xsum16, float* y, int ldy) {
   const rows_fn f = rows_of(W->kind);
-  int t = 0;
-  for (; t < T; t += 2) {
-    const int TT = T - t >= 2 ? 2 : 1;
-    Rounded x[2];
-    float* out[2];
+  for (int t = 0; t < T; t += TILE_TOKENS) {
+    const int TT = T - t < TILE_TOKENS ? T - t : TILE_TOKENS;
+    Rounded x[TILE_TOKENS];
+    float* out[TILE_TOKENS];
     for (int i = 0; i < TT; i++) {
       const size_t u = (size_t)(t + i);
       x[i] = (Rounded){xq + u * K, xs + u * (K / 32), xsum + u * (K / 32), xsum16 + u * (K / 16)};
