@@ -64,26 +64,33 @@ def log_softmax(a: np.ndarray) -> np.ndarray:
     return a - np.logaddexp.reduce(a, axis=1, keepdims=True)
 
 
+def prompt_kl(package, wasm, weights) -> tuple[np.ndarray, np.ndarray]:
+    """PROMPT prefilled in one step, teacher-forced, every position's logits: the native engine's on
+    `package` against the WASM step's (`wasm` over the step weights in `weights`): KL per position, and
+    whether the best token is the same."""
+    from runtime.core.engine import Engine
+    from wasm.step_module import WasmStep
+
+    engine = Engine.from_package(package, verify=False)
+    ids = engine.encode_prompt(PROMPT)
+    bs, table = 16, list(range(8))
+    slots = [table[p // bs] * bs + p % bs for p in range(len(ids))]
+    batch = build_step([Chunk(ids, 0, table, slots, True, logits_rows=len(ids), top_k=5)], bs, want_full_logits=True)
+    want = log_softmax(np.asarray(engine.backend.run(batch).logits))
+    got = log_softmax(WasmStep(wasm, weights, 16, bs).run(batch))
+    return (np.exp(want) * (want - got)).sum(axis=1), want.argmax(1) == got.argmax(1)
+
+
 @pytest.mark.slow
 def test_the_wasm_step_computes_the_native_engines_logits(step_files, smol_int4):
     """A prompt prefilled in one step, teacher-forced: position 0 equal to the native engine's on the
     default package (the same Q4_1 / Q8_0 blocks, activations rounded per block of 32 on both sides);
     later positions within the int8-activation floor (attention's summation order differs, and the next
     layer's rounding amplifies it: mean KL ~0.003 measured)."""
-    from runtime.core.engine import Engine
-    from wasm.step_module import WasmStep
-
-    engine = Engine.from_package(smol_int4, verify=False)
-    ids = engine.encode_prompt(PROMPT)
-    bs, table = 16, list(range(8))
-    slots = [table[p // bs] * bs + p % bs for p in range(len(ids))]
-    batch = build_step([Chunk(ids, 0, table, slots, True, logits_rows=len(ids), top_k=5)], bs, want_full_logits=True)
-    want = log_softmax(np.asarray(engine.backend.run(batch).logits))
-    got = log_softmax(WasmStep(step_files / "step.wasm", step_files, 16, bs).run(batch))
-    kl = (np.exp(want) * (want - got)).sum(axis=1)
+    kl, same_top = prompt_kl(smol_int4, step_files / "step.wasm", step_files)
     assert kl[0] < 1e-6, kl[0]
     assert kl.mean() < 0.01 and kl.max() < 0.05, (kl.mean(), kl.max())
-    assert (want.argmax(1) == got.argmax(1)).mean() >= 0.85
+    assert same_top.mean() >= 0.85
 
 
 @pytest.mark.parametrize("module", ["step.wasm", "step-simd128.wasm"])

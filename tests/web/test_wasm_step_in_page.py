@@ -16,6 +16,11 @@ pytestmark = pytest.mark.slow
 
 SMOL = "/models/smollm2-135m/"
 QUESTION = [{"role": "user", "content": "Name the capital of France, then describe the city."}]
+# createEngine's error message for [model, options], or null when it loads
+LOAD_ERROR = """async ([model, opts]) => {
+  try { await window.createEngine({ model, ...opts }); return null; }
+  catch (e) { return String(e.message ?? e); }
+}"""
 
 
 def load(p, url: str, **opts) -> dict:
@@ -190,10 +195,7 @@ def test_wasm_step_refusals_are_clear(offline_page, tiny_package, web_models, we
                               (SMOL, {"device": "webgpu"}, 'use device "wasm"')):
         p = offline_page()
         p.api()
-        err = p.evaluate("""async ([model, opts]) => {
-          try { await window.createEngine({ model, backend: 'wasm-step', ...opts }); return null; }
-          catch (e) { return String(e.message ?? e); }
-        }""", [model, opts])
+        err = p.evaluate(LOAD_ERROR, [model, {"backend": "wasm-step", **opts}])
         assert err and want in err, err
 
 
@@ -248,10 +250,7 @@ def test_step_weights_stream_in_checked_and_a_model_past_wasm32_is_refused_first
     (big / "manifest.json").write_text(json.dumps(huge))
     p = offline_page()
     p.api()
-    err = p.evaluate("""async (model) => {
-      try { await window.createEngine({ model, device: 'wasm' }); return null; }
-      catch (e) { return String(e.message ?? e); }
-    }""", "/test-models/past-wasm32/")
+    err = p.evaluate(LOAD_ERROR, ["/test-models/past-wasm32/", {"device": "wasm"}])
     assert err and "4.0 GB" in err and "wasm32" in err and "5.0 GB of weights" in err, err
     assert [u for u in p.requests if "past-wasm32" in u and not u.endswith("manifest.json")] == []
 
@@ -297,9 +296,6 @@ def test_a_step_only_package_answers_on_the_step_and_refuses_onnxruntime_clearly
     for opts in ({"backend": "onnxruntime"}, {"kvDtype": "int8"}):
         p = offline_page()
         p.api()
-        err = p.evaluate("""async ([model, opts]) => {
-          try { await window.createEngine({ model, device: 'wasm', ...opts }); return null; }
-          catch (e) { return String(e.message ?? e); }
-        }""", [url, opts])
+        err = p.evaluate(LOAD_ERROR, [url, {"device": "wasm", **opts}])
         assert err and "WASM step only" in err, (opts, err)
         assert not [u for u in p.requests if "step-only" in u and u.endswith((".onnx", ".data", ".bin"))]

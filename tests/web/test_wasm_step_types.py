@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 from runtime.backends.block_layouts import OWN
-from runtime.core.step_batch import Chunk, build_step
 from tests.exporter.test_gguf_import import random_blocks
 from tests.exporter.test_streamed_export import MIX, write_mixed_gguf
-from tests.web.test_wasm_step import PROMPT, log_softmax
+from tests.web.test_wasm_step import prompt_kl
 
 TYPES = list(OWN)
 
@@ -113,19 +112,10 @@ def test_a_model_of_each_type_gives_the_native_engines_logits(type_name, embeddi
     with an untied head of its own type or the embedding as the head, a llama or a Qwen2 (biases, RoPE
     on halves)."""
     from exporter.step_weights import write_step_weights
-    from runtime.core.engine import Engine
-    from wasm.step_module import WasmStep
 
     path, pkg = native_engine_for(type_name, embedding, head, arch)
     write_step_weights(path, tmp_path, max_pos=256)
-    engine = Engine.from_package(pkg, verify=False)
-    ids = engine.encode_prompt(PROMPT)
-    bs, table = 16, list(range(8))
-    slots = [table[p // bs] * bs + p % bs for p in range(len(ids))]
-    batch = build_step([Chunk(ids, 0, table, slots, True, logits_rows=len(ids), top_k=5)], bs, want_full_logits=True)
-    want = log_softmax(np.asarray(engine.backend.run(batch).logits))
-    got = log_softmax(WasmStep(step_wasm["step.wasm"], tmp_path, 16, bs).run(batch))
-    kl = (np.exp(want) * (want - got)).sum(axis=1)
+    kl, _ = prompt_kl(pkg, step_wasm["step.wasm"], tmp_path)
     assert kl.mean() < 1e-3 and kl.max() < 1e-2, (kl.mean(), kl.max())
 
 
