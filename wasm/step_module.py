@@ -222,7 +222,7 @@ class WasmStep:
         self._helpers = []
 
     def _alloc(self, size: int) -> int:
-        ptr = self._arena(self.store, size)
+        ptr = self._arena(self.store, size) & 0xFFFFFFFF  # an address past 2 GB comes back as a negative i32
         if not ptr:
             raise MemoryError(f"the WASM step's memory cannot grow by {size} bytes")
         return ptr

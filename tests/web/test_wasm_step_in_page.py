@@ -197,6 +197,13 @@ def test_wasm_step_refusals_are_clear(offline_page, tiny_package, web_models, we
         p.api()
         err = p.evaluate(LOAD_ERROR, [model, {"backend": "wasm-step", **opts}])
         assert err and want in err, err
+    p = offline_page()  # a KV cache past what wasm32 can hold: every step says so (no caller waits on the pool)
+    load(p, SMOL, device="wasm", backend="wasm-step", kvMemoryMB=4000)
+    err = p.evaluate("""async (request) => {
+      try { await window.engine.chat.completions.create(request); return null; }
+      catch (e) { return String(e.message ?? e); }
+    }""", {"messages": QUESTION, "max_tokens": 2})
+    assert err and "the KV cache could not be allocated" in err and "cannot grow" in err, err
 
 
 def test_a_browser_without_relaxed_simd_gets_the_simd128_build(offline_page, web_bundle):

@@ -11,6 +11,7 @@ import { STEP_FORMAT, WasmStepRunner } from './wasm_step.js';
 let runner = null;
 let opened = null; // { ort, manifest, model, device }: what opening the LoRA graph needs
 let opening = null; // the 'open' in flight: allocate and run wait for it
+let allocationError = null; // the KV pool's allocation failed (no caller waits on it): every step throws it
 let promptKV = null; // { name, saved: Promise<{keys, data} | null> }: the last prompt's blocks (prompt_kv.js)
 const post = (msg, transfer = []) => self.postMessage(msg, transfer);
 
@@ -294,6 +295,7 @@ self.onmessage = async ({ data }) => {
       if (!runner.loraError) runner.lora.setClassifier(data.xlora, data.layers, data.blobs);
     } else if (type === 'run') {
       await opening;
+      if (allocationError) throw allocationError;
       post({ type: 'result', id, result: await runner.run(data.step) });
     }
     else if (type === 'timings') post({ type: 'timings', id, timings: runner?.timings() ?? null });
@@ -314,6 +316,7 @@ self.onmessage = async ({ data }) => {
     }
   } catch (err) {
     if (runner && ['enableLora', 'setAdapter', 'setClassifier'].includes(type)) runner.loraError = err; // no caller waits: the next step throws it
+    if (type === 'allocate') allocationError = new Error(`the KV cache could not be allocated: ${err?.message ?? err}`);
     post({ type: 'failed', id, message: String(err?.message ?? err) });
   }
 };

@@ -265,7 +265,7 @@ export class WasmStepRunner {
   f32(p, n) { return new Float32Array(this.k.memory.buffer, p, n); }
 
   alloc(bytes) {
-    const p = this.k.arena(bytes);
+    const p = this.k.arena(bytes) >>> 0; // an address past 2 GB comes back from wasm32 as a negative i32
     if (!p) throw new Error(`the WASM step's memory cannot grow by ${bytes} bytes`);
     return p;
   }
