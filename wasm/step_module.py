@@ -222,7 +222,9 @@ class WasmStep:
         self._helpers = []
 
     def _alloc(self, size: int) -> int:
-        ptr = self._arena(self.store, size) & 0xFFFFFFFF  # an address past 2 GB comes back as a negative i32
+        ptr = 0
+        if 0 <= size < 1 << 32:  # wasm32 i32s: a size or an address past 2 GB crosses as a negative number
+            ptr = self._arena(self.store, size - (1 << 32) if size >= 1 << 31 else size) & 0xFFFFFFFF
         if not ptr:
             raise MemoryError(f"the WASM step's memory cannot grow by {size} bytes")
         return ptr

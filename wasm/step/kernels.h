@@ -14,13 +14,15 @@
 extern unsigned char __heap_base;
 static uintptr_t top = 0;
 
+// 0 when the memory cannot grow that far (wasm32 addresses end at 4 GB: sums are 64-bit, not wrapped)
 EXPORT void* arena(uint32_t bytes) {
   if (!top) top = (uintptr_t)&__heap_base;
-  const uintptr_t at = (top + 63) & ~(uintptr_t)63, end = at + bytes;
-  const uintptr_t have = __builtin_wasm_memory_size(0) * 65536;
-  if (end > have && __builtin_wasm_memory_grow(0, (end - have + 65535) / 65536) == (size_t)-1) return 0;
-  top = end;
-  return (void*)at;
+  const uint64_t at = (top + 63) & ~(uintptr_t)63, end = at + bytes;
+  const uint64_t have = (uint64_t)__builtin_wasm_memory_size(0) * 65536;
+  if (end > 0xFFFFFFFFull) return 0;
+  if (end > have && __builtin_wasm_memory_grow(0, (size_t)((end - have + 65535) / 65536)) == (size_t)-1) return 0;
+  top = (uintptr_t)end;
+  return (void*)(uintptr_t)at;
 }
 
 EXPORT void arena_reset(void) { top = (uintptr_t)&__heap_base; }

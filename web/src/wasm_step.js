@@ -265,6 +265,7 @@ export class WasmStepRunner {
   f32(p, n) { return new Float32Array(this.k.memory.buffer, p, n); }
 
   alloc(bytes) {
+    if (!(bytes >= 0 && bytes <= 0xFFFFFFFF)) throw new Error(`the WASM step's memory cannot grow by ${bytes} bytes (wasm32 holds 4 GB)`);
     const p = this.k.arena(bytes) >>> 0; // an address past 2 GB comes back from wasm32 as a negative i32
     if (!p) throw new Error(`the WASM step's memory cannot grow by ${bytes} bytes`);
     return p;
