@@ -84,24 +84,15 @@ OrtStatus* create_gather(const CustomOp*, const void*, const OrtKernelInfo* info
   OrtStatus* st = attr(info, "N", &k->N);
   if (!st) st = attr(info, "K", &k->K);
   if (!st) st = attr(info, "kquant", &k->kind);
-  int is_const = 0;
-  const OrtValue* table = nullptr;
-  if (!st) st = api<OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**)>(
-      kKernelInfoGetConstantInput_tensor)(info, 0, &is_const, &table);
-  if (!st && !is_const) st = fail("ruvllm.GatherQ: the table must be an initializer");
-  std::vector<int64_t> dims;
-  if (!st) st = tensor_shape(table, dims);
+  const uint8_t* data = nullptr;
   if (!st) {
-    int64_t count = 1;
-    for (int64_t d : dims) count *= d;
     const size_t want = k->kind == 8 ? (size_t)(k->N * k->K + k->N * k->K / 16)
                                      : k->kind == 1 || k->kind == 2 ? own_bytes((int)k->kind + 1, k->N, k->K) : 0;
     if (!want) st = fail("ruvllm.GatherQ: tables of Q4_K (1), Q6_K (2) or Q8_0 (8) only");
-    else if (k->K % (k->kind == 8 ? 32 : 256) || k->N % kTile || (size_t)count != want)
-      st = fail("ruvllm.GatherQ: the table is not the layout's size for N and K");
+    else if (k->K % (k->kind == 8 ? 32 : 256) || k->N % kTile)
+      st = fail("ruvllm.GatherQ: needs K a multiple of " + std::to_string(k->kind == 8 ? 32 : 256) + " and N of 16");
+    else st = constant_bytes(info, 0, want, "ruvllm.GatherQ: the table", &data);
   }
-  const uint8_t* data = nullptr;
-  if (!st) st = tensor_data(table, &data);
   if (st) {
     delete k;
     return st;

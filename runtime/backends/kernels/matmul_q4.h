@@ -235,6 +235,27 @@ constexpr OwnBits traits() {
   else return OwnBits{"", 0, 32, 0, 32, Mode == 1 ? Scales::kHalfMin : Scales::kHalf};
 }
 
+// The scales a later block reads, into the cache: block b + 4 of the same tile (kAhead), or block b of the
+// tile `next` tiles on (kNext); tb indexes blocks tile by tile. A super-block's d line serves several
+// blocks: left to the hardware.
+template <Prefetch F, int Mode>
+inline void prefetch_scales(const PackedWeights& wts, int tile, int next, int b, size_t last_block) {
+  constexpr OwnBits L = traits<Mode>();
+  const size_t tb = std::min(last_block, (size_t)(tile + (F == Prefetch::kNext ? next : 0)) * wts.nblk + b +
+                                             (F == Prefetch::kAhead ? 4 : 0));
+  if constexpr (Mode >= 2) {
+    if constexpr (L.scales == Scales::kKQuant) prefetch(wts.ksc + tb * 2 * kTile);
+    else if constexpr (L.scales == Scales::kSix) prefetch(wts.ksc + tb * kTile);
+    else if constexpr (L.scales == Scales::kHalf) prefetch(wts.kd + tb * kTile);
+    else prefetch(wts.kd + tb * 2 * kTile);
+  } else if constexpr (Mode == 1) {
+    prefetch(wts.scale_min.data() + tb * 2 * kTile);
+  } else {
+    prefetch(wts.scale.data() + tb * kTile);
+    prefetch(wts.zero.data() + tb * kTile);
+  }
+}
+
 #if RUVLLM_AVX512
 // Mode: 0 zero points and fp32 scales, 1 fp16 scales and minimums, 2 and up an own-bit layout (PackedWeights::mode)
 template <int T, int R, bool SwiGLU, Prefetch F, int Mode>
@@ -263,21 +284,7 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
     const uint8_t* wp = wts.wdata + ((size_t)t0 * nblk + b) * (block / 8) * GB;
     const int8_t* ap = acts.q.data() + m0 * K + (size_t)b * block;
     if constexpr (F != Prefetch::kNone)
-      for (int i = 0; i < T; i++) {
-        const size_t tb = std::min(last_block, (size_t)(t0 + i * stride + (F == Prefetch::kNext ? next : 0)) * nblk + b +
-                                                   (F == Prefetch::kAhead ? 4 : 0));
-        if constexpr (Mode >= 2) {  // (a super-block's d line serves several blocks: left to the hardware)
-          if constexpr (L.scales == Scales::kKQuant) prefetch(wts.ksc + tb * 2 * kTile);
-          else if constexpr (L.scales == Scales::kSix) prefetch(wts.ksc + tb * kTile);
-          else if constexpr (L.scales == Scales::kHalf) prefetch(wts.kd + tb * kTile);
-          else prefetch(wts.kd + tb * 2 * kTile);
-        } else if constexpr (Mode == 1) {
-          prefetch(wts.scale_min.data() + tb * 2 * kTile);
-        } else {
-          prefetch(wts.scale.data() + tb * kTile);
-          prefetch(wts.zero.data() + tb * kTile);
-        }
-      }
+      for (int i = 0; i < T; i++) prefetch_scales<F, Mode>(wts, t0 + i * stride, next, b, last_block);
     for (int g = 0; g < block / 8; g++) {
       __m512i w[T][2];
       for (int i = 0; i < T; i++) {
@@ -385,21 +392,7 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
     for (int i = 0; i < T; i++) {
       const size_t tb = (size_t)(t0 + i * stride) * nblk + b;
       const uint8_t* wp = wts.wdata + tb * (block / 8) * GB;
-      if constexpr (F != Prefetch::kNone) {
-        const size_t ahead = std::min(last_block, (size_t)(t0 + i * stride + (F == Prefetch::kNext ? next : 0)) * nblk + b +
-                                                      (F == Prefetch::kAhead ? 4 : 0));
-        if constexpr (Mode >= 2) {
-          if constexpr (L.scales == Scales::kKQuant) prefetch(wts.ksc + ahead * 2 * kTile);
-          else if constexpr (L.scales == Scales::kSix) prefetch(wts.ksc + ahead * kTile);
-          else if constexpr (L.scales == Scales::kHalf) prefetch(wts.kd + ahead * kTile);
-          else prefetch(wts.kd + ahead * 2 * kTile);
-        } else if constexpr (Mode == 1) {
-          prefetch(wts.scale_min.data() + ahead * 2 * kTile);
-        } else {
-          prefetch(wts.scale.data() + ahead * kTile);
-          prefetch(wts.zero.data() + ahead * kTile);
-        }
-      }
+      if constexpr (F != Prefetch::kNone) prefetch_scales<F, Mode>(wts, t0 + i * stride, next, b, last_block);
       __m256i dot[R][2];
       for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
       for (int g = 0; g < block / 8; g++) {
@@ -656,19 +649,9 @@ OrtStatus* create_own_kernel(const CustomOp* op, const OrtKernelInfo* info, int6
   if (K % t.superblock || N % kTile)
     return fail(std::string("ruvllm.MatMulQ4 (") + t.name + "): needs K a multiple of " + std::to_string(t.superblock) +
                 " and N of 16");
-  int is_const = 0;
-  const OrtValue* blob = nullptr;
-  RETURN_IF(api<OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**)>(kKernelInfoGetConstantInput_tensor)(
-      info, 1, &is_const, &blob));
-  if (!is_const) return fail("ruvllm.MatMulQ4: the weights must be an initializer");
-  std::vector<int64_t> dims;
-  RETURN_IF(tensor_shape(blob, dims));
-  int64_t count = 1;
-  for (int64_t d : dims) count *= d;
-  if ((size_t)count != own_bytes(mode, N, K))
-    return fail(std::string("ruvllm.MatMulQ4 (") + t.name + "): the weights are not the layout's size for N and K");
   const uint8_t* data = nullptr;
-  RETURN_IF(tensor_data(blob, &data));
+  RETURN_IF(constant_bytes(info, 1, own_bytes(mode, N, K), std::string("ruvllm.MatMulQ4 (") + t.name + "): the weights",
+                           &data));
   Epilogue epilogue;
   RETURN_IF(epilogue_attrs(op, info, N, &epilogue, &split));
   return make_kernel<Kernel>("ruvllm.MatMulQ4", [&](Kernel& k) {

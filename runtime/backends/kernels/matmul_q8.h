@@ -201,18 +201,8 @@ OrtStatus* create_q8_own(const OrtKernelInfo* info, void** out) {
   RETURN_IF(attr(info, "K", &K));
   RETURN_IF(attr(info, "N", &N));
   if (K % 32 || N % kTile) return fail("ruvllm.MatMulQ8 (Q8_0): needs K a multiple of 32 and N of 16");
-  int is_const = 0;
-  const OrtValue* blob = nullptr;
-  RETURN_IF(api<OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**)>(kKernelInfoGetConstantInput_tensor)(
-      info, 1, &is_const, &blob));
-  if (!is_const) return fail("ruvllm.MatMulQ8: the weights must be an initializer");
-  std::vector<int64_t> dims;
-  RETURN_IF(tensor_shape(blob, dims));
-  int64_t count = 1;
-  for (int64_t d : dims) count *= d;
-  if (count != N * K + N * K / 16) return fail("ruvllm.MatMulQ8 (Q8_0): the weights are not the layout's size for N and K");
   const uint8_t* data = nullptr;
-  RETURN_IF(tensor_data(blob, &data));
+  RETURN_IF(constant_bytes(info, 1, (size_t)(N * K + N * K / 16), "ruvllm.MatMulQ8 (Q8_0): the weights", &data));
   return make_kernel<Q8Kernel>("ruvllm.MatMulQ8", [&](Q8Kernel& k) { pack_q8_own(k.w, (int)N, (int)K, data); }, out);
 }
 

@@ -92,6 +92,24 @@ OrtStatus* tensor_data(const OrtValue* v, T** out) {
   return nullptr;
 }
 
+// constant input i (an initializer), whose element count must be `want`, as bytes; `what` names it in errors
+OrtStatus* constant_bytes(const OrtKernelInfo* info, size_t i, size_t want, const std::string& what,
+                          const uint8_t** data) {
+  int is_const = 0;
+  const OrtValue* v = nullptr;
+  RETURN_IF(api<OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**)>(kKernelInfoGetConstantInput_tensor)(
+      info, i, &is_const, &v));
+  if (!is_const) return fail(what + " must be an initializer");
+  std::vector<int64_t> dims;
+  RETURN_IF(tensor_shape(v, dims));
+  int64_t count = 1;
+  for (int64_t d : dims) count *= d;
+  if ((size_t)count != want)
+    return fail(what + " must be the layout's size for N and K (" + std::to_string(want) + " bytes, not " +
+                std::to_string(count) + ")");
+  return tensor_data(v, data);
+}
+
 // output i of the given shape, allocated by onnxruntime, as floats
 OrtStatus* output_data(OrtKernelContext* ctx, size_t i, const int64_t* dims, size_t rank, float** data) {
   OrtValue* v = nullptr;
