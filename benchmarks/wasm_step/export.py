@@ -74,7 +74,7 @@ def main() -> None:
 
         build(args.out / "step.wasm")
         build(args.out / "step-threads.wasm", threads=True)
-        # --no-liftoff: Node 20's baseline compiler gets relaxed_dot wrong (wasm/step/kernels.h)
+        # --no-liftoff: Node 20's baseline compiler gets relaxed_dot wrong (wasm/step/blocks.h)
         for threads in sorted({1, args.threads}):
             subprocess.run(["node", "--experimental-wasm-relaxed-simd", "--no-liftoff", str(HERE / "step.mjs"), str(args.out),
                             str(threads)], check=True)

@@ -72,7 +72,10 @@ static inline __attribute__((always_inline)) void unpack(int kind, const QMat* W
   }
 }
 
-// integer products of 16 activations (int8) and 16 weights: i32x4 partial sums
+// integer products of 16 activations (int8) and 16 weights: i32x4 partial sums. relaxed_dot_i8x16_i7x16 is
+// exact here: the weights are 0 .. 63, the second operand's deterministic range, so its sums equal the
+// SIMD128 ones. Correct in Chromium 150 from the first call; Node 20's baseline compiler (Liftoff)
+// computes it wrongly until the function tiers up (run Node with --no-liftoff).
 static inline __attribute__((always_inline)) v128_t dot_u(v128_t x, v128_t w, int relaxed) {  // w: 0 .. 127
 #ifdef __wasm_relaxed_simd__
   if (relaxed) return wasm_i32x4_relaxed_dot_i8x16_i7x16_add(x, w, wasm_i32x4_splat(0));
