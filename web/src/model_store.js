@@ -96,22 +96,34 @@ export async function store(dir, name, bytes) {
   }
 }
 
-async function download(url, size, onBytes) {
+/** The bytes at `url` as they arrive, each piece handed to `put(bytes, at)` (awaited), which must come to
+ * the manifest's `size`. */
+async function fetchInto(url, size, put) {
   const res = await fetch(url, { cache: 'no-store' });
   if (!res.ok) throw new Error(`${url}: HTTP ${res.status}`);
-  if (!res.body) return new Uint8Array(await res.arrayBuffer());
-  const buf = new Uint8Array(size);
-  const reader = res.body.getReader();
   let at = 0;
-  for (;;) {
-    const { done, value } = await reader.read();
-    if (done) break;
+  const take = async (value) => {
     if (at + value.length > size) throw new Error(`${url}: larger than the manifest's ${size} bytes`);
-    buf.set(value, at);
+    await put(value, at);
     at += value.length;
-    onBytes(value.length);
+  };
+  if (!res.body) await take(new Uint8Array(await res.arrayBuffer()));
+  else {
+    for (const reader = res.body.getReader(); ;) {
+      const { done, value } = await reader.read();
+      if (done) break;
+      await take(value);
+    }
   }
   if (at !== size) throw new Error(`${url}: got ${at} bytes, the manifest says ${size}`);
+}
+
+async function download(url, size, onBytes) {
+  const buf = new Uint8Array(size);
+  await fetchInto(url, size, (value, at) => {
+    buf.set(value, at);
+    onBytes(value.length);
+  });
   return buf;
 }
 
@@ -269,28 +281,22 @@ export async function streamFile(baseURL, name, meta, view, onBytes = () => {}) 
     }
   }
   const url = new URL(name, packageURL(baseURL)).href;
-  const res = await fetch(url, { cache: 'no-store' });
-  if (!res.ok || !res.body) throw new Error(`${url}: HTTP ${res.status}`);
   const part = `${meta.sha256}.part`;
   const out = dir ? await dir.getFileHandle(part, { create: true }).then((h) => h.createSyncAccessHandle()).catch(() => null) : null;
-  const check = checker(), reader = res.body.getReader();
-  let at = 0, chunk = 0;
+  const check = checker();
+  let chunk = 0;
   try {
     out?.truncate(0);
-    for (;;) {
-      const { done, value } = await reader.read();
-      if (done) break;
-      if (at + value.length > size) throw new Error(`${url}: larger than the manifest's ${size} bytes`);
+    await fetchInto(url, size, async (value, at) => {
       view(at, value.length).set(value);
       out?.write(value, { at });
-      at += value.length;
       onBytes(value.length, false);
-      while ((chunk + 1) * chunkBytes <= at || (at === size && chunk * chunkBytes < size)) { // whole chunks, as they complete
+      const end = at + value.length;
+      while ((chunk + 1) * chunkBytes <= end || (end === size && chunk * chunkBytes < size)) { // whole chunks, as they complete
         const start = chunk * chunkBytes;
         await check.add(chunk++, view(start, Math.min(chunkBytes, size - start)).slice()); // a copy: the memory may be shared
       }
-    }
-    if (at !== size) throw new Error(`${url}: got ${at} bytes, the manifest says ${size}`);
+    });
     const bad = await check.done();
     if (bad >= 0) throw new Error(`${url}: chunk ${bad} does not match the manifest's sha256`);
     out?.flush();

@@ -101,8 +101,8 @@ class StepAdapters {
 
   set(meta, bytes) {
     this.store.set(meta, bytes);
-    const hd = this.runner.cfg.head_dim, half = hd / 2, start = (meta.slot - 1) * meta.columns;
     if (this.runner.cfg.rope_neox) return; // a Qwen2 GGUF keeps the graph's rows: nothing to reorder
+    const hd = this.runner.cfg.head_dim, half = hd / 2, start = (meta.slot - 1) * meta.columns;
     for (const name of ['q_proj', 'k_proj']) {
       const t = this.store.targets[name];
       for (let l = 0; t && l < t.b.length; l++) {
