@@ -48,9 +48,14 @@ def _four(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(b, 1, -1))
 
 
+def step_reads(type_name: str, rows: int, cols: int) -> bool:
+    """Whether step.c computes on a [rows, cols] matrix of this GGUF type: four rows at a time, whole blocks."""
+    return type_name in OWN and rows % 4 == 0 and cols % OWN[type_name].superblock == 0
+
+
 def step_matrix(type_name: str, raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
     """One matrix of GGUF type `type_name` ([rows, cols], the file's raw blocks) in step.c's layout."""
-    if type_name not in OWN or rows % 4 or cols % OWN[type_name].superblock:
+    if not step_reads(type_name, rows, cols):
         raise PackageError(f"a {type_name} matrix [{rows}, {cols}]: the WASM step reads "
                            f"{', '.join(OWN)} with rows in fours")
     parts = own_parts(type_name, raw, rows, cols)
@@ -123,8 +128,7 @@ def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[dict, dict[str, st
             raise PackageError(f"{gguf_path}: no {gguf_name}")
         if (int(t.shape[-1]), int(t.shape[0])) != (rows, cols):
             raise PackageError(f"{gguf_path}: {gguf_name} is {[int(d) for d in t.shape][::-1]}, not [{rows}, {cols}]")
-        kind = OWN.get(t.tensor_type.name)
-        if kind is None or rows % 4 or cols % kind.superblock:
+        if not step_reads(t.tensor_type.name, rows, cols):
             raise PackageError(f"{gguf_path}: {gguf_name} is {t.tensor_type.name} [{rows}, {cols}]; the WASM step "
                                f"reads {', '.join(OWN)} with rows in fours")
     matrices: dict[str, str] = {}

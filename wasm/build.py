@@ -104,6 +104,7 @@ def export_model(source: str, quant: str) -> Path:
     """The source's package for the page, exported once into the cache: an alias or hub id by name, a
     local folder or GGUF by its resolved path, size and time (so an absolute and a relative path share a
     package, and a changed file gets a new one)."""
+    from exporter.step_weights import FORMAT
     from runtime.aliases import cached_package_dir
     from runtime.serve.cli import export_into_cache
 
@@ -115,8 +116,6 @@ def export_model(source: str, quant: str) -> Path:
         cache_key, source = f"{model_id(str(path))}-{key}", str(path)
     else:
         cache_key = source
-    from exporter.step_weights import FORMAT
-
     dest = cached_package_dir(cache_key, quant, "wasm")
     manifest = dest / "manifest.json"
     step = manifest.exists() and json.loads(manifest.read_text()).get("wasm_step")

@@ -125,6 +125,7 @@ class WasmStep:
         self._sample = exports["step_sample"]
         self._scratch_at: dict[str, tuple[int, int]] = {}  # name -> (pointer, bytes): grown, never freed
         at = {a["name"]: self._put(blob[a["offset"]:a["offset"] + a["bytes"]]) for a in index["arrays"]}
+        self._types, self._bytes = index["matrices"], {a["name"]: a["bytes"] for a in index["arrays"]}
         self.model = self._model(index, at)
         rows = cfg["layers"] * cfg["kv_heads"] * num_blocks * block_size * cfg["head_dim"] * 4
         self.pool = self._put(struct.pack("<2i2I", num_blocks, block_size, self._alloc(rows), self._alloc(rows)))
@@ -191,13 +192,10 @@ class WasmStep:
     def project(self, name: str, x: np.ndarray) -> np.ndarray:
         """Matrix `name` ("embd", "head", "0.q", ...) times the rows of x [T, K] as step_run computes a
         projection (x rounded per block of 32): [T, N]."""
-        n = self.cfg["vocab"] if name in ("embd", "head") else None
         x = np.ascontiguousarray(x, np.float32)
         t, k = x.shape
-        if n is None:
-            n = {"q": self.cfg["heads"] * self.cfg["head_dim"], "o": self.cfg["dim"], "down": self.cfg["dim"],
-                 "gate": self.cfg["hidden"], "up": self.cfg["hidden"]}.get(name.split(".")[1],
-                                                                          self.cfg["kv_heads"] * self.cfg["head_dim"])
+        stored = name if name in self._types else "embd"  # a tied head is the embedding
+        n = self._bytes[f"{stored}.w"] // (k if self._types[stored] == "Q8_0" else k // 2)  # its rows, from its weights
         xp, yp = self._scratch("project_x", x.tobytes()), self._scratch("project_y", bytes(4 * t * n))
         if self._exports["step_project"](self.store, self.matrices[name], n, k, t, xp, yp):
             raise ValueError(f"step_project: {t} rows of {k} is more than the step holds")
