@@ -97,13 +97,18 @@ def wllama_model() -> Path:
 
 
 class RendererPeak:
-    """The peak resident memory of a browser profile's renderer processes (the page and its workers: the
-    model's weights, the KV pool, Pyodide), sampled every 0.2 s while a visit runs, in MB."""
+    """The peak memory of a browser profile's renderer processes (the page and its workers: the model's
+    weights, the KV pool, Pyodide), sampled every 0.2 s while a visit runs, in MB.
+
+    `peak`: each renderer's private pages (USS) plus the shared ones once (the largest renderer's: mostly
+    Chromium's own code, mapped by every renderer). `rss_sum_peak`: the renderers' RSS summed, as measured
+    up to 2026-11-27, which counts those shared pages once a renderer (an idle spare renderer adds ~70 MB).
+    """
 
     def __init__(self, profile: str) -> None:
         import threading
 
-        self.profile, self.peak, self._stop = profile, 0.0, threading.Event()
+        self.profile, self.peak, self.rss_sum_peak, self._stop = profile, 0.0, 0.0, threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
@@ -111,17 +116,23 @@ class RendererPeak:
         import psutil
 
         while not self._stop.wait(0.2):
-            total = 0
-            for proc in psutil.process_iter(["cmdline", "memory_info"]):
+            private = shared = rss = 0
+            for proc in psutil.process_iter(["cmdline"]):
                 cmd = proc.info["cmdline"] or []
                 if "--type=renderer" in cmd and any(self.profile in arg for arg in cmd):
-                    total += proc.info["memory_info"].rss if proc.info["memory_info"] else 0
-            self.peak = max(self.peak, total / 2**20)
+                    try:
+                        mem = proc.memory_full_info()
+                    except psutil.Error:
+                        continue
+                    private, shared, rss = private + mem.uss, max(shared, mem.rss - mem.uss), rss + mem.rss
+            self.peak = max(self.peak, (private + shared) / 2**20)
+            self.rss_sum_peak = max(self.rss_sum_peak, rss / 2**20)
 
-    def stop(self) -> float:
+    def stop(self) -> tuple[float, float]:
+        """(peak, rss_sum_peak)."""
         self._stop.set()
         self._thread.join()
-        return round(self.peak, 1)
+        return round(self.peak, 1), round(self.rss_sum_peak, 1)
 
 
 def gguf_models(gguf: Path) -> tuple[str, str]:
@@ -175,16 +186,16 @@ def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens:
             memory = RendererPeak(profile)
             page.goto(url)
             page.wait_for_function("window.result || window.failure", timeout=timeout_s * 1000, polling=500)
-            peak = memory.stop()
+            peak, rss_sum = memory.stop()
             failure = page.evaluate("window.failure || null")
             if failure:
                 return {"engine": engine, "dtype": dtype, "error": failure[:500]}
             result = page.evaluate("window.result")
-            result["renderer_peak_mb"] = peak
+            result["renderer_peak_mb"], result["renderer_rss_sum_peak_mb"] = peak, rss_sum
             memory = RendererPeak(profile)
             page.reload()
             page.wait_for_function("window.result || window.failure", timeout=timeout_s * 1000, polling=500)
-            result["cached_renderer_peak_mb"] = memory.stop()
+            result["cached_renderer_peak_mb"], result["cached_renderer_rss_sum_peak_mb"] = memory.stop()
             again = page.evaluate("window.result || {}")
             result["cached_load_s"] = again.get("load_s")
             if again.get("load_s") is not None and again.get("ttft_ms") is not None:
@@ -262,6 +273,8 @@ def main() -> None:
                         "cached_decode_tok_s": med("cached_decode_tok_s"),
                         "cached_warm_decode_tok_s": med("cached_warm_decode_tok_s"),
                         "renderer_peak_mb": med("renderer_peak_mb"), "cached_renderer_peak_mb": med("cached_renderer_peak_mb"),
+                        "renderer_rss_sum_peak_mb": med("renderer_rss_sum_peak_mb"),
+                        "cached_renderer_rss_sum_peak_mb": med("cached_renderer_rss_sum_peak_mb"),
                         "runs": len(ok), "errors": [x["error"] for x in results if "error" in x][:1]}
     ratios = {}
     # first and second generation on a first visit, then the same after a reload (a returning visitor)

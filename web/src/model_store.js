@@ -97,8 +97,11 @@ export async function store(dir, name, bytes) {
 }
 
 /** The bytes at `url` as they arrive, each piece handed to `put(bytes, at)` (awaited), which must come to
- * the manifest's `size`. */
-async function fetchInto(url, size, put) {
+ * the manifest's `size`. With `pieceBytes`, the pieces are read (a BYOB reader) into one buffer of that
+ * size, reused: each piece but the last is whole and starts at a multiple of `pieceBytes`, and nothing is
+ * left behind for the garbage collector (a stream's own chunks, a few hundred MB of them on a large file,
+ * sat in the heap until a collection). `put` must be done with the piece when it returns. */
+async function fetchInto(url, size, put, pieceBytes = 0) {
   const res = await fetch(url, { cache: 'no-store' });
   if (!res.ok) throw new Error(`${url}: HTTP ${res.status}`);
   let at = 0;
@@ -107,7 +110,28 @@ async function fetchInto(url, size, put) {
     await put(value, at);
     at += value.length;
   };
-  if (!res.body) await take(new Uint8Array(await res.arrayBuffer()));
+  let byob = null;
+  try {
+    byob = pieceBytes > 0 && res.body ? res.body.getReader({ mode: 'byob' }) : null;
+  } catch {
+    byob = null; // not a byte stream here: the stream's own chunks below
+  }
+  if (byob) {
+    let buffer = new ArrayBuffer(pieceBytes);
+    for (let done = false; !done;) {
+      const want = Math.max(1, Math.min(pieceBytes, size - at)); // one byte more past the end: there must be none
+      let filled = 0;
+      while (filled < want && !done) {
+        const got = await byob.read(new Uint8Array(buffer, filled, want - filled));
+        done = got.done;
+        if (got.value) { // the same memory, under a new ArrayBuffer (the read transfers it)
+          buffer = got.value.buffer;
+          filled += got.value.length;
+        }
+      }
+      if (filled) await take(new Uint8Array(buffer, 0, filled));
+    }
+  } else if (!res.body) await take(new Uint8Array(await res.arrayBuffer()));
   else {
     for (const reader = res.body.getReader(); ;) {
       const { done, value } = await reader.read();
@@ -123,7 +147,7 @@ async function download(url, size, onBytes) {
   await fetchInto(url, size, (value, at) => {
     buf.set(value, at);
     onBytes(value.length);
-  });
+  }, Math.min(size, 1 << 22));
   return buf;
 }
 
@@ -227,7 +251,7 @@ export async function loadPackage(baseURL, onProgress = () => {}, { deferCheck =
   return { manifest, files, stats, checked };
 }
 
-const DIGESTS_IN_FLIGHT = 4; // chunks being hashed at once (each a copy WebCrypto makes)
+const DIGESTS_IN_FLIGHT = 4; // chunks being hashed at once (each a copy WebCrypto makes as it is called)
 
 /**
  * One large file (a manifest entry with `chunks`: each piece's sha256) placed straight into memory the
@@ -284,6 +308,7 @@ export async function streamFile(baseURL, name, meta, view, onBytes = () => {}) 
   const part = `${meta.sha256}.part`;
   const out = dir ? await dir.getFileHandle(part, { create: true }).then((h) => h.createSyncAccessHandle()).catch(() => null) : null;
   const check = checker();
+  let scratch = null; // without a BYOB reader: whole chunks, copied out of the view
   let chunk = 0;
   try {
     out?.truncate(0);
@@ -291,12 +316,18 @@ export async function streamFile(baseURL, name, meta, view, onBytes = () => {}) 
       view(at, value.length).set(value);
       out?.write(value, { at });
       onBytes(value.length, false);
+      if (at === chunk * chunkBytes && (value.length === chunkBytes || at + value.length === size)) {
+        await check.add(chunk++, value); // a whole chunk, read into fetchInto's own buffer (not shared memory)
+        return;
+      }
       const end = at + value.length;
       while ((chunk + 1) * chunkBytes <= end || (end === size && chunk * chunkBytes < size)) { // whole chunks, as they complete
-        const start = chunk * chunkBytes;
-        await check.add(chunk++, view(start, Math.min(chunkBytes, size - start)).slice()); // a copy: the memory may be shared
+        scratch ??= new Uint8Array(Math.min(chunkBytes, size));
+        const start = chunk * chunkBytes, piece = scratch.subarray(0, Math.min(chunkBytes, size - start));
+        piece.set(view(start, piece.length)); // WebCrypto takes no view of shared memory
+        await check.add(chunk++, piece);
       }
-    });
+    }, chunkBytes);
     const bad = await check.done();
     if (bad >= 0) throw new Error(`${url}: chunk ${bad} does not match the manifest's sha256`);
     out?.flush();
