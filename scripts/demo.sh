@@ -5,6 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bash scripts/setup.sh
-HF_HUB_OFFLINE=1 $PY -m runtime generate --chat "${1:-Name the capital of France.}" --temperature 0
+HF_HUB_OFFLINE=1 $PY -m runtime generate "${1:-Name the capital of France.}" --temperature 0
 HF_HUB_OFFLINE=1 $PY -m wasm build
 exec $PY -m wasm serve --port "${PORT:-8000}"

@@ -4,9 +4,7 @@ the demo page and a model package exported for the browser. Nothing in it points
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -93,29 +91,19 @@ def _project_version() -> str:
 
 
 def model_id(source: str) -> str:
-    """The bundle's name for a model source: an alias or hub id as it is ("/" as "--"), a local folder or
-    GGUF by its file name (without .gguf)."""
-    path = Path(source).expanduser()
-    name = path.resolve().name.removesuffix(".gguf") if path.exists() else source.replace("/", "--")
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or "model"
+    """The bundle's name for a model source (runtime.aliases.source_name)."""
+    from runtime.aliases import source_name
+
+    return source_name(source)
 
 
 def export_model(source: str, quant: str) -> Path:
-    """The source's package for the page, exported once into the cache: an alias or hub id by name, a
-    local folder or GGUF by its resolved path, size and time (so an absolute and a relative path share a
-    package, and a changed file gets a new one)."""
+    """The source's package for the page, exported once into the cache (runtime.aliases.source_cache_key)."""
     from exporter.step_weights import FORMAT
-    from runtime.aliases import cached_package_dir
+    from runtime.aliases import cached_package_dir, source_cache_key
     from runtime.serve.cli import export_into_cache
 
-    path = Path(source).expanduser()
-    if path.exists():
-        path = path.resolve()
-        stat = path.stat()
-        key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-        cache_key, source = f"{model_id(str(path))}-{key}", str(path)
-    else:
-        cache_key = source
+    cache_key, source = source_cache_key(source)
     dest = cached_package_dir(cache_key, quant, "wasm")
     manifest = dest / "manifest.json"
     step = manifest.exists() and json.loads(manifest.read_text()).get("wasm_step")

@@ -173,6 +173,11 @@ class AsyncEngine:
         """The package's PromptEncoder: the front end tokenizes and fits max_tokens before queueing."""
         return self.engine.prompts
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """What requests that leave a sampling field out get (Engine.sampling_defaults)."""
+        return self.engine.sampling_defaults
+
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting)
 

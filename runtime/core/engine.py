@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from runtime.core.adapters import AdapterInfo, AdapterRegistry
 from runtime.core.backend import Backend
 from runtime.core.config import DEFAULT_KV_MEMORY, EngineConfig, ModelConfig
+from runtime.core.generation_defaults import package_sampling, request_defaults
 from runtime.core.output_processor import OutputProcessor
 from runtime.core.sampling import SamplingParams
 from runtime.core.scheduler import Scheduler, SchedulerOutput
@@ -67,6 +68,8 @@ class Engine:
         self.processor = OutputProcessor(self.tokenizer, self.model, self.stats)
         self._ids = itertools.count()
         self.adapters = AdapterRegistry(package, backend, self.config)
+        # what a request leaves out: the model's generation settings, else chat defaults
+        self.sampling_defaults = request_defaults(package_sampling(package.path, package.manifest))
 
     @classmethod
     def from_package(cls, path, device: str = "cpu", threads: int | None = None, verify: bool = True,
@@ -79,6 +82,10 @@ class Engine:
         return cls(pkg, NativeBackend(pkg, device=device, threads=threads, kv_dtype=kv_dtype), **options)
 
     # ---- requests ----
+    def sampling_params(self, **given) -> SamplingParams:
+        """SamplingParams of the fields given (None: not given) over this model's defaults (generation_defaults)."""
+        return SamplingParams(**request_defaults(self.sampling_defaults, given))
+
     def encode_prompt(self, prompt=None, messages: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
         return self.prompts.encode(prompt, messages, tools)
 
@@ -86,7 +93,7 @@ class Engine:
                         messages: list[dict] | None = None, adapter: str | None = None) -> PreparedRequest:
         """Tokenize and validate a request, touching no engine state (AsyncEngine calls it outside its lock)."""
         info = self.adapters.named(adapter)
-        params = params or SamplingParams()
+        params = params or self.sampling_params()
         params.validate(self.vocab_size)
         ids = self.prompts.request_ids(prompt, messages)
         alloc = self.scheduler.allocator

@@ -8,6 +8,7 @@ per request, so it lives here, apart from the scheduler's KV bookkeeping.
 from __future__ import annotations
 
 from runtime.core.config import ModelConfig
+from runtime.core.dry import BreakerTable, match_penalties, penalize
 from runtime.core.sampling import choose, make_rng
 from runtime.core.sequence import RequestOutput, Sequence, TokenLogprob
 from runtime.core.stats import EngineStats
@@ -21,6 +22,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.model = model
         self.stats = stats
+        self._breakers: dict[tuple[str, ...], BreakerTable] = {}  # DRY's, by breaker set
 
     def admit(self, seq: Sequence) -> None:
         """Give a new request its sampler, detokenizer, stop checker and penalty state."""
@@ -28,6 +30,13 @@ class OutputProcessor:
         seq.decoder = IncrementalDecoder(self.tokenizer)
         seq.stopper = StopChecker(p.stop, p.include_stop_str_in_output)
         seq.rng = make_rng(p.seed)
+        if p.dry:
+            key = tuple(p.dry_sequence_breakers)
+            if key not in self._breakers:
+                if len(self._breakers) >= 16:  # each request may name its own set: keep a few
+                    self._breakers.clear()
+                self._breakers[key] = BreakerTable(self.tokenizer.decode_token, key)
+            seq.dry_breakers = self._breakers[key]
         if p.penalized:
             seq.penalties = PenaltyState()
             seq.penalties.add_prompt(seq.prompt_ids)
@@ -46,7 +55,12 @@ class OutputProcessor:
 
     def _accept(self, seq: Sequence, ids: list[int], lps: list[float]) -> RequestOutput:
         p = seq.params
-        token = choose(ids, lps, p, seq.rng)
+        if p.dry:
+            penalties = match_penalties(seq.tokens, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
+                                        p.dry_penalty_last_n, seq.dry_breakers)
+            token = choose(*penalize(ids, lps, penalties, 1.0 if p.greedy else p.temperature), p, seq.rng)
+        else:
+            token = choose(ids, lps, p, seq.rng)
         seq.tokens.append(token)
         self.stats.generated_tokens += 1
         if seq.penalties is not None:

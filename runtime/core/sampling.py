@@ -11,6 +11,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from runtime.core.dry import DEFAULT_BREAKERS
 from runtime.errors import RequestError
 
 DEFAULT_CANDIDATES = 256
@@ -30,7 +31,12 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "frequency_penalty": (-2.0, 2.0, False),
     "logprobs": (0, 20, False),
     "logit_bias": (-100.0, 100.0, False),  # each bias value
+    "dry_multiplier": (0.0, 100.0, False),  # 0: DRY off (runtime/core/dry.py)
+    "dry_base": (1.0, 10.0, True),
+    "dry_allowed_length": (1, 1000, False),
+    "dry_penalty_last_n": (-1, None, False),  # -1: the whole context; 0: off
 }
+DRY_CANDIDATES = 64  # candidates asked for when DRY may demote the likeliest (even a greedy request's)
 
 
 def range_text(name: str) -> str:
@@ -66,6 +72,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # return this many alternatives per token
     include_stop_str_in_output: bool = False
+    dry_multiplier: float = 0.0  # DRY (runtime/core/dry.py): off at 0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] = field(default_factory=lambda: list(DEFAULT_BREAKERS))
     constraint: object = None  # structured output: a runtime.core.constraints.Constraint the text must match
 
     def validate(self, vocab_size: int | None = None) -> None:
@@ -73,9 +84,17 @@ class SamplingParams:
             raise RequestError("invalid max_tokens: must be an integer", "max_tokens")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
             raise RequestError("invalid top_k: must be an integer", "top_k")
+        for name in ("dry_allowed_length", "dry_penalty_last_n"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                raise RequestError(f"invalid {name}: must be an integer", name)
         for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty"):
+                     "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length",
+                     "dry_penalty_last_n"):
             check_range(name, getattr(self, name))
+        if (not isinstance(self.dry_sequence_breakers, list)
+                or any(not isinstance(s, str) or not s for s in self.dry_sequence_breakers)):
+            raise RequestError("invalid dry_sequence_breakers: must be a list of non-empty strings",
+                               "dry_sequence_breakers")
         if self.logprobs is not None:
             check_range("logprobs", self.logprobs)
         for tid, value in self.logit_bias.items():
@@ -98,6 +117,10 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def dry(self) -> bool:
+        return self.dry_multiplier > 0.0 and self.dry_penalty_last_n != 0
+
+    @property
     def penalized(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or bool(self.logit_bias))
@@ -105,6 +128,8 @@ class SamplingParams:
     def candidates(self, vocab_size: int) -> int:
         """How many top-K candidates to ask the graph for."""
         want = 1 if self.greedy else (self.top_k_limit or DEFAULT_CANDIDATES)
+        if self.dry:  # the penalized likeliest make room: more than top-k, or than greedy's one
+            want = max(want, DRY_CANDIDATES)
         want = max(want, (self.logprobs or 0) + 1)
         return max(1, min(want, vocab_size))
 

@@ -50,6 +50,7 @@ class Sequence:
     lookup: PromptLookup | None = None  # n-gram index for drafting (speculative decoding)
     draft: list[int] = field(default_factory=list)  # tokens drafted for the step being run
     penalties: PenaltyState | None = None  # the graph's penalty inputs, kept incrementally
+    dry_breakers: object = None  # DRY's BreakerTable (runtime/core/dry.py), when the request asks for DRY
     adapter_slot: int = -1  # the LoRA graph's slot holding its adapter while it runs (0: none)
     xlora: object = None  # an X-LoRA (runtime.core.xlora.XLoraInfo): its experts mixed per token
     expert_slots: list[int] = field(default_factory=list)  # X-LoRA: the slots holding its experts

@@ -11,7 +11,15 @@ import sys
 import time
 from pathlib import Path
 
-from runtime.aliases import ALIASES, DEFAULT_ALIAS, cache_dir, cached_package_dir, is_hub_id
+from runtime.aliases import (
+    ALIASES,
+    DEFAULT_ALIAS,
+    cache_dir,
+    cached_package_dir,
+    is_hub_id,
+    is_model_source,
+    source_cache_key,
+)
 from runtime.contract import KV_DTYPES
 from runtime.core.sampling import SamplingParams, check_range, range_text
 from runtime.errors import RuvLLMError
@@ -29,12 +37,13 @@ def resolve_package(arg: str | None, quant: str = "int4", quiet: bool = False, i
 
         return quantize_source(arg, isq, export_into_cache, quiet)
     p = Path(arg).expanduser()
-    if p.exists() or arg.startswith((".", "/", "~")):
+    if (p.exists() and not is_model_source(p)) or (not p.exists() and arg.startswith((".", "/", "~"))):
         return p  # load_package says what is wrong with it
-    if arg in ALIASES or is_hub_id(arg):
-        target = cached_package_dir(arg, quant)
+    if arg in ALIASES or is_hub_id(arg) or p.exists():  # a .gguf or a Hugging Face folder: exported once
+        key, source = source_cache_key(arg)
+        target = cached_package_dir(key, quant)
         if not (target / "manifest.json").exists():
-            export_into_cache(arg, quant, target, quiet)
+            export_into_cache(source, quant, target, quiet)
         return target
     return p
 
@@ -131,16 +140,20 @@ def make_engine(args, **kwargs):
 
 
 SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty", "seed", "stop", "logprobs")
+                  "frequency_penalty", "seed", "stop", "logprobs", "dry_multiplier", "dry_base", "dry_allowed_length",
+                  "dry_penalty_last_n", "dry_sequence_breakers")
 
 
 def sampling_given(args) -> dict:
-    """The sampling flags given on the command line (the rest stay at SamplingParams' defaults)."""
+    """The sampling flags given on the command line (the rest are the model's: generation_defaults)."""
     return {name: getattr(args, name) for name in SAMPLING_FLAGS if getattr(args, name, None) is not None}
 
 
-def sampling_from(args) -> SamplingParams:
-    params = SamplingParams(**sampling_given(args))
+def sampling_from(args, engine=None) -> SamplingParams:
+    """The flags given over `engine`'s defaults (the model's generation settings, else chat defaults);
+    without an engine, over SamplingParams' own: a check of the flags before anything loads."""
+    given = sampling_given(args)
+    params = engine.sampling_params(**given) if engine is not None else SamplingParams(**given)
     params.validate()
     if getattr(args, "json_schema", None):
         params.constraint = json_schema_file(args.json_schema)
@@ -162,9 +175,16 @@ def json_schema_file(path: str):
 def cmd_generate(args) -> int:
     if args.prompt is None:  # one positional given: it is the prompt
         args.package, args.prompt = None, args.package
-    params = sampling_from(args)
+    if args.prompt is None:
+        raise RuvLLMError('generate needs a prompt: ruvllm generate "Why is the sky blue?"')
+    if args.chat and args.raw:
+        raise RuvLLMError("--chat and --raw: choose one")
+    sampling_from(args)  # the flags are checked before anything loads
     engine = make_engine(args)
-    kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    params = sampling_from(args, engine)
+    # a chat model gets a chat message, as llama-cli and Ollama send one; --raw sends the text as it is
+    chat = args.chat or (not args.raw and engine.chat_template is not None)
+    kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
     kwargs["adapter"] = add_lora(engine, args)
     started = time.perf_counter()
     first = None
@@ -210,8 +230,9 @@ def add_lora(engine, args) -> str | None:
 
 
 def cmd_chat(args) -> int:
-    params = sampling_from(args)
+    sampling_from(args)  # the flags are checked before anything loads
     engine = make_engine(args)
+    params = sampling_from(args, engine)
     adapter = add_lora(engine, args)
     system = args.system
     history: list[dict] = []
@@ -455,12 +476,15 @@ def lora_modules(args) -> dict[str, str]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ruvllm", description="Run language models on ONNX Runtime")
+    ap.add_argument("--version", action="version", version=f"ruvllm {version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    def sampling_args(p, temperature: float | None, max_tokens: int | None = 256) -> None:
-        """Every sampling parameter; None defaults leave SamplingParams' own (or, for serve, the request's)."""
+    def sampling_args(p, max_tokens: int | None = 256) -> None:
+        """Every sampling parameter; one not given is the model's (generation_defaults), or for serve the
+        request's."""
         p.add_argument("--max-tokens", type=int, default=max_tokens)
-        p.add_argument("--temperature", type=float, default=temperature)
+        p.add_argument("--temperature", type=float, default=None,
+                       help="0: greedy (default: the model's own setting, else 0.8 with top-k 40, top-p 0.95, min-p 0.05)")
         p.add_argument("--top-k", type=int, default=None, help="keep the K likeliest tokens (0 or -1: off)")
         p.add_argument("--top-p", type=float, default=None)
         p.add_argument("--min-p", type=float, default=None)
@@ -470,9 +494,17 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=None)
         p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
         p.add_argument("--logprobs", type=int, default=None, help="alternatives per token to report (0-20)")
+        p.add_argument("--dry-multiplier", type=float, default=None,
+                       help="DRY, llama.cpp's repetition sampler: its strength (0: off, the default; 0.8 is usual)")
+        p.add_argument("--dry-base", type=float, default=None, help="DRY: penalty growth per repeated token (1.75)")
+        p.add_argument("--dry-allowed-length", type=int, default=None, help="DRY: repeats this long go free (2)")
+        p.add_argument("--dry-penalty-last-n", type=int, default=None, help="DRY: tokens looked back (-1: all)")
+        p.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action="append", default=None,
+                       metavar="TEXT", help="DRY: text that ends a repeat (repeatable; default newline, colon, "
+                                            "quote, asterisk)")
 
-    def run_args(p, temperature: float) -> None:
-        sampling_args(p, temperature)
+    def run_args(p) -> None:
+        sampling_args(p)
         p.add_argument("--lora", default=None, help="a LoRA adapter folder (PEFT's, or `python -m exporter adapter`'s)")
         p.add_argument("--json-schema", default=None, metavar="FILE",
                        help="structured output: the reply is JSON valid under this JSON schema file")
@@ -504,15 +536,17 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
     g.add_argument("package", nargs="?", help="package folder or alias (default: the embedded SmolLM2-135M)")
     g.add_argument("prompt", nargs="?")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    g.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message (the default when the model has a chat template)")
+    g.add_argument("--raw", action="store_true", help="send the prompt as it is, with no chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    run_args(g, 0.7)
+    run_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat")
     c.add_argument("package", nargs="?")
     c.add_argument("--system", default=None)
-    run_args(c, 0.7)
+    run_args(c)
     c.set_defaults(func=cmd_chat)
 
     ls = sub.add_parser("list", help="packages in the cache")
@@ -596,13 +630,37 @@ def build_parser() -> argparse.ArgumentParser:
                           "power of two choices")
     ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs Ray reserves per engine replica")
     engine_args(sv)
-    sampling_args(sv, None, None)  # given ones are the defaults of requests that leave the field out
+    sampling_args(sv, None)  # given ones are the defaults of requests that leave the field out
     sv.set_defaults(func=cmd_serve)
     return ap
 
 
+USAGE = """ruvllm: run language models on your CPU (or GPU), behind a CLI, an OpenAI-compatible server or Python.
+
+  ruvllm generate "Why is the sky blue?"      answer one prompt (the embedded SmolLM2-135M by default)
+  ruvllm chat [MODEL]                         talk to a model
+  ruvllm serve [MODEL]                        an OpenAI-compatible server on http://127.0.0.1:8080/v1
+
+MODEL: a package folder, an alias (ruvllm download --help lists them), a .gguf file or a Hugging Face id.
+ruvllm --help lists every command; ruvllm COMMAND --help its options."""
+
+
+def version() -> str:
+    """The installed distribution's version (the source tree's when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("ruvllm")
+    except PackageNotFoundError:
+        return "0.1.0+source"
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not (sys.argv[1:] if argv is None else argv):
+        print(USAGE)
+        return 0
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass
 
 from runtime.core.constraints import Constraint
+from runtime.core.dry import DEFAULT_BREAKERS
 from runtime.core.sampling import RANGES, SamplingParams, check_range, range_text
 from runtime.core.sequence import RequestOutput
 from runtime.errors import RequestError
@@ -33,6 +34,7 @@ UNSUPPORTED = ("functions", "function_call",
 # Structured output: OpenAI's response_format; vLLM's structured_outputs and its older guided_* fields
 STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 INFORMATIONAL = ("user", "metadata", "store", "service_tier")  # accepted; they change nothing generated
+DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
 
 
 class ProtocolError(Exception):
@@ -121,6 +123,12 @@ def _sampling(body: dict, logprobs: int | None, defaults: dict | None = None) ->
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
         stop_token_ids=_get(body, "stop_token_ids", (list,), []),
         constraint=constraint(body),
+        dry_multiplier=_get(body, "dry_multiplier", num, d.get("dry_multiplier", 0.0)),
+        dry_base=_get(body, "dry_base", num, d.get("dry_base", 1.75)),
+        dry_allowed_length=_get(body, "dry_allowed_length", (int,), d.get("dry_allowed_length", 2)),
+        dry_penalty_last_n=_get(body, "dry_penalty_last_n", (int,), d.get("dry_penalty_last_n", -1)),
+        dry_sequence_breakers=list(_get(body, "dry_sequence_breakers", (list,),
+                                        d.get("dry_sequence_breakers", list(DEFAULT_BREAKERS)))),
     )
     try:
         params.validate()
@@ -228,7 +236,7 @@ def parse_body(text: str):
 _COMMON = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
            "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
            "logit_bias", "n", "return_token_ids", "ignore_eos", "stop_token_ids", "include_stop_str_in_output"
-           ) + INFORMATIONAL + STRUCTURED
+           ) + DRY_FIELDS + INFORMATIONAL + STRUCTURED
 CHAT_FIELDS = _COMMON + ("messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
 COMPLETION_FIELDS = _COMMON + ("prompt", "logprobs", "echo")
 
@@ -379,6 +387,10 @@ def request_schema(chat: bool, models: list[str] | None = None) -> dict:
         "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0},
                            "description": "as vLLM: token ids that end the choice"},
         "include_stop_str_in_output": {"type": "boolean", "description": "as vLLM: keep the matched stop string"},
+        "dry_multiplier": {**_ranged("dry_multiplier"), "description": "as llama.cpp's server: DRY's strength (0: off)"},
+        "dry_base": _ranged("dry_base"), "dry_allowed_length": _ranged("dry_allowed_length", "integer"),
+        "dry_penalty_last_n": _ranged("dry_penalty_last_n", "integer"),
+        "dry_sequence_breakers": {"type": "array", "items": text},
         "user": {"type": "string"}, "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
         "store": {"type": "boolean"}, "service_tier": {"type": "string"},
         "response_format": {"anyOf": [

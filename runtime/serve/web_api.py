@@ -46,7 +46,7 @@ class WebEngine:
             body = P.parse_body(body_json)
             if isinstance(body, dict):
                 body.setdefault("model", self.model_name)
-            parsed = P.parse_chat(body)
+            parsed = P.parse_chat(body, self.aengine.sampling_defaults)
             rids = queue_request(self.aengine, parsed, self._adapter(body.get("model")))
         except P.ProtocolError as err:
             emit("error", json.dumps(err.body()))
@@ -114,6 +114,10 @@ class WebEngine:
 
     def stats(self) -> str:
         return json.dumps(self.aengine.stats())
+
+    def sampling_defaults(self) -> str:
+        """What a request that leaves a sampling field out gets (the model's settings, else chat defaults)."""
+        return json.dumps(self.aengine.sampling_defaults)
 
     async def unload(self) -> None:
         await self.aengine.shutdown(drain=False)

@@ -15,9 +15,10 @@ MIX = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q6_K", "attn_output": "Q5_
 
 
 def write_mixed_gguf(path, smol_gguf, mix: dict[str, str] = MIX, embedding: str = "Q6_K", head: str | None = "Q8_0",
-                     arch: str = "llama") -> None:
+                     arch: str = "llama", metadata: dict | None = None) -> None:
     """A tiny llama (or Qwen2: q, k and v with biases) GGUF with SmolLM2's vocabulary, random blocks of
-    `mix`'s types (by tensor), the embedding's, and an untied head's (None: tied to the embedding)."""
+    `mix`'s types (by tensor), the embedding's, and an untied head's (None: tied to the embedding);
+    `metadata`: more keys (a float as float32, an int as int32)."""
     import gguf
 
     src = gguf.GGUFReader(str(smol_gguf))
@@ -28,6 +29,8 @@ def write_mixed_gguf(path, smol_gguf, mix: dict[str, str] = MIX, embedding: str 
                        (w.add_block_count, layers), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
                        (w.add_rope_freq_base, 10000.0), (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, vocab)):
         add(value)
+    for key, value in (metadata or {}).items():
+        (w.add_float32 if isinstance(value, float) else w.add_int32)(key, value)
     for name, field in src.fields.items():
         if name.startswith("tokenizer."):
             w.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)

@@ -237,7 +237,7 @@ def test_cli_generate_with_lora(tiny_package, peft_adapters):
 
     pkg = tiny_package("llama")
     folder = peft_adapters("llama")["attn4"]
-    proc = run_cli("generate", str(pkg), "one two three", "--lora", str(folder), "--temperature", "0",
+    proc = run_cli("generate", str(pkg), "one two three", "--raw", "--lora", str(folder), "--temperature", "0",
                    "--max-tokens", "6", "--json", "--speculative-tokens", "0")
     assert proc.returncode == 0, proc.stderr
     solo = Engine.from_package(pkg, speculative_tokens=0)

@@ -27,7 +27,8 @@ def hf_greedy(model, prompt_ids: list[int], n: int, eos_ids: list[int]) -> list[
 
 
 def generate_json(pkg, prompt: str, *extra: str) -> dict:
-    proc = run_cli("generate", str(pkg), prompt, "--json", "--temperature", "0", *extra)
+    mode = () if "--chat" in extra else ("--raw",)  # the prompt as it is, unless the test asks for a chat
+    proc = run_cli("generate", str(pkg), prompt, *mode, "--json", "--temperature", "0", *extra)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
 
@@ -76,7 +77,7 @@ def test_default_model_comes_from_the_cache(smol_cache):
 
 def test_streamed_text_equals_json_text(tiny_package):
     pkg = tiny_package("llama")
-    streamed = run_cli("generate", str(pkg), PROMPT, "--temperature", "0", "--max-tokens", "24")
+    streamed = run_cli("generate", str(pkg), PROMPT, "--raw", "--temperature", "0", "--max-tokens", "24")
     assert streamed.returncode == 0, streamed.stderr
     as_json = generate_json(pkg, PROMPT, "--max-tokens", "24")
     assert streamed.stdout == as_json["text"] + "\n"

@@ -1,4 +1,5 @@
-"""The demo page, as a person uses it: offline, greedy "Paris", streaming, stop, a second turn."""
+"""The demo page, as a person uses it: offline, the model's sampling defaults shown, greedy "Paris" (the
+temperature slider at 0), streaming, stop, a second turn."""
 
 from __future__ import annotations
 
@@ -9,12 +10,30 @@ pytestmark = pytest.mark.slow
 READY = "window.ruvllm && (window.ruvllm.ready || window.ruvllm.error)"
 
 
-def open_demo(offline_page):
+def open_demo(offline_page, greedy: bool = True):
+    """The demo, loaded; greedy: its temperature slider moved to 0 and DRY unticked, so the answers are
+    the model's own greedy ones."""
     p = offline_page()
     p.goto("/")
     p.page.wait_for_function(READY)
     assert p.evaluate("window.ruvllm.error || null") is None, "\n".join(p.console)
+    if greedy:
+        p.evaluate("(() => { const r = document.querySelector('#temperature'); r.value = 0; r.dispatchEvent(new Event('input')); })()")
+        p.page.uncheck("#dry")
     return p
+
+
+def test_demo_starts_from_the_models_sampling_defaults(offline_page):
+    """SmolLM2's package sets no sampling of its own: the chat defaults, shown, with DRY ticked (SmolLM2's
+    sampled answers loop without it: docs/PERFORMANCE.md)."""
+    p = open_demo(offline_page, greedy=False)
+    info = p.evaluate("window.ruvllm.engine.info")
+    assert info["sampling"] == {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+    assert p.page.inner_text("#temp-out") == "0.80"
+    assert "top-k 40" in p.page.inner_text("#sampling") and "min-p 0.05" in p.page.inner_text("#sampling")
+    assert p.page.inner_text("#i-backend") == "RuvLLM's WASM step"
+    assert p.page.is_checked("#dry")
+    assert ask(p, "Write a haiku about the sea.").strip()
 
 
 def ask(p, text: str) -> str:

@@ -53,6 +53,7 @@ async function send(text) {
     state.stream = await state.engine.chat.completions.create({
       messages, stream: true, stream_options: { include_usage: true }, model: $('adapter').value || undefined,
       temperature: Number($('temperature').value), max_tokens: Number($('max-tokens').value),
+      ...($('dry').checked ? { dry_multiplier: 0.8 } : {}),
     });
     for await (const chunk of state.stream) {
       if (chunk.usage) usage = chunk.usage;
@@ -121,6 +122,14 @@ async function main() {
   $('i-model').textContent = info.model;
   $('i-device').textContent = info.device === 'webgpu' ? 'WebGPU' : 'WASM (CPU)';
   $('i-threads').textContent = String(info.threads);
+  $('i-backend').textContent = info.backend === 'wasm-step' ? "RuvLLM's WASM step" : 'ONNX Runtime Web';
+  // the model's own sampling settings (else chat defaults): the temperature starts there, the rest are shown
+  const s = info.sampling ?? {};
+  if (s.temperature != null) {
+    $('temperature').value = String(s.temperature);
+    $('temp-out').textContent = Number(s.temperature).toFixed(2);
+  }
+  $('sampling').textContent = `the model's defaults: ${Object.entries(s).map(([k, v]) => `${k.replace('_', '-')} ${v}`).join(' · ')}`;
   $('i-load').textContent = `${state.loadSeconds.toFixed(1)} s${info.cache?.fromCache ? ' (cached)' : ''}`;
   setBusy(false);
   state.ready = true;
@@ -144,7 +153,7 @@ $('clear').addEventListener('click', () => {
   $('welcome').hidden = false;
 });
 for (const b of document.querySelectorAll('.suggest')) b.addEventListener('click', () => send(b.textContent));
-$('temperature').addEventListener('input', () => { $('temp-out').textContent = Number($('temperature').value).toFixed(1); });
+$('temperature').addEventListener('input', () => { $('temp-out').textContent = Number($('temperature').value).toFixed(2); });
 $('max-tokens').addEventListener('input', () => { $('max-out').textContent = $('max-tokens').value; });
 main();
 

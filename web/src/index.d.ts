@@ -113,6 +113,12 @@ export interface ChatCompletionRequest {
   ignore_eos?: boolean;
   stop_token_ids?: number[];
   include_stop_str_in_output?: boolean;
+  /** DRY, llama.cpp's repetition sampler (as its server takes it): off unless dry_multiplier > 0 (0.8 is usual). */
+  dry_multiplier?: number;
+  dry_base?: number;
+  dry_allowed_length?: number;
+  dry_penalty_last_n?: number;
+  dry_sequence_breakers?: string[];
   /** Structured output, enforced token by token (a keyword the page cannot enforce is an error naming it). */
   response_format?: ResponseFormat;
   structured_outputs?: StructuredOutputs;
@@ -190,6 +196,9 @@ export interface EngineInfo {
   restoredPromptBlocks: number;
   loadSeconds: number;
   fetchSeconds: number;
+  /** What a request gets for the sampling fields it leaves out: the model's own generation settings,
+   * else chat defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05). */
+  sampling: { temperature: number; top_k?: number; top_p?: number; min_p?: number; repetition_penalty?: number };
 }
 
 export interface EngineStats {

@@ -108,7 +108,7 @@ async function load(opts) {
     model: name, backend, device, graph, threads: usedThreads ?? threads,
     kvDtype: opts.kvDtype ?? 'fp32', crossOriginIsolated: self.crossOriginIsolated,
     quantization: manifest.quantization, cache, python: pythonStart, restoredPromptBlocks: promptBlocks,
-    loadSeconds: (performance.now() - t0) / 1000, timings,
+    loadSeconds: (performance.now() - t0) / 1000, timings, sampling: JSON.parse(engine.sampling_defaults()),
   };
   progress({ stage: 'ready' });
   return info;
