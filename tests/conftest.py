@@ -54,6 +54,16 @@ def run_cli(*args: str, env: dict | None = None, module: str = "runtime", timeou
                           env=full_env, timeout=timeout, cwd=str(ROOT))
 
 
+def readme_block(name: str) -> str:
+    """The code block of README.md that follows `<!-- README test: name -->` (the tests run each one)."""
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    found = re.search(rf"<!-- README test: {re.escape(name)} -->\n```[a-z]*\n(.*?)```", text, re.S)
+    assert found, f"README.md has no block marked {name!r}"
+    return found.group(1)
+
+
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("ruvllm")
