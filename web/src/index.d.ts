@@ -37,6 +37,8 @@ export interface CreateEngineOptions {
    *  quarter of the memory, on the package's int8-KV graph; WASM only, no adapters). */
   kvDtype?: 'fp32' | 'int8';
   maxNumSeqs?: number;
+  /** Tokens one step computes at most (default 128 on the WASM step, whose scratch grows with them; 256 on
+   *  onnxruntime-web). */
   maxBatchTokens?: number;
   /** Prompt-lookup drafts verified per decode step of a greedy or low-temperature request (default 3 on
    *  onnxruntime-web, 0 on the WASM step, which pays each draft's full compute; 0 turns speculative decoding off). */
