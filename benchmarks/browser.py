@@ -49,23 +49,25 @@ def npm_peers() -> None:
                        stdout=sys.stderr)  # stdout is the JSON result
 
 
-def transformersjs_model() -> Path:
-    """SmolLM2 in transformers.js' layout: config + tokenizer files, onnx/model.onnx (+ _data), onnx/model_quantized.onnx."""
-    out = MODELS / "smollm2-tjs"
+def transformersjs_model(src: Path | None = None, name: str = "smollm2-tjs") -> Path:
+    """A Hugging Face folder (default: SmolLM2's) in transformers.js' layout under MODELS/name: config + tokenizer
+    files, onnx/model.onnx (+ _data), onnx/model_quantized.onnx."""
+    out = MODELS / name
     if (out / "onnx" / "model_quantized.onnx").exists():
         return out
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    src = hf_folder()
-    built = WORK / "genai-fp32"
+    src = src or hf_folder()
+    built = WORK / ("genai-fp32" if name == "smollm2-tjs" else f"genai-fp32-{name}")
     if not (built / "model.onnx").exists():
         log("building an fp32 decoder with onnxruntime-genai's model builder")
         subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(src), "-o", str(built),
                         "-p", "fp32", "-e", "cpu", "-c", str(WORK / "genai-cache")], check=True, stdout=sys.stderr)
     (out / "onnx").mkdir(parents=True, exist_ok=True)
     for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, out / f)
+        if (src / f).exists():  # benchmarks/sizes.py's folders have no generation_config.json
+            shutil.copy(src / f, out / f)
     tok_cfg = json.loads((out / "tokenizer_config.json").read_text())
     if (src / "chat_template.jinja").exists():  # transformers 5 saves it apart; transformers.js reads it here
         tok_cfg["chat_template"] = (src / "chat_template.jinja").read_text()
@@ -159,7 +161,7 @@ def gguf_models(gguf: Path) -> tuple[str, str]:
 
 def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens: int, dtype: str | None,
             timeout_s: int, reload_prompt: str = "same", kv: str = "fp32", context: int = 0,
-            files: tuple[str, str] | None = None) -> dict:
+            files: tuple[str, str] | None = None, tjs: str = "smollm2-tjs") -> dict:
     """A first visit, then a reload: a returning visitor's load, from the browser's own caches.
 
     Each run gets a new persistent profile (a fresh user-data folder), so the first visit is cold and
@@ -182,7 +184,7 @@ def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens:
         try:
             url = (f"{base}bench/bench.html?engine={engine}&threads={threads}&tokens={tokens}"
                    + (f"&dtype={dtype}" if dtype else "") + f"&reload={reload_prompt}&kv={kv}&context={context}"
-                   + (f"&model={files[0]}&gguf={files[1]}" if files else ""))
+                   + (f"&model={files[0]}&gguf={files[1]}" if files else "") + f"&tjs={tjs}")
             memory = RendererPeak(profile)
             page.goto(url)
             page.wait_for_function("window.result || window.failure", timeout=timeout_s * 1000, polling=500)
@@ -229,6 +231,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=0, help="about this many tokens of text before the question")
     ap.add_argument("--gguf", type=Path, help="a GGUF for RuvLLM (exported for the page) and wllama alike, instead "
                     "of SmolLM2")
+    ap.add_argument("--hf", type=Path, help="with --gguf: the Hugging Face folder the GGUF was converted from, for "
+                    "transformers.js (its fp32 weights, the GGUF's before quantization; default: benchmarks/sizes.py's "
+                    "SHAPE-hf beside a SHAPE-TYPE.gguf)")
     args = ap.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -241,8 +246,16 @@ def main() -> None:
     engines = [e.split(":") + [None] if ":" not in e else e.split(":") for e in args.engines.split(",")]
     kvs = args.kv.split(",")
     engines = [(name, dtype, kv) for name, dtype in engines for kv in (kvs if name == "ruvllm" else ["fp32"])]
+    tjs = "smollm2-tjs"
     if any(e[0] == "transformers.js" for e in engines):
-        transformersjs_model()
+        if args.gguf:
+            hf = args.hf or args.gguf.parent / f"{args.gguf.stem.split('-')[0]}-hf"
+            if not (hf / "config.json").exists():
+                sys.exit(f"transformers.js with --gguf needs the GGUF's Hugging Face folder: --hf DIR ({hf} has none)")
+            tjs = f"{hf.name}-tjs"
+            transformersjs_model(hf, tjs)
+        else:
+            transformersjs_model()
     files = gguf_models(args.gguf) if args.gguf else None
     if any(e[0] == "wllama" for e in engines) and not files:
         wllama_model()
@@ -256,7 +269,7 @@ def main() -> None:
             for name, dtype, kv in engines:
                 key = (name if not dtype else f"{name}:{dtype}") + (f"[kv {kv}]" if kv != "fp32" else "")
                 res = run_one(p, launch, base, name, args.threads, args.tokens, dtype, args.timeout, args.reload_prompt,
-                              kv, args.context, files)
+                              kv, args.context, files, tjs)
                 log(f"round {r + 1} {key}: {json.dumps(res)[:300]}")
                 runs.setdefault(key, []).append(res)
     server.shutdown()
