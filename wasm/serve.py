@@ -45,10 +45,19 @@ class Handler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class BundleServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """A page that leaves mid-download (a reload, a closed tab) resets its connection: nothing to report."""
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            super().handle_error(request, client_address)
+
+
 def make_server(root: Path, host: str = "127.0.0.1", port: int = 8000,
                 mounts: dict[str, Path] | None = None) -> http.server.ThreadingHTTPServer:
     handler = type("BundleHandler", (Handler,), {"mounts": dict(mounts or {})})
-    return http.server.ThreadingHTTPServer((host, port), functools.partial(handler, directory=str(root)))
+    return BundleServer((host, port), functools.partial(handler, directory=str(root)))
 
 
 def serve_in_thread(root: Path, mounts: dict[str, Path] | None = None) -> tuple[http.server.ThreadingHTTPServer, str]:
