@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from runtime.core.adapters import AdapterInfo, AdapterRegistry
 from runtime.core.backend import Backend
 from runtime.core.config import DEFAULT_KV_MEMORY, EngineConfig, ModelConfig
-from runtime.core.generation_defaults import package_sampling, request_defaults
+from runtime.core.generation_defaults import package_defaults, request_defaults
 from runtime.core.output_processor import OutputProcessor
 from runtime.core.sampling import SamplingParams
 from runtime.core.scheduler import Scheduler, SchedulerOutput
@@ -69,7 +69,7 @@ class Engine:
         self._ids = itertools.count()
         self.adapters = AdapterRegistry(package, backend, self.config)
         # what a request leaves out: the model's generation settings, else chat defaults
-        self.sampling_defaults = request_defaults(package_sampling(package.path, package.manifest))
+        self.sampling_defaults = package_defaults(package)
 
     @classmethod
     def from_package(cls, path, device: str = "cpu", threads: int | None = None, verify: bool = True,

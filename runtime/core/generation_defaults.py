@@ -53,6 +53,12 @@ def package_sampling(package_dir: str | Path, manifest: dict) -> dict:
     return model_sampling(data if isinstance(data, dict) else None)
 
 
+def package_defaults(package) -> dict:
+    """A ModelPackage's request defaults: CHAT_DEFAULTS under its own settings (the engine's and the Ray
+    ingress's alike)."""
+    return request_defaults(package_sampling(package.path, package.manifest))
+
+
 def request_defaults(model: dict | None = None, given: dict | None = None) -> dict:
     """The defaults of a request's sampling fields: CHAT_DEFAULTS, then the model's, then `given` (the
     server's or CLI's own flags, None for a flag not given)."""

@@ -58,7 +58,7 @@ class OutputProcessor:
         if p.dry:
             penalties = match_penalties(seq.tokens, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
                                         p.dry_penalty_last_n, seq.dry_breakers)
-            token = choose(*penalize(ids, lps, penalties, 1.0 if p.greedy else p.temperature), p, seq.rng)
+            token = choose(*penalize(ids, lps, penalties, p.logits_temperature), p, seq.rng)
         else:
             token = choose(ids, lps, p, seq.rng)
         seq.tokens.append(token)

@@ -80,11 +80,7 @@ class SamplingParams:
     constraint: object = None  # structured output: a runtime.core.constraints.Constraint the text must match
 
     def validate(self, vocab_size: int | None = None) -> None:
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool):
-            raise RequestError("invalid max_tokens: must be an integer", "max_tokens")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
-            raise RequestError("invalid top_k: must be an integer", "top_k")
-        for name in ("dry_allowed_length", "dry_penalty_last_n"):
+        for name in ("max_tokens", "top_k", "dry_allowed_length", "dry_penalty_last_n"):
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
                 raise RequestError(f"invalid {name}: must be an integer", name)
         for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
@@ -115,6 +111,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def logits_temperature(self) -> float:
+        """The temperature the graph divides the logits by: 1 for a greedy request (its order is all that counts)."""
+        return 1.0 if self.greedy else self.temperature
 
     @property
     def dry(self) -> bool:

@@ -193,7 +193,7 @@ class Scheduler:
             tokens=seq.tokens[start:start + n - len(draft)] + draft, start=start, block_table=seq.blocks,
             kv_slots=[seq.blocks[t // bs] * bs + t % bs for t in range(start, start + n)],
             want_logits=start + n - len(draft) == len(seq.tokens), logits_rows=1 + len(draft), exact_from=self._floor(seq),
-            temperature=1.0 if p.greedy else p.temperature,
+            temperature=p.logits_temperature,
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, penalties=seq.penalties, top_k=p.candidates(self.vocab_size),
             adapter_slot=seq.adapter_slot)

@@ -12,6 +12,7 @@ the event loop. Keys have names (api_keys); adapters load at run time only from 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from contextlib import asynccontextmanager
@@ -123,24 +124,21 @@ class Completions:
         self.models, self.metrics, self.max_queue, self.defaults = models, metrics, max_queue, defaults
 
     def _parse(self, body, chat: bool) -> tuple[ServedModel, object, str | None]:
-        defaults = self._defaults(body)
+        # the model the body names, looked up first for its sampling defaults (`serve`'s flags over them); a
+        # body that names none or an unknown one is parsed with the flags alone, and says what is wrong
+        name = body.get("model") if isinstance(body, dict) else None
+        served = adapter = None
+        if isinstance(name, str):
+            with contextlib.suppress(P.ProtocolError):
+                served, adapter = resolve_model(self.models, name)
+        defaults = {**served.engine.sampling_defaults, **(self.defaults or {})} if served else self.defaults
         parsed = P.parse_chat(body, defaults) if chat else P.parse_completion(body, defaults)
-        served, adapter = resolve_model(self.models, parsed.model)
+        if served is None:
+            served, adapter = resolve_model(self.models, parsed.model)
         if self.max_queue is not None and served.engine.num_waiting() >= self.max_queue:
             raise P.ProtocolError("the server is busy: the request queue is full, retry later", status=429,
                                   kind="rate_limit_exceeded", code="queue_full")
         return served, parsed, adapter
-
-    def _defaults(self, body) -> dict | None:
-        """The sampling defaults of the model the body names (its own, then `serve`'s flags over them)."""
-        name = body.get("model") if isinstance(body, dict) else None
-        try:
-            served, _ = resolve_model(self.models, name) if isinstance(name, str) else (None, None)
-        except P.ProtocolError:
-            served = None
-        if served is None:
-            return self.defaults  # parsing (or the model's lookup) says what is wrong with the request
-        return {**served.engine.sampling_defaults, **(self.defaults or {})}
 
     async def handle(self, request: Request, chat: bool):
         try:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 from runtime.core.adapters import AdapterRegistry, UnknownAdapterError
 from runtime.core.config import EngineConfig, ModelConfig
-from runtime.core.generation_defaults import package_sampling, request_defaults
+from runtime.core.generation_defaults import package_defaults
 from runtime.core.sampling import SamplingParams
 from runtime.core.sequence import RequestOutput
 from runtime.errors import RequestError
@@ -55,7 +55,7 @@ class RemoteEngine:
         self.block_size = self.config.block_size or model.block_size
         self.prompts = PromptEncoder.from_package(pkg, model.vocab_size, model.max_context)
         self.model_name = pkg.name
-        self.sampling_defaults = request_defaults(package_sampling(pkg.path, pkg.manifest))  # as the replicas'
+        self.sampling_defaults = package_defaults(pkg)  # as the replicas'
         self.registry = AdapterRegistry(pkg, None, self.config)  # validation only: read(), never add()
         self.handle, self.max_attempts, self.route_blocks = handle, max_attempts, route_blocks
         self._adapters: dict[str, tuple[str, str]] = {}  # name -> (folder, content id)
