@@ -143,14 +143,15 @@ def gguf_models(gguf: Path) -> tuple[str, str]:
     import contextlib
     import os
 
-    from wasm.build import export_model, model_id
+    from runtime.aliases import source_name
+    from wasm.build import export_model
 
     with contextlib.ExitStack() as stack:  # the exporter's "wrote ..." goes to stderr: stdout is the JSON result
         saved = os.dup(1)
         stack.callback(os.close, saved)
         os.dup2(2, 1)
         stack.callback(os.dup2, saved, 1)
-        pkg, name = export_model(str(gguf), "int4"), model_id(str(gguf))
+        pkg, name = export_model(str(gguf), "int4"), source_name(str(gguf))
     MODELS.mkdir(parents=True, exist_ok=True)
     for link, target in ((MODELS / name, pkg), (MODELS / gguf.name, gguf.resolve())):
         if link.is_symlink() or link.exists():

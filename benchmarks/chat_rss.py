@@ -17,15 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+from sizes import peak_rss_mb  # benchmarks/, this script's folder, is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 MESSAGES = [{"role": "user", "content": "Write a haiku about the sea."}]
-
-
-def peak_mb() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) // 1024
-    return 0
 
 
 def one(engine: str, gguf: str, package: str, n_ctx: int) -> dict:
@@ -46,7 +41,7 @@ def one(engine: str, gguf: str, package: str, n_ctx: int) -> dict:
         loaded = time.perf_counter()
         tokens = sum(len(o.token_ids) for o in model.generate(
             messages=MESSAGES, params=model.sampling_params(temperature=0, max_tokens=64)))
-    return {"engine": engine, "peak_rss_mb": peak_mb(), "load_s": round(loaded - started, 2), "tokens": tokens}
+    return {"engine": engine, "peak_rss_mb": peak_rss_mb(), "load_s": round(loaded - started, 2), "tokens": tokens}
 
 
 def main() -> None:

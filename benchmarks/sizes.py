@@ -49,6 +49,14 @@ FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_S": 14, "
           "Q5_K_M": 17, "Q6_K": 18}
 
 
+def peak_rss_mb() -> int:
+    """This process's peak resident memory so far (VmHWM), in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) // 1024
+    return 0
+
+
 def run(cmd: list[str], **kw) -> tuple[float, int]:
     """Run a command; (wall seconds, its peak RSS in MB)."""
     started = time.perf_counter()
@@ -270,9 +278,7 @@ def worker(engine: str, path: str, tokens: int, streams: int, threads: int, qual
     out["ttft_512_ms"] = round(1000 * min(one(long, 1)[0] for _ in range(2)))
     if streams > 1:
         out[f"aggregate_decode_tok_s_{streams}"] = round(batch(), 1)
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            out["peak_rss_mb"] = int(line.split()[1]) // 1024
+    out["peak_rss_mb"] = peak_rss_mb()
     if quality_ids is not None:
         out["logits"] = logits(quality_ids)
     return out

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from runtime.aliases import cached_package_dir, source_cache_key, source_name
 from runtime.errors import RuvLLMError
 from wasm.bytecode import add_bytecode
 from wasm.snapshot import make_snapshot
@@ -90,17 +91,9 @@ def _project_version() -> str:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
-def model_id(source: str) -> str:
-    """The bundle's name for a model source (runtime.aliases.source_name)."""
-    from runtime.aliases import source_name
-
-    return source_name(source)
-
-
 def export_model(source: str, quant: str) -> Path:
     """The source's package for the page, exported once into the cache (runtime.aliases.source_cache_key)."""
     from exporter.step_weights import FORMAT
-    from runtime.aliases import cached_package_dir, source_cache_key
     from runtime.serve.cli import export_into_cache
 
     cache_key, source = source_cache_key(source)
@@ -126,7 +119,7 @@ def copy_package(src: Path, dest: Path) -> None:
 
 def add_model(out: Path, source: str, quant: str) -> dict:
     """The source's package exported for the page and copied under out/models/<id>/; its models.json entry."""
-    ident = model_id(source)
+    ident = source_name(source)
     pkg = export_model(source, quant)
     copy_package(pkg, out / "models" / ident)
     manifest = json.loads((pkg / "manifest.json").read_text())

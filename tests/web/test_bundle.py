@@ -118,8 +118,9 @@ def test_the_warmup_model_follows_the_graph_contract(web_bundle):
 def test_build_takes_a_model_from_any_source(web_bundle, workdir, tmp_path, tiny_model_dir, smol_gguf, monkeypatch):
     """`python -m wasm build --model` takes an alias, a folder or a .gguf, absolute or relative (one package
     for both spellings), each under models/<its name>/ with its entry; a hub id offline is a clear error."""
+    from runtime.aliases import source_name
     from tests.exporter.test_streamed_export import write_mixed_gguf
-    from wasm.build import add_model, model_id
+    from wasm.build import add_model
 
     monkeypatch.setenv("RUVLLM_CACHE_DIR", str(workdir / "cache"))  # where web_bundle exported the alias
     out = tmp_path / "bundle"
@@ -132,7 +133,7 @@ def test_build_takes_a_model_from_any_source(web_bundle, workdir, tmp_path, tiny
     entries = {source: add_model(out, source, "int4")
                for source in ("smollm2-135m", str(gguf), gguf.name, str(folder))}
     assert entries["smollm2-135m"]["id"] == "smollm2-135m"
-    assert entries[str(gguf)] == entries[gguf.name] and entries[gguf.name]["id"] == model_id(str(gguf)) == "Tiny-Mixed.Q4_K_M"
+    assert entries[str(gguf)] == entries[gguf.name] and entries[gguf.name]["id"] == source_name(str(gguf)) == "Tiny-Mixed.Q4_K_M"
     assert entries[str(gguf)]["wasm_step_bytes"] < entries[str(gguf)]["bytes"]  # a K-quant file gets the step
     assert entries[str(folder)]["id"] == folder.name and "wasm_step_bytes" not in entries[str(folder)]
     for entry in entries.values():

@@ -92,8 +92,8 @@ async function load(opts) {
   // only what the caller chose: the page's defaults are Python's (runtime/core/config.py, EngineConfig.web)
   // drafts are nearly free in onnxruntime-web's memory-bound fp32 step, not on the compute-bound WASM step:
   // it verifies them at their full cost (docs/PERFORMANCE.md), so it drafts only when asked to
-  // the WASM step's scratch grows with a step's tokens (~136 KB a token at 1B): 128 at a time keeps
-  // 17 MB of it off a 1B model's page at the same prefill speed (16-token tiles either way)
+  // the WASM step's scratch grows with a step's tokens (~136 KB a token at 1B): 128 at a time kept 14 MB
+  // off a 1B model's page at the same prefill speed (16-token tiles either way; docs/PERFORMANCE.md)
   const chosen = { kv_memory_mb: opts.kvMemoryMB, max_num_seqs: opts.maxNumSeqs,
     max_batch_tokens: opts.maxBatchTokens ?? (stepper === 'wasm-step' ? 128 : undefined),
     kv_dtype: opts.kvDtype, max_request_bytes: opts.maxRequestBytes,
