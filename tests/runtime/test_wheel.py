@@ -6,6 +6,7 @@ exporter, RuvLLM's CPU kernels compiled from the installed sources."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -17,8 +18,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_an_installed_wheel_answers_outside_the_repository(tmp_path):
+    # built from a copy: setuptools builds in the tree, and files a checkout's build/ kept from an earlier
+    # build (a module since removed) would go into the wheel
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "dist", "node_modules", "*.egg-info",
+                                                                 "__pycache__", ".*cache", ".hypothesis", ".benchmarks"))
     wheels = tmp_path / "wheels"
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(ROOT), "--no-deps", "--no-build-isolation",
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
                             "-w", str(wheels)], capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert build.returncode == 0, build.stderr[-2000:]
     (wheel,) = wheels.glob("ruvllm-*.whl")
