@@ -37,7 +37,7 @@ namespace {
 // soft limit on the scores, cap * tanh(score / cap), before the mask; 0: none); with tails, layer and
 // tail_blocks (default 1).
 
-// sc[t] = e^(sc[t] - mx) for t in [first, last]; returns 1 / their sum
+// sc[t] = e^(sc[t] - mx) for t in [first, last]; returns their sum (16 lanes from `first`, one fixed tree)
 inline float exp_in_place(float* sc, int64_t first, int64_t last, float mx) {
   const __m512 vmx = _mm512_set1_ps(mx);
   __m512 vsum = _mm512_setzero_ps();
@@ -53,7 +53,56 @@ inline float exp_in_place(float* sc, int64_t first, int64_t last, float mx) {
     _mm512_mask_storeu_ps(&sc[t], m, e);
     vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
   }
-  return 1.f / _mm512_reduce_add_ps(vsum);
+  return _mm512_reduce_add_ps(vsum);
+}
+
+// the largest of sc[first .. last]
+inline float max_of(const float* sc, int64_t first, int64_t last) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  int64_t t = first;
+  for (; t + 16 <= last + 1; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(&sc[t]));
+  if (t <= last) m = _mm512_mask_max_ps(m, (__mmask16)((1u << (last + 1 - t)) - 1), m, _mm512_maskz_loadu_ps((__mmask16)((1u << (last + 1 - t)) - 1), &sc[t]));
+  return _mm512_reduce_max_ps(m);
+}
+
+// Batch invariance: a query's numbers must not depend on the path its step sends it down (a decode row
+// alone or beside others, in a shared-prefix group, its keys cut into ranges across threads, a prompt
+// chunk of any length). So every path computes the same arithmetic: a score is the dot product of
+// `attend` (per lane l of 16, the chain over chunks c of q[16c + l] * k[16c + l], then sum16's tree over
+// the lanes), and the softmax and weighted values are taken over fixed key segments (positions
+// [k * kSegment, (k + 1) * kSegment), cut to the query's keys), each giving its max, exp sum and
+// undivided weighted values, folded left to right in key order. A shared prefix or a range of keys is
+// then a run of whole segments whose results any path can take over.
+constexpr int64_t kSegment = 128;
+
+inline int64_t segment_last(int64_t t) { return (t / kSegment + 1) * kSegment - 1; }
+
+inline float exp1(float x) { return _mm512_cvtss_f32(vexp(_mm512_set1_ps(x))); }
+
+// One query's running result over the segments so far: o (D floats, undivided), exp sum *l, max *m
+// (*l == 0: none yet); `acc` is the next segment's weighted values, ls its exp sum, ms its max.
+template <int DV>
+inline void fold(float* o, float* l, float* m, const __m512 acc[DV], float ls, float ms) {
+  if (*l == 0.f) {
+    for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + 16 * d, acc[d]);
+    *l = ls;
+    *m = ms;
+    return;
+  }
+  const float mx = std::max(*m, ms);
+  const float a = *m == mx ? 1.f : exp1(*m - mx), b = ms == mx ? 1.f : exp1(ms - mx);
+  const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+  for (int d = 0; d < DV; d++)
+    _mm512_storeu_ps(o + 16 * d, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16 * d), va, _mm512_mul_ps(acc[d], vb)));
+  *l = std::fma(*l, a, ls * b);
+  *m = mx;
+}
+
+// the fold's result: o / l
+template <int DV>
+inline void finish(const float* o, float l, float* out) {
+  const __m512 inv = _mm512_set1_ps(1.f / l);
+  for (int d = 0; d < DV; d++) _mm512_storeu_ps(out + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * d), inv));
 }
 
 struct AttnKernel {
@@ -260,17 +309,17 @@ inline __m512 sum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
 }
 
-// out row g = f[g] * sum over keys lo + u of sc[g * stride + u] * value (+ fp[g] * pre[g], a partial
-// result over earlier keys, when pre is given); NG heads share each value row read
+// out row g (D floats) = sum over keys lo + u (u < nk) of sc[g * stride + u] * value, undivided; NG heads share
+// each value row read
 template <int DV, int NG>
-inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, int64_t own, const float* sc, int64_t stride,
-                         const float* f, const float* const* pre, const float* fp, float* out) {
+inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, int64_t last, int64_t own, const float* sc,
+                         int64_t stride, float* out) {
   __m512 acc[NG][DV];
   for (int g = 0; g < NG; g++)
     for (int d = 0; d < DV; d++) acc[g][d] = _mm512_setzero_ps();
   for (int64_t u = 0; u < nk; u++) {
     const KVRow vr = r.value(lo + u, own);
-    if (u + 16 < nk) r.value(lo + u + 16).prefetch(DV);
+    if (lo + u + 16 <= last) r.value(lo + u + 16).prefetch(DV);  // on past the segment: a block apart
     __m512 v[DV];
     vr.load_all<DV>(v);
     for (int g = 0; g < NG; g++) {
@@ -278,25 +327,21 @@ inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, int64_t own, 
       for (int d = 0; d < DV; d++) acc[g][d] = _mm512_fmadd_ps(w, v[d], acc[g][d]);
     }
   }
-  for (int g = 0; g < NG; g++) {
-    const __m512 s = _mm512_set1_ps(f[g]);
-    for (int d = 0; d < DV; d++) {
-      __m512 o = _mm512_mul_ps(acc[g][d], s);
-      if (pre) o = _mm512_fmadd_ps(_mm512_loadu_ps(pre[g] + 16 * d), _mm512_set1_ps(fp[g]), o);
-      _mm512_storeu_ps(out + g * DV * 16 + 16 * d, o);
-    }
-  }
+  for (int g = 0; g < NG; g++)
+    for (int d = 0; d < DV; d++) _mm512_storeu_ps(out + g * DV * 16 + 16 * d, acc[g][d]);
 }
 
-// What attention over part of a query's keys (a shared prefix, or a range of a lone row's keys) left
-// for it, per query: sum of e^(score - max) * value (not divided), that sum of e^(score - max), the max.
+// What attention over some of a query's segments left for it (a shared prefix's: their fold; a range's:
+// each segment's own), per query or per segment: the undivided weighted values, the exp sum, the max.
 struct Partial {
   float* o;  // D floats per query
   float *sum, *max;
+  float* pre = nullptr;  // a shared prefix's: kSegment floats per query, the scores of its keys past the fold
 };
 
 // A lone decode row's keys cut across threads (as flash-decoding does): this part reads keys
-// [from, to] of the row's one token and leaves Partial results at slot * G + g, merged afterwards.
+// [from, to] (whole segments, but for the last) of the row's one token and leaves each segment's
+// results in Partial slots slot, slot + 1, ... (G entries each), folded afterwards.
 struct KeyRange {
   const Partial* into;
   int64_t from, to, slot;
@@ -338,32 +383,32 @@ struct IntegerKeys {
   }
 };
 
-// One row's one kv head, few queries (decode, or a token and its drafts): for each token, its G query
-// heads' scores 16 keys at a time (a key's D/16 FMAs per head, then one 16-way sum), and the weighted
-// values with each value row read once for up to 4 heads. With `shared` (a row of a group sharing its first `from` keys, whose attention over them is in
-// `shared`), only keys from `from` on are read here, and the two parts are merged. With `range`,
-// only that range's keys, left undivided in its Partial.
+// One row's one kv head, few queries (decode, or a token and its drafts): for each token, segment by
+// segment, its G query heads' scores 16 keys at a time (a key's D/16 FMAs per head, then one 16-way sum),
+// and the weighted values with each value row read once for up to 4 heads, folded. With `shared` (a row
+// of a group sharing its first `from` keys, whose fold over them is in `shared`), only keys from `from` on
+// are read here, continuing that fold. With `range`, only that range's keys, each segment's results left
+// in its Partial slots.
 template <int DV>
 void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr, int64_t from = 0,
-            const KeyRange* range = nullptr) {
+            const KeyRange* range = nullptr, int64_t scored = 0) {
   constexpr int D = DV * 16;
+  constexpr int64_t width = kSegment;
   const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, count = r.count, start = r.start;
-  thread_local std::vector<float> scores, inv, qs, qr, qsc, mx, f, fp, keys;
+  thread_local std::vector<float> scores, qs, qr, qsc, mx, ls, keys, acc, o, l, m;
   thread_local std::vector<int16_t> qsteps;
-  thread_local std::vector<const float*> pre;
   const __m512 scale = _mm512_set1_ps(j.k->scale);
   const bool int8 = j.scale_k != nullptr;
   // stored keys scored in integers where the pool's scales are per 32 numbers
   const bool integer = int8 && DV % 2 == 0 && j.groups * 32 == D;
   keys.resize((size_t)16 * D);
+  scores.resize((size_t)G * width);
+  qs.resize((size_t)G * D);
+  acc.resize((size_t)G * D);
+  o.resize((size_t)G * D);
   for (int64_t s = 0; s < count; s++) {
     const int64_t n = base + s, p = range ? range->to : start + s, own = r.own_block(start + s);
-    const int64_t lo = range ? range->from : shared ? from : r.lowest(p), nk = p - lo + 1;
-    const int64_t width = (nk + 15) / 16 * 16;
-    scores.resize((size_t)G * width);
-    inv.resize((size_t)G);
-    qs.resize((size_t)G * D);
-    mx.assign((size_t)G, -INFINITY);
+    const int64_t first = range ? range->from : shared ? from : r.lowest(p);
     for (int64_t g = 0; g < G; g++) {  // the token's query heads, scaled
       const float* qp = j.qk + (n * (Hq + Hkv) + h * G + g) * D;
       for (int d = 0; d < DV; d++) _mm512_storeu_ps(&qs[g * D + 16 * d], _mm512_mul_ps(_mm512_loadu_ps(qp + 16 * d), scale));
@@ -376,84 +421,102 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
     }
     const float* qstored = int8 ? qr.data() : qs.data();
     const int64_t pooled_end = std::min(own, start);  // keys before it are read from the pool as stored
-    for (int64_t t0 = 0; t0 < nk; t0 += 16) {  // 16 keys at a time for every head: read from memory once
-      const int nt = (int)std::min<int64_t>(16, nk - t0);
-      const __mmask16 valid = (__mmask16)((1u << nt) - 1);
-      if constexpr (DV % 2 == 0) {
-        if (integer && lo + t0 + nt <= pooled_end) {
-          const IntegerKeys<DV> ik(r, lo + t0, nt);
-          for (int64_t i = t0 + 16; i < std::min(nk, t0 + 32); i++) r.key(lo + i).prefetch(DV);
+    l.assign((size_t)G, 0.f);
+    m.assign((size_t)G, 0.f);
+    if (shared)
+      for (int64_t g = 0; g < G; g++) {  // the fold so far: the shared keys'
+        const int64_t q = n * Hq + h * G + g;
+        std::copy(shared->o + q * D, shared->o + (q + 1) * D, &o[g * D]);
+        l[g] = shared->sum[q];
+        m[g] = shared->max[q];
+      }
+    int64_t slot = range ? range->slot : 0;
+    for (int64_t lo = first; lo <= p; lo = segment_last(lo) + 1, slot++) {
+      const int64_t nk = std::min(p, segment_last(lo)) - lo + 1;
+      mx.assign((size_t)G, -INFINITY);
+      for (int64_t t0 = 0; t0 < nk; t0 += 16) {  // 16 keys at a time for every head: read from memory once
+        const int nt = (int)std::min<int64_t>(16, nk - t0);
+        const __mmask16 valid = (__mmask16)((1u << nt) - 1);
+        if (lo + t0 + 16 <= scored) {  // a shared prefix's keys, scored with the group's
           for (int64_t g = 0; g < G; g++) {
-            const __m512 sum = _mm512_mul_ps(ik.scores(&qsteps[g * D]), _mm512_set1_ps(qsc[g]));
-            const __m512 v = j.k->softcap > 0.f ? softcap16(sum, j.k->softcap) : sum;
+            const __m512 v = _mm512_loadu_ps(shared->pre + (n * Hq + h * G + g) * kSegment + (lo + t0 - from));
             _mm512_storeu_ps(&scores[g * width + t0], v);
-            mx[g] = std::max(mx[g], _mm512_mask_reduce_max_ps(valid, v));
+            mx[g] = std::max(mx[g], _mm512_reduce_max_ps(v));
           }
           continue;
         }
-      }
-      KVRow kr[16];
-      bool stored[16];  // read as the pool stores it: scored against the rounded query
-      for (int i = 0; i < nt; i++) {
-        stored[i] = lo + t0 + i < own;
-        kr[i] = r.key(lo + t0 + i, own);
-        if (kr[i].plain()) continue;
-        float* row = &keys[(size_t)i * D];  // an int8 key dequantized once here for all G heads
-        for (int d = 0; d < DV; d++) _mm512_storeu_ps(row + 16 * d, kr[i].load(d));
-        kr[i] = KVRow(row);
-      }
-      for (int64_t i = t0 + 16; i < std::min(nk, t0 + 32); i++) r.key(lo + i).prefetch(DV);  // a pool block apart
-      for (int64_t g = 0; g < G; g++) {
-        __m512 q[DV], part[16];
-        for (int d = 0; d < DV; d++) q[d] = _mm512_loadu_ps(&qs[g * D + 16 * d]);
-        if (!int8) {
-          for (int i = 0; i < nt; i++) {
-            part[i] = _mm512_mul_ps(q[0], kr[i].load(0));
-            for (int d = 1; d < DV; d++) part[i] = _mm512_fmadd_ps(q[d], kr[i].load(d), part[i]);
-          }
-        } else {
-          for (int i = 0; i < nt; i++) {
-            const float* qi = (stored[i] ? qstored : qs.data()) + g * D;
-            part[i] = _mm512_mul_ps(_mm512_loadu_ps(qi), kr[i].load(0));
-            for (int d = 1; d < DV; d++) part[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * d), kr[i].load(d), part[i]);
+        if constexpr (DV % 2 == 0) {
+          if (integer && lo + t0 + nt <= pooled_end) {
+            const IntegerKeys<DV> ik(r, lo + t0, nt);
+            for (int64_t t = lo + t0 + 16; t < std::min(p + 1, lo + t0 + 32); t++) r.key(t).prefetch(DV);
+            for (int64_t g = 0; g < G; g++) {
+              const __m512 sum = _mm512_mul_ps(ik.scores(&qsteps[g * D]), _mm512_set1_ps(qsc[g]));
+              const __m512 v = j.k->softcap > 0.f ? softcap16(sum, j.k->softcap) : sum;
+              _mm512_storeu_ps(&scores[g * width + t0], v);
+              mx[g] = std::max(mx[g], _mm512_mask_reduce_max_ps(valid, v));
+            }
+            continue;
           }
         }
-        for (int i = nt; i < 16; i++) part[i] = _mm512_setzero_ps();
-        const __m512 v = j.k->softcap > 0.f ? softcap16(sum16(part), j.k->softcap) : sum16(part);
-        _mm512_storeu_ps(&scores[g * width + t0], v);
-        mx[g] = std::max(mx[g], _mm512_mask_reduce_max_ps(valid, v));
+        KVRow kr[16];
+        bool stored[16];  // read as the pool stores it: scored against the rounded query
+        for (int i = 0; i < nt; i++) {
+          stored[i] = lo + t0 + i < own;
+          kr[i] = r.key(lo + t0 + i, own);
+          if (kr[i].plain()) continue;
+          float* row = &keys[(size_t)i * D];  // an int8 key dequantized once here for all G heads
+          for (int d = 0; d < DV; d++) _mm512_storeu_ps(row + 16 * d, kr[i].load(d));
+          kr[i] = KVRow(row);
+        }
+        for (int64_t t = lo + t0 + 16; t < std::min(p + 1, lo + t0 + 32); t++) r.key(t).prefetch(DV);  // a block apart
+        for (int64_t g = 0; g < G; g++) {
+          __m512 q[DV], part[16];
+          for (int d = 0; d < DV; d++) q[d] = _mm512_loadu_ps(&qs[g * D + 16 * d]);
+          if (!int8) {
+            for (int i = 0; i < nt; i++) {
+              part[i] = _mm512_mul_ps(q[0], kr[i].load(0));
+              for (int d = 1; d < DV; d++) part[i] = _mm512_fmadd_ps(q[d], kr[i].load(d), part[i]);
+            }
+          } else {
+            for (int i = 0; i < nt; i++) {
+              const float* qi = (stored[i] ? qstored : qs.data()) + g * D;
+              part[i] = _mm512_mul_ps(_mm512_loadu_ps(qi), kr[i].load(0));
+              for (int d = 1; d < DV; d++) part[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * d), kr[i].load(d), part[i]);
+            }
+          }
+          for (int i = nt; i < 16; i++) part[i] = _mm512_setzero_ps();
+          const __m512 v = j.k->softcap > 0.f ? softcap16(sum16(part), j.k->softcap) : sum16(part);
+          _mm512_storeu_ps(&scores[g * width + t0], v);
+          mx[g] = std::max(mx[g], _mm512_mask_reduce_max_ps(valid, v));
+        }
+      }
+      ls.resize((size_t)G);
+      for (int64_t g = 0; g < G; g++) ls[g] = exp_in_place(&scores[g * width], 0, nk - 1, mx[g]);
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const float* sc = &scores[g0 * width];
+        float* out = &acc[g0 * D];
+        switch (std::min<int64_t>(4, G - g0)) {
+          case 1: weigh_values<DV, 1>(r, lo, nk, p, own, sc, width, out); break;
+          case 2: weigh_values<DV, 2>(r, lo, nk, p, own, sc, width, out); break;
+          case 3: weigh_values<DV, 3>(r, lo, nk, p, own, sc, width, out); break;
+          default: weigh_values<DV, 4>(r, lo, nk, p, own, sc, width, out);
+        }
+      }
+      for (int64_t g = 0; g < G; g++) {
+        if (range) {  // this segment's own results
+          const int64_t i = slot * G + g;
+          std::copy(&acc[g * D], &acc[(g + 1) * D], range->into->o + i * D);
+          range->into->sum[i] = ls[g];
+          range->into->max[i] = mx[g];
+          continue;
+        }
+        __m512 a[DV];
+        for (int d = 0; d < DV; d++) a[d] = _mm512_loadu_ps(&acc[g * D + 16 * d]);
+        fold<DV>(&o[g * D], &l[g], &m[g], a, ls[g], mx[g]);
       }
     }
-    for (int64_t g = 0; g < G; g++) inv[g] = exp_in_place(&scores[g * width], 0, nk - 1, mx[g]);
-    f.resize((size_t)G);
-    fp.resize((size_t)G);
-    pre.resize((size_t)G);
-    for (int64_t g = 0; g < G; g++) {
-      f[g] = range ? 1.f : inv[g];
-      if (range) {
-        range->into->max[range->slot * G + g] = mx[g];
-        range->into->sum[range->slot * G + g] = 1.f / inv[g];
-      }
-      if (!shared) continue;
-      const int64_t q = n * Hq + h * G + g;  // merge: both parts rescaled to the larger max
-      const float m = std::max(mx[g], shared->max[q]);
-      const float a = std::exp(mx[g] - m), b = std::exp(shared->max[q] - m);
-      const float denom = a / inv[g] + b * shared->sum[q];
-      f[g] = a / denom;
-      fp[g] = b / denom;
-      pre[g] = shared->o + q * D;
-    }
-    for (int64_t g0 = 0; g0 < G; g0 += 4) {
-      float* o = range ? range->into->o + (range->slot * G + g0) * D : j.out + n * Hq * D + (h * G + g0) * D;
-      const float* sc = &scores[g0 * width];
-      const float* const* pp = shared ? &pre[g0] : nullptr;
-      switch (std::min<int64_t>(4, G - g0)) {
-        case 1: weigh_values<DV, 1>(r, lo, nk, own, sc, width, &f[g0], pp, &fp[g0], o); break;
-        case 2: weigh_values<DV, 2>(r, lo, nk, own, sc, width, &f[g0], pp, &fp[g0], o); break;
-        case 3: weigh_values<DV, 3>(r, lo, nk, own, sc, width, &f[g0], pp, &fp[g0], o); break;
-        default: weigh_values<DV, 4>(r, lo, nk, own, sc, width, &f[g0], pp, &fp[g0], o);
-      }
-    }
+    if (!range)
+      for (int64_t g = 0; g < G; g++) finish<DV>(&o[g * D], l[g], j.out + n * Hq * D + (h * G + g) * D);
   }
 }
 
@@ -513,47 +576,69 @@ void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int
   }
 }
 
-// scores of up to kScoreRows queries (q: rows of D; all kScoreRows rows are read) against NB blocks of
-// 16 transposed keys, into rows of `stride`
-template <int D, int NB>
-inline void score_blocks(const float* q, const float* blk, float* out, int64_t stride, int64_t nr) {
-  __m512 acc[kScoreRows][NB];
-  for (int r = 0; r < kScoreRows; r++)
-    for (int b = 0; b < NB; b++) acc[r][b] = _mm512_setzero_ps();
-  for (int d = 0; d < D; d++) {
-    __m512 k[NB];
-    for (int b = 0; b < NB; b++) k[b] = _mm512_loadu_ps(blk + (b * D + d) * 16);
-    for (int r = 0; r < kScoreRows; r++) {
-      const __m512 x = _mm512_set1_ps(q[r * D + d]);
-      for (int b = 0; b < NB; b++) acc[r][b] = _mm512_fmadd_ps(x, k[b], acc[r][b]);
+// scores of R queries (q: rows of D) against NB blocks of 16 transposed keys, into rows of `stride` (nr of
+// them stored): the arithmetic of `attend`'s scores, lane by lane. Lane l's chain over the chunks c
+// (q[16c + l] * k[16c + l]) is one leaf; the leaves are added in sum16's tree,
+// (((0+2)+(1+3)) + ((4+6)+(5+7))) + (((8+10)+(9+11)) + ((12+14)+(13+15))).
+template <int D, int NB, int R>
+inline void score_tree(const float* q, const float* blk, float* out, int64_t stride, int64_t nr) {
+  constexpr int DV = D / 16;
+  auto leaf = [&](int l, __m512 x[R][NB]) {
+    for (int b = 0; b < NB; b++) {
+      const __m512 k = _mm512_loadu_ps(blk + (b * D + l) * 16);
+      for (int r = 0; r < R; r++) x[r][b] = _mm512_mul_ps(_mm512_set1_ps(q[r * D + l]), k);
     }
+    for (int c = 1; c < DV; c++)
+      for (int b = 0; b < NB; b++) {
+        const __m512 k = _mm512_loadu_ps(blk + (b * D + 16 * c + l) * 16);
+        for (int r = 0; r < R; r++) x[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + 16 * c + l]), k, x[r][b]);
+      }
+  };
+  __m512 half[2][R][NB];
+  for (int Q = 0; Q < 4; Q++) {  // the quarters of the lanes
+    __m512 x0[R][NB], x1[R][NB], y[R][NB];
+    leaf(4 * Q, x0);
+    leaf(4 * Q + 2, y);
+    for (int r = 0; r < R; r++)
+      for (int b = 0; b < NB; b++) x0[r][b] = _mm512_add_ps(x0[r][b], y[r][b]);
+    leaf(4 * Q + 1, x1);
+    leaf(4 * Q + 3, y);
+    for (int r = 0; r < R; r++)
+      for (int b = 0; b < NB; b++) {
+        const __m512 quarter = _mm512_add_ps(x0[r][b], _mm512_add_ps(x1[r][b], y[r][b]));
+        half[Q / 2][r][b] = Q % 2 ? _mm512_add_ps(half[Q / 2][r][b], quarter) : quarter;
+      }
   }
   for (int r = 0; r < nr; r++)
-    for (int b = 0; b < NB; b++) _mm512_storeu_ps(out + r * stride + 16 * b, acc[r][b]);
+    for (int b = 0; b < NB; b++) _mm512_storeu_ps(out + r * stride + 16 * b, _mm512_add_ps(half[0][r][b], half[1][r][b]));
 }
 
-// the same against `blocks` (1 or 2) blocks
+// the same for nr <= kScoreRows queries (all kScoreRows rows are read) against `blocks` (1 or 2) blocks
 template <int D>
 inline void score(const float* q, const float* blk, float* out, int64_t stride, int64_t nr, int64_t blocks) {
   if (blocks == 2)
-    score_blocks<D, 2>(q, blk, out, stride, nr);
+    score_tree<D, 2, kScoreRows>(q, blk, out, stride, nr);
   else
-    score_blocks<D, 1>(q, blk, out, stride, nr);
+    score_tree<D, 1, kScoreRows>(q, blk, out, stride, nr);
 }
 
 // queries per value row read: as many as keep their accumulators (DV registers each) in registers
 template <int DV>
 constexpr int kValueRows = std::clamp(24 / DV, 1, 8);
 
-// acc[i] = sum over positions u in [u_lo, u_hi] of sc[i][u] * value(u), for kValueRows queries per value row read
+// acc[i] = sum over positions u in [u_lo, u_hi] of sc[i][u] * value(u), for kValueRows queries per value row
+// read; query i reads the values from own[i] on exact (two-tier pools; INT64_MAX: none), as `attend` does
 template <int DV>
-inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, const float* const* sc, __m512 acc[][DV]) {
+inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, int64_t last, const float* const* sc,
+                  __m512 acc[][DV], const int64_t* own) {
   constexpr int NQ = kValueRows<DV>;
   for (int i = 0; i < NQ; i++)
     for (int d = 0; d < DV; d++) acc[i][d] = _mm512_setzero_ps();
-  for (int64_t u = u_lo; u <= u_hi; u++) {
+  const int64_t exact_from = *std::min_element(own, own + NQ);
+  int64_t u = u_lo;
+  for (; u <= std::min(u_hi, exact_from - 1); u++) {
     const KVRow vr = r.value(u);
-    if (u + 16 <= u_hi) r.value(u + 16).prefetch(DV);
+    if (u + 16 <= last) r.value(u + 16).prefetch(DV);  // on past the segment
     __m512 v[DV];
     vr.load_all<DV>(v);
     for (int i = 0; i < NQ; i++) {
@@ -561,27 +646,84 @@ inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, const float* con
       for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
     }
   }
+  for (; u <= u_hi; u++) {  // each query's own block: the exact rows from its own[i], as stored before
+    __m512 stored[DV], exact[DV];
+    r.value(u).load_all<DV>(stored);
+    r.value(u, u).load_all<DV>(exact);
+    for (int i = 0; i < NQ; i++) {
+      const __m512 w = _mm512_set1_ps(sc[i][u]);
+      const __m512* v = u >= own[i] ? exact : stored;
+      for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
+    }
+  }
+}
+
+// v's lanes added in sum16's tree (a key's score, as `attend` sums its lanes)
+inline float tree16(__m512 v) {
+  alignas(64) float x[16];
+  _mm512_store_ps(x, v);
+  auto quarter = [&](int q) { return (x[4 * q] + x[4 * q + 2]) + (x[4 * q + 1] + x[4 * q + 3]); };
+  return (quarter(0) + quarter(1)) + (quarter(2) + quarter(3));
 }
 
 // Two-tier pools: the keys transposed for a prefill chunk are the stored ones, so each query's scores
-// over its own block's keys [own, p] are computed again from the exact rows ...
+// over its own block's keys [own, p] are computed again from the exact rows, as `attend` computes them.
 template <int DV>
 inline void own_block_scores(const RowHead& r, const float* q, int64_t own, int64_t p, float* sc) {
   for (int64_t t = own; t <= p; t++) {
     const KVRow k = r.key(t, own);
-    __m512 acc = _mm512_setzero_ps();
-    for (int d = 0; d < DV; d++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * d), k.load(d), acc);
-    sc[t] = _mm512_reduce_add_ps(acc);
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), k.load(0));
+    for (int d = 1; d < DV; d++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * d), k.load(d), acc);
+    sc[t] = tree16(acc);
   }
 }
 
-// ... and their weighted values, summed over the stored rows, take the exact rows' differences.
-template <int DV>
-inline void own_block_values(const RowHead& r, int64_t own, int64_t p, const float* sc, __m512 acc[DV]) {
-  for (int64_t u = own; u <= p; u++) {
-    const KVRow exact = r.value(u, own), stored = r.value(u);
-    const __m512 w = _mm512_set1_ps(sc[u]);
-    for (int d = 0; d < DV; d++) acc[d] = _mm512_fmadd_ps(w, _mm512_sub_ps(exact.load(d), stored.load(d)), acc[d]);
+// Per query of a group (nq of them), over keys [lo, last]: with its scores sc(i)[t] for t in [first(i), p(i)]
+// (zero elsewhere in [lo, last]), segment by segment: its exp sums, weighted values (kValueRows queries per
+// value row read) and the fold, into o (D floats a query), l, m. sc(i) and first(i), p(i), own(i) callables.
+template <int DV, class Scores, class First, class Last, class Own>
+void softmax_values(const RowHead& r, int64_t nq, int64_t lo, int64_t last, Scores sc, First first, Last plast,
+                    Own own, float* o, float* l, float* m) {
+  constexpr int D = DV * 16, NQ = kValueRows<DV>;
+  thread_local std::vector<float> smax, ssum;
+  thread_local std::vector<int64_t> x, y;
+  smax.resize((size_t)nq);
+  ssum.resize((size_t)nq);
+  x.resize((size_t)nq);
+  y.resize((size_t)nq);
+  std::fill(l, l + nq, 0.f);
+  for (int64_t a = lo; a <= last; a = segment_last(a) + 1) {
+    const int64_t b = std::min(last, segment_last(a));
+    for (int64_t i = 0; i < nq; i++) {  // query i's part of the segment: [x, y]
+      x[i] = std::max(a, first(i));
+      y[i] = std::min(b, plast(i));
+      if (x[i] > y[i]) continue;
+      float* s = sc(i);
+      smax[i] = max_of(s, x[i], y[i]);
+      ssum[i] = exp_in_place(s, x[i], y[i], smax[i]);
+    }
+    for (int64_t i0 = 0; i0 < nq; i0 += NQ) {
+      const int64_t nr = std::min<int64_t>(NQ, nq - i0);
+      int64_t u_lo = INT64_MAX, u_hi = -1;
+      const float* rows[NQ];
+      int64_t owns[NQ];
+      for (int rr = 0; rr < NQ; rr++) {
+        const int64_t i = i0 + std::min<int64_t>(rr, nr - 1);
+        rows[rr] = sc(i);
+        owns[rr] = own(i);
+        if (rr < nr && x[i] <= y[i]) {
+          u_lo = std::min(u_lo, x[i]);
+          u_hi = std::max(u_hi, y[i]);
+        }
+      }
+      if (u_hi < 0) continue;
+      __m512 acc[NQ][DV];
+      weigh<DV>(r, u_lo, u_hi, last, rows, acc, owns);
+      for (int rr = 0; rr < nr; rr++) {
+        const int64_t i = i0 + rr;
+        if (x[i] <= y[i]) fold<DV>(o + i * D, &l[i], &m[i], acc[rr], ssum[i], smax[i]);
+      }
+    }
   }
 }
 
@@ -590,7 +732,7 @@ template <int DV>
 void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t key0, int64_t q0, int64_t nq) {
   constexpr int D = DV * 16;
   const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, start = r.start;
-  thread_local std::vector<float> qs, qr, scores, inv;
+  thread_local std::vector<float> qs, qr, scores, o, l, m;
   qs.resize((size_t)(QG + kScoreRows) * D);  // rows past nq are read, not stored
   const int64_t p_first = start + q0 / G, p_last = start + (q0 + nq - 1) / G;
   const int64_t c_first = (r.lowest(p_first) - key0) / 16, lo = key0 + c_first * 16;
@@ -602,7 +744,7 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
     for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
   }
   const float* qstored = j.scale_k ? rounded_queries(qs.data(), nq, D, qr) : qs.data();
-  for (int64_t t0 = lo; t0 <= p_last; t0 += 32) {  // 2 key blocks x 8 queries: a key row load serves 8 FMAs
+  for (int64_t t0 = lo; t0 <= p_last; t0 += 32) {  // 2 key blocks x 8 queries a call
     const float* blk = kt + (t0 - key0) / 16 * D * 16;
     const int64_t blocks = t0 + 16 - lo < width ? 2 : 1;
     for (int64_t i0 = 0; i0 < nq; i0 += kScoreRows) {
@@ -612,36 +754,24 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
       score<D>(qstored + i0 * D, blk, &scores[i0 * width + (t0 - lo)], width, nr, blocks);
     }
   }
-  inv.resize((size_t)nq);
-  for (int64_t i = 0; i < nq; i++) {  // softmax of each query's scores; zero outside its keys
-    const int64_t p = start + (q0 + i) / G, first = r.lowest(p);
-    float* sc = &scores[i * width] - lo;  // sc[t] for t in [lo, lo + width)
-    if (j.tail_k) own_block_scores<DV>(r, &qs[i * D], std::max(first, r.own_block(p)), p, sc);
-    if (j.k->softcap > 0.f) softcap_in_place(sc, first, p, j.k->softcap);
-    float mx = -INFINITY;
-    for (int64_t t = first; t <= p; t++) mx = std::max(mx, sc[t]);
-    inv[i] = exp_in_place(sc, first, p, mx);
-    std::fill(sc + lo, sc + first, 0.f);
-    std::fill(sc + p + 1, sc + lo + width, 0.f);
+  auto pos = [&](int64_t i) { return start + (q0 + i) / G; };
+  auto sc = [&](int64_t i) { return &scores[i * width] - lo; };  // sc(i)[t] for t in [lo, lo + width)
+  for (int64_t i = 0; i < nq; i++) {  // exact own blocks, the soft cap; zero outside each query's keys
+    const int64_t p = pos(i), first = r.lowest(p);
+    float* s = sc(i);
+    if (j.tail_k) own_block_scores<DV>(r, &qs[i * D], std::max(first, r.own_block(p)), p, s);
+    if (j.k->softcap > 0.f) softcap_in_place(s, first, p, j.k->softcap);
+    std::fill(s + lo, s + first, 0.f);
+    std::fill(s + p + 1, s + lo + width, 0.f);
   }
-  constexpr int NQ = kValueRows<DV>;
-  for (int64_t i0 = 0; i0 < nq; i0 += NQ) {  // weighted values, NQ queries per value row read
-    const int64_t nr = std::min<int64_t>(NQ, nq - i0);
-    const int64_t u_lo = r.lowest(start + (q0 + i0) / G), u_hi = start + (q0 + i0 + nr - 1) / G;
-    const float* sc[NQ];
-    for (int rr = 0; rr < NQ; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, nr - 1)) * width] - lo;
-    __m512 acc[NQ][DV];
-    weigh<DV>(r, u_lo, u_hi, sc, acc);
-    for (int rr = 0; rr < nr; rr++) {
-      const int64_t qi = q0 + i0 + rr, n = base + qi / G, head = h * G + qi % G;
-      if (j.tail_k) {
-        const int64_t p = start + qi / G;
-        own_block_values<DV>(r, std::max(r.lowest(p), r.own_block(p)), p, sc[rr], acc[rr]);
-      }
-      const __m512 s = _mm512_set1_ps(inv[i0 + rr]);
-      float* o = j.out + n * Hq * D + head * D;
-      for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[rr][d], s));
-    }
+  o.resize((size_t)nq * D);
+  l.resize((size_t)nq);
+  m.resize((size_t)nq);
+  softmax_values<DV>(r, nq, lo, p_last, sc, [&](int64_t i) { return r.lowest(pos(i)); }, pos,
+                     [&](int64_t i) { return r.own_block(pos(i)); }, o.data(), l.data(), m.data());
+  for (int64_t i = 0; i < nq; i++) {
+    const int64_t qi = q0 + i, n = base + qi / G, head = h * G + qi % G;
+    finish<DV>(&o[i * D], l[i], j.out + n * Hq * D + head * D);
   }
 }
 
@@ -651,21 +781,22 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
 // later keys and merges the two parts.
 struct SharedGroup {
   std::vector<int64_t> rows;
-  int64_t keys = 0;  // a multiple of 16
-  float* kt = nullptr;  // kv head h's transposed keys at kt + h * keys * D
+  int64_t keys = 0;  // the shared keys folded together: whole segments
+  int64_t scored = 0;  // the shared keys scored together: whole blocks of 16, keys .. keys + kSegment - 1
+  float* kt = nullptr;  // kv head h's transposed keys at kt + h * scored * D
 };
 
 // Queries q0 .. q0 + nq - 1 of a group's kv head h (query i: row rows[i / G]'s one token, head
-// h * G + i % G) over the group's shared keys: Partial results.
+// h * G + i % G) over the group's shared keys (whole segments, all stored): the fold over them.
 template <int DV>
 void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t q0, int64_t nq, const Partial& out) {
   constexpr int D = DV * 16;
-  const int64_t Hq = j.k->num_heads, Hkv = j.k->num_kv_heads, G = Hq / Hkv, keys = grp.keys;
-  const float* kt = grp.kt + h * keys * D;
+  const int64_t Hq = j.k->num_heads, Hkv = j.k->num_kv_heads, G = Hq / Hkv, keys = grp.keys, scored = grp.scored;
+  const float* kt = grp.kt + h * scored * D;
   const RowHead r(j, (size_t)(grp.rows[0] * Hkv + h), D);  // the pool rows of the shared positions
-  thread_local std::vector<float> qs, qr, scores;
+  thread_local std::vector<float> qs, qr, scores, o, l, m;
   qs.resize((size_t)(QG + kScoreRows) * D);  // rows past nq are read, not stored
-  scores.resize((size_t)nq * keys);
+  scores.resize((size_t)nq * scored);
   auto query = [&](int64_t i) { return j.qidx[grp.rows[(q0 + i) / G] * j.S] * Hq + h * G + (q0 + i) % G; };
   for (int64_t i = 0; i < nq; i++) {
     const int64_t q = query(i), n = q / Hq, head = q % Hq;
@@ -673,28 +804,26 @@ void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t 
     for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
   }
   const float* qstored = j.scale_k ? rounded_queries(qs.data(), nq, D, qr) : qs.data();
-  for (int64_t t0 = 0; t0 < keys; t0 += 32)
+  for (int64_t t0 = 0; t0 < scored; t0 += 32)
     for (int64_t i0 = 0; i0 < nq; i0 += kScoreRows)
-      score<D>(qstored + i0 * D, kt + t0 * D, &scores[i0 * keys + t0], keys, std::min<int64_t>(kScoreRows, nq - i0),
-               t0 + 16 < keys ? 2 : 1);
+      score<D>(qstored + i0 * D, kt + t0 * D, &scores[i0 * scored + t0], scored, std::min<int64_t>(kScoreRows, nq - i0),
+               t0 + 16 < scored ? 2 : 1);
+  if (j.k->softcap > 0.f)
+    for (int64_t i = 0; i < nq; i++) softcap_in_place(&scores[i * scored], 0, scored - 1, j.k->softcap);
+  for (int64_t i = 0; i < nq; i++)  // the scores past the whole segments, for each row to take up
+    std::copy(&scores[i * scored + keys], &scores[(i + 1) * scored], out.pre + query(i) * kSegment);
+  o.resize((size_t)nq * D);
+  l.assign((size_t)nq, 0.f);
+  m.resize((size_t)nq);
+  if (keys > 0)
+    softmax_values<DV>(r, nq, 0, keys - 1, [&](int64_t i) { return &scores[i * scored]; },
+                       [](int64_t) { return int64_t{0}; }, [&](int64_t) { return keys - 1; },
+                       [](int64_t) { return INT64_MAX; }, o.data(), l.data(), m.data());
   for (int64_t i = 0; i < nq; i++) {
-    float* sc = &scores[i * keys];
-    if (j.k->softcap > 0.f) softcap_in_place(sc, 0, keys - 1, j.k->softcap);
-    __m512 vmx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < keys; t += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(sc + t));
     const int64_t q = query(i);
-    out.max[q] = _mm512_reduce_max_ps(vmx);
-    out.sum[q] = 1.f / exp_in_place(sc, 0, keys - 1, out.max[q]);
-  }
-  constexpr int NQ = kValueRows<DV>;
-  for (int64_t i0 = 0; i0 < nq; i0 += NQ) {  // NQ queries per value row read
-    const int64_t nr = std::min<int64_t>(NQ, nq - i0);
-    const float* sc[NQ];
-    for (int rr = 0; rr < NQ; rr++) sc[rr] = &scores[(i0 + std::min<int64_t>(rr, nr - 1)) * keys];
-    __m512 acc[NQ][DV];
-    weigh<DV>(r, 0, keys - 1, sc, acc);
-    for (int rr = 0; rr < nr; rr++)
-      for (int d = 0; d < DV; d++) _mm512_storeu_ps(out.o + query(i0 + rr) * D + 16 * d, acc[rr][d]);
+    std::copy(&o[i * D], &o[(i + 1) * D], out.o + q * D);
+    out.sum[q] = l[i];
+    out.max[q] = m[i];
   }
 }
 
@@ -750,24 +879,21 @@ void transpose_item(const AttnJob& j, const Plan& plan, size_t item) {
   transpose_keys<DV>(r, c.key0, c.last, c.kt, c.c0, c.c1);
 }
 
-// the ranges' results rescaled to their largest max, summed and divided by their summed weights
+// the ranges' segments (count of them from slot `first`) folded in key order, then divided
 template <int DV>
 void merge_ranges(const AttnJob& j, const Plan& plan, const RowHead& r, int64_t first, int64_t count) {
   constexpr int D = DV * 16;
   const Partial& p = plan.split;
   for (int64_t g = 0; g < r.G; g++) {
-    float m = -INFINITY, den = 0.f;
-    for (int64_t c = 0; c < count; c++) m = std::max(m, p.max[(first + c) * r.G + g]);
-    __m512 acc[DV];
-    for (int d = 0; d < DV; d++) acc[d] = _mm512_setzero_ps();
+    alignas(64) float o[D];
+    float l = 0.f, m = 0.f;
     for (int64_t c = 0; c < count; c++) {
       const int64_t i = (first + c) * r.G + g;
-      const float w = std::exp(p.max[i] - m);
-      den += w * p.sum[i];
-      for (int d = 0; d < DV; d++) acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(p.o + i * D + 16 * d), acc[d]);
+      __m512 acc[DV];
+      for (int d = 0; d < DV; d++) acc[d] = _mm512_loadu_ps(p.o + i * D + 16 * d);
+      fold<DV>(o, &l, &m, acc, p.sum[i], p.max[i]);
     }
-    float* o = j.out + r.base * r.Hq * D + (r.h * r.G + g) * D;
-    for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + 16 * d, _mm512_mul_ps(acc[d], _mm512_set1_ps(1.f / den)));
+    finish<DV>(o, l, j.out + r.base * r.Hq * D + (r.h * r.G + g) * D);
   }
 }
 
@@ -780,7 +906,7 @@ void run_part(const AttnJob& j, const Plan& plan, const Part& part) {
   const RowHead r(j, (size_t)part.row_head, DV * 16);
   switch (part.kind) {
     case PartKind::kPrefill: return attend_group<DV>(j, r, part.many->kt, part.many->key0, part.a, part.b);
-    case PartKind::kSharedRow: return attend<DV>(j, r, &plan.shared, part.shared->keys);
+    case PartKind::kSharedRow: return attend<DV>(j, r, &plan.shared, part.shared->keys, nullptr, part.shared->scored);
     case PartKind::kKeyRange: {
       const KeyRange range{&plan.split, part.a, part.b, part.slot};
       return attend<DV>(j, r, nullptr, 0, &range);
@@ -860,8 +986,9 @@ void find_shared(const AttnJob& j, Plan& plan) {
         while (same < limit && j.tables[b * j.MB + same] == j.tables[b0 * j.MB + same]) same++;
         blocks = same;
       }
-      grp.keys = blocks * j.bs / 16 * 16;
-      if (grp.keys >= 32) {
+      grp.scored = blocks * j.bs / 16 * 16;
+      grp.keys = grp.scored / kSegment * kSegment;  // whole segments
+      if (grp.scored >= 32) {
         for (size_t k = i; k < e; k++) grp.rows.push_back(first[k].second);
         plan.groups.push_back(std::move(grp));
       }
@@ -891,7 +1018,7 @@ void make_plan(const AttnJob& j, Plan& plan) {
   }
   find_shared(j, plan);
   for (const SharedGroup& grp : plan.groups) {
-    floats += (size_t)(Hkv * grp.keys * D);
+    floats += (size_t)(Hkv * grp.scored * D);
     for (int64_t b : grp.rows) plan.role[b] = 2;
   }
   plan.kt.resize(floats);
@@ -905,16 +1032,17 @@ void make_plan(const AttnJob& j, Plan& plan) {
   }
   for (SharedGroup& grp : plan.groups) {
     grp.kt = at;
-    at += Hkv * grp.keys * D;
+    at += Hkv * grp.scored * D;
     for (int64_t h = 0; h < Hkv; h++)
-      for (int64_t c = 0; c < grp.keys / 16; c += kChunkBlocks)
-        plan.chunks.push_back({grp.rows[0] * Hkv + h, 0, grp.keys - 1, grp.kt + h * grp.keys * D, c,
-                               std::min(grp.keys / 16, c + kChunkBlocks)});
+      for (int64_t c = 0; c < grp.scored / 16; c += kChunkBlocks)
+        plan.chunks.push_back({grp.rows[0] * Hkv + h, 0, grp.scored - 1, grp.kt + h * grp.scored * D, c,
+                               std::min(grp.scored / 16, c + kChunkBlocks)});
   }
   if (!plan.groups.empty()) {
     const int64_t N = j.N, Hq = j.k->num_heads;
-    plan.partial.resize((size_t)(N * Hq * (D + 2)));
-    plan.shared = {plan.partial.data(), plan.partial.data() + N * Hq * D, plan.partial.data() + N * Hq * (D + 1)};
+    plan.partial.resize((size_t)(N * Hq * (D + 2 + kSegment)));
+    float* part = plan.partial.data();
+    plan.shared = {part, part + N * Hq * D, part + N * Hq * (D + 1), part + N * Hq * (D + 2)};
   }
   for (const ManyRow& mr : plan.many) {  // latest groups first, across rows
     const RowHead r(j, (size_t)mr.row_head, D);
@@ -930,7 +1058,7 @@ void make_plan(const AttnJob& j, Plan& plan) {
       for (int64_t b : grp.rows) plan.after.push_back({PartKind::kSharedRow, b * Hkv + h, 0, 0, 0, nullptr, &grp});
   }
   // Decode rows alone in a step (nothing else to keep the threads busy): a long context's keys in
-  // ranges of 256 or more, enough of them for ~8 items, merged afterwards.
+  // ranges of whole segments, 256 keys or more, enough of them for ~8 items, folded afterwards.
   int64_t decode_rows = 0;
   for (int64_t b = 0; b < j.B; b++) decode_rows += plan.role[b] == 0;
   const bool cut = decode_rows == j.B && decode_rows * Hkv < 8 && j.k->window == 0;
@@ -939,15 +1067,19 @@ void make_plan(const AttnJob& j, Plan& plan) {
     for (int64_t b = 0; b < j.B; b++) {
       if (plan.role[b] != 0) continue;
       const RowHead r(j, (size_t)(b * Hkv + h), D);
-      const int64_t keys = r.start + 1, ranges = std::min<int64_t>(keys / 256, (8 + decode_rows * Hkv - 1) / (decode_rows * Hkv));
+      const int64_t keys = r.start + 1, segments = (keys + kSegment - 1) / kSegment;
+      const int64_t ranges = std::min<int64_t>(keys / 256, (8 + decode_rows * Hkv - 1) / (decode_rows * Hkv));
       if (!cut || r.count != 1 || ranges < 2) {
         plan.parts.push_back({PartKind::kDecode, b * Hkv + h});
         continue;
       }
-      for (int64_t c = 0; c < ranges; c++)
-        plan.parts.push_back({PartKind::kKeyRange, b * Hkv + h, keys * c / ranges, keys * (c + 1) / ranges - 1, slots + c});
-      plan.after.push_back({PartKind::kMerge, b * Hkv + h, slots, ranges});
-      slots += ranges;
+      for (int64_t c = 0; c < ranges; c++) {
+        const int64_t s0 = segments * c / ranges, s1 = segments * (c + 1) / ranges;
+        plan.parts.push_back({PartKind::kKeyRange, b * Hkv + h, s0 * kSegment, std::min(keys, s1 * kSegment) - 1,
+                              slots + s0});
+      }
+      plan.after.push_back({PartKind::kMerge, b * Hkv + h, slots, segments});
+      slots += segments;
     }
   if (slots) {
     plan.ranges.resize((size_t)(slots * G * (D + 2)));
