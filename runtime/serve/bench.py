@@ -179,6 +179,7 @@ def run_bench(engine, args) -> dict:
         "backend": engine.backend.name, "device": ",".join(getattr(engine.backend, "providers", [])),
         "matmul_kernel": getattr(engine.backend, "matmul_kernel", None),
         "attention_kernel": getattr(engine.backend, "attention_kernel", None),
+        "batch_invariant": getattr(engine.backend, "batch_invariant", None),
         "kv_blocks": engine.scheduler.allocator.num_blocks, "kv_block_size": engine.block_size,
         "speculative_tokens": engine.config.speculative_tokens, "speculative_max_batch": engine.config.speculative_max_batch,
         "ttft_ms": round(1000 * med(r["ttft"] for r in short), 1),

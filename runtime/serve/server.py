@@ -205,8 +205,11 @@ def model_cards(models: dict[str, ServedModel]) -> list[dict]:
     """GET /v1/models: each package, then its adapters with their `parent` (as vLLM lists them)."""
     cards = []
     for m in models.values():
+        backend = getattr(getattr(m.engine, "engine", None), "backend", None)  # a local engine's; Ray's: unknown
+        why = getattr(backend, "batch_invariance", None)  # None: a backend that does not say
         cards.append({"id": m.name, "object": "model", "created": m.created, "owned_by": "ruvllm", "root": m.name,
-                      "parent": None})
+                      "parent": None, "batch_invariant": None if why is None else not why,
+                      **({"batch_invariance": why} if why else {})})
         for name, path in m.engine.adapter_paths().items():
             cards.append({"id": name, "object": "model", "created": m.created, "owned_by": "ruvllm",
                           "root": path, "parent": m.name})

@@ -214,20 +214,16 @@ inline void round_rows(const float* from, int64_t stride, int64_t n, int64_t D, 
 
 // A query as an int8 pool's stored keys meet it: rounded to 16-bit steps of its largest magnitude / 32767
 // (fp32; to nearest even), one scale for the row. Its error is a few hundred times smaller than the
-// keys' own, and the scores over stored keys become integer products (vpdpwssd against the keys widened
-// to 16 bits, in `attend`) times the key's group scales and this one. Every path (decode, prefill, shared
-// prefix) uses the same rounded query, so a position's score does not depend on the path its step took.
-// `rounded` holds it as floats, `steps` (where given: the integer path's) as integers; returns the scale.
-inline float round_query(const float* q, int64_t D, float* rounded, int16_t* steps = nullptr) {
+// keys' own. Every path (decode, prefill, shared prefix) uses the same rounded query, so a position's
+// score does not depend on the path its step took. (Scoring those steps against the keys in integers,
+// vpdpwssd, was faster on decode rows; the prefill and shared-prefix paths would need the same integer
+// sums for a row to keep its numbers across them, so every path now scores in fp32.)
+inline void round_query(const float* q, int64_t D, float* rounded) {
   float m = 0.f;
   for (int64_t d = 0; d < D; d++) m = std::max(m, std::fabs(q[d]));
   const float s = m / 32767.f;
-  for (int64_t d = 0; d < D; d++) {
-    const float x = s > 0.f ? std::min(32767.f, std::max(-32767.f, std::nearbyint(q[d] / s))) : 0.f;
-    rounded[d] = x * s;
-    if (steps) steps[d] = (int16_t)x;
-  }
-  return s;
+  for (int64_t d = 0; d < D; d++)
+    rounded[d] = s > 0.f ? std::min(32767.f, std::max(-32767.f, std::nearbyint(q[d] / s))) * s : 0.f;
 }
 
 constexpr int kScoreRows = 8;  // queries per score_blocks call
@@ -347,42 +343,6 @@ struct KeyRange {
   int64_t from, to, slot;
 };
 
-// Up to 16 stored int8 keys from position t, widened to 16 bits once for a token's G rounded queries
-// (round_query): each group of 32 numbers is one vpdpwssd, its lanes times the key's group scale; the sum
-// of the lanes, times the query's scale, is the score. Keys past nt score zero.
-template <int DV>
-struct IntegerKeys {
-  static constexpr int W = DV / 2;  // groups of 32 numbers: 32 int16 each, one register
-  __m512i k[16][W];
-  __m512 scale[16][W];
-  int nt = 0;
-  IntegerKeys(const RowHead& r, int64_t t, int n) : nt(n) {
-    for (int i = 0; i < nt; i++) {
-      const size_t row = r.head + (size_t)r.slot(t + i);
-      const int8_t* kq = static_cast<const int8_t*>(r.j->pool_k) + row * r.D;
-      const uint16_t* ks = r.j->scale_k + row * r.j->groups;
-      for (int w = 0; w < W; w++) {
-        k[i][w] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kq + 32 * w)));
-        scale[i][w] = _mm512_set1_ps(_cvtsh_ss(ks[w]));
-      }
-    }
-  }
-  // the 16 scores of a query's steps (before its scale)
-  __m512 scores(const int16_t* q) const {
-    __m512i qw[W];
-    for (int w = 0; w < W; w++) qw[w] = _mm512_loadu_si512(q + 32 * w);
-    __m512 part[16];
-    for (int i = 0; i < nt; i++) {
-      part[i] = _mm512_setzero_ps();
-      for (int w = 0; w < W; w++)
-        part[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), qw[w], k[i][w])),
-                                  scale[i][w], part[i]);
-    }
-    for (int i = nt; i < 16; i++) part[i] = _mm512_setzero_ps();
-    return sum16(part);
-  }
-};
-
 // One row's one kv head, few queries (decode, or a token and its drafts): for each token, segment by
 // segment, its G query heads' scores 16 keys at a time (a key's D/16 FMAs per head, then one 16-way sum),
 // and the weighted values with each value row read once for up to 4 heads, folded. With `shared` (a row
@@ -395,12 +355,9 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
   constexpr int D = DV * 16;
   constexpr int64_t width = kSegment;
   const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, count = r.count, start = r.start;
-  thread_local std::vector<float> scores, qs, qr, qsc, mx, ls, keys, acc, o, l, m;
-  thread_local std::vector<int16_t> qsteps;
+  thread_local std::vector<float> scores, qs, qr, mx, ls, keys, acc, o, l, m;
   const __m512 scale = _mm512_set1_ps(j.k->scale);
   const bool int8 = j.scale_k != nullptr;
-  // stored keys scored in integers where the pool's scales are per 32 numbers
-  const bool integer = int8 && DV % 2 == 0 && j.groups * 32 == D;
   keys.resize((size_t)16 * D);
   scores.resize((size_t)G * width);
   qs.resize((size_t)G * D);
@@ -415,12 +372,9 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
     }
     if (int8) {  // and rounded, for the keys an int8 pool stores
       qr.resize((size_t)G * D);
-      qsteps.resize((size_t)G * D);
-      qsc.resize((size_t)G);
-      for (int64_t g = 0; g < G; g++) qsc[g] = round_query(&qs[g * D], D, &qr[g * D], &qsteps[g * D]);
+      for (int64_t g = 0; g < G; g++) round_query(&qs[g * D], D, &qr[g * D]);
     }
     const float* qstored = int8 ? qr.data() : qs.data();
-    const int64_t pooled_end = std::min(own, start);  // keys before it are read from the pool as stored
     l.assign((size_t)G, 0.f);
     m.assign((size_t)G, 0.f);
     if (shared)
@@ -444,19 +398,6 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
             mx[g] = std::max(mx[g], _mm512_reduce_max_ps(v));
           }
           continue;
-        }
-        if constexpr (DV % 2 == 0) {
-          if (integer && lo + t0 + nt <= pooled_end) {
-            const IntegerKeys<DV> ik(r, lo + t0, nt);
-            for (int64_t t = lo + t0 + 16; t < std::min(p + 1, lo + t0 + 32); t++) r.key(t).prefetch(DV);
-            for (int64_t g = 0; g < G; g++) {
-              const __m512 sum = _mm512_mul_ps(ik.scores(&qsteps[g * D]), _mm512_set1_ps(qsc[g]));
-              const __m512 v = j.k->softcap > 0.f ? softcap16(sum, j.k->softcap) : sum;
-              _mm512_storeu_ps(&scores[g * width + t0], v);
-              mx[g] = std::max(mx[g], _mm512_mask_reduce_max_ps(valid, v));
-            }
-            continue;
-          }
         }
         KVRow kr[16];
         bool stored[16];  // read as the pool stores it: scored against the rounded query
