@@ -7,7 +7,7 @@ so the JS side passes only what a caller chose.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from runtime.core.speculative import PromptLookup
 
@@ -56,6 +56,15 @@ class EngineConfig:
     max_loras: int = 4  # adapters one step can mix (the LoRA graph's slots after slot 0)
     max_lora_rank: int = 16  # the largest adapter rank served (smaller ones are zero-padded)
     max_cpu_loras: int | None = None  # adapters' weights kept in memory (default: max_loras)
+    # a request's tokens must not depend on its batch: where the backend's kernels do not promise that, one
+    # request at a time, no prefix cache, no drafts (the path every request's solo run takes)
+    batch_invariant: bool = False
+
+    def invariant_for(self, why: str) -> EngineConfig:
+        """This config for a backend whose batches may change a row's numbers for `why` ("": they do not)."""
+        if not self.batch_invariant or not why:
+            return self
+        return replace(self, max_num_seqs=1, enable_prefix_cache=False, speculative_tokens=0)
 
     def __post_init__(self) -> None:
         if self.speculative_tokens < 0 or self.speculative_max_batch < 0:

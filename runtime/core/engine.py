@@ -51,7 +51,10 @@ class Engine:
     def __init__(self, package: ModelPackage, backend: Backend, config: EngineConfig | None = None, *,
                  tokenizer: Tokenizer | None = None, **options) -> None:
         """options: EngineConfig fields (num_blocks, kv_memory, max_num_seqs, ...) over `config`."""
-        self.config = config = EngineConfig(**{**(config.__dict__ if config else {}), **options})
+        config = EngineConfig(**{**(config.__dict__ if config else {}), **options})
+        # what breaks batch invariance on this backend ("": nothing; backends that do not say are taken at their word)
+        self.batch_invariance = getattr(backend, "batch_invariance", "")
+        self.config = config = config.invariant_for(self.batch_invariance)
         self.pkg = package
         self.backend = backend
         self.model = ModelConfig.from_manifest(package.manifest)

@@ -122,6 +122,8 @@ def engine_options(args) -> dict:
     for name in ("speculative_tokens", "speculative_max_batch", "max_loras", "max_lora_rank", "max_cpu_loras"):
         if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)
+    if getattr(args, "batch_invariant", False):
+        opts["batch_invariant"] = True
     if getattr(args, "no_verify", False):
         opts["verify"] = False
     return opts
@@ -526,6 +528,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompt-lookup drafts verified per decode step, for requests at temperature <= 0.5 (default 3; 0: off)")
         p.add_argument("--speculative-max-batch", type=int, default=None,
                        help="draft only while at most this many sequences run (default 2)")
+        p.add_argument("--batch-invariant", action="store_true",
+                       help="a request's tokens never depend on what runs beside it: where this host's kernels do not "
+                            "promise it (see GET /v1/models), serve one request at a time, without prefix cache "
+                            "or drafts")
         p.add_argument("--no-verify", action="store_true",
                        help="skip checking the package's files against their sha256 (checked once per file change)")
         p.add_argument("--max-loras", type=int, default=None, help="adapters one batch can mix (default 4)")

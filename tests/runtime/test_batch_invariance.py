@@ -142,3 +142,16 @@ def test_the_engine_and_v1_models_say_where_batch_invariance_holds(smol_int4, ti
                                              "when a prompt is chunked differently")
     card = model_cards({"tiny": ServedModel("tiny", AsyncEngine(fp32), 0)})[0]
     assert card["batch_invariant"] is False and card["batch_invariance"] == fp32.backend.batch_invariance
+
+
+def test_batch_invariant_flag_serves_one_request_at_a_time_where_kernels_do_not_promise_it(tiny_package):
+    """--batch-invariant: onnxruntime's kernels make no promise, so the engine takes the solo path for every
+    request (one at a time, no prefix cache, no drafts); where RuvLLM's kernels promise it, nothing changes."""
+    from runtime.core.config import EngineConfig
+
+    engine = Engine.from_package(tiny_package("llama"), batch_invariant=True, max_num_seqs=8)
+    assert engine.batch_invariance  # an fp32 package: onnxruntime's MatMul
+    c = engine.config
+    assert (c.max_num_seqs, c.enable_prefix_cache, c.speculative_tokens) == (1, False, 0)
+    kept = EngineConfig(max_num_seqs=8, batch_invariant=True)
+    assert kept.invariant_for("") is kept and EngineConfig(max_num_seqs=8).invariant_for("why").max_num_seqs == 8
