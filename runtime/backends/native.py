@@ -102,6 +102,9 @@ class NativeBackend:
             why.append("projections on onnxruntime's kernels")
         if self.kv_dtype == "int8":
             why.append("an int8 KV pool's exact tails when a prompt is chunked differently")
+        if getattr(self, "_lora_mlps_unfused", False):
+            why.append("adapters' MLPs on onnxruntime's elementwise operators (e.g. an AWQ package's scaled up "
+                       "projections)")
         return "; ".join(why)
 
     @property
@@ -211,6 +214,8 @@ class NativeBackend:
         if not any(counts.values()):
             return None
         self.lora_kernel = f"ruvllm.LoraDelta ({counts['LoraDelta']} targets)" if counts.get("LoraDelta") else None
+        # an adapter graph whose MLPs keep onnxruntime's elementwise operators (an AWQ package's scaled up projections)
+        self._lora_mlps_unfused = bool(counts.get("LoraDelta")) and counts.get("LoraSwiGLU", 0) < self.num_layers
         if counts.get("LoraSwiGLU"):
             self.lora_kernel += f", {counts['LoraSwiGLU']} MLPs' gate and up with their SwiGLU (ruvllm.LoraSwiGLU)"
         if counts.get("LoraSplit"):

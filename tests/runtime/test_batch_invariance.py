@@ -126,7 +126,7 @@ def test_any_mix_of_requests_gives_each_its_solo_tokens(smol_int4, smol_cases, m
 
 
 @pytest.mark.skipif("PagedAttention" not in operators(), reason="the graph's own attention: onnxruntime's kernels")
-def test_the_engine_and_v1_models_say_where_batch_invariance_holds(smol_int4, tiny_package):
+def test_the_engine_and_v1_models_say_where_batch_invariance_holds(smol_int4, tiny_package, peft_adapters):
     """RuvLLM's kernels promise it; an fp32 package's projections on onnxruntime's MatMul and the int8 pool's
     chunk-dependent tails do not, and the model card says which."""
     from runtime.core.async_engine import AsyncEngine
@@ -142,6 +142,10 @@ def test_the_engine_and_v1_models_say_where_batch_invariance_holds(smol_int4, ti
                                              "when a prompt is chunked differently")
     card = model_cards({"tiny": ServedModel("tiny", AsyncEngine(fp32), 0)})[0]
     assert card["batch_invariant"] is False and card["batch_invariance"] == fp32.backend.batch_invariance
+    awq = Engine.from_package(tiny_package("llama", "int4"))  # AWQ: its up projections carry a scale
+    assert awq.backend.batch_invariant
+    awq.adapters.add("attn4", peft_adapters("llama")["attn4"])  # the adapter graph's MLPs stay unfused
+    assert awq.backend.batch_invariance.startswith("adapters' MLPs on onnxruntime's elementwise operators")
 
 
 def test_batch_invariant_flag_serves_one_request_at_a_time_where_kernels_do_not_promise_it(tiny_package):
@@ -155,3 +159,150 @@ def test_batch_invariant_flag_serves_one_request_at_a_time_where_kernels_do_not_
     assert (c.max_num_seqs, c.enable_prefix_cache, c.speculative_tokens) == (1, False, 0)
     kept = EngineConfig(max_num_seqs=8, batch_invariant=True)
     assert kept.invariant_for("") is kept and EngineConfig(max_num_seqs=8).invariant_for("why").max_num_seqs == 8
+
+
+TINY_KINDS = {"greedy": {}, "attn4": {"adapter": "attn4"}, "all16": {"adapter": "all16"},
+              "json": {"constraint": "json_object"}, "seeded": {"temperature": 0.9, "seed": 11}}
+
+
+def tiny_run(engine: Engine, batch: list[tuple[list[int], str]], tokens: int, per_step: int) -> list[tuple]:
+    """As `run`, for token prompts on the tiny model, whose kinds pick an adapter or a JSON constraint."""
+    from runtime.core.constraints import Constraint
+    from runtime.core.sampling import SamplingParams
+
+    pending, ids = list(enumerate(batch)), {}
+    out: list[tuple[list[int], list[float]]] = [([], []) for _ in batch]
+    while pending or engine.has_unfinished():
+        for _ in range(per_step):
+            if pending:
+                i, (prompt, kind) = pending.pop(0)
+                k = TINY_KINDS[kind]
+                params = SamplingParams(max_tokens=tokens, temperature=k.get("temperature", 0.0), seed=k.get("seed"),
+                                        ignore_eos=True, logprobs=0,
+                                        constraint=Constraint(k["constraint"]) if "constraint" in k else None)
+                ids[engine.add_request(prompt, params, adapter=k.get("adapter"))] = i
+        for o in engine.step():
+            out[ids[o.request_id]][0].extend(o.token_ids)
+            out[ids[o.request_id]][1].extend(lp.logprob for lp in o.logprobs)
+    return out
+
+
+def tiny_engine(package, adapters: dict, **options) -> Engine:
+    engine = Engine.from_package(package, **options)
+    for name in ("attn4", "all16"):
+        engine.adapters.add(name, adapters[name])
+    return engine
+
+
+@pytest.fixture(scope="module")
+def tiny_cases(workdir, tiny_model_dir, peft_adapters):
+    """The tiny llama at int4 RTN (RuvLLM's projection kernels, and its adapters' MLPs in ruvllm.LoraSwiGLU):
+    24 prompts sharing 3 prefixes of 70 tokens, and each one's solo run per kind."""
+    import random
+
+    from exporter.convert import ConvertOptions, convert
+
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(3, 2000) for _ in range(70)] for _ in range(3)]
+    prompts = [prefixes[i % 3] + [rng.randrange(3, 2000) for _ in range(rng.randrange(1, 40))] for i in range(24)]
+    package = convert(str(tiny_model_dir("llama")), workdir / "pkg-llama-int4-rtn",
+                      ConvertOptions(quant="int4", method="rtn", progress=False))
+    adapters = peft_adapters("llama")
+    engine = tiny_engine(package, adapters, enable_prefix_cache=False, max_num_seqs=1, speculative_tokens=0)
+    assert engine.backend.batch_invariant, engine.backend.batch_invariance
+    want = {kind: [tiny_run(engine, [(p, kind)], 10, 1)[0] for p in prompts] for kind in TINY_KINDS}
+    return package, adapters, prompts, want
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(mix=MIX.map(lambda m: {**m, "picks": [(i % 24, k) for i, k in m["picks"]]}),
+       kinds=st.lists(st.sampled_from(sorted(TINY_KINDS)), min_size=12, max_size=12))
+def test_adapters_and_constrained_rows_in_the_mix_keep_every_rows_tokens(tiny_cases, mix, kinds):
+    """The tiny model: rows on adapters (two slots and the base model in one step) and rows under a JSON
+    constraint beside the rest."""
+    package, adapters, prompts, want = tiny_cases
+    engine = tiny_engine(package, adapters, max_num_seqs=mix["max_num_seqs"], max_batch_tokens=mix["max_batch_tokens"],
+                         speculative_tokens=mix["speculative_tokens"], speculative_max_batch=16,
+                         num_blocks=mix["num_blocks"] and 12, enable_prefix_cache=mix["prefix_cache"])
+    picks = [(i, kinds[n]) for n, (i, _) in enumerate(mix["picks"])]
+    if mix["warm"]:
+        tiny_run(engine, [(prompts[i], kind) for i, kind in picks[-mix["warm"]:]], 10, 1)
+    got = tiny_run(engine, [(prompts[i], kind) for i, kind in picks], 10, mix["per_step"])
+    assert differing(got, [want[kind][i] for i, kind in picks]) == [], (mix, picks)
+
+
+# ---- the attention operator alone: the same query, its numbers bit for bit on every path ----
+
+def attention_feeds(Hq: int, Hkv: int, D: int, rows: list[tuple[int, int, list[int]]], K, V, Q, int8: bool):
+    """One step of ruvllm.PagedAttention. rows: (first position, tokens, table) over one shared context: the
+    keys and values of every position are K, V [positions, Hkv, D] (the pool holds those before a row's first
+    position, the step's rows the rest), a token's queries Q [positions, Hq, D]."""
+    import numpy as np
+
+    from runtime.backends.kv_pool import quantize_rows
+
+    bs, blocks = 16, 1 + max(max(t) for _, _, t in rows)
+    pool_k, pool_v = np.zeros((Hkv, blocks, bs, D), np.float32), np.zeros((Hkv, blocks, bs, D), np.float32)
+    qk, v, pos = [], [], []
+    S = max(n for _, n, _ in rows)
+    qidx, at = np.zeros((len(rows), S), np.int64), 0
+    for b, (start, n, table) in enumerate(rows):
+        for t in range(start):
+            pool_k[:, table[t // bs], t % bs], pool_v[:, table[t // bs], t % bs] = K[t], V[t]
+        for t in range(start, start + n):
+            qk.append(np.concatenate([Q[t], K[t]]))
+            v.append(V[t])
+            pos.append(t)
+        qidx[b] = [at + min(i, n - 1) for i in range(S)]
+        at += n
+    width = max(len(t) for _, _, t in rows)
+    feeds = {"qk": np.concatenate(qk).astype(np.float32), "v": np.concatenate(v).astype(np.float32),
+             "pool_k": pool_k, "pool_v": pool_v, "qidx": qidx, "pos": np.array(pos, np.int64),
+             "tables": np.array([t + [0] * (width - len(t)) for _, _, t in rows], np.int64)}
+    if int8:
+        (feeds["pool_k"], feeds["scale_k"]), (feeds["pool_v"], feeds["scale_v"]) = quantize_rows(pool_k), quantize_rows(pool_v)
+    return feeds
+
+
+@pytest.mark.skipif("PagedAttention" not in operators(), reason="the graph's own attention: onnxruntime's kernels")
+@pytest.mark.parametrize("kv", ["fp32", "int8"])
+@pytest.mark.parametrize("Hq,Hkv,D,window,softcap", [(4, 2, 16, 0, 0.0), (9, 3, 64, 0, 0.0), (8, 2, 128, 0, 1.5),
+                                                      (6, 1, 64, 0, 0.0), (8, 2, 32, 24, 0.0)])
+def test_a_querys_numbers_are_the_same_on_every_path_of_the_operator(Hq, Hkv, D, window, softcap, kv):
+    """A prompt of 600 positions computed in one chunk and in chunks of 1, 2, 7, 16, 40 and 300 tokens; its
+    last token decoded alone (its keys cut into ranges across threads), beside 8 other rows, and in a group
+    of rows sharing its first blocks (cascade): every position's output bit for bit the same."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from runtime.backends.kernel_library import library
+    from tests.runtime.test_cpu_kernels import attention_graph
+
+    T, bs = 600, 16
+    rng = np.random.default_rng(D + Hq)
+    K = rng.standard_normal((T, Hkv, D), dtype=np.float32)
+    V = rng.standard_normal((T, Hkv, D), dtype=np.float32)
+    Q = rng.standard_normal((T, Hq, D), dtype=np.float32)
+    table = list(range(1, 1 + T // bs + 1))
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    opts.register_custom_ops_library(str(library()[0]))
+    op = ort.InferenceSession(attention_graph(Hq, Hkv, window, 1 / np.sqrt(D), kv == "int8", softcap), opts)
+
+    def step(rows):
+        return op.run(None, attention_feeds(Hq, Hkv, D, rows, K, V, Q, kv == "int8"))[0]
+
+    whole = step([(0, T, table)])
+    for size in (1, 2, 7, 16, 40, 300):
+        for start in range(0, T, size) if size > 2 else (0, 5, 17, 255, 256, 257, T - 1):
+            n = min(size, T - start)
+            assert np.array_equal(step([(start, n, table)]), whole[start:start + n]), (size, start)
+    last = whole[T - 1]
+    others = [(rng.integers(40, 500), 1, list(range(100 + 40 * i, 140 + 40 * i))) for i in range(8)]
+    paths = {"alone": [(T - 1, 1, table)], "beside": [(T - 1, 1, table)] + others,
+             "shared": [(T - 1, 1, table)] + [(T - 1 - 30 + i, 1, table[:32] + list(range(500 + 8 * i, 508 + 8 * i)))
+                                               for i in range(5)]}
+    for name, rows in paths.items():
+        assert np.array_equal(step(rows)[0], last), name

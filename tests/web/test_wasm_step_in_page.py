@@ -100,6 +100,8 @@ def test_auto_takes_the_step_where_it_runs_and_onnxruntime_elsewhere(offline_pag
         p = offline_page()
         info = load(p, model, device="wasm", **opts)
         assert info["backend"] == want, (model, opts, info)
+        assert info["batchInvariant"] == (want == "wasm-step")  # the step promises it; onnxruntime-web does not
+        assert ("batchInvariance" in info) == (want != "wasm-step")
         assert p.evaluate(CHAT, {"messages": QUESTION, "max_tokens": 4, "temperature": 0})["choices"][0]["message"]["content"]
 
 

@@ -201,6 +201,10 @@ export interface EngineInfo {
   /** What a request gets for the sampling fields it leaves out: the model's own generation settings,
    * else chat defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05). */
   sampling: { temperature: number; top_k?: number; top_p?: number; min_p?: number; repetition_penalty?: number };
+  /** Whether a request's tokens never depend on what runs beside it: the WASM step computes every token
+   * alike in any step; onnxruntime-web's kernels make no such promise (batchInvariance says so). */
+  batchInvariant: boolean;
+  batchInvariance?: string;
 }
 
 export interface EngineStats {

@@ -112,6 +112,9 @@ async function load(opts) {
     kvDtype: opts.kvDtype ?? 'fp32', crossOriginIsolated: self.crossOriginIsolated,
     quantization: manifest.quantization, cache, python: pythonStart, restoredPromptBlocks: promptBlocks,
     loadSeconds: (performance.now() - t0) / 1000, timings, sampling: JSON.parse(engine.sampling_defaults()),
+    // the step computes each token alike in any step (tests/web/test_wasm_step.py); onnxruntime-web's kernels do not say
+    batchInvariant: backend === 'wasm-step',
+    ...(backend === 'wasm-step' ? {} : { batchInvariance: "attention and projections on onnxruntime-web's kernels" }),
   };
   progress({ stage: 'ready' });
   return info;

@@ -341,7 +341,14 @@ OrtStatus* lora_swiglu(void* kernel, OrtKernelContext* ctx) {
     const Vec::F v = Vec::mul(silu(Vec::load(g + k)), Vec::load(u + k));
     std::memcpy(out + k, &v, sizeof v);
   }
-  for (; k < n; k++) out[k] = g[k] / (1.f + std::exp(-g[k])) * u[k];
+  if (k < n) {  // the last numbers through the same vector arithmetic, so none depends on N (batch invariance)
+    alignas(64) float gt[Vec::kLanes] = {}, ut[Vec::kLanes] = {}, ot[Vec::kLanes];
+    std::memcpy(gt, g + k, (n - k) * sizeof(float));
+    std::memcpy(ut, u + k, (n - k) * sizeof(float));
+    const Vec::F v = Vec::mul(silu(Vec::load(gt)), Vec::load(ut));
+    std::memcpy(ot, &v, sizeof v);
+    std::memcpy(out + k, ot, (n - k) * sizeof(float));
+  }
   return nullptr;
 }
 
