@@ -39,15 +39,17 @@ def params(engine: Engine, kind: str, tokens: int):
     return engine.sampling_params(**KINDS[kind], max_tokens=tokens, ignore_eos=True, logprobs=0)
 
 
-def run(engine: Engine, batch: list[tuple[list[dict], str]], tokens: int, per_step: int) -> list[tuple]:
-    """`per_step` requests join at each step until all have; each one's (token ids, their logprobs)."""
+def run(engine: Engine, batch: list, tokens: int, per_step: int, add=None) -> list[tuple]:
+    """`per_step` requests join at each step until all have; each one's (token ids, their logprobs).
+    add(engine, item, tokens) submits one item (default: a chat of a KINDS kind)."""
+    add = add or (lambda e, item, n: e.add_request(messages=item[0], params=params(e, item[1], n)))
     pending, ids = list(enumerate(batch)), {}
     out: list[tuple[list[int], list[float]]] = [([], []) for _ in batch]
     while pending or engine.has_unfinished():
         for _ in range(per_step):
             if pending:
-                i, (conv, kind) = pending.pop(0)
-                ids[engine.add_request(messages=conv, params=params(engine, kind, tokens))] = i
+                i, item = pending.pop(0)
+                ids[add(engine, item, tokens)] = i
         for o in engine.step():
             out[ids[o.request_id]][0].extend(o.token_ids)
             out[ids[o.request_id]][1].extend(lp.logprob for lp in o.logprobs)
@@ -165,26 +167,21 @@ TINY_KINDS = {"greedy": {}, "attn4": {"adapter": "attn4"}, "all16": {"adapter": 
               "json": {"constraint": "json_object"}, "seeded": {"temperature": 0.9, "seed": 11}}
 
 
-def tiny_run(engine: Engine, batch: list[tuple[list[int], str]], tokens: int, per_step: int) -> list[tuple]:
-    """As `run`, for token prompts on the tiny model, whose kinds pick an adapter or a JSON constraint."""
+def tiny_add(engine: Engine, item: tuple[list[int], str], tokens: int) -> str:
+    """A token prompt on the tiny model, whose kind picks an adapter or a JSON constraint."""
     from runtime.core.constraints import Constraint
     from runtime.core.sampling import SamplingParams
 
-    pending, ids = list(enumerate(batch)), {}
-    out: list[tuple[list[int], list[float]]] = [([], []) for _ in batch]
-    while pending or engine.has_unfinished():
-        for _ in range(per_step):
-            if pending:
-                i, (prompt, kind) = pending.pop(0)
-                k = TINY_KINDS[kind]
-                params = SamplingParams(max_tokens=tokens, temperature=k.get("temperature", 0.0), seed=k.get("seed"),
-                                        ignore_eos=True, logprobs=0,
-                                        constraint=Constraint(k["constraint"]) if "constraint" in k else None)
-                ids[engine.add_request(prompt, params, adapter=k.get("adapter"))] = i
-        for o in engine.step():
-            out[ids[o.request_id]][0].extend(o.token_ids)
-            out[ids[o.request_id]][1].extend(lp.logprob for lp in o.logprobs)
-    return out
+    prompt, kind = item
+    k = TINY_KINDS[kind]
+    params = SamplingParams(max_tokens=tokens, temperature=k.get("temperature", 0.0), seed=k.get("seed"),
+                            ignore_eos=True, logprobs=0,
+                            constraint=Constraint(k["constraint"]) if "constraint" in k else None)
+    return engine.add_request(prompt, params, adapter=k.get("adapter"))
+
+
+def tiny_run(engine: Engine, batch: list[tuple[list[int], str]], tokens: int, per_step: int) -> list[tuple]:
+    return run(engine, batch, tokens, per_step, tiny_add)
 
 
 def tiny_engine(package, adapters: dict, **options) -> Engine:
