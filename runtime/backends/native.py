@@ -77,6 +77,7 @@ class NativeBackend:
         self.matmul_kernel = "onnxruntime's own"  # what runs the 4-bit projections; _kernel_session may say more
         self.attention_kernel = "the graph's own"  # the exported gather + attention, or ruvllm.PagedAttention
         self.lora_kernel: str | None = None  # what computes the LoRA graph's adapter deltas, when it is ours
+        self._lora_mlps_unfused = False  # an adapter graph's MLPs on onnxruntime's operators (_kernel_session)
         self._guide = None  # structured output's llguidance tables, made on the first constrained request
         self._no_mask = None  # the [1, vocab] zeros bound as logits_mask while no row is constrained
         self.mask_seconds, self.mask_steps = 0.0, 0  # structured output's mask time (ruvllm bench reports it)
@@ -102,7 +103,7 @@ class NativeBackend:
             why.append("projections on onnxruntime's kernels")
         if self.kv_dtype == "int8":
             why.append("an int8 KV pool's exact tails when a prompt is chunked differently")
-        if getattr(self, "_lora_mlps_unfused", False):
+        if self._lora_mlps_unfused:
             why.append("adapters' MLPs on onnxruntime's elementwise operators (e.g. an AWQ package's scaled up "
                        "projections)")
         return "; ".join(why)

@@ -51,12 +51,10 @@ class Engine:
     def __init__(self, package: ModelPackage, backend: Backend, config: EngineConfig | None = None, *,
                  tokenizer: Tokenizer | None = None, **options) -> None:
         """options: EngineConfig fields (num_blocks, kv_memory, max_num_seqs, ...) over `config`."""
-        config = EngineConfig(**{**(config.__dict__ if config else {}), **options})
-        # what breaks batch invariance on this backend ("": nothing; backends that do not say are taken at their word)
-        self.batch_invariance = getattr(backend, "batch_invariance", "")
-        self.config = config = config.invariant_for(self.batch_invariance)
         self.pkg = package
         self.backend = backend
+        config = EngineConfig(**{**(config.__dict__ if config else {}), **options})
+        self.config = config = config.invariant_for(self.batch_invariance)
         self.model = ModelConfig.from_manifest(package.manifest)
         self.max_context = self.model.max_context
         self.vocab_size = self.model.vocab_size
@@ -73,6 +71,12 @@ class Engine:
         self.adapters = AdapterRegistry(package, backend, self.config)
         # what a request leaves out: the model's generation settings, else chat defaults
         self.sampling_defaults = package_defaults(package)
+
+    @property
+    def batch_invariance(self) -> str:
+        """What breaks batch invariance on this backend now ("": nothing; a backend that does not say is taken
+        at its word); an adapter added later may change it."""
+        return getattr(self.backend, "batch_invariance", "")
 
     @classmethod
     def from_package(cls, path, device: str = "cpu", threads: int | None = None, verify: bool = True,
