@@ -45,8 +45,8 @@ SHAPES = {
     "llama3b": dict(arch="llama", hidden=3072, inter=8192, layers=28, heads=24, kv=8, tied=True, theta=5e5),
     "mistral7b": dict(arch="mistral", hidden=4096, inter=14336, layers=32, heads=32, kv=8, tied=False, theta=1e6),
 }
-FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
-          "Q5_K_M": 17, "Q6_K": 18}
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12,
+          "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18}
 
 
 def peak_rss_mb() -> int:
@@ -105,8 +105,13 @@ def hf_folder(work: Path, name: str) -> Path:
     rand = lambda *shape: (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)  # noqa: E731
     norm = lambda: (1 + 0.1 * rng.standard_normal(h, dtype=np.float32)).astype(np.float16)  # noqa: E731
     index = {}
-    shards = [("model-embed.safetensors", {"model.embed_tokens.weight": rand(vocab, h), "model.norm.weight": norm(),
-                                           **({} if s["tied"] else {"lm_head.weight": rand(vocab, h)})})]
+
+    def shard(file: str, tensors: dict) -> None:  # written as made: one layer in memory at a time
+        save_file(tensors, str(out / file))
+        index.update(dict.fromkeys(tensors, file))
+
+    shard("model-embed.safetensors", {"model.embed_tokens.weight": rand(vocab, h), "model.norm.weight": norm(),
+                                      **({} if s["tied"] else {"lm_head.weight": rand(vocab, h)})})
     for i in range(s["layers"]):
         p = f"model.layers.{i}."
         t = {p + "self_attn.q_proj.weight": rand(s["heads"] * d, h), p + "self_attn.k_proj.weight": rand(s["kv"] * d, h),
@@ -117,10 +122,7 @@ def hf_folder(work: Path, name: str) -> Path:
         if s["arch"] == "qwen2":
             for x, n in (("q", s["heads"]), ("k", s["kv"]), ("v", s["kv"])):
                 t[p + f"self_attn.{x}_proj.bias"] = rand(n * d)
-        shards.append((f"model-{i:03d}.safetensors", t))
-    for file, tensors in shards:
-        save_file(tensors, str(out / file))
-        index.update(dict.fromkeys(tensors, file))
+        shard(f"model-{i:03d}.safetensors", t)
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     return out
 

@@ -1,5 +1,5 @@
 """The page's WASM step's weights (wasm/step/step.c): a llama or Qwen2 GGUF's own blocks, repacked, nothing
-quantized again. Every matrix keeps its file type's bits (runtime/backends/block_layouts.OWN lists the
+quantized again. Every matrix keeps its file type's bits (STEP_TYPES: block_layouts.OWN but its 2- and 3-bit
 types; step.c's `enum kind` numbers them the same), in one shape of layout for all of them, so the step
 reads four output rows at a time and a block of 32 weights at a time whatever the type:
 
@@ -33,6 +33,8 @@ from exporter.sources.gguf_blocks import own_parts
 from runtime.backends.block_layouts import OWN
 from runtime.errors import PackageError
 
+STEP_TYPES = tuple(name for name, t in OWN.items() if t.bits >= 4)  # step.c has no 2- and 3-bit fields
+
 PROJECTIONS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
                "down": "ffn_down"}
 PARTS = ("w", "hb", "d", "m", "sc", "mb")  # a matrix's arrays, in step.c's QMat field order
@@ -50,14 +52,14 @@ def _four(a: np.ndarray) -> np.ndarray:
 
 def step_reads(type_name: str, rows: int, cols: int) -> bool:
     """Whether step.c computes on a [rows, cols] matrix of this GGUF type: four rows at a time, whole blocks."""
-    return type_name in OWN and rows % 4 == 0 and cols % OWN[type_name].superblock == 0
+    return type_name in STEP_TYPES and rows % 4 == 0 and cols % OWN[type_name].superblock == 0
 
 
 def step_matrix(type_name: str, raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
     """One matrix of GGUF type `type_name` ([rows, cols], the file's raw blocks) in step.c's layout."""
     if not step_reads(type_name, rows, cols):
         raise PackageError(f"a {type_name} matrix [{rows}, {cols}]: the WASM step reads "
-                           f"{', '.join(OWN)} with rows in fours")
+                           f"{', '.join(STEP_TYPES)} with rows in fours")
     parts = own_parts(type_name, raw, rows, cols)
     q = parts[0]
     t = OWN[type_name]
@@ -65,10 +67,10 @@ def step_matrix(type_name: str, raw: np.ndarray, rows: int, cols: int) -> dict[s
         return {"w": (q.astype(np.int16) - t.zero).astype(np.int8), "d": _four(parts[1])}
     blocks = q.reshape(rows, cols // 32, 32)
     out = {"w": ((blocks[..., :16] & 15) | ((blocks[..., 16:] & 15) << 4)).astype(np.uint8).reshape(rows, cols // 2)}
-    if t.high_bits:
+    if t.bits > 4:
         weights = (np.uint32(1) << np.arange(32, dtype=np.uint32))
         planes = [((((blocks >> (4 + p)) & 1).astype(np.uint32)) * weights).sum(-1, dtype=np.uint32)
-                  for p in range(t.high_bits)]
+                  for p in range(t.bits - 4)]
         out["hb"] = np.stack(planes, -1)
     if t.scales == "kquant":
         _, d, dmin, sc, m = parts
@@ -86,7 +88,7 @@ def step_matrix(type_name: str, raw: np.ndarray, rows: int, cols: int) -> dict[s
 def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[dict, dict[str, str], Iterator[tuple[str, np.ndarray]]]:
     """(config, matrix types, the arrays one at a time) of a GGUF for step.c: the types fill in as the
     arrays are read, one matrix in memory at a time. PackageError where the file is not what step.c
-    computes (a llama or Qwen2 GGUF whose matrices are of the types in OWN), before the first array."""
+    computes (a llama or Qwen2 GGUF whose matrices are of the types in STEP_TYPES), before the first array."""
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
@@ -130,7 +132,7 @@ def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[dict, dict[str, st
             raise PackageError(f"{gguf_path}: {gguf_name} is {[int(d) for d in t.shape][::-1]}, not [{rows}, {cols}]")
         if not step_reads(t.tensor_type.name, rows, cols):
             raise PackageError(f"{gguf_path}: {gguf_name} is {t.tensor_type.name} [{rows}, {cols}]; the WASM step "
-                               f"reads {', '.join(OWN)} with rows in fours")
+                               f"reads {', '.join(STEP_TYPES)} with rows in fours")
     matrices: dict[str, str] = {}
 
     def arrays() -> Iterator[tuple[str, np.ndarray]]:
@@ -161,7 +163,7 @@ def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[dict, dict[str, st
 
     config = {"arch": arch, "dim": dim, "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
               "head_dim": hd, "vocab": vocab, "max_pos": max_pos, "eps": eps, "rope_neox": ARCHS[arch],
-              "kinds": {name: t.kind for name, t in OWN.items()}}
+              "kinds": {name: OWN[name].kind for name in STEP_TYPES}}
     return config, matrices, arrays()
 
 

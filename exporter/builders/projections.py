@@ -64,7 +64,7 @@ class OwnBitsLayout:
 
     @property
     def bits(self) -> int:
-        return max(4 + OWN[kind].high_bits for kind in self.kinds)
+        return max(OWN[kind].bits for kind in self.kinds)
 
     @property
     def block(self) -> int:
@@ -102,7 +102,7 @@ class ProjectionGrids:
                 blob = b.named_weight(name, lambda i=i, kind=kind: own_layout(kind, *grid.runs[i][1]))
                 part_out = y if len(layout.kinds) == 1 else f"{name}/out"
                 b.op(t.op, [x, blob], name=f"{name}/{t.op}", out=part_out, domain=DOMAIN, K=layout.k, N=rows,
-                     bits=4 + t.high_bits, block_size=t.block, kquant=t.kind)
+                     bits=t.bits, block_size=t.block, kquant=t.kind)
                 outs.append(part_out)
             if len(outs) > 1:
                 b.op("Concat", outs, axis=-1, out=y)

@@ -14,11 +14,13 @@ bit-equal to gguf's own dequantization:
 | Q5_K | like Q4_K with 5-bit q | 8 bits (5 used), like Q4_K |
 | Q6_K | d*sc * (q - 32), sub-blocks of 16 (int8 sc) | 8 bits (6 used), zero point 32, scale d*sc |
 | Q8_0 | d * q, blocks of 32 (int8 q) | 8 bits, zero point 128, q + 128 |
+| Q3_K | d*(sc-32) * ((q&3) - (mask ? 0 : 4)), sub-blocks of 16 | 4 bits (3 used), zero point 4, mask as bit 2 |
+| Q2_K | d*sc * q - dmin*m, sub-blocks of 16 (4-bit sc, m) | 4 bits (2 used), like Q4_K |
 
 Every product and sum above is exact in fp32 or is the same single rounding gguf makes, and `read`
 checks each grid against the weights transformers loaded (gguf's dequantization) bit for bit, which
 also finds the row order transformers gives q/k (llama.cpp stores them permuted for its rotary).
-Other types (F16, BF16, F32, the IQ and Q2/Q3 K-quants) are not grids here: the caller quantizes those
+Other types (F16, BF16, F32, the IQ types) are not grids here: the caller quantizes those
 tensors with its own recipe and says so.
 """
 
@@ -95,6 +97,38 @@ def _q6_k(b):
     return q.reshape(n, -1), _f16(b, 208) * sc, 32, None, 16, 8
 
 
+def _two_bits(qs: np.ndarray) -> np.ndarray:
+    """[n, 64] -> [n, 256]: Q2_K's and Q3_K's low 2 bits (each 32 bytes hold 4 runs of 32 at shifts 0, 2, 4, 6)."""
+    n = qs.shape[0]
+    return ((qs.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3).reshape(n, -1)
+
+
+def _q2_k_parts(b):
+    """q (0..3), d, dmin, sc and m (4 bits each, per 16): w = d * sc * q - dmin * m."""
+    return _two_bits(b[:, 16:80]), _f16(b, 80), _f16(b, 82), b[:, :16] & 15, b[:, :16] >> 4
+
+
+def _q2_k(b):
+    q, d, dmin, sc, m = _q2_k_parts(b)
+    return q, d * sc.astype(np.float32), 0, -(dmin * m.astype(np.float32)), 16, 4
+
+
+def _q3_k_parts(b):
+    """q (0..7: the low 2 bits, and the high mask as bit 2), d, and the 6-bit scales less 32 (int8, per 16):
+    w = d * sc * (q - 4), gguf's d * sc * ((q & 3) - (mask ? 0 : 4))."""
+    n = b.shape[0]
+    high = (b[:, :32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = _two_bits(b[:, 32:96]) | (high.reshape(n, -1) << 2)
+    low = (b[:, 96:104].reshape(n, 1, 8) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)).reshape(n, 16) & 15
+    top = (b[:, 104:108].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 4, 1)).reshape(n, 16) & 3
+    return q, _f16(b, 108), ((low | (top << 4)).astype(np.int16) - 32).astype(np.int8)
+
+
+def _q3_k(b):
+    q, d, sc = _q3_k_parts(b)
+    return q, d * sc.astype(np.float32), 4, None, 16, 4
+
+
 def _q8_0(b):
     q = (b[:, 2:].copy().view(np.int8).astype(np.int16) + 128).astype(np.uint8)
     return q, _f16(b, 0), 128, None, 32, 8
@@ -135,9 +169,24 @@ def q5_k_parts(data: np.ndarray, rows: int, cols: int):
             m.astype(np.uint8).reshape(rows, -1))
 
 
+def k_parts(type_name: str, data: np.ndarray, rows: int, cols: int):
+    """A Q2_K or Q3_K tensor's own parts (_q2_k_parts, _q3_k_parts), shaped per row."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    b = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1])
+    parts = (_q2_k_parts if type_name == "Q2_K" else _q3_k_parts)(b)
+    shaped = [parts[0].reshape(rows, cols).astype(np.uint8)]
+    for a in parts[1:]:
+        shaped.append(a.astype(np.float16) if a.dtype == np.float32 else a)  # d, dmin: fp16 in the file
+    return tuple(x.reshape(rows, -1) for x in shaped)
+
+
 def own_parts(type_name: str, data: np.ndarray, rows: int, cols: int) -> tuple:
     """A tensor's own parts, as runtime.backends.block_layouts.own_layout takes them: q [rows, cols] and the
-    type's scales (Q4_K, Q5_K: d, dmin, sc, m; Q6_K: d, sc; Q4_0, Q5_0: d; Q4_1, Q5_1: d, m), nothing computed."""
+    type's scales (Q4_K, Q5_K, Q2_K: d, dmin, sc, m; Q6_K, Q3_K: d, sc; Q4_0, Q5_0: d; Q4_1, Q5_1: d, m),
+    nothing computed."""
+    if type_name in ("Q2_K", "Q3_K"):
+        return k_parts(type_name, data, rows, cols)
     if type_name == "Q4_K":
         return q4_k_parts(data, rows, cols)
     if type_name == "Q5_K":
@@ -153,7 +202,7 @@ def own_parts(type_name: str, data: np.ndarray, rows: int, cols: int) -> tuple:
 
 
 DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q5_K": _q5_k,
-            "Q6_K": _q6_k, "Q8_0": _q8_0}
+            "Q6_K": _q6_k, "Q8_0": _q8_0, "Q2_K": _q2_k, "Q3_K": _q3_k}
 
 
 def decode(data: np.ndarray, type_name: str, rows: int, cols: int) -> Grid:

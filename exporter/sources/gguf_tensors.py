@@ -64,7 +64,7 @@ class GgufTensors:
 
     def grid(self, name: str) -> Grid | None:
         """The tensor's own blocks as a Grid in transformers' row order, or None for a type without a
-        grid here (F16, F32, Q2_K, Q3_K, IQ types)."""
+        grid here (F16, F32, IQ types)."""
         t = self.tensors[name]
         if t.tensor_type.name not in gguf_blocks.DECODERS or len(t.shape) != 2:
             return None

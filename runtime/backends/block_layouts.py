@@ -85,30 +85,46 @@ class OwnType:
     """One GGUF block type as the kernel reads it (kernels/matmul_q4.h's kOwnBits, in the same order)."""
 
     kind: int  # the operator's kquant attribute
-    high_bits: int  # bits above the low nibble: 0, 1 or 2 (Q8_0: 4, a whole byte)
+    bits: int  # bits a weight: 2 to 6 as fields (see `fields`), 8 for Q8_0 (a whole byte)
     block: int  # weights a scale covers
     zero: int  # the zero point (0: the type has minimums instead)
-    scales: str  # "kquant" (q, d, dmin, sc, m), "six" (q, d, sc), "half" (q, d), "halfmin" (q, d, m)
+    # "kquant" (q, d, dmin, sc, m; "kquant4": sc | m << 4 in a byte), "six" (q, d, sc), "half" (q, d), "halfmin" (q, d, m)
+    scales: str
     superblock: int = BLOCK  # K must be a multiple of it (SUPER for the K-quants)
     op: str = "MatMulQ4"  # the kernel that reads it
 
+    @property
+    def fields(self) -> tuple[tuple[int, int], ...]:
+        """(width, bit position) of each line kind a weight's bits are stored in, in the layout's order: a
+        nibble (4 bits at 0) where bits >= 4, then a 2-bit field, then a 1-bit one, each above the last
+        (Q6_K: 4 + 2, Q5: 4 + 1, Q3_K: 2 + 1, Q2_K: 2)."""
+        out, at = [], 0
+        for width in (4, 2, 1):
+            if self.bits & width:
+                out.append((width, at))
+                at += width
+        return tuple(out)
 
-OWN = {"Q4_K": OwnType(1, 0, 32, 0, "kquant", SUPER), "Q6_K": OwnType(2, 2, 16, 32, "six", SUPER),
-       "Q5_K": OwnType(3, 1, 32, 0, "kquant", SUPER), "Q5_0": OwnType(4, 1, 32, 16, "half"),
-       "Q4_0": OwnType(5, 0, 32, 8, "half"), "Q4_1": OwnType(6, 0, 32, 0, "halfmin"),
-       "Q5_1": OwnType(7, 1, 32, 0, "halfmin"),
+
+OWN = {"Q4_K": OwnType(1, 4, 32, 0, "kquant", SUPER), "Q6_K": OwnType(2, 6, 16, 32, "six", SUPER),
+       "Q5_K": OwnType(3, 5, 32, 0, "kquant", SUPER), "Q5_0": OwnType(4, 5, 32, 16, "half"),
+       "Q4_0": OwnType(5, 4, 32, 8, "half"), "Q4_1": OwnType(6, 4, 32, 0, "halfmin"),
+       "Q5_1": OwnType(7, 5, 32, 0, "halfmin"),
        # MatMulQ8's (kernels/matmul_q8.h): per tile and block, the int8 weights as 8 lines of 64 bytes (byte 4j + i
        # of line g: column j, k = 4g + i), q stored as the file's q (here q + 128 unsigned, zero point 128)
-       "Q8_0": OwnType(8, 4, 32, 128, "half", op="MatMulQ8")}
+       "Q8_0": OwnType(8, 8, 32, 128, "half", op="MatMulQ8"),
+       # the 2- and 3-bit K-quants, blocks of 16: Q3_K d * (sc - 32) * (q - 4) (its high-mask bit is q's bit 2),
+       # Q2_K d * sc * q - dmin * m (4-bit sc and m)
+       "Q3_K": OwnType(9, 3, 16, 4, "six", SUPER), "Q2_K": OwnType(10, 2, 16, 0, "kquant4", SUPER)}
 BY_KIND = {t.kind: name for name, t in OWN.items()}
 
 
 def own_sections(t: OwnType, n: int, k: int) -> tuple[int, int, int]:
-    """Bytes of the layout's sections: weights (nibble and high-bit lines), scale bytes, fp16 scales."""
+    """Bytes of the layout's sections: weights (their field lines), scale bytes, fp16 scales."""
     blocks, supers = n * (k // t.block), n * (k // SUPER)
-    sc, half = {"kquant": (blocks * 2, supers * 4), "six": (blocks, supers * 2), "half": (0, blocks * 2),
-                "halfmin": (0, blocks * 4)}[t.scales]
-    return n * k // 2 + n * k * t.high_bits // 8, sc, half
+    sc, half = {"kquant": (blocks * 2, supers * 4), "kquant4": (blocks, supers * 4), "six": (blocks, supers * 2),
+                "half": (0, blocks * 2), "halfmin": (0, blocks * 4)}[t.scales]
+    return n * k * t.bits // 8, sc, half
 
 
 def own_bytes(name: str, n: int, k: int) -> int:
@@ -125,12 +141,13 @@ def _lanes(q: np.ndarray, t: OwnType) -> np.ndarray:
 
 def own_layout(name: str, q: np.ndarray, *scales: np.ndarray) -> np.ndarray:
     """The kernel's bytes for a matrix of GGUF type `name` from its parts (q uint8 [N, K], then the type's
-    scales: see OwnType.scales; fp16 d, dmin and m, uint8 6-bit sc and m, int8 Q6_K sc). Per tile of 16
-    columns and block: the low nibbles as 64-byte lines (byte 4j + i: the low-nibble register's lane 4j + i
-    | the high one's << 4), then the high bits' lines: 2 bits, 32 bytes a group (byte p: lanes p and p + 32
-    of the low register, then of the high one); 1 bit, 16 bytes a group (bit q of byte p: lane 16q + p of the
-    low register, bit 4 + q of the high one). Then the scale bytes, then the fp16 scales, each [tile, block
-    (or super-block of 256), ..., column]."""
+    scales: see OwnType.scales; fp16 d, dmin and m, uint8 sc and m, int8 Q6_K and Q3_K sc). Per tile of 16
+    columns and block, each of the type's fields (OwnType.fields) as lines, all groups of one field, then the
+    next: 4 bits, 64 bytes a group (byte 4j + i: the low register's lane 4j + i | the high one's << 4, the
+    low register holding column j's k = 8g + i, the high one k = 8g + 4 + i); 2 bits, 32 bytes a group
+    (byte p: lanes p and p + 32 of the low register, then of the high one); 1 bit, 16 bytes a group (bit q
+    of byte p: lane 16q + p of the low register, bit 4 + q of the high one). Then the scale bytes, then the
+    fp16 scales, each [tile, block (or super-block of 256), ..., column]."""
     t = OWN[name]
     n, k = q.shape
     if n % TILE or k % t.superblock:
@@ -142,20 +159,26 @@ def own_layout(name: str, q: np.ndarray, *scales: np.ndarray) -> np.ndarray:
         return np.concatenate([lines.reshape(-1), np.ascontiguousarray(d).reshape(-1).view(np.uint8)])
     lanes = _lanes(q, t)
     tiles, nblk = lanes.shape[:2]
-    lines = [(lanes[:, :, :, 0] & 15) | ((lanes[:, :, :, 1] & 15) << 4)]  # [t, b, g, 64]
-    hi = lanes >> 4
-    if t.high_bits == 2:
-        lines.append(hi[..., 0, :32] | (hi[..., 0, 32:] << 2) | (hi[..., 1, :32] << 4) | (hi[..., 1, 32:] << 6))
-    elif t.high_bits == 1:
-        lo4, hi4 = (hi[..., h, :].reshape(*hi.shape[:3], 4, 16) for h in (0, 1))  # [t, b, g, q, p]
-        weights = np.arange(4, dtype=np.uint8).reshape(1, 1, 1, 4, 1)
-        lines.append(((lo4 << weights) | (hi4 << (weights + 4))).sum(axis=3, dtype=np.uint8))
+    lines = []
+    for width, at in t.fields:
+        f = (lanes >> at) & ((1 << width) - 1)  # [t, b, g, 2, 64]
+        if width == 4:
+            lines.append(f[..., 0, :] | (f[..., 1, :] << 4))
+        elif width == 2:
+            lines.append(f[..., 0, :32] | (f[..., 0, 32:] << 2) | (f[..., 1, :32] << 4) | (f[..., 1, 32:] << 6))
+        else:
+            lo4, hi4 = (f[..., h, :].reshape(*f.shape[:3], 4, 16) for h in (0, 1))  # [t, b, g, q, p]
+            shift = np.arange(4, dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+            lines.append(((lo4 << shift) | (hi4 << (shift + 4))).sum(axis=3, dtype=np.uint8))
     weights = np.concatenate([x.reshape(tiles, nblk, -1) for x in lines], axis=2).astype(np.uint8).reshape(-1)
     per_tile = lambda a: a.reshape(tiles, TILE, -1).transpose(0, 2, 1)  # noqa: E731  [t, blocks, j]
     if t.scales == "kquant":
         d, dmin, sc, m = scales
         parts = [np.stack([per_tile(sc), per_tile(m)], axis=2).astype(np.uint8),
                  np.stack([per_tile(d), per_tile(dmin)], axis=2).astype(np.float16)]
+    elif t.scales == "kquant4":
+        d, dmin, sc, m = scales
+        parts = [per_tile(sc | (m << 4)).astype(np.uint8), np.stack([per_tile(d), per_tile(dmin)], axis=2).astype(np.float16)]
     elif t.scales == "six":
         d, sc = scales
         parts = [per_tile(sc).astype(np.int8), per_tile(d).astype(np.float16)]
@@ -178,18 +201,22 @@ def own_parts(name: str, blob: np.ndarray, n: int, k: int) -> tuple:
         d = blob[w_bytes:].view(np.float16).reshape(tiles, nblk, TILE).transpose(0, 2, 1).reshape(n, nblk)
         return q, d
     blocks = blob[:w_bytes].reshape(tiles, nblk, -1)
-    nib = blocks[..., :groups * 64].reshape(tiles, nblk, groups, 64)
-    high = np.zeros((tiles, nblk, groups, 2, 64), np.uint8)
-    if t.high_bits == 2:
-        h = blocks[..., groups * 64:].reshape(tiles, nblk, groups, 32)
-        high[..., 0, :] = np.concatenate([h & 3, (h >> 2) & 3], axis=-1)
-        high[..., 1, :] = np.concatenate([(h >> 4) & 3, h >> 6], axis=-1)
-    elif t.high_bits == 1:
-        h = blocks[..., groups * 64:].reshape(tiles, nblk, groups, 1, 16)
-        bit = np.arange(4, dtype=np.uint8).reshape(1, 1, 1, 4, 1)
-        high[..., 0, :] = ((h >> bit) & 1).reshape(tiles, nblk, groups, 64)
-        high[..., 1, :] = ((h >> (bit + 4)) & 1).reshape(tiles, nblk, groups, 64)
-    lanes = np.stack([nib & 15, nib >> 4], axis=3) | (high << 4)  # [t, b, g, h, 64]
+    lanes = np.zeros((tiles, nblk, groups, 2, 64), np.uint8)
+    start = 0
+    for width, at in t.fields:
+        line = blocks[..., start:start + groups * 16 * width].reshape(tiles, nblk, groups, 16 * width)
+        start += groups * 16 * width
+        if width == 4:
+            f = np.stack([line & 15, line >> 4], axis=3)
+        elif width == 2:
+            f = np.stack([np.concatenate([line & 3, (line >> 2) & 3], axis=-1),
+                          np.concatenate([(line >> 4) & 3, line >> 6], axis=-1)], axis=3)
+        else:
+            h = line.reshape(tiles, nblk, groups, 1, 16)
+            bit = np.arange(4, dtype=np.uint8).reshape(1, 1, 1, 4, 1)
+            f = np.stack([((h >> bit) & 1).reshape(tiles, nblk, groups, 64),
+                          ((h >> (bit + 4)) & 1).reshape(tiles, nblk, groups, 64)], axis=3)
+        lanes |= f << at
     q = lanes.reshape(tiles, nblk, groups, 2, TILE, 4).transpose(0, 4, 1, 2, 3, 5).reshape(n, k).astype(np.uint8)
     rest = blob[w_bytes:]
     rows = lambda a, count: a.reshape(tiles, -1, count, TILE).transpose(0, 3, 1, 2).reshape(n, -1, count)  # noqa: E731
@@ -197,6 +224,10 @@ def own_parts(name: str, blob: np.ndarray, n: int, k: int) -> tuple:
         scm = rows(rest[:sc_bytes], 2)
         dm = rows(rest[sc_bytes:].view(np.float16), 2)
         return q, dm[..., 0], dm[..., 1], scm[..., 0], scm[..., 1]
+    if t.scales == "kquant4":
+        scm = rows(rest[:sc_bytes], 1)[..., 0]
+        dm = rows(rest[sc_bytes:].view(np.float16), 2)
+        return q, dm[..., 0], dm[..., 1], scm & 15, scm >> 4
     if t.scales == "six":
         return q, rows(rest[sc_bytes:].view(np.float16), 1)[..., 0], rows(rest[:sc_bytes].view(np.int8), 1)[..., 0]
     if t.scales == "half":
@@ -212,7 +243,7 @@ def own_grid(name: str, blob: np.ndarray, n: int, k: int):
     t, parts = OWN[name], own_parts(name, blob, n, k)
     q = parts[0]
     per_block = lambda a: np.repeat(a.astype(np.float32), SUPER // t.block, axis=1)  # noqa: E731 (super-block -> block)
-    if t.scales == "kquant":
+    if t.scales in ("kquant", "kquant4"):
         _, d, dmin, sc, m = parts
         return q, per_block(d) * sc.astype(np.float32), None, -(per_block(dmin) * m.astype(np.float32))
     if t.scales == "six":
@@ -263,7 +294,7 @@ def portable_graph(model, base_dir) -> int:
         n, k, w = attrs["N"], attrs["K"], node.input[1]
         name = BY_KIND[attrs["kquant"]]
         t = OWN[name]
-        bits = 4 if t.high_bits == 0 else 8
+        bits = 4 if t.bits <= 4 else 8
         q, scale, zero, mins = own_grid(name, _read(inits[w], base_dir), n, k)
         layout = GridLayout(n, k, bits, t.block, None if mins is None else "fp32")
         if w not in done:
@@ -304,7 +335,7 @@ def gather_nodes(node, attrs: dict, prefix: str) -> list:
     from onnx import TensorProto, helper, numpy_helper
 
     t = OWN[BY_KIND[attrs["kquant"]]]
-    minimums = t.scales in ("kquant", "halfmin")
+    minimums = t.scales in ("kquant", "kquant4", "halfmin")
     ids, out, p = node.input[1], node.output[0], f"{node.name or prefix}/"
     consts = {"flat": np.array([-1], np.int64), "blocks": np.array([-1, attrs["K"] // t.block, t.block], np.int64),
               "axis2": np.array([2], np.int64), "k": np.array([attrs["K"]], np.int64),

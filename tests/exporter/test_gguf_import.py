@@ -11,7 +11,7 @@ from onnx import numpy_helper
 from exporter.quantizers.grid import Grid, stack_rows
 from exporter.sources import gguf_blocks
 
-TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q2_K", "Q3_K")
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
@@ -30,6 +30,10 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0) -> np.nda
     if type_name == "Q6_K":  # int8 sub-block scales: kept small, as a real file's are
         blocks[:, 192:208] = rng.integers(-24, 24, (n, 16), dtype=np.int8).view(np.uint8)
         blocks[:, 208:210] = scale(n)
+    elif type_name == "Q3_K":  # d last
+        blocks[:, 108:110] = scale(n)
+    elif type_name == "Q2_K":  # d and dmin last
+        blocks[:, 80:82], blocks[:, 82:84] = scale(n), scale(n)
     else:  # d and dmin first
         blocks[:, 0:2], blocks[:, 2:4] = scale(n), scale(n)
     return blocks.reshape(rows, -1)

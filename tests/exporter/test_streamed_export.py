@@ -182,14 +182,20 @@ def test_graphs_share_each_weight_and_fp32_streams_too(mixed_gguf, workdir):
 
 Q4_K_M = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K",
           "ffn_up": "Q4_K", "ffn_down": "Q6_K"}  # llama.cpp's Q4_K_M mix in a layer that keeps v and down 6-bit
+LOW_BITS = {"attn_q": "Q3_K", "attn_k": "Q3_K", "attn_v": "Q2_K", "attn_output": "Q3_K", "ffn_gate": "Q2_K",
+            "ffn_up": "Q2_K", "ffn_down": "Q3_K"}  # the 2- and 3-bit K-quants of llama.cpp's Q2_K and Q3_K mixes
+K_MIXES = {"Q4_K_M": (Q4_K_M, [1] * 6 + [2] * 4),  # per layer: q+k, o, gate+up (Q4_K); v, down (Q6_K)
+           "Q2_K-Q3_K": (LOW_BITS, [9] * 6 + [10] * 4)}  # q+k, o, down (Q3_K); v, gate+up (Q2_K)
 
 
-def test_k_quants_at_their_own_bits_run_with_and_without_the_kernels(smol_gguf, workdir, monkeypatch):
+@pytest.mark.parametrize("mix", K_MIXES)
+def test_k_quants_at_their_own_bits_run_with_and_without_the_kernels(mix, smol_gguf, workdir, monkeypatch):
     """A Q4_K_M-style file's projections stay at the file's bits (ruvllm.MatMulQ4's layouts: Q4_K 37/36 of
     the file's bytes, Q6_K the file's; q and k Q4_K beside a Q6_K v are two operators, concatenated), bit
-    for bit transformers' weights. With the kernels they compute as llama.cpp does (minimums times the
-    quantized activations' sum); without them (RUVLLM_CPU_KERNELS=0, another provider) the same weights load
-    as MatMulNBits. Both stay as close to transformers' logits as int8 activations allow."""
+    for bit transformers' weights; so do a Q2_K / Q3_K file's (Q2_K the file's bytes, Q3_K 57/55). With the
+    kernels they compute as llama.cpp does (minimums times the quantized activations' sum); without them
+    (RUVLLM_CPU_KERNELS=0, another provider) the same weights load as MatMulNBits. Both stay as close to
+    transformers' logits as int8 activations allow."""
     import onnx
     import torch
     from transformers import AutoModelForCausalLM
@@ -200,13 +206,14 @@ def test_k_quants_at_their_own_bits_run_with_and_without_the_kernels(smol_gguf, 
     from runtime.package import load_package
     from tests.exporter.test_quantization import teacher_forced_logits
 
-    path = workdir / "tiny-Q4_K_M.gguf"
-    write_mixed_gguf(path, smol_gguf, Q4_K_M)
-    pkg_dir = convert(str(path), workdir / "pkg-q4km-own", ConvertOptions(quant="int4", progress=False))
+    types, want_kinds = K_MIXES[mix]
+    path = workdir / f"tiny-{mix}.gguf"
+    write_mixed_gguf(path, smol_gguf, types)
+    pkg_dir = convert(str(path), workdir / f"pkg-{mix}-own", ConvertOptions(quant="int4", progress=False))
     graph = onnx.load(str(pkg_dir / "model.onnx"), load_external_data=False).graph
     own = [n for n in graph.node if n.op_type == "MatMulQ4" and n.domain == "ruvllm"]
     kinds = sorted(next(a.i for a in n.attribute if a.name == "kquant") for n in own)
-    assert kinds == [1] * 6 + [2] * 4, kinds  # per layer: q+k, o, gate+up (Q4_K); v, down (Q6_K)
+    assert kinds == want_kinds, kinds
     assert not [n for n in graph.node if n.op_type == "MatMulNBits" and "layers" in n.name]
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     hf = {k: v.detach().numpy() for k, v in model.state_dict().items()}

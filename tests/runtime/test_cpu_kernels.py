@@ -739,7 +739,7 @@ def test_packed_weights_sit_in_huge_page_chunks_returned_when_freed(smol_int4):
         assert after <= 32, after  # at most the chunk being filled stays mapped
 
 
-OWN_TYPES = ("Q4_K", "Q6_K", "Q5_K", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "Q8_0")
+OWN_TYPES = ("Q4_K", "Q6_K", "Q5_K", "Q5_0", "Q4_0", "Q4_1", "Q5_1", "Q8_0", "Q3_K", "Q2_K")
 
 
 def own_parts_and_weights(name: str, N: int, K: int, seed: int = 0):
@@ -749,20 +749,20 @@ def own_parts_and_weights(name: str, N: int, K: int, seed: int = 0):
 
     t = OWN[name]
     rng = np.random.default_rng(seed)
-    q = rng.integers(0, 2 ** (4 + t.high_bits), (N, K), dtype=np.uint8)
+    q = rng.integers(0, 2 ** t.bits, (N, K), dtype=np.uint8)
     half = lambda blocks, lo, hi: (rng.random((N, blocks)) * (hi - lo) + lo).astype(np.float16)  # noqa: E731
     nblk, nsup = K // t.block, K // 256
     per_block = lambda a: np.repeat(a.astype(np.float32), t.block, axis=1)  # noqa: E731  [N, K]
     per_super = lambda a: np.repeat(a.astype(np.float32), 256 // t.block, axis=1)  # noqa: E731  super -> block
     qf = q.astype(np.float32)
-    if t.scales == "kquant":
+    if t.scales in ("kquant", "kquant4"):
         d, dmin = half(nsup, 1e-3, 1e-2), half(nsup, 0, 1e-2)
-        sc, m = (rng.integers(0, 64, (N, nblk), dtype=np.uint8) for _ in range(2))
+        sc, m = (rng.integers(0, 64 if t.scales == "kquant" else 16, (N, nblk), dtype=np.uint8) for _ in range(2))
         s, mn = per_super(d) * sc, per_super(dmin) * m.astype(np.float32)
         return (q, d, dmin, sc, m), qf * per_block(s) - per_block(mn)
     if t.scales == "six":
         d, sc = half(nsup, 1e-4, 2e-3), rng.integers(-128, 128, (N, nblk), dtype=np.int8)
-        return (q, d, sc), (qf - 32) * per_block(per_super(d) * sc.astype(np.float32))
+        return (q, d, sc), (qf - t.zero) * per_block(per_super(d) * sc.astype(np.float32))
     if t.scales == "half":
         d = half(nblk, 1e-3, 1e-2)
         return (q, d), (qf - t.zero) * per_block(d)
@@ -778,7 +778,7 @@ def own_model(name: str, K: int, N: int, seed: int = 0):
     blob = own_layout(name, *parts)
     t = OWN[name]
     init = helper.make_tensor("W", TensorProto.UINT8, blob.shape, blob.tobytes(), raw=True)
-    node = helper.make_node(t.op, ["X", "W"], ["Y"], domain="ruvllm", K=K, N=N, bits=4 + t.high_bits,
+    node = helper.make_node(t.op, ["X", "W"], ["Y"], domain="ruvllm", K=K, N=N, bits=t.bits,
                             block_size=t.block, kquant=t.kind)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, None)],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], [init])
@@ -788,14 +788,15 @@ def own_model(name: str, K: int, N: int, seed: int = 0):
 
 @pytest.mark.parametrize("name", OWN_TYPES)
 def test_each_own_bit_layout_holds_its_type_exactly(name):
-    """own_layout and its inverse, at the file's bytes (Q4_K and Q5_K: +1/8 bit a weight for their scales as bytes)."""
+    """own_layout and its inverse, at the file's bytes (Q4_K, Q5_K and Q3_K: +1/8 bit a weight for their scales as bytes)."""
     from runtime.backends.block_layouts import dequantize_own, own_bytes, own_layout, own_parts
 
     parts, w = own_parts_and_weights(name, 48, 512, seed=5)
     blob = own_layout(name, *parts)
     gguf_bits = {"Q4_K": 4.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_0": 5.5, "Q4_0": 4.5, "Q4_1": 5.0, "Q5_1": 6.0,
-                 "Q8_0": 8.5}[name]
-    assert blob.nbytes == own_bytes(name, 48, 512) == 48 * 512 * (gguf_bits + (0.125 if name in ("Q4_K", "Q5_K") else 0)) / 8
+                 "Q8_0": 8.5, "Q3_K": 3.4375, "Q2_K": 2.625}[name]
+    wider = 0.125 if name in ("Q4_K", "Q5_K", "Q3_K") else 0
+    assert blob.nbytes == own_bytes(name, 48, 512) == 48 * 512 * (gguf_bits + wider) / 8
     for got, want in zip(own_parts(name, blob, 48, 512), parts):
         assert np.array_equal(got, want)
     assert np.array_equal(dequantize_own(name, blob, 48, 512), w)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.backends.block_layouts import OWN
+from exporter.step_weights import STEP_TYPES
 from tests.exporter.test_gguf_import import random_blocks
 from tests.exporter.test_streamed_export import MIX, write_mixed_gguf
 from tests.web.test_wasm_step import prompt_kl
 
-TYPES = list(OWN)
+TYPES = list(STEP_TYPES)
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,10 @@
 // in fp16, as a GGUF's are), so a block of 32 reads 256 bytes of weights and 64 of scales.
 // The other modes hold a GGUF's block types at the file's own bits, in layouts the exporter writes
 // (runtime/backends/block_layouts.py) and the kernel reads where onnxruntime maps them (OwnBits below):
-// per tile and block, the weights' low 4 bits as the nibble lines above, then (5- and 6-bit types) lines
-// of their high bits; then each type's own scales (6-bit scales and minimums as bytes with fp16 d and
-// dmin per 256 for Q4_K and Q5_K, int8 scales with fp16 d per 256 for Q6_K, fp16 d (and m) per block for
+// per tile and block, the weights' bits as fields of 4, 2 and 1 bits (the nibble lines above where a type has
+// 4 or more bits, then lines of 2 and of 1 bit: Q6_K 4 + 2, Q5 4 + 1, Q3_K 2 + 1, Q2_K 2); then each type's own
+// scales (6-bit scales and minimums as bytes with fp16 d and dmin per 256 for Q4_K and Q5_K, 4-bit ones as
+// a byte's nibbles for Q2_K, int8 scales with fp16 d per 256 for Q6_K and Q3_K, fp16 d (and m) per block for
 // Q4_0, Q5_0, Q4_1, Q5_1), from which the kernel forms each block's scale and minimum (or zero point) in
 // fp32 as gguf's dequantization does.
 #pragma once
@@ -60,30 +61,36 @@ struct PackedWeights {
   int mode() const { return own ? own : mins ? 1 : 0; }
 };
 
-// The own-bit layouts, by the operator's `kquant` attribute (1-7) and the kernel's mode (2-8): one line each.
-enum class Scales { kKQuant, kSix, kHalf, kHalfMin };  // d*sc & -dmin*m / d*sc, zero 32 / d, zero / d & m
+// The own-bit layouts, by the operator's `kquant` attribute (1-10) and the kernel's mode (2-11): one line each.
+// d*sc & -dmin*m (sc, m bytes) / d*sc, a zero point (int8 sc) / d, zero / d & m / d*sc & -dmin*m (sc | m << 4)
+enum class Scales { kKQuant, kSix, kHalf, kHalfMin, kKQuant4 };
 struct OwnBits {
   const char* name;
-  int high_bits, block, zero, superblock;  // superblock: 256 for K-quants (K must be a multiple), else 32
+  int bits;  // a weight's bits, stored as fields: a nibble (bits & 4), then 2 bits (bits & 2), then 1 (bits & 1)
+  int block, zero, superblock;  // superblock: 256 for K-quants (K must be a multiple), else 32
   Scales scales;
 };
 constexpr OwnBits kOwnBits[] = {
-    {"Q4_K", 0, 32, 0, 256, Scales::kKQuant}, {"Q6_K", 2, 16, 32, 256, Scales::kSix},
-    {"Q5_K", 1, 32, 0, 256, Scales::kKQuant}, {"Q5_0", 1, 32, 16, 32, Scales::kHalf},
-    {"Q4_0", 0, 32, 8, 32, Scales::kHalf},    {"Q4_1", 0, 32, 0, 32, Scales::kHalfMin},
-    {"Q5_1", 1, 32, 0, 32, Scales::kHalfMin}};
+    {"Q4_K", 4, 32, 0, 256, Scales::kKQuant}, {"Q6_K", 6, 16, 32, 256, Scales::kSix},
+    {"Q5_K", 5, 32, 0, 256, Scales::kKQuant}, {"Q5_0", 5, 32, 16, 32, Scales::kHalf},
+    {"Q4_0", 4, 32, 8, 32, Scales::kHalf},    {"Q4_1", 4, 32, 0, 32, Scales::kHalfMin},
+    {"Q5_1", 5, 32, 0, 32, Scales::kHalfMin},
+    {"Q8_0", 8, 32, 128, 32, Scales::kHalf},  // kquant 8: ruvllm.MatMulQ8's (matmul_q8.h), not this kernel's
+    {"Q3_K", 3, 16, 4, 256, Scales::kSix},    {"Q2_K", 2, 16, 0, 256, Scales::kKQuant4}};
 constexpr int kOwnKinds = sizeof(kOwnBits) / sizeof(kOwnBits[0]);
+constexpr int kQ8Kind = 8;
 constexpr const OwnBits& own_bits(int mode) { return kOwnBits[mode - 2]; }
 
 // Bytes of each section for N columns and K inputs: weights (nibble and high-bit lines), scale bytes, fp16 scales
 inline void own_sections(const OwnBits& t, int64_t N, int64_t K, size_t* weights, size_t* sc, size_t* half) {
-  *weights = (size_t)(N * K / 2 + N * K * t.high_bits / 8);
+  *weights = (size_t)(N * K * t.bits / 8);
   const int64_t blocks = N * (K / t.block), supers = N * (K / 256);
   switch (t.scales) {
     case Scales::kKQuant: *sc = (size_t)blocks * 2; *half = (size_t)supers * 4; break;
     case Scales::kSix: *sc = (size_t)blocks; *half = (size_t)supers * 2; break;
     case Scales::kHalf: *sc = 0; *half = (size_t)blocks * 2; break;
     case Scales::kHalfMin: *sc = 0; *half = (size_t)blocks * 4; break;
+    case Scales::kKQuant4: *sc = (size_t)blocks; *half = (size_t)supers * 4; break;
   }
 }
 inline size_t own_bytes(int mode, int64_t N, int64_t K) {
@@ -232,7 +239,7 @@ enum class Prefetch { kAhead, kNext, kNone };
 template <int Mode>
 constexpr OwnBits traits() {
   if constexpr (Mode >= 2) return kOwnBits[Mode - 2];
-  else return OwnBits{"", 0, 32, 0, 32, Mode == 1 ? Scales::kHalfMin : Scales::kHalf};
+  else return OwnBits{"", 4, 32, 0, 32, Mode == 1 ? Scales::kHalfMin : Scales::kHalf};
 }
 
 // The scales a later block reads, into the cache: block b + 4 of the same tile (kAhead), or block b of the
@@ -245,7 +252,7 @@ inline void prefetch_scales(const PackedWeights& wts, int tile, int next, int b,
                                              (F == Prefetch::kAhead ? 4 : 0));
   if constexpr (Mode >= 2) {
     if constexpr (L.scales == Scales::kKQuant) prefetch(wts.ksc + tb * 2 * kTile);
-    else if constexpr (L.scales == Scales::kSix) prefetch(wts.ksc + tb * kTile);
+    else if constexpr (L.scales == Scales::kSix || L.scales == Scales::kKQuant4) prefetch(wts.ksc + tb * kTile);
     else if constexpr (L.scales == Scales::kHalf) prefetch(wts.kd + tb * kTile);
     else prefetch(wts.kd + tb * 2 * kTile);
   } else if constexpr (Mode == 1) {
@@ -262,18 +269,21 @@ template <int T, int R, bool SwiGLU, Prefetch F, int Mode>
 inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0, int64_t m0, const Output& out,
                        int stride, int next) {
   constexpr OwnBits L = traits<Mode>();
-  constexpr int GB = 64 + 16 * L.high_bits;  // bytes a group of 8 k takes in a tile (with its high bits)
+  constexpr int GB = 16 * L.bits;  // bytes a group of 8 k takes in a tile (all its fields)
+  constexpr bool nib = L.bits & 4, two = L.bits & 2, one = L.bits & 1;  // the fields (see OwnBits::bits)
+  constexpr int two_at = nib ? 4 : 0, one_at = two_at + (two ? 2 : 0);  // where they go in a weight
   const int nblk = wts.nblk, block = wts.block, K = wts.Kp;  // rows of qa are padded to whole blocks
   const size_t tile_bytes = (size_t)nblk * (block / 8) * GB;
+  const size_t two_off = (size_t)(block / 8) * 64 * nib, one_off = two_off + (size_t)(block / 8) * 32 * two;
   const size_t last_block = (size_t)wts.ntiles * nblk - 1;
-  const __m512i low4 = _mm512_set1_epi8(15);
-  // high bits: each byte's field for the low and high nibble registers' lanes (see block_layouts.py)
-  const __m512i two_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);  // 2 bits: lanes 32+ at 2
+  const __m512i low4 = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3), ones8 = _mm512_set1_epi8(1);
+  // each byte's field for the low and high nibble registers' lanes (see block_layouts.py): 2 bits, lanes 32+ at
+  // bit 2; 1 bit, lanes 16q + p at bit q; the high register 4 bits further
+  const __m512i two_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
   const __m512i one_lo = _mm512_cvtepu8_epi16(_mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
                                                                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m512i field = _mm512_set1_epi8(L.high_bits == 2 ? 3 : 1);
-  const __m512i shift_lo = L.high_bits == 2 ? two_lo : one_lo;
-  const __m512i shift_hi = _mm512_add_epi16(shift_lo, _mm512_set1_epi16(4));
+  const __m512i four = _mm512_set1_epi16(4);
+  const __m512i two_hi = _mm512_add_epi16(two_lo, four), one_hi = _mm512_add_epi16(one_lo, four);
   __m512 acc[T][R];
   for (int i = 0; i < T; i++)
     for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_ps();
@@ -288,19 +298,26 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
     for (int g = 0; g < block / 8; g++) {
       __m512i w[T][2];
       for (int i = 0; i < T; i++) {
-        const uint8_t* gp = wp + i * stride * tile_bytes + g * 64;
+        const uint8_t* tp = wp + i * stride * tile_bytes;
+        const uint8_t* gp = tp + g * 64;
         if constexpr (F == Prefetch::kAhead) prefetch(gp + 2048);
         if constexpr (F == Prefetch::kNext) prefetch(gp + next * tile_bytes);
-        const __m512i v = _mm512_load_si512(gp);
-        w[i][0] = _mm512_and_si512(v, low4);
-        w[i][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-        if constexpr (L.high_bits) {  // each weight's high bits, to bits 4 (and 5)
-          const uint8_t* hp = wp + i * stride * tile_bytes + (block / 8) * 64 + g * 16 * L.high_bits;
-          __m512i h;
-          if constexpr (L.high_bits == 2) h = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(hp)));
-          else h = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(hp)));
-          w[i][0] = _mm512_or_si512(w[i][0], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_lo), field), 4));
-          w[i][1] = _mm512_or_si512(w[i][1], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shift_hi), field), 4));
+        if constexpr (nib) {
+          const __m512i v = _mm512_load_si512(gp);
+          w[i][0] = _mm512_and_si512(v, low4);
+          w[i][1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        } else {
+          w[i][0] = w[i][1] = _mm512_setzero_si512();
+        }
+        if constexpr (two) {
+          const __m512i h = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(tp + two_off + g * 32)));
+          w[i][0] = _mm512_or_si512(w[i][0], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, two_lo), three), two_at));
+          w[i][1] = _mm512_or_si512(w[i][1], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, two_hi), three), two_at));
+        }
+        if constexpr (one) {
+          const __m512i h = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(tp + one_off + g * 16)));
+          w[i][0] = _mm512_or_si512(w[i][0], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, one_lo), ones8), one_at));
+          w[i][1] = _mm512_or_si512(w[i][1], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, one_hi), ones8), one_at));
         }
       }
       for (int h = 0; h < 2; h++)
@@ -316,7 +333,7 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
       // this tile and block's scale s and minimum mn (w = s q + mn) or zero point z (w = s (q - z)), in fp32
       // as gguf's dequantization forms them
       __m512 s, mn_or_z;
-      constexpr bool minimums = L.scales == Scales::kKQuant || L.scales == Scales::kHalfMin;
+      constexpr bool minimums = L.scales == Scales::kKQuant || L.scales == Scales::kKQuant4 || L.scales == Scales::kHalfMin;
       if constexpr (Mode == 0) {
         mn_or_z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wts.zero.data() + tb * kTile))));
         s = _mm512_loadu_ps(wts.scale.data() + tb * kTile);
@@ -333,7 +350,17 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
         mn_or_z = _mm512_sub_ps(_mm512_setzero_ps(),
                                 _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1)),
                                               _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(scm, 1)))));
-      } else if constexpr (L.scales == Scales::kSix) {  // s = d * sc (int8), zero 32
+      } else if constexpr (L.scales == Scales::kKQuant4) {  // as kKQuant, sc and m a byte's two nibbles
+        const size_t ts = (size_t)(t0 + i * stride) * wts.nsuper + b / (256 / L.block);
+        const __m512i dm = _mm512_loadu_si512(wts.kd + ts * 2 * kTile);
+        const __m128i scm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wts.ksc + tb * kTile));
+        const __m128i nib4 = _mm_set1_epi8(15);
+        s = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(dm)),
+                          _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(scm, nib4))));
+        mn_or_z = _mm512_sub_ps(_mm512_setzero_ps(),
+                                _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(dm, 1)),
+                                              _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(scm, 4), nib4)))));
+      } else if constexpr (L.scales == Scales::kSix) {  // s = d * sc (int8), a zero point
         const size_t ts = (size_t)(t0 + i * stride) * wts.nsuper + b / (256 / L.block);
         s = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wts.kd + ts * kTile))),
                           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wts.ksc + tb * kTile)))));
@@ -376,14 +403,17 @@ template <int T, int R, bool SwiGLU, Prefetch F, int Mode>
 inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0, int64_t m0, const Output& out,
                        int stride, int next) {
   constexpr OwnBits L = traits<Mode>();
-  constexpr int GB = 64 + 16 * L.high_bits;  // bytes a group of 8 k takes in a tile (with its high bits)
-  constexpr bool minimums = L.scales == Scales::kKQuant || L.scales == Scales::kHalfMin;
+  constexpr int GB = 16 * L.bits;  // bytes a group of 8 k takes in a tile (all its fields)
+  constexpr bool nib = L.bits & 4, two = L.bits & 2, one = L.bits & 1;  // the fields (see OwnBits::bits)
+  constexpr int two_at = nib ? 4 : 0, one_at = two_at + (two ? 2 : 0);  // where they go in a weight
+  constexpr bool minimums = L.scales == Scales::kKQuant || L.scales == Scales::kKQuant4 || L.scales == Scales::kHalfMin;
   const int nblk = wts.nblk, block = wts.block, K = wts.Kp;
   const size_t tile_bytes = (size_t)nblk * (block / 8) * GB;
+  const size_t two_off = (size_t)(block / 8) * 64 * nib, one_off = two_off + (size_t)(block / 8) * 32 * two;
   const size_t last_block = (size_t)wts.ntiles * nblk - 1;
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  const __m256i field = _mm256_set1_epi8(L.high_bits == 2 ? 3 : 1);
-  const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // one high bit: the 128-bit halves' fields
+  const __m256i three = _mm256_set1_epi8(3), ones8 = _mm256_set1_epi8(1);
+  const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // one bit: the 128-bit halves' fields
   __m256 acc[T][R][2];
   for (int i = 0; i < T; i++)
     for (int r = 0; r < R; r++) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_ps();
@@ -398,26 +428,27 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
       for (int g = 0; g < block / 8; g++) {
         if constexpr (F == Prefetch::kAhead) prefetch(wp + g * 64 + 2048);
         if constexpr (F == Prefetch::kNext) prefetch(wp + next * tile_bytes + g * 64);
-        const __m256i v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + g * 64));
-        const __m256i v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + g * 64 + 32));
-        __m256i hb = _mm256_setzero_si256();
-        const uint8_t* hp = wp + (block / 8) * 64 + g * 16 * L.high_bits;
-        if constexpr (L.high_bits == 2) hb = _mm256_load_si256(reinterpret_cast<const __m256i*>(hp));
-        if constexpr (L.high_bits == 1) hb = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(hp)));
+        __m256i v0 = _mm256_setzero_si256(), v1 = v0, h2 = v0, h1 = v0;
+        if constexpr (nib) {
+          v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + g * 64));
+          v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + g * 64 + 32));
+        }
+        if constexpr (two) h2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + two_off + g * 32));
+        if constexpr (one) h1 = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(wp + one_off + g * 16)));
         for (int h = 0; h < 2; h++) {
           __m256i w0 = h ? _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4) : _mm256_and_si256(v0, low4);
           __m256i w1 = h ? _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4) : _mm256_and_si256(v1, low4);
-          if constexpr (L.high_bits) {  // each weight's high bits, to bits 4 (and 5) (see block_layouts.py)
-            __m256i f0, f1;
-            if constexpr (L.high_bits == 2) {  // lanes 0-31 (v0) at bits 4h, lanes 32-63 (v1) at 4h + 2
-              f0 = _mm256_srl_epi16(hb, _mm_cvtsi32_si128(4 * h));
-              f1 = _mm256_srl_epi16(hb, _mm_cvtsi32_si128(4 * h + 2));
-            } else {  // lanes 16q + p at bit q (+ 4 for the high nibbles): v0 holds q = 0, 1, v1 q = 2, 3
-              f0 = _mm256_srlv_epi32(hb, _mm256_add_epi32(halves, _mm256_set1_epi32(4 * h)));
-              f1 = _mm256_srlv_epi32(hb, _mm256_add_epi32(halves, _mm256_set1_epi32(4 * h + 2)));
-            }
-            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(f0, field), 4));
-            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(f1, field), 4));
+          if constexpr (two) {  // lanes 0-31 (v0) at bits 4h, lanes 32-63 (v1) at 4h + 2 (see block_layouts.py)
+            const __m256i f0 = _mm256_srl_epi16(h2, _mm_cvtsi32_si128(4 * h));
+            const __m256i f1 = _mm256_srl_epi16(h2, _mm_cvtsi32_si128(4 * h + 2));
+            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(f0, three), two_at));
+            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(f1, three), two_at));
+          }
+          if constexpr (one) {  // lanes 16q + p at bit q (+ 4 for the high nibbles): v0 holds q = 0, 1, v1 q = 2, 3
+            const __m256i f0 = _mm256_srlv_epi32(h1, _mm256_add_epi32(halves, _mm256_set1_epi32(4 * h)));
+            const __m256i f1 = _mm256_srlv_epi32(h1, _mm256_add_epi32(halves, _mm256_set1_epi32(4 * h + 2)));
+            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(f0, ones8), one_at));
+            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(f1, ones8), one_at));
           }
           for (int r = 0; r < R; r++) {
             int32_t word;
@@ -446,7 +477,14 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
           };
           s = _mm256_mul_ps(half8(dm + 8 * c), bytes8(scm + 8 * c));
           mn_or_z = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(dm + kTile + 8 * c), bytes8(scm + kTile + 8 * c)));
-        } else if constexpr (L.scales == Scales::kSix) {  // s = d * sc (int8), zero 32
+        } else if constexpr (L.scales == Scales::kKQuant4) {  // as kKQuant, sc and m a byte's two nibbles
+          const uint16_t* dm = wts.kd + ((size_t)(t0 + i * stride) * wts.nsuper + b / (256 / L.block)) * 2 * kTile;
+          const __m128i scm = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wts.ksc + tb * kTile + 8 * c));
+          const __m128i nib4 = _mm_set1_epi8(15);
+          s = _mm256_mul_ps(half8(dm + 8 * c), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(scm, nib4))));
+          mn_or_z = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(dm + kTile + 8 * c),
+              _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(scm, 4), nib4)))));
+        } else if constexpr (L.scales == Scales::kSix) {  // s = d * sc (int8), a zero point
           const uint16_t* dp = wts.kd + ((size_t)(t0 + i * stride) * wts.nsuper + b / (256 / L.block)) * kTile;
           s = _mm256_mul_ps(half8(dp + 8 * c),
                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wts.ksc + tb * kTile + 8 * c)))));
@@ -524,6 +562,8 @@ void gemm_tiles_as(const PackedWeights& wts, const QuantizedRows& acts, int64_t 
 void gemm_tiles(const PackedWeights& wts, const QuantizedRows& acts, int64_t M, const Output& out, int t_begin, int t_end,
                 bool swiglu) {
   switch (wts.mode()) {
+    case 11: return gemm_tiles_as<11>(wts, acts, M, out, t_begin, t_end, swiglu);
+    case 10: return gemm_tiles_as<10>(wts, acts, M, out, t_begin, t_end, swiglu);
     case 8: return gemm_tiles_as<8>(wts, acts, M, out, t_begin, t_end, swiglu);
     case 7: return gemm_tiles_as<7>(wts, acts, M, out, t_begin, t_end, swiglu);
     case 6: return gemm_tiles_as<6>(wts, acts, M, out, t_begin, t_end, swiglu);
@@ -636,14 +676,15 @@ OrtStatus* epilogue_attrs(const CustomOp* op, const OrtKernelInfo* info, int64_t
   return nullptr;
 }
 
-// MatMulQ4 on a GGUF type at its own bits: inputs A and the exporter's layout (kquant: the type, 1-7, kOwnBits'
+// MatMulQ4 on a GGUF type at its own bits: inputs A and the exporter's layout (kquant: the type, 1-10 but 8, kOwnBits'
 // order; K, N attributes)
 OrtStatus* create_own_kernel(const CustomOp* op, const OrtKernelInfo* info, int64_t kind, void** out) {
   int64_t K = 0, N = 0, split = 0;
   auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
   RETURN_IF(attr(info, "K", &K));
   RETURN_IF(attr(info, "N", &N));
-  if (kind < 1 || kind > kOwnKinds) return fail("ruvllm.MatMulQ4: unknown kquant " + std::to_string(kind));
+  if (kind < 1 || kind > kOwnKinds || kind == kQ8Kind)
+    return fail("ruvllm.MatMulQ4: unknown kquant " + std::to_string(kind) + (kind == kQ8Kind ? " (Q8_0 is ruvllm.MatMulQ8's)" : ""));
   const int mode = (int)kind + 1;
   const OwnBits& t = own_bits(mode);
   if (K % t.superblock || N % kTile)
