@@ -35,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
                         "Default: awq for int4, rtn for int8 and w8a8")
     c.add_argument("--calibration", default=None, metavar="FILE",
                    help="UTF-8 text for AWQ's and GPTQ's calibration (default: Python's standard library docs)")
+    c.add_argument("--layerwise", action="store_const", const=True, default=None,
+                   help="AWQ/GPTQ one decoder layer at a time, the source read tensor by tensor (memory: one layer "
+                        "in float); the default when the model's fp32 weights exceed a quarter of this machine's "
+                        "memory. GPTQ then calibrates on the calibration text alone")
     c.add_argument("--head-quant", default=None, choices=["int8", "int4"],
                    help="LM head precision with --quant int8/int4 (default: int4 with --head-rescore for int4 "
                         "models with tied embeddings on native targets, else int8)")
@@ -76,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                                   calibration=args.calibration, head_quant=args.head_quant,
                                   head_rescore=args.head_rescore, kv_block_size=args.kv_block_size,
                                   target=args.target, lora=not args.no_lora, max_context=args.max_context,
-                                  progress=not args.quiet)
+                                  progress=not args.quiet, layerwise=args.layerwise)
             out = convert(args.source, args.output, opts)
             print(f"wrote {out}")
         elif args.cmd == "adapter":

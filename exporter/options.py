@@ -31,6 +31,7 @@ class ConvertOptions:
     lora: bool = True
     max_context: int | None = None
     progress: bool = True
+    layerwise: bool | None = None  # AWQ/GPTQ one layer at a time on a streamed source (None: streamed.layerwise)
 
 
 def kv_write_op(target: str) -> str:

@@ -3,9 +3,11 @@
 The graph is built from the config alone (a transformers model with no weights gives the spec and
 the rotary tables); each projection is read from the memory-mapped file when the builder reaches it,
 as the file's own blocks or, for a type with no grid here (and for a folder's float weights), RTN of
-that one tensor; its packed numbers go to the package's data file at once. The page's targets (which
-dequantize at load) and the calibrated methods (AWQ, GPTQ, HQQ, SmoothQuant: they need activations)
-still load the model whole (convert.py), as does a checkpoint that names its weights otherwise.
+that one tensor; its packed numbers go to the package's data file at once. AWQ and GPTQ run here one
+decoder layer at a time (quantizers/layerwise.py) where the model is large (`layerwise`). The page's
+targets (which dequantize at load), HQQ, SmoothQuant, smaller models' AWQ and GPTQ (which also
+calibrate on the model's own samples) and a checkpoint that names its weights otherwise load the model
+whole (convert.py).
 """
 
 from __future__ import annotations
@@ -48,8 +50,41 @@ def streams(source, opts: ConvertOptions, architecture: str) -> bool:
         return False
     if opts.target in BROWSER_TARGETS:
         return opts.target == "wasm" and step_only(source, opts)
-    return (source.kind in ("gguf", "folder") and opts.method in ("gguf", "rtn")
-            and opts.quant in ("fp32", "fp16", "int8", "int4"))
+    if source.kind not in ("gguf", "folder") or opts.quant not in ("fp32", "fp16", "int8", "int4"):
+        return False
+    return opts.method in ("gguf", "rtn") or (opts.method in CALIBRATED and layerwise(source, opts))
+
+
+CALIBRATED = ("awq", "gptq", "awq+gptq")  # the methods quantizers/layerwise.py runs layer by layer
+
+
+def layerwise(source, opts: ConvertOptions) -> bool:
+    """Whether AWQ/GPTQ run one layer at a time: --layerwise, else when the model's fp32 weights exceed a
+    quarter of this machine's memory (the whole-model path holds them about three times over: the model,
+    the graphs' copy, the quantizer's)."""
+    if opts.layerwise is not None:
+        return opts.layerwise
+    import os
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 4 * source_parameters(source) > memory / 4
+
+
+def source_parameters(source) -> int:
+    """How many numbers the source's tensors hold, from the files' headers (nothing read beyond them)."""
+    import json
+    import struct
+
+    if source.kind == "gguf":
+        import gguf
+
+        return sum(int(t.n_elements) for t in gguf.GGUFReader(source.path).tensors)
+    total = 0
+    for f in Path(source.path).glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        total += sum(int(np.prod(t["shape"])) for k, t in header.items() if k != "__metadata__")
+    return total
 
 
 PAGE_FP32_BYTES = 2 << 30  # past this, a page cannot hold the graphs' fp32 weights (onnxruntime-web's form)
@@ -103,9 +138,10 @@ class StreamedProjections:
     minimums: gguf_blocks.graph_grids says why), and of a folder's float weights. Remembers what it
     carried and what it quantized again, for the manifest."""
 
-    def __init__(self, tensors, opts: ConvertOptions, tied: bool, bar=None) -> None:
-        """tensors: a GgufTensors or a SafetensorsTensors."""
-        self.t, self.opts, self.tied, self.bar = tensors, opts, tied, bar
+    def __init__(self, tensors, opts: ConvertOptions, tied: bool, bar=None, calibrated=None) -> None:
+        """tensors: a GgufTensors or a SafetensorsTensors; calibrated: a layerwise.LayerwiseQuantizer, whose
+        grids the layers' projections take."""
+        self.t, self.opts, self.tied, self.bar, self.calibrated = tensors, opts, tied, bar, calibrated
         self.bits, self.head_bits = BITS[opts.quant], BITS[opts.head_quant]
         self.carried: set[str] = set()  # graph weights on the file's own blocks
         self.requantized: set[str] = set()
@@ -126,6 +162,11 @@ class StreamedProjections:
     def __call__(self, name: str) -> Grid | OwnBits:
         parts = self.parts(name)
         head = name == "lm_head"
+        if self.calibrated is not None and not head:
+            grid = self.calibrated.grid(name)
+            if self.bar is not None:
+                self.bar.update(1)
+            return grid
         exact = self.opts.method == "gguf" and not (head and self.opts.head_rescore)
         if exact and self.bits == 4 and all(self.t.type_of(p) in OWN for p in parts):
             own = [(self.t.type_of(p), self.t.own_bits(p)) for p in parts]  # at their own bits, for the kernel
@@ -185,17 +226,26 @@ def convert_streamed(source, out: Path, opts: ConvertOptions, started: float) ->
     spec = decoder_spec(model, opts.max_context)
     tensors = GgufTensors(source.path, model) if source.kind == "gguf" else SafetensorsTensors(source.path, model)
     family = builder_for(model.config)
-    del model
     bar.close()
+    calibrated, gptq_calibration = None, None
+    if opts.method in CALIBRATED:
+        from exporter.quantizers.awq import calibration_ids
+        from exporter.quantizers.layerwise import GPTQ_CALIBRATION, LayerwiseQuantizer
+
+        calibrated = LayerwiseQuantizer(model, tensors, opts.method, calibration_ids(tok, opts.calibration),
+                                        opts.block_size, BITS[opts.quant], opts.mlp_block_size, on)
+        if "gptq" in opts.method:
+            gptq_calibration = (Path(opts.calibration).name + "; " if opts.calibration else "") + GPTQ_CALIBRATION
+    del model
     opts = head_plan(opts, spec.tie_word_embeddings)
     if opts.head_rescore > spec.vocab_size:
         raise RuvLLMError(f"--head-rescore {opts.head_rescore} is more than the vocabulary ({spec.vocab_size} tokens)")
     quantized = opts.quant in ("int8", "int4")
-    weights = LazyWeights(tensors, family)
+    weights = LazyWeights(tensors, family, calibrated)
     embed_grid = embedding(tensors, opts) if opts.method == "gguf" else None
     n_graphs = 2 if opts.lora else 1
     bar = stage("building graphs", total=4 * spec.num_layers + 1 if quantized else None, enabled=on)
-    grids = StreamedProjections(tensors, opts, spec.tie_word_embeddings, bar) if quantized else None
+    grids = StreamedProjections(tensors, opts, spec.tie_word_embeddings, bar, calibrated) if quantized else None
     tensors.release()
     if grids is not None and isinstance(embed_grid, Grid):
         grids.embedding = embed_grid
@@ -211,7 +261,8 @@ def convert_streamed(source, out: Path, opts: ConvertOptions, started: float) ->
             graphs[file_name] = build_decoder(
                 spec, weights, slots, np.float16 if opts.quant == "fp16" else np.float32,
                 np.float32 if opts.quant == "fp32" else np.float16, tied_gemm=True, kv_write=kv_write_op(opts.target),
-                head_rescore=opts.head_rescore, embed_grid=embed_grid, grids=graph_grids, store=store)
+                head_rescore=opts.head_rescore, embed_grid=embed_grid, grids=graph_grids, store=store,
+                lora_scales=calibrated and calibrated.scales)
             projections = projections or graph_grids
         bar.close()
     except BaseException:
@@ -230,5 +281,5 @@ def convert_streamed(source, out: Path, opts: ConvertOptions, started: float) ->
         if carried.requantized:
             print(f"warning: {len(carried.requantized)} of the GGUF's matrices (e.g. {carried.requantized[0]}) are "
                   f"quantized with RTN in blocks of {opts.block_size} (no exact {opts.quant} layout here)", file=sys.stderr)
-    return write_package(out, graphs, store, tok, source, spec, opts, gen_cfg, started, None, carried, tmp=tmp,
-                         browser_graphs=False)
+    return write_package(out, graphs, store, tok, source, spec, opts, gen_cfg, started, gptq_calibration, carried,
+                         tmp=tmp, browser_graphs=False)

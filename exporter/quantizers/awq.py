@@ -148,20 +148,33 @@ def _search_clip(x, w, block: int, bits: int):
     return torch.clamp(wb, -best_max, best_max).reshape(out_f, -1)[:, :in_f]
 
 
+def layer_probes(i: int, layer, keep: float) -> tuple[dict, list]:
+    """`_Inputs` on a layer's projection inputs, by (layer, group), and the hooks that feed them."""
+    probes, hooks = {}, []
+    for name, module in (("qkv", layer.self_attn.q_proj), ("o", layer.self_attn.o_proj),
+                         ("gate_up", layer.mlp.gate_proj), ("down", layer.mlp.down_proj)):
+        probes[i, name] = _Inputs(keep, seed=i)
+        hooks.append(module.register_forward_pre_hook(probes[i, name]))
+    return probes, hooks
+
+
+def sample_share(sequences: list[list[int]]) -> float:
+    """The share of calibration rows `_Inputs` keeps: SAMPLE_ROWS in all."""
+    return min(1.0, SAMPLE_ROWS / sum(len(s) for s in sequences))
+
+
 def _calibrate(model, sequences: list[list[int]], progress: bool, what: str) -> dict:
     """Each layer's projection inputs on the calibration text: `_Inputs` by (layer, group)."""
     import torch
 
     from exporter.progress import stage
 
-    layers = model.model.layers
-    keep = min(1.0, SAMPLE_ROWS / sum(len(s) for s in sequences))
+    keep = sample_share(sequences)
     probes, hooks = {}, []
-    for i, layer in enumerate(layers):
-        for name, module in (("qkv", layer.self_attn.q_proj), ("o", layer.self_attn.o_proj),
-                             ("gate_up", layer.mlp.gate_proj), ("down", layer.mlp.down_proj)):
-            probes[i, name] = _Inputs(keep, seed=i)
-            hooks.append(module.register_forward_pre_hook(probes[i, name]))
+    for i, layer in enumerate(model.model.layers):
+        found, added = layer_probes(i, layer, keep)
+        probes.update(found)
+        hooks += added
     try:
         with torch.no_grad():
             for seq in stage(f"{what} calibration", sequences, enabled=progress):
@@ -204,31 +217,38 @@ def apply_awq(model, sequences: list[list[int]], block: int, bits: int, clip: bo
     quantization in blocks of `block` (the MLP's in blocks of `mlp_block` if given). The scaling leaves
     the float model's outputs unchanged (up to rounding); the clipping moves weights to where their
     quantization errs least."""
-    import torch
-
     from exporter.progress import stage
 
     probes = _calibrate(model, sequences, progress, "AWQ")
     scales = LoraScales()
+    for i, layer in enumerate(stage("AWQ search (layers)", model.model.layers, enabled=progress)):
+        awq_layer(i, layer, probes, block, bits, clip, mlp_block, scales)
+    return scales
+
+
+def awq_layer(i: int, layer, probes: dict, block: int, bits: int, clip: bool, mlp_block: int | None,
+              scales: LoraScales) -> None:
+    """One layer's AWQ, in place: each group's scale searched on its probed inputs (layer_probes) and
+    folded, then the blocks' clipping; the layer's probes are consumed."""
+    import torch
+
     width = {"qkv": block, "o": block, "gate_up": mlp_block or block, "down": mlp_block or block}
     with torch.no_grad():
-        for i, layer in enumerate(stage("AWQ search (layers)", model.model.layers, enabled=progress)):
-            attn, mlp = layer.self_attn, layer.mlp
-            x = {}
-            for name, producer, linears in _groups(layer):
-                mods = [getattr(attn if t in ATTN else mlp, t) for t in linears]
-                sample, mean_abs = probes.pop((i, name)).sample()
-                s = _search_scale(sample, [m.weight for m in mods], mean_abs, width[name], bits)
-                _fold(i, name, producer, linears, mods, s, scales)
-                x[name] = sample / s
-            x["o"] = probes.pop((i, "o")).sample()[0]
-            if not clip:
-                continue
-            # q/k stay unclipped: their error moves attention scores, which a block's output error misses
-            for name, m in (("qkv", attn.v_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_proj),
-                            ("gate_up", mlp.up_proj), ("down", mlp.down_proj)):
-                m.weight.copy_(_search_clip(x[name], m.weight, width[name], bits))
-    return scales
+        attn, mlp = layer.self_attn, layer.mlp
+        x = {}
+        for name, producer, linears in _groups(layer):
+            mods = [getattr(attn if t in ATTN else mlp, t) for t in linears]
+            sample, mean_abs = probes.pop((i, name)).sample()
+            s = _search_scale(sample, [m.weight for m in mods], mean_abs, width[name], bits)
+            _fold(i, name, producer, linears, mods, s, scales)
+            x[name] = sample / s
+        x["o"] = probes.pop((i, "o")).sample()[0]
+        if not clip:
+            return
+        # q/k stay unclipped: their error moves attention scores, which a block's output error misses
+        for name, m in (("qkv", attn.v_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_proj),
+                        ("gate_up", mlp.up_proj), ("down", mlp.down_proj)):
+            m.weight.copy_(_search_clip(x[name], m.weight, width[name], bits))
 
 
 SMOOTHQUANT_ALPHA = 0.5  # the paper's default: outliers' difficulty split evenly between x and w

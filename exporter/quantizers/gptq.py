@@ -107,57 +107,75 @@ def apply_gptq(model, sequences: list[list[int]], block: int, bits: int, mlp_blo
     """Quantize the projections of a Llama-family `transformers` model layer by layer, in place (each
     weight becomes its dequantized value), and return each fused graph weight's Grid by its name in
     the decoder graph (`layers.{i}.qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`)."""
-    import torch
-
     from exporter.progress import stage
 
     layers = model.model.layers
+    captured = capture_first_layer(model, sequences)
+
+    grids: dict[str, Grid] = {}
+    for i, layer in enumerate(stage("GPTQ (layers)", layers, enabled=progress)):
+        found, captured = gptq_layer(i, layer, captured, block, bits, mlp_block, act_order)
+        grids.update(found)
+    return grids
+
+
+def capture_first_layer(model, sequences: list[list[int]]) -> list[tuple]:
+    """The first decoder layer's inputs (hidden states, keyword arguments: rotary tables, mask) for each
+    sequence: the model run up to that layer, no further."""
+    import torch
+
     captured: list[tuple] = []
 
     def catch(module, args, kwargs):
         captured.append((args[0] if args else kwargs.pop("hidden_states"), kwargs))
         raise _Stop
 
-    hook = layers[0].register_forward_pre_hook(catch, with_kwargs=True)
+    hook = model.model.layers[0].register_forward_pre_hook(catch, with_kwargs=True)
     try:
         with torch.no_grad():
             for seq in sequences:
-                try:
-                    model(torch.tensor([seq]))
+                try:  # no KV cache: the layers run on these inputs more than once
+                    model(torch.tensor([seq]), use_cache=False)
                 except _Stop:
                     pass
     finally:
         hook.remove()
+    return captured
+
+
+def gptq_layer(i: int, layer, captured: list[tuple], block: int, bits: int, mlp_block: int | None = None,
+               act_order: bool = ACT_ORDER) -> tuple[dict[str, Grid], list[tuple]]:
+    """One layer's GPTQ on its inputs `captured` (capture_first_layer's, then this function's): the
+    fused graph weights' Grids, the layer's weights replaced by their dequantized values, and the next
+    layer's inputs (this one's quantized outputs)."""
+    import torch
 
     grids: dict[str, Grid] = {}
     width = {"qkv_proj": block, "o_proj": block, "gate_up_proj": mlp_block or block, "down_proj": mlp_block or block}
     with torch.no_grad():
-        for i, layer in enumerate(stage("GPTQ (layers)", layers, enabled=progress)):
-            attn, mlp = layer.self_attn, layer.mlp
-            groups = {"qkv_proj": [attn.q_proj, attn.k_proj, attn.v_proj], "o_proj": [attn.o_proj],
-                      "gate_up_proj": [mlp.gate_proj, mlp.up_proj], "down_proj": [mlp.down_proj]}
-            hs = {name: 0 for name in groups}
-
-            hooks = [mods[0].register_forward_pre_hook(_accumulate(hs, name)) for name, mods in groups.items()]
-            try:
-                for hidden, kwargs in captured:
-                    layer(hidden, **kwargs)
-            finally:
-                for h in hooks:
-                    h.remove()
-            for name, mods in groups.items():
-                w = torch.cat([m.weight for m in mods], 0)
-                grid = gptq_quantize(w, hs[name], width[name], bits, act_order)
-                grids[f"layers.{i}.{name}"] = grid
-                deq = torch.from_numpy(grid.dequantize())
-                start = 0
-                for m in mods:
-                    rows = m.weight.shape[0]
-                    m.weight.copy_(deq[start:start + rows].to(m.weight.dtype))
-                    start += rows
-            # the next layer calibrates on this one's quantized outputs
-            captured = [(_hidden(layer(hidden, **kwargs)), kwargs) for hidden, kwargs in captured]
-    return grids
+        attn, mlp = layer.self_attn, layer.mlp
+        groups = {"qkv_proj": [attn.q_proj, attn.k_proj, attn.v_proj], "o_proj": [attn.o_proj],
+                  "gate_up_proj": [mlp.gate_proj, mlp.up_proj], "down_proj": [mlp.down_proj]}
+        hs = {name: 0 for name in groups}
+        hooks = [mods[0].register_forward_pre_hook(_accumulate(hs, name)) for name, mods in groups.items()]
+        try:
+            for hidden, kwargs in captured:
+                layer(hidden, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+        for name, mods in groups.items():
+            w = torch.cat([m.weight for m in mods], 0)
+            grid = gptq_quantize(w, hs.pop(name), width[name], bits, act_order)
+            grids[f"layers.{i}.{name}"] = grid
+            deq = torch.from_numpy(grid.dequantize())
+            start = 0
+            for m in mods:
+                rows = m.weight.shape[0]
+                m.weight.copy_(deq[start:start + rows].to(m.weight.dtype))
+                start += rows
+        # the next layer calibrates on this one's quantized outputs
+        return grids, [(_hidden(layer(hidden, **kwargs)), kwargs) for hidden, kwargs in captured]
 
 
 def _accumulate(hs: dict, name: str):

@@ -119,13 +119,15 @@ class LazyWeights(Mapping):
     not kept, with the family's own transform (builder.float_weights) applied; from a GgufTensors or a
     safetensors_tensors.SafetensorsTensors."""
 
-    def __init__(self, tensors, family) -> None:
-        self.tensors, self.family = tensors, family
+    def __init__(self, tensors, family, calibrated=None) -> None:
+        """calibrated: a layerwise.LayerwiseQuantizer, whose folded weights (AWQ's norms) come first."""
+        self.tensors, self.family, self.calibrated = tensors, family, calibrated
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self.tensors.tensors:
             raise KeyError(name)
-        return self.family.float_weights({name: self.tensors.float(name)})[name]
+        w = self.calibrated.weight(name) if self.calibrated is not None else None
+        return self.family.float_weights({name: self.tensors.float(name) if w is None else w})[name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors.tensors)
