@@ -126,10 +126,17 @@ def _search_scale(x, weights: list, mean_abs, block: int, bits: int):
     return best
 
 
+CLIP_ROWS = 1024  # output rows searched at a time: the search's products are [rows, outputs, blocks] floats
+
+
 def _search_clip(x, w, block: int, bits: int):
-    """w with each block clipped to the range (shrunk symmetrically) that minimizes its output error."""
+    """w with each block clipped to the range (shrunk symmetrically) that minimizes its output error; a
+    block's search sees only its own row, so the rows go CLIP_ROWS at a time (a 7B MLP's all at once would
+    hold 4 GB of products)."""
     import torch
 
+    if w.shape[0] > CLIP_ROWS:
+        return torch.cat([_search_clip(x, w[r:r + CLIP_ROWS], block, bits) for r in range(0, w.shape[0], CLIP_ROWS)])
     out_f, in_f = w.shape
     pad = -in_f % block
     xb = torch.nn.functional.pad(x, (0, pad)).reshape(x.shape[0], -1, block)  # [n, blocks, block]

@@ -151,3 +151,16 @@ def test_weight_plan_defaults():
     for bad in (0, 24, 8):
         with pytest.raises(RuvLLMError, match="--block-size must be a power of two"):
             plan(quant="int4", block_size=bad)
+
+
+def test_clip_search_by_row_chunks_is_the_whole_search(monkeypatch):
+    """The clipping search goes CLIP_ROWS output rows at a time (memory); each block's choice is the same."""
+    import exporter.quantizers.awq as awq
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 128, generator=gen), torch.randn(40, 128, generator=gen)
+    monkeypatch.setattr(awq, "CLIP_ROWS", 16)
+    chunked = awq._search_clip(x, w, 32, 4)
+    monkeypatch.setattr(awq, "CLIP_ROWS", 1 << 20)
+    assert torch.equal(chunked, awq._search_clip(x, w, 32, 4))
+    assert not torch.equal(chunked, w)  # something was clipped
