@@ -134,6 +134,20 @@ def load_llamacpp(tokens: int, threads: int):
     return "llama.cpp Q4_1", once
 
 
+def batch_decoder(ctx, batch):
+    """decode(entries): one llama_decode of `batch` filled with (token, position, sequence, want logits)."""
+    import llama_cpp as L
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:
+        batch.n_tokens = len(entries)
+        for i, (tok, pos, seq, want) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, int(want)
+        if L.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+    return decode
+
+
 def llamacpp_batch(llm, prompt_ids: list[int], streams: int, tokens: int, threads: int,
                    trace: list | None = None) -> dict:
     """`streams` copies of the prompt as parallel sequences of one llama.cpp context (its server's way
@@ -153,14 +167,7 @@ def llamacpp_batch(llm, prompt_ids: list[int], streams: int, tokens: int, thread
     ctx = L.llama_init_from_model(llm._model.model, params)
     vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(llm._model.model))
     batch = L.llama_batch_init(params.n_batch, 0, 1)
-
-    def decode(entries: list[tuple[int, int, int, bool]]) -> None:  # (token, pos, seq, want logits)
-        batch.n_tokens = len(entries)
-        for i, (tok, pos, seq, want) in enumerate(entries):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
-            batch.seq_id[i][0], batch.logits[i] = seq, int(want)
-        if L.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
+    decode = batch_decoder(ctx, batch)
 
     def next_tokens(rows: list[int]) -> list[int]:
         out = []

@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sizes  # noqa: E402  (benchmarks/sizes.py: the files, the export, peak RSS)
+from peers import batch_decoder  # noqa: E402
 
 
 def prompts(streams: int, length: int) -> list[list[int]]:
@@ -103,14 +104,7 @@ def run_llamacpp(gguf: str, args) -> dict:
     vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
     batch = L.llama_batch_init(512, 0, 1)
     load_s = time.perf_counter() - t_load
-
-    def decode(entries) -> None:  # (token, pos, seq, want logits)
-        batch.n_tokens = len(entries)
-        for i, (tok, pos, seq, want) in enumerate(entries):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
-            batch.seq_id[i][0], batch.logits[i] = seq, int(want)
-        if L.llama_decode(ctx, batch) != 0:
-            raise RuntimeError("llama_decode failed")
+    decode = batch_decoder(ctx, batch)
 
     def argmax(row: int) -> int:
         ptr = L.llama_get_logits_ith(ctx, row)
