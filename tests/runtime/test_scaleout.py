@@ -86,8 +86,8 @@ def test_cli_serves_replicas_on_a_new_local_cluster(tiny_package):
         assert bad.status_code == 400
     finally:
         proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
+        try:  # serve.shutdown() drains the replicas (up to the ingress's 30 s) before Ray stops: alone this
+            proc.wait(timeout=120)  # takes ~10 s; once, late in a full run, over 60
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
