@@ -96,12 +96,10 @@ def step_only(source, opts: ConvertOptions) -> bool:
     load) to run anyway."""
     if source.kind != "gguf" or opts.method != "gguf" or opts.quant != "int4":
         return False
-    import gguf
-
     from exporter.step_weights import step_arrays
     from runtime.errors import PackageError
 
-    if 4 * sum(int(t.n_elements) for t in gguf.GGUFReader(source.path).tensors) <= PAGE_FP32_BYTES:
+    if 4 * source_parameters(source) <= PAGE_FP32_BYTES:
         return False
     try:
         step_arrays(source.path, 16)  # the header's checks; no array is read

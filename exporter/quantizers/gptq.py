@@ -175,7 +175,7 @@ def gptq_layer(i: int, layer, captured: list[tuple], block: int, bits: int, mlp_
                 m.weight.copy_(deq[start:start + rows].to(m.weight.dtype))
                 start += rows
         # the next layer calibrates on this one's quantized outputs
-        return grids, [(_hidden(layer(hidden, **kwargs)), kwargs) for hidden, kwargs in captured]
+        return grids, [(layer_output(layer(hidden, **kwargs)), kwargs) for hidden, kwargs in captured]
 
 
 def _accumulate(hs: dict, name: str):
@@ -186,5 +186,6 @@ def _accumulate(hs: dict, name: str):
     return hook
 
 
-def _hidden(out):
+def layer_output(out):
+    """A decoder layer's hidden states, whether transformers returns them alone or in a tuple."""
     return out[0] if isinstance(out, tuple) else out

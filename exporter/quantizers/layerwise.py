@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from exporter.builders.spec import FUSED_PROJECTIONS
 from exporter.quantizers.awq import LoraScales, awq_layer, layer_probes, sample_share
-from exporter.quantizers.gptq import capture_first_layer, gptq_layer
+from exporter.quantizers.gptq import capture_first_layer, gptq_layer, layer_output
 from exporter.quantizers.grid import Grid, rtn_grid
+from exporter.quantizers.quantize import MLP_WEIGHTS
 
-PROJECTIONS = {"qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o_proj": ("self_attn.o_proj",),
-               "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"), "down_proj": ("mlp.down_proj",)}
 GPTQ_CALIBRATION = "the calibration text alone (layer by layer: no samples of the model's own)"
 
 
@@ -70,7 +70,9 @@ class LayerwiseQuantizer:
             self.done += 1
             if self.bar is not None:
                 self.bar.update(1)
-                if self.done == len(self.model.model.layers):
+            if self.done == len(self.model.model.layers):  # the calibration streams are not needed further
+                self.awq = self.gptq = None
+                if self.bar is not None:
                     self.bar.close()
 
     # ---- one layer ----
@@ -83,7 +85,7 @@ class LayerwiseQuantizer:
             if self.awq is not None:
                 probes, hooks = layer_probes(i, layer, self.keep)
                 try:
-                    self.awq = [(_hidden(layer(h, **kw)), kw) for h, kw in self.awq]
+                    self.awq = [(layer_output(layer(h, **kw)), kw) for h, kw in self.awq]
                 finally:
                     for h in hooks:
                         h.remove()
@@ -95,12 +97,11 @@ class LayerwiseQuantizer:
                 found, self.gptq = gptq_layer(i, layer, self.gptq, self.block, self.bits, self.mlp_block)
                 self.grids.update(found)
             else:  # AWQ alone: round-to-nearest of the scaled and clipped weights, as the whole-model path
-                for fused, parts in PROJECTIONS.items():
+                for fused, parts in FUSED_PROJECTIONS.items():
+                    name = f"layers.{i}.{fused}"
                     w = np.concatenate([layer.get_submodule(p).weight.detach().numpy() for p in parts])
-                    block = (self.mlp_block or self.block) if fused in ("gate_up_proj", "down_proj") else self.block
-                    self.grids[f"layers.{i}.{fused}"] = rtn_grid(w, self.bits, block)
-        if self.awq is not None and self.gptq is None and i == len(self.model.model.layers) - 1:
-            self.awq = None
+                    block = (self.mlp_block or self.block) if name.endswith(MLP_WEIGHTS) else self.block
+                    self.grids[name] = rtn_grid(w, self.bits, block)
 
     def _loaded(self, module, prefix: str, skip: str | None = None):
         """A context in which `module`'s parameters hold the source's weights (those under `skip` left
@@ -123,7 +124,3 @@ class LayerwiseQuantizer:
                 for n in names:
                     set_module_tensor_to_device(module, n, "meta")
         return loaded()
-
-
-def _hidden(out):
-    return out[0] if isinstance(out, tuple) else out
