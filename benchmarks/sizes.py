@@ -296,7 +296,10 @@ def measure(engine: str, path: str, args, quality_ids: list[int] | None = None) 
            "--streams", str(args.streams), "--threads", str(args.threads), "--work", str(args.work)]
     if quality_ids is not None:
         cmd.append("--quality")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    # from compiled bytecode, as an installed package runs (a PYTHONDONTWRITEBYTECODE host would compile
+    # RuvLLM's sources at every start, while llama-cpp-python's came compiled with its wheel)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**env, "HF_HUB_OFFLINE": "1"})
     if proc.returncode:
         return {"error": proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else str(proc.returncode)}
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -341,6 +344,9 @@ def main() -> None:
         return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    import compileall
+
+    compileall.compile_dir(str(ROOT / "runtime"), quiet=1)  # the workers run RuvLLM from bytecode (measure())
     results = []
     for name in args.shapes.split(","):
         ids = prompt_ids(512) if args.quality else None

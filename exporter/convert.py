@@ -49,7 +49,7 @@ from exporter.writers.tokenizer_files import write_tokenizer
 from runtime import contract as C
 from runtime.backends.graph_fusion import declared_fusions
 from runtime.errors import RuvLLMError
-from runtime.package import file_entry, load_package
+from runtime.package import file_entry, load_package, record_verified
 
 
 def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None = None) -> Path:
@@ -206,6 +206,7 @@ def write_package(out: Path, graphs: dict, store, tok, source, spec, opts: Conve
             shutil.rmtree(out)
         tmp.chmod(0o755)
         tmp.rename(out)
+        record_verified(out, manifest)  # the sha256s above were read from these very files
     finally:
         if store is not None:
             store.close()

@@ -122,13 +122,27 @@ def verify_files(pkg: ModelPackage, record: bool = True) -> None:
                                    "(re-export or re-download it; --no-verify skips this check)")
         checked[name] = stamp
     if record and checked != known:
-        try:
-            where.parent.mkdir(parents=True, exist_ok=True)
-            tmp = where.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(checked))
-            tmp.replace(where)
-        except OSError:
-            pass  # a read-only cache only costs the next load a re-check
+        _keep_record(where, checked)
+
+
+def record_verified(path: Path, manifest: dict) -> None:
+    """Record a package's files as checked: for the exporter, which has just hashed the files it wrote
+    into the manifest, so that the first load does not read them all again."""
+    stamps = {}
+    for name, meta in manifest["files"].items():
+        st = (path / name).stat()
+        stamps[name] = [st.st_size, st.st_mtime_ns, meta["sha256"]]
+    _keep_record(_verified_record(path), stamps)
+
+
+def _keep_record(where: Path, stamps: dict) -> None:
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        tmp = where.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(stamps))
+        tmp.replace(where)
+    except OSError:
+        pass  # a read-only cache only costs the next load a re-check
 
 
 def expected_inputs(num_layers: int, lora: bool = False) -> list[str]:

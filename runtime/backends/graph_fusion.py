@@ -111,15 +111,90 @@ def _all_128(tensor, base_dir: Path | None) -> bool:
     return bool(data) and data.count(128) == len(data)
 
 
+# what a rewrite depends on besides its arguments: these modules' code (and onnx's, by its files' stamps)
+REWRITE_SOURCES = ("backends/graph_fusion.py", "backends/block_layouts.py", "backends/kv_pool.py",
+                   "core/kv_blocks.py", "contract.py")
+CACHED_REWRITE_BYTES = 16 << 20  # a rewrite that embeds weights (portable_graph) is not worth a second copy
+CACHED_REWRITES = 256  # entries kept; the least recently used go first
+
+
 def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] = ALL_OPS,
                   half_adapters: bool = False, kv_int8: bool = False, kv_tails: bool = True) -> tuple[bytes, dict[str, int]]:
     """The graph file rewritten by fuse() (weights stay where they are: the model's external data is
-    read from the package's folder), serialized, and the counts."""
+    read from the package's folder), serialized, and the counts.
+
+    The result is kept in the cache folder (graphs/), keyed by everything it depends on: a later load
+    reads it back without onnx or the rewrite, which are most of the time a load takes."""
+    import json
+
+    key = _rewrite_key(graph, config, ops, half_adapters, kv_int8, kv_tails)
+    where = None if key is None else _rewrite_cache() / key
+    if where is not None:
+        try:
+            found = where.with_suffix(".onnx").read_bytes(), json.loads(where.with_suffix(".json").read_text())
+            where.with_suffix(".json").touch()  # used: the last to be pruned (_keep_rewrite)
+            return found
+        except (OSError, ValueError):
+            pass
     import onnx
 
     model = onnx.load(str(graph), load_external_data=False)
     counts = fuse(model, config, ops, graph.parent, half_adapters, kv_int8, kv_tails)
-    return model.SerializeToString(), counts
+    data = model.SerializeToString()
+    if where is not None and len(data) <= CACHED_REWRITE_BYTES:
+        _keep_rewrite(where, data, counts)
+    return data, counts
+
+
+def _rewrite_cache() -> Path:
+    from runtime.aliases import cache_dir
+
+    return cache_dir() / "graphs"
+
+
+def _rewrite_key(graph: Path, config: dict | None, ops: frozenset[str], *flags: bool) -> str | None:
+    """A digest of the graph's bytes, the stamps of its folder's files (the external data fuse reads),
+    the arguments, this code and onnx's; None where a file cannot be read (no caching then)."""
+    import hashlib
+    import importlib.util
+    import json
+
+    h = hashlib.sha256()
+    try:
+        h.update(graph.read_bytes())
+        for f in sorted(graph.parent.iterdir()):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns};".encode())
+        root = Path(__file__).resolve().parents[1]
+        for name in REWRITE_SOURCES:
+            h.update((root / name).read_bytes())
+        spec = importlib.util.find_spec("onnx")
+        onnx_dir = Path(spec.origin).parent if spec and spec.origin else None
+        st = (onnx_dir / "__init__.py").stat() if onnx_dir else None
+        h.update(f"onnx:{onnx_dir}:{st and st.st_mtime_ns}".encode())
+    except OSError:
+        return None
+    h.update(json.dumps([config, sorted(ops), flags], sort_keys=True, default=str).encode())
+    return h.hexdigest()[:40]
+
+
+def _keep_rewrite(where: Path, data: bytes, counts: dict[str, int]) -> None:
+    """Write the rewrite and its counts (counts last: their presence marks a complete entry)."""
+    import json
+    import os
+
+    try:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        for suffix, body in ((".onnx", data), (".json", json.dumps(counts).encode())):
+            tmp = where.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(body)
+            tmp.replace(where.with_suffix(suffix))
+        entries = sorted(where.parent.glob("*.json"), key=lambda f: f.stat().st_mtime_ns)
+        for old in entries[:max(0, len(entries) - CACHED_REWRITES)]:
+            old.unlink(missing_ok=True)
+            old.with_suffix(".onnx").unlink(missing_ok=True)
+    except OSError:
+        pass  # a read-only cache (or a concurrent prune) only costs a later load the rewrite
 
 
 def declared_fusions(graph: Path, config: dict) -> dict[str, int]:

@@ -23,7 +23,7 @@ from runtime.core.step_batch import StepBatch, StepResult, build_step
 from runtime.core.xlora import XLoraInfo
 from runtime.errors import ContextLengthError, RequestError
 from runtime.package import ModelPackage, load_package
-from runtime.text.prompt import PromptEncoder
+from runtime.text.prompt import PromptEncoder, package_tokenizer
 from runtime.text.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_KV_MEMORY", "Engine", "PreparedRequest", "PreparedStep", "RequestOutput", "TokenLogprob"]
@@ -82,11 +82,18 @@ class Engine:
     def from_package(cls, path, device: str = "cpu", threads: int | None = None, verify: bool = True,
                      **options) -> Engine:
         """verify: check every file's sha256 first (cached by size and mtime; see package.verify_files)."""
-        from runtime.backends.native import NativeBackend
+        from concurrent.futures import ThreadPoolExecutor
 
         pkg = load_package(path, verify_hashes=verify)
         kv_dtype = options.pop("kv_dtype", None) or "fp32"  # the backend's pool, not the scheduler's
-        return cls(pkg, NativeBackend(pkg, device=device, threads=threads, kv_dtype=kv_dtype), **options)
+        with ThreadPoolExecutor(1) as pool:  # the tokenizer (parsed without the GIL) while the graph opens
+            tokenizer = options.pop("tokenizer", None) or pool.submit(package_tokenizer, pkg)
+            from runtime.backends.native import NativeBackend
+
+            backend = NativeBackend(pkg, device=device, threads=threads, kv_dtype=kv_dtype)
+            if not isinstance(tokenizer, Tokenizer):
+                tokenizer = tokenizer.result()
+        return cls(pkg, backend, tokenizer=tokenizer, **options)
 
     # ---- requests ----
     def sampling_params(self, **given) -> SamplingParams:

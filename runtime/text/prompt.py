@@ -11,6 +11,11 @@ from runtime.text.chat_template import ChatTemplate
 from runtime.text.tokenizer import Tokenizer
 
 
+def package_tokenizer(package) -> Tokenizer:
+    meta = package.manifest["tokenizer"]
+    return Tokenizer.from_file(package.file(meta["file"]), meta)
+
+
 class PromptEncoder:
     def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate | None, vocab_size: int,
                  max_context: int) -> None:
@@ -20,7 +25,7 @@ class PromptEncoder:
     @classmethod
     def from_package(cls, package, vocab_size: int, max_context: int, tokenizer: Tokenizer | None = None) -> PromptEncoder:
         meta = package.manifest["tokenizer"]
-        tokenizer = tokenizer or Tokenizer.from_file(package.file(meta["file"]), meta)
+        tokenizer = tokenizer or package_tokenizer(package)
         tmpl = package.chat_template
         template = ChatTemplate(tmpl, meta.get("bos_token"), meta.get("eos_token")) if tmpl else None
         return cls(tokenizer, template, vocab_size, max_context)

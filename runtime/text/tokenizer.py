@@ -19,18 +19,23 @@ from runtime.text.token_floor import TokenFloor
 GIL_FREE_CHARS = 1 << 14
 
 
+def _library_tokenizer(text: str):
+    """The `tokenizers` library's tokenizer of a tokenizer.json text, or None where it is not installed."""
+    try:
+        from tokenizers import Tokenizer as LibTokenizer
+    except ImportError:
+        return None
+    return LibTokenizer.from_str(text)
+
+
 class Tokenizer:
-    def __init__(self, spec: dict, meta: dict | None = None, prefer_library: bool = True) -> None:
+    def __init__(self, spec: dict, meta: dict | None = None, prefer_library: bool = True, library=None) -> None:
+        """library: the `tokenizers` Tokenizer of the same spec, when the caller has made it (from_file)."""
         meta = meta or {}
         self.meta = meta
-        self._lib = None
-        if prefer_library:
-            try:
-                from tokenizers import Tokenizer as LibTokenizer
-
-                self._lib = LibTokenizer.from_str(json.dumps(spec))
-            except ImportError:
-                self._lib = None
+        self._lib = library if prefer_library else None
+        if prefer_library and library is None:
+            self._lib = _library_tokenizer(json.dumps(spec))
         self._pure = None if self._lib is not None else PureBPE(spec)
         self.id_to_token: dict[int, str] = {i: t for t, i in spec["model"]["vocab"].items()}
         self.special_ids: set[int] = set()
@@ -53,10 +58,23 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | Path, meta: dict | None = None, prefer_library: bool = True) -> Tokenizer:
         try:
-            spec = json.loads(Path(path).read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as err:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as err:
             raise PackageError(f"cannot read tokenizer {path}: {err}") from err
-        return cls(spec, meta, prefer_library)
+        import importlib.util
+        from concurrent.futures import ThreadPoolExecutor
+
+        # the library parses the file without the GIL while json reads it here (no thread where there is no
+        # library: Pyodide has no threads)
+        threaded = prefer_library and importlib.util.find_spec("tokenizers") is not None
+        with ThreadPoolExecutor(1) as pool:
+            library = pool.submit(_library_tokenizer, text) if threaded else None
+            try:
+                spec = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise PackageError(f"cannot read tokenizer {path}: {err}") from err
+            library = library and library.result()
+        return cls(spec, meta, prefer_library, library)
 
     @property
     def backend(self) -> str:
