@@ -296,9 +296,11 @@ class DeviceKVPool:
         """The step's tokens whose rows go into the tails too (those of each batch row's blocks that a later
         step may still read exact: its own block, and the TAIL_BLOCKS - 1 before it from the row's floor on,
         the kernel's rule), after giving back the tail pages of the blocks before those:
-        whole and computed once this step is, they are read as stored from now on."""
+        whole and computed once this step is, they are read as stored from now on. Only the row's own blocks:
+        those before its own_from are prefix-cache hits, whose tails another sequence may still read exact."""
         bs, sealed, tokens = self.block_size, set(), []
-        for row, table, floor in zip(batch.query_index, batch.block_tables, batch.exact_from):
+        own_from = batch.own_from or [0] * len(batch.block_tables)
+        for row, table, floor, own_start in zip(batch.query_index, batch.block_tables, batch.exact_from, own_from):
             first = row[0]
             start, count = batch.position_ids[first], row[-1] - first + 1
             resume = start + 1 if count <= DRAFT_ROWS else start + count  # where the next step may start
@@ -307,7 +309,7 @@ class DeviceKVPool:
             tokens.extend(range(first + max(0, keep - start), first + count))
             # the row's earlier steps kept rows from at most DRAFT_ROWS (and TAIL_BLOCKS - 1 blocks) before
             # this one's start on
-            earliest = max(0, (start - DRAFT_ROWS) // bs - (self.tail_blocks - 1))
+            earliest = max(own_start // bs, (start - DRAFT_ROWS) // bs - (self.tail_blocks - 1))
             sealed.update(b for b in table[earliest:keep // bs] if b in self._live)
         if sealed:
             self._live -= sealed

@@ -94,15 +94,12 @@ class NativeBackend:
         """Why a row's numbers may depend on what else is in its step; "" where they do not (issue 50).
 
         RuvLLM's kernels compute a row alike in any batch (tests/runtime/test_batch_invariance.py); onnxruntime's
-        own attention and projections make no such promise, and neither does the two-tier int8 pool yet when a
-        prompt is cut into chunks differently."""
+        own attention and projections make no such promise."""
         why = []
         if not self.attention_kernel.startswith("ruvllm.PagedAttention"):
             why.append("attention on onnxruntime's kernels")
         if not self.matmul_kernel.startswith("ruvllm.MatMulQ4"):
             why.append("projections on onnxruntime's kernels")
-        if self.kv_dtype == "int8":
-            why.append("an int8 KV pool's exact tails when a prompt is chunked differently")
         if self._lora_mlps_unfused:
             why.append("adapters' MLPs on onnxruntime's elementwise operators (e.g. an AWQ package's scaled up "
                        "projections)")

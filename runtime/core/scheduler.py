@@ -161,7 +161,7 @@ class Scheduler:
             seq.draft = []
             seq.blocks = list(cached)
             seq.shadow_blocks = list(shadow)
-            seq.num_computed = start
+            seq.num_computed = seq.computed_from = start
             if seq.num_generated == 0:
                 seq.cached_tokens = start
                 self.stats.cached_prompt_tokens += start
@@ -193,6 +193,7 @@ class Scheduler:
             tokens=seq.tokens[start:start + n - len(draft)] + draft, start=start, block_table=seq.blocks,
             kv_slots=[seq.blocks[t // bs] * bs + t % bs for t in range(start, start + n)],
             want_logits=start + n - len(draft) == len(seq.tokens), logits_rows=1 + len(draft), exact_from=self._floor(seq),
+            own_from=seq.computed_from,
             temperature=p.logits_temperature,
             repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
             frequency_penalty=p.frequency_penalty, penalties=seq.penalties, top_k=p.candidates(self.vocab_size),

@@ -47,6 +47,7 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)  # prefix keys of its computed full blocks
     prefix_keys: tuple[int, list[bytes], list[bytes]] | None = None  # (token count, keys, shadow keys) while waiting
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    computed_from: int = 0  # the first position it computed itself into its blocks (past its prefix-cache hit)
     lookup: PromptLookup | None = None  # n-gram index for drafting (speculative decoding)
     draft: list[int] = field(default_factory=list)  # tokens drafted for the step being run
     penalties: PenaltyState | None = None  # the graph's penalty inputs, kept incrementally

@@ -77,6 +77,7 @@ class Chunk:
     shadow_kv_slots: list[int] | None = None  # X-LoRA: the scaling pass's pool slot per new token
     matcher: object = None  # structured output (runtime.core.constraints.Matcher): masks its logits row
     exact_from: int = 0  # two-tier pools: the sequence's floor (kv_blocks.exact_floor)
+    own_from: int = 0  # the first position the sequence computed itself: blocks before it are prefix-cache hits
 
 
 @dataclass
@@ -124,6 +125,7 @@ class StepBatch:
     matchers: list | None = None  # per logits row, its matcher or None, when any row is constrained
     dropped_blocks: list[int] = field(default_factory=list)  # blocks no sequence holds since the last step
     exact_from: list[int] = field(default_factory=list)  # per row: its floor (Chunk.exact_from; build_step fills it)
+    own_from: list[int] = field(default_factory=list)  # per row: Chunk.own_from (build_step fills it)
 
     def lora_slots(self) -> list[int]:
         """Every adapter slot the step reads: the tokens' own and the X-LoRA experts'."""
@@ -218,6 +220,7 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
         xlora=_xlora_pass(chunks, block_size),
         matchers=[c.matcher for c, _ in rows] if any(c.matcher for c, _ in rows) else None,
         exact_from=[c.exact_from for c in chunks],
+        own_from=[c.own_from for c in chunks],
     )
 
 
@@ -225,7 +228,8 @@ def _xlora_pass(chunks: list[Chunk], block_size: int) -> XLoraPass | None:
     groups, shadows, scaling_start, step_start = [], [], 0, 0
     for c in chunks:
         if c.xlora:
-            shadows.append(Chunk(c.tokens, c.start, c.shadow_table, c.shadow_kv_slots, False, exact_from=c.exact_from))
+            shadows.append(Chunk(c.tokens, c.start, c.shadow_table, c.shadow_kv_slots, False, exact_from=c.exact_from,
+                                 own_from=c.own_from))
             groups.append(XLoraGroup(c.xlora, c.expert_slots, scaling_start, step_start, len(c.tokens)))
             scaling_start += len(c.tokens)
         step_start += len(c.tokens)

@@ -341,6 +341,7 @@ def cmd_info(args) -> int:
         },
         "files": {k: v["size"] for k, v in m["files"].items()},
         "size_bytes": pkg.size_bytes(), "source": m["provenance"]["source"],
+        "host": host_info(pkg, args.device, args.kv_dtype or "fp32"),
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -363,7 +364,29 @@ def cmd_info(args) -> int:
           f" chat template {'yes' if f['chat_template'] else 'no'}")
     print(f"  source         {info['source']}")
     print("  files          " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in info["files"].items()))
+    h = info["host"]
+    if "error" in h:
+        print(f"  on this host   cannot open it: {h['error']}")
+    else:
+        print(f"  on this host   {h['device']}, KV {h['kv_dtype']}: projections on {h['matmul_kernel']}, "
+              f"attention on {h['attention_kernel']}")
+        print("  batch invariant yes: a request's tokens do not depend on what runs beside it" if h["batch_invariant"]
+              else f"  batch invariant no ({h['batch_invariance']}); --batch-invariant serves one request at a time")
     return 0
+
+
+def host_info(pkg, device: str, kv_dtype: str) -> dict:
+    """What this host runs the package on (its graph opened, no KV pool): the kernels, and whether a
+    request's numbers depend on its batch (issue 50: the same answer the server's /v1/models gives)."""
+    from runtime.backends.native import NativeBackend
+
+    try:
+        backend = NativeBackend(pkg, device=device, kv_dtype=kv_dtype)
+    except RuvLLMError as err:
+        return {"device": device, "kv_dtype": kv_dtype, "error": str(err)}
+    return {"device": device, "kv_dtype": kv_dtype, "matmul_kernel": backend.matmul_kernel,
+            "attention_kernel": backend.attention_kernel, "batch_invariant": backend.batch_invariant,
+            "batch_invariance": backend.batch_invariance}
 
 
 def cmd_download(args) -> int:
@@ -562,6 +585,8 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="describe a package")
     i.add_argument("package", nargs="?")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
+    i.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES), help="the KV pool to describe (default fp32)")
     i.set_defaults(func=cmd_info)
 
     d = sub.add_parser("download", help="export an alias or hub id into the cache")

@@ -85,17 +85,22 @@ def test_sixteen_chats_sharing_system_prompts_answer_as_they_do_alone(smol_int4,
 
 
 @pytest.mark.slow
-def test_on_an_int8_pool_too_where_prompts_are_chunked_alike(smol_int4, smol_cases):
-    """The two-tier int8 pool: beside each other, with drafts, preempted and recomputed, each chat gives its
-    solo tokens. (Not yet across step budgets: a prompt chunked differently may read other exact tails.)"""
+def test_on_an_int8_pool_too(smol_int4, smol_cases):
+    """The two-tier int8 pool: beside each other, with drafts, preempted and recomputed, at step budgets that
+    chunk the prompts otherwise than the solo runs, each chat gives its solo tokens. With a budget of 37 the
+    chess chat once differed: a request that hit the other chess chat's blocks in the prefix cache gave back
+    their exact tails' pages, which that chat still read (kv_pool._tail_tokens, own_from)."""
     tokens, chats, _ = smol_cases
     batch = [(c, "greedy") for c in chats[:16]]
     solo_engine = Engine.from_package(smol_int4, enable_prefix_cache=False, max_num_seqs=1, speculative_tokens=0,
                                       kv_dtype="int8")
     want = [run(solo_engine, [item], tokens, 1)[0] for item in batch]
-    for options in ({}, {"speculative_tokens": 3, "speculative_max_batch": 16}, {"num_blocks": 40}):
+    for options in ({}, {"speculative_tokens": 3, "speculative_max_batch": 16}, {"num_blocks": 40},
+                    {"max_batch_tokens": 37}, {"max_batch_tokens": 16, "num_blocks": 40}):
         engine = Engine.from_package(smol_int4, kv_dtype="int8", **options)
+        assert engine.batch_invariance == ""
         assert differing(run(engine, batch, tokens, per_step=16), want) == [], options
+        assert engine.stats_snapshot()["prefix_cache_hits"] > 0
 
 
 MIX = st.fixed_dictionaries({
@@ -140,14 +145,30 @@ def test_the_engine_and_v1_models_say_where_batch_invariance_holds(smol_int4, ti
     assert card["batch_invariant"] is True and "batch_invariance" not in card
     fp32 = Engine.from_package(tiny_package("llama"), kv_dtype="int8")
     assert not fp32.backend.batch_invariant
-    assert fp32.backend.batch_invariance == ("projections on onnxruntime's kernels; an int8 KV pool's exact tails "
-                                             "when a prompt is chunked differently")
+    assert fp32.backend.batch_invariance == "projections on onnxruntime's kernels"
     card = model_cards({"tiny": ServedModel("tiny", AsyncEngine(fp32), 0)})[0]
     assert card["batch_invariant"] is False and card["batch_invariance"] == fp32.backend.batch_invariance
     awq = Engine.from_package(tiny_package("llama", "int4"))  # AWQ: its up projections carry a scale
     assert awq.backend.batch_invariant
     awq.adapters.add("attn4", peft_adapters("llama")["attn4"])  # the adapter graph's MLPs stay unfused
     assert awq.backend.batch_invariance.startswith("adapters' MLPs on onnxruntime's elementwise operators")
+
+
+@pytest.mark.skipif("PagedAttention" not in operators(), reason="the graph's own attention: onnxruntime's kernels")
+def test_ruvllm_info_says_it_for_this_host(smol_int4, tiny_package):
+    """`ruvllm info` opens the graph as serving would and gives the same answer as /v1/models."""
+    import json
+
+    from tests.conftest import run_cli
+
+    proc = run_cli("info", str(smol_int4), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    host = json.loads(proc.stdout)["host"]
+    assert host["batch_invariant"] is True and host["batch_invariance"] == ""
+    assert host["attention_kernel"].startswith("ruvllm.PagedAttention")
+    proc = run_cli("info", str(tiny_package("llama")), "--kv-dtype", "int8")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "batch invariant no (projections on onnxruntime's kernels)" in proc.stdout
 
 
 def test_batch_invariant_flag_serves_one_request_at_a_time_where_kernels_do_not_promise_it(tiny_package):

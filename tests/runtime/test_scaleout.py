@@ -208,7 +208,11 @@ def test_prefix_routing_keeps_the_hit_rate_of_one_replica(cluster, tiny_package)
 def test_killing_a_replica_mid_run_loses_no_request(cluster, tiny_package):
     from ray.util import list_named_actors
 
-    pkg = tiny_package("llama")
+    from runtime.backends.kernel_library import operators
+
+    pkg = tiny_package("llama", "int4")  # on RuvLLM's kernels, whose rows do not depend on their batch (issue 50)
+    if "PagedAttention" in operators():  # a rerun on the other replica, in another batch, is the promise kept
+        assert Engine.from_package(pkg).batch_invariance == ""
     rng = random.Random(11)
     prompts = [rng.sample(range(1000, 30000), 8) for _ in range(24)]
     max_tokens = 150
