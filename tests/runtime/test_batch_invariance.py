@@ -85,6 +85,20 @@ def test_sixteen_chats_sharing_system_prompts_answer_as_they_do_alone(smol_int4,
 
 
 @pytest.mark.slow
+def test_sixty_four_requests_at_once_answer_as_they_do_alone(smol_int4, smol_cases):
+    """The issue's upper concurrency: 64 requests in one batch (the 32 chats, greedy and seeded sampled), with
+    the prefix cache and a step budget that takes many prompts in one step, cutting them otherwise than their
+    solo runs."""
+    tokens, chats, want = smol_cases
+    engine = Engine.from_package(smol_int4, max_num_seqs=64, max_batch_tokens=4096, num_blocks=64 * 20)
+    batch = [(c, "greedy") for c in chats] + [(c, "seeded") for c in chats]
+    got = run(engine, batch, tokens, per_step=64)
+    assert differing(got, want["greedy"] + want["seeded"]) == []
+    stats = engine.stats_snapshot()
+    assert stats["peak_running"] == 64 and stats["prefix_cache_hits"] > 0
+
+
+@pytest.mark.slow
 def test_on_an_int8_pool_too(smol_int4, smol_cases):
     """The two-tier int8 pool: beside each other, with drafts, preempted and recomputed, at step budgets that
     chunk the prompts otherwise than the solo runs, each chat gives its solo tokens. With a budget of 37 the
