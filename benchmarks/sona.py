@@ -1,0 +1,89 @@
+"""Per-user adaptation (issue 51): does a user's MicroLoRA, learned by the instant loop, lower the
+perplexity of the rest of that user's text? (not a test)
+
+    python benchmarks/sona.py --package PKG [--users 8] [--tokens 1024] [--epochs 3]
+
+Each "user" is the long description (README) of an installed package, named in the output: the first
+--tokens tokens are the feedback the loop learns from, in chunks of 256 (runtime/backends/micro_lora.py:
+Adam on rank-4 factors of every layer's q and v, gradients from lora_gradients.py, no torch), the next
+--tokens are scored teacher-forced. Per user: no adaptation; the first half in context before the second;
+a random adapter with the trained one's factor norms; the adapted user. Also the perplexity of a general
+text (CPython's LICENSE.txt) before and after each user's adaptation (forgetting). PKG: an fp32 package
+(the loop reads fp32 weights for now). Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import json
+import math
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+USERS = ["fonttools", "yarl", "pydantic", "tqdm", "orjson", "responses", "openai", "regex", "charset-normalizer",
+         "wcwidth"]
+
+
+def user_text(name: str) -> str:
+    meta = md.distribution(name).metadata
+    return meta.get("Description") or meta.get_payload()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--package", required=True)
+    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--rank", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--targets", default="q_proj,v_proj")
+    args = ap.parse_args()
+    from runtime.backends.lora_gradients import DenseDecoder, Lora, loss_and_grads
+    from runtime.backends.micro_lora import MicroLora
+    from runtime.package import load_package
+    from runtime.text.prompt import package_tokenizer
+
+    pkg = load_package(args.package)
+    dec = DenseDecoder.from_package(pkg)
+    tok = package_tokenizer(pkg)
+    none = Lora({}, 1.0)
+    general = tok.encode((Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text())[:args.tokens]
+    ppl = lambda ids, lora, scored_from=0: math.exp(loss_and_grads(dec, ids, lora, False, scored_from)[0])  # noqa: E731
+    general_base = ppl(general, none)
+    rows, rng = [], np.random.default_rng(0)
+    for name in USERS[:args.users]:
+        ids = tok.encode(user_text(name))
+        first, second = ids[:args.tokens], ids[args.tokens:2 * args.tokens]
+        user = MicroLora(dec, tuple(args.targets.split(",")), rank=args.rank, lr=args.lr)
+        learned = user.learn(first, chunk=256, epochs=args.epochs)
+        random = Lora({k: tuple((rng.standard_normal(f.shape) * np.linalg.norm(f) / math.sqrt(f.size)).astype(np.float32)
+                                for f in pair) for k, pair in user.lora.factors.items()}, user.lora.scale)
+        context = first[-2048:] + second
+        row = {"user": name, "tokens": len(ids), "none": ppl(second, none),
+               "in_context": ppl(context, none, scored_from=len(context) - len(second)),
+               "random_adapter": ppl(second, random), "adapted": ppl(second, user.lora),
+               "general_after": ppl(general, user.lora),
+               "seconds_per_256_tokens": round(learned["seconds"] / (learned["tokens"] / 256), 2)}
+        row["adapted_vs_none"] = round(row["adapted"] / row["none"] - 1, 4)
+        row["forgetting"] = round(row["general_after"] / general_base - 1, 4)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        rows.append(row)
+    mean = lambda key: round(float(np.mean([r[key] for r in rows])), 4)  # noqa: E731
+    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "package": str(pkg.path), "targets": args.targets,
+                      "rank": args.rank, "lr": args.lr, "epochs": args.epochs, "tokens": args.tokens,
+                      "general_text_ppl": general_base, "mean_adapted_vs_none": mean("adapted_vs_none"),
+                      "mean_forgetting": mean("forgetting"),
+                      "adapted_below_random_for_every_user": all(r["adapted"] < r["random_adapter"] for r in rows),
+                      "users": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""A user's MicroLoRA (issue 51): a small LoRA learned from that user's text by the instant loop, kept as
+a PEFT folder that the engine serves like any adapter (runtime/core/adapters.py).
+
+The gradients come from lora_gradients.py (numpy, no torch); the steps are Adam's on the factors only.
+A starts as PEFT's (Kaiming-uniform, a = sqrt 5) and B at zero, so a new user's adapter changes nothing
+until it has learned something.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from runtime.backends.lora_gradients import DenseDecoder, Lora, loss_and_grads
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+PEFT_MODULE = {t: ("self_attn" if t in ATTENTION else "mlp") for t in
+               ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+
+
+class MicroLora:
+    def __init__(self, decoder: DenseDecoder, targets: tuple[str, ...] = ("q_proj", "v_proj"), rank: int = 4,
+                 alpha: float = 8.0, lr: float = 3e-3, seed: int = 0) -> None:
+        self.dec, self.targets, self.rank, self.alpha, self.lr = decoder, tuple(targets), rank, alpha, lr
+        rng = np.random.default_rng(seed)
+        factors = {}
+        for i in range(len(decoder.layers)):
+            for t in self.targets:
+                fin, fout = decoder.features[t]
+                bound = 1.0 / np.sqrt(fin)  # kaiming_uniform_(a=sqrt(5)) on [rank, fin]
+                factors[(i, t)] = (rng.uniform(-bound, bound, (rank, fin)).astype(np.float32),
+                                   np.zeros((fout, rank), np.float32))
+        self.lora = Lora(factors, alpha / rank)
+        self._m = self.lora.zeros_like()
+        self._v = self.lora.zeros_like()
+        self._t = 0
+
+    def step(self, ids: list[int]) -> float:
+        """One Adam step on the text's mean next-token loss; the loss before the step."""
+        loss, grads = loss_and_grads(self.dec, ids, self.lora)
+        self._t += 1
+        b1, b2, eps = 0.9, 0.999, 1e-8
+        for key, pair in grads.items():
+            for j, g in enumerate(pair):
+                m, v = self._m[key][j], self._v[key][j]
+                m *= b1
+                m += (1 - b1) * g
+                v *= b2
+                v += (1 - b2) * g * g
+                update = self.lr * (m / (1 - b1 ** self._t)) / (np.sqrt(v / (1 - b2 ** self._t)) + eps)
+                self.lora.factors[key][j][...] -= update.astype(np.float32)
+        return loss
+
+    def learn(self, ids: list[int], chunk: int = 256, epochs: int = 1) -> dict:
+        """Steps over the text in chunks of `chunk` tokens; what it cost and the mean loss per epoch."""
+        started, losses = time.perf_counter(), []
+        for _ in range(epochs):
+            seen = [self.step(ids[s:s + chunk + 1]) for s in range(0, len(ids) - 1, chunk) if len(ids[s:s + chunk + 1]) > 1]
+            losses.append(float(np.mean(seen)))
+        return {"seconds": time.perf_counter() - started, "tokens": len(ids) * epochs, "epoch_losses": losses}
+
+    def save_peft(self, folder: str | Path, base: str = "") -> Path:
+        """The adapter as PEFT writes one (adapter_config.json, adapter_model.safetensors)."""
+        from safetensors.numpy import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for (i, t), (a, b) in self.lora.factors.items():
+            prefix = f"base_model.model.model.layers.{i}.{PEFT_MODULE[t]}.{t}"
+            tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a)
+            tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b)
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
+                  "target_modules": list(self.targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+                  "base_model_name_or_path": base, "use_rslora": False, "use_dora": False}
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        return folder
