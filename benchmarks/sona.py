@@ -8,8 +8,9 @@ Each "user" is the long description (README) of an installed package, named in t
 Adam on rank-4 factors of every layer's q and v, gradients from lora_gradients.py, no torch), the next
 --tokens are scored teacher-forced. Per user: no adaptation; the first half in context before the second;
 a random adapter with the trained one's factor norms; the adapted user. Also the perplexity of a general
-text (CPython's LICENSE.txt) before and after each user's adaptation (forgetting). PKG: an fp32 package
-(the loop reads fp32 weights for now). Prints JSON.
+text (CPython's LICENSE.txt) before and after each user's adaptation (forgetting); --ewc turns EWC++ on,
+measured on the model's own sampled answer (own_text). PKG: an fp32 package (the loop reads fp32 weights
+for now). Prints JSON.
 """
 
 from __future__ import annotations
@@ -36,6 +37,18 @@ def user_text(name: str) -> str:
     return meta.get("Description") or meta.get_payload()
 
 
+def own_text(package, tokens: int) -> list[int]:
+    """What EWC++ measures "what the model did well" on: the model's own answer, sampled (temperature 1,
+    seed 0) by the engine, so that no text from outside the model is needed."""
+    from runtime.core.engine import Engine
+
+    engine = Engine.from_package(package)
+    params = engine.sampling_params(temperature=1.0, seed=0, max_tokens=tokens, ignore_eos=True)
+    messages = [{"role": "user", "content": "Tell me about something you know well, in detail."}]
+    prompt = engine.encode_prompt(messages=messages)
+    return prompt + [t for o in engine.generate(prompt, params) for t in o.token_ids]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--package", required=True)
@@ -45,6 +58,8 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--targets", default="q_proj,v_proj")
+    ap.add_argument("--ewc", type=float, default=0.0, help="EWC++'s strength (0: off)")
+    ap.add_argument("--reference-tokens", type=int, default=512, help="EWC++: the model's own text it is measured on")
     args = ap.parse_args()
     from runtime.backends.lora_gradients import DenseDecoder, Lora, loss_and_grads
     from runtime.backends.micro_lora import MicroLora
@@ -58,12 +73,13 @@ def main() -> None:
     general = tok.encode((Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text())[:args.tokens]
     ppl = lambda ids, lora, scored_from=0: math.exp(loss_and_grads(dec, ids, lora, False, scored_from)[0])  # noqa: E731
     general_base = ppl(general, none)
+    reference = own_text(pkg, args.reference_tokens) if args.ewc else None
     rows, rng = [], np.random.default_rng(0)
     for name in USERS[:args.users]:
         ids = tok.encode(user_text(name))
         first, second = ids[:args.tokens], ids[args.tokens:2 * args.tokens]
-        user = MicroLora(dec, tuple(args.targets.split(",")), rank=args.rank, lr=args.lr)
-        learned = user.learn(first, chunk=256, epochs=args.epochs)
+        user = MicroLora(dec, tuple(args.targets.split(",")), rank=args.rank, lr=args.lr, ewc=args.ewc)
+        learned = user.learn(first, chunk=256, epochs=args.epochs, reference=reference)
         random = Lora({k: tuple((rng.standard_normal(f.shape) * np.linalg.norm(f) / math.sqrt(f.size)).astype(np.float32)
                                 for f in pair) for k, pair in user.lora.factors.items()}, user.lora.scale)
         context = first[-2048:] + second
@@ -78,6 +94,7 @@ def main() -> None:
         rows.append(row)
     mean = lambda key: round(float(np.mean([r[key] for r in rows])), 4)  # noqa: E731
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), "package": str(pkg.path), "targets": args.targets,
+                      "ewc": args.ewc,
                       "rank": args.rank, "lr": args.lr, "epochs": args.epochs, "tokens": args.tokens,
                       "general_text_ppl": general_base, "mean_adapted_vs_none": mean("adapted_vs_none"),
                       "mean_forgetting": mean("forgetting"),

@@ -4,6 +4,13 @@ a PEFT folder that the engine serves like any adapter (runtime/core/adapters.py)
 The gradients come from lora_gradients.py (numpy, no torch); the steps are Adam's on the factors only.
 A starts as PEFT's (Kaiming-uniform, a = sqrt 5) and B at zero, so a new user's adapter changes nothing
 until it has learned something.
+
+EWC++ (`ewc` > 0) keeps the factors near that start, the model as it was, in the directions that matter to
+what it did well: each step adds ewc * F * (factors - start), F an online diagonal Fisher of the factors
+(squared gradients of the loss on a reference text, in units of their mean, decayed by `fisher_decay` at
+each refresh). The
+background loop (`consolidate`) refreshes F at the current factors; the reference text is the caller's
+choice (benchmarks/sona.py: the model's own sampled text, so nothing outside the model is needed).
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ PEFT_MODULE = {t: ("self_attn" if t in ATTENTION else "mlp") for t in
 
 class MicroLora:
     def __init__(self, decoder: DenseDecoder, targets: tuple[str, ...] = ("q_proj", "v_proj"), rank: int = 4,
-                 alpha: float = 8.0, lr: float = 3e-3, seed: int = 0) -> None:
+                 alpha: float = 8.0, lr: float = 3e-3, seed: int = 0, ewc: float = 0.0, fisher_decay: float = 0.5) -> None:
         self.dec, self.targets, self.rank, self.alpha, self.lr = decoder, tuple(targets), rank, alpha, lr
+        self.ewc, self.fisher_decay = ewc, fisher_decay
         rng = np.random.default_rng(seed)
         factors = {}
         for i in range(len(decoder.layers)):
@@ -34,6 +42,8 @@ class MicroLora:
                 factors[(i, t)] = (rng.uniform(-bound, bound, (rank, fin)).astype(np.float32),
                                    np.zeros((fout, rank), np.float32))
         self.lora = Lora(factors, alpha / rank)
+        self.start = {k: (a.copy(), b.copy()) for k, (a, b) in factors.items()}
+        self.fisher = self.lora.zeros_like()
         self._m = self.lora.zeros_like()
         self._v = self.lora.zeros_like()
         self._t = 0
@@ -41,6 +51,9 @@ class MicroLora:
     def step(self, ids: list[int]) -> float:
         """One Adam step on the text's mean next-token loss; the loss before the step."""
         loss, grads = loss_and_grads(self.dec, ids, self.lora)
+        if self.ewc:
+            grads = {k: tuple(g + self.ewc * f * (w - w0) for g, f, w, w0 in
+                              zip(pair, self.fisher[k], self.lora.factors[k], self.start[k])) for k, pair in grads.items()}
         self._t += 1
         b1, b2, eps = 0.9, 0.999, 1e-8
         for key, pair in grads.items():
@@ -54,11 +67,43 @@ class MicroLora:
                 self.lora.factors[key][j][...] -= update.astype(np.float32)
         return loss
 
-    def learn(self, ids: list[int], chunk: int = 256, epochs: int = 1) -> dict:
+    def consolidate(self, reference: list[int], chunk: int = 256) -> None:
+        """The background loop's part: the Fisher refreshed at the current factors on a reference text,
+        decayed into the running one (EWC++'s online estimate)."""
+        fresh = self.lora.zeros_like()
+        parts = [reference[s:s + chunk + 1] for s in range(0, len(reference) - 1, chunk)]
+        parts = [part for part in parts if len(part) > 1]
+        for part in parts:
+            _, grads = loss_and_grads(self.dec, part, self.lora)
+            for k, pair in grads.items():
+                for f, g in zip(fresh[k], pair):
+                    f += g * g / len(parts)
+        # in units of its mean, so that `ewc` weighs the penalty against the loss whatever the text's gradient scale
+        mean = float(np.mean(np.concatenate([f.ravel() for pair in fresh.values() for f in pair])))
+        if mean > 0:
+            for pair in fresh.values():
+                for f in pair:
+                    f /= mean
+        d = self.fisher_decay
+        for k, pair in self.fisher.items():
+            for f, new in zip(pair, fresh[k]):
+                f *= d
+                f += (1 - d) * new
+
+    def learn(self, ids: list[int], chunk: int = 256, epochs: int = 1, reference: list[int] | None = None,
+              consolidate_every: int = 4) -> dict:
         """Steps over the text in chunks of `chunk` tokens; what it cost and the mean loss per epoch."""
-        started, losses = time.perf_counter(), []
+        started, losses, steps = time.perf_counter(), [], 0
+        if self.ewc and reference and not self._t:
+            self.consolidate(reference, chunk)
         for _ in range(epochs):
-            seen = [self.step(ids[s:s + chunk + 1]) for s in range(0, len(ids) - 1, chunk) if len(ids[s:s + chunk + 1]) > 1]
+            seen = []
+            for s in range(0, len(ids) - 1, chunk):
+                if len(ids[s:s + chunk + 1]) > 1:
+                    seen.append(self.step(ids[s:s + chunk + 1]))
+                    steps += 1
+                    if self.ewc and reference and steps % consolidate_every == 0:
+                        self.consolidate(reference, chunk)
             losses.append(float(np.mean(seen)))
         return {"seconds": time.perf_counter() - started, "tokens": len(ids) * epochs, "epoch_losses": losses}
 

@@ -19,6 +19,14 @@ from runtime.text.token_floor import TokenFloor
 GIL_FREE_CHARS = 1 << 14
 
 
+def _has_library() -> bool:
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _library_tokenizer(text: str):
     """The `tokenizers` library's tokenizer of a tokenizer.json text, or None where it is not installed."""
     try:
@@ -61,12 +69,11 @@ class Tokenizer:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as err:
             raise PackageError(f"cannot read tokenizer {path}: {err}") from err
-        import importlib.util
         from concurrent.futures import ThreadPoolExecutor
 
         # the library parses the file without the GIL while json reads it here (no thread where there is no
         # library: Pyodide has no threads)
-        threaded = prefer_library and importlib.util.find_spec("tokenizers") is not None
+        threaded = prefer_library and _has_library()
         with ThreadPoolExecutor(1) as pool:
             library = pool.submit(_library_tokenizer, text) if threaded else None
             try:

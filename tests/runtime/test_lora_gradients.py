@@ -86,3 +86,27 @@ def test_a_users_adapter_learns_and_is_served_as_peft_reads_it(tmp_path, tiny_mo
     with torch.no_grad():
         ref = peft.generate(torch.tensor([phrase]), max_new_tokens=8, do_sample=False)[0, len(phrase):].tolist()
     assert served == ref and served != base
+
+
+def test_ewc_keeps_the_factors_where_the_reference_text_needs_them(tiny_package):
+    """EWC++: the Fisher is refreshed on a reference text in units of its mean and decayed into the running
+    estimate; with a strong penalty the factors drift less, weighed by it, than without."""
+    from runtime.backends.micro_lora import MicroLora
+
+    dec = DenseDecoder.from_package(load_package(tiny_package("llama")))
+    rng = np.random.default_rng(5)
+    text, reference = (rng.integers(100, 2000, 12).tolist() * 6), rng.integers(100, 2000, 64).tolist()
+
+    def drift(user: MicroLora) -> float:
+        return sum(float(np.sum(f * (w - w0) ** 2)) for k in user.fisher
+                   for f, w, w0 in zip(user.fisher[k], user.lora.factors[k], user.start[k]))
+
+    free, kept = (MicroLora(dec, ("q_proj", "v_proj"), rank=2, lr=3e-2, ewc=e, fisher_decay=0.5) for e in (0.0, 50.0))
+    free.fisher = kept.fisher  # the same weights measure both drifts (free's own Fisher is never computed)
+    kept.consolidate(reference, chunk=32)
+    first = {k: tuple(f.copy() for f in pair) for k, pair in kept.fisher.items()}
+    total = np.concatenate([f.ravel() for pair in first.values() for f in pair])
+    assert total.mean() == pytest.approx(0.5, rel=1e-5)  # (1 - decay) x a fresh estimate of mean 1
+    free.learn(text, chunk=32, epochs=3)
+    kept.learn(text, chunk=32, epochs=3, reference=reference, consolidate_every=3)
+    assert drift(kept) < 0.5 * drift(free)
