@@ -42,7 +42,7 @@ def own_text(package, tokens: int) -> list[int]:
     seed 0) by the engine, so that no text from outside the model is needed."""
     from runtime.core.engine import Engine
 
-    engine = Engine.from_package(package)
+    engine = Engine.from_package(package.path)
     params = engine.sampling_params(temperature=1.0, seed=0, max_tokens=tokens, ignore_eos=True)
     messages = [{"role": "user", "content": "Tell me about something you know well, in detail."}]
     prompt = engine.encode_prompt(messages=messages)
