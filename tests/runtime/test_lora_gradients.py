@@ -110,3 +110,43 @@ def test_ewc_keeps_the_factors_where_the_reference_text_needs_them(tiny_package)
     free.learn(text, chunk=32, epochs=3)
     kept.learn(text, chunk=32, epochs=3, reference=reference, consolidate_every=3)
     assert drift(kept) < 0.5 * drift(free)
+
+
+def test_user_b_answers_alike_before_and_after_user_a_adapts(tmp_path, tiny_package):
+    """Isolation: A's adapter, learned and hot-loaded into the serving engine, changes A's answers and not a
+    token or logprob of B's (B on an adapter of its own) nor the base model's."""
+    from runtime.backends.micro_lora import MicroLora
+    from runtime.core.engine import Engine
+    from runtime.core.sampling import SamplingParams
+
+    pkg = tiny_package("llama")
+    dec = DenseDecoder.from_package(load_package(pkg))
+    rng = np.random.default_rng(9)
+    texts = {u: rng.integers(100, 2000, 10).tolist() * 5 for u in "ab"}
+    folders = {}
+    for u in "ab":
+        user = MicroLora(dec, ("q_proj", "v_proj"), rank=2, lr=3e-2, seed=ord(u))
+        if u == "b":
+            user.learn(texts[u], chunk=25, epochs=2)
+        folders[u] = user.save_peft(tmp_path / f"user-{u}")  # A's is still its start: no change yet
+    engine = Engine.from_package(pkg)
+    for u in "ab":
+        engine.adapters.add(f"user-{u}", folders[u])
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=0)
+
+    def answers() -> dict:
+        out = {}
+        for who, text in (("user-a", "a"), ("user-b", "b"), (None, "a")):
+            outs = list(engine.generate(texts[text][:12], params, adapter=who))
+            out[who] = ([t for o in outs for t in o.token_ids], [lp.logprob for o in outs for lp in o.logprobs])
+        return out
+
+    before = answers()
+    assert before["user-a"][0] == before[None][0]  # a new user's adapter changes no token (B is zero; the LoRA
+    # graph's onnxruntime kernels may round a logprob otherwise than the base graph's)
+    learner = MicroLora(dec, ("q_proj", "v_proj"), rank=2, lr=3e-2, seed=ord("a"))
+    learner.learn(texts["a"], chunk=25, epochs=3)
+    engine.adapters.add("user-a", learner.save_peft(tmp_path / "user-a"))  # the instant loop's update, hot-loaded
+    after = answers()
+    assert after["user-b"] == before["user-b"] and after[None] == before[None]
+    assert after["user-a"] != before["user-a"]
