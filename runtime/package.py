@@ -114,8 +114,7 @@ def verify_files(pkg: ModelPackage, record: bool = True) -> None:
         known = {}
     checked = {}
     for name, meta in pkg.manifest["files"].items():
-        st = (pkg.path / name).stat()
-        stamp = [st.st_size, st.st_mtime_ns, meta["sha256"]]
+        stamp = _stamp(pkg.path / name, meta["sha256"])
         if known.get(name) != stamp:
             if file_digest(pkg.path / name) != meta["sha256"]:
                 raise PackageError(f"{pkg.path}: corrupt package, {name} does not match the sha256 in its manifest "
@@ -128,21 +127,31 @@ def verify_files(pkg: ModelPackage, record: bool = True) -> None:
 def record_verified(path: Path, manifest: dict) -> None:
     """Record a package's files as checked: for the exporter, which has just hashed the files it wrote
     into the manifest, so that the first load does not read them all again."""
-    stamps = {}
-    for name, meta in manifest["files"].items():
-        st = (path / name).stat()
-        stamps[name] = [st.st_size, st.st_mtime_ns, meta["sha256"]]
-    _keep_record(_verified_record(path), stamps)
+    _keep_record(_verified_record(path), {name: _stamp(path / name, meta["sha256"])
+                                          for name, meta in manifest["files"].items()})
+
+
+def _stamp(path: Path, sha256: str) -> list:
+    """What a verified record remembers of a file: its size, mtime and the digest it matched."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, sha256]
 
 
 def _keep_record(where: Path, stamps: dict) -> None:
+    keep_cache_file(where, json.dumps(stamps).encode())  # a read-only cache only costs the next load a re-check
+
+
+def keep_cache_file(where: Path, data: bytes) -> bool:
+    """Write a file under the cache folder whole or not at all (a temporary file, then an atomic rename);
+    False where it cannot be written, which only costs a later load the work the file would have saved."""
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         tmp = where.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(stamps))
+        tmp.write_bytes(data)
         tmp.replace(where)
     except OSError:
-        pass  # a read-only cache only costs the next load a re-check
+        return False
+    return True
 
 
 def expected_inputs(num_layers: int, lora: bool = False) -> list[str]:

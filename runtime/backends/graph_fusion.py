@@ -181,14 +181,13 @@ def _rewrite_key(graph: Path, config: dict | None, ops: frozenset[str], *flags: 
 def _keep_rewrite(where: Path, data: bytes, counts: dict[str, int]) -> None:
     """Write the rewrite and its counts (counts last: their presence marks a complete entry)."""
     import json
-    import os
 
+    from runtime.package import keep_cache_file
+
+    if not (keep_cache_file(where.with_suffix(".onnx"), data)
+            and keep_cache_file(where.with_suffix(".json"), json.dumps(counts).encode())):
+        return
     try:
-        where.parent.mkdir(parents=True, exist_ok=True)
-        for suffix, body in ((".onnx", data), (".json", json.dumps(counts).encode())):
-            tmp = where.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_bytes(body)
-            tmp.replace(where.with_suffix(suffix))
         entries = sorted(where.parent.glob("*.json"), key=lambda f: f.stat().st_mtime_ns)
         for old in entries[:max(0, len(entries) - CACHED_REWRITES)]:
             old.unlink(missing_ok=True)

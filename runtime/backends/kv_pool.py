@@ -299,8 +299,7 @@ class DeviceKVPool:
         whole and computed once this step is, they are read as stored from now on. Only the row's own blocks:
         those before its own_from are prefix-cache hits, whose tails another sequence may still read exact."""
         bs, sealed, tokens = self.block_size, set(), []
-        own_from = batch.own_from or [0] * len(batch.block_tables)
-        for row, table, floor, own_start in zip(batch.query_index, batch.block_tables, batch.exact_from, own_from):
+        for row, table, floor, own_start in zip(batch.query_index, batch.block_tables, batch.exact_from, batch.own_from):
             first = row[0]
             start, count = batch.position_ids[first], row[-1] - first + 1
             resume = start + 1 if count <= DRAFT_ROWS else start + count  # where the next step may start

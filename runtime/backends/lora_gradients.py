@@ -36,25 +36,21 @@ class Lora:
         return {k: (np.zeros_like(a), np.zeros_like(b)) for k, (a, b) in self.factors.items()}
 
 
-def _read_initializers(graph: Path, names: set[str] | None = None) -> dict[str, np.ndarray]:
-    """The graph's initializers as arrays, external data read from its folder (only `names`, if given)."""
+def _read_initializers(graph: Path) -> dict[str, np.ndarray]:
+    """The graph's initializers as arrays, external data read from its folder (block_layouts._read)."""
     import onnx
     from onnx import numpy_helper
+
+    from runtime.backends.block_layouts import _read
 
     model = onnx.load(str(graph), load_external_data=False)
     out = {}
     for t in model.graph.initializer:
-        if names is not None and t.name not in names:
-            continue
-        info = {e.key: e.value for e in t.external_data}
-        if not info:
+        if t.data_location != onnx.TensorProto.EXTERNAL:
             out[t.name] = numpy_helper.to_array(t)
             continue
         dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
-        with open(graph.parent / info["location"], "rb") as f:
-            f.seek(int(info.get("offset", 0)))
-            raw = f.read(int(info["length"]))
-        out[t.name] = np.frombuffer(raw, dtype).reshape(tuple(t.dims)).copy()
+        out[t.name] = _read(t, graph.parent).view(dtype).reshape(tuple(t.dims))
     return out
 
 
@@ -129,12 +125,13 @@ def _rotate_back(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray
     return np.concatenate([d1 * c + d2 * s, d2 * c - d1 * s], axis=-1)
 
 
-def _project(x: np.ndarray, w_t: np.ndarray, lora: Lora, key: tuple[int, str], cache: list) -> np.ndarray:
-    y = x @ w_t
+def _add_lora(x: np.ndarray, y: np.ndarray, lora: Lora, key: tuple[int, str], cache: list) -> np.ndarray:
+    """y (x's projection by the base weight) plus the target's LoRA delta, in place; the backward's inputs
+    (x and x A^T) kept in `cache`."""
     f = lora.factors.get(key)
     if f is not None:
         t = x @ f[0].T
-        y = y + lora.scale * (t @ f[1].T)
+        y += lora.scale * (t @ f[1].T)
         cache.append((key, x, t))
     return y
 
@@ -164,11 +161,7 @@ def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool
             qkv = qkv + L["qkv_bias"]
         q, k, v = np.split(qkv, [hq * d, (hq + hkv) * d], axis=1)
         for t, part in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-            f = lora.factors.get((i, t))
-            if f is not None:
-                tt = a @ f[0].T
-                part += lora.scale * (tt @ f[1].T)
-                lora_cache.append(((i, t), a, tt))
+            _add_lora(a, part, lora, (i, t), lora_cache)
         qr = _rotate(q.reshape(T, hq, d), cos, sin)
         kr = _rotate(k.reshape(T, hkv, d), cos, sin)
         vv = v.reshape(T, hkv, d)
@@ -180,19 +173,15 @@ def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool
         p = np.exp(s)
         p /= p.sum(-1, keepdims=True)
         o = (p @ vh).transpose(1, 0, 2).reshape(T, hq * d)
-        x1 = x + _project(o, L["o_t"], lora, (i, "o_proj"), lora_cache)
+        x1 = x + _add_lora(o, o @ L["o_t"], lora, (i, "o_proj"), lora_cache)
         m, r2 = _rms(x1, L["post_norm"], dec.eps)
         gu = m @ L["gate_up_t"]
         gate, up = gu[:, :F], gu[:, F:]
         for t, part in (("gate_proj", gate), ("up_proj", up)):
-            f = lora.factors.get((i, t))
-            if f is not None:
-                tt = m @ f[0].T
-                part += lora.scale * (tt @ f[1].T)
-                lora_cache.append(((i, t), m, tt))
+            _add_lora(m, part, lora, (i, t), lora_cache)
         sig = 1.0 / (1.0 + np.exp(-gate))
         act = gate * sig * up
-        x2 = x1 + _project(act, L["down_t"], lora, (i, "down_proj"), lora_cache)
+        x2 = x1 + _add_lora(act, act @ L["down_t"], lora, (i, "down_proj"), lora_cache)
         if backward:  # what the backward reads (a scoring pass keeps nothing: 2,048 tokens' scores are GBs)
             saved.append((x, a, r1, qh, kh, vh, p, o, x1, m, r2, gate, up, sig, act, lora_cache))
         x = x2

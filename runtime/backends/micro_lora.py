@@ -28,6 +28,12 @@ PEFT_MODULE = {t: ("self_attn" if t in ATTENTION else "mlp") for t in
                ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
 
 
+def _chunks(ids: list[int], chunk: int):
+    """The text's pieces of `chunk` predictions each (chunk + 1 tokens, the last shared with the next piece)."""
+    for s in range(0, len(ids) - 1, chunk):
+        yield ids[s:s + chunk + 1]
+
+
 class MicroLora:
     def __init__(self, decoder: DenseDecoder, targets: tuple[str, ...] = ("q_proj", "v_proj"), rank: int = 4,
                  alpha: float = 8.0, lr: float = 3e-3, seed: int = 0, ewc: float = 0.0, fisher_decay: float = 0.5) -> None:
@@ -71,8 +77,7 @@ class MicroLora:
         """The background loop's part: the Fisher refreshed at the current factors on a reference text,
         decayed into the running one (EWC++'s online estimate)."""
         fresh = self.lora.zeros_like()
-        parts = [reference[s:s + chunk + 1] for s in range(0, len(reference) - 1, chunk)]
-        parts = [part for part in parts if len(part) > 1]
+        parts = list(_chunks(reference, chunk))
         for part in parts:
             _, grads = loss_and_grads(self.dec, part, self.lora)
             for k, pair in grads.items():
@@ -98,12 +103,11 @@ class MicroLora:
             self.consolidate(reference, chunk)
         for _ in range(epochs):
             seen = []
-            for s in range(0, len(ids) - 1, chunk):
-                if len(ids[s:s + chunk + 1]) > 1:
-                    seen.append(self.step(ids[s:s + chunk + 1]))
-                    steps += 1
-                    if self.ewc and reference and steps % consolidate_every == 0:
-                        self.consolidate(reference, chunk)
+            for part in _chunks(ids, chunk):
+                seen.append(self.step(part))
+                steps += 1
+                if self.ewc and reference and steps % consolidate_every == 0:
+                    self.consolidate(reference, chunk)
             losses.append(float(np.mean(seen)))
         return {"seconds": time.perf_counter() - started, "tokens": len(ids) * epochs, "epoch_losses": losses}
 

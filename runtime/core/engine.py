@@ -86,13 +86,13 @@ class Engine:
 
         pkg = load_package(path, verify_hashes=verify)
         kv_dtype = options.pop("kv_dtype", None) or "fp32"  # the backend's pool, not the scheduler's
+        given = options.pop("tokenizer", None)
         with ThreadPoolExecutor(1) as pool:  # the tokenizer (parsed without the GIL) while the graph opens
-            tokenizer = options.pop("tokenizer", None) or pool.submit(package_tokenizer, pkg)
+            loading = None if given else pool.submit(package_tokenizer, pkg)
             from runtime.backends.native import NativeBackend
 
             backend = NativeBackend(pkg, device=device, threads=threads, kv_dtype=kv_dtype)
-            if not isinstance(tokenizer, Tokenizer):
-                tokenizer = tokenizer.result()
+            tokenizer = given or loading.result()
         return cls(pkg, backend, tokenizer=tokenizer, **options)
 
     # ---- requests ----

@@ -19,21 +19,13 @@ from runtime.text.token_floor import TokenFloor
 GIL_FREE_CHARS = 1 << 14
 
 
-def _has_library() -> bool:
-    try:
-        import tokenizers  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _library_tokenizer(text: str):
-    """The `tokenizers` library's tokenizer of a tokenizer.json text, or None where it is not installed."""
+def _library_class():
+    """The `tokenizers` library's Tokenizer class, or None where it is not installed (Pyodide)."""
     try:
         from tokenizers import Tokenizer as LibTokenizer
     except ImportError:
         return None
-    return LibTokenizer.from_str(text)
+    return LibTokenizer
 
 
 class Tokenizer:
@@ -43,7 +35,8 @@ class Tokenizer:
         self.meta = meta
         self._lib = library if prefer_library else None
         if prefer_library and library is None:
-            self._lib = _library_tokenizer(json.dumps(spec))
+            lib_class = _library_class()
+            self._lib = lib_class.from_str(json.dumps(spec)) if lib_class is not None else None
         self._pure = None if self._lib is not None else PureBPE(spec)
         self.id_to_token: dict[int, str] = {i: t for t, i in spec["model"]["vocab"].items()}
         self.special_ids: set[int] = set()
@@ -73,9 +66,9 @@ class Tokenizer:
 
         # the library parses the file without the GIL while json reads it here (no thread where there is no
         # library: Pyodide has no threads)
-        threaded = prefer_library and _has_library()
+        lib_class = _library_class() if prefer_library else None
         with ThreadPoolExecutor(1) as pool:
-            library = pool.submit(_library_tokenizer, text) if threaded else None
+            library = pool.submit(lib_class.from_str, text) if lib_class is not None else None
             try:
                 spec = json.loads(text)
             except json.JSONDecodeError as err:
