@@ -9,17 +9,17 @@ Why every layer rather than the cheap last one: on SmolLM2 with eight package RE
 rank 4 on the last layer's down projection alone lowered the held-out perplexity by 3.2 % on average
 (two users got worse at a higher rate), rank 4 on every layer's q and v by 6.3 % (docs/PERFORMANCE.md).
 
-This first slice reads an fp32 package's weights (the llama, mistral and qwen2 graphs); a quantized
-package's blocks are not read here yet.
+The weights are the package's own, as the served graph holds them (fp32, a MatMulNBits grid, a GGUF's
+blocks: dense_weights.py), so a quantized package learns against the model it serves (as QLoRA does).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
+from runtime.backends.dense_weights import GraphWeights
 from runtime.errors import PackageError
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
@@ -36,32 +36,59 @@ class Lora:
         return {k: (np.zeros_like(a), np.zeros_like(b)) for k, (a, b) in self.factors.items()}
 
 
-def _read_initializers(graph: Path) -> dict[str, np.ndarray]:
-    """The graph's initializers as arrays, external data read from its folder (block_layouts._read)."""
-    import onnx
-    from onnx import numpy_helper
+class DenseCache:
+    """Dense matrices kept between steps, up to a byte budget; the first that fit stay (a step reads the
+    layers forward then backward, so evicting the least recently used would keep none of them)."""
 
-    from runtime.backends.block_layouts import _read
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget, self.used, self.kept = budget_bytes, 0, {}
 
-    model = onnx.load(str(graph), load_external_data=False)
-    out = {}
-    for t in model.graph.initializer:
-        if t.data_location != onnx.TensorProto.EXTERNAL:
-            out[t.name] = numpy_helper.to_array(t)
-            continue
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
-        out[t.name] = _read(t, graph.parent).view(dtype).reshape(tuple(t.dims))
-    return out
+    def get(self, key, make):
+        got = self.kept.get(key)
+        if got is None:
+            got = make()
+            size = sum(a.nbytes for a in got.values()) if isinstance(got, dict) else got.nbytes
+            if self.used + size <= self.budget:
+                self.kept[key] = got
+                self.used += size
+        return got
+
+
+def default_budget() -> int:
+    """RUVLLM_TRAIN_DENSE_MB (default 1,024): fp32 weights the trainer keeps between steps."""
+    import os
+
+    return int(float(os.environ.get("RUVLLM_TRAIN_DENSE_MB", "1024")) * 2 ** 20)
+
+
+class _Layers:
+    """The decoder's layers as the backward reads them, each dense on demand (DenseCache)."""
+
+    def __init__(self, dec: DenseDecoder, count: int) -> None:
+        self.dec, self.count = dec, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if not 0 <= i < self.count:
+            raise IndexError(i)
+        return self.dec.cache.get(("layer", i), lambda: self.dec._layer(i))
+
+    def __iter__(self):
+        return (self[i] for i in range(self.count))
 
 
 @dataclass
 class DenseDecoder:
-    """An fp32 package's decoder weights, as the backward reads them."""
+    """A package's decoder as the backward reads it: its norms and rotary tables, and each layer's
+    projections as dense fp32 [in, out] (dense_weights.GraphWeights: fp32, MatMulNBits grids and GGUF
+    blocks alike), made per layer when needed and kept while the budget lasts."""
 
-    embed: np.ndarray  # [vocab, hidden]
-    head_t: np.ndarray  # [hidden, vocab]
+    weights: GraphWeights
+    cache: DenseCache
+    num_layers: int
     final_norm: np.ndarray
-    layers: list[dict[str, np.ndarray]]  # per layer: norms, qkv_t [hidden, q+k+v] (+ qkv_bias), o_t, gate_up_t, down_t
     cos: np.ndarray  # [positions, head_dim // 2]
     sin: np.ndarray
     num_heads: int
@@ -72,32 +99,45 @@ class DenseDecoder:
     features: dict[str, tuple[int, int]] = field(default_factory=dict)  # target -> (in, out)
 
     @classmethod
-    def from_package(cls, pkg) -> DenseDecoder:
+    def from_package(cls, pkg, budget_bytes: int | None = None) -> DenseDecoder:
         m, cfg = pkg.manifest, pkg.config
         if m["architecture"] not in ARCHITECTURES:
             raise PackageError(f"{pkg.path}: adapting a {m['architecture']} model's LoRA is not supported here yet "
                                f"(only {', '.join(ARCHITECTURES)})")
-        if m["quantization"]["weights"] != "fp32":
-            raise PackageError(f"{pkg.path}: the instant loop reads fp32 packages' weights for now; this one's are "
-                               f"{m['quantization']['weights']}")
-        w = _read_initializers(pkg.file(m["graphs"]["decoder"]["file"]))
-        n = cfg["num_layers"]
-        layers = []
-        for i in range(n):
-            layer = {"input_norm": w[f"layers.{i}.input_layernorm"], "post_norm": w[f"layers.{i}.post_attention_layernorm"],
-                     "qkv_t": w[f"layers.{i}.qkv_proj"], "o_t": w[f"layers.{i}.o_proj"],
-                     "gate_up_t": w[f"layers.{i}.gate_up_proj"], "down_t": w[f"layers.{i}.down_proj"]}
-            if f"layers.{i}.qkv_bias" in w:
-                layer["qkv_bias"] = w[f"layers.{i}.qkv_bias"]
-            layers.append(layer)
-        embed = w["model.embed_tokens.weight"].astype(np.float32)
-        head_t = w["lm_head"] if "lm_head" in w else np.ascontiguousarray(embed.T)
+        w = GraphWeights(pkg.file(m["graphs"]["decoder"]["file"]))
         hq, hkv, d, f = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["intermediate_size"]
         h = cfg["hidden_size"]
         features = {"q_proj": (h, hq * d), "k_proj": (h, hkv * d), "v_proj": (h, hkv * d), "o_proj": (hq * d, h),
                     "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
-        return cls(embed, head_t, w["model.norm"], layers, w["rope.cos"], w["rope.sin"], hq, hkv, d, f,
-                   cfg["rms_norm_eps"], features)
+        cache = DenseCache(default_budget() if budget_bytes is None else budget_bytes)
+        return cls(w, cache, cfg["num_layers"], w.array("model.norm"), w.array("rope.cos"), w.array("rope.sin"),
+                   hq, hkv, d, f, cfg["rms_norm_eps"], features)
+
+    @property
+    def layers(self) -> _Layers:
+        return _Layers(self, self.num_layers)
+
+    def _layer(self, i: int) -> dict[str, np.ndarray]:
+        w, p = self.weights, f"layers.{i}."
+        layer = {"input_norm": w.array(p + "input_layernorm"), "post_norm": w.array(p + "post_attention_layernorm"),
+                 "qkv_t": w.matrix(p + "qkv_proj"), "o_t": w.matrix(p + "o_proj"),
+                 "gate_up_t": w.matrix(p + "gate_up_proj"), "down_t": w.matrix(p + "down_proj")}
+        if p + "qkv_bias" in w.inits:
+            layer["qkv_bias"] = w.array(p + "qkv_bias")
+        return layer
+
+    def embed_rows(self, ids: list[int]) -> np.ndarray:
+        return self.weights.embedding_rows(np.asarray(ids))
+
+    @property
+    def head_t(self) -> np.ndarray:
+        """The output projection [hidden, vocab]: lm_head, or the embedding table when they are tied."""
+        def make():
+            if "lm_head" in self.weights:
+                return self.weights.matrix("lm_head")
+            vocab = self.weights.embedding_vocab()
+            return np.ascontiguousarray(self.embed_rows(list(range(vocab))).T)
+        return self.cache.get("head", make)
 
 
 def _rms(x: np.ndarray, g: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
@@ -151,7 +191,7 @@ def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool
     group, scale = hq // hkv, 1.0 / np.sqrt(d)
     cos, sin = dec.cos[:T], dec.sin[:T]
     causal = np.triu(np.full((T, T), -np.inf, np.float32), 1)
-    x = dec.embed[np.asarray(ids)]
+    x = dec.embed_rows(ids)
     saved = []
     for i, L in enumerate(dec.layers):
         lora_cache: list = []

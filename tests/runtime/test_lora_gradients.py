@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from runtime.backends.lora_gradients import DenseDecoder, Lora, loss_and_grads
-from runtime.errors import PackageError
 from runtime.package import load_package
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -44,9 +43,72 @@ def test_loss_and_factor_gradients_equal_peft_autograd(arch, tiny_model_dir, tin
             np.testing.assert_allclose(got, ref, rtol=2e-3, atol=1e-6 * np.abs(ref).max(), err_msg=str(key))
 
 
-def test_a_quantized_package_is_refused_with_a_clear_error(tiny_package):
-    with pytest.raises(PackageError, match="reads fp32 packages' weights for now"):
-        DenseDecoder.from_package(load_package(tiny_package("llama", "int4")))
+@pytest.mark.slow
+@pytest.mark.parametrize("type_name", ("Q4_K", "Q6_K", "Q8_0", "Q4_1"))
+def test_a_gguf_packages_blocks_are_read_as_transformers_dequantizes_them(type_name, smol_gguf, workdir):
+    """The trainer learns against the weights the package serves: a GGUF's blocks (kept at their own bits)
+    read back dense equal transformers' load of the file bit for bit, and so does the loss."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from exporter.builders import FUSED_PROJECTIONS
+    from exporter.convert import ConvertOptions, convert
+    from tests.exporter.test_gguf_import import write_tiny_gguf
+
+    path = workdir / f"tiny-train-{type_name}.gguf"
+    write_tiny_gguf(path, smol_gguf, type_name)
+    pkg = convert(str(path), workdir / f"pkg-gguf-train-{type_name}", ConvertOptions(progress=False, lora=False))
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    dec = DenseDecoder.from_package(load_package(pkg))
+    for i, layer in enumerate(dec.layers):
+        for fused, parts in FUSED_PROJECTIONS.items():
+            want = np.concatenate([hf[f"model.layers.{i}.{p}.weight"] for p in parts]).T
+            assert np.array_equal(layer[_key(fused)], want), (i, fused)
+    ids = list(range(100, 160))
+    assert np.array_equal(dec.embed_rows(ids), hf["model.embed_tokens.weight"][ids])
+    assert np.array_equal(dec.head_t, hf["lm_head.weight"].T)
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(model(x).logits[0, :-1], x[0, 1:]).item()
+    assert loss_and_grads(dec, ids, Lora({}, 1.0), backward=False)[0] == pytest.approx(want, rel=1e-5)
+
+
+def _key(fused: str) -> str:
+    return fused.replace("_proj", "_t")
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_a_grid_packages_weights_are_its_graphs(quant, tiny_package):
+    """MatMulNBits grids (RTN int4 with zero points, int8) read back as the graph defines them, and the
+    trainer's loss is the served graph's (within int8 activations' rounding)."""
+    from exporter.evaluate import teacher_forced_logits
+    from tests.exporter.test_gguf_import import package_weights
+
+    pkg = tiny_package("llama", quant)
+    want = package_weights(pkg)
+    dec = DenseDecoder.from_package(load_package(pkg))
+    for i, layer in enumerate(dec.layers):
+        for name, key in (("qkv_proj", "qkv_t"), ("o_proj", "o_t"), ("gate_up_proj", "gate_up_t"),
+                          ("down_proj", "down_t")):
+            assert np.array_equal(layer[key], want[f"layers.{i}.{name}"].T), (i, name)
+    ids = list(range(200, 260))
+    logits = teacher_forced_logits(pkg, ids)[:-1]
+    lg = logits - logits.max(-1, keepdims=True)
+    served = float(-(lg[np.arange(len(ids) - 1), ids[1:]] - np.log(np.exp(lg).sum(-1))).mean())
+    assert loss_and_grads(dec, ids, Lora({}, 1.0), backward=False)[0] == pytest.approx(served, rel=2e-3)
+
+
+def test_the_dense_budget_bounds_what_the_trainer_keeps(tiny_package):
+    """Past the budget, layers are made again when needed rather than kept: same numbers, less memory."""
+    pkg = load_package(tiny_package("llama", "int4"))
+    kept, bounded = DenseDecoder.from_package(pkg), DenseDecoder.from_package(pkg, budget_bytes=0)
+    ids = list(range(300, 340))
+    lora = Lora({(0, "q_proj"): (np.full((2, kept.features["q_proj"][0]), 0.01, np.float32),
+                                 np.full((kept.features["q_proj"][1], 2), 0.01, np.float32))}, 1.0)
+    a, b = loss_and_grads(kept, ids, lora), loss_and_grads(bounded, ids, lora)
+    assert a[0] == b[0] and all(np.array_equal(x, y) for x, y in zip(a[1][(0, "q_proj")], b[1][(0, "q_proj")]))
+    assert bounded.cache.used == 0 and kept.cache.used > 0
 
 
 def test_a_users_adapter_learns_and_is_served_as_peft_reads_it(tmp_path, tiny_model_dir, tiny_package):
