@@ -50,8 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--max-context", type=int, default=None, help="cap the context length (rotary table size)")
     c.add_argument("--no-lora", action="store_true", help="skip the LoRA graph variant")
     c.add_argument("--quiet", action="store_true")
-    a = sub.add_parser("adapter", help="convert a PEFT LoRA folder into the package's adapter format")
-    a.add_argument("peft_dir")
+    a = sub.add_parser("adapter", help="convert a PEFT LoRA folder into the package's adapter format, or export a "
+                       "user's learned adapter (--user) as a PEFT folder")
+    a.add_argument("peft_dir", nargs="?")
+    a.add_argument("--user", default=None, help="export this user's adapter (serve --personalize, chat --user) as PEFT "
+                   "writes one, to train it further elsewhere")
+    a.add_argument("--key", default=None, help="the API key name the user came with (default: local, chat --user's; "
+                   "anonymous for a server without keys)")
+    a.add_argument("--state-dir", default=None, help="where users' adapters are kept (default: the cache's users/)")
     a.add_argument("-o", "--output", required=True, help="adapter folder to write")
     a.add_argument("--base", required=True, help="the model package the adapter will run on (checked against it)")
     a.add_argument("--dtype", default="fp32", choices=["fp32", "fp16"], help="stored precision (fp16: half the bytes)")
@@ -83,10 +89,19 @@ def main(argv: list[str] | None = None) -> int:
                                   progress=not args.quiet, layerwise=args.layerwise)
             out = convert(args.source, args.output, opts)
             print(f"wrote {out}")
+        elif args.cmd == "adapter" and args.user:
+            from exporter.adapter import export_user_adapter
+
+            if args.peft_dir:
+                ap.error("--user exports a user's adapter: give no PEFT folder")
+            out = export_user_adapter(args.user, args.key or "local", args.state_dir, args.base, args.output)
+            print(f"wrote {out}")
         elif args.cmd == "adapter":
             from exporter.adapter import convert_adapter
             from runtime.core.adapters import DEFAULT_MAX_LORA_RANK
 
+            if not args.peft_dir:
+                ap.error("adapter needs a PEFT folder (or --user NAME)")
             out = convert_adapter(args.peft_dir, args.base, args.output, args.dtype,
                                   args.max_lora_rank or DEFAULT_MAX_LORA_RANK)
             print(f"wrote {out}")

@@ -74,3 +74,22 @@ def convert_adapter(peft_dir: str | Path, base: str | Path, out_dir: str | Path,
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def export_user_adapter(user: str, key: str, state_dir: str | None, base: str, output: str | Path) -> Path:
+    """A user's newest learned adapter (runtime/serve/personalization.py) as a PEFT folder: the deep loop
+    starts from it with PEFT, and the result comes back as any adapter does."""
+    from runtime.aliases import cache_dir
+    from runtime.serve.personalization import Personalization, PersonalSettings
+
+    pkg = load_package(base)
+    personal = Personalization(pkg, state_dir or cache_dir() / "users", PersonalSettings(), None, None)
+    folder = personal.latest_adapter(key, user)
+    if folder is None:
+        raise AdapterError(f"no adapter is stored for user {user!r} (key {key!r}) of {pkg.name} in "
+                           f"{personal.root.parent}")
+    output = Path(output)
+    if output.exists():
+        raise AdapterError(f"{output} exists; choose a new folder")
+    shutil.copytree(folder, output)
+    return output

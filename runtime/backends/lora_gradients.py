@@ -177,11 +177,12 @@ def _add_lora(x: np.ndarray, y: np.ndarray, lora: Lora, key: tuple[int, str], ca
 
 
 def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool = True,
-                   scored_from: int = 0) -> tuple[float, dict]:
+                   scored_from: int = 0, unlikely: bool = False) -> tuple[float, dict]:
     """Mean next-token cross-entropy of `ids` (teacher-forced, one sequence) under the LoRA, and its
     gradient with respect to every factor: {(layer, target): (dA, dB)} ({} without `backward`).
     scored_from: the loss counts the predictions of tokens from this position on (the earlier ones are
-    context only)."""
+    context only). unlikely: the unlikelihood loss -log(1 - p(token)) instead (Welleck et al. 2019), which
+    pushes the scored tokens down without pulling any other token up in particular (an answer rated bad)."""
     T = len(ids)
     if T < 2:
         raise ValueError("a text of at least two tokens")
@@ -233,12 +234,20 @@ def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool
     lg = lg - lg.max(-1, keepdims=True)
     logp = lg - np.log(np.exp(lg).sum(-1, keepdims=True))
     n = len(targets)
-    loss = float(-logp[np.arange(n), targets].mean())
+    picked = logp[np.arange(n), targets]
+    if unlikely:
+        p_t = np.exp(picked)
+        rest = np.maximum(1.0 - p_t, 1e-6)
+        loss = float(-np.log(rest).mean())
+    else:
+        loss = float(-picked.mean())
     if not backward:
         return loss, {}
     dlogits = np.zeros_like(logits)
-    dlogits[first:-1] = np.exp(logp) / n
-    dlogits[first + np.arange(n), targets] -= 1.0 / n
+    # d(-log p_t)/dz = p - onehot; d(-log(1 - p_t))/dz = p_t / (1 - p_t) (onehot - p)
+    weight = (-(p_t / rest) if unlikely else np.ones(n, np.float32))[:, None] / n
+    dlogits[first:-1] = np.exp(logp) * weight
+    dlogits[first + np.arange(n), targets] -= weight[:, 0]
     dx = _rms_back(dlogits @ dec.head_t.T, x, rf, dec.final_norm)
     grads: dict = {}
 

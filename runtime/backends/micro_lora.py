@@ -54,9 +54,10 @@ class MicroLora:
         self._v = self.lora.zeros_like()
         self._t = 0
 
-    def step(self, ids: list[int]) -> float:
-        """One Adam step on the text's mean next-token loss; the loss before the step."""
-        loss, grads = loss_and_grads(self.dec, ids, self.lora)
+    def step(self, ids: list[int], scored_from: int = 0, unlikely: bool = False, lr_scale: float = 1.0) -> float:
+        """One Adam step on the text's mean next-token loss (from `scored_from` on; the unlikelihood loss
+        for `unlikely`), at lr x lr_scale; the loss before the step."""
+        loss, grads = loss_and_grads(self.dec, ids, self.lora, scored_from=scored_from, unlikely=unlikely)
         if self.ewc:
             grads = {k: tuple(g + self.ewc * f * (w - w0) for g, f, w, w0 in
                               zip(pair, self.fisher[k], self.lora.factors[k], self.start[k])) for k, pair in grads.items()}
@@ -69,7 +70,7 @@ class MicroLora:
                 m += (1 - b1) * g
                 v *= b2
                 v += (1 - b2) * g * g
-                update = self.lr * (m / (1 - b1 ** self._t)) / (np.sqrt(v / (1 - b2 ** self._t)) + eps)
+                update = lr_scale * self.lr * (m / (1 - b1 ** self._t)) / (np.sqrt(v / (1 - b2 ** self._t)) + eps)
                 self.lora.factors[key][j][...] -= update.astype(np.float32)
         return loss
 
@@ -128,3 +129,39 @@ class MicroLora:
                   "base_model_name_or_path": base, "use_rslora": False, "use_dora": False}
         (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
         return folder
+
+    # ---- the trainer's state beside the PEFT folder, so that a user's loop resumes where it stopped ----
+
+    def state_tensors(self) -> dict[str, np.ndarray]:
+        out = {}
+        for (i, t), pair in self.lora.factors.items():
+            for role, j in (("A", 0), ("B", 1)):
+                key = f"{i}.{t}.{role}"
+                out[f"factor.{key}"] = pair[j]
+                out[f"start.{key}"] = self.start[(i, t)][j]
+                out[f"fisher.{key}"] = self.fisher[(i, t)][j]
+                out[f"adam_m.{key}"] = self._m[(i, t)][j]
+                out[f"adam_v.{key}"] = self._v[(i, t)][j]
+        return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+    def save_state(self, path: str | Path) -> None:
+        from safetensors.numpy import save_file
+
+        save_file(self.state_tensors(), str(path), metadata={"adam_t": str(self._t)})
+
+    def load_state(self, path: str | Path) -> None:
+        """Resume from save_state's file (the same decoder, targets and rank)."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), "np") as fh:
+            self._t = int(fh.metadata().get("adam_t", "0"))
+            for (i, t) in self.lora.factors:
+                for role, j in (("A", 0), ("B", 1)):
+                    key = f"{i}.{t}.{role}"
+                    for store, prefix in ((None, "factor"), (self.start, "start"), (self.fisher, "fisher"),
+                                          (self._m, "adam_m"), (self._v, "adam_v")):
+                        target = self.lora.factors[(i, t)][j] if store is None else store[(i, t)][j]
+                        value = fh.get_tensor(f"{prefix}.{key}")
+                        if value.shape != target.shape:
+                            raise ValueError(f"{path}: {prefix}.{key} is {value.shape}, this trainer's {target.shape}")
+                        target[...] = value

@@ -221,7 +221,58 @@ CHAT_HELP = """commands:
   /clear           forget the conversation
   /system PROMPT   set the system prompt (and clear)
   /temp VALUE      set the temperature
+  /good, /bad      rate the last answer (with --user: the adapter learns from it)
+  /prefer TEXT     the answer you wanted to the last question (with --user)
+  /forget          reset your adapter (with --user)
   /quit, /exit     leave"""
+
+
+def personal_args(p, serve: bool) -> None:
+    """How users' adapters learn (runtime/serve/personalization.py)."""
+    g = p.add_argument_group("per-user adaptation (each user's own LoRA, learned from their feedback)")
+    if serve:
+        g.add_argument("--personalize", action="store_true",
+                       help="serve each request's `user` their own adapter; POST /v1/feedback teaches it, DELETE "
+                            "/v1/users/NAME resets it")
+    g.add_argument("--state-dir", default=None, metavar="DIR",
+                   help="where users' adapters are kept (default: the cache's users/)")
+    g.add_argument("--personalize-targets", default="q_proj,v_proj", metavar="T,T",
+                   help="projections a user's adapter adapts (default q_proj,v_proj)")
+    g.add_argument("--personalize-rank", type=int, default=4, help="a user's adapter rank (1-16, default 4)")
+    g.add_argument("--personalize-lr", type=float, default=3e-3, help="the instant loop's Adam step size")
+    g.add_argument("--personalize-epochs", type=int, default=1, help="passes over each feedback")
+    g.add_argument("--personalize-ewc", type=float, default=1.0,
+                   help="EWC++ strength against forgetting (0: off)")
+
+
+def stored_users(pkg, state_dir: str | None) -> dict:
+    """What `serve --personalize` and `chat --user` have learned for this package: users, per key."""
+    from runtime.serve.personalization import package_key
+
+    root = Path(state_dir).expanduser() if state_dir else cache_dir() / "users"
+    root = root / package_key(pkg)
+    out = {"state_dir": str(root), "users": 0, "feedbacks": 0, "tokens": 0, "keys": {}}
+    for meta in sorted(root.glob("*/user.json")) if root.exists() else []:
+        try:
+            m = json.loads(meta.read_text())
+        except (OSError, ValueError):
+            continue
+        out["users"] += 1
+        out["feedbacks"] += int(m.get("feedbacks", 0))
+        out["tokens"] += int(m.get("tokens", 0))
+        out["keys"][m.get("key", "?")] = out["keys"].get(m.get("key", "?"), 0) + 1
+    return out
+
+
+def personal_settings(args):
+    from runtime.serve.personalization import PersonalSettings
+
+    try:
+        return PersonalSettings(targets=tuple(t.strip() for t in args.personalize_targets.split(",") if t.strip()),
+                                rank=args.personalize_rank, lr=args.personalize_lr,
+                                epochs=max(1, args.personalize_epochs), ewc=args.personalize_ewc)
+    except ValueError as err:
+        raise RuvLLMError(str(err)) from None
 
 
 def add_lora(engine, args) -> str | None:
@@ -236,10 +287,18 @@ def cmd_chat(args) -> int:
     engine = make_engine(args)
     params = sampling_from(args, engine)
     adapter = add_lora(engine, args)
+    me = None
+    if args.user:
+        if adapter:
+            raise RuvLLMError("--user learns the user's own adapter; it does not combine with --lora")
+        from runtime.serve.personalization import LocalUser
+
+        me = LocalUser(engine, args.user, personal_settings(args), args.state_dir)
     system = args.system
     history: list[dict] = []
     interactive = sys.stdin.isatty()
-    print(f"ruvllm chat: {engine.pkg.name} ({engine.pkg.manifest['quantization']['weights']}). /help for commands.")
+    print(f"ruvllm chat: {engine.pkg.name} ({engine.pkg.manifest['quantization']['weights']}). /help for commands."
+          + (f" Learning from {args.user}'s messages." if me else ""))
     while True:
         try:
             line = input("> " if interactive else "")
@@ -272,9 +331,13 @@ def cmd_chat(args) -> int:
                     print(f"(temperature {value})")
                 except (ValueError, RuvLLMError):
                     print(f"usage: /temp VALUE (temperature {range_text('temperature')})")
+            elif me is not None and cmd in ("/good", "/bad", "/prefer", "/forget"):
+                personal_command(me, cmd, rest, history, system)
             else:
                 print(f"unknown command {cmd}; /help lists them")
             continue
+        if me is not None:
+            adapter = me.adapter
         history.append({"role": "user", "content": line})
         messages = ([{"role": "system", "content": system}] if system else []) + history
         reply = []
@@ -291,7 +354,33 @@ def cmd_chat(args) -> int:
             continue
         print()
         history.append({"role": "assistant", "content": "".join(reply)})
+        if me is not None:  # the user's own writing: their words, their subjects
+            learned = me.learn({"kind": "text", "text": line})
+            print(f"(learned from your message: version {learned['version']}, {learned['seconds']:.1f} s)",
+                  file=sys.stderr)
     return 0
+
+
+def personal_command(me, cmd: str, rest: str, history: list[dict], system: str | None) -> None:
+    """/good and /bad rate the last answer, /prefer TEXT gives the answer wanted, /forget resets the user."""
+    if cmd == "/forget":
+        print("(your adapter is reset)" if me.forget() else "(nothing was learned yet)")
+        return
+    if len(history) < 2 or history[-1]["role"] != "assistant":
+        print("(no answer to rate yet)")
+        return
+    messages = ([{"role": "system", "content": system}] if system else []) + history[:-1]
+    if cmd == "/prefer":
+        if not rest.strip():
+            print("usage: /prefer THE ANSWER YOU WANTED")
+            return
+        what = {"kind": "preferred", "messages": messages, "answer": rest.strip()}
+        history[-1] = {"role": "assistant", "content": rest.strip()}
+    else:
+        what = {"kind": "rating", "messages": messages, "answer": history[-1]["content"],
+                "rating": 1.0 if cmd == "/good" else -1.0}
+    learned = me.learn(what)
+    print(f"(learned: version {learned['version']}, {learned['seconds']:.1f} s)")
 
 
 def cmd_list(args) -> int:
@@ -342,6 +431,7 @@ def cmd_info(args) -> int:
         "files": {k: v["size"] for k, v in m["files"].items()},
         "size_bytes": pkg.size_bytes(), "source": m["provenance"]["source"],
         "host": host_info(pkg, args.device, args.kv_dtype or "fp32"),
+        "personalization": stored_users(pkg, args.state_dir),
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -363,6 +453,10 @@ def cmd_info(args) -> int:
           f" LoRA {'(' + ', '.join(f['lora_targets']) + ')' if f['lora'] else 'no'},"
           f" chat template {'yes' if f['chat_template'] else 'no'}")
     print(f"  source         {info['source']}")
+    users = info["personalization"]
+    print(f"  users          {users['users']} with their own adapter"
+          + (f" ({users['feedbacks']} feedbacks, {users['tokens']} tokens learned)" if users["users"] else "")
+          + f" in {users['state_dir']}")
     print("  files          " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in info["files"].items()))
     h = info["host"]
     if "error" in h:
@@ -424,10 +518,13 @@ def cmd_serve(args) -> int:
     packages = [str(resolve_package(p, isq=args.isq)) for p in (args.packages or [None])]
     defaults = sampling_given(args)
     sampling_from(args)  # the defaults are checked before anything loads
+    personalize = personal_settings(args) if args.personalize else None
     if args.ray is not None:
+        if personalize is not None:
+            raise RuvLLMError("--personalize is not served on Ray yet (users' adapters live beside one engine)")
         return serve_on_ray(args, packages, defaults, keys, roots)
     models = load_models(packages, args.device, args.max_concurrent, engine_options(args), lora_modules(args),
-                         threads=args.threads)
+                         threads=args.threads, personalize=personalize, state_dir=args.state_dir)
     print(f"serving {', '.join(models)} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve(models, args.host, args.port, keys, args.max_queue, log_level=args.log_level, defaults=defaults,
           max_request_bytes=args.max_request_bytes, lora_roots=roots)
@@ -575,7 +672,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive chat")
     c.add_argument("package", nargs="?")
     c.add_argument("--system", default=None)
+    c.add_argument("--user", default=None, metavar="NAME",
+                   help="learn NAME's own adapter from the conversation (their messages, /good, /bad, /prefer)")
     run_args(c)
+    personal_args(c, serve=False)
     c.set_defaults(func=cmd_chat)
 
     ls = sub.add_parser("list", help="packages in the cache")
@@ -587,6 +687,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true")
     i.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
     i.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES), help="the KV pool to describe (default fp32)")
+    i.add_argument("--state-dir", default=None, metavar="DIR", help="where users' adapters are kept (serve "
+                   "--personalize, chat --user; default: the cache's users/)")
     i.set_defaults(func=cmd_info)
 
     d = sub.add_parser("download", help="export an alias or hub id into the cache")
@@ -647,6 +749,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                     help="LoRA adapters to serve; a request selects one by its model field")
     sv.add_argument("--threads", type=int, default=None, help="compute threads per engine")
+    personal_args(sv, serve=True)
     ray = sv.add_argument_group("scale-out on Ray Serve (pip install 'ruvllm[ray]'; docs/SCALING.md)")
     ray.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
                      help="serve engine replicas on a Ray cluster: its address (ray://host:10001 or auto), or none "

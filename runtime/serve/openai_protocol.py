@@ -5,8 +5,8 @@ OpenAI's error shape. The same module can shape the browser API's chunks, and it
 the request fields are defined: the server publishes request_schema() in its OpenAPI document.
 
 Field policy: a field that would change the output and is not implemented (tools, ...) is refused
-with a 400 naming it, never ignored; purely informational fields (user, metadata,
-store) are accepted; a field OpenAI does not define and RuvLLM does not add is refused as OpenAI does.
+with a 400 naming it, never ignored; informational fields (metadata, store) are accepted, and `user`
+too (it picks the user's own adapter when the server personalizes: runtime/serve/personalization.py); a field OpenAI does not define and RuvLLM does not add is refused as OpenAI does.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class ParsedRequest:
     return_token_ids: bool = False  # extension (as vLLM's): each choice also carries its token ids
     n: int = 1  # choices: n requests on one prompt (computed once: the engine shares its blocks)
     tools: object = None  # chat: runtime.serve.tools.Tools, when the request offers functions
+    user: str | None = None  # OpenAI's end-user id: their adapter, when the server personalizes
 
 
 def _get(body: dict, name: str, types: tuple, default=None, allow_none: bool = True):
@@ -241,7 +242,7 @@ CHAT_FIELDS = _COMMON + ("messages", "logprobs", "top_logprobs", "tools", "tool_
 COMPLETION_FIELDS = _COMMON + ("prompt", "logprobs", "echo")
 
 
-def _common(body, known: tuple[str, ...]) -> tuple[str, bool, bool]:
+def _common(body, known: tuple[str, ...]) -> tuple[str, bool, bool, str | None]:
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     _check_fields(body, known)
@@ -253,9 +254,9 @@ def _common(body, known: tuple[str, ...]) -> tuple[str, bool, bool]:
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise ProtocolError("'stream_options.include_usage' must be a boolean", "stream_options")
-    _get(body, "user", (str,))
+    user = _get(body, "user", (str,))
     _get(body, "metadata", (dict,))
-    return model, stream, include_usage
+    return model, stream, include_usage, user
 
 
 def _logprobs(body: dict, name: str) -> int | None:
@@ -269,8 +270,8 @@ def _logprobs(body: dict, name: str) -> int | None:
     return value
 
 
-def parse_chat(body, defaults: dict | None = None) -> ParsedRequest:
-    model, stream, include_usage = _common(body, CHAT_FIELDS)
+def parse_messages(body: dict) -> list[dict]:
+    """`messages`, checked and cleaned: text content only, `developer` as `system`."""
     messages = _get(body, "messages", (list,))
     if not messages:
         raise ProtocolError("'messages' must be a non-empty array", "messages")
@@ -298,6 +299,12 @@ def parse_chat(body, defaults: dict | None = None) -> ParsedRequest:
                 raise ProtocolError(f"'messages[{i}].tool_call_id' must be a string", f"messages[{i}].tool_call_id")
             message["tool_call_id"] = m["tool_call_id"]
         clean.append(message)
+    return clean
+
+
+def parse_chat(body, defaults: dict | None = None) -> ParsedRequest:
+    model, stream, include_usage, user = _common(body, CHAT_FIELDS)
+    clean = parse_messages(body)
     want_logprobs = _get(body, "logprobs", (bool,), False)
     top = _logprobs(body, "top_logprobs")
     if top is not None and not want_logprobs:
@@ -318,7 +325,7 @@ def parse_chat(body, defaults: dict | None = None) -> ParsedRequest:
         params.constraint = forced
     return ParsedRequest(model, params, stream, include_usage, messages=clean, logprobs=logprobs,
                          max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False), n=n,
-                         tools=tools if tools is not None and tools.active else None)
+                         tools=tools if tools is not None and tools.active else None, user=user)
 
 
 def _tool_calls(calls, i: int) -> list[dict]:
@@ -339,7 +346,7 @@ def _tool_calls(calls, i: int) -> list[dict]:
 
 
 def parse_completion(body, defaults: dict | None = None) -> ParsedRequest:
-    model, stream, include_usage = _common(body, COMPLETION_FIELDS)
+    model, stream, include_usage, user = _common(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -354,7 +361,8 @@ def parse_completion(body, defaults: dict | None = None) -> ParsedRequest:
         raise ProtocolError("'echo' is not supported", "echo")
     params, given, n = _sampling(body, logprobs, defaults)
     return ParsedRequest(model, params, stream, include_usage, prompt=prompt, logprobs=logprobs,
-                         max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False), n=n)
+                         max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False), n=n,
+                         user=user)
 
 
 # ---- the published request schema (OpenAPI), from the same fields and ranges ----

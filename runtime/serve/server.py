@@ -38,6 +38,7 @@ class ServedModel:
     name: str
     engine: AsyncEngine
     created: int
+    personal: object = None  # personalization.Personalization when `--personalize` is on
 
 
 # /metrics from each engine's stats(): metric -> (stats key, help)
@@ -143,6 +144,11 @@ class Completions:
     async def handle(self, request: Request, chat: bool):
         try:
             served, parsed, adapter = self._parse(await read_json(request), chat)
+            if adapter is None and parsed.user and served.personal is not None:  # the user's own adapter
+                from runtime.serve.feedback_api import check_user, key_name
+
+                check_user(parsed.user)
+                adapter = await asyncio.to_thread(served.personal.adapter_for, key_name(request), parsed.user)
             # the template and the tokenizer run off the loop: a long prompt never delays the others' steps
             ids = await asyncio.to_thread(encode_request, served.engine.prompts, parsed)
             try:
@@ -195,6 +201,10 @@ def resolve_model(models: dict[str, ServedModel], name: str) -> tuple[ServedMode
     served = models.get(name)
     if served is not None:
         return served, None
+    from runtime.serve.personalization import ADAPTER_PREFIX
+
+    if name.startswith(ADAPTER_PREFIX):  # a user's adapter is theirs: picked by `user`, never named
+        raise P.model_not_found(name)
     for served in models.values():
         if served.engine.has_adapter(name):
             return served, name
@@ -209,8 +219,13 @@ def model_cards(models: dict[str, ServedModel]) -> list[dict]:
         why = getattr(backend, "batch_invariance", None)  # None: a backend that does not say
         cards.append({"id": m.name, "object": "model", "created": m.created, "owned_by": "ruvllm", "root": m.name,
                       "parent": None, "batch_invariant": None if why is None else not why,
-                      **({"batch_invariance": why} if why else {})})
+                      **({"batch_invariance": why} if why else {}),
+                      "personalization": m.personal.state() if m.personal is not None else {"enabled": False}})
+        from runtime.serve.personalization import ADAPTER_PREFIX
+
         for name, path in m.engine.adapter_paths().items():
+            if name.startswith(ADAPTER_PREFIX):
+                continue
             cards.append({"id": name, "object": "model", "created": m.created, "owned_by": "ruvllm",
                           "root": path, "parent": m.name})
     return cards
@@ -324,6 +339,14 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
                 "max_concurrent": key.max_concurrent if key else None,
                 "in_flight": in_flight.get(key.name, 0) if key else None}
 
+    if any(m.personal is not None for m in models.values()):
+        from runtime.serve.feedback_api import FeedbackRoutes
+
+        feedback = FeedbackRoutes(models, read_json)
+        app.post("/v1/feedback")(feedback.feedback)
+        app.get("/v1/users/{user}")(feedback.get_user)
+        app.delete("/v1/users/{user}")(feedback.delete_user)
+
     if roots is not None:
         adapters = AdapterRoutes(models, roots)
         app.post("/v1/load_lora_adapter")(adapters.load)
@@ -425,8 +448,10 @@ async def _abort_on_disconnect(request, aengine: AsyncEngine, rids: list[str]) -
 
 
 def load_models(packages: list[str], device: str, max_concurrent: int, engine_kwargs: dict,
-                lora_modules: dict[str, str] | None = None, threads: int | None = None) -> dict[str, ServedModel]:
-    """One engine per package; --lora-modules are the first package's adapters."""
+                lora_modules: dict[str, str] | None = None, threads: int | None = None, personalize=None,
+                state_dir: str | None = None) -> dict[str, ServedModel]:
+    """One engine per package; --lora-modules are the first package's adapters. personalize: a
+    PersonalSettings to give each package its users' adapters (under state_dir, default the cache's)."""
     from runtime.core.engine import Engine
 
     models: dict[str, ServedModel] = {}
@@ -438,7 +463,13 @@ def load_models(packages: list[str], device: str, max_concurrent: int, engine_kw
         if not models:
             for adapter, folder in (lora_modules or {}).items():
                 engine.adapters.add(adapter, folder)
-        models[name] = ServedModel(name, AsyncEngine(engine), int(time.time()))
+        aengine = AsyncEngine(engine)
+        personal = None
+        if personalize is not None:
+            from runtime.serve.personalization import personalization_for
+
+            personal = personalization_for(engine, personalize, state_dir, aengine.add_adapter, aengine.remove_adapter)
+        models[name] = ServedModel(name, aengine, int(time.time()), personal)
     return models
 
 

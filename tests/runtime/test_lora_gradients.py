@@ -11,8 +11,8 @@ from runtime.package import load_package
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_loss_and_factor_gradients_equal_peft_autograd(arch, tiny_model_dir, tiny_package):
+@pytest.mark.parametrize("arch,unlikely", [("llama", False), ("qwen2", False), ("llama", True)])
+def test_loss_and_factor_gradients_equal_peft_autograd(arch, unlikely, tiny_model_dir, tiny_package):
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -30,12 +30,13 @@ def test_loss_and_factor_gradients_equal_peft_autograd(arch, tiny_model_dir, tin
     rng = np.random.default_rng(1)
     ids = rng.integers(0, model.config.vocab_size, 40).tolist()
     x = torch.tensor([ids])
-    want = torch.nn.functional.cross_entropy(peft(x).logits[0, :-1], x[0, 1:])
+    logp = torch.log_softmax(peft(x).logits[0, :-1], -1)[torch.arange(39), x[0, 1:]]
+    want = -torch.log1p(-logp.exp()).mean() if unlikely else -logp.mean()
     want.backward()
 
     dec = DenseDecoder.from_package(load_package(tiny_package(arch)))
     lora = Lora({k: (a.detach().numpy().copy(), b.detach().numpy().copy()) for k, (a, b) in factors.items()}, scale=2.0)
-    loss, grads = loss_and_grads(dec, ids, lora)
+    loss, grads = loss_and_grads(dec, ids, lora, unlikely=unlikely)
     assert loss == pytest.approx(want.item(), rel=1e-5)
     assert set(grads) == set(factors)
     for key, (a, b) in factors.items():

@@ -1,0 +1,379 @@
+"""Per-user adaptation as served (issue 51): each user's MicroLoRA, learned from the feedback their client
+sends, kept on disk as a PEFT folder, and applied to that user's requests only (native only: numpy).
+
+Who a user is: the `user` field of a request (OpenAI's), within the API key that made it. Two keys'
+"alice" are two users, so a key can neither read nor reset another key's users. A user with nothing
+learned yet is served by the base model (a new adapter's B is zero: it would change nothing).
+
+Feedback (`feedback`): a text the user wrote ("learn from this text": their style, their subjects), an
+answer they preferred to a conversation (learned as the reply to it), or a rating of an answer: above
+zero it is learned as preferred, at that fraction of the step size; below zero the unlikelihood loss
+pushes its tokens down (lora_gradients). Each is a few Adam steps on the user's factors (the instant
+loop), then a new version of the adapter is served to the user's next requests. Every
+`consolidate_every` feedbacks the EWC++ Fisher is refreshed on the model's own text (the background
+loop, micro_lora.consolidate), which holds the factors near what the model did well.
+
+On disk, per package (its name and the digest of its manifest):
+    <state>/<package>/<user digest>/user.json            the user's name and key, counts, the version served
+                                    trainer.safetensors  factors, EWC++ start and Fisher, Adam's moments
+                                    v<N>/                the adapter as PEFT writes it (what the engine serves)
+The newest KEEP_VERSIONS versions stay, so a request admitted on one still finds it while a newer one
+is served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from runtime.errors import RequestError
+
+ADAPTER_PREFIX = "user:"  # engine adapter names of users' adapters: never a request's `model`
+KEEP_VERSIONS = 3
+REFERENCE_ASK = "Tell me about something you know well, in detail."
+
+
+@dataclass
+class PersonalSettings:
+    """What a user's adapter is and how it learns (`ruvllm serve --personalize-*`)."""
+
+    targets: tuple[str, ...] = ("q_proj", "v_proj")
+    rank: int = 4
+    alpha: float = 8.0
+    lr: float = 3e-3
+    epochs: int = 1
+    chunk: int = 256  # tokens a step when learning from a text
+    ewc: float = 1.0  # EWC++ strength (0: off)
+    fisher_decay: float = 0.5
+    consolidate_every: int = 4  # feedbacks between the background loop's Fisher refreshes
+    reference_tokens: int = 256  # the model's own text the Fisher is measured on
+    max_trainers: int = 4  # users' trainers kept in memory (the others are read back from disk)
+    max_feedback_tokens: int = 8192
+
+    def __post_init__(self) -> None:
+        from runtime.core.adapters import target_features
+
+        unknown = sorted(set(self.targets) - set(target_features({"hidden_size": 1, "head_dim": 1, "num_heads": 1,
+                                                                   "num_kv_heads": 1, "intermediate_size": 1})))
+        if unknown or not self.targets:
+            raise ValueError(f"personalization targets must be among q_proj, k_proj, v_proj, o_proj, gate_proj, "
+                             f"up_proj, down_proj; got {list(self.targets)}")
+        if not 1 <= self.rank <= 16:
+            raise ValueError(f"personalization rank must be 1 to 16, not {self.rank}")
+
+
+@dataclass
+class Feedback:
+    """One feedback, tokenized: `ids`, scored from `scored_from` on (a reply after its conversation)."""
+
+    kind: str  # "text", "preferred" or "rating"
+    ids: list[int]
+    scored_from: int = 0
+    rating: float = 1.0
+    extra: dict = field(default_factory=dict)
+
+
+def package_key(pkg) -> str:
+    digest = hashlib.sha256(pkg.file("manifest.json").read_bytes()).hexdigest()[:12]
+    return f"{pkg.name}-{digest}"
+
+
+def user_digest(key: str, user: str) -> str:
+    return hashlib.sha256(json.dumps([key, user]).encode()).hexdigest()[:32]
+
+
+class Personalization:
+    """The users of one served package. `register(name, folder)` / `unregister(name)` put an adapter
+    folder in the engine's registry or take it out (Engine.adapters.add/remove, AsyncEngine's
+    add_adapter/remove_adapter). Blocking: a server calls it off its event loop."""
+
+    def __init__(self, pkg, state_dir: str | Path, settings: PersonalSettings, register: Callable,
+                 unregister: Callable) -> None:
+        self.pkg, self.settings = pkg, settings
+        self.root = Path(state_dir).expanduser() / package_key(pkg)
+        self.register, self.unregister = register, unregister
+        self._decoder = None
+        self._trainers: OrderedDict[str, object] = OrderedDict()
+        self._served: dict[str, int] = {}  # user digest -> version registered with the engine
+        self._train_lock = threading.Lock()  # one user's steps at a time: the trainer uses every core
+        self._reference: list[int] | None = None
+        self.feedbacks = 0
+
+    # ---- what requests are served with ----
+
+    def adapter_for(self, key: str, user: str | None) -> str | None:
+        """The engine adapter name of this user's adapter, registered from disk on first use; None for
+        no user or one with nothing learned."""
+        if not user:
+            return None
+        digest = user_digest(key, user)
+        meta = self._meta(digest)
+        if meta is None or not meta.get("version"):
+            return None
+        name = ADAPTER_PREFIX + digest
+        if self._served.get(digest) != meta["version"]:
+            self.register(name, self._version_dir(digest, meta["version"]))
+            self._served[digest] = meta["version"]
+        return name
+
+    # ---- the instant loop ----
+
+    @property
+    def needs_reference(self) -> bool:
+        return bool(self.settings.ewc) and self._load_reference() is None
+
+    def reference_prompt(self) -> list[dict]:
+        return [{"role": "user", "content": REFERENCE_ASK}]
+
+    def reference_params(self):
+        """How the reference is sampled: temperature 1, a fixed seed, its full length."""
+        from runtime.core.sampling import SamplingParams
+
+        return SamplingParams(temperature=1.0, seed=0, max_tokens=self.settings.reference_tokens, ignore_eos=True)
+
+    def set_reference(self, ids: list[int]) -> None:
+        """The model's own text (sampled by the caller's engine) that EWC++ weighs drift on."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        _write_json(self.root / "reference.json", {"ids": list(ids)})
+        self._reference = list(ids)
+
+    def feedback(self, key: str, user: str, fb: Feedback) -> dict:
+        """Learn from one feedback and serve the result to the user's next requests."""
+        if not user:
+            raise RequestError("feedback needs a `user`", "user")
+        if len(fb.ids) - fb.scored_from > self.settings.max_feedback_tokens:
+            raise RequestError(f"the feedback has {len(fb.ids) - fb.scored_from} tokens to learn from; the "
+                               f"limit is {self.settings.max_feedback_tokens}", "text")
+        if len(fb.ids) - fb.scored_from < 1 or len(fb.ids) < 2:
+            raise RequestError("the feedback has no tokens to learn from", "text")
+        s, digest = self.settings, user_digest(key, user)
+        started = time.perf_counter()
+        with self._train_lock:
+            waited = time.perf_counter() - started
+            trainer = self._trainer(digest)
+            meta = self._meta(digest) or {"user": user, "key": key, "version": 0, "feedbacks": 0, "tokens": 0,
+                                          "created": time.time()}
+            losses, steps = [], 0
+            if fb.kind == "rating" and fb.rating == 0:
+                pass  # recorded, nothing to learn
+            elif fb.kind == "text":
+                from runtime.backends.micro_lora import _chunks
+
+                for _ in range(s.epochs):
+                    for part in _chunks(fb.ids, s.chunk):
+                        losses.append(trainer.step(part))
+                        steps += 1
+            else:
+                window = self._positions()
+                ids, scored_from = fb.ids, fb.scored_from
+                if len(ids) > window:  # keep the reply whole, and as much of its conversation as fits
+                    cut = len(ids) - window
+                    ids, scored_from = ids[cut:], max(scored_from - cut, 1)
+                for _ in range(s.epochs):
+                    losses.append(trainer.step(ids, scored_from, unlikely=fb.rating < 0, lr_scale=abs(fb.rating)))
+                    steps += 1
+            meta["feedbacks"] += 1
+            meta["tokens"] += len(fb.ids) - fb.scored_from
+            consolidated = False
+            if s.ewc and meta["feedbacks"] % s.consolidate_every == 0:
+                reference = self._load_reference()
+                if reference:
+                    trainer.consolidate(reference, s.chunk)
+                    consolidated = True
+            if steps:
+                meta["version"] += 1
+                self._write_version(digest, trainer, meta["version"])
+            meta["updated"] = time.time()
+            self._dir(digest).mkdir(parents=True, exist_ok=True)
+            trainer.save_state(self._dir(digest) / "trainer.safetensors")
+            _write_json(self._dir(digest) / "user.json", meta)
+            self.feedbacks += 1
+        if steps:
+            self.adapter_for(key, user)  # the next request is served the new version
+        return {"object": "feedback", "user": user, "kind": fb.kind, "tokens": len(fb.ids) - fb.scored_from,
+                "steps": steps, "losses": [round(x, 4) for x in losses], "version": meta["version"],
+                "feedbacks": meta["feedbacks"], "consolidated": consolidated,
+                "seconds": round(time.perf_counter() - started - waited, 3), "queued_seconds": round(waited, 3)}
+
+    def forget(self, key: str, user: str) -> bool:
+        """Reset a user: their adapter is no longer served and their state is deleted."""
+        digest = user_digest(key, user)
+        with self._train_lock:
+            self._trainers.pop(digest, None)
+            if self._served.pop(digest, None) is not None:
+                self.unregister(ADAPTER_PREFIX + digest)
+            folder = self._dir(digest)
+            if not folder.exists():
+                return False
+            shutil.rmtree(folder)
+            return True
+
+    # ---- what info and /v1/models say ----
+
+    def state(self) -> dict:
+        s = self.settings
+        users = sum(1 for p in self.root.glob("*/user.json")) if self.root.exists() else 0
+        return {"enabled": True, "state_dir": str(self.root), "users": users, "targets": list(s.targets),
+                "rank": s.rank, "alpha": s.alpha, "lr": s.lr, "ewc": s.ewc, "consolidate_every": s.consolidate_every,
+                "feedbacks_since_start": self.feedbacks, "trainers_in_memory": len(self._trainers)}
+
+    def user_state(self, key: str, user: str) -> dict | None:
+        meta = self._meta(user_digest(key, user))
+        if meta is None:
+            return None
+        return {"object": "user", "user": user, **{k: meta[k] for k in ("version", "feedbacks", "tokens", "created",
+                                                                         "updated") if k in meta}}
+
+    def latest_adapter(self, key: str, user: str) -> Path | None:
+        """The folder (PEFT's format) of the user's newest adapter, or None."""
+        digest = user_digest(key, user)
+        meta = self._meta(digest)
+        return self._version_dir(digest, meta["version"]) if meta and meta.get("version") else None
+
+    # ---- internals ----
+
+    def _dir(self, digest: str) -> Path:
+        return self.root / digest
+
+    def _version_dir(self, digest: str, version: int) -> Path:
+        return self._dir(digest) / f"v{version:06d}"
+
+    def _meta(self, digest: str) -> dict | None:
+        path = self._dir(digest) / "user.json"
+        try:
+            return json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as err:
+            raise RequestError(f"this user's stored state is unreadable ({err}); reset the user to start again",
+                               "user") from None
+
+    def _positions(self) -> int:
+        return int(self.decoder.cos.shape[0])
+
+    @property
+    def decoder(self):
+        if self._decoder is None:
+            from runtime.backends.lora_gradients import DenseDecoder
+
+            self._decoder = DenseDecoder.from_package(self.pkg)
+        return self._decoder
+
+    def _trainer(self, digest: str):
+        from runtime.backends.micro_lora import MicroLora
+
+        trainer = self._trainers.pop(digest, None)
+        if trainer is None:
+            s = self.settings
+            trainer = MicroLora(self.decoder, s.targets, s.rank, s.alpha, s.lr, seed=int(digest[:8], 16), ewc=s.ewc,
+                                fisher_decay=s.fisher_decay)
+            state = self._dir(digest) / "trainer.safetensors"
+            if state.exists():
+                trainer.load_state(state)
+            elif s.ewc and self._load_reference():  # a new user's Fisher, at the model as it is
+                trainer.consolidate(self._load_reference(), s.chunk)
+        self._trainers[digest] = trainer
+        while len(self._trainers) > self.settings.max_trainers:
+            self._trainers.popitem(last=False)
+        return trainer
+
+    def _write_version(self, digest: str, trainer, version: int) -> None:
+        folder = self._version_dir(digest, version)
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        trainer.save_peft(tmp, base=self.pkg.name)
+        tmp.rename(folder)
+        old = sorted(p for p in self._dir(digest).glob("v[0-9]*") if p.is_dir() and not p.name.endswith(".tmp"))
+        for p in old[:-KEEP_VERSIONS]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def _load_reference(self) -> list[int] | None:
+        if self._reference is None:
+            try:
+                self._reference = json.loads((self.root / "reference.json").read_text())["ids"]
+            except (OSError, ValueError, KeyError):
+                return None
+        return self._reference
+
+
+def personalization_for(engine, settings: PersonalSettings, state_dir: str | Path | None, register: Callable,
+                        unregister: Callable) -> Personalization:
+    """An engine's Personalization, or a clear error for a package that cannot have one."""
+    from runtime.aliases import cache_dir
+    from runtime.errors import PackageError
+
+    pkg = engine.pkg
+    if pkg.lora_graph_path is None:
+        raise PackageError(f"{pkg.path}: personalization serves each user's LoRA, and this package was exported "
+                           "without LoRA inputs (export it again without --no-lora)")
+    if settings.rank > engine.config.max_lora_rank:
+        raise PackageError(f"--personalize-rank {settings.rank} is above --max-lora-rank {engine.config.max_lora_rank}")
+    from runtime.backends.lora_gradients import ARCHITECTURES
+
+    if pkg.manifest["architecture"] not in ARCHITECTURES:
+        raise PackageError(f"{pkg.path}: personalization learns {', '.join(ARCHITECTURES)} models' adapters; this "
+                           f"one is {pkg.manifest['architecture']}")
+    return Personalization(pkg, state_dir or cache_dir() / "users", settings, register, unregister)
+
+
+def tokenize_feedback(prompts, what: dict) -> Feedback:
+    """A feedback's token ids (what: kind, and text or messages + answer [+ rating]): a text as the
+    tokenizer encodes it; an answer after its conversation as the chat template renders the two (the
+    reply's end of turn included, so that it learns to stop)."""
+    tok = prompts.tokenizer
+    if what["kind"] == "text":
+        return Feedback("text", tok.encode(what["text"]))
+    template = prompts.chat_template
+    if template is None:
+        raise RequestError("this model package has no chat template: feedback on a conversation needs one",
+                           "messages")
+    prompt = prompts.encode(messages=what["messages"])
+    whole = what["messages"] + [{"role": "assistant", "content": what["answer"]}]
+    full = tok.encode(template.render(whole, add_generation_prompt=False), add_bos=False)
+    if full[:len(prompt)] != prompt:  # a template that renders history differently: the answer's own ids
+        full = prompt + tok.encode(what["answer"], add_bos=False)
+    return Feedback(what["kind"], full, scored_from=len(prompt), rating=what.get("rating", 1.0))
+
+
+class LocalUser:
+    """One user's loop over a local Engine (`ruvllm chat --user NAME`): the same Personalization the server
+    runs, under the key name "local"."""
+
+    KEY = "local"
+
+    def __init__(self, engine, user: str, settings: PersonalSettings, state_dir: str | Path | None) -> None:
+        self.engine, self.user = engine, user
+        self.personal = personalization_for(engine, settings, state_dir, engine.adapters.add, engine.adapters.remove)
+
+    @property
+    def adapter(self) -> str | None:
+        return self.personal.adapter_for(self.KEY, self.user)
+
+    def learn(self, what: dict) -> dict:
+        if self.personal.needs_reference:
+            p = self.personal
+            prompt = self.engine.encode_prompt(messages=p.reference_prompt())
+            tokens = [t for o in self.engine.generate(prompt, p.reference_params()) for t in o.token_ids]
+            p.set_reference(prompt + tokens)
+        return self.personal.feedback(self.KEY, self.user, tokenize_feedback(self.engine.prompts, what))
+
+    def forget(self) -> bool:
+        return self.personal.forget(self.KEY, self.user)
+
+
+def _write_json(path: Path, value: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=1))
+    tmp.replace(path)
+
+
+def settings_dict(s: PersonalSettings) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(s).items()}
