@@ -9,8 +9,8 @@ Adam on rank-4 factors of every layer's q and v, gradients from lora_gradients.p
 --tokens are scored teacher-forced. Per user: no adaptation; the first half in context before the second;
 a random adapter with the trained one's factor norms; the adapted user. Also the perplexity of a general
 text (CPython's LICENSE.txt) before and after each user's adaptation (forgetting); --ewc turns EWC++ on,
-measured on the model's own sampled answer (own_text). PKG: an fp32 package (the loop reads fp32 weights
-for now). Prints JSON.
+measured on the model's own sampled answer (own_text). PKG: any package of a llama, mistral or qwen2 model
+(the loop learns against the weights it serves, quantized or not). Prints JSON.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 USERS = ["fonttools", "yarl", "pydantic", "tqdm", "orjson", "responses", "openai", "regex", "charset-normalizer",
-         "wcwidth"]
+         "wcwidth", "sentencepiece", "python-dotenv", "psutil", "fastapi", "jedi", "rich"]
 
 
 def user_text(name: str) -> str:
@@ -60,6 +60,8 @@ def main() -> None:
     ap.add_argument("--targets", default="q_proj,v_proj")
     ap.add_argument("--ewc", type=float, default=0.0, help="EWC++'s strength (0: off)")
     ap.add_argument("--reference-tokens", type=int, default=512, help="EWC++: the model's own text it is measured on")
+    ap.add_argument("--save-adapters", default=None, metavar="DIR",
+                    help="write each user's adapter there as a PEFT folder (for `ruvllm bench --adapters`)")
     args = ap.parse_args()
     from runtime.backends.lora_gradients import DenseDecoder, Lora, loss_and_grads
     from runtime.backends.micro_lora import MicroLora
@@ -90,6 +92,8 @@ def main() -> None:
                "seconds_per_256_tokens": round(learned["seconds"] / (learned["tokens"] / 256), 2)}
         row["adapted_vs_none"] = round(row["adapted"] / row["none"] - 1, 4)
         row["forgetting"] = round(row["general_after"] / general_base - 1, 4)
+        if args.save_adapters:
+            row["adapter"] = str(user.save_peft(Path(args.save_adapters) / name, base=pkg.name))
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
     mean = lambda key: round(float(np.mean([r[key] for r in rows])), 4)  # noqa: E731

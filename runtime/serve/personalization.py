@@ -18,7 +18,8 @@ On disk, per package (its name and the digest of its manifest):
                                     trainer.safetensors  factors, EWC++ start and Fisher, Adam's moments
                                     v<N>/                the adapter as PEFT writes it (what the engine serves)
 The newest KEEP_VERSIONS versions stay, so a request admitted on one still finds it while a newer one
-is served.
+is served; older versions, and a forgotten user's, are deleted RETIRE_SECONDS later (a running request
+may load its adapter into a slot again after a preemption), or when the next process starts.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from runtime.errors import RequestError
 
 ADAPTER_PREFIX = "user:"  # engine adapter names of users' adapters: never a request's `model`
 KEEP_VERSIONS = 3
+RETIRE_SECONDS = 300.0
 REFERENCE_ASK = "Tell me about something you know well, in detail."
 
 
@@ -104,7 +106,12 @@ class Personalization:
         self._served: dict[str, int] = {}  # user digest -> version registered with the engine
         self._train_lock = threading.Lock()  # one user's steps at a time: the trainer uses every core
         self._reference: list[int] | None = None
+        self._retired: list[tuple[float, Path]] = []  # (when, folder): deleted RETIRE_SECONDS later
         self.feedbacks = 0
+        if self.root.exists():  # a user forgotten by an earlier process: what it left to delete
+            for folder in self.root.iterdir():
+                if folder.is_dir() and not (folder / "user.json").exists():
+                    shutil.rmtree(folder, ignore_errors=True)
 
     # ---- what requests are served with ----
 
@@ -156,10 +163,13 @@ class Personalization:
         s, digest = self.settings, user_digest(key, user)
         started = time.perf_counter()
         with self._train_lock:
+            self._purge()
             waited = time.perf_counter() - started
             trainer = self._trainer(digest)
-            meta = self._meta(digest) or {"user": user, "key": key, "version": 0, "feedbacks": 0, "tokens": 0,
-                                          "created": time.time()}
+            meta = self._meta(digest)
+            if meta is None:  # numbered past any version a forgotten namesake left to retire
+                last = max((int(p.name[1:]) for p in self._versions(digest)), default=0)
+                meta = {"user": user, "key": key, "version": last, "feedbacks": 0, "tokens": 0, "created": time.time()}
             losses, steps = [], 0
             if fb.kind == "rating" and fb.rating == 0:
                 pass  # recorded, nothing to learn
@@ -206,13 +216,17 @@ class Personalization:
         """Reset a user: their adapter is no longer served and their state is deleted."""
         digest = user_digest(key, user)
         with self._train_lock:
+            self._purge()
             self._trainers.pop(digest, None)
             if self._served.pop(digest, None) is not None:
                 self.unregister(ADAPTER_PREFIX + digest)
             folder = self._dir(digest)
-            if not folder.exists():
+            if not (folder / "user.json").exists():
                 return False
-            shutil.rmtree(folder)
+            (folder / "user.json").unlink()  # from here on the user is unknown; their factors go now
+            (folder / "trainer.safetensors").unlink(missing_ok=True)
+            now = time.monotonic()  # the served versions go once nothing can read them
+            self._retired += [(now, p) for p in self._versions(digest) if all(p != q for _, q in self._retired)]
             return True
 
     # ---- what info and /v1/models say ----
@@ -290,9 +304,22 @@ class Personalization:
         shutil.rmtree(tmp, ignore_errors=True)
         trainer.save_peft(tmp, base=self.pkg.name)
         tmp.rename(folder)
-        old = sorted(p for p in self._dir(digest).glob("v[0-9]*") if p.is_dir() and not p.name.endswith(".tmp"))
-        for p in old[:-KEEP_VERSIONS]:
-            shutil.rmtree(p, ignore_errors=True)
+        old = self._versions(digest)
+        now = time.monotonic()
+        self._retired += [(now, p) for p in old[:-KEEP_VERSIONS] if all(p != q for _, q in self._retired)]
+
+    def _versions(self, digest: str) -> list[Path]:
+        folder = self._dir(digest)
+        return sorted(p for p in folder.glob("v[0-9]*") if p.is_dir() and p.name[1:].isdigit()) if folder.exists() else []
+
+    def _purge(self, wait: float = RETIRE_SECONDS) -> None:
+        now, keep = time.monotonic(), []
+        for when, folder in self._retired:
+            if now - when >= wait:
+                shutil.rmtree(folder, ignore_errors=True)
+            else:
+                keep.append((when, folder))
+        self._retired = keep
 
     def _load_reference(self) -> list[int] | None:
         if self._reference is None:

@@ -89,6 +89,10 @@ def test_feedback_teaches_one_user_and_leaves_every_other_bit_identical(personal
         assert http.delete("/v1/users/alice", headers=_auth(ALICE_KEY)).json()["deleted"] is True
         assert greedy(http, model, ALICE_KEY, "alice") == base
         assert http.get("/v1/users/alice", headers=_auth(ALICE_KEY)).status_code == 404
+        # she starts again from nothing (numbered past the versions still retiring)
+        r = http.post("/v1/feedback", json={"user": "alice", "text": PHRASE * 4}, headers=_auth(ALICE_KEY))
+        assert r.status_code == 200 and r.json()["version"] == 4 and r.json()["feedbacks"] == 1
+        assert greedy(http, model, ALICE_KEY, "alice") != base
 
 
 @pytest.mark.parametrize("body,param", [
