@@ -189,7 +189,7 @@ def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool
     if T > dec.cos.shape[0]:
         raise ValueError(f"{T} tokens is past the model's {dec.cos.shape[0]} positions")
     hq, hkv, d, F = dec.num_heads, dec.num_kv_heads, dec.head_dim, dec.intermediate
-    group, scale = hq // hkv, 1.0 / np.sqrt(d)
+    group, scale = hq // hkv, np.float32(1.0 / np.sqrt(d))  # an np.float64 would make the stream float64
     cos, sin = dec.cos[:T], dec.sin[:T]
     causal = np.triu(np.full((T, T), -np.inf, np.float32), 1)
     x = dec.embed_rows(ids)
@@ -236,9 +236,9 @@ def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool
     n = len(targets)
     picked = logp[np.arange(n), targets]
     if unlikely:
-        p_t = np.exp(picked)
-        rest = np.maximum(1.0 - p_t, 1e-6)
-        loss = float(-np.log(rest).mean())
+        p_t = np.minimum(np.exp(picked), np.float32(1 - 1e-6))
+        rest = 1 - p_t
+        loss = float(-np.log1p(-p_t).mean())  # log1p: p_t is often tiny
     else:
         loss = float(-picked.mean())
     if not backward:
