@@ -75,6 +75,7 @@ class AdapterTensors:
             self.stacked[target] = (np.zeros((layers, cols, fin), dtype), np.zeros((layers, cols, fout), dtype))
         self.rank = 0  # columns per slot
         self.holders: dict[int, AdapterInfo] = {}
+        self.targets_of: dict[int, frozenset] = {}  # per slot, the targets its adapter adapts
         self._cache: OrderedDict[str, dict] = OrderedDict()
         self._cache_size = max(max_cpu_loras or max_loras, 1)
 
@@ -106,6 +107,7 @@ class AdapterTensors:
 
     def _write(self, slot: int, info: AdapterInfo) -> None:
         arrays = self._arrays(info)
+        self.targets_of[slot] = frozenset(arrays)
         start = (slot - 1) * self.rank
         for target, (a_all, b_all) in self.stacked.items():
             a_all[:, start:start + self.rank] = 0.0
@@ -120,13 +122,21 @@ class AdapterTensors:
         """Columns a step with these slots needs bound: up to its highest slot's."""
         return max(token_slots) * self.rank
 
-    def views(self, columns: int) -> dict[str, np.ndarray]:
-        """Every layer's A and B inputs over the first `columns` columns (contiguous views, no copy)."""
+    def idle_targets(self, columns: int) -> frozenset:
+        """Targets no adapter in the slots of these columns adapts: their deltas are zero for every row."""
+        slots = range(1, columns // max(self.rank, 1) + 1)
+        used = frozenset().union(*(self.targets_of.get(s, frozenset()) for s in slots))
+        return frozenset(self.stacked) - used
+
+    def views(self, columns: int, idle: frozenset = frozenset()) -> dict[str, np.ndarray]:
+        """Every layer's A and B inputs over the first `columns` columns (contiguous views, no copy); an
+        idle target's with none (ruvllm's LoRA kernels then pass its projection through untouched)."""
         out = {}
         for target, (a_all, b_all) in self.stacked.items():
+            width = 0 if target in idle else columns
             for layer in range(a_all.shape[0]):
-                out[C.lora_a(layer, target)] = a_all[layer, :columns]
-                out[C.lora_b(layer, target)] = b_all[layer, :columns]
+                out[C.lora_a(layer, target)] = a_all[layer, :width]
+                out[C.lora_b(layer, target)] = b_all[layer, :width]
         return out
 
     def mixing(self, token_slots: list[int], columns: int, mix: dict | None = None) -> np.ndarray:

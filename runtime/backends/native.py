@@ -78,6 +78,7 @@ class NativeBackend:
         self.attention_kernel = "the graph's own"  # the exported gather + attention, or ruvllm.PagedAttention
         self.lora_kernel: str | None = None  # what computes the LoRA graph's adapter deltas, when it is ours
         self._lora_mlps_unfused = False  # an adapter graph's MLPs on onnxruntime's operators (_kernel_session)
+        self._lora_all_fused = False  # every target's delta on ruvllm's LoRA kernels (idle targets bind no columns)
         self._guide = None  # structured output's llguidance tables, made on the first constrained request
         self._no_mask = None  # the [1, vocab] zeros bound as logits_mask while no row is constrained
         self.mask_seconds, self.mask_steps = 0.0, 0  # structured output's mask time (ruvllm bench reports it)
@@ -214,6 +215,8 @@ class NativeBackend:
         self.lora_kernel = f"ruvllm.LoraDelta ({counts['LoraDelta']} targets)" if counts.get("LoraDelta") else None
         # an adapter graph whose MLPs keep onnxruntime's elementwise operators (an AWQ package's scaled up projections)
         self._lora_mlps_unfused = bool(counts.get("LoraDelta")) and counts.get("LoraSwiGLU", 0) < self.num_layers
+        if counts.get("LoraDelta"):
+            self._lora_all_fused = counts["LoraDelta"] == self.num_layers * len(C.LORA_TARGETS)
         if counts.get("LoraSwiGLU"):
             self.lora_kernel += f", {counts['LoraSwiGLU']} MLPs' gate and up with their SwiGLU (ruvllm.LoraSwiGLU)"
         if counts.get("LoraSplit"):
@@ -372,9 +375,11 @@ class NativeBackend:
         """Bind the adapter columns up to the highest of these slots (by reference: only when the highest
         slot or the rank moves); returns how many."""
         columns = self.adapters.columns(slots)
-        if columns != self._lora_columns:
-            self.lora_runner.bind_static(self.adapters.views(columns))
-            self._lora_columns = columns
+        # only where every target's delta is ruvllm's kernel: the graph's own operators need all the columns
+        idle = self.adapters.idle_targets(columns) if self._lora_all_fused else frozenset()
+        if (columns, idle) != self._lora_columns:
+            self.lora_runner.bind_static(self.adapters.views(columns, idle))
+            self._lora_columns = (columns, idle)
         return columns
 
     def _xlora_pass(self, xp, columns: int) -> dict[int, list[tuple[int, float]]]:

@@ -323,6 +323,47 @@ def test_lora_delta_kernel_equals_the_graphs_own_path(tiny_package, peft_adapter
     assert np.abs(logits[0] - logits[1]).max() < 1e-4 * max(1.0, np.abs(logits[1]).max())
 
 
+@pytest.mark.parametrize("quant", ["int4", "fp32"])
+def test_targets_no_held_adapter_adapts_are_skipped_with_bit_equal_logits(tiny_package, peft_adapters, quant):
+    """A step over adapters that leave targets out (q,v and an MLP-only one) binds those targets with no
+    columns, and ruvllm's LoRA kernels pass their projections through: the logits are bit-equal to binding
+    every column (whose deltas for those targets are zero)."""
+    from runtime.backends import kernel_library
+    from runtime.backends.native import NativeBackend
+    from runtime.core.adapters import read_adapter
+    from runtime.package import load_package
+
+    if kernel_library.library()[0] is None:
+        pytest.skip("RuvLLM's kernels do not build here")
+    pkg = load_package(tiny_package("llama", quant))
+    folders = peft_adapters("llama")
+    backend = NativeBackend(pkg)
+    backend.allocate(64, 4)
+    backend.enable_lora(2, 16)
+    for slot, name in ((1, "attn4"), (2, "mlp8")):
+        backend.set_adapter(slot, read_adapter(name, folders[name], pkg.config, "llama"))
+    assert backend._lora_all_fused
+    assert backend.adapters.idle_targets(backend.adapters.columns([2])) == {"k_proj", "o_proj"}
+    assert backend.adapters.idle_targets(backend.adapters.columns([1])) == {"k_proj", "o_proj", "gate_proj",
+                                                                            "up_proj", "down_proj"}
+    skipped = mixed_step_logits(backend)
+    assert backend._lora_columns[1] == {"k_proj", "o_proj"}
+    backend._lora_all_fused = False  # every column bound, as a graph without the kernels needs
+    every = mixed_step_logits(backend)
+    assert backend._lora_columns[1] == frozenset()
+    assert np.array_equal(skipped, every)
+    # a step of slot 1 alone (q, v): five targets idle, the same logits as with their columns
+    from runtime.core.step_batch import Chunk, build_step
+
+    def alone():
+        table = [0, 1, 2]
+        return backend.run(build_step([Chunk(PROMPT, 0, table, [table[t // 4] * 4 + t % 4 for t in range(len(PROMPT))],
+                                             True, top_k=5, adapter_slot=1)], 4, want_full_logits=True)).logits.copy()
+    every = alone()
+    backend._lora_all_fused = True
+    assert np.array_equal(alone(), every) and len(backend._lora_columns[1]) == 5
+
+
 def test_a_one_set_lora_graph_still_fuses_and_gives_the_same_logits(tiny_package, peft_adapters, tmp_path):
     """LoRA graphs exported before per-module weight sets (contract.LORA_PER_MODULE) multiply every target by
     lora_weights itself: they still fuse into the same operators (the kernels' module 0, set min(t, 0)) and

@@ -11,6 +11,9 @@
 // w's rows hold one set of C weights for every target, or one per layer and target (layerwise X-LoRA,
 // runtime/contract.py's lora_module): attribute `module` is the first target's set, target t takes set
 // min(module + t, sets - 1), so a one-set w serves every target.
+// A target no adapter in the bound slots adapts comes with zero columns (A^T [0, in], B [0, out]; the native
+// backend binds it so): its output is y as it is, and nothing of it is read (a q,v adapter's other five
+// targets were most of a step's adapter bytes).
 // Written over simd_math.h's Vec: 16 lanes on the AVX-512 build, 8 on AVX2.
 #pragma once
 
@@ -56,6 +59,11 @@ struct LoraJob {
 // point job j (of target t) at its set of w's [N, sets * cols] rows
 OrtStatus* weight_set(const OrtValue* w_value, const std::vector<int64_t>& dw, int64_t module, int t, const char* op,
                       LoraJob& j) {
+  if (dw.size() == 2 && j.cols == 0) {  // an idle target: w is the others' (or [N, 0])
+    j.w = nullptr;
+    j.ldw = dw[1];
+    return nullptr;
+  }
   if (dw.size() != 2 || (j.cols ? dw[1] % j.cols : dw[1]) != 0)
     return fail(std::string(op) + ": w must be [N, sets * C] for the adapters' C columns");
   const int64_t sets = j.cols ? dw[1] / j.cols : 1;
@@ -76,12 +84,14 @@ struct RowGroup {
   int count;
 };
 
-// the columns that row n's weights do not zero in any of the T jobs' sets
+// the columns that row n's weights do not zero in any of the T jobs' sets (idle targets have none)
 inline void nonzero_columns(const LoraJob* jobs, int T, int64_t n, std::vector<int32_t>& cols) {
   cols.clear();
-  for (int64_t c = 0; c < jobs[0].cols; c++)
+  int64_t C = 0;
+  for (int t = 0; t < T; t++) C = std::max(C, jobs[t].cols);
+  for (int64_t c = 0; c < C; c++)
     for (int t = 0; t < T; t++)
-      if (jobs[t].w[n * jobs[t].ldw + c] != 0.f) {
+      if (jobs[t].cols && jobs[t].w[n * jobs[t].ldw + c] != 0.f) {
         cols.push_back((int32_t)c);
         break;
       }
@@ -255,7 +265,9 @@ template <int T>
 void targets_item(void* data, size_t i) {
   const TargetsWork<T>& work = *static_cast<TargetsWork<T>*>(data);
   const size_t groups = work.plan->groups.size();
-  lora_group(work.jobs[i / groups], work.plan->groups[i % groups], work.plan->cols[i % groups]);
+  static const std::vector<int32_t> kNone;  // an idle target: z = y, its (absent) A and B never read
+  const LoraJob& j = work.jobs[i / groups];
+  lora_group(j, work.plan->groups[i % groups], j.cols ? work.plan->cols[i % groups] : kNone);
 }
 
 template <int T>
@@ -311,10 +323,11 @@ OrtStatus* lora_swiglu(void* kernel, OrtKernelContext* ctx) {
   if (dy.size() != 2 || dx.size() != 2 || dw.size() != 2 || dx[0] != dy[0] || dw[0] != dy[0] || dy[1] % 2)
     return fail("ruvllm.LoraSwiGLU: expected y [N, 2F], x [N, in], w [N, C]");
   const int64_t N = dy[0], F = dy[1] / 2;
+  const int64_t C = std::max(d[2].size() == 2 ? d[2][0] : 0, d[4].size() == 2 ? d[4][0] : 0);
   for (int k : {2, 4})
-    if (d[k].size() != 2 || d[k + 1].size() != 2 || d[k][1] != dx[1] || d[k + 1][1] != F || d[k][0] != d[2][0] ||
-        d[k + 1][0] != d[2][0])
-      return fail("ruvllm.LoraSwiGLU: expected A^T [C, in] and B [C, F] for the gate and the up target");
+    if (d[k].size() != 2 || d[k + 1].size() != 2 || d[k][1] != dx[1] || d[k + 1][1] != F ||
+        (d[k][0] != C && d[k][0] != 0) || d[k + 1][0] != d[k][0])
+      return fail("ruvllm.LoraSwiGLU: expected A^T [C, in] and B [C, F] (or [0, ...]) for the gate and the up target");
   TargetsWork<2> work{};
   const float* y = nullptr;
   RETURN_IF(tensor_data(in[0], const_cast<float**>(&y)));
@@ -322,7 +335,7 @@ OrtStatus* lora_swiglu(void* kernel, OrtKernelContext* ctx) {
   halves.resize((size_t)(2 * N * F));
   for (int h = 0; h < 2; h++) {
     LoraJob& j = work.jobs[h];
-    j.N = N, j.out = F, j.in = dx[1], j.cols = d[2][0], j.ldy = 2 * F, j.ldz = F;
+    j.N = N, j.out = F, j.in = dx[1], j.cols = d[2 + 2 * h][0], j.ldy = 2 * F, j.ldz = F;
     j.y = y + h * F;
     j.z = halves.data() + (size_t)h * N * F;
     RETURN_IF(tensor_data(in[1], const_cast<float**>(&j.x)));
@@ -374,11 +387,13 @@ OrtStatus* lora_split(void* kernel, OrtKernelContext* ctx) {
   const float* y = nullptr;
   RETURN_IF(tensor_data(in[0], const_cast<float**>(&y)));
   TargetsWork<3> work{};
-  int64_t col = 0;
+  int64_t col = 0, C = 0;
+  for (int t = 0; t < 3; t++)
+    if (d[2 + 2 * t].size() == 2) C = std::max(C, d[2 + 2 * t][0]);
   for (int t = 0; t < 3; t++) {
     const auto &da = d[2 + 2 * t], &db = d[3 + 2 * t];
-    if (da.size() != 2 || db.size() != 2 || da[1] != dx[1] || da[0] != d[2][0] || db[0] != d[2][0])
-      return fail("ruvllm.LoraSplit: expected A^T [C, in] and B [C, out] for each of the three targets");
+    if (da.size() != 2 || db.size() != 2 || da[1] != dx[1] || (da[0] != C && da[0] != 0) || db[0] != da[0])
+      return fail("ruvllm.LoraSplit: expected A^T [C, in] and B [C, out] (or [0, ...]) for each of the three targets");
     const int64_t out = db[1];
     if (!(col + out <= split || col >= split) || col + out > total)
       return fail("ruvllm.LoraSplit: the targets' outputs do not tile y with each inside one output");
