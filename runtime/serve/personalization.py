@@ -46,13 +46,15 @@ REFERENCE_ASK = "Tell me about something you know well, in detail."
 class PersonalSettings:
     """What a user's adapter is and how it learns (`ruvllm serve --personalize-*`)."""
 
-    targets: tuple[str, ...] = ("q_proj", "v_proj")
+    # every projection at rank 4 with EWC++ 2: on 8 users of SmolLM2, -6.2 % perplexity with the general
+    # text +0.05 %, where q and v alone gave -4.1 % (docs/PERFORMANCE.md, session 35)
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     rank: int = 4
     alpha: float = 8.0
     lr: float = 3e-3
     epochs: int = 1
     chunk: int = 256  # tokens a step when learning from a text
-    ewc: float = 1.0  # EWC++ strength (0: off)
+    ewc: float = 2.0  # EWC++ strength (0: off)
     fisher_decay: float = 0.5
     consolidate_every: int = 4  # feedbacks between the background loop's Fisher refreshes
     reference_tokens: int = 256  # the model's own text the Fisher is measured on

@@ -208,4 +208,5 @@ def test_chat_user_learns_and_info_and_exporter_see_it(tiny_package, tmp_path):
     from peft import PeftConfig
 
     config = PeftConfig.from_pretrained(str(out))
-    assert config.r == 2 and set(config.target_modules) == {"q_proj", "v_proj"}
+    assert config.r == 2 and set(config.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"}
