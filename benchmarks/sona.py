@@ -5,10 +5,10 @@ perplexity of the rest of that user's text? (not a test)
 
 Each "user" is the long description (README) of an installed package, named in the output: the first
 --tokens tokens are the feedback the loop learns from, in chunks of 256 (runtime/backends/micro_lora.py:
-Adam on rank-4 factors of every layer's projections (the server's default), gradients from lora_gradients.py, no torch), the next
+Adam on rank-2 factors of every layer's projections (the server's default), gradients from lora_gradients.py, no torch), the next
 --tokens are scored teacher-forced. Per user: no adaptation; the first half in context before the second;
 a random adapter with the trained one's factor norms; the adapted user. Also the perplexity of a general
-text (CPython's LICENSE.txt) before and after each user's adaptation (forgetting); --ewc is EWC++'s strength (2),
+text (CPython's LICENSE.txt) before and after each user's adaptation (forgetting); --ewc is EWC++'s strength (4),
 measured on the model's own sampled answer (own_text). PKG: any package of a llama, mistral or qwen2 model
 (the loop learns against the weights it serves, quantized or not). Prints JSON.
 """
@@ -55,10 +55,10 @@ def main() -> None:
     ap.add_argument("--users", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--rank", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
-    ap.add_argument("--ewc", type=float, default=2.0, help="EWC++'s strength (0: off)")
+    ap.add_argument("--ewc", type=float, default=4.0, help="EWC++'s strength (0: off)")
     ap.add_argument("--reference-tokens", type=int, default=512, help="EWC++: the model's own text it is measured on")
     ap.add_argument("--save-adapters", default=None, metavar="DIR",
                     help="write each user's adapter there as a PEFT folder (for `ruvllm bench --adapters`)")

@@ -238,10 +238,10 @@ def personal_args(p, serve: bool) -> None:
                    help="where users' adapters are kept (default: the cache's users/)")
     g.add_argument("--personalize-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                    metavar="T,T", help="projections a user's adapter adapts (default: all seven)")
-    g.add_argument("--personalize-rank", type=int, default=4, help="a user's adapter rank (1-16, default 4)")
+    g.add_argument("--personalize-rank", type=int, default=2, help="a user's adapter rank (1-16, default 2)")
     g.add_argument("--personalize-lr", type=float, default=3e-3, help="the instant loop's Adam step size")
     g.add_argument("--personalize-epochs", type=int, default=1, help="passes over each feedback")
-    g.add_argument("--personalize-ewc", type=float, default=2.0,
+    g.add_argument("--personalize-ewc", type=float, default=4.0,
                    help="EWC++ strength against forgetting (0: off)")
 
 

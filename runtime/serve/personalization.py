@@ -46,15 +46,16 @@ REFERENCE_ASK = "Tell me about something you know well, in detail."
 class PersonalSettings:
     """What a user's adapter is and how it learns (`ruvllm serve --personalize-*`)."""
 
-    # every projection at rank 4 with EWC++ 2: on 8 users of SmolLM2, -6.2 % perplexity with the general
-    # text +0.05 %, where q and v alone gave -4.1 % (docs/PERFORMANCE.md, session 35)
+    # every projection at rank 2 with EWC++ 4: on 8 users of SmolLM2, -5.8 % perplexity with the general
+    # text +0.3 %, and 16 users' adapters serve at 0.90x the base model's 16 streams; q and v alone at rank
+    # 4 gave -3.5 %, every projection at rank 4 -6.2 % but 0.78x (docs/PERFORMANCE.md, session 35)
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-    rank: int = 4
+    rank: int = 2
     alpha: float = 8.0
     lr: float = 3e-3
     epochs: int = 1
     chunk: int = 256  # tokens a step when learning from a text
-    ewc: float = 2.0  # EWC++ strength (0: off)
+    ewc: float = 4.0  # EWC++ strength (0: off)
     fisher_decay: float = 0.5
     consolidate_every: int = 4  # feedbacks between the background loop's Fisher refreshes
     reference_tokens: int = 256  # the model's own text the Fisher is measured on
