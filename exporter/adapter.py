@@ -79,15 +79,13 @@ def convert_adapter(peft_dir: str | Path, base: str | Path, out_dir: str | Path,
 def export_user_adapter(user: str, key: str, state_dir: str | None, base: str, output: str | Path) -> Path:
     """A user's newest learned adapter (runtime/serve/personalization.py) as a PEFT folder: the deep loop
     starts from it with PEFT, and the result comes back as any adapter does."""
-    from runtime.aliases import cache_dir
-    from runtime.serve.personalization import Personalization, PersonalSettings
+    from runtime.serve.personalization import package_root, stored_adapter
 
     pkg = load_package(base)
-    personal = Personalization(pkg, state_dir or cache_dir() / "users", PersonalSettings(), None, None)
-    folder = personal.latest_adapter(key, user)
+    root = package_root(pkg, state_dir)
+    folder = stored_adapter(root, key, user)
     if folder is None:
-        raise AdapterError(f"no adapter is stored for user {user!r} (key {key!r}) of {pkg.name} in "
-                           f"{personal.root.parent}")
+        raise AdapterError(f"no adapter is stored for user {user!r} (key {key!r}) of {pkg.name} in {root.parent}")
     output = Path(output)
     if output.exists():
         raise AdapterError(f"{output} exists; choose a new folder")

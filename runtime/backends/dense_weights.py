@@ -29,12 +29,10 @@ class GraphWeights:
 
     def __init__(self, graph: Path) -> None:
         import onnx
-        from onnx import numpy_helper
 
         model = onnx.load(str(graph), load_external_data=False)
         self.base = graph.parent
         self.inits = {t.name: t for t in model.graph.initializer}
-        self._np = numpy_helper
         self.consumers: dict[str, list] = {}
         for node in model.graph.node:
             for x in node.input:
@@ -64,10 +62,11 @@ class GraphWeights:
     def array(self, name: str) -> np.ndarray:
         """An initializer; external data is mapped, not read (a table's rows cost only their pages)."""
         import onnx
+        from onnx import numpy_helper
 
         t = self.inits[name]
         if t.data_location != onnx.TensorProto.EXTERNAL:
-            return self._np.to_array(t)
+            return numpy_helper.to_array(t)
         info = {e.key: e.value for e in t.external_data}
         dtype = onnx.helper.tensor_dtype_to_np_dtype(t.data_type)
         return np.memmap(self.base / info["location"], dtype=np.uint8, mode="r", offset=int(info.get("offset", 0)),

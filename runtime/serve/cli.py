@@ -245,25 +245,6 @@ def personal_args(p, serve: bool) -> None:
                    help="EWC++ strength against forgetting (0: off)")
 
 
-def stored_users(pkg, state_dir: str | None) -> dict:
-    """What `serve --personalize` and `chat --user` have learned for this package: users, per key."""
-    from runtime.serve.personalization import package_key
-
-    root = Path(state_dir).expanduser() if state_dir else cache_dir() / "users"
-    root = root / package_key(pkg)
-    out = {"state_dir": str(root), "users": 0, "feedbacks": 0, "tokens": 0, "keys": {}}
-    for meta in sorted(root.glob("*/user.json")) if root.exists() else []:
-        try:
-            m = json.loads(meta.read_text())
-        except (OSError, ValueError):
-            continue
-        out["users"] += 1
-        out["feedbacks"] += int(m.get("feedbacks", 0))
-        out["tokens"] += int(m.get("tokens", 0))
-        out["keys"][m.get("key", "?")] = out["keys"].get(m.get("key", "?"), 0) + 1
-    return out
-
-
 def personal_settings(args):
     from runtime.serve.personalization import PersonalSettings
 
@@ -413,6 +394,7 @@ def cmd_list(args) -> int:
 
 def cmd_info(args) -> int:
     from runtime.package import load_package
+    from runtime.serve.personalization import package_root, stored_users
 
     pkg = load_package(resolve_package(args.package))
     m = pkg.manifest
@@ -431,7 +413,7 @@ def cmd_info(args) -> int:
         "files": {k: v["size"] for k, v in m["files"].items()},
         "size_bytes": pkg.size_bytes(), "source": m["provenance"]["source"],
         "host": host_info(pkg, args.device, args.kv_dtype or "fp32"),
-        "personalization": stored_users(pkg, args.state_dir),
+        "personalization": stored_users(package_root(pkg, args.state_dir)),
     }
     if args.json:
         print(json.dumps(info, indent=2))

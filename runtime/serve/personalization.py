@@ -31,7 +31,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.errors import RequestError
@@ -90,6 +90,38 @@ def package_key(pkg) -> str:
     return f"{pkg.name}-{digest}"
 
 
+def package_root(pkg, state_dir: str | Path | None) -> Path:
+    """The package's folder of users under the state dir (default: the cache's users/)."""
+    from runtime.aliases import cache_dir
+
+    return (Path(state_dir).expanduser() if state_dir else cache_dir() / "users") / package_key(pkg)
+
+
+def stored_users(root: Path) -> dict:
+    """What is stored under a package's root: users, their feedbacks and tokens, users per key (read only)."""
+    out = {"state_dir": str(root), "users": 0, "feedbacks": 0, "tokens": 0, "keys": {}}
+    for meta in sorted(root.glob("*/user.json")) if root.exists() else []:
+        try:
+            m = json.loads(meta.read_text())
+        except (OSError, ValueError):
+            continue
+        out["users"] += 1
+        out["feedbacks"] += int(m.get("feedbacks", 0))
+        out["tokens"] += int(m.get("tokens", 0))
+        out["keys"][m.get("key", "?")] = out["keys"].get(m.get("key", "?"), 0) + 1
+    return out
+
+
+def stored_adapter(root: Path, key: str, user: str) -> Path | None:
+    """The folder (PEFT's format) of a user's newest adapter under a package's root, or None (read only)."""
+    folder = root / user_digest(key, user)
+    try:
+        version = json.loads((folder / "user.json").read_text()).get("version")
+    except (OSError, ValueError):
+        return None
+    return folder / f"v{version:06d}" if version else None
+
+
 def user_digest(key: str, user: str) -> str:
     return hashlib.sha256(json.dumps([key, user]).encode()).hexdigest()[:32]
 
@@ -99,10 +131,10 @@ class Personalization:
     folder in the engine's registry or take it out (Engine.adapters.add/remove, AsyncEngine's
     add_adapter/remove_adapter). Blocking: a server calls it off its event loop."""
 
-    def __init__(self, pkg, state_dir: str | Path, settings: PersonalSettings, register: Callable,
+    def __init__(self, pkg, state_dir: str | Path | None, settings: PersonalSettings, register: Callable,
                  unregister: Callable) -> None:
         self.pkg, self.settings = pkg, settings
-        self.root = Path(state_dir).expanduser() / package_key(pkg)
+        self.root = package_root(pkg, state_dir)
         self.register, self.unregister = register, unregister
         self._decoder = None
         self._trainers: OrderedDict[str, object] = OrderedDict()
@@ -228,16 +260,15 @@ class Personalization:
                 return False
             (folder / "user.json").unlink()  # from here on the user is unknown; their factors go now
             (folder / "trainer.safetensors").unlink(missing_ok=True)
-            now = time.monotonic()  # the served versions go once nothing can read them
-            self._retired += [(now, p) for p in self._versions(digest) if all(p != q for _, q in self._retired)]
+            self._retire(self._versions(digest))  # the served versions go once nothing can read them
             return True
 
     # ---- what info and /v1/models say ----
 
     def state(self) -> dict:
         s = self.settings
-        users = sum(1 for p in self.root.glob("*/user.json")) if self.root.exists() else 0
-        return {"enabled": True, "state_dir": str(self.root), "users": users, "targets": list(s.targets),
+        return {"enabled": True, "state_dir": str(self.root), "users": stored_users(self.root)["users"],
+                "targets": list(s.targets),
                 "rank": s.rank, "alpha": s.alpha, "lr": s.lr, "ewc": s.ewc, "consolidate_every": s.consolidate_every,
                 "feedbacks_since_start": self.feedbacks, "trainers_in_memory": len(self._trainers)}
 
@@ -248,19 +279,13 @@ class Personalization:
         return {"object": "user", "user": user, **{k: meta[k] for k in ("version", "feedbacks", "tokens", "created",
                                                                          "updated") if k in meta}}
 
-    def latest_adapter(self, key: str, user: str) -> Path | None:
-        """The folder (PEFT's format) of the user's newest adapter, or None."""
-        digest = user_digest(key, user)
-        meta = self._meta(digest)
-        return self._version_dir(digest, meta["version"]) if meta and meta.get("version") else None
-
     # ---- internals ----
 
     def _dir(self, digest: str) -> Path:
         return self.root / digest
 
     def _version_dir(self, digest: str, version: int) -> Path:
-        return self._dir(digest) / f"v{version:06d}"
+        return self._dir(digest) / f"v{version:06d}"  # stored_adapter reads the same name
 
     def _meta(self, digest: str) -> dict | None:
         path = self._dir(digest) / "user.json"
@@ -307,9 +332,12 @@ class Personalization:
         shutil.rmtree(tmp, ignore_errors=True)
         trainer.save_peft(tmp, base=self.pkg.name)
         tmp.rename(folder)
-        old = self._versions(digest)
-        now = time.monotonic()
-        self._retired += [(now, p) for p in old[:-KEEP_VERSIONS] if all(p != q for _, q in self._retired)]
+        self._retire(self._versions(digest)[:-KEEP_VERSIONS])
+
+    def _retire(self, folders: list[Path]) -> None:
+        """Delete these folders RETIRE_SECONDS from now (each once)."""
+        now, pending = time.monotonic(), {q for _, q in self._retired}
+        self._retired += [(now, p) for p in folders if p not in pending]
 
     def _versions(self, digest: str) -> list[Path]:
         folder = self._dir(digest)
@@ -336,7 +364,6 @@ class Personalization:
 def personalization_for(engine, settings: PersonalSettings, state_dir: str | Path | None, register: Callable,
                         unregister: Callable) -> Personalization:
     """An engine's Personalization, or a clear error for a package that cannot have one."""
-    from runtime.aliases import cache_dir
     from runtime.errors import PackageError
 
     pkg = engine.pkg
@@ -350,7 +377,7 @@ def personalization_for(engine, settings: PersonalSettings, state_dir: str | Pat
     if pkg.manifest["architecture"] not in ARCHITECTURES:
         raise PackageError(f"{pkg.path}: personalization learns {', '.join(ARCHITECTURES)} models' adapters; this "
                            f"one is {pkg.manifest['architecture']}")
-    return Personalization(pkg, state_dir or cache_dir() / "users", settings, register, unregister)
+    return Personalization(pkg, state_dir, settings, register, unregister)
 
 
 def tokenize_feedback(prompts, what: dict) -> Feedback:
@@ -403,7 +430,3 @@ def _write_json(path: Path, value: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(value, indent=1))
     tmp.replace(path)
-
-
-def settings_dict(s: PersonalSettings) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(s).items()}

@@ -29,7 +29,9 @@ from runtime.errors import ContextLengthError, RequestError
 from runtime.serve import openai_protocol as P
 from runtime.serve.adapter_roots import AdapterNotFound, AdapterRoots
 from runtime.serve.api_keys import ANONYMOUS, ApiKeys
+from runtime.serve.feedback_api import FeedbackRoutes, check_user, key_name
 from runtime.serve.openai_stream import ChunkStream, collect, encode_request, queue_request
+from runtime.serve.personalization import ADAPTER_PREFIX, personalization_for
 from runtime.serve.request_limits import BodyLimit, default_max_request_bytes
 
 
@@ -145,8 +147,6 @@ class Completions:
         try:
             served, parsed, adapter = self._parse(await read_json(request), chat)
             if adapter is None and parsed.user and served.personal is not None:  # the user's own adapter
-                from runtime.serve.feedback_api import check_user, key_name
-
                 check_user(parsed.user)
                 adapter = await asyncio.to_thread(served.personal.adapter_for, key_name(request), parsed.user)
             # the template and the tokenizer run off the loop: a long prompt never delays the others' steps
@@ -201,8 +201,6 @@ def resolve_model(models: dict[str, ServedModel], name: str) -> tuple[ServedMode
     served = models.get(name)
     if served is not None:
         return served, None
-    from runtime.serve.personalization import ADAPTER_PREFIX
-
     if name.startswith(ADAPTER_PREFIX):  # a user's adapter is theirs: picked by `user`, never named
         raise P.model_not_found(name)
     for served in models.values():
@@ -221,8 +219,6 @@ def model_cards(models: dict[str, ServedModel]) -> list[dict]:
                       "parent": None, "batch_invariant": None if why is None else not why,
                       **({"batch_invariance": why} if why else {}),
                       "personalization": m.personal.state() if m.personal is not None else {"enabled": False}})
-        from runtime.serve.personalization import ADAPTER_PREFIX
-
         for name, path in m.engine.adapter_paths().items():
             if name.startswith(ADAPTER_PREFIX):
                 continue
@@ -340,8 +336,6 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
                 "in_flight": in_flight.get(key.name, 0) if key else None}
 
     if any(m.personal is not None for m in models.values()):
-        from runtime.serve.feedback_api import FeedbackRoutes
-
         feedback = FeedbackRoutes(models, read_json)
         app.post("/v1/feedback")(feedback.feedback)
         app.get("/v1/users/{user}")(feedback.get_user)
@@ -466,8 +460,6 @@ def load_models(packages: list[str], device: str, max_concurrent: int, engine_kw
         aengine = AsyncEngine(engine)
         personal = None
         if personalize is not None:
-            from runtime.serve.personalization import personalization_for
-
             personal = personalization_for(engine, personalize, state_dir, aengine.add_adapter, aengine.remove_adapter)
         models[name] = ServedModel(name, aengine, int(time.time()), personal)
     return models
