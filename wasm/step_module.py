@@ -255,6 +255,55 @@ class WasmStep:
         out = self.memory.read(self.store, self._logits, self._logits + 4 * logits * self.cfg["vocab"])
         return np.frombuffer(out, np.float32).reshape(logits, self.cfg["vocab"])
 
+    TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # step.c's order
+
+    def learn(self, ids: list[int], factors: dict, scale: float, scored_from: int = 0, unlikely: bool = False,
+              exact: bool = False) -> tuple[float, dict]:
+        """step_learn (wasm/step/learn.h): the text's loss under a LoRA and its factors' gradients.
+        factors: {(layer, target): (A [rank, in], B^T [rank, out])}, q and k's B in the step's row order;
+        the gradients in the same shapes. exact: fp32 products (the native trainer's numbers)."""
+        rank = next(iter(factors.values()))[0].shape[0]
+        if not getattr(self, "_learn_room", 0) >= len(ids):
+            room = max(len(ids), 64)
+            if self._exports["learn_init"](self.store, self.model, room) != room:
+                raise MemoryError(f"the WASM step cannot learn from {room} tokens")
+            self._learn_room = room
+        layers = self.cfg["layers"]
+        tables = [[0] * (7 * layers) for _ in range(4)]
+        for (layer, target), (a, bt) in factors.items():
+            at = 7 * layer + self.TARGETS.index(target)
+            name = f"learn.{layer}.{target}"
+            tables[0][at] = self._scratch(name + ".a", np.ascontiguousarray(a, np.float32).tobytes())
+            tables[1][at] = self._scratch(name + ".b", np.ascontiguousarray(bt, np.float32).tobytes())
+            tables[2][at] = self._scratch(name + ".ga", bytes(4 * a.size))
+            tables[3][at] = self._scratch(name + ".gb", bytes(4 * bt.size))
+        ptrs = [self._scratch(f"learn.table{i}", struct.pack(f"<{7 * layers}I", *t)) for i, t in enumerate(tables)]
+        ids_at = self._scratch("learn.ids", np.asarray(ids, np.int32).tobytes())
+        loss_at = self._scratch("learn.loss", bytes(4))
+        spec = self._scratch("learn", struct.pack("<5if6I", len(ids), scored_from, int(unlikely), int(exact), rank,
+                                                  scale, ids_at, *ptrs, loss_at))
+        status = self._exports["step_learn"](self.store, self.model, spec)
+        if status:
+            raise ValueError(f"step_learn refused the text ({status})")
+        read = lambda ptr, n: np.frombuffer(self.memory.read(self.store, ptr, ptr + 4 * n), np.float32)  # noqa: E731
+        grads = {}
+        for (layer, target), (a, bt) in factors.items():
+            at = 7 * layer + self.TARGETS.index(target)
+            grads[(layer, target)] = (read(tables[2][at], a.size).reshape(a.shape).copy(),
+                                      read(tables[3][at], bt.size).reshape(bt.shape).copy())
+        return float(read(loss_at, 1)[0]), grads
+
+    def adam(self, w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, t: int, lr: float,
+             fisher: np.ndarray | None = None, start: np.ndarray | None = None, ewc: float = 0.0) -> tuple:
+        """learn_adam on copies of float32 arrays: (w, m, v) after Adam's step t."""
+        n = w.size
+        arrays = [w, g, m, v, fisher if fisher is not None else np.zeros_like(w), start if start is not None else w]
+        ptrs = [self._scratch(f"adam{i}", np.ascontiguousarray(x, np.float32).tobytes()) for i, x in enumerate(arrays)]
+        c1, c2 = np.float32(1 - 0.9 ** t), np.float32(1 - 0.999 ** t)
+        self._exports["learn_adam"](self.store, n, *ptrs, ewc, lr, float(c1), float(c2))
+        read = lambda ptr: np.frombuffer(self.memory.read(self.store, ptr, ptr + 4 * n), np.float32).reshape(w.shape)  # noqa: E731
+        return read(ptrs[0]).copy(), read(ptrs[2]).copy(), read(ptrs[3]).copy()
+
     def _scratch(self, name: str, data: bytes) -> int:
         """`data` in a buffer kept for `name` (made larger, twice the size, when it no longer fits)."""
         ptr, size = self._scratch_at.get(name, (0, 0))

@@ -28,6 +28,22 @@ PEFT_MODULE = {t: ("self_attn" if t in ATTENTION else "mlp") for t in
                ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
 
 
+def ewc_pull(g: np.ndarray, w: np.ndarray, fisher: np.ndarray, start: np.ndarray, ewc: float) -> np.ndarray:
+    """The gradient with EWC++'s pull toward the start added: g + ewc x F x (w - start)."""
+    return g + ewc * fisher * (w - start)
+
+
+def adam_update(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, t: int, lr: float) -> None:
+    """Adam's step t on w in place (moments m, v in place), in float32 throughout, as the page's step
+    computes it (wasm/step/learn.h: learn_adam)."""
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    m *= b1
+    m += (1 - b1) * g
+    v *= b2
+    v += (1 - b2) * g * g
+    w -= (lr * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)).astype(np.float32)
+
+
 def _chunks(ids: list[int], chunk: int):
     """The text's pieces of `chunk` predictions each (chunk + 1 tokens, the last shared with the next piece)."""
     for s in range(0, len(ids) - 1, chunk):
@@ -59,19 +75,12 @@ class MicroLora:
         for `unlikely`), at lr x lr_scale; the loss before the step."""
         loss, grads = loss_and_grads(self.dec, ids, self.lora, scored_from=scored_from, unlikely=unlikely)
         if self.ewc:
-            grads = {k: tuple(g + self.ewc * f * (w - w0) for g, f, w, w0 in
+            grads = {k: tuple(ewc_pull(g, w, f, w0, self.ewc) for g, f, w, w0 in
                               zip(pair, self.fisher[k], self.lora.factors[k], self.start[k])) for k, pair in grads.items()}
         self._t += 1
-        b1, b2, eps = 0.9, 0.999, 1e-8
         for key, pair in grads.items():
             for j, g in enumerate(pair):
-                m, v = self._m[key][j], self._v[key][j]
-                m *= b1
-                m += (1 - b1) * g
-                v *= b2
-                v += (1 - b2) * g * g
-                update = lr_scale * self.lr * (m / (1 - b1 ** self._t)) / (np.sqrt(v / (1 - b2 ** self._t)) + eps)
-                self.lora.factors[key][j][...] -= update.astype(np.float32)
+                adam_update(self.lora.factors[key][j], g, self._m[key][j], self._v[key][j], self._t, lr_scale * self.lr)
         return loss
 
     def consolidate(self, reference: list[int], chunk: int = 256) -> None:

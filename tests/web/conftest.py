@@ -23,6 +23,21 @@ LOAD_TIMEOUT_MS = 300_000
 
 
 @pytest.fixture(scope="session")
+def step_files(workdir, smol_gguf):
+    """step.wasm (and its SIMD128 and threaded builds), and SmolLM2's step weights (its GGUF's own blocks, repacked) beside it."""
+    from exporter.step_weights import write_step_weights
+    from wasm.step_module import FALLBACK, THREADED, build
+
+    out = workdir / "wasm-step"
+    out.mkdir(exist_ok=True)
+    build(out / "step.wasm")
+    build(out / FALLBACK, relaxed=False)
+    build(out / THREADED, threads=True)
+    write_step_weights(smol_gguf, out, max_pos=1024)
+    return out
+
+
+@pytest.fixture(scope="session")
 def web_bundle(workdir) -> Path:
     """dist/web built from this checkout, with SmolLM2 exported for the browser into the test cache."""
     out = workdir / "web"

@@ -13,21 +13,6 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
           "combined movable metal type with an oil-based ink and a screw press.")
 
 
-@pytest.fixture(scope="session")
-def step_files(workdir, smol_gguf):
-    """step.wasm (and its SIMD128 and threaded builds), and SmolLM2's step weights (its GGUF's own blocks, repacked) beside it."""
-    from exporter.step_weights import write_step_weights
-    from wasm.step_module import FALLBACK, THREADED, build
-
-    out = workdir / "wasm-step"
-    out.mkdir(exist_ok=True)
-    build(out / "step.wasm")
-    build(out / FALLBACK, relaxed=False)
-    build(out / THREADED, threads=True)
-    write_step_weights(smol_gguf, out, max_pos=1024)
-    return out
-
-
 class WasmtimeBackend:
     """A backend running every step on step.wasm in wasmtime, candidates from its own logits processing
     (step_sample), as the page's model worker will."""

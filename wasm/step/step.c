@@ -393,3 +393,4 @@ EXPORT int step_project(const QMat* W, int N, int K, int T, const float* in, flo
 
 // row n of W [N, K] in fp32, as the embedding's lookup reads it
 EXPORT void step_dequantize(const QMat* W, int n, int K, float* out) { qmat_row(W, n, K, out); }
+#include "learn.h"
