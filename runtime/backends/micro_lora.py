@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.backends.lora_gradients import DenseDecoder, Lora, loss_and_grads
+from runtime.core.feedback_plan import text_chunks
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 PEFT_MODULE = {t: ("self_attn" if t in ATTENTION else "mlp") for t in
@@ -42,12 +43,6 @@ def adam_update(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, t: i
     v *= b2
     v += (1 - b2) * g * g
     w -= (lr * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)).astype(np.float32)
-
-
-def _chunks(ids: list[int], chunk: int):
-    """The text's pieces of `chunk` predictions each (chunk + 1 tokens, the last shared with the next piece)."""
-    for s in range(0, len(ids) - 1, chunk):
-        yield ids[s:s + chunk + 1]
 
 
 class MicroLora:
@@ -87,7 +82,7 @@ class MicroLora:
         """The background loop's part: the Fisher refreshed at the current factors on a reference text,
         decayed into the running one (EWC++'s online estimate)."""
         fresh = self.lora.zeros_like()
-        parts = list(_chunks(reference, chunk))
+        parts = list(text_chunks(reference, chunk))
         for part in parts:
             _, grads = loss_and_grads(self.dec, part, self.lora)
             for k, pair in grads.items():
@@ -113,7 +108,7 @@ class MicroLora:
             self.consolidate(reference, chunk)
         for _ in range(epochs):
             seen = []
-            for part in _chunks(ids, chunk):
+            for part in text_chunks(ids, chunk):
                 seen.append(self.step(part))
                 steps += 1
                 if self.ewc and reference and steps % consolidate_every == 0:

@@ -34,12 +34,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.core.feedback_plan import feedback_steps
 from runtime.errors import RequestError
 
 ADAPTER_PREFIX = "user:"  # engine adapter names of users' adapters: never a request's `model`
 KEEP_VERSIONS = 3
 RETIRE_SECONDS = 300.0
-REFERENCE_ASK = "Tell me about something you know well, in detail."
+REFERENCE_MESSAGES = [{"role": "user", "content": "Tell me about something you know well, in detail."}]
 
 
 @dataclass
@@ -83,6 +84,22 @@ class Feedback:
     scored_from: int = 0
     rating: float = 1.0
     extra: dict = field(default_factory=dict)
+
+
+def reference_params(settings: PersonalSettings):
+    """How the model's own reference text for EWC++ is sampled: temperature 1, a fixed seed, its full length."""
+    from runtime.core.sampling import SamplingParams
+
+    return SamplingParams(temperature=1.0, seed=0, max_tokens=settings.reference_tokens, ignore_eos=True)
+
+
+def check_feedback(fb: Feedback, max_tokens: int) -> None:
+    """RequestError unless the feedback has tokens to learn from, and no more than `max_tokens`."""
+    if len(fb.ids) - fb.scored_from > max_tokens:
+        raise RequestError(f"the feedback has {len(fb.ids) - fb.scored_from} tokens to learn from; the "
+                           f"limit is {max_tokens}", "text")
+    if len(fb.ids) - fb.scored_from < 1 or len(fb.ids) < 2:
+        raise RequestError("the feedback has no tokens to learn from", "text")
 
 
 def package_key(pkg) -> str:
@@ -172,13 +189,10 @@ class Personalization:
         return bool(self.settings.ewc) and self._load_reference() is None
 
     def reference_prompt(self) -> list[dict]:
-        return [{"role": "user", "content": REFERENCE_ASK}]
+        return REFERENCE_MESSAGES
 
     def reference_params(self):
-        """How the reference is sampled: temperature 1, a fixed seed, its full length."""
-        from runtime.core.sampling import SamplingParams
-
-        return SamplingParams(temperature=1.0, seed=0, max_tokens=self.settings.reference_tokens, ignore_eos=True)
+        return reference_params(self.settings)
 
     def set_reference(self, ids: list[int]) -> None:
         """The model's own text (sampled by the caller's engine) that EWC++ weighs drift on."""
@@ -190,11 +204,7 @@ class Personalization:
         """Learn from one feedback and serve the result to the user's next requests."""
         if not user:
             raise RequestError("feedback needs a `user`", "user")
-        if len(fb.ids) - fb.scored_from > self.settings.max_feedback_tokens:
-            raise RequestError(f"the feedback has {len(fb.ids) - fb.scored_from} tokens to learn from; the "
-                               f"limit is {self.settings.max_feedback_tokens}", "text")
-        if len(fb.ids) - fb.scored_from < 1 or len(fb.ids) < 2:
-            raise RequestError("the feedback has no tokens to learn from", "text")
+        check_feedback(fb, self.settings.max_feedback_tokens)
         s, digest = self.settings, user_digest(key, user)
         started = time.perf_counter()
         with self._train_lock:
@@ -205,25 +215,9 @@ class Personalization:
             if meta is None:  # numbered past any version a forgotten namesake left to retire
                 last = max((int(p.name[1:]) for p in self._versions(digest)), default=0)
                 meta = {"user": user, "key": key, "version": last, "feedbacks": 0, "tokens": 0, "created": time.time()}
-            losses, steps = [], 0
-            if fb.kind == "rating" and fb.rating == 0:
-                pass  # recorded, nothing to learn
-            elif fb.kind == "text":
-                from runtime.backends.micro_lora import _chunks
-
-                for _ in range(s.epochs):
-                    for part in _chunks(fb.ids, s.chunk):
-                        losses.append(trainer.step(part))
-                        steps += 1
-            else:
-                window = self._positions()
-                ids, scored_from = fb.ids, fb.scored_from
-                if len(ids) > window:  # keep the reply whole, and as much of its conversation as fits
-                    cut = len(ids) - window
-                    ids, scored_from = ids[cut:], max(scored_from - cut, 1)
-                for _ in range(s.epochs):
-                    losses.append(trainer.step(ids, scored_from, unlikely=fb.rating < 0, lr_scale=abs(fb.rating)))
-                    steps += 1
+            plan = feedback_steps(fb.kind, fb.ids, fb.scored_from, fb.rating, s.chunk, s.epochs, self._positions())
+            losses = [trainer.step(*step) for step in plan]
+            steps = len(plan)
             meta["feedbacks"] += 1
             meta["tokens"] += len(fb.ids) - fb.scored_from
             consolidated = False

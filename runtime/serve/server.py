@@ -29,7 +29,8 @@ from runtime.errors import ContextLengthError, RequestError
 from runtime.serve import openai_protocol as P
 from runtime.serve.adapter_roots import AdapterNotFound, AdapterRoots
 from runtime.serve.api_keys import ANONYMOUS, ApiKeys
-from runtime.serve.feedback_api import FeedbackRoutes, check_user, key_name
+from runtime.serve.feedback_api import FeedbackRoutes, key_name
+from runtime.serve.feedback_protocol import check_user
 from runtime.serve.openai_stream import ChunkStream, collect, encode_request, queue_request
 from runtime.serve.personalization import ADAPTER_PREFIX, personalization_for
 from runtime.serve.request_limits import BodyLimit, default_max_request_bytes

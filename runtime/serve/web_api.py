@@ -17,17 +17,22 @@ from runtime.core.engine import Engine
 from runtime.errors import ContextLengthError, RequestError
 from runtime.package import load_package
 from runtime.serve import openai_protocol as P
+from runtime.serve.feedback_protocol import check_user, parse_feedback
 from runtime.serve.openai_stream import ChunkStream, collect, queue_request
+from runtime.serve.personalization import ADAPTER_PREFIX
 from runtime.serve.request_limits import default_max_request_bytes, too_large_body
+from runtime.serve.web_personal import PageUsers
 
 
 class WebEngine:
     def __init__(self, package_dir: str, runner, graph_files: list[str], model_name: str,
                  kv_memory_mb: int | None = None, kv_dtype: str = "fp32", max_request_bytes: int | None = None,
-                 **engine_options) -> None:
+                 user: str | None = None, **engine_options) -> None:
         """engine_options: EngineConfig fields the page's caller chose; the rest are EngineConfig.web()'s.
         kv_dtype: the KV pool's numbers, "fp32" or "int8" (WebBackend). max_request_bytes: the largest
-        request (its JSON in UTF-8) taken, by default the server's rule for this context."""
+        request (its JSON in UTF-8) taken, by default the server's rule for this context. user: the page's
+        user (createEngine's `user`): their adapter serves requests that name no other user, and feedback
+        that names none teaches them (runtime/serve/web_personal.py)."""
         pkg = load_package(package_dir, elsewhere=tuple(graph_files))
         self.model_name = model_name
         if kv_memory_mb is not None:
@@ -36,6 +41,8 @@ class WebEngine:
         self.aengine = AsyncEngine(engine, use_thread=False)
         self.max_request_bytes = int(max_request_bytes or default_max_request_bytes(engine.prompts.max_context))
         self._jobs: dict[str, list[str]] = {}  # the page's request id -> the engine's (one per choice)
+        self.user = check_user(user) if user is not None else None
+        self.users = PageUsers(self.aengine, runner)
 
     async def create(self, job: str, body_json: str, emit) -> None:
         """Run one chat.completions.create; emit(kind, json_text) with kind chunk | response | error."""
@@ -47,7 +54,10 @@ class WebEngine:
             if isinstance(body, dict):
                 body.setdefault("model", self.model_name)
             parsed = P.parse_chat(body, self.aengine.sampling_defaults)
-            rids = queue_request(self.aengine, parsed, self._adapter(body.get("model")))
+            adapter = self._adapter(body.get("model"))
+            if adapter is None and (parsed.user or self.user):
+                adapter = await self.users.adapter_for(check_user(parsed.user or self.user))
+            rids = queue_request(self.aengine, parsed, adapter)
         except P.ProtocolError as err:
             emit("error", json.dumps(err.body()))
             return
@@ -76,7 +86,7 @@ class WebEngine:
         """A request's `model`: this package (or no name), or an adapter loaded under that name."""
         if model in (None, self.model_name):
             return None
-        if self.aengine.has_adapter(model):
+        if self.aengine.has_adapter(model) and not str(model).startswith(ADAPTER_PREFIX):  # users' are hidden
             return model
         raise P.model_not_found(str(model))
 
@@ -93,6 +103,29 @@ class WebEngine:
     def remove_adapter(self, name: str) -> bool:
         """New requests can no longer name it; those running on it finish."""
         return self.aengine.remove_adapter(name)
+
+    # per-user adaptation: engine.feedback / forget / userState in the page
+    async def feedback(self, body_json: str) -> str:
+        """Learn from one feedback body (runtime/serve/feedback_protocol.py; its user, else the page's):
+        JSON of what was learned, or {"error": ...}."""
+        async def learn():
+            user, model, what = parse_feedback(P.parse_body(body_json), self.user)
+            if model not in (None, self.model_name):
+                raise P.ProtocolError(f"feedback teaches this page's model {self.model_name!r}, not {model!r}", "model")
+            return {**await self.users.feedback(user, what), "model": self.model_name}
+        return await _answer(learn)
+
+    async def forget(self, user: str | None = None) -> str:
+        """Reset a user (else the page's): JSON {"deleted": bool} or {"error": ...}."""
+        async def forget():
+            return {"deleted": await self.users.forget(check_user(user or self.user))}
+        return await _answer(forget)
+
+    async def user_state(self, user: str | None = None) -> str:
+        """A user's (else the page's) stored state: version, feedbacks, tokens; or {"error": ...}."""
+        async def state():
+            return await self.users.state(check_user(user or self.user))
+        return await _answer(state)
 
     def abort(self, job: str) -> bool:
         rids = self._jobs.get(job) or []
@@ -121,3 +154,13 @@ class WebEngine:
 
     async def unload(self) -> None:
         await self.aengine.shutdown(drain=False)
+
+
+async def _answer(work) -> str:
+    """JSON of what `work` returns, or of the error a bad request gets."""
+    try:
+        return json.dumps(await work())
+    except P.ProtocolError as err:
+        return json.dumps(err.body())
+    except RequestError as err:
+        return json.dumps(P.error_body(str(err), param=err.param))

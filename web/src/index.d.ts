@@ -33,6 +33,8 @@ export interface CreateEngineOptions {
   /** A request whose JSON is larger (UTF-8 bytes) is refused with code 'request_too_large' before it is
    *  parsed; by default 1 KiB a token of the model's context plus 1 MiB, as the server's. */
   maxRequestBytes?: number;
+  /** The page's user: their adapter (learned by engine.feedback) serves requests that name no other `user`. */
+  user?: string;
   /** The KV cache's numbers: 'fp32' (default), or 'int8' rows with an fp16 scale per 32 numbers (about a
    *  quarter of the memory, on the package's int8-KV graph; WASM only, no adapters). */
   kvDtype?: 'fp32' | 'int8';
@@ -257,8 +259,47 @@ export interface Engine {
   loadAdapter(name: string, source: AdapterSource, options?: { experts?: Record<string, AdapterSource> }): Promise<AdapterInfo>;
   /** Stop serving an adapter: new requests naming it fail with model_not_found; running ones finish. */
   unloadAdapter(name: string): Promise<boolean>;
+  /**
+   * Teach a user (the engine's `user`, or the body's) from one feedback: their own text, the answer they
+   * preferred, or a rated answer. Their next requests are served what was learned; it survives a reload.
+   */
+  feedback(body: FeedbackRequest): Promise<FeedbackResult>;
+  /** Reset a user (by default the engine's): the base model serves them again. */
+  forget(user?: string): Promise<boolean>;
+  /** What a user (by default the engine's) has learned. */
+  userState(user?: string): Promise<UserState>;
   /** Stop the worker and free the model. */
   unload(): Promise<void>;
+}
+
+export type FeedbackRequest = { user?: string; model?: string } & (
+  | { text: string }
+  | { messages: ChatMessage[]; preferred: string }
+  | { messages: ChatMessage[]; completion: string; rating: number });
+
+export interface FeedbackResult {
+  object: 'feedback';
+  user: string;
+  kind: 'text' | 'preferred' | 'rating';
+  tokens: number;
+  steps: number;
+  losses: number[];
+  version: number;
+  feedbacks: number;
+  consolidated: boolean;
+  seconds: number;
+  learn_seconds: number;
+  model: string;
+}
+
+export interface UserState {
+  object: 'user';
+  user: string;
+  version: number;
+  feedbacks: number;
+  tokens: number;
+  targets: string[];
+  rank: number;
 }
 
 export function createEngine(options: CreateEngineOptions): Promise<Engine>;

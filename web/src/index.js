@@ -137,6 +137,33 @@ class Engine {
     return (await this.#call('unloadAdapter', { name })).ok;
   }
 
+  /**
+   * Teach the page's user (createEngine's `user`, or the body's `user`) from one feedback, as the server's
+   * POST /v1/feedback takes it: { text } (their own writing), { messages, preferred } (the answer they
+   * wanted) or { messages, completion, rating } (rating from -1 to 1). Their next requests are served the
+   * adapter learned (kept in this origin's storage: it survives a reload). Runs on the WASM step. Resolves
+   * to { steps, losses, version, feedbacks, seconds, ... }; rejects with the field at fault.
+   */
+  async feedback(body) {
+    return this.#answer('feedback', { body: JSON.stringify(body ?? {}) });
+  }
+
+  /** Reset a user (by default the page's): their stored adapter is deleted; the base model serves them. */
+  async forget(user) {
+    return (await this.#answer('forget', { user })).deleted;
+  }
+
+  /** What a user (by default the page's) has learned: { version, feedbacks, tokens, targets, rank }. */
+  async userState(user) {
+    return this.#answer('userState', { user });
+  }
+
+  async #answer(type, extra) {
+    const { answer } = await this.#call(type, extra);
+    if (answer?.error) throw apiError(answer);
+    return answer;
+  }
+
   /** Engine counters: running/waiting, KV blocks, prefix-cache hits, tokens. */
   async stats() {
     return (await this.#call('stats')).stats;

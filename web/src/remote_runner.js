@@ -54,6 +54,19 @@ export class RemoteRunner {
     return (await this.call('run', { step })).result;
   }
 
+  // per-user adaptation (runtime/serve/web_personal.py): the model worker's trainer (step_trainer.js)
+  learn_open(store, spec) {
+    return this.call('learnOpen', { store, spec });
+  }
+
+  learn_feedback(store, spec, job) {
+    return this.call('learnFeedback', { store, spec, job });
+  }
+
+  async learn_forget(store) {
+    return (await this.call('learnForget', { store })).deleted;
+  }
+
   async timings() {
     return (await this.call('timings')).timings;
   }

@@ -11,7 +11,7 @@ import { LoraStore } from './lora_store.js';
 
 export const NO_XLORA = 'X-LoRA does not run on the WASM step yet: load the engine with backend "onnxruntime"';
 const TARGETS = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']; // step.c's Lora order
-const TOKENS_PER_STEP = 512; // step_init's scratch: the page's steps are at most maxBatchTokens (256 by default)
+export const TOKENS_PER_STEP = 512; // step_init's scratch: the page's steps are at most maxBatchTokens (256 by default)
 const HELPER_STACK = 1 << 18; // bytes of stack each helper instance gets (step.c's frames are small)
 const PAGE = 65536;
 export const STEP_FORMAT = 2; // the step.bin layout this module reads (exporter/step_weights.py's FORMAT)

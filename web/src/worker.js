@@ -96,7 +96,7 @@ async function load(opts) {
   // off a 1B model's page at the same prefill speed (16-token tiles either way; docs/PERFORMANCE.md)
   const chosen = { kv_memory_mb: opts.kvMemoryMB, max_num_seqs: opts.maxNumSeqs,
     max_batch_tokens: opts.maxBatchTokens ?? (stepper === 'wasm-step' ? 128 : undefined),
-    kv_dtype: opts.kvDtype, max_request_bytes: opts.maxRequestBytes,
+    kv_dtype: opts.kvDtype, max_request_bytes: opts.maxRequestBytes, user: opts.user,
     speculative_tokens: opts.speculativeTokens ?? (stepper === 'wasm-step' ? 0 : undefined) };
   engine = api.WebEngine.callKwargs(dir, runner, graphFiles, name,
     Object.fromEntries(Object.entries(chosen).filter(([, v]) => v != null)));
@@ -200,6 +200,12 @@ self.onmessage = async ({ data }) => {
     else if (type === 'loadAdapter') post({ type: 'adapterLoaded', id, adapter: loadAdapter(data.name, data.files, data.experts) });
     else if (type === 'unloadAdapter') post({ type: 'adapterUnloaded', id, ok: engine ? engine.remove_adapter(data.name) : false });
     else if (type === 'create') create(data.id, data.body);
+    else if (type === 'feedback' || type === 'forget' || type === 'userState') { // per-user adaptation
+      if (!engine) throw new Error('the engine is not loaded');
+      const answer = JSON.parse(type === 'feedback' ? await engine.feedback(data.body)
+        : type === 'forget' ? await engine.forget(data.user ?? null) : await engine.user_state(data.user ?? null));
+      post({ type: 'answered', id, answer });
+    }
     else if (type === 'abort') post({ type: 'aborted', id, ok: engine ? engine.abort(String(data.target)) : false });
     else if (type === 'stats') {
       await savingPromptKV; // a caller reading stats after a request sees its prompt saved
