@@ -127,6 +127,13 @@ class WebEngine:
             return await self.users.state(check_user(user or self.user))
         return await _answer(state)
 
+    async def user_adapter(self, user: str | None = None) -> str:
+        """JSON {"path": the PEFT folder of a user's (else the page's) adapter, or null}, or {"error": ...}."""
+        async def folder():
+            path = await self.users.folder(check_user(user or self.user))
+            return {"path": str(path) if path else None}
+        return await _answer(folder)
+
     def abort(self, job: str) -> bool:
         rids = self._jobs.get(job) or []
         return any([self.aengine.abort(rid) for rid in rids])

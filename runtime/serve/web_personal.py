@@ -140,6 +140,12 @@ class PageUsers:
         self._open.pop(digest, None)
         return bool(await self._call("learn_forget", self._store(digest)))
 
+    async def folder(self, user: str) -> Path | None:
+        """The PEFT folder of the user's newest adapter (engine.userAdapter(): the deep loop, elsewhere)."""
+        digest, meta = await self._opened(user)
+        versions = sorted((ROOT / digest).glob("v*"))
+        return versions[-1] if meta["version"] and versions else None
+
     async def state(self, user: str) -> dict:
         _, meta = await self._opened(user)
         return {"object": "user", "user": user, "version": meta["version"], "feedbacks": meta["feedbacks"],

@@ -58,12 +58,26 @@ def test_a_page_user_learns_from_feedback_keeps_it_over_a_reload_and_forgets_it(
     learned = answer(p)
     assert learned[1] != base[1]  # alice is served her adapter
     assert answer(p, user="bob") == base  # bob is not: bit for bit the base model's
+    assert p.evaluate("async () => await window.engine.userAdapter('bob')") is None
+
+    # her adapter as PEFT's folder: natively, it scores the text as the page's step does (the factors
+    # and q and k's row order carried over); the fourth feedback's loss is the page's at these factors
+    files = p.evaluate("async () => Object.fromEntries(Object.entries(await window.engine.userAdapter())"
+                       ".map(([k, v]) => [k, Array.from(v)]))")
+    assert sorted(files) == ["adapter_config.json", "adapter_model.safetensors"]
+    fourth = p.evaluate(FEEDBACK, {"text": TEXT})
+    assert fourth["consolidated"] is True and fourth["version"] == 4  # EWC++'s Fisher refreshed on the model's text
+    native_adapted, _ = loss_and_grads(dec, ids, _peft_lora(bytes(files["adapter_model.safetensors"]),
+                                                           bytes(files["adapter_config.json"])), backward=False)
+    assert abs(native_adapted - fourth["losses"][0]) < 0.02, (native_adapted, fourth["losses"])
+    assert native_loss - native_adapted > 0.05, (native_loss, native_adapted)
+    learned = answer(p)
 
     p.evaluate("engine.stats()")
     p.page.reload()
     p.api()
     p.evaluate(LOAD_ENGINE, [SMOL, {"backend": "wasm-step", "speculativeTokens": 0, "user": "alice"}])
-    assert p.evaluate("async () => await window.engine.userState()")["version"] == 3
+    assert p.evaluate("async () => await window.engine.userState()")["version"] == 4
     assert answer(p) == learned  # the same adapter, read back from the origin's storage
     assert p.evaluate("async () => await window.engine.forget()") is True
     assert answer(p) == base
@@ -79,3 +93,19 @@ def _factors(dec):
         for t, (fin, fout) in dec.features.items():
             out[(i, t)] = (np.zeros((2, fin), np.float32), np.zeros((fout, 2), np.float32))
     return out
+
+
+def _peft_lora(weights: bytes, config: bytes):
+    """A PEFT adapter's files as the native trainer's Lora."""
+    import json
+
+    from safetensors.numpy import load
+
+    from runtime.backends.lora_gradients import Lora
+
+    cfg, tensors, factors = json.loads(config), load(weights), {}
+    for name, a in tensors.items():
+        if name.endswith(".lora_A.weight"):
+            parts = name.split(".")
+            factors[(int(parts[4]), parts[6])] = (a, tensors[name.replace("lora_A", "lora_B")])
+    return Lora(factors, cfg["lora_alpha"] / cfg["r"])

@@ -268,6 +268,9 @@ export interface Engine {
   forget(user?: string): Promise<boolean>;
   /** What a user (by default the engine's) has learned. */
   userState(user?: string): Promise<UserState>;
+  /** A user's (by default the engine's) adapter as PEFT's files, to train further elsewhere; null before
+   *  they have learned anything. */
+  userAdapter(user?: string): Promise<Record<string, Uint8Array> | null>;
   /** Stop the worker and free the model. */
   unload(): Promise<void>;
 }

@@ -158,6 +158,12 @@ class Engine {
     return this.#answer('userState', { user });
   }
 
+  /** A user's (by default the page's) adapter as PEFT's files { 'adapter_config.json', 'adapter_model.safetensors' }
+   * (Uint8Arrays), to train further elsewhere; null before they have learned anything. */
+  async userAdapter(user) {
+    return (await this.#answer('userAdapter', { user })).files ?? null;
+  }
+
   async #answer(type, extra) {
     const { answer } = await this.#call(type, extra);
     if (answer?.error) throw apiError(answer);

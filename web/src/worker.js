@@ -200,10 +200,16 @@ self.onmessage = async ({ data }) => {
     else if (type === 'loadAdapter') post({ type: 'adapterLoaded', id, adapter: loadAdapter(data.name, data.files, data.experts) });
     else if (type === 'unloadAdapter') post({ type: 'adapterUnloaded', id, ok: engine ? engine.remove_adapter(data.name) : false });
     else if (type === 'create') create(data.id, data.body);
-    else if (type === 'feedback' || type === 'forget' || type === 'userState') { // per-user adaptation
+    else if (['feedback', 'forget', 'userState', 'userAdapter'].includes(type)) { // per-user adaptation
       if (!engine) throw new Error('the engine is not loaded');
-      const answer = JSON.parse(type === 'feedback' ? await engine.feedback(data.body)
-        : type === 'forget' ? await engine.forget(data.user ?? null) : await engine.user_state(data.user ?? null));
+      const user = data.user ?? null;
+      const answer = JSON.parse(type === 'feedback' ? await engine.feedback(data.body) : type === 'forget'
+        ? await engine.forget(user) : type === 'userState' ? await engine.user_state(user) : await engine.user_adapter(user));
+      if (type === 'userAdapter' && answer.path) { // the folder's files, out of Pyodide's file system
+        const FS = self.pyodideFS;
+        answer.files = Object.fromEntries(FS.readdir(answer.path).filter((f) => !f.startsWith('.'))
+          .map((f) => [f, FS.readFile(`${answer.path}/${f}`)]));
+      }
       post({ type: 'answered', id, answer });
     }
     else if (type === 'abort') post({ type: 'aborted', id, ok: engine ? engine.abort(String(data.target)) : false });
