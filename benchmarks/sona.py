@@ -2,6 +2,7 @@
 perplexity of the rest of that user's text? (not a test)
 
     python benchmarks/sona.py --package PKG [--users 8] [--tokens 1024] [--epochs 3]
+    python benchmarks/sona.py --page [--users 4]      the loop in Chromium, on the page's WASM step
 
 Each "user" is the long description (README) of an installed package, named in the output: the first
 --tokens tokens are the feedback the loop learns from, in chunks of 256 (runtime/backends/micro_lora.py:
@@ -11,6 +12,12 @@ a random adapter with the trained one's factor norms; the adapted user. Also the
 text (CPython's LICENSE.txt) before and after each user's adaptation (forgetting); --ewc is EWC++'s strength (4),
 measured on the model's own sampled answer (own_text). PKG: any package of a llama, mistral or qwen2 model
 (the loop learns against the weights it serves, quantized or not). Prints JSON.
+
+With --page the loop runs in headless Chromium instead: the bundle's SmolLM2 (`python -m wasm build`) on
+its WASM step, each user's first half sent as engine.feedback({ user, text }) pieces of about 256 tokens
+(EWC++ and its reference as the page does them), then the user's adapter is taken out of the page
+(engine.userAdapter()) and scored here exactly as the native users are; PKG defaults to the native
+default package, whose Q4_1/Q8_0 blocks the page's step reads. Seconds per 256 tokens are the page's.
 """
 
 from __future__ import annotations
@@ -49,10 +56,75 @@ def own_text(package, tokens: int) -> list[int]:
     return prompt + [t for o in engine.generate(prompt, params) for t in o.token_ids]
 
 
+class PageUsers:
+    """The page's loop in Chromium: one engine on the WASM step; each user taught by engine.feedback()."""
+
+    def __init__(self, threads: int) -> None:
+        import subprocess
+
+        from playwright.sync_api import sync_playwright
+
+        from wasm.serve import serve_in_thread
+
+        root = Path(__file__).resolve().parents[1]
+        bundle = root / "dist" / "web"
+        if not (bundle / "models" / "smollm2-135m" / "manifest.json").exists():
+            subprocess.run([sys.executable, "-m", "wasm", "build"], cwd=root, check=True, stdout=sys.stderr)
+        self.server, base = serve_in_thread(bundle, {"/test/": root / "tests" / "web" / "pages"})
+        self.pw = sync_playwright().start()
+        self.browser = self.pw.chromium.launch(executable_path="/usr/bin/chromium", headless=True, args=[
+            "--no-sandbox", "--disable-dev-shm-usage", "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"])
+        self.page = self.browser.new_context().new_page()
+        self.page.goto(base + "test/api.html")
+        self.page.wait_for_function("window.apiReady || window.apiError")
+        self.page.evaluate("async (threads) => { window.engine = await window.createEngine({ model: '/models/smollm2-135m/', "
+                           "backend: 'wasm-step', speculativeTokens: 0, threads }); }", threads)
+
+    def learn(self, name: str, pieces: list[str], epochs: int) -> tuple[Path, float, int]:
+        """Each piece as a feedback, `epochs` times: the adapter's PEFT folder, the page's learning
+        seconds, the tokens it learned from."""
+        import tempfile
+
+        seconds, tokens = 0.0, 0
+        for _ in range(epochs):
+            for text in pieces:
+                got = self.page.evaluate("async (body) => await window.engine.feedback(body)", {"user": name, "text": text})
+                seconds += got["learn_seconds"]
+                tokens += got["tokens"]
+        files = self.page.evaluate("async (user) => Object.fromEntries(Object.entries(await window.engine.userAdapter(user))"
+                                   ".map(([k, v]) => [k, Array.from(v)]))", name)
+        folder = Path(tempfile.mkdtemp(prefix=f"sona-page-{name}-"))
+        for file, data in files.items():
+            (folder / file).write_bytes(bytes(data))
+        return folder, seconds, tokens
+
+    def close(self) -> None:
+        self.browser.close()
+        self.pw.stop()
+        self.server.shutdown()
+
+
+def read_peft(folder: Path):
+    """A PEFT folder as the native trainer's Lora."""
+    from safetensors.numpy import load_file
+
+    from runtime.backends.lora_gradients import Lora
+
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    tensors, factors = load_file(str(folder / "adapter_model.safetensors")), {}
+    for name, a in tensors.items():
+        if name.endswith(".lora_A.weight"):
+            parts = name.split(".")
+            factors[(int(parts[4]), parts[6])] = (a, tensors[name.replace("lora_A", "lora_B")])
+    return Lora(factors, cfg["lora_alpha"] / cfg["r"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--package", required=True)
-    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--package", default=None, help="default: the embedded model's int4 package")
+    ap.add_argument("--page", action="store_true", help="the loop in Chromium on the page's WASM step")
+    ap.add_argument("--threads", type=int, default=2, help="--page: the step's threads")
+    ap.add_argument("--users", type=int, default=None, help="default: 8 natively, 4 in the page")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--rank", type=int, default=2)
@@ -68,6 +140,11 @@ def main() -> None:
     from runtime.package import load_package
     from runtime.text.prompt import package_tokenizer
 
+    if args.package is None:
+        from runtime.aliases import cached_package_dir
+
+        args.package = cached_package_dir("smollm2-135m", "int4")  # `ruvllm download smollm2-135m` makes it
+    users = args.users or (4 if args.page else 8)
     pkg = load_package(args.package)
     dec = DenseDecoder.from_package(pkg)
     tok = package_tokenizer(pkg)
@@ -75,29 +152,39 @@ def main() -> None:
     general = tok.encode((Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text())[:args.tokens]
     ppl = lambda ids, lora, scored_from=0: math.exp(loss_and_grads(dec, ids, lora, False, scored_from)[0])  # noqa: E731
     general_base = ppl(general, none)
-    reference = own_text(pkg, args.reference_tokens) if args.ewc else None
+    reference = own_text(pkg, args.reference_tokens) if args.ewc and not args.page else None
+    page = PageUsers(args.threads) if args.page else None  # the page's settings are the server's defaults
     rows, rng = [], np.random.default_rng(0)
-    for name in USERS[:args.users]:
+    for name in USERS[:users]:
         ids = tok.encode(user_text(name))
         first, second = ids[:args.tokens], ids[args.tokens:2 * args.tokens]
-        user = MicroLora(dec, tuple(args.targets.split(",")), rank=args.rank, lr=args.lr, ewc=args.ewc)
-        learned = user.learn(first, chunk=256, epochs=args.epochs, reference=reference)
+        if page:
+            pieces = [tok.decode(first[s:s + 250]) for s in range(0, len(first), 250)]
+            folder, seconds, tokens = page.learn(name, pieces, args.epochs)
+            adapted, learned = read_peft(folder), {"seconds": seconds, "tokens": tokens}
+        else:
+            user = MicroLora(dec, tuple(args.targets.split(",")), rank=args.rank, lr=args.lr, ewc=args.ewc)
+            learned = user.learn(first, chunk=256, epochs=args.epochs, reference=reference)
+            adapted = user.lora
         random = Lora({k: tuple((rng.standard_normal(f.shape) * np.linalg.norm(f) / math.sqrt(f.size)).astype(np.float32)
-                                for f in pair) for k, pair in user.lora.factors.items()}, user.lora.scale)
+                                for f in pair) for k, pair in adapted.factors.items()}, adapted.scale)
         context = first[-2048:] + second
         row = {"user": name, "tokens": len(ids), "none": ppl(second, none),
                "in_context": ppl(context, none, scored_from=len(context) - len(second)),
-               "random_adapter": ppl(second, random), "adapted": ppl(second, user.lora),
-               "general_after": ppl(general, user.lora),
+               "random_adapter": ppl(second, random), "adapted": ppl(second, adapted),
+               "general_after": ppl(general, adapted),
                "seconds_per_256_tokens": round(learned["seconds"] / (learned["tokens"] / 256), 2)}
         row["adapted_vs_none"] = round(row["adapted"] / row["none"] - 1, 4)
         row["forgetting"] = round(row["general_after"] / general_base - 1, 4)
-        if args.save_adapters:
+        if args.save_adapters and not page:
             row["adapter"] = str(user.save_peft(Path(args.save_adapters) / name, base=pkg.name))
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
+    if page:
+        page.close()
     mean = lambda key: round(float(np.mean([r[key] for r in rows])), 4)  # noqa: E731
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), "package": str(pkg.path), "targets": args.targets,
+                      "where": f"page (Chromium, WASM step, {args.threads} threads)" if page else "native",
                       "ewc": args.ewc,
                       "rank": args.rank, "lr": args.lr, "epochs": args.epochs, "tokens": args.tokens,
                       "general_text_ppl": general_base, "mean_adapted_vs_none": mean("adapted_vs_none"),

@@ -19,7 +19,7 @@ from runtime.errors import RequestError
 from runtime.serve import openai_protocol as P
 from runtime.serve.api_keys import ANONYMOUS
 from runtime.serve.feedback_protocol import check_user, parse_feedback
-from runtime.serve.personalization import tokenize_feedback
+from runtime.serve.personalization import sample_reference, tokenize_feedback
 
 
 def key_name(request: Request) -> str:
@@ -64,13 +64,7 @@ class FeedbackRoutes:
 
     async def _reference(self, served) -> None:
         """The model's own text for EWC++, sampled once by the served engine (then kept on disk)."""
-        personal = served.personal
-        params = personal.reference_params()
-        prompt = await asyncio.to_thread(served.engine.prompts.encode, None, personal.reference_prompt())
-        tokens: list[int] = []
-        async for out in served.engine.generate(prompt, params):
-            tokens += out.token_ids
-        personal.set_reference(prompt + tokens)
+        served.personal.set_reference(await sample_reference(served.engine, served.personal.settings))
 
     async def get_user(self, request: Request, user: str):
         try:

@@ -93,6 +93,16 @@ def reference_params(settings: PersonalSettings):
     return SamplingParams(temperature=1.0, seed=0, max_tokens=settings.reference_tokens, ignore_eos=True)
 
 
+async def sample_reference(aengine, settings: PersonalSettings) -> list[int]:
+    """The model's own text for EWC++ (REFERENCE_MESSAGES' answer, sampled by an AsyncEngine): the
+    server's and the page's alike."""
+    prompt = aengine.prompts.encode(None, REFERENCE_MESSAGES)
+    tokens: list[int] = []
+    async for out in aengine.generate(prompt, reference_params(settings)):
+        tokens += out.token_ids
+    return prompt + tokens
+
+
 def check_feedback(fb: Feedback, max_tokens: int) -> None:
     """RequestError unless the feedback has tokens to learn from, and no more than `max_tokens`."""
     if len(fb.ids) - fb.scored_from > max_tokens:

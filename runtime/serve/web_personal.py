@@ -21,11 +21,10 @@ from runtime.errors import RequestError
 from runtime.serve.personalization import (
     ADAPTER_PREFIX,
     KEEP_VERSIONS,
-    REFERENCE_MESSAGES,
     PersonalSettings,
     check_feedback,
     package_key,
-    reference_params,
+    sample_reference,
     tokenize_feedback,
     user_digest,
 )
@@ -101,11 +100,7 @@ class PageUsers:
     async def _reference(self, meta: dict) -> list[int]:
         """The model's own text EWC++ weighs drift on: sampled once (as the server does), kept with the user."""
         if not meta.get("reference"):
-            prompt = self.aengine.engine.prompts.encode(None, REFERENCE_MESSAGES)
-            tokens: list[int] = []
-            async for out in self.aengine.generate(prompt, reference_params(self.settings)):
-                tokens += out.token_ids
-            meta["reference"] = prompt + tokens
+            meta["reference"] = await sample_reference(self.aengine, self.settings)
         return meta["reference"]
 
     async def feedback(self, user: str, what: dict) -> dict:

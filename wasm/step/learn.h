@@ -119,42 +119,51 @@ typedef struct {
   float* dx;        // [T, K]: += dy W
 } Backward;
 
+#ifdef __wasm_relaxed_simd__
+#define MADD(a, b, c) wasm_f32x4_relaxed_madd(a, b, c)  // a * b + c, fused where the machine has FMA
+#else
+#define MADD(a, b, c) wasm_f32x4_add(wasm_f32x4_mul(a, b), c)
+#endif
+#define LEARN_SPAN 256  // columns of the weight tile read per pass over the tokens: 16 rows x 1 KB stay in L1
+
 static void backward_part(const void* ctx, int part, int parts) {  // each part its own tokens: whole rows
   const Backward* j = ctx;
   int t0, t1;
   part_range(j->T, 1, part, parts, &t0, &t1);
   if (t0 == t1) return;
-  const int K = j->K;
+  const int K = j->K, ld = j->ldy;
   float* tile = l_tiles + (size_t)part * LEARN_TILE * l_width;
   for (int n = 0; n < j->N; n += LEARN_TILE) {
     const int R = j->N - n < LEARN_TILE ? j->N - n : LEARN_TILE;
     for (int r = 0; r < R; r++) qmat_row(j->W, j->first + n + r, K, tile + (size_t)r * K);
-    int t = t0;
-    for (; t + 4 <= t1; t += 4) {  // four tokens share each loaded weight vector
-      const float* g = j->dy + (size_t)t * j->ldy + n;
-      float* d = j->dx + (size_t)t * K;
-      for (int k = 0; k < K; k += 4) {
-        v128_t a0 = wasm_v128_load(d + k), a1 = wasm_v128_load(d + K + k);
-        v128_t a2 = wasm_v128_load(d + 2 * K + k), a3 = wasm_v128_load(d + 3 * K + k);
-        for (int r = 0; r < R; r++) {
-          const v128_t w = wasm_v128_load(tile + (size_t)r * K + k);
-          a0 = wasm_f32x4_add(a0, wasm_f32x4_mul(wasm_f32x4_splat(g[r]), w));
-          a1 = wasm_f32x4_add(a1, wasm_f32x4_mul(wasm_f32x4_splat(g[j->ldy + r]), w));
-          a2 = wasm_f32x4_add(a2, wasm_f32x4_mul(wasm_f32x4_splat(g[2 * j->ldy + r]), w));
-          a3 = wasm_f32x4_add(a3, wasm_f32x4_mul(wasm_f32x4_splat(g[3 * j->ldy + r]), w));
+    for (int k0 = 0; k0 < K; k0 += LEARN_SPAN) {
+      const int k1 = K - k0 < LEARN_SPAN ? K : k0 + LEARN_SPAN;
+      int t = t0;
+      for (; t + 4 <= t1; t += 4) {  // four tokens share each loaded weight vector
+        const float* g = j->dy + (size_t)t * ld + n;
+        float* d = j->dx + (size_t)t * K;
+        for (int k = k0; k < k1; k += 8) {  // 4 tokens x 8 columns of accumulators: 8 FMAs a weight row
+          v128_t a[4][2];
+          for (int i = 0; i < 4; i++) a[i][0] = wasm_v128_load(d + i * K + k), a[i][1] = wasm_v128_load(d + i * K + k + 4);
+          for (int r = 0; r < R; r++) {
+            const v128_t w0 = wasm_v128_load(tile + (size_t)r * K + k), w1 = wasm_v128_load(tile + (size_t)r * K + k + 4);
+            for (int i = 0; i < 4; i++) {
+              const v128_t s = wasm_v128_load32_splat(g + i * ld + r);
+              a[i][0] = MADD(s, w0, a[i][0]);
+              a[i][1] = MADD(s, w1, a[i][1]);
+            }
+          }
+          for (int i = 0; i < 4; i++) wasm_v128_store(d + i * K + k, a[i][0]), wasm_v128_store(d + i * K + k + 4, a[i][1]);
         }
-        wasm_v128_store(d + k, a0), wasm_v128_store(d + K + k, a1);
-        wasm_v128_store(d + 2 * K + k, a2), wasm_v128_store(d + 3 * K + k, a3);
       }
-    }
-    for (; t < t1; t++) {
-      const float* g = j->dy + (size_t)t * j->ldy + n;
-      float* d = j->dx + (size_t)t * K;
-      for (int k = 0; k < K; k += 4) {
-        v128_t acc = wasm_v128_load(d + k);
-        for (int r = 0; r < R; r++)
-          acc = wasm_f32x4_add(acc, wasm_f32x4_mul(wasm_f32x4_splat(g[r]), wasm_v128_load(tile + (size_t)r * K + k)));
-        wasm_v128_store(d + k, acc);
+      for (; t < t1; t++) {
+        const float* g = j->dy + (size_t)t * ld + n;
+        float* d = j->dx + (size_t)t * K;
+        for (int k = k0; k < k1; k += 4) {
+          v128_t acc = wasm_v128_load(d + k);
+          for (int r = 0; r < R; r++) acc = MADD(wasm_f32x4_splat(g[r]), wasm_v128_load(tile + (size_t)r * K + k), acc);
+          wasm_v128_store(d + k, acc);
+        }
       }
     }
   }
