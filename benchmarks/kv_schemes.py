@@ -90,6 +90,10 @@ SCHEMES = {
                                lambda d: d / 2 + 4 * d / 64),
     "hadamard int4 g32 asym": (rotated(lambda x: rows_asym(x, 4, 32)), rotated(lambda x: rows_asym(x, 4, 32)),
                                lambda d: d / 2 + 4 * d / 32),
+    "hadamard keys g32 asym, values g64 asym": (rotated(lambda x: rows_asym(x, 4, 32)), rotated(lambda x: rows_asym(x, 4, 64)),
+                                                lambda d: d / 2 + 4 * d / 32 / 2 + 4 * d / 64 / 2),
+    "hadamard keys g64 asym, values g32 asym": (rotated(lambda x: rows_asym(x, 4, 64)), rotated(lambda x: rows_asym(x, 4, 32)),
+                                                lambda d: d / 2 + 4 * d / 64 / 2 + 4 * d / 32 / 2),
     "hadamard kivi (keys per channel over a block; values g32 asym)": (
         rotated(lambda x: channels_asym(x, 4)), rotated(lambda x: rows_asym(x, 4, 32)),
         lambda d: d / 2 + 4 * d / BLOCK / 2 + 4 * d / 32 / 2),
@@ -98,9 +102,10 @@ SCHEMES = {
 }
 
 
-def forward(dec, ids: list[int], kv_round=None) -> np.ndarray:
+def forward(dec, ids: list[int], kv_round=None, tail_blocks: int = 2, tail=None) -> np.ndarray:
     """log-softmax of the next-token logits at every position; kv_round: (keys', values' rounding) of the
-    blocks older than the one before a position's own, or None (an fp32 pool)."""
+    blocks older than the tail (a position's own block and tail_blocks - 1 before it), or None (fp32);
+    tail: the tail's rounding (None: exact)."""
     from runtime.backends.lora_gradients import _rms, _rotate
 
     T = len(ids)
@@ -118,11 +123,13 @@ def forward(dec, ids: list[int], kv_round=None) -> np.ndarray:
         k = _rotate(k.reshape(T, hkv, d), cos, sin)
         v = v.reshape(T, hkv, d)
         kq, vq = (kv_round[0](k), kv_round[1](v)) if kv_round else (k, v)
+        if kv_round and tail:
+            k, v = tail(k), tail(v)
         qh = q.transpose(1, 0, 2)  # [hq, T, d]
         out = np.empty((hq, T, d), np.float32)
         for b0 in range(0, T, BLOCK):
             b1 = min(b0 + BLOCK, T)
-            exact = max(b0 - BLOCK, 0)  # the block before this one, and this one, exact
+            exact = max(b0 - (tail_blocks - 1) * BLOCK, 0)  # the tail: this block and those before it, exact
             keys = np.concatenate([kq[:exact], k[exact:b1]])
             vals = np.concatenate([vq[:exact], v[exact:b1]])
             kh = np.repeat(keys, group, axis=1).transpose(1, 2, 0)  # [hq, d, n]
@@ -152,6 +159,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--text", default="/usr/share/common-licenses/GPL-3")
     ap.add_argument("--schemes", default="|".join(SCHEMES), help="names separated by |")
+    ap.add_argument("--tail-blocks", type=int, default=2, help="blocks read exact: a position's own and those before")
+    ap.add_argument("--tail-dtype", choices=("fp32", "fp16", "int8"), default="fp32", help="the tail's numbers")
     args = ap.parse_args()
     from exporter.evaluate import quality
     from runtime.backends.lora_gradients import DenseDecoder
@@ -167,14 +176,16 @@ def main() -> None:
     d = dec.head_dim
     for name in args.schemes.split("|"):
         keys, values, row_bytes = SCHEMES[name]
-        got = quality(ref, forward(dec, ids, (keys, values)), ids)
+        tail = {"fp32": None, "fp16": lambda x: x.astype(np.float16).astype(np.float32),
+                "int8": lambda x: rows_sym(x, 8, 32)}[args.tail_dtype]
+        got = quality(ref, forward(dec, ids, (keys, values), args.tail_blocks, tail), ids)
         row = {"scheme": name, "kl": round(float(got["kl"]), 6), "ppl_change": round(got["ppl"] / got["ppl_ref"] - 1, 5),
                "top1": round(float(got["top1"]), 4), "bytes_per_number": row_bytes(d) / d,
                "vs_fp32": round(4 * d / row_bytes(d), 2)}
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), "package": str(pkg.path), "text": args.text,
-                      "tokens": len(ids), "ppl_fp32_pool": round(float(np.exp(-np.mean(
+                      "tokens": len(ids), "tail_blocks": args.tail_blocks, "tail_dtype": args.tail_dtype, "ppl_fp32_pool": round(float(np.exp(-np.mean(
                           [ref[i, ids[i + 1]] for i in range(len(ids) - 1)]))), 4),
                       "seconds": round(time.perf_counter() - started, 1), "schemes": rows}, indent=1))
 
