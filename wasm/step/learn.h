@@ -252,18 +252,6 @@ static void rms_back(const float* dy, const float* x, const float* r, const floa
   }
 }
 
-// rope()'s transpose: each pair turned back by its angle
-static void rope_back(float* v, int heads, int hd, const float* cs, int neox) {
-  const int step = neox ? 1 : 2, apart = neox ? hd / 2 : 1;
-  for (int h = 0; h < heads; h++)
-    for (int i = 0; i < hd / 2; i++) {
-      float* p = v + h * hd + step * i;
-      const float c = cs[2 * i], s = cs[2 * i + 1], a = p[0], b = p[apart];
-      p[0] = a * c + b * s;
-      p[apart] = b * c - a * s;
-    }
-}
-
 typedef struct {
   const Model* m;
   int T;
@@ -409,8 +397,8 @@ static void layer_backward(const Model* m, const Learn* J, int l, float* dx) {
     }
   for (int t = 0; t < T; t++) {
     const float* cs = m->rope + (size_t)t * hd;
-    rope_back(l_dq + (size_t)t * H * hd, H, hd, cs, m->rope_neox);
-    rope_back(l_dk + (size_t)t * kvw, Hkv, hd, cs, m->rope_neox);
+    rope_turn(l_dq + (size_t)t * H * hd, H, hd, cs, m->rope_neox, -1.f);  // rope's transpose
+    rope_turn(l_dk + (size_t)t * kvw, Hkv, hd, cs, m->rope_neox, -1.f);
   }
   for (size_t n = 0; n < (size_t)T * D; n++) l_dm[n] = 0.f;
   backward_rows(&L->mat[0], 0, H * hd, D, T, l_dq, H * hd, l_dm);

@@ -183,17 +183,20 @@ static void project(const Model* m, const Lora* ad, int l, int first, const floa
   parallel(projections_part, &j);
 }
 
-// each head's pairs rotated: adjacent numbers (a llama GGUF's rows), or i and i + hd / 2 (NeoX: Qwen2's)
-static void rope(float* v, int heads, int hd, const float* cs, int neox) {
+// each head's pairs rotated: adjacent numbers (a llama GGUF's rows), or i and i + hd / 2 (NeoX: Qwen2's);
+// turn -1 rotates them back (the backward's transpose, learn.h)
+static void rope_turn(float* v, int heads, int hd, const float* cs, int neox, float turn) {
   const int step = neox ? 1 : 2, apart = neox ? hd / 2 : 1;
   for (int h = 0; h < heads; h++)
     for (int i = 0; i < hd / 2; i++) {
       float* p = v + h * hd + step * i;
-      const float c = cs[2 * i], s = cs[2 * i + 1], a = p[0], b = p[apart];
+      const float c = cs[2 * i], s = turn * cs[2 * i + 1], a = p[0], b = p[apart];
       p[0] = a * c - b * s;
       p[apart] = a * s + b * c;
     }
 }
+
+static void rope(float* v, int heads, int hd, const float* cs, int neox) { rope_turn(v, heads, hd, cs, neox, 1.f); }
 
 // head h of token n (row b, position p) over its row's positions 0 .. p in layer l's pool: out [hd];
 // sc: room for p + 1 scores
