@@ -104,21 +104,6 @@ class PageUsers:
         self.server.shutdown()
 
 
-def read_peft(folder: Path):
-    """A PEFT folder as the native trainer's Lora."""
-    from safetensors.numpy import load_file
-
-    from runtime.backends.lora_gradients import Lora
-
-    cfg = json.loads((folder / "adapter_config.json").read_text())
-    tensors, factors = load_file(str(folder / "adapter_model.safetensors")), {}
-    for name, a in tensors.items():
-        if name.endswith(".lora_A.weight"):
-            parts = name.split(".")
-            factors[(int(parts[4]), parts[6])] = (a, tensors[name.replace("lora_A", "lora_B")])
-    return Lora(factors, cfg["lora_alpha"] / cfg["r"])
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--package", default=None, help="default: the embedded model's int4 package")
@@ -136,7 +121,7 @@ def main() -> None:
                     help="write each user's adapter there as a PEFT folder (for `ruvllm bench --adapters`)")
     args = ap.parse_args()
     from runtime.backends.lora_gradients import DenseDecoder, Lora, loss_and_grads
-    from runtime.backends.micro_lora import MicroLora
+    from runtime.backends.micro_lora import MicroLora, read_peft
     from runtime.package import load_package
     from runtime.text.prompt import package_tokenizer
 

@@ -137,6 +137,7 @@ class WasmStep:
         self._ints_at = [self._alloc(4 * max_tokens) for _ in range(6)] + [self._alloc(4 * max_tokens * self.max_blocks)]
         self._logits = self._alloc(4 * max_logits * cfg["vocab"])
         self._batch = self._alloc(52)
+        self._learn_room = 0  # tokens step_learn's scratch holds (learn_init, at the first learn)
         if threads > 1:
             self._start_helpers(engine, module, shared, threads - 1)
 
@@ -263,7 +264,7 @@ class WasmStep:
         factors: {(layer, target): (A [rank, in], B^T [rank, out])}, q and k's B in the step's row order;
         the gradients in the same shapes. exact: fp32 products (the native trainer's numbers)."""
         rank = next(iter(factors.values()))[0].shape[0]
-        if not getattr(self, "_learn_room", 0) >= len(ids):
+        if self._learn_room < len(ids):
             room = max(len(ids), 64)
             if self._exports["learn_init"](self.store, self.model, room) != room:
                 raise MemoryError(f"the WASM step cannot learn from {room} tokens")

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.backends.lora_gradients import DenseDecoder, Lora, loss_and_grads
+from runtime.core.adapters import peft_lora_config
 from runtime.core.feedback_plan import text_chunks
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -43,6 +44,20 @@ def adam_update(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, t: i
     v *= b2
     v += (1 - b2) * g * g
     w -= (lr * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)).astype(np.float32)
+
+
+def read_peft(folder: str | Path) -> Lora:
+    """save_peft's folder (or any PEFT LoRA of these targets, a page user's too) as the trainer's Lora."""
+    from safetensors.numpy import load_file
+
+    folder = Path(folder)
+    cfg = json.loads((folder / "adapter_config.json").read_text())
+    tensors, factors = load_file(str(folder / "adapter_model.safetensors")), {}
+    for name, a in tensors.items():
+        if name.endswith(".lora_A.weight"):
+            parts = name.split(".")  # base_model.model.model.layers.<i>.<module>.<target>.lora_A.weight
+            factors[(int(parts[4]), parts[6])] = (a, tensors[name.replace("lora_A", "lora_B")])
+    return Lora(factors, cfg["lora_alpha"] / cfg["r"])
 
 
 class MicroLora:
@@ -128,9 +143,7 @@ class MicroLora:
             tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a)
             tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b)
         save_file(tensors, str(folder / "adapter_model.safetensors"))
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.rank, "lora_alpha": self.alpha,
-                  "target_modules": list(self.targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-                  "base_model_name_or_path": base, "use_rslora": False, "use_dora": False}
+        config = peft_lora_config(self.rank, self.alpha, self.targets, base)
         (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
         return folder
 

@@ -198,12 +198,6 @@ class Personalization:
     def needs_reference(self) -> bool:
         return bool(self.settings.ewc) and self._load_reference() is None
 
-    def reference_prompt(self) -> list[dict]:
-        return REFERENCE_MESSAGES
-
-    def reference_params(self):
-        return reference_params(self.settings)
-
     def set_reference(self, ids: list[int]) -> None:
         """The model's own text (sampled by the caller's engine) that EWC++ weighs drift on."""
         self.root.mkdir(parents=True, exist_ok=True)
@@ -420,8 +414,8 @@ class LocalUser:
     def learn(self, what: dict) -> dict:
         if self.personal.needs_reference:
             p = self.personal
-            prompt = self.engine.encode_prompt(messages=p.reference_prompt())
-            tokens = [t for o in self.engine.generate(prompt, p.reference_params()) for t in o.token_ids]
+            prompt = self.engine.encode_prompt(messages=REFERENCE_MESSAGES)
+            tokens = [t for o in self.engine.generate(prompt, reference_params(p.settings)) for t in o.token_ids]
             p.set_reference(prompt + tokens)
         return self.personal.feedback(self.KEY, self.user, tokenize_feedback(self.engine.prompts, what))
 

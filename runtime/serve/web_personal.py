@@ -16,6 +16,7 @@ import shutil
 import time
 from pathlib import Path
 
+from runtime.core.adapters import peft_lora_config
 from runtime.core.feedback_plan import feedback_steps
 from runtime.errors import RequestError
 from runtime.serve.personalization import (
@@ -78,14 +79,12 @@ class PageUsers:
         """The user's factors as a PEFT folder, served under the user's adapter name from the next request.
         Folders are numbered past every one before (a forgotten namesake's too: a running request may
         still read one)."""
-        s = self.settings
         last = max((int(p.name[1:]) for p in (ROOT / digest).glob("v*")), default=0)
         folder = ROOT / digest / f"v{last + 1:06d}"
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "adapter_model.safetensors").write_bytes(weights)
-        (folder / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": s.rank, "lora_alpha": s.alpha,
-            "target_modules": list(s.targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False}))
+        s = self.settings
+        (folder / "adapter_config.json").write_text(json.dumps(peft_lora_config(s.rank, s.alpha, s.targets, self.pkg.name)))
         self.aengine.add_adapter(ADAPTER_PREFIX + digest, str(folder))
         for old in sorted((ROOT / digest).glob("v*"))[:-KEEP_VERSIONS]:
             shutil.rmtree(old, ignore_errors=True)

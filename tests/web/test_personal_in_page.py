@@ -24,8 +24,9 @@ def answer(p, **extra) -> tuple[list[int], list[float]]:
     return choice["token_ids"], [t["logprob"] for t in choice["logprobs"]["content"]]
 
 
-def test_a_page_user_learns_from_feedback_keeps_it_over_a_reload_and_forgets_it(offline_page, smol_int4):
+def test_a_page_user_learns_from_feedback_keeps_it_over_a_reload_and_forgets_it(offline_page, smol_int4, tmp_path):
     from runtime.backends.lora_gradients import DenseDecoder, Lora, loss_and_grads
+    from runtime.backends.micro_lora import read_peft
     from runtime.package import load_package
     from runtime.text.prompt import package_tokenizer
 
@@ -49,8 +50,7 @@ def test_a_page_user_learns_from_feedback_keeps_it_over_a_reload_and_forgets_it(
     pkg = load_package(smol_int4)
     dec = DenseDecoder.from_package(pkg)
     ids = package_tokenizer(pkg).encode(TEXT)
-    zero = {k: (a, b * 0) for k, (a, b) in _factors(dec).items()}
-    native_loss, _ = loss_and_grads(dec, ids, Lora(zero, 4.0), backward=False)
+    native_loss, _ = loss_and_grads(dec, ids, Lora({}, 1.0), backward=False)  # no factors: the base model
     assert abs(first["losses"][0] - native_loss) < 0.02, (first["losses"], native_loss)
     second = p.evaluate(FEEDBACK, {"text": TEXT})
     third = p.evaluate(FEEDBACK, {"text": TEXT})
@@ -67,8 +67,9 @@ def test_a_page_user_learns_from_feedback_keeps_it_over_a_reload_and_forgets_it(
     assert sorted(files) == ["adapter_config.json", "adapter_model.safetensors"]
     fourth = p.evaluate(FEEDBACK, {"text": TEXT})
     assert fourth["consolidated"] is True and fourth["version"] == 4  # EWC++'s Fisher refreshed on the model's text
-    native_adapted, _ = loss_and_grads(dec, ids, _peft_lora(bytes(files["adapter_model.safetensors"]),
-                                                           bytes(files["adapter_config.json"])), backward=False)
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(bytes(data))
+    native_adapted, _ = loss_and_grads(dec, ids, read_peft(tmp_path), backward=False)
     assert abs(native_adapted - fourth["losses"][0]) < 0.02, (native_adapted, fourth["losses"])
     assert native_loss - native_adapted > 0.05, (native_loss, native_adapted)
     learned = answer(p)
@@ -83,29 +84,3 @@ def test_a_page_user_learns_from_feedback_keeps_it_over_a_reload_and_forgets_it(
     assert answer(p) == base
     assert p.evaluate("async () => await window.engine.userState()")["version"] == 0
 
-
-def _factors(dec):
-    """Zero-B factors over every target at rank 2: the base model (the loss a new user starts from)."""
-    import numpy as np
-
-    out = {}
-    for i in range(dec.num_layers):
-        for t, (fin, fout) in dec.features.items():
-            out[(i, t)] = (np.zeros((2, fin), np.float32), np.zeros((fout, 2), np.float32))
-    return out
-
-
-def _peft_lora(weights: bytes, config: bytes):
-    """A PEFT adapter's files as the native trainer's Lora."""
-    import json
-
-    from safetensors.numpy import load
-
-    from runtime.backends.lora_gradients import Lora
-
-    cfg, tensors, factors = json.loads(config), load(weights), {}
-    for name, a in tensors.items():
-        if name.endswith(".lora_A.weight"):
-            parts = name.split(".")
-            factors[(int(parts[4]), parts[6])] = (a, tensors[name.replace("lora_A", "lora_B")])
-    return Lora(factors, cfg["lora_alpha"] / cfg["r"])

@@ -234,10 +234,7 @@ static void learn_project(const Model* m, const Learn* J, int l, int i, const fl
 // ---- norms, rotary, attention ----
 
 static void rms_rows(const float* in, const float* w, int T, int D, float eps, float* out, float* r) {
-  for (int t = 0; t < T; t++) {
-    r[t] = __builtin_sqrtf(dot(in + (size_t)t * D, in + (size_t)t * D, D) / D + eps);
-    rmsnorm(in + (size_t)t * D, w, D, eps, out + (size_t)t * D);
-  }
+  for (int t = 0; t < T; t++) r[t] = 1.f / rmsnorm(in + (size_t)t * D, w, D, eps, out + (size_t)t * D);
 }
 
 // dx [T, D] += the RMSNorm's input gradient from its output's dy (x its input, r its root mean square)

@@ -92,10 +92,12 @@ static float dot(const float* a, const float* b, int n) {
          wasm_f32x4_extract_lane(acc, 3);
 }
 
-static void rmsnorm(const float* in, const float* w, int n, float eps, float* out) {
+// out = in / rms(in) * w; returns 1 / rms(in) (the backward's, learn.h)
+static float rmsnorm(const float* in, const float* w, int n, float eps, float* out) {
   const float inv = 1.f / __builtin_sqrtf(dot(in, in, n) / n + eps);
   for (int i = 0; i < n; i += 4)
     wasm_v128_store(out + i, wasm_f32x4_mul(wasm_f32x4_mul(wasm_v128_load(in + i), wasm_f32x4_splat(inv)), wasm_v128_load(w + i)));
+  return inv;
 }
 
 // every row of `in` [T, K] rounded alone (xq, xs, xsum: T rows), for the projections that read them

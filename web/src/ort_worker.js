@@ -14,7 +14,6 @@ let opened = null; // { ort, manifest, model, device }: what opening the LoRA gr
 let opening = null; // the 'open' in flight: allocate and run wait for it
 let allocationError = null; // the KV pool's allocation failed (no caller waits on it): every step throws it
 let learner = null; // the page's users' trainer (step_trainer.js), made at the first feedback
-const LEARN_TOKENS = TOKENS_PER_STEP; // the longest feedback step: what the step's scratch holds
 let promptKV = null; // { name, saved: Promise<{keys, data} | null> }: the last prompt's blocks (prompt_kv.js)
 const post = (msg, transfer = []) => self.postMessage(msg, transfer);
 
@@ -302,17 +301,12 @@ self.onmessage = async ({ data }) => {
       post({ type: 'result', id, result: await runner.run(data.step) });
     }
     else if (type === 'timings') post({ type: 'timings', id, timings: runner?.timings() ?? null });
-    else if (type === 'learnOpen') { // per-user adaptation (web/src/step_trainer.js), on the WASM step only
+    else if (type === 'learnOpen' || type === 'learnFeedback' || type === 'learnForget') { // per-user adaptation
       await opening;
-      learner ??= new PageLearner(runner);
-      post({ type: 'learnOpened', id, room: LEARN_TOKENS, ...(await learner.open(data.store, data.spec, LEARN_TOKENS)) });
-    } else if (type === 'learnFeedback') {
-      await opening;
-      learner ??= new PageLearner(runner);
-      post({ type: 'learned', id, ...(await learner.feedback(data.store, data.spec, LEARN_TOKENS, data.job)) });
-    } else if (type === 'learnForget') {
-      await opening;
-      post({ type: 'learnForgot', id, deleted: await (learner ?? new PageLearner(runner)).forget(data.store) });
+      learner ??= new PageLearner(runner, TOKENS_PER_STEP); // on the WASM step only; its steps' scratch bounds a step
+      if (type === 'learnOpen') post({ type: 'learnOpened', id, room: learner.room, ...(await learner.open(data.store, data.spec)) });
+      else if (type === 'learnFeedback') post({ type: 'learned', id, ...(await learner.feedback(data.store, data.spec, data.job)) });
+      else post({ type: 'learnForgot', id, deleted: await learner.forget(data.store) });
     }
     else if (type === 'promptKVKeys') { // the saved prompt blocks' keys, if they fit this pool
       await opening;

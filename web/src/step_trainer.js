@@ -205,17 +205,19 @@ export class StepTrainer {
 
 // The model worker's side of runtime/serve/web_personal.py: one trainer, switched between users.
 export class PageLearner {
-  constructor(runner) {
+  /** room: the longest step (tokens) it learns from. */
+  constructor(runner, room) {
     if (!runner.k?.step_learn) throw new Error('per-user adaptation in the page runs on the WASM step: load the engine with backend "wasm-step" (or "auto" on a CPU)');
     this.runner = runner;
+    this.room = room;
     this.trainer = null;
     this.store = null;
     this.meta = null;
   }
 
-  async open(store, spec, room) {
+  async open(store, spec) {
     if (this.store === store) return this.opened();
-    if (!this.trainer || JSON.stringify(this.trainer.spec) !== JSON.stringify(spec)) this.trainer = new StepTrainer(this.runner, spec, room);
+    if (!this.trainer || JSON.stringify(this.trainer.spec) !== JSON.stringify(spec)) this.trainer = new StepTrainer(this.runner, spec, this.room);
     else this.trainer.reset();
     const saved = await StepTrainer.read(store);
     this.meta = saved ? this.trainer.restore(saved) : null;
@@ -228,8 +230,8 @@ export class PageLearner {
     return this.meta ? { meta: this.meta, peft: this.trainer.peft() } : {};
   }
 
-  async feedback(store, spec, room, { steps, consolidate, chunk, meta }) {
-    await this.open(store, spec, room);
+  async feedback(store, spec, { steps, consolidate, chunk, meta }) {
+    await this.open(store, spec);
     const t0 = performance.now(), losses = steps.map(([ids, from, unlikely, scale]) => this.trainer.step(ids, from, unlikely, scale));
     if (consolidate) this.trainer.consolidate(consolidate, chunk);
     const seconds = (performance.now() - t0) / 1000;

@@ -203,8 +203,9 @@ self.onmessage = async ({ data }) => {
     else if (['feedback', 'forget', 'userState', 'userAdapter'].includes(type)) { // per-user adaptation
       if (!engine) throw new Error('the engine is not loaded');
       const user = data.user ?? null;
-      const answer = JSON.parse(type === 'feedback' ? await engine.feedback(data.body) : type === 'forget'
-        ? await engine.forget(user) : type === 'userState' ? await engine.user_state(user) : await engine.user_adapter(user));
+      const ask = { feedback: () => engine.feedback(data.body), forget: () => engine.forget(user),
+        userState: () => engine.user_state(user), userAdapter: () => engine.user_adapter(user) }[type];
+      const answer = JSON.parse(await ask());
       if (type === 'userAdapter' && answer.path) { // the folder's files, out of Pyodide's file system
         const FS = self.pyodideFS;
         answer.files = Object.fromEntries(FS.readdir(answer.path).filter((f) => !f.startsWith('.'))
