@@ -9,8 +9,9 @@ Each "user" is the long description (README) of an installed package, named in t
 Adam on rank-2 factors of every layer's projections (the server's default), gradients from lora_gradients.py, no torch), the next
 --tokens are scored teacher-forced. Per user: no adaptation; the first half in context before the second;
 a random adapter with the trained one's factor norms; the adapted user. Also the perplexity of a general
-text (CPython's LICENSE.txt) before and after each user's adaptation (forgetting); --ewc is EWC++'s strength (4),
-measured on the model's own sampled answer (own_text). PKG: any package of a llama, mistral or qwen2 model
+text (CPython's LICENSE.txt) before and after each user's adaptation (forgetting), and how far the adapter
+moved the model: the mean KL from the base model's next-token distributions on the model's own sampled
+answer (own_text) and on the general text; --ewc is EWC++'s strength (4), measured on that own text. PKG: any package of a llama, mistral or qwen2 model
 (the loop learns against the weights it serves, quantized or not). Prints JSON.
 
 With --page the loop runs in headless Chromium instead: the bundle's SmolLM2 (`python -m wasm build`) on
@@ -120,7 +121,7 @@ def main() -> None:
     ap.add_argument("--save-adapters", default=None, metavar="DIR",
                     help="write each user's adapter there as a PEFT folder (for `ruvllm bench --adapters`)")
     args = ap.parse_args()
-    from runtime.backends.lora_gradients import DenseDecoder, Lora, loss_and_grads
+    from runtime.backends.lora_gradients import DenseDecoder, Lora, log_softmax_rows, loss_and_grads, mean_kl
     from runtime.backends.micro_lora import MicroLora, read_peft
     from runtime.package import load_package
     from runtime.text.prompt import package_tokenizer
@@ -137,7 +138,9 @@ def main() -> None:
     general = tok.encode((Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text())[:args.tokens]
     ppl = lambda ids, lora, scored_from=0: math.exp(loss_and_grads(dec, ids, lora, False, scored_from)[0])  # noqa: E731
     general_base = ppl(general, none)
-    reference = own_text(pkg, args.reference_tokens) if args.ewc and not args.page else None
+    own = own_text(pkg, args.reference_tokens)
+    reference = own if args.ewc and not args.page else None
+    base_own, base_general = log_softmax_rows(dec, own, none), log_softmax_rows(dec, general[:512], none)
     page = PageUsers(args.threads) if args.page else None  # the page's settings are the server's defaults
     rows, rng = [], np.random.default_rng(0)
     for name in USERS[:users]:
@@ -158,6 +161,8 @@ def main() -> None:
                "in_context": ppl(context, none, scored_from=len(context) - len(second)),
                "random_adapter": ppl(second, random), "adapted": ppl(second, adapted),
                "general_after": ppl(general, adapted),
+               "kl_own_text": round(mean_kl(base_own, log_softmax_rows(dec, own, adapted)), 6),
+               "kl_general": round(mean_kl(base_general, log_softmax_rows(dec, general[:512], adapted)), 6),
                "seconds_per_256_tokens": round(learned["seconds"] / (learned["tokens"] / 256), 2)}
         row["adapted_vs_none"] = round(row["adapted"] / row["none"] - 1, 4)
         row["forgetting"] = round(row["general_after"] / general_base - 1, 4)

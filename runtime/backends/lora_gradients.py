@@ -176,13 +176,9 @@ def _add_lora(x: np.ndarray, y: np.ndarray, lora: Lora, key: tuple[int, str], ca
     return y
 
 
-def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool = True,
-                   scored_from: int = 0, unlikely: bool = False) -> tuple[float, dict]:
-    """Mean next-token cross-entropy of `ids` (teacher-forced, one sequence) under the LoRA, and its
-    gradient with respect to every factor: {(layer, target): (dA, dB)} ({} without `backward`).
-    scored_from: the loss counts the predictions of tokens from this position on (the earlier ones are
-    context only). unlikely: the unlikelihood loss -log(1 - p(token)) instead (Welleck et al. 2019), which
-    pushes the scored tokens down without pulling any other token up in particular (an answer rated bad)."""
+def _forward(dec: DenseDecoder, ids: list[int], lora: Lora, keep: bool):
+    """The LoRA model's forward over one sequence: (the last layer's output, the final norm's output and
+    root mean squares, the logits [T, vocab], what the backward reads per layer (kept when `keep`))."""
     T = len(ids)
     if T < 2:
         raise ValueError("a text of at least two tokens")
@@ -223,11 +219,25 @@ def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool
         sig = 1.0 / (1.0 + np.exp(-gate))
         act = gate * sig * up
         x2 = x1 + _add_lora(act, act @ L["down_t"], lora, (i, "down_proj"), lora_cache)
-        if backward:  # what the backward reads (a scoring pass keeps nothing: 2,048 tokens' scores are GBs)
+        if keep:  # what the backward reads (a scoring pass keeps nothing: 2,048 tokens' scores are GBs)
             saved.append((x, a, r1, qh, kh, vh, p, o, x1, m, r2, gate, up, sig, act, lora_cache))
         x = x2
     z, rf = _rms(x, dec.final_norm, dec.eps)
     logits = z @ dec.head_t
+    return x, z, rf, logits, saved
+
+
+def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool = True,
+                   scored_from: int = 0, unlikely: bool = False) -> tuple[float, dict]:
+    """Mean next-token cross-entropy of `ids` (teacher-forced, one sequence) under the LoRA, and its
+    gradient with respect to every factor: {(layer, target): (dA, dB)} ({} without `backward`).
+    scored_from: the loss counts the predictions of tokens from this position on (the earlier ones are
+    context only). unlikely: the unlikelihood loss -log(1 - p(token)) instead (Welleck et al. 2019), which
+    pushes the scored tokens down without pulling any other token up in particular (an answer rated bad)."""
+    x, z, rf, logits, saved = _forward(dec, ids, lora, backward)
+    T, (hq, hkv, d) = len(ids), (dec.num_heads, dec.num_kv_heads, dec.head_dim)
+    group, scale = hq // hkv, np.float32(1.0 / np.sqrt(d))
+    cos, sin = dec.cos[:T], dec.sin[:T]
     first = max(scored_from - 1, 0)  # the row predicting token `scored_from`
     targets = np.asarray(ids[first + 1:])
     lg = logits[first:-1]
@@ -300,3 +310,15 @@ def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool
                 da += extra
         dx = dx1 + _rms_back(da, x0, r1, L["input_norm"])
     return loss, grads
+
+
+def log_softmax_rows(dec: DenseDecoder, ids: list[int], lora: Lora) -> np.ndarray:
+    """The model's next-token log-probabilities at every position of `ids` under the LoRA, [T, vocab]."""
+    logits = _forward(dec, ids, lora, False)[3]
+    logits -= logits.max(-1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+
+def mean_kl(base_logp: np.ndarray, logp: np.ndarray) -> float:
+    """The mean over positions of KL(base || adapted), in nats: how far an adapter moved the model."""
+    return float((np.exp(base_logp) * (base_logp - logp)).sum(-1).mean())
