@@ -68,10 +68,14 @@ def channels_asym(x: np.ndarray, bits: int) -> np.ndarray:
     return (q * s + lo).reshape(xp.shape)[:T]
 
 
-def rotated(fn):
+def rotated(fn, size: int = 0):
+    """fn on the rows rotated by a Hadamard matrix of the row's width (or of `size` numbers at a time: a
+    block-diagonal one, which a kernel can undo 16 numbers, one vector, at a time), rotated back."""
     def apply(x: np.ndarray) -> np.ndarray:
-        h = hadamard(x.shape[-1])
-        return fn(x @ h) @ h.T  # H is orthonormal: the scores and the weighted sum see x itself, rounded
+        n = size or x.shape[-1]
+        h = hadamard(n)
+        blocks = lambda y, m: (y.reshape(*y.shape[:-1], -1, n) @ m).reshape(y.shape)  # noqa: E731
+        return blocks(fn(blocks(x, h)), h.T)  # H is orthonormal: the scores and the weighted sum see x itself, rounded
     return apply
 
 
@@ -92,6 +96,9 @@ SCHEMES = {
                                lambda d: d / 2 + 4 * d / 32),
     "hadamard keys g32 asym, values g64 asym": (rotated(lambda x: rows_asym(x, 4, 32)), rotated(lambda x: rows_asym(x, 4, 64)),
                                                 lambda d: d / 2 + 4 * d / 32 / 2 + 4 * d / 64 / 2),
+    "hadamard16 keys g32 asym, values g64 asym": (rotated(lambda x: rows_asym(x, 4, 32), 16),
+                                                  rotated(lambda x: rows_asym(x, 4, 64), 16),
+                                                  lambda d: d / 2 + 4 * d / 32 / 2 + 4 * d / 64 / 2),
     "hadamard keys g64 asym, values g32 asym": (rotated(lambda x: rows_asym(x, 4, 64)), rotated(lambda x: rows_asym(x, 4, 32)),
                                                 lambda d: d / 2 + 4 * d / 64 / 2 + 4 * d / 32 / 2),
     "hadamard kivi (keys per channel over a block; values g32 asym)": (

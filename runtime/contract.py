@@ -100,7 +100,7 @@ KV_TAIL_KEY, KV_TAIL_VALUE = "kv_tail.key", "kv_tail.value"
 KV_EXACT_FROM = "kv_tail.exact_from"
 
 
-KV_DTYPES = ("fp32", "int8")  # the native KV pool's element types (--kv-dtype)
+KV_DTYPES = ("fp32", "int8", "int4")  # the native KV pool's element types (--kv-dtype)
 
 
 def kv_scale_inputs(num_layers: int) -> set[str]:

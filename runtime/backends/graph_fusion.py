@@ -22,7 +22,7 @@ def fusable_head_dim(head_dim: int) -> bool:
 
 
 def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_dir: Path | None = None,
-         half_adapters: bool = False, kv_int8: bool = False, kv_tails: bool = True) -> dict[str, int]:
+         half_adapters: bool = False, kv_dtype: str = "fp32", kv_tails: bool = True) -> dict[str, int]:
     """Rewrite `model` in place with the operators in `ops`: every MatMulNBits the kernel computes the
     same way becomes ruvllm.MatMulQ4 (with its epilogues and block minimums folded in), and, given the
     package's config, each layer's attention ruvllm.PagedAttention (fuse_attention) and each residual
@@ -34,9 +34,10 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     8-bit nodes of that kind whose zero points are all 128 (a GGUF's Q8_0: the integers minus 128 fit a
     signed byte whatever they are) become ruvllm.MatMulQ8; `base_dir` is where the graph's external
     data lives, to read those zero points. `half_adapters`: the LoRA graph's adapter inputs that only
-    RuvLLM's LoRA operators read become fp16 (adapters_in_half). `kv_int8`: the KV pool inputs that
-    only ruvllm.PagedAttention reads become int8 with their group scales (kv_in_int8, with full-precision
-    tails unless `kv_tails` is False; else kv_in_int8_graph).
+    RuvLLM's LoRA operators read become fp16 (adapters_in_half). `kv_dtype` "int8" or "int4": the KV pool
+    inputs that only ruvllm.PagedAttention reads become int8 (int4: packed in uint8) with their group scales
+    (kv_quantized, with full-precision tails unless `kv_tails` is False); an int8 pool elsewhere is read by
+    the graph's own attention (kv_in_int8_graph).
     """
     import onnx
 
@@ -76,10 +77,11 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     if "PagedAttention" in ops and config is not None and fusable_head_dim(config.get("head_dim", 0)):
         windows = config.get("layer_windows") or [config.get("sliding_window")] * config["num_layers"]
         layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"], windows)
-    if kv_int8:  # on the kernel's layers, else (no AVX-512 kernels) on the graph's own attention
+    if kv_dtype in ("int8", "int4"):  # on the kernel's layers, else (int8, no AVX-512) on the graph's own attention
         if layers:
-            kv_in_int8(model, config["num_layers"], kv_tails)
-        kv_in_int8_graph(model)
+            kv_quantized(model, config["num_layers"], kv_tails, kv_dtype)
+        if kv_dtype == "int8":
+            kv_in_int8_graph(model)
     norms = fuse_norms(model) if "SkipRMSNorm" in ops else 0
     loras = fuse_lora(model) if "LoraDelta" in ops else 0
     lora_mlps = fuse_lora_swiglu(model) if loras else 0  # the same kernel file as LoraDelta: every build has it
@@ -119,7 +121,7 @@ CACHED_REWRITES = 256  # entries kept; the least recently used go first
 
 
 def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] = ALL_OPS,
-                  half_adapters: bool = False, kv_int8: bool = False, kv_tails: bool = True) -> tuple[bytes, dict[str, int]]:
+                  half_adapters: bool = False, kv_dtype: str = "fp32", kv_tails: bool = True) -> tuple[bytes, dict[str, int]]:
     """The graph file rewritten by fuse() (weights stay where they are: the model's external data is
     read from the package's folder), serialized, and the counts.
 
@@ -127,7 +129,7 @@ def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] =
     reads it back without onnx or the rewrite, which are most of the time a load takes."""
     import json
 
-    key = _rewrite_key(graph, config, ops, half_adapters, kv_int8, kv_tails)
+    key = _rewrite_key(graph, config, ops, half_adapters, kv_dtype, kv_tails)
     where = None if key is None else _rewrite_cache() / key
     if where is not None:
         try:
@@ -139,7 +141,7 @@ def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] =
     import onnx
 
     model = onnx.load(str(graph), load_external_data=False)
-    counts = fuse(model, config, ops, graph.parent, half_adapters, kv_int8, kv_tails)
+    counts = fuse(model, config, ops, graph.parent, half_adapters, kv_dtype, kv_tails)
     data = model.SerializeToString()
     if where is not None and len(data) <= CACHED_REWRITE_BYTES:
         _keep_rewrite(where, data, counts)
@@ -152,7 +154,7 @@ def _rewrite_cache() -> Path:
     return cache_dir() / "graphs"
 
 
-def _rewrite_key(graph: Path, config: dict | None, ops: frozenset[str], *flags: bool) -> str | None:
+def _rewrite_key(graph: Path, config: dict | None, ops: frozenset[str], *flags: bool | str) -> str | None:
     """A digest of the graph's bytes, the stamps of its folder's files (the external data fuse reads),
     the arguments, this code and onnx's; None where a file cannot be read (no caching then)."""
     import hashlib
@@ -345,18 +347,21 @@ def _drop_dead(model) -> None:
         _drop(model, nodes, dead)
 
 
-def kv_in_int8(model, num_layers: int, tails: bool = True) -> int:
+def kv_quantized(model, num_layers: int, tails: bool = True, kv_dtype: str = "int8") -> int:
     """Each layer's KV pool inputs (past.{i}.key / .value) that only ruvllm.PagedAttention reads become
-    int8, and the node takes four more inputs: the fp16 scales of each row's groups [kv_heads, num_blocks,
-    block_size, groups] per kind (contract.past_key_scale, kv_pool.quantize_rows), which the kernel
-    multiplies back in (--kv-dtype int8), and the fp32 tails, full-precision copies of the blocks being
-    written, every layer's in one input per kind (contract.KV_TAIL_KEY; kv_pool.py; the node's `layer` says
-    which part is its own, `tail_blocks` how many blocks up to a query's own it reads from them), and each
-    row's floor (contract.KV_EXACT_FROM), unless `tails` is False. Returns how many layers."""
+    int8 (--kv-dtype int8), or int4 packed two a byte in uint8 [kv_heads, num_blocks, block_size, head_dim /
+    2] (int4), and the node takes four more inputs: the fp16 scales of each row's groups [kv_heads,
+    num_blocks, block_size, n] per kind (contract.past_key_scale; int8: one per group, kv_pool.quantize_rows;
+    int4: a (scale, minimum) pair per group, kv_pool.quantize_rows_int4), which the kernel multiplies back
+    in, and the fp32 tails, full-precision copies of the blocks being written, every layer's in one input
+    per kind (contract.KV_TAIL_KEY; kv_pool.py; the node's `layer` says which part is its own,
+    `tail_blocks` how many blocks up to a query's own it reads from them), and each row's floor
+    (contract.KV_EXACT_FROM), unless `tails` is False. Returns how many layers."""
     import onnx
 
     from runtime import contract as C
     from runtime.backends.kv_pool import TAIL_BLOCKS
+    from runtime.core.kv_blocks import kv_int4_groups
 
     inputs = {i.name: i for i in model.graph.input}
     consumers = _consumers(model.graph.node)
@@ -374,14 +379,22 @@ def kv_in_int8(model, num_layers: int, tails: bool = True) -> int:
         grouping = _groups_of(key)
         if grouping is None:
             continue
-        groups = grouping[0]
+        head_dim = grouping[0] * grouping[1]
+        if kv_dtype == "int4":
+            widths = [2 * head_dim // g for g in kv_int4_groups(head_dim)]
+        else:
+            widths = [grouping[0]] * 2
         if tails and not count:
             for name in (C.KV_TAIL_KEY, C.KV_TAIL_VALUE):
                 model.graph.input.append(_tail_input(key, name, num_layers))
             model.graph.input.append(onnx.helper.make_tensor_value_info(C.KV_EXACT_FROM, onnx.TensorProto.INT64, ["batch"]))
-        for pool, name in ((key, C.past_key_scale(layer)), (value, C.past_value_scale(layer))):
-            pool.type.tensor_type.elem_type = onnx.TensorProto.INT8
-            model.graph.input.append(_scales_input(pool, name, groups))
+        for pool, name, width in ((key, C.past_key_scale(layer), widths[0]), (value, C.past_value_scale(layer), widths[1])):
+            model.graph.input.append(_scales_input(pool, name, width))
+            if kv_dtype == "int4":
+                pool.type.tensor_type.elem_type = onnx.TensorProto.UINT8
+                pool.type.tensor_type.shape.dim[3].dim_value = head_dim // 2
+            else:
+                pool.type.tensor_type.elem_type = onnx.TensorProto.INT8
             node.input.append(name)
         if tails:
             node.input.extend([C.KV_TAIL_KEY, C.KV_TAIL_VALUE, C.KV_EXACT_FROM])

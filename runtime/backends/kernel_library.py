@@ -44,7 +44,7 @@ TESTED_ONNXRUNTIME = ((1, 32), (1, 32))  # lowest and highest (major, minor), in
 
 _library: tuple[Path | None, str] | None = None  # (path, why not) once decided in this process
 _operators: dict[Path, frozenset[str]] = {}
-_kv_writer = None  # kv_writer()'s function once looked up (False: none here)
+_kv_writers: dict = {}  # kv_writer()'s functions once looked up, per pool dtype (None: none here)
 
 
 def onnxruntime_supported(version: str) -> tuple[bool, str]:
@@ -128,22 +128,22 @@ def _build() -> tuple[Path | None, str]:
     return out, ""
 
 
-def kv_writer():
-    """ruvllm_kv_write_int8 (kernels/kv_write.h: a step's rows into an int8 KV pool and its tails, one pass)
-    as a ctypes function, or None where the library is not built (kv_pool.py then writes with numpy)."""
-    global _kv_writer
-    if _kv_writer is None:
+def kv_writer(kv_dtype: str = "int8"):
+    """ruvllm_kv_write_int8 or ruvllm_kv_write_int4 (kernels/kv_write.h: a step's rows into a quantized KV
+    pool and its tails, one pass) as a ctypes function, or None where the library is not built (kv_pool.py
+    then writes with numpy)."""
+    if kv_dtype not in _kv_writers:
         import ctypes
 
         lib = library()[0]
-        fn = False
+        fn = None
         if lib is not None:
-            fn = ctypes.CDLL(str(lib)).ruvllm_kv_write_int8
+            fn = getattr(ctypes.CDLL(str(lib)), f"ruvllm_kv_write_{kv_dtype}")
             fn.restype = ctypes.c_int
             i64, ptr = ctypes.c_int64, ctypes.c_void_p
             fn.argtypes = [ptr, i64, i64, i64, i64, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, i64]
-        _kv_writer = fn
-    return _kv_writer or None
+        _kv_writers[kv_dtype] = fn
+    return _kv_writers[kv_dtype]
 
 
 def operators(lib: Path | None = None) -> frozenset[str]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime import contract as C
-from runtime.core.kv_blocks import kv_group
+from runtime.core.kv_blocks import kv_group, kv_int4_groups
 
 POOL_KEY, POOL_VALUE, SLOTS = "pool.key", "pool.value", "kv_slots"
 FIRST_BLOCKS = 16  # blocks committed when the pool is made; it doubles from there as blocks are used
@@ -110,12 +110,65 @@ def dequantize_rows(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(q.shape)
 
 
-def _native_writer():
-    """The kernel library's one-pass int8 writer (kernel_library.kv_writer), or None: numpy's quantize_rows
-    and copies then."""
+def kv_rotation(head_dim: int) -> int:
+    """Numbers an int4 pool's Hadamard rotation mixes: the largest power of two dividing head_dim (a row of
+    64: all of it; 96: blocks of 32)."""
+    return head_dim & -head_dim
+
+
+def _fwht(x: np.ndarray) -> np.ndarray:
+    """Each row (last axis) times the orthonormal Hadamard matrix of kv_rotation(D) numbers, block by block:
+    butterflies of distance 1, 2, 4, ..., (a, b) -> (a + b, a - b), then 1 / sqrt(n), in float32 and in
+    kernels/kv_write.h's order, so that numpy, the writer and the reader round alike. Its own inverse."""
+    n = kv_rotation(x.shape[-1])
+    y = x.reshape(-1, n)
+    h = 1
+    while h < n:
+        y = y.reshape(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = np.stack([a + b, a - b], axis=2)
+        h *= 2
+    return y.reshape(x.shape) * np.float32(1 / np.sqrt(n))
+
+
+def quantize_rows_int4(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [..., D] (D a multiple of 32) as an int4 pool stores it (--kv-dtype int4): rotated by an orthonormal
+    Hadamard matrix (_fwht: which spreads a channel's outlier over the row, QuaRot), then per `group`
+    numbers 4-bit steps above an fp16 minimum of an fp16 scale, (max - minimum) / 15, rounded to nearest
+    even within [0, 15] (both held within fp16's range). Returns the packed rows [..., D / 2] uint8 (number i of each 32 in byte i's low
+    nibble, number 16 + i in its high nibble) and the (scale, minimum) pairs [..., 2 D / group] fp16.
+    kernels/kv_write.h computes the same bit for bit."""
+    d = x.shape[-1]
+    y = _fwht(np.asarray(x, np.float32))
+    g = y.reshape(*x.shape[:-1], d // group, group)
+    top = np.float32(65504)  # fp16's largest: numbers past it are held there, not made infinite
+    lo = np.clip(g.min(-1), -top, top).astype(np.float16)
+    lof = lo.astype(np.float32)[..., None]
+    scale = np.minimum((g.max(-1, keepdims=True) - lof) / np.float32(15), top).astype(np.float16)[..., 0]
+    s = scale.astype(np.float32)[..., None]
+    q = np.clip(np.rint((g - lof) / np.where(s > 0, s, np.float32(1))), 0, 15).astype(np.uint8)
+    q = q.reshape(*x.shape[:-1], d // 32, 2, 16)
+    packed = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(*x.shape[:-1], d // 2)
+    return packed, np.stack([scale, lo], -1).reshape(*x.shape[:-1], 2 * (d // group))
+
+
+def dequantize_rows_int4(packed: np.ndarray, pairs: np.ndarray) -> np.ndarray:
+    """The float32 numbers int4 rows stand for (quantize_rows_int4), as ruvllm.PagedAttention reads them:
+    steps x scale + minimum, rotated back (the rotation is its own inverse)."""
+    d, groups = 2 * packed.shape[-1], pairs.shape[-1] // 2
+    p = packed.reshape(*packed.shape[:-1], d // 32, 1, 16)
+    q = np.concatenate([p & 15, p >> 4], axis=-2).reshape(*packed.shape[:-1], groups, d // groups).astype(np.float32)
+    f = pairs.astype(np.float32).reshape(*pairs.shape[:-1], groups, 2)
+    y = (q * f[..., :1] + f[..., 1:]).reshape(*packed.shape[:-1], d)
+    return _fwht(y)
+
+
+def _native_writer(kv_dtype: str):
+    """The kernel library's one-pass writer of an int8 or int4 pool (kernel_library.kv_writer), or None:
+    numpy's quantize_rows (quantize_rows_int4) and copies then."""
     from runtime.backends.kernel_library import kv_writer
 
-    return kv_writer()
+    return kv_writer(kv_dtype)
 
 
 def _reserved(shape: list[int], dtype=np.float32) -> np.ndarray:
@@ -160,17 +213,24 @@ class DeviceKVPool:
         reads them: contract.KV_TAIL_KEY)."""
         self.device = device_of(providers)
         self.device_writes = self.device != "cpu" if device_writes is None else device_writes
-        self.int8 = kv_dtype == "int8"
-        self.tails = tails and self.int8
+        self.int8, self.int4 = kv_dtype == "int8", kv_dtype == "int4"
+        self.quantized = self.int8 or self.int4
+        self.tails = tails and self.quantized
         self.tail_blocks = TAIL_BLOCKS  # what the graph's kernel was given (graph_fusion.kv_in_int8)
-        self.dtype = np.int8 if self.int8 else np.float32
-        if self.int8 and (self.device != "cpu" or self.device_writes):
-            raise ValueError("an int8 KV pool lives in host memory: it runs on the CPU only")
-        self.layer_shape = [kv_heads, num_blocks, block_size, head_dim]  # what each layer's graph input sees
-        shape = [num_layers, kv_heads, num_blocks * block_size, head_dim]
-        self.layer_bytes = kv_heads * num_blocks * block_size * head_dim * np.dtype(self.dtype).itemsize
-        self.groups = head_dim // kv_group(head_dim)
-        self.scale_bytes = kv_heads * num_blocks * block_size * self.groups * 2 if self.int8 else 0  # a layer's scales
+        self.dtype = np.int8 if self.int8 else np.uint8 if self.int4 else np.float32
+        if self.quantized and (self.device != "cpu" or self.device_writes):
+            raise ValueError(f"an {kv_dtype} KV pool lives in host memory: it runs on the CPU only")
+        width = head_dim // 2 if self.int4 else head_dim  # an int4 row: two numbers a byte
+        self.layer_shape = [kv_heads, num_blocks, block_size, width]  # what each layer's graph input sees
+        shape = [num_layers, kv_heads, num_blocks * block_size, width]
+        self.layer_bytes = kv_heads * num_blocks * block_size * width * np.dtype(self.dtype).itemsize
+        # fp16 numbers a row's scales take, per kind: int8, one per group; int4, a (scale, minimum) pair per
+        # group (keys' and values' groups may differ: kv_blocks.kv_int4_groups)
+        self.int4_groups = kv_int4_groups(head_dim) if self.int4 else (0, 0)
+        self.scale_widths = tuple(2 * head_dim // g for g in self.int4_groups) if self.int4 else \
+            (head_dim // kv_group(head_dim),) * 2
+        # a layer's scales, per kind
+        self.scale_bytes = tuple(kv_heads * num_blocks * block_size * w * 2 if self.quantized else 0 for w in self.scale_widths)
         self.num_blocks, self.block_size, self.num_layers = num_blocks, block_size, num_layers
         self.committed = num_blocks  # blocks whose memory is written (zeros) and so resident
         if self.device == "cpu":
@@ -179,15 +239,14 @@ class DeviceKVPool:
             # Committing a range at once keeps page faults out of the steps: a lazily mapped page faulting
             # at its first write cost ~1.7 ms a step on SmolLM2.
             self._host = (_reserved(shape, self.dtype), _reserved(shape, self.dtype))
-            scale_shape = [*shape[:3], self.groups]
-            self._scales = (_reserved(scale_shape, np.float16), _reserved(scale_shape, np.float16)) if self.int8 else ()
+            self._scales = tuple(_reserved([*shape[:3], w], np.float16) for w in self.scale_widths) if self.quantized else ()
             # committed where written (never by ensure), given back as their blocks fall behind
             tail_shape = [num_blocks, num_layers, kv_heads, block_size, head_dim]  # a block's rows: one range
             self._tails = (_reserved(tail_shape), _reserved(tail_shape)) if self.tails else ()
             self._live: set[int] = set()  # blocks whose tail rows hold memory
-            # an int8 pool's one-pass writer (kernel library) and its arrays' addresses, which never move;
+            # a quantized pool's one-pass writer (kernel library) and its arrays' addresses, which never move;
             # None: numpy writes it
-            self._native = _native_writer() if self.int8 else None
+            self._native = _native_writer(kv_dtype) if self.quantized else None
             self._pointers = [(a.ctypes.data, s.ctypes.data, t.ctypes.data if self.tails else None)
                               for a, s, t in zip(self._host, self._scales, self._tails or (None, None))]
             self.committed = 0
@@ -228,7 +287,7 @@ class DeviceKVPool:
     @property
     def committed_bytes(self) -> int:
         """Bytes of K and V memory committed so far (the whole pool on a GPU), the tails' pages included."""
-        pool = 2 * self.num_layers * (self.layer_bytes + self.scale_bytes) * self.committed // self.num_blocks
+        pool = self.num_layers * (2 * self.layer_bytes + sum(self.scale_bytes)) * self.committed // self.num_blocks
         return pool + (len(self._live) * 2 * self._tail_block_bytes if self.tails else 0)
 
     @property
@@ -241,9 +300,9 @@ class DeviceKVPool:
         for i in range(num_layers):
             for name, pool in ((C.past_key(i), self.keys), (C.past_value(i), self.values)):
                 io.bind_input(name, self.device, 0, self.dtype, self.layer_shape, pool.data_ptr() + i * self.layer_bytes)
-            for name, scales in zip((C.past_key_scale(i), C.past_value_scale(i)), self._scale_values):
-                io.bind_input(name, self.device, 0, np.float16, [*self.layer_shape[:3], self.groups],
-                              scales.data_ptr() + i * self.scale_bytes)
+            for name, scales, w, size in zip((C.past_key_scale(i), C.past_value_scale(i)), self._scale_values,
+                                             self.scale_widths, self.scale_bytes):
+                io.bind_input(name, self.device, 0, np.float16, [*self.layer_shape[:3], w], scales.data_ptr() + i * size)
         for name, tail in zip((C.KV_TAIL_KEY, C.KV_TAIL_VALUE), self._tail_values):
             io.bind_ortvalue_input(name, tail)
 
@@ -253,7 +312,7 @@ class DeviceKVPool:
         if not self.device_writes:
             kept = self._tail_tokens(kv_slots, batch) if self.tails and batch is not None else []
             if self._native is not None:
-                self._write_int8_native((present_key, present_value), kv_slots, kept)
+                self._write_native((present_key, present_value), kv_slots, kept)
                 return
             presents = (present_key.numpy(), present_value.numpy())  # [layers, tokens, kv_heads, head_dim]
             if kept:
@@ -270,6 +329,9 @@ class DeviceKVPool:
                 if self.int8:
                     rows, scales = quantize_rows(rows)
                     self._scales[k][:, :, slots] = scales
+                elif self.int4:
+                    rows, scales = quantize_rows_int4(rows, self.int4_groups[k])
+                    self._scales[k][:, :, slots] = scales
                 pool[:, :, slots] = rows
             return
         io = self._io
@@ -278,19 +340,21 @@ class DeviceKVPool:
         io.bind_cpu_input(SLOTS, np.asarray(kv_slots, np.int64))
         self.writer.run_with_iobinding(io)
 
-    def _write_int8_native(self, presents, kv_slots: list[int], kept: list[int]) -> None:
-        """Both kinds (the graph's present OrtValues, read in place) through ruvllm_kv_write_int8
-        (kernels/kv_write.h): quantize_rows's rounding bit for bit, and the kept tokens' rows copied into the
-        tails, one pass each rather than numpy's dozen (a decode step's write: 0.44 -> ~0.1 ms)."""
+    def _write_native(self, presents, kv_slots: list[int], kept: list[int]) -> None:
+        """Both kinds (the graph's present OrtValues, read in place) through ruvllm_kv_write_int8 or _int4
+        (kernels/kv_write.h): quantize_rows's (quantize_rows_int4's) rounding bit for bit, and the kept
+        tokens' rows copied into the tails, one pass each rather than numpy's dozen (a decode step's int8
+        write: 0.44 -> ~0.1 ms)."""
         import ctypes
 
         slots = (ctypes.c_int64 * len(kv_slots))(*kv_slots)
         kept_at = (ctypes.c_int64 * len(kept))(*kept)
         layers, tokens, heads, dim = presents[0].shape()
-        for present, (pool, scales, tail) in zip(presents, self._pointers):
+        for k, (present, (pool, scales, tail)) in enumerate(zip(presents, self._pointers)):
+            group = self.int4_groups[k] if self.int4 else self.scale_widths[k]  # int4: numbers a pair; int8: groups a row
             if self._native(present.data_ptr(), layers, tokens, heads, dim, slots, self.num_blocks * self.block_size,
-                              self.groups, pool, scales, tail if kept else None, kept_at, len(kept), self.block_size):
-                raise ValueError("ruvllm_kv_write_int8 refused a step's rows (a slot outside the pool)")
+                            group, pool, scales, tail if kept else None, kept_at, len(kept), self.block_size):
+                raise ValueError("the KV pool's writer refused a step's rows (a slot outside the pool)")
 
     def _tail_tokens(self, kv_slots: list[int], batch) -> list[int]:
         """The step's tokens whose rows go into the tails too (those of each batch row's blocks that a later
@@ -344,8 +408,8 @@ class DeviceKVPool:
         (CPU only: for tests and for restoring saved blocks); commits the whole pool."""
         if self.device != "cpu":
             raise RuntimeError("the KV pool lives on the GPU: it has no host view")
-        if self.int8:
-            raise RuntimeError("an int8 KV pool has no fp32 view")
+        if self.quantized:
+            raise RuntimeError("a quantized KV pool has no fp32 view")
         self.ensure(self.num_blocks)  # a writer through the view may touch any block: commit them all first
         shape = (self._host[0].shape[0], *self.layer_shape)
         return self._host[0].reshape(shape), self._host[1].reshape(shape)

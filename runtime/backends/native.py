@@ -56,8 +56,8 @@ class NativeBackend:
     def __init__(self, package: ModelPackage, device: str = "cpu", threads: int | None = None,
                  lora: bool = False, kv_device_writes: bool | None = None, kv_dtype: str = "fp32") -> None:
         """kv_device_writes: write K/V with the pool's device graph even on CPU (kv_pool.py; tests).
-        kv_dtype: the KV pool's numbers, "fp32" or "int8" (rows quantized as written; read by
-        ruvllm.PagedAttention, or by the graph's own attention rewritten for them; CPU only)."""
+        kv_dtype: the KV pool's numbers, "fp32", "int8" or "int4" (rows quantized as written; read by
+        ruvllm.PagedAttention, or (int8) by the graph's own attention rewritten for them; CPU only)."""
         import onnxruntime as ort
 
         if kv_dtype not in C.KV_DTYPES:
@@ -65,9 +65,12 @@ class NativeBackend:
         self.kv_dtype = kv_dtype
         self.pkg = package
         self.providers = providers_for(device)
-        if kv_dtype == "int8" and self.providers != DEVICE_PROVIDERS["cpu"]:
-            raise DeviceError(f"--kv-dtype int8 runs on the CPU only (the pool is host memory), not {device}")
+        if kv_dtype != "fp32" and self.providers != DEVICE_PROVIDERS["cpu"]:
+            raise DeviceError(f"--kv-dtype {kv_dtype} runs on the CPU only (the pool is host memory), not {device}")
         cfg = package.config
+        if kv_dtype == "int4" and cfg["head_dim"] % 32:
+            raise DeviceError(f"--kv-dtype int4 stores rows in groups of 32 numbers; this model's head_dim is "
+                              f"{cfg['head_dim']}: use --kv-dtype int8")
         self.num_layers = cfg["num_layers"]
         self.kv_heads = cfg["num_kv_heads"]
         self.head_dim = cfg["head_dim"]
@@ -136,8 +139,7 @@ class NativeBackend:
             # no kernels: layouts only they read become standard operators (graph_fusion.fuse with no ops), and
             # an int8 pool is read by the graph's own attention (graph_fusion.kv_in_int8_graph)
             try:
-                model, _ = graph_fusion.rewrite_graph(graph, self.pkg.config, frozenset(),
-                                                      kv_int8=self.kv_dtype == "int8")
+                model, _ = graph_fusion.rewrite_graph(graph, self.pkg.config, frozenset(), kv_dtype=self.kv_dtype)
             except Exception:  # a graph onnx cannot parse: onnxruntime's load below names the problem
                 model = str(graph)
             opts = self._options()
@@ -148,13 +150,13 @@ class NativeBackend:
                 raise PackageError(f"{package.path}: onnxruntime cannot load {graph.name}: "
                                    f"{str(err).splitlines()[0][:300]}") from err
         names = [i.name for i in session.get_inputs()]
-        if self.kv_dtype == "int8":
-            self._check_int8_pool(session)
+        if self.kv_dtype != "fp32":
+            self._check_quantized_pool(session)
         from runtime.package import expected_inputs
 
         contract = expected_inputs(self.num_layers, lora=lora)
         scales = C.kv_scale_inputs(self.num_layers)
-        names = [n for n in names if n not in scales]  # an int8 pool's scales (graph_fusion.kv_in_int8)
+        names = [n for n in names if n not in scales]  # a quantized pool's scales (graph_fusion.kv_quantized)
         if names and names[-1] == C.LOGITS_MASK:  # a graph with structured output's mask input
             names = names[:-1]
         if names[:len(contract)] != contract or (not lora and len(names) != len(contract)):
@@ -164,13 +166,16 @@ class NativeBackend:
                                "layout this runtime no longer feeds; re-export the package")
         return session
 
-    def _check_int8_pool(self, session) -> None:
-        """Every layer must read the int8 pool: on ruvllm.PagedAttention, or the graph's own attention
-        rewritten for it; a graph of another shape cannot."""
+    def _check_quantized_pool(self, session) -> None:
+        """Every layer must read the quantized pool: on ruvllm.PagedAttention, or (int8) the graph's own
+        attention rewritten for it; a graph of another shape cannot."""
         types = {i.name: i.type for i in session.get_inputs()}
-        if any(types.get(C.past_key(i)) != "tensor(int8)" for i in range(self.num_layers)):
-            raise DeviceError(f"--kv-dtype int8: {self.pkg.path.name}'s graph has layers whose attention cannot "
-                              "read an int8 pool; run it with --kv-dtype fp32")
+        want = "tensor(uint8)" if self.kv_dtype == "int4" else "tensor(int8)"
+        if any(types.get(C.past_key(i)) != want for i in range(self.num_layers)):
+            where = ("an int4 pool is read by RuvLLM's PagedAttention kernel only (AVX-512), here "
+                     f"{self.attention_kernel}" if self.kv_dtype == "int4" else "some layers' attention cannot read it")
+            raise DeviceError(f"--kv-dtype {self.kv_dtype}: {self.pkg.path.name}'s graph cannot run on this pool "
+                              f"({where}); run it with --kv-dtype fp32 or int8")
 
     def _kernel_session(self, graph, opts, declared: dict[str, int] | None):
         """The graph on RuvLLM's CPU kernels (kernel_library, graph_fusion), or None to run it as it is;
@@ -196,7 +201,7 @@ class NativeBackend:
             # a quantized package's adapters in fp16: half the bytes each step's deltas read
             model, counts = graph_fusion.rewrite_graph(graph, self.pkg.config, ops,
                                                        half_adapters=self.pkg.weights_quantized,
-                                                       kv_int8=self.kv_dtype == "int8",
+                                                       kv_dtype=self.kv_dtype,
                                                        kv_tails=os.environ.get("RUVLLM_KV_TAILS", "1") != "0")
         except Exception as err:  # a graph onnx cannot parse: the plain load below reports it
             self.matmul_kernel += f" (graph not rewritten: {str(err)[:200]})"
@@ -252,7 +257,7 @@ class NativeBackend:
             self.lora_runner.bind_pool(self.pool)
 
     def kv_bytes_per_token(self, cfg: dict) -> int:
-        """Bytes one token takes in the pool, over all layers: fp32 rows, or int8 rows and their scales."""
+        """Bytes one token takes in the pool, over all layers: fp32 rows, or quantized rows and their scales."""
         return kv_bytes_per_token(cfg, self.kv_dtype)
 
     # ---- adapters ----

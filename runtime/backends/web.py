@@ -28,6 +28,8 @@ class WebBackend:
         int8 rows and fp16 group scales, which it quantizes as the native pool does."""
         if kv_dtype not in C.KV_DTYPES:
             raise DeviceError(f"kvDtype {kv_dtype!r}: choose one of {', '.join(C.KV_DTYPES)}")
+        if kv_dtype == "int4":
+            raise DeviceError("kvDtype 'int4' runs natively only for now (ruvllm.PagedAttention); use 'int8' or 'fp32' in the page")
         if kv_dtype == "int8" and "decoder_kv8" not in package.manifest.get("graphs", {}):
             raise DeviceError("kvDtype 'int8': this model package has no int8-KV graph (model_kv8.onnx); re-export it")
         self.kv_dtype = kv_dtype

@@ -28,18 +28,30 @@ def kv_group(head_dim: int) -> int:
     return 32 if head_dim % 32 == 0 else head_dim
 
 
-def kv_row_bytes(head_dim: int, kv_dtype: str) -> int:
-    """Bytes one token's kv head takes in a pool of kv_dtype: fp32 numbers, or int8 ones and an fp16 scale
-    per group."""
+def kv_int4_groups(head_dim: int) -> tuple[int, int]:
+    """Numbers per (scale, minimum) pair in an int4 pool's key and value rows: keys 32, values 64 where 64
+    divides the row (Hadamard-rotated asymmetric int4, SmolLM2 at 2,048 tokens: KL 0.0079 at 0.59 bytes a
+    number, against 0.0098 with 64 for both; docs/PERFORMANCE.md)."""
+    if head_dim % 32:
+        raise ValueError(f"an int4 KV pool needs head_dim a multiple of 32, not {head_dim}")
+    return 32, 64 if head_dim % 64 == 0 else 32
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: str, kind: int = 0) -> int:
+    """Bytes one token's kv head takes in a pool of kv_dtype for keys (kind 0) or values (1): fp32 numbers,
+    int8 ones and an fp16 scale per group, or int4 ones and an fp16 scale and minimum per group."""
     if kv_dtype == "int8":
         return head_dim + 2 * (head_dim // kv_group(head_dim))
+    if kv_dtype == "int4":
+        return head_dim // 2 + 4 * (head_dim // kv_int4_groups(head_dim)[kind])
     return 4 * head_dim
 
 
 def kv_bytes_per_token(cfg: dict, kv_dtype: str = "fp32") -> int:
-    """Bytes of K and V one token takes in the pool, over all layers: fp32 rows, or int8 rows and their
+    """Bytes of K and V one token takes in the pool, over all layers: fp32 rows, or quantized rows and their
     scales."""
-    return cfg["num_layers"] * 2 * cfg["num_kv_heads"] * kv_row_bytes(cfg["head_dim"], kv_dtype)
+    row = kv_row_bytes(cfg["head_dim"], kv_dtype, 0) + kv_row_bytes(cfg["head_dim"], kv_dtype, 1)
+    return cfg["num_layers"] * cfg["num_kv_heads"] * row
 
 
 def exact_floor(prompt_len: int, block_size: int) -> int:

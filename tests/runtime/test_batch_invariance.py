@@ -267,13 +267,14 @@ def test_adapters_and_constrained_rows_in_the_mix_keep_every_rows_tokens(tiny_ca
 
 # ---- the attention operator alone: the same query, its numbers bit for bit on every path ----
 
-def attention_feeds(Hq: int, Hkv: int, D: int, rows: list[tuple[int, int, list[int]]], K, V, Q, int8: bool):
+def attention_feeds(Hq: int, Hkv: int, D: int, rows: list[tuple[int, int, list[int]]], K, V, Q, kv: str):
     """One step of ruvllm.PagedAttention. rows: (first position, tokens, table) over one shared context: the
     keys and values of every position are K, V [positions, Hkv, D] (the pool holds those before a row's first
-    position, the step's rows the rest), a token's queries Q [positions, Hq, D]."""
+    position, the step's rows the rest), a token's queries Q [positions, Hq, D]; kv: the pool's numbers."""
     import numpy as np
 
-    from runtime.backends.kv_pool import quantize_rows
+    from runtime.backends.kv_pool import quantize_rows, quantize_rows_int4
+    from runtime.core.kv_blocks import kv_int4_groups
 
     bs, blocks = 16, 1 + max(max(t) for _, _, t in rows)
     pool_k, pool_v = np.zeros((Hkv, blocks, bs, D), np.float32), np.zeros((Hkv, blocks, bs, D), np.float32)
@@ -293,13 +294,17 @@ def attention_feeds(Hq: int, Hkv: int, D: int, rows: list[tuple[int, int, list[i
     feeds = {"qk": np.concatenate(qk).astype(np.float32), "v": np.concatenate(v).astype(np.float32),
              "pool_k": pool_k, "pool_v": pool_v, "qidx": qidx, "pos": np.array(pos, np.int64),
              "tables": np.array([t + [0] * (width - len(t)) for _, _, t in rows], np.int64)}
-    if int8:
+    if kv == "int8":
         (feeds["pool_k"], feeds["scale_k"]), (feeds["pool_v"], feeds["scale_v"]) = quantize_rows(pool_k), quantize_rows(pool_v)
+    elif kv == "int4":
+        gk, gv = kv_int4_groups(D)
+        (feeds["pool_k"], feeds["scale_k"]), (feeds["pool_v"], feeds["scale_v"]) = (quantize_rows_int4(pool_k, gk),
+                                                                                    quantize_rows_int4(pool_v, gv))
     return feeds
 
 
 @pytest.mark.skipif("PagedAttention" not in operators(), reason="the graph's own attention: onnxruntime's kernels")
-@pytest.mark.parametrize("kv", ["fp32", "int8"])
+@pytest.mark.parametrize("kv", ["fp32", "int8", "int4"])
 @pytest.mark.parametrize("Hq,Hkv,D,window,softcap", [(4, 2, 16, 0, 0.0), (9, 3, 64, 0, 0.0), (8, 2, 128, 0, 1.5),
                                                       (6, 1, 64, 0, 0.0), (8, 2, 32, 24, 0.0)])
 def test_a_querys_numbers_are_the_same_on_every_path_of_the_operator(Hq, Hkv, D, window, softcap, kv):
@@ -321,10 +326,12 @@ def test_a_querys_numbers_are_the_same_on_every_path_of_the_operator(Hq, Hkv, D,
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
     opts.register_custom_ops_library(str(library()[0]))
-    op = ort.InferenceSession(attention_graph(Hq, Hkv, window, 1 / np.sqrt(D), kv == "int8", softcap), opts)
+    if kv == "int4" and D % 32:
+        pytest.skip("an int4 pool needs head_dim a multiple of 32")
+    op = ort.InferenceSession(attention_graph(Hq, Hkv, window, 1 / np.sqrt(D), kv, softcap), opts)
 
     def step(rows):
-        return op.run(None, attention_feeds(Hq, Hkv, D, rows, K, V, Q, kv == "int8"))[0]
+        return op.run(None, attention_feeds(Hq, Hkv, D, rows, K, V, Q, kv))[0]
 
     whole = step([(0, T, table)])
     for size in (1, 2, 7, 16, 40, 300):

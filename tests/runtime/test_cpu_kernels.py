@@ -395,14 +395,15 @@ def test_decode_rows_sharing_prefix_blocks_attend_to_them_together_exactly(tiny_
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
 
 
-def attention_graph(Hq: int, Hkv: int, window: int, scale: float, int8: bool = False, softcap: float = 0.0,
+def attention_graph(Hq: int, Hkv: int, window: int, scale: float, kv: str = "fp32", softcap: float = 0.0,
                     tails: bool = False, tail_blocks: int = 0, floors: bool = False) -> bytes:
-    """The operator alone; `int8`: int8 pools with their row scales (--kv-dtype int8), `tails`: and their
-    full-precision tails, read for `tail_blocks` blocks up to a query's own (0: the attribute left out),
-    `floors`: from each row's floor on (input exact_from)."""
-    f, i64, pool = TensorProto.FLOAT, TensorProto.INT64, TensorProto.INT8 if int8 else TensorProto.FLOAT
+    """The operator alone; `kv` "int8" or "int4": quantized pools with their rows' scales (--kv-dtype),
+    `tails`: and their full-precision tails, read for `tail_blocks` blocks up to a query's own (0: the
+    attribute left out), `floors`: from each row's floor on (input exact_from)."""
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    pool = {"fp32": f, "int8": TensorProto.INT8, "int4": TensorProto.UINT8}[kv]
     names = [("qk", f), ("v", f), ("pool_k", pool), ("pool_v", pool), ("tables", i64), ("qidx", i64), ("pos", i64)]
-    names += [("scale_k", TensorProto.FLOAT16), ("scale_v", TensorProto.FLOAT16)] if int8 else []
+    names += [("scale_k", TensorProto.FLOAT16), ("scale_v", TensorProto.FLOAT16)] if kv != "fp32" else []
     names += [("tail_k", f), ("tail_v", f)] if tails else []
     names += [("exact_from", i64)] if floors else []
     node = helper.make_node("PagedAttention", [n for n, _ in names], ["out"], domain="ruvllm", num_heads=Hq,
@@ -471,14 +472,21 @@ def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: floa
     return out
 
 
-def rounded_rows(x: np.ndarray) -> np.ndarray:
-    from runtime.backends.kv_pool import dequantize_rows, quantize_rows
+def rounded_rows(x: np.ndarray, int4_group: int = 0) -> np.ndarray:
+    """x as an int8 pool (or an int4 pool with groups of `int4_group`) gives it back."""
+    from runtime.backends.kv_pool import (
+        dequantize_rows,
+        dequantize_rows_int4,
+        quantize_rows,
+        quantize_rows_int4,
+    )
 
-    return dequantize_rows(*quantize_rows(x))
+    return dequantize_rows_int4(*quantize_rows_int4(x, int4_group)) if int4_group else dequantize_rows(*quantize_rows(x))
 
 
 @needs_avx512
-@pytest.mark.parametrize("kv", ["fp32", "int8", "int8+tails", "int8+2tails", "int8+2tails+floors"])
+@pytest.mark.parametrize("kv", ["fp32", "int8", "int8+tails", "int8+2tails", "int8+2tails+floors", "int4",
+                                "int4+2tails+floors"])
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
 @pytest.mark.parametrize("Hq,Hkv,D,bs,window,softcap", [
     (9, 3, 64, 16, 0, 0.0), (8, 2, 128, 16, 0, 0.0), (4, 4, 32, 8, 0, 0.0), (16, 2, 16, 4, 0, 0.0),
@@ -493,10 +501,13 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
     pools as int8 rows and scales; the reference reads their q * s, and this step's key and value rows
     rounded the same way (as the pool will store them), and meets them with the query rounded to 16 bits
     as the kernel rounds it (integer score products); head_dim 16 has one scale a row, the rest one per
-    32 numbers. `int8+tails`: with full-precision tails, from which (or from this step's exact rows) each
+    32 numbers; `int4`: int4 pools (Hadamard-rotated, keys in groups of 32, values 64 where the row has
+    them; head_dim a multiple of 32), read as kv_pool.dequantize_rows_int4 gives them back. `int8+tails`: with full-precision tails, from which (or from this step's exact rows) each
     token reads its own block's positions, and every earlier block's as int8 (as rounded);
     `int8+2tails`: its own block's and the one's before it (attribute tail_blocks 2); `+floors`: that one
     only from each row's floor on (input exact_from: below a row's positions, inside them, past them)."""
+    if kv.startswith("int4") and D % 32:
+        pytest.skip("an int4 pool needs head_dim a multiple of 32")
     rng = np.random.default_rng(Hq * D + bs)
     num_blocks = 512
     pool_k = rng.standard_normal((Hkv, num_blocks, bs, D), dtype=np.float32)
@@ -527,14 +538,21 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
     opts.register_custom_ops_library(str(LIB))
     scale = 1 / np.sqrt(D)
     reference, exact = feeds, None
-    if kv.startswith("int8"):
-        from runtime.backends.kv_pool import quantize_rows
+    quant = kv.split("+")[0]
+    if quant != "fp32":
+        from runtime.backends.kv_pool import quantize_rows, quantize_rows_int4
+        from runtime.core.kv_blocks import kv_int4_groups
 
-        (feeds["pool_k"], feeds["scale_k"]), (feeds["pool_v"], feeds["scale_v"]) = quantize_rows(pool_k), quantize_rows(pool_v)
+        gk, gv = kv_int4_groups(D) if quant == "int4" else (0, 0)
+        if quant == "int4":
+            (feeds["pool_k"], feeds["scale_k"]), (feeds["pool_v"], feeds["scale_v"]) = (quantize_rows_int4(pool_k, gk),
+                                                                                        quantize_rows_int4(pool_v, gv))
+        else:
+            (feeds["pool_k"], feeds["scale_k"]), (feeds["pool_v"], feeds["scale_v"]) = quantize_rows(pool_k), quantize_rows(pool_v)
         qk = feeds["qk"].reshape(N, Hq + Hkv, D).copy()
-        qk[:, Hq:] = rounded_rows(qk[:, Hq:])
-        reference = {**feeds, "pool_k": rounded_rows(pool_k), "pool_v": rounded_rows(pool_v),
-                     "qk": qk.reshape(-1, D), "v": rounded_rows(feeds["v"])}
+        qk[:, Hq:] = rounded_rows(qk[:, Hq:], gk)
+        reference = {**feeds, "pool_k": rounded_rows(pool_k, gk), "pool_v": rounded_rows(pool_v, gv),
+                     "qk": qk.reshape(-1, D), "v": rounded_rows(feeds["v"], gv)}
         if "tails" in kv:  # layer 1 of the tails holds the pool's rows unrounded (only the exact blocks' are read)
             for name, pool in (("tail_k", pool_k), ("tail_v", pool_v)):
                 feeds[name] = rng.standard_normal((num_blocks, 2, Hkv, bs, D), dtype=np.float32)
@@ -546,7 +564,7 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
         floors = np.array([(c + n // 2) // bs * bs if b % 3 == 1 else (c + n + bs) // bs * bs if b % 3 == 2 else 0
                            for b, (c, n, _) in enumerate(rows)], np.int64)
         feeds["exact_from"] = floors
-    graph = attention_graph(Hq, Hkv, window, scale, kv != "fp32", softcap, "tails" in kv, tail_blocks, floors is not None)
+    graph = attention_graph(Hq, Hkv, window, scale, quant, softcap, "tails" in kv, tail_blocks, floors is not None)
     got = ort.InferenceSession(graph, opts).run(None, feeds)[0]
     want = attention_reference(reference, Hq, Hkv, window, scale, softcap, exact, kv != "fp32", max(1, tail_blocks),
                                floors)

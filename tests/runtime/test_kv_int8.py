@@ -56,7 +56,7 @@ def test_the_kernel_librarys_writer_stores_what_numpy_does_bit_for_bit(monkeypat
     pools = []
     for native in (True, False):
         if not native:
-            monkeypatch.setattr(kv_pool, "_native_writer", lambda: None)
+            monkeypatch.setattr(kv_pool, "_native_writer", lambda kv_dtype: None)
         pool = DeviceKVPool(ort, ["CPUExecutionProvider"], layers, heads, head_dim, 8, bs, kv_dtype="int8", tails=True)
         pool.ensure(8)
         assert (pool._native is not None) == native  # the first pool writes through the kernel library
@@ -274,8 +274,8 @@ def test_prefix_cache_and_preemption_on_an_int8_pool(tiny_package):
 
 
 def test_an_unknown_kv_dtype_is_a_clear_error(tiny_package):
-    with pytest.raises(DeviceError, match="choose one of fp32, int8"):
-        Engine.from_package(tiny_package("llama"), kv_dtype="int4")
+    with pytest.raises(DeviceError, match="choose one of fp32, int8, int4"):
+        Engine.from_package(tiny_package("llama"), kv_dtype="int2")
 
 
 @pytest.mark.slow

@@ -13,8 +13,81 @@
 // heads, pool_slots, groups] fp16 bits; token n goes to slot slots[n]. With a tail ([blocks, layers, heads,
 // bs, D] fp32), the tokens tail_tokens[0 .. n_tail) are also copied there exact, at block slot / bs, row
 // slot % bs.
+//
+// An int4 pool (ruvllm_kv_write_int4, kv_pool.quantize_rows_int4) rotates each row first by the
+// orthonormal Hadamard matrix of kv_rotation(D) numbers (H / sqrt(n), block by block), which spreads a
+// channel's outlier over the block (QuaRot), then stores each group of 32 or 64 rotated numbers as 4-bit
+// steps above their minimum: fp16 (scale, minimum) per group, scale = fp16((max - minimum) / 15), steps =
+// nearest-even((y - minimum) / scale) in [0, 15] (minimum and scale held within fp16's range). Each 32
+// numbers are 16 bytes: number i in the low nibble of byte i, number 16 + i in its high nibble. Scalar: a
+// step's few rows; the reader (paged_attention.h, KVRow) undoes it 16 numbers a vector.
 
 namespace {
+
+// the rotation's block: the largest power of two dividing D (D a multiple of 32: 32 to 256 numbers)
+inline int64_t kv_rotation(int64_t D) { return D & -D; }
+
+// 1 / sqrt(n) in float, as numpy's np.float32(1 / np.sqrt(n))
+inline float rotation_scale(int64_t n) { return (float)(1.0 / std::sqrt((double)n)); }
+
+// y = H y in place (unnormalized, n a power of two): butterflies of distance 1, 2, 4, ..., n / 2, (a, b) ->
+// (a + b, a - b), the order the kernel's vector form and kv_pool._fwht use, so that all three round alike
+inline void fwht(float* y, int64_t n) {
+  for (int64_t h = 1; h < n; h *= 2)
+    for (int64_t i = 0; i < n; i++)
+      if (!(i & h)) {
+        const float a = y[i], b = y[i + h];
+        y[i] = a + b;
+        y[i + h] = a - b;
+      }
+}
+
+inline void quantize_row_int4(const float* x, int64_t D, int64_t group, uint8_t* packed, uint16_t* sm) {
+  float y[256];
+  const int64_t n = kv_rotation(D);
+  const float c = rotation_scale(n);
+  for (int64_t b = 0; b < D; b += n) {
+    for (int64_t i = 0; i < n; i++) y[b + i] = x[b + i];
+    fwht(y + b, n);
+    for (int64_t i = 0; i < n; i++) y[b + i] *= c;
+  }
+  uint8_t q[256];
+  for (int64_t g = 0; g < D / group; g++) {
+    const float* yg = y + g * group;
+    float lo = yg[0], hi = yg[0];
+    for (int64_t i = 1; i < group; i++) {
+      lo = std::min(lo, yg[i]);
+      hi = std::max(hi, yg[i]);
+    }
+    const float top = 65504.f;  // fp16's largest: numbers past it are held there, not made infinite
+    const uint16_t lo16 = _cvtss_sh(std::min(std::max(lo, -top), top), _MM_FROUND_TO_NEAREST_INT);
+    const float lof = _cvtsh_ss(lo16);
+    const uint16_t s16 = _cvtss_sh(std::min((hi - lof) / 15.f, top), _MM_FROUND_TO_NEAREST_INT);
+    const float s = _cvtsh_ss(s16), by = s > 0.f ? s : 1.f;
+    sm[2 * g] = s16;
+    sm[2 * g + 1] = lo16;
+    for (int64_t i = 0; i < group; i++)
+      q[g * group + i] = (uint8_t)std::min(15.f, std::max(0.f, std::nearbyint((yg[i] - lof) / by)));
+  }
+  for (int64_t k = 0; k < D / 32; k++)
+    for (int i = 0; i < 16; i++) packed[16 * k + i] = (uint8_t)(q[32 * k + i] | (q[32 * k + 16 + i] << 4));
+}
+
+// the tokens tail_tokens[0 .. n_tail) of present copied exact into the tails (see above); false: a token
+// outside the step
+inline bool copy_tails(const float* present, int64_t layers, int64_t tokens, int64_t heads, int64_t D,
+                       const int64_t* slots, float* tail, const int64_t* tail_tokens, int64_t n_tail, int64_t bs) {
+  for (int64_t i = 0; tail && i < n_tail; i++) {
+    const int64_t n = tail_tokens[i];
+    if (n < 0 || n >= tokens) return false;
+    const int64_t block = slots[n] / bs, at = slots[n] % bs;
+    for (int64_t l = 0; l < layers; l++)
+      for (int64_t h = 0; h < heads; h++)
+        std::memcpy(tail + (((block * layers + l) * heads + h) * bs + at) * D,
+                    present + ((l * tokens + n) * heads + h) * D, (size_t)D * sizeof(float));
+  }
+  return true;
+}
 
 inline void quantize_row(const float* x, int64_t D, int64_t groups, int8_t* q, uint16_t* scales) {
   const int64_t n = D / groups;  // a multiple of 8: head_dim is one of 16
@@ -59,16 +132,28 @@ __attribute__((visibility("default"))) int ruvllm_kv_write_int8(const float* pre
         quantize_row(x, D, groups, pool + row * D, scales + row * groups);
       }
     }
-  for (int64_t i = 0; tail && i < n_tail; i++) {
-    const int64_t n = tail_tokens[i];
-    if (n < 0 || n >= tokens) return 1;
-    const int64_t block = slots[n] / bs, at = slots[n] % bs;
-    for (int64_t l = 0; l < layers; l++)
-      for (int64_t h = 0; h < heads; h++)
-        std::memcpy(tail + (((block * layers + l) * heads + h) * bs + at) * D,
-                    present + ((l * tokens + n) * heads + h) * D, (size_t)D * sizeof(float));
-  }
-  return 0;
+  return copy_tails(present, layers, tokens, heads, D, slots, tail, tail_tokens, n_tail, bs) ? 0 : 1;
+}
+
+// the same for an int4 pool [layers, heads, pool_slots, D / 2] (packed) with (scale, minimum) pairs
+// [layers, heads, pool_slots, 2 * D / group] fp16 bits; group: 32 or 64 numbers
+__attribute__((visibility("default"))) int ruvllm_kv_write_int4(const float* present, int64_t layers, int64_t tokens,
+                                                              int64_t heads, int64_t D, const int64_t* slots,
+                                                              int64_t pool_slots, int64_t group, uint8_t* pool,
+                                                              uint16_t* sm, float* tail, const int64_t* tail_tokens,
+                                                              int64_t n_tail, int64_t bs) {
+  if (D <= 0 || D > 256 || D % 32 || (group != 32 && group != 64) || D % group || (tail && bs <= 0)) return 1;
+  for (int64_t l = 0; l < layers; l++)
+    for (int64_t n = 0; n < tokens; n++) {
+      const int64_t slot = slots[n];
+      if (slot < 0 || slot >= pool_slots) return 1;
+      for (int64_t h = 0; h < heads; h++) {
+        const int64_t row = (l * heads + h) * pool_slots + slot;
+        quantize_row_int4(present + ((l * tokens + n) * heads + h) * D, D, group, pool + row * (D / 2),
+                          sm + row * 2 * (D / group));
+      }
+    }
+  return copy_tails(present, layers, tokens, heads, D, slots, tail, tail_tokens, n_tail, bs) ? 0 : 1;
 }
 
 }  // extern "C"

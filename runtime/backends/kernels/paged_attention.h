@@ -2,6 +2,7 @@
 
 #include "ort_api.h"
 #include "simd_math.h"
+#include "kv_write.h"
 
 #if RUVLLM_AVX512
 namespace {
@@ -137,6 +138,7 @@ struct AttnJob {
   int64_t N = 0;  // tokens this step
   const uint16_t *scale_k = nullptr, *scale_v = nullptr;  // an int8 pool's fp16 group scales; null: fp32 pools
   int64_t groups = 1;  // scales per row: one per 32 numbers, or one for the whole row (kv_pool.kv_group)
+  int64_t group_k = 0, group_v = 0;  // an int4 pool's numbers per (scale, minimum) pair, per kind; 0: not int4
   const float *tail_k = nullptr, *tail_v = nullptr;  // an int8 pool's full-precision tails (this layer's), or null
   int64_t tail_block = 0;  // floats from one block's tail to the next's (layers * Hkv * bs * D)
   int bs_shift = -1;  // log2(bs) where bs is a power of two
@@ -150,18 +152,62 @@ struct AttnJob {
 // its keys come from this step or from the pool: a recomputed (preempted) sequence or a prompt after a
 // prefix-cache hit then gives the tokens of the first run.
 
+// An int4 row (kv_write.h: quantize_row_int4) is read a rotation block at a time: each chunk's nibbles as
+// steps times their group's scale plus its minimum (a multiply, then an add, as numpy rounds them), then
+// the Hadamard butterflies again (the rotation is its own inverse) in fwht's order: distance 1, 2, 4, 8
+// within a vector, 16, 32, ... across vectors, and the scale 1 / sqrt(n) last.
+inline __m512 butterflies16(__m512 v) {
+  __m512 p = _mm512_permute_ps(v, 0xB1);  // distance 1: lanes i ^ 1
+  v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xAAAA, p, v);
+  p = _mm512_permute_ps(v, 0x4E);  // distance 2
+  v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xCCCC, p, v);
+  p = _mm512_shuffle_f32x4(v, v, 0xB1);  // distance 4: 128-bit lanes swapped in pairs
+  v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xF0F0, p, v);
+  p = _mm512_shuffle_f32x4(v, v, 0x4E);  // distance 8
+  return _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xFF00, p, v);
+}
+
 struct KVRow {
   const float* f = nullptr;
   const int8_t* q = nullptr;
-  const uint16_t* sc = nullptr;  // int8 rows: their groups' fp16 scales
-  int shift = 0;                 // the group of 16-number chunk d is d >> shift (groups of 32, or one)
+  const uint8_t* n4 = nullptr;   // int4 rows: 16 bytes per 32 numbers
+  const uint16_t* sc = nullptr;  // int8 rows: their groups' fp16 scales; int4: (scale, minimum) pairs
+  int shift = 0;                 // the group of 16-number chunk d is d >> shift (groups of 32, 64, or one)
+  int dv = 0, rv = 0;            // int4 rows: chunks of 16 in the row, and in a rotation block (kv_rotation)
   KVRow() {}
   explicit KVRow(const float* row) : f(row) {}
   KVRow(const int8_t* row, const uint16_t* scales, int64_t groups) : q(row), sc(scales), shift(shift_of(groups)) {}
+  KVRow(const uint8_t* row, const uint16_t* pairs, int64_t group, int64_t D)
+      : n4(row), sc(pairs), shift(group == 64 ? 2 : 1), dv((int)(D / 16)), rv((int)(kv_rotation(D) / 16)) {}
   static int shift_of(int64_t groups) { return groups > 1 ? 1 : 4; }  // d < 16: d >> 4 is the one group
   bool plain() const { return f != nullptr; }
-  __m512 load(int d) const {  // numbers 16d .. 16d + 15
+  // an int4 row's chunks [first, first + rv): one rotation block, read back
+  void load4_block(int first, __m512* v) const {
+    for (int k = 0; k < rv; k++) {
+      const int d = first + k;
+      const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(n4 + 16 * (d >> 1))));
+      const __m512i steps = (d & 1) ? _mm512_srli_epi32(w, 4) : _mm512_and_si512(w, _mm512_set1_epi32(15));
+      const uint16_t* g = sc + 2 * (d >> shift);
+      v[k] = butterflies16(_mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(steps), _mm512_set1_ps(_cvtsh_ss(g[0]))),
+                                         _mm512_set1_ps(_cvtsh_ss(g[1]))));
+    }
+    for (int h = 1; h < rv; h *= 2)  // distance 16 h: whole vectors
+      for (int k = 0; k < rv; k++)
+        if (!(k & h)) {
+          const __m512 a = v[k], b = v[k + h];
+          v[k] = _mm512_add_ps(a, b);
+          v[k + h] = _mm512_sub_ps(a, b);
+        }
+    const __m512 c = _mm512_set1_ps(rotation_scale(16 * rv));
+    for (int k = 0; k < rv; k++) v[k] = _mm512_mul_ps(v[k], c);
+  }
+  __m512 load(int d) const {  // numbers 16d .. 16d + 15 (an int4 row: its rotation block read for them)
     if (f) return _mm512_loadu_ps(f + 16 * d);
+    if (n4) {
+      __m512 v[16];
+      load4_block(d - d % rv, v);
+      return v[d % rv];
+    }
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * d));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(_cvtsh_ss(sc[d >> shift])));
   }
@@ -172,6 +218,10 @@ struct KVRow {
       for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(f + 16 * d);
       return;
     }
+    if (n4) {
+      for (int d = 0; d < DV; d += rv) load4_block(d, v + d);
+      return;
+    }
     __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[0]));
     for (int d = 0; d < DV; d++) {  // groups of 32 (two chunks each), or one for the row (shift 4)
       if (d > 0 && d % 2 == 0 && shift == 1) s = _mm512_set1_ps(_cvtsh_ss(sc[d / 2]));
@@ -179,8 +229,22 @@ struct KVRow {
       v[d] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s);
     }
   }
+  // the whole row into `to` (D floats)
+  void store_row(float* to, int DV) const {
+    if (n4) {
+      for (int d = 0; d < DV; d += rv) {
+        __m512 v[16];
+        load4_block(d, v);
+        for (int k = 0; k < rv; k++) _mm512_storeu_ps(to + 16 * (d + k), v[k]);
+      }
+      return;
+    }
+    for (int d = 0; d < DV; d++) _mm512_storeu_ps(to + 16 * d, load(d));
+  }
   void prefetch(int DV) const {
     if (f) prefetch_row(f, DV);
+    else if (n4)
+      for (int d = 0; d < DV * 8; d += 64) ::prefetch(n4 + d);
     else
       for (int d = 0; d < DV * 16; d += 64) ::prefetch(q + d);
   }
@@ -209,6 +273,17 @@ inline void round_rows(const float* from, int64_t stride, int64_t n, int64_t D, 
         _mm512_storeu_ps(to + i * D + at, out);
       }
     }
+  }
+}
+
+// the same for an int4 pool: each row quantized as kv_write.h stores it, then read back as KVRow reads
+// the pool, so that this step's rows and the stored ones are the same numbers bit for bit
+inline void round_rows_int4(const float* from, int64_t stride, int64_t n, int64_t D, int64_t group, float* to) {
+  uint8_t packed[128];
+  uint16_t pairs[16];
+  for (int64_t i = 0; i < n; i++) {
+    quantize_row_int4(from + i * stride, D, group, packed, pairs);
+    KVRow(static_cast<const uint8_t*>(packed), pairs, group, D).store_row(to + i * D, (int)(D / 16));
   }
 }
 
@@ -254,9 +329,10 @@ struct RowHead {
   int64_t block_of(int64_t t) const { return j->bs_shift >= 0 ? t >> j->bs_shift : t / j->bs; }
   int64_t in_block(int64_t t) const { return j->bs_shift >= 0 ? t & (j->bs - 1) : t % j->bs; }
   int64_t slot(int64_t t) const { return table[block_of(t)] * j->bs + in_block(t); }  // pool row of position t < start
-  KVRow pooled(const void* pool, const uint16_t* scales, int64_t t) const {
+  KVRow pooled(const void* pool, const uint16_t* scales, int64_t group4, int64_t t) const {
     const size_t row = head + (size_t)slot(t);
     if (!scales) return KVRow(static_cast<const float*>(pool) + row * D);
+    if (group4) return KVRow(static_cast<const uint8_t*>(pool) + row * (D / 2), scales + row * 2 * (D / group4), group4, D);
     return KVRow(static_cast<const int8_t*>(pool) + row * D, scales + row * j->groups, j->groups);
   }
   // this step's key and value rows of position t >= start, exact
@@ -264,11 +340,11 @@ struct RowHead {
   const float* step_value(int64_t t) const { return j->v + ((base + t - start) * Hkv + h) * D; }
   // key t as stored: from the pool, or this step's row (rounded, with an int8 pool)
   KVRow key(int64_t t) const {
-    if (t < start) return pooled(j->pool_k, j->scale_k, t);
+    if (t < start) return pooled(j->pool_k, j->scale_k, j->group_k, t);
     return KVRow(j->step_k ? j->step_k + ((base + t - start) * Hkv + h) * D : step_key(t));
   }
   KVRow value(int64_t t) const {
-    if (t < start) return pooled(j->pool_v, j->scale_v, t);
+    if (t < start) return pooled(j->pool_v, j->scale_v, j->group_v, t);
     return KVRow(j->step_v ? j->step_v + ((base + t - start) * Hkv + h) * D : step_value(t));
   }
   // the first position a query at p reads exact (with tails: its own block's first, or the first of the
@@ -405,8 +481,8 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
           stored[i] = lo + t0 + i < own;
           kr[i] = r.key(lo + t0 + i, own);
           if (kr[i].plain()) continue;
-          float* row = &keys[(size_t)i * D];  // an int8 key dequantized once here for all G heads
-          for (int d = 0; d < DV; d++) _mm512_storeu_ps(row + 16 * d, kr[i].load(d));
+          float* row = &keys[(size_t)i * D];  // a quantized key read back once here for all G heads
+          kr[i].store_row(row, DV);
           kr[i] = KVRow(row);
         }
         for (int64_t t = lo + t0 + 16; t < std::min(p + 1, lo + t0 + 32); t++) r.key(t).prefetch(DV);  // a block apart
@@ -498,6 +574,8 @@ constexpr int64_t QG = 24;  // a multiple of the score and value row groups (8, 
 template <int DV>
 void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int64_t c_begin, int64_t c_end) {
   constexpr int D = DV * 16;
+  thread_local std::vector<float> scratch;
+  scratch.resize((size_t)16 * D);
   for (int64_t c = c_begin; c < c_end; c++) {
     float* dst = kt + c * D * 16;
     KVRow rows[16];
@@ -505,6 +583,10 @@ void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int
     for (int64_t i = 0; i < 16; i++) {
       real[i] = key0 + c * 16 + i <= last;
       if (real[i]) rows[i] = r.key(key0 + c * 16 + i);
+      if (real[i] && rows[i].n4) {  // an int4 row is read back a rotation block at a time: once, here
+        rows[i].store_row(&scratch[(size_t)i * D], DV);
+        rows[i] = KVRow(&scratch[(size_t)i * D]);
+      }
     }
     for (int64_t i = 0; i < 16 && key0 + c * 16 + 16 + i <= last; i++)  // the next 16 keys: a pool block apart
       r.key(key0 + c * 16 + 16 + i).prefetch(DV);
@@ -1073,7 +1155,7 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   if (dims[0].size() != 2 || dims[2].size() != 4 || dims[4].size() != 2 || dims[5].size() != 2 || dims[6].size() != 1)
     return fail("ruvllm.PagedAttention: unexpected input ranks");
   const int64_t D = dims[0][1], N = dims[6][0];
-  if (D % 16 || D > 256 || (D > 128 && D != 256) || dims[2][0] != k.num_kv_heads || dims[2][3] != D)
+  if (D % 16 || D > 256 || (D > 128 && D != 256) || dims[2][0] != k.num_kv_heads || (dims[2][3] != D && 2 * dims[2][3] != D))
     return fail("ruvllm.PagedAttention: head_dim must be 16..128 in steps of 16, or 256, and match the pool");
   AttnJob job{&k, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,
               dims[5][0], dims[5][1], dims[4][1], dims[2][1], dims[2][2], D};
@@ -1084,18 +1166,27 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   int kinds[2] = {};
   RETURN_IF(tensor_type(in[2], &kinds[0]));
   RETURN_IF(tensor_type(in[3], &kinds[1]));
-  if (kinds[0] != kinds[1] || (kinds[0] != kFloat && kinds[0] != kInt8))
-    return fail("ruvllm.PagedAttention: the key and value pools must both be float or both int8");
-  if (kinds[0] == kInt8) {  // each row's group scales, [Hkv, blocks, block_size, groups] per kind, fp16
+  if (kinds[0] != kinds[1] || (kinds[0] != kFloat && kinds[0] != kInt8 && kinds[0] != kUint8))
+    return fail("ruvllm.PagedAttention: the key and value pools must both be float, both int8 or both uint8 (int4)");
+  const bool int4 = kinds[0] == kUint8;
+  if (dims[2][3] != (int4 ? D / 2 : D) || (int4 && D % 32))
+    return fail("ruvllm.PagedAttention: a pool row holds head_dim numbers (int4: head_dim / 2 bytes, head_dim a multiple of 32)");
+  if (kinds[0] != kFloat) {  // each row's group scales (int4: scale and minimum pairs), [Hkv, blocks, block_size, n], fp16
     for (int i : {7, 8}) {
       int type = 0;
       if (in[i]) RETURN_IF(tensor_type(in[i], &type));
-      if (!in[i] || type != kFloat16 || dims[i].size() != 4 || dims[i][0] != dims[2][0] || dims[i][1] != dims[2][1] ||
-          dims[i][2] != dims[2][2] || dims[i][3] != dims[7][3] || (dims[i][3] != 1 && D != 32 * dims[i][3]))
-        return fail("ruvllm.PagedAttention: int8 pools need fp16 scales [kv_heads, blocks, block_size, groups], "
-                    "one per 32 numbers of a row or one per row");
+      const int64_t n = dims[i].size() == 4 ? dims[i][3] : 0;
+      const bool fits = int4 ? n > 0 && n % 2 == 0 && (2 * D == 32 * n || 2 * D == 64 * n)
+                             : n == dims[7][3] && (n == 1 || D == 32 * n);
+      if (!in[i] || type != kFloat16 || !fits || dims[i][0] != dims[2][0] || dims[i][1] != dims[2][1] || dims[i][2] != dims[2][2])
+        return fail("ruvllm.PagedAttention: int8 pools need fp16 scales [kv_heads, blocks, block_size, groups], one per 32 "
+                    "numbers of a row or one per row; int4 pools a (scale, minimum) pair per 32 or 64 numbers");
     }
     job.groups = dims[7][3];
+    if (int4) {
+      job.group_k = 2 * D / dims[7][3];
+      job.group_v = 2 * D / dims[8][3];
+    }
     RETURN_IF(tensor_data(in[7], const_cast<uint16_t**>(&job.scale_k)));
     RETURN_IF(tensor_data(in[8], const_cast<uint16_t**>(&job.scale_v)));
     if (in[9] || in[10]) {  // the full-precision tails [blocks, layers, Hkv, block_size, D]
@@ -1123,8 +1214,8 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
       }
     }
   }
-  if ((in[9] || in[10]) && !job.scale_k) return fail("ruvllm.PagedAttention: full-precision tails go with an int8 pool");
-  if (in[11] && !job.tail_k) return fail("ruvllm.PagedAttention: exact_from goes with an int8 pool's tails");
+  if ((in[9] || in[10]) && !job.scale_k) return fail("ruvllm.PagedAttention: full-precision tails go with an int8 or int4 pool");
+  if (in[11] && !job.tail_k) return fail("ruvllm.PagedAttention: exact_from goes with a quantized pool's tails");
   RETURN_IF(tensor_data(in[2], const_cast<void**>(&job.pool_k)));
   RETURN_IF(tensor_data(in[3], const_cast<void**>(&job.pool_v)));
   RETURN_IF(tensor_data(in[4], const_cast<int64_t**>(&job.tables)));
@@ -1138,8 +1229,13 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
     const int64_t Hq = k.num_heads, Hkv = k.num_kv_heads;
     plan.step_rows.resize((size_t)(2 * N * Hkv * D));
     float* keys = plan.step_rows.data();
-    for (int64_t n = 0; n < N; n++) round_rows(job.qk + (n * (Hq + Hkv) + Hq) * D, D, Hkv, D, job.groups, keys + n * Hkv * D);
-    round_rows(job.v, D, N * Hkv, D, job.groups, keys + N * Hkv * D);
+    for (int64_t n = 0; n < N; n++) {
+      const float* from = job.qk + (n * (Hq + Hkv) + Hq) * D;
+      if (job.group_k) round_rows_int4(from, D, Hkv, D, job.group_k, keys + n * Hkv * D);
+      else round_rows(from, D, Hkv, D, job.groups, keys + n * Hkv * D);
+    }
+    if (job.group_v) round_rows_int4(job.v, D, N * Hkv, D, job.group_v, keys + N * Hkv * D);
+    else round_rows(job.v, D, N * Hkv, D, job.groups, keys + N * Hkv * D);
     job.step_k = keys;
     job.step_v = keys + N * Hkv * D;
   }
