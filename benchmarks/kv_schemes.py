@@ -79,6 +79,17 @@ def rotated(fn, size: int = 0):
     return apply
 
 
+def across(fn):
+    """fn on the rows rotated by H4 across their four quarters (numbers i, i + d/4, i + d/2, i + 3d/4 mixed:
+    whole vectors added and subtracted, no shuffles within one), rotated back."""
+    def apply(x: np.ndarray) -> np.ndarray:
+        h = hadamard(4)
+        q = x.reshape(*x.shape[:-1], 4, -1)
+        mix = lambda y, m: np.einsum("ij,...jk->...ik", m, y)  # noqa: E731
+        return mix(fn(mix(q, h).reshape(x.shape)).reshape(q.shape), h.T).reshape(x.shape)
+    return apply
+
+
 # name -> (keys' rounding, values' rounding, bytes a row of d numbers costs: d -> bytes)
 SCHEMES = {
     "int8 g32 (today)": (lambda x: rows_sym(x, 8, 32), lambda x: rows_sym(x, 8, 32), lambda d: d + 2 * d / 32),
@@ -99,6 +110,13 @@ SCHEMES = {
     "hadamard16 keys g32 asym, values g64 asym": (rotated(lambda x: rows_asym(x, 4, 32), 16),
                                                   rotated(lambda x: rows_asym(x, 4, 64), 16),
                                                   lambda d: d / 2 + 4 * d / 32 / 2 + 4 * d / 64 / 2),
+    "hadamard keys g32 asym, values g64 asym unrotated": (rotated(lambda x: rows_asym(x, 4, 32)), lambda x: rows_asym(x, 4, 64),
+                                                          lambda d: d / 2 + 4 * d / 32 / 2 + 4 * d / 64 / 2),
+    "hadamard keys g32 asym, values g32 asym unrotated": (rotated(lambda x: rows_asym(x, 4, 32)), lambda x: rows_asym(x, 4, 32),
+                                                          lambda d: d / 2 + 4 * d / 32),
+    "hadamard keys g32 asym, values g64 asym rotated across quarters": (
+        rotated(lambda x: rows_asym(x, 4, 32)), across(lambda x: rows_asym(x, 4, 64)),
+        lambda d: d / 2 + 4 * d / 32 / 2 + 4 * d / 64 / 2),
     "hadamard keys g64 asym, values g32 asym": (rotated(lambda x: rows_asym(x, 4, 64)), rotated(lambda x: rows_asym(x, 4, 32)),
                                                 lambda d: d / 2 + 4 * d / 64 / 2 + 4 * d / 32 / 2),
     "hadamard kivi (keys per channel over a block; values g32 asym)": (
@@ -109,10 +127,11 @@ SCHEMES = {
 }
 
 
-def forward(dec, ids: list[int], kv_round=None, tail_blocks: int = 2, tail=None) -> np.ndarray:
+def forward(dec, ids: list[int], kv_round=None, tail_blocks: int = 2, tail=None, sink: int = 0) -> np.ndarray:
     """log-softmax of the next-token logits at every position; kv_round: (keys', values' rounding) of the
     blocks older than the tail (a position's own block and tail_blocks - 1 before it), or None (fp32);
-    tail: the tail's rounding (None: exact)."""
+    tail: the tail's rounding (None: exact); sink: the text's first `sink` positions read exact by every
+    query too (an attention sink kept at full precision, as IntactKV / KVQuant keep theirs)."""
     from runtime.backends.lora_gradients import _rms, _rotate
 
     T = len(ids)
@@ -130,6 +149,8 @@ def forward(dec, ids: list[int], kv_round=None, tail_blocks: int = 2, tail=None)
         k = _rotate(k.reshape(T, hkv, d), cos, sin)
         v = v.reshape(T, hkv, d)
         kq, vq = (kv_round[0](k), kv_round[1](v)) if kv_round else (k, v)
+        if kv_round and sink:
+            kq, vq = np.concatenate([k[:sink], kq[sink:]]), np.concatenate([v[:sink], vq[sink:]])
         if kv_round and tail:
             k, v = tail(k), tail(v)
         qh = q.transpose(1, 0, 2)  # [hq, T, d]
@@ -168,6 +189,7 @@ def main() -> None:
     ap.add_argument("--schemes", default="|".join(SCHEMES), help="names separated by |")
     ap.add_argument("--tail-blocks", type=int, default=2, help="blocks read exact: a position's own and those before")
     ap.add_argument("--tail-dtype", choices=("fp32", "fp16", "int8"), default="fp32", help="the tail's numbers")
+    ap.add_argument("--sink", type=int, default=0, help="the text's first positions, read exact by every query")
     args = ap.parse_args()
     from exporter.evaluate import quality
     from runtime.backends.lora_gradients import DenseDecoder
@@ -185,14 +207,14 @@ def main() -> None:
         keys, values, row_bytes = SCHEMES[name]
         tail = {"fp32": None, "fp16": lambda x: x.astype(np.float16).astype(np.float32),
                 "int8": lambda x: rows_sym(x, 8, 32)}[args.tail_dtype]
-        got = quality(ref, forward(dec, ids, (keys, values), args.tail_blocks, tail), ids)
+        got = quality(ref, forward(dec, ids, (keys, values), args.tail_blocks, tail, args.sink), ids)
         row = {"scheme": name, "kl": round(float(got["kl"]), 6), "ppl_change": round(got["ppl"] / got["ppl_ref"] - 1, 5),
                "top1": round(float(got["top1"]), 4), "bytes_per_number": row_bytes(d) / d,
                "vs_fp32": round(4 * d / row_bytes(d), 2)}
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
     print(json.dumps({"date": time.strftime("%Y-%m-%d"), "package": str(pkg.path), "text": args.text,
-                      "tokens": len(ids), "tail_blocks": args.tail_blocks, "tail_dtype": args.tail_dtype, "ppl_fp32_pool": round(float(np.exp(-np.mean(
+                      "tokens": len(ids), "tail_blocks": args.tail_blocks, "tail_dtype": args.tail_dtype, "sink": args.sink, "ppl_fp32_pool": round(float(np.exp(-np.mean(
                           [ref[i, ids[i + 1]] for i in range(len(ids) - 1)]))), 4),
                       "seconds": round(time.perf_counter() - started, 1), "schemes": rows}, indent=1))
 

@@ -152,15 +152,16 @@ def quantize_rows_int4(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarra
     return packed, np.stack([scale, lo], -1).reshape(*x.shape[:-1], 2 * (d // group))
 
 
-def dequantize_rows_int4(packed: np.ndarray, pairs: np.ndarray) -> np.ndarray:
-    """The float32 numbers int4 rows stand for (quantize_rows_int4), as ruvllm.PagedAttention reads them:
-    steps x scale + minimum, rotated back (the rotation is its own inverse)."""
+def dequantize_rows_int4(packed: np.ndarray, pairs: np.ndarray, rotated: bool = False) -> np.ndarray:
+    """The float32 numbers int4 rows stand for (quantize_rows_int4): steps x scale + minimum, rotated back
+    (the rotation is its own inverse); `rotated`: left in the rotated space, as ruvllm.PagedAttention reads
+    them (it scores keys against the rotated query and rotates a segment's weighted values back once)."""
     d, groups = 2 * packed.shape[-1], pairs.shape[-1] // 2
     p = packed.reshape(*packed.shape[:-1], d // 32, 1, 16)
     q = np.concatenate([p & 15, p >> 4], axis=-2).reshape(*packed.shape[:-1], groups, d // groups).astype(np.float32)
     f = pairs.astype(np.float32).reshape(*pairs.shape[:-1], groups, 2)
     y = (q * f[..., :1] + f[..., 1:]).reshape(*packed.shape[:-1], d)
-    return _fwht(y)
+    return y if rotated else _fwht(y)
 
 
 def _native_writer(kv_dtype: str):

@@ -428,13 +428,14 @@ def rounded_query(q: np.ndarray) -> np.ndarray:
 
 def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: float, softcap: float = 0.0,
                         exact: dict | None = None, rounded: bool = False, tail_blocks: int = 1,
-                        floors: np.ndarray | None = None) -> np.ndarray:
+                        floors: np.ndarray | None = None, rotated: bool = False) -> np.ndarray:
     """Each token's attention over its row's keys, written out plainly: positions before the row's
     first new token from its pool blocks, the rest from this step's rows; causal, optionally windowed,
     the scores optionally soft-capped (Gemma 2: cap * tanh(score / cap)). `exact`: the same inputs in full
     precision, which a token reads for the positions of its own pool block and the tail_blocks - 1 before
     it (a two-tier int8 pool), those before its own block only from its row's floor on (`floors`).
-    `rounded`: the keys read as stored meet the scaled query rounded (rounded_query)."""
+    `rounded`: the keys read as stored meet the scaled query rounded (rounded_query); `rotated`: those keys
+    are an int4 pool's, in its rotated space, and meet the query rotated the same way, then rounded."""
     qk, pk = feeds["qk"], feeds["pool_k"]
     tables, qidx, pos = feeds["tables"], feeds["qidx"], feeds["pos"]
     D, bs, G = qk.shape[1], pk.shape[2], Hq // Hkv
@@ -464,7 +465,8 @@ def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: floa
                     q = qk[n * (Hq + Hkv) + head] * np.float32(scale)
                     scores = keys.astype(np.float64) @ q
                     if rounded:
-                        scores = np.where(stored, keys.astype(np.float64) @ rounded_query(q), scores)
+                        qq = rotation(q[None])[0] if rotated else q
+                        scores = np.where(stored, keys.astype(np.float64) @ rounded_query(qq), scores)
                     if softcap:
                         scores = softcap * np.tanh(scores / softcap)
                     w = np.exp(scores - scores.max())
@@ -472,8 +474,9 @@ def attention_reference(feeds: dict, Hq: int, Hkv: int, window: int, scale: floa
     return out
 
 
-def rounded_rows(x: np.ndarray, int4_group: int = 0) -> np.ndarray:
-    """x as an int8 pool (or an int4 pool with groups of `int4_group`) gives it back."""
+def rounded_rows(x: np.ndarray, int4_group: int = 0, rotated: bool = False) -> np.ndarray:
+    """x as an int8 pool (or an int4 pool with groups of `int4_group`, `rotated`: in its rotated space)
+    gives it back."""
     from runtime.backends.kv_pool import (
         dequantize_rows,
         dequantize_rows_int4,
@@ -481,7 +484,16 @@ def rounded_rows(x: np.ndarray, int4_group: int = 0) -> np.ndarray:
         quantize_rows_int4,
     )
 
-    return dequantize_rows_int4(*quantize_rows_int4(x, int4_group)) if int4_group else dequantize_rows(*quantize_rows(x))
+    if int4_group:
+        return dequantize_rows_int4(*quantize_rows_int4(x, int4_group), rotated=rotated)
+    return dequantize_rows(*quantize_rows(x))
+
+
+def rotation(x: np.ndarray) -> np.ndarray:
+    """An int4 pool's rotation of rows (kv_pool._fwht), in float32 as the kernel rotates a query."""
+    from runtime.backends.kv_pool import _fwht
+
+    return _fwht(x.astype(np.float32))
 
 
 @needs_avx512
@@ -550,8 +562,8 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
         else:
             (feeds["pool_k"], feeds["scale_k"]), (feeds["pool_v"], feeds["scale_v"]) = quantize_rows(pool_k), quantize_rows(pool_v)
         qk = feeds["qk"].reshape(N, Hq + Hkv, D).copy()
-        qk[:, Hq:] = rounded_rows(qk[:, Hq:], gk)
-        reference = {**feeds, "pool_k": rounded_rows(pool_k, gk), "pool_v": rounded_rows(pool_v, gv),
+        qk[:, Hq:] = rounded_rows(qk[:, Hq:], gk, rotated=True)  # an int4 pool's keys: in its rotated space
+        reference = {**feeds, "pool_k": rounded_rows(pool_k, gk, rotated=True), "pool_v": rounded_rows(pool_v, gv),
                      "qk": qk.reshape(-1, D), "v": rounded_rows(feeds["v"], gv)}
         if "tails" in kv:  # layer 1 of the tails holds the pool's rows unrounded (only the exact blocks' are read)
             for name, pool in (("tail_k", pool_k), ("tail_v", pool_v)):
@@ -567,7 +579,7 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
     graph = attention_graph(Hq, Hkv, window, scale, quant, softcap, "tails" in kv, tail_blocks, floors is not None)
     got = ort.InferenceSession(graph, opts).run(None, feeds)[0]
     want = attention_reference(reference, Hq, Hkv, window, scale, softcap, exact, kv != "fp32", max(1, tail_blocks),
-                               floors)
+                               floors, rotated=quant == "int4")
     assert got.shape == want.shape == (N, Hq * D)
     assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
 

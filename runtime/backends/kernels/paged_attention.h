@@ -152,10 +152,12 @@ struct AttnJob {
 // its keys come from this step or from the pool: a recomputed (preempted) sequence or a prompt after a
 // prefix-cache hit then gives the tokens of the first run.
 
-// An int4 row (kv_write.h: quantize_row_int4) is read a rotation block at a time: each chunk's nibbles as
-// steps times their group's scale plus its minimum (a multiply, then an add, as numpy rounds them), then
-// the Hadamard butterflies again (the rotation is its own inverse) in fwht's order: distance 1, 2, 4, 8
-// within a vector, 16, 32, ... across vectors, and the scale 1 / sqrt(n) last.
+// An int4 pool's rows stay in the rotated space they are stored in (kv_write.h: y = c H x, c = 1 /
+// sqrt(n)): each chunk's nibbles times its group's scale plus its minimum (a multiply, then an add, as
+// numpy rounds them). A key's score is then y . (c H q), the query rotated once instead of every key, and
+// a value's part of a segment's weighted sum is summed as y and rotated back once per segment (c H is its
+// own inverse): rotate_back, in fwht's butterfly order (distance 1, 2, 4, 8 within a vector, 16, 32, ...
+// across vectors) and the scale c last.
 inline __m512 butterflies16(__m512 v) {
   __m512 p = _mm512_permute_ps(v, 0xB1);  // distance 1: lanes i ^ 1
   v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xAAAA, p, v);
@@ -167,47 +169,45 @@ inline __m512 butterflies16(__m512 v) {
   return _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xFF00, p, v);
 }
 
+// v (DV vectors, a row of D = 16 DV numbers) times c H, block by block of kv_rotation(D) numbers
+inline void rotate_back(__m512* v, int DV) {
+  const int rv = (int)(kv_rotation(16 * DV) / 16);
+  for (int d = 0; d < DV; d++) v[d] = butterflies16(v[d]);
+  for (int b = 0; b < DV; b += rv)
+    for (int h = 1; h < rv; h *= 2)  // distance 16 h: whole vectors
+      for (int k = b; k < b + rv; k++)
+        if (!((k - b) & h)) {
+          const __m512 a = v[k], x = v[k + h];
+          v[k] = _mm512_add_ps(a, x);
+          v[k + h] = _mm512_sub_ps(a, x);
+        }
+  const __m512 c = _mm512_set1_ps(rotation_scale(kv_rotation(16 * DV)));
+  for (int d = 0; d < DV; d++) v[d] = _mm512_mul_ps(v[d], c);
+}
+
 struct KVRow {
   const float* f = nullptr;
   const int8_t* q = nullptr;
   const uint8_t* n4 = nullptr;   // int4 rows: 16 bytes per 32 numbers
   const uint16_t* sc = nullptr;  // int8 rows: their groups' fp16 scales; int4: (scale, minimum) pairs
   int shift = 0;                 // the group of 16-number chunk d is d >> shift (groups of 32, 64, or one)
-  int dv = 0, rv = 0;            // int4 rows: chunks of 16 in the row, and in a rotation block (kv_rotation)
   KVRow() {}
   explicit KVRow(const float* row) : f(row) {}
   KVRow(const int8_t* row, const uint16_t* scales, int64_t groups) : q(row), sc(scales), shift(shift_of(groups)) {}
-  KVRow(const uint8_t* row, const uint16_t* pairs, int64_t group, int64_t D)
-      : n4(row), sc(pairs), shift(group == 64 ? 2 : 1), dv((int)(D / 16)), rv((int)(kv_rotation(D) / 16)) {}
+  KVRow(const uint8_t* row, const uint16_t* pairs, int64_t group) : n4(row), sc(pairs), shift(group == 64 ? 2 : 1) {}
   static int shift_of(int64_t groups) { return groups > 1 ? 1 : 4; }  // d < 16: d >> 4 is the one group
   bool plain() const { return f != nullptr; }
-  // an int4 row's chunks [first, first + rv): one rotation block, read back
-  void load4_block(int first, __m512* v) const {
-    for (int k = 0; k < rv; k++) {
-      const int d = first + k;
-      const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(n4 + 16 * (d >> 1))));
-      const __m512i steps = (d & 1) ? _mm512_srli_epi32(w, 4) : _mm512_and_si512(w, _mm512_set1_epi32(15));
-      const uint16_t* g = sc + 2 * (d >> shift);
-      v[k] = butterflies16(_mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(steps), _mm512_set1_ps(_cvtsh_ss(g[0]))),
-                                         _mm512_set1_ps(_cvtsh_ss(g[1]))));
-    }
-    for (int h = 1; h < rv; h *= 2)  // distance 16 h: whole vectors
-      for (int k = 0; k < rv; k++)
-        if (!(k & h)) {
-          const __m512 a = v[k], b = v[k + h];
-          v[k] = _mm512_add_ps(a, b);
-          v[k + h] = _mm512_sub_ps(a, b);
-        }
-    const __m512 c = _mm512_set1_ps(rotation_scale(16 * rv));
-    for (int k = 0; k < rv; k++) v[k] = _mm512_mul_ps(v[k], c);
+  // an int4 row's numbers 16d .. 16d + 15, in the rotated space it is stored in
+  __m512 load4(int d) const {
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(n4 + 16 * (d >> 1))));
+    const __m512i steps = (d & 1) ? _mm512_srli_epi32(w, 4) : _mm512_and_si512(w, _mm512_set1_epi32(15));
+    const uint16_t* g = sc + 2 * (d >> shift);
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(steps), _mm512_set1_ps(_cvtsh_ss(g[0]))),
+                         _mm512_set1_ps(_cvtsh_ss(g[1])));
   }
-  __m512 load(int d) const {  // numbers 16d .. 16d + 15 (an int4 row: its rotation block read for them)
+  __m512 load(int d) const {  // numbers 16d .. 16d + 15 (an int4 row's rotated ones)
     if (f) return _mm512_loadu_ps(f + 16 * d);
-    if (n4) {
-      __m512 v[16];
-      load4_block(d - d % rv, v);
-      return v[d % rv];
-    }
+    if (n4) return load4(d);
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * d));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(_cvtsh_ss(sc[d >> shift])));
   }
@@ -219,7 +219,7 @@ struct KVRow {
       return;
     }
     if (n4) {
-      for (int d = 0; d < DV; d += rv) load4_block(d, v + d);
+      for (int d = 0; d < DV; d++) v[d] = load4(d);
       return;
     }
     __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[0]));
@@ -231,14 +231,6 @@ struct KVRow {
   }
   // the whole row into `to` (D floats)
   void store_row(float* to, int DV) const {
-    if (n4) {
-      for (int d = 0; d < DV; d += rv) {
-        __m512 v[16];
-        load4_block(d, v);
-        for (int k = 0; k < rv; k++) _mm512_storeu_ps(to + 16 * (d + k), v[k]);
-      }
-      return;
-    }
     for (int d = 0; d < DV; d++) _mm512_storeu_ps(to + 16 * d, load(d));
   }
   void prefetch(int DV) const {
@@ -277,13 +269,13 @@ inline void round_rows(const float* from, int64_t stride, int64_t n, int64_t D, 
 }
 
 // the same for an int4 pool: each row quantized as kv_write.h stores it, then read back as KVRow reads
-// the pool, so that this step's rows and the stored ones are the same numbers bit for bit
+// the pool (in the rotated space), so that this step's rows and the stored ones are the same numbers
 inline void round_rows_int4(const float* from, int64_t stride, int64_t n, int64_t D, int64_t group, float* to) {
   uint8_t packed[128];
   uint16_t pairs[16];
   for (int64_t i = 0; i < n; i++) {
     quantize_row_int4(from + i * stride, D, group, packed, pairs);
-    KVRow(static_cast<const uint8_t*>(packed), pairs, group, D).store_row(to + i * D, (int)(D / 16));
+    KVRow(static_cast<const uint8_t*>(packed), pairs, group).store_row(to + i * D, (int)(D / 16));
   }
 }
 
@@ -293,7 +285,16 @@ inline void round_rows_int4(const float* from, int64_t stride, int64_t n, int64_
 // score does not depend on the path its step took. (Scoring those steps against the keys in integers,
 // vpdpwssd, was faster on decode rows; the prefill and shared-prefix paths would need the same integer
 // sums for a row to keep its numbers across them, so every path now scores in fp32.)
-inline void round_query(const float* q, int64_t D, float* rounded) {
+inline void round_query(const float* q, int64_t D, float* rounded, bool rotate = false) {
+  float qr[256];
+  if (rotate) {  // an int4 pool's keys are stored rotated: y . (c H q) is the score
+    const int64_t n = kv_rotation(D);
+    const float c = rotation_scale(n);
+    for (int64_t d = 0; d < D; d++) qr[d] = q[d];
+    for (int64_t b = 0; b < D; b += n) fwht(qr + b, n);
+    for (int64_t d = 0; d < D; d++) qr[d] *= c;
+    q = qr;
+  }
   float m = 0.f;
   for (int64_t d = 0; d < D; d++) m = std::max(m, std::fabs(q[d]));
   const float s = m / 32767.f;
@@ -305,9 +306,9 @@ constexpr int kScoreRows = 8;  // queries per score_blocks call
 
 // nq queries (rows of D) rounded into qr as floats (the transposed-key paths' scores; sized to be read as
 // qs is, kScoreRows rows past nq); returns qr
-inline const float* rounded_queries(const float* qs, int64_t nq, int64_t D, std::vector<float>& qr) {
+inline const float* rounded_queries(const float* qs, int64_t nq, int64_t D, std::vector<float>& qr, bool rotate) {
   qr.assign((size_t)((nq + kScoreRows) * D), 0.f);
-  for (int64_t i = 0; i < nq; i++) round_query(qs + i * D, D, &qr[i * D]);
+  for (int64_t i = 0; i < nq; i++) round_query(qs + i * D, D, &qr[i * D], rotate);
   return qr.data();
 }
 
@@ -332,7 +333,7 @@ struct RowHead {
   KVRow pooled(const void* pool, const uint16_t* scales, int64_t group4, int64_t t) const {
     const size_t row = head + (size_t)slot(t);
     if (!scales) return KVRow(static_cast<const float*>(pool) + row * D);
-    if (group4) return KVRow(static_cast<const uint8_t*>(pool) + row * (D / 2), scales + row * 2 * (D / group4), group4, D);
+    if (group4) return KVRow(static_cast<const uint8_t*>(pool) + row * (D / 2), scales + row * 2 * (D / group4), group4);
     return KVRow(static_cast<const int8_t*>(pool) + row * D, scales + row * j->groups, j->groups);
   }
   // this step's key and value rows of position t >= start, exact
@@ -389,6 +390,37 @@ inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, int64_t last,
   __m512 acc[NG][DV];
   for (int g = 0; g < NG; g++)
     for (int d = 0; d < DV; d++) acc[g][d] = _mm512_setzero_ps();
+  if (r.j->group_v) {  // an int4 pool: the stored rows (before `own`) summed rotated, rotated back once
+    const int64_t stored = std::min(nk, std::max<int64_t>(0, own - lo));
+    for (int64_t u = 0; u < stored; u++) {
+      if (lo + u + 16 <= last) r.value(lo + u + 16).prefetch(DV);
+      __m512 v[DV];
+      r.value(lo + u, own).load_all<DV>(v);
+      for (int g = 0; g < NG; g++) {
+        const __m512 w = _mm512_set1_ps(sc[g * stride + u]);
+        for (int d = 0; d < DV; d++) acc[g][d] = _mm512_fmadd_ps(w, v[d], acc[g][d]);
+      }
+    }
+    __m512 back[NG][DV];
+    for (int g = 0; g < NG; g++) {
+      rotate_back(acc[g], DV);
+      for (int d = 0; d < DV; d++) {
+        back[g][d] = acc[g][d];
+        acc[g][d] = _mm512_setzero_ps();
+      }
+    }
+    for (int64_t u = stored; u < nk; u++) {  // the exact rows
+      __m512 v[DV];
+      r.value(lo + u, own).load_all<DV>(v);
+      for (int g = 0; g < NG; g++) {
+        const __m512 w = _mm512_set1_ps(sc[g * stride + u]);
+        for (int d = 0; d < DV; d++) acc[g][d] = _mm512_fmadd_ps(w, v[d], acc[g][d]);
+      }
+    }
+    for (int g = 0; g < NG; g++)
+      for (int d = 0; d < DV; d++) _mm512_storeu_ps(out + g * DV * 16 + 16 * d, _mm512_add_ps(back[g][d], acc[g][d]));
+    return;
+  }
   for (int64_t u = 0; u < nk; u++) {
     const KVRow vr = r.value(lo + u, own);
     if (lo + u + 16 <= last) r.value(lo + u + 16).prefetch(DV);  // on past the segment: a block apart
@@ -448,7 +480,7 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
     }
     if (int8) {  // and rounded, for the keys an int8 pool stores
       qr.resize((size_t)G * D);
-      for (int64_t g = 0; g < G; g++) round_query(&qs[g * D], D, &qr[g * D]);
+      for (int64_t g = 0; g < G; g++) round_query(&qs[g * D], D, &qr[g * D], j.group_k != 0);
     }
     const float* qstored = int8 ? qr.data() : qs.data();
     l.assign((size_t)G, 0.f);
@@ -574,8 +606,6 @@ constexpr int64_t QG = 24;  // a multiple of the score and value row groups (8, 
 template <int DV>
 void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int64_t c_begin, int64_t c_end) {
   constexpr int D = DV * 16;
-  thread_local std::vector<float> scratch;
-  scratch.resize((size_t)16 * D);
   for (int64_t c = c_begin; c < c_end; c++) {
     float* dst = kt + c * D * 16;
     KVRow rows[16];
@@ -583,10 +613,6 @@ void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int
     for (int64_t i = 0; i < 16; i++) {
       real[i] = key0 + c * 16 + i <= last;
       if (real[i]) rows[i] = r.key(key0 + c * 16 + i);
-      if (real[i] && rows[i].n4) {  // an int4 row is read back a rotation block at a time: once, here
-        rows[i].store_row(&scratch[(size_t)i * D], DV);
-        rows[i] = KVRow(&scratch[(size_t)i * D]);
-      }
     }
     for (int64_t i = 0; i < 16 && key0 + c * 16 + 16 + i <= last; i++)  // the next 16 keys: a pool block apart
       r.key(key0 + c * 16 + 16 + i).prefetch(DV);
@@ -658,6 +684,30 @@ inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, int64_t last, co
   for (int i = 0; i < NQ; i++)
     for (int d = 0; d < DV; d++) acc[i][d] = _mm512_setzero_ps();
   const int64_t exact_from = *std::min_element(own, own + NQ);
+  if (r.j->group_v) {  // an int4 pool: each query's stored rows summed rotated, rotated back once (weigh_values)
+    __m512 rot[NQ][DV];
+    for (int i = 0; i < NQ; i++)
+      for (int d = 0; d < DV; d++) rot[i][d] = _mm512_setzero_ps();
+    for (int64_t u = u_lo; u <= u_hi; u++) {
+      if (u + 16 <= last) r.value(u + 16).prefetch(DV);
+      __m512 stored[DV], exact[DV];
+      r.value(u).load_all<DV>(stored);
+      const bool mixed = u >= exact_from;
+      if (mixed) r.value(u, u).load_all<DV>(exact);
+      for (int i = 0; i < NQ; i++) {
+        const __m512 w = _mm512_set1_ps(sc[i][u]);
+        if (u < own[i])
+          for (int d = 0; d < DV; d++) rot[i][d] = _mm512_fmadd_ps(w, stored[d], rot[i][d]);
+        else
+          for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, exact[d], acc[i][d]);
+      }
+    }
+    for (int i = 0; i < NQ; i++) {
+      rotate_back(rot[i], DV);
+      for (int d = 0; d < DV; d++) acc[i][d] = _mm512_add_ps(rot[i][d], acc[i][d]);
+    }
+    return;
+  }
   int64_t u = u_lo;
   for (; u <= std::min(u_hi, exact_from - 1); u++) {
     const KVRow vr = r.value(u);
@@ -766,7 +816,7 @@ void attend_group(const AttnJob& j, const RowHead& r, const float* kt, int64_t k
     const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
     for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
   }
-  const float* qstored = j.scale_k ? rounded_queries(qs.data(), nq, D, qr) : qs.data();
+  const float* qstored = j.scale_k ? rounded_queries(qs.data(), nq, D, qr, j.group_k != 0) : qs.data();
   for (int64_t t0 = lo; t0 <= p_last; t0 += 32) {  // 2 key blocks x 8 queries a call
     const float* blk = kt + (t0 - key0) / 16 * D * 16;
     const int64_t blocks = t0 + 16 - lo < width ? 2 : 1;
@@ -826,7 +876,7 @@ void attend_shared(const AttnJob& j, const SharedGroup& grp, int64_t h, int64_t 
     const float* qp = j.qk + (n * (Hq + Hkv) + head) * D;
     for (int d = 0; d < D; d++) qs[i * D + d] = qp[d] * j.k->scale;
   }
-  const float* qstored = j.scale_k ? rounded_queries(qs.data(), nq, D, qr) : qs.data();
+  const float* qstored = j.scale_k ? rounded_queries(qs.data(), nq, D, qr, j.group_k != 0) : qs.data();
   for (int64_t t0 = 0; t0 < scored; t0 += 32)
     for (int64_t i0 = 0; i0 < nq; i0 += kScoreRows)
       score<D>(qstored + i0 * D, kt + t0 * D, &scores[i0 * scored + t0], scored, std::min<int64_t>(kScoreRows, nq - i0),
