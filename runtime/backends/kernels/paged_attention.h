@@ -185,6 +185,14 @@ inline void rotate_back(__m512* v, int DV) {
   for (int d = 0; d < DV; d++) v[d] = _mm512_mul_ps(v[d], c);
 }
 
+// the same on a row in memory (a sum kept in registers elsewhere is not made to live in memory)
+__attribute__((noinline)) inline void rotate_back_row(float* row, int DV) {
+  __m512 v[16];
+  for (int d = 0; d < DV; d++) v[d] = _mm512_load_ps(row + 16 * d);
+  rotate_back(v, DV);
+  for (int d = 0; d < DV; d++) _mm512_store_ps(row + 16 * d, v[d]);
+}
+
 struct KVRow {
   const float* f = nullptr;
   const int8_t* q = nullptr;
@@ -197,13 +205,27 @@ struct KVRow {
   KVRow(const uint8_t* row, const uint16_t* pairs, int64_t group) : n4(row), sc(pairs), shift(group == 64 ? 2 : 1) {}
   static int shift_of(int64_t groups) { return groups > 1 ? 1 : 4; }  // d < 16: d >> 4 is the one group
   bool plain() const { return f != nullptr; }
+  // an int4 group's 16 possible numbers, steps 0 .. 15 times its scale plus its minimum (a multiply, then
+  // an add): a chunk's numbers are then one permute of its nibbles (which reads their low 4 bits)
+  __m512 table(int group) const {
+    const uint16_t* g = sc + 2 * group;
+    const __m512 steps = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_add_ps(_mm512_mul_ps(steps, _mm512_set1_ps(_cvtsh_ss(g[0]))), _mm512_set1_ps(_cvtsh_ss(g[1])));
+  }
   // an int4 row's numbers 16d .. 16d + 15, in the rotated space it is stored in
   __m512 load4(int d) const {
     const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(n4 + 16 * (d >> 1))));
-    const __m512i steps = (d & 1) ? _mm512_srli_epi32(w, 4) : _mm512_and_si512(w, _mm512_set1_epi32(15));
-    const uint16_t* g = sc + 2 * (d >> shift);
-    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(steps), _mm512_set1_ps(_cvtsh_ss(g[0]))),
-                         _mm512_set1_ps(_cvtsh_ss(g[1])));
+    return _mm512_permutexvar_ps((d & 1) ? _mm512_srli_epi32(w, 4) : w, table(d >> shift));
+  }
+  // the whole int4 row (DV chunks): each group's table made once, each 16 bytes loaded once for two chunks
+  void load4_all(__m512* v, int DV) const {
+    __m512 t = _mm512_setzero_ps();
+    for (int d = 0; d < DV; d += 2) {
+      if (!(d & ((1 << shift) - 1))) t = table(d >> shift);
+      const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(n4 + 8 * d)));
+      v[d] = _mm512_permutexvar_ps(w, t);
+      v[d + 1] = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), t);
+    }
   }
   __m512 load(int d) const {  // numbers 16d .. 16d + 15 (an int4 row's rotated ones)
     if (f) return _mm512_loadu_ps(f + 16 * d);
@@ -219,7 +241,7 @@ struct KVRow {
       return;
     }
     if (n4) {
-      for (int d = 0; d < DV; d++) v[d] = load4(d);
+      load4_all(v, DV);
       return;
     }
     __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[0]));
@@ -231,6 +253,12 @@ struct KVRow {
   }
   // the whole row into `to` (D floats)
   void store_row(float* to, int DV) const {
+    if (n4) {
+      __m512 v[16];
+      load4_all(v, DV);
+      for (int d = 0; d < DV; d++) _mm512_storeu_ps(to + 16 * d, v[d]);
+      return;
+    }
     for (int d = 0; d < DV; d++) _mm512_storeu_ps(to + 16 * d, load(d));
   }
   void prefetch(int DV) const {
@@ -401,13 +429,13 @@ inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, int64_t last,
         for (int d = 0; d < DV; d++) acc[g][d] = _mm512_fmadd_ps(w, v[d], acc[g][d]);
       }
     }
-    __m512 back[NG][DV];
+    alignas(64) float back[NG][DV * 16];  // rotated back in memory: the sums stay in registers
     for (int g = 0; g < NG; g++) {
-      rotate_back(acc[g], DV);
       for (int d = 0; d < DV; d++) {
-        back[g][d] = acc[g][d];
+        _mm512_store_ps(&back[g][16 * d], acc[g][d]);
         acc[g][d] = _mm512_setzero_ps();
       }
+      rotate_back_row(back[g], DV);
     }
     for (int64_t u = stored; u < nk; u++) {  // the exact rows
       __m512 v[DV];
@@ -418,7 +446,8 @@ inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, int64_t last,
       }
     }
     for (int g = 0; g < NG; g++)
-      for (int d = 0; d < DV; d++) _mm512_storeu_ps(out + g * DV * 16 + 16 * d, _mm512_add_ps(back[g][d], acc[g][d]));
+      for (int d = 0; d < DV; d++)
+        _mm512_storeu_ps(out + g * DV * 16 + 16 * d, _mm512_add_ps(_mm512_load_ps(&back[g][16 * d]), acc[g][d]));
     return;
   }
   for (int64_t u = 0; u < nk; u++) {
@@ -685,26 +714,38 @@ inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, int64_t last, co
     for (int d = 0; d < DV; d++) acc[i][d] = _mm512_setzero_ps();
   const int64_t exact_from = *std::min_element(own, own + NQ);
   if (r.j->group_v) {  // an int4 pool: each query's stored rows summed rotated, rotated back once (weigh_values)
-    __m512 rot[NQ][DV];
-    for (int i = 0; i < NQ; i++)
-      for (int d = 0; d < DV; d++) rot[i][d] = _mm512_setzero_ps();
-    for (int64_t u = u_lo; u <= u_hi; u++) {
+    int64_t u = u_lo;
+    for (; u <= std::min(u_hi, exact_from - 1); u++) {  // every query's stored rows: the rotated sums in acc
       if (u + 16 <= last) r.value(u + 16).prefetch(DV);
+      __m512 v[DV];
+      r.value(u).load_all<DV>(v);
+      for (int i = 0; i < NQ; i++) {
+        const __m512 w = _mm512_set1_ps(sc[i][u]);
+        for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
+      }
+    }
+    alignas(64) float rot[NQ][DV * 16];  // those sums, continued in memory where the rows are mixed
+    for (int i = 0; i < NQ; i++)
+      for (int d = 0; d < DV; d++) {
+        _mm512_store_ps(&rot[i][16 * d], acc[i][d]);
+        acc[i][d] = _mm512_setzero_ps();
+      }
+    for (; u <= u_hi; u++) {  // each query's own block: exact from its own[i], as stored before
       __m512 stored[DV], exact[DV];
       r.value(u).load_all<DV>(stored);
-      const bool mixed = u >= exact_from;
-      if (mixed) r.value(u, u).load_all<DV>(exact);
+      r.value(u, u).load_all<DV>(exact);
       for (int i = 0; i < NQ; i++) {
         const __m512 w = _mm512_set1_ps(sc[i][u]);
         if (u < own[i])
-          for (int d = 0; d < DV; d++) rot[i][d] = _mm512_fmadd_ps(w, stored[d], rot[i][d]);
+          for (int d = 0; d < DV; d++)
+            _mm512_store_ps(&rot[i][16 * d], _mm512_fmadd_ps(w, stored[d], _mm512_load_ps(&rot[i][16 * d])));
         else
           for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, exact[d], acc[i][d]);
       }
     }
     for (int i = 0; i < NQ; i++) {
-      rotate_back(rot[i], DV);
-      for (int d = 0; d < DV; d++) acc[i][d] = _mm512_add_ps(rot[i][d], acc[i][d]);
+      rotate_back_row(rot[i], DV);
+      for (int d = 0; d < DV; d++) acc[i][d] = _mm512_add_ps(_mm512_load_ps(&rot[i][16 * d]), acc[i][d]);
     }
     return;
   }
