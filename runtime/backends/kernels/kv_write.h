@@ -42,6 +42,66 @@ inline void fwht(float* y, int64_t n) {
       }
 }
 
+#if RUVLLM_AVX512
+// fwht's butterflies of distance 1, 2, 4, 8 on one vector: lanes i and i ^ h, (a, b) -> (a + b, a - b)
+inline __m512 butterflies16(__m512 v) {
+  __m512 p = _mm512_permute_ps(v, 0xB1);  // distance 1: lanes i ^ 1
+  v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xAAAA, p, v);
+  p = _mm512_permute_ps(v, 0x4E);  // distance 2
+  v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xCCCC, p, v);
+  p = _mm512_shuffle_f32x4(v, v, 0xB1);  // distance 4: 128-bit lanes swapped in pairs
+  v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xF0F0, p, v);
+  p = _mm512_shuffle_f32x4(v, v, 0x4E);  // distance 8
+  return _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xFF00, p, v);
+}
+
+// v (DV vectors, a row of D = 16 DV numbers) times c H, block by block of kv_rotation(D) numbers
+inline void rotate(__m512* v, int DV) {
+  const int rv = (int)(kv_rotation(16 * DV) / 16);
+  for (int d = 0; d < DV; d++) v[d] = butterflies16(v[d]);
+  for (int b = 0; b < DV; b += rv)
+    for (int h = 1; h < rv; h *= 2)  // distance 16 h: whole vectors
+      for (int k = b; k < b + rv; k++)
+        if (!((k - b) & h)) {
+          const __m512 a = v[k], x = v[k + h];
+          v[k] = _mm512_add_ps(a, x);
+          v[k + h] = _mm512_sub_ps(a, x);
+        }
+  const __m512 c = _mm512_set1_ps(rotation_scale(kv_rotation(16 * DV)));
+  for (int d = 0; d < DV; d++) v[d] = _mm512_mul_ps(v[d], c);
+}
+
+inline void quantize_row_int4(const float* x, int64_t D, int64_t group, uint8_t* packed, uint16_t* sm) {
+  const int DV = (int)(D / 16), per = (int)(group / 16);  // chunks of 16 in the row, in a group
+  __m512 v[16];
+  for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(x + 16 * d);
+  rotate(v, DV);
+  __m512i q[16];
+  const float top = 65504.f;  // fp16's largest: numbers past it are held there, not made infinite
+  for (int g = 0; g < DV / per; g++) {
+    __m512 lo = v[g * per], hi = v[g * per];
+    for (int k = 1; k < per; k++) {
+      lo = _mm512_min_ps(lo, v[g * per + k]);
+      hi = _mm512_max_ps(hi, v[g * per + k]);
+    }
+    const uint16_t lo16 = _cvtss_sh(std::min(std::max(_mm512_reduce_min_ps(lo), -top), top), _MM_FROUND_TO_NEAREST_INT);
+    const float lof = _cvtsh_ss(lo16);
+    const uint16_t s16 = _cvtss_sh(std::min((_mm512_reduce_max_ps(hi) - lof) / 15.f, top), _MM_FROUND_TO_NEAREST_INT);
+    const float s = _cvtsh_ss(s16);
+    sm[2 * g] = s16;
+    sm[2 * g + 1] = lo16;
+    const __m512 at = _mm512_set1_ps(lof), by = _mm512_set1_ps(s > 0.f ? s : 1.f);
+    for (int k = 0; k < per; k++) {
+      const __m512 steps = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(v[g * per + k], at), by),
+                                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q[g * per + k] = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(steps, _mm512_setzero_ps()), _mm512_set1_ps(15.f)));
+    }
+  }
+  for (int k = 0; k < DV / 2; k++)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(packed + 16 * k),
+                     _mm512_cvtepi32_epi8(_mm512_or_si512(q[2 * k], _mm512_slli_epi32(q[2 * k + 1], 4))));
+}
+#else
 inline void quantize_row_int4(const float* x, int64_t D, int64_t group, uint8_t* packed, uint16_t* sm) {
   float y[256];
   const int64_t n = kv_rotation(D);
@@ -72,6 +132,7 @@ inline void quantize_row_int4(const float* x, int64_t D, int64_t group, uint8_t*
   for (int64_t k = 0; k < D / 32; k++)
     for (int i = 0; i < 16; i++) packed[16 * k + i] = (uint8_t)(q[32 * k + i] | (q[32 * k + 16 + i] << 4));
 }
+#endif
 
 // the tokens tail_tokens[0 .. n_tail) of present copied exact into the tails (see above); false: a token
 // outside the step

@@ -156,40 +156,13 @@ struct AttnJob {
 // sqrt(n)): each chunk's nibbles times its group's scale plus its minimum (a multiply, then an add, as
 // numpy rounds them). A key's score is then y . (c H q), the query rotated once instead of every key, and
 // a value's part of a segment's weighted sum is summed as y and rotated back once per segment (c H is its
-// own inverse): rotate_back, in fwht's butterfly order (distance 1, 2, 4, 8 within a vector, 16, 32, ...
+// own inverse): rotate_back_row, in fwht's butterfly order (distance 1, 2, 4, 8 within a vector, 16, 32, ...
 // across vectors) and the scale c last.
-inline __m512 butterflies16(__m512 v) {
-  __m512 p = _mm512_permute_ps(v, 0xB1);  // distance 1: lanes i ^ 1
-  v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xAAAA, p, v);
-  p = _mm512_permute_ps(v, 0x4E);  // distance 2
-  v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xCCCC, p, v);
-  p = _mm512_shuffle_f32x4(v, v, 0xB1);  // distance 4: 128-bit lanes swapped in pairs
-  v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xF0F0, p, v);
-  p = _mm512_shuffle_f32x4(v, v, 0x4E);  // distance 8
-  return _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xFF00, p, v);
-}
-
-// v (DV vectors, a row of D = 16 DV numbers) times c H, block by block of kv_rotation(D) numbers
-inline void rotate_back(__m512* v, int DV) {
-  const int rv = (int)(kv_rotation(16 * DV) / 16);
-  for (int d = 0; d < DV; d++) v[d] = butterflies16(v[d]);
-  for (int b = 0; b < DV; b += rv)
-    for (int h = 1; h < rv; h *= 2)  // distance 16 h: whole vectors
-      for (int k = b; k < b + rv; k++)
-        if (!((k - b) & h)) {
-          const __m512 a = v[k], x = v[k + h];
-          v[k] = _mm512_add_ps(a, x);
-          v[k + h] = _mm512_sub_ps(a, x);
-        }
-  const __m512 c = _mm512_set1_ps(rotation_scale(kv_rotation(16 * DV)));
-  for (int d = 0; d < DV; d++) v[d] = _mm512_mul_ps(v[d], c);
-}
-
 // the same on a row in memory (a sum kept in registers elsewhere is not made to live in memory)
 __attribute__((noinline)) inline void rotate_back_row(float* row, int DV) {
   __m512 v[16];
   for (int d = 0; d < DV; d++) v[d] = _mm512_load_ps(row + 16 * d);
-  rotate_back(v, DV);
+  rotate(v, DV);
   for (int d = 0; d < DV; d++) _mm512_store_ps(row + 16 * d, v[d]);
 }
 
@@ -208,9 +181,11 @@ struct KVRow {
   // an int4 group's 16 possible numbers, steps 0 .. 15 times its scale plus its minimum (a multiply, then
   // an add): a chunk's numbers are then one permute of its nibbles (which reads their low 4 bits)
   __m512 table(int group) const {
-    const uint16_t* g = sc + 2 * group;
+    int32_t pair;  // the group's fp16 scale and minimum, converted together
+    std::memcpy(&pair, sc + 2 * group, sizeof(pair));
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
     const __m512 steps = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_add_ps(_mm512_mul_ps(steps, _mm512_set1_ps(_cvtsh_ss(g[0]))), _mm512_set1_ps(_cvtsh_ss(g[1])));
+    return _mm512_add_ps(_mm512_mul_ps(steps, _mm512_broadcastss_ps(f)), _mm512_broadcastss_ps(_mm_movehdup_ps(f)));
   }
   // an int4 row's numbers 16d .. 16d + 15, in the rotated space it is stored in
   __m512 load4(int d) const {
@@ -218,7 +193,8 @@ struct KVRow {
     return _mm512_permutexvar_ps((d & 1) ? _mm512_srli_epi32(w, 4) : w, table(d >> shift));
   }
   // the whole int4 row (DV chunks): each group's table made once, each 16 bytes loaded once for two chunks
-  void load4_all(__m512* v, int DV) const {
+  template <int DV>
+  __attribute__((always_inline)) void load4_all(__m512* v) const {
     __m512 t = _mm512_setzero_ps();
     for (int d = 0; d < DV; d += 2) {
       if (!(d & ((1 << shift) - 1))) t = table(d >> shift);
@@ -235,13 +211,13 @@ struct KVRow {
   }
   // the whole row (DV chunks of 16): an int8 row's scales converted once per group, not per chunk
   template <int DV>
-  void load_all(__m512 v[DV]) const {
+  __attribute__((always_inline)) void load_all(__m512 v[DV]) const {
     if (f) {
       for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(f + 16 * d);
       return;
     }
     if (n4) {
-      load4_all(v, DV);
+      load4_all<DV>(v);
       return;
     }
     __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[0]));
@@ -255,7 +231,14 @@ struct KVRow {
   void store_row(float* to, int DV) const {
     if (n4) {
       __m512 v[16];
-      load4_all(v, DV);
+      switch (DV) {  // the head sizes the operator runs (paged_attention: 16 .. 128 in steps of 16, or 256)
+        case 2: load4_all<2>(v); break;
+        case 4: load4_all<4>(v); break;
+        case 6: load4_all<6>(v); break;
+        case 8: load4_all<8>(v); break;
+        case 16: load4_all<16>(v); break;
+        default: for (int d = 0; d < DV; d++) v[d] = load4(d);
+      }
       for (int d = 0; d < DV; d++) _mm512_storeu_ps(to + 16 * d, v[d]);
       return;
     }
@@ -410,47 +393,15 @@ inline __m512 sum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
 }
 
-// out row g (D floats) = sum over keys lo + u (u < nk) of sc[g * stride + u] * value, undivided; NG heads share
-// each value row read
+// out row g (D floats) = sum over keys lo + u, u in [u0, u1), of sc[g * stride + u] * value, undivided; NG
+// heads share each value row read
 template <int DV, int NG>
-inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, int64_t last, int64_t own, const float* sc,
-                         int64_t stride, float* out) {
+__attribute__((always_inline)) inline void sum_values(const RowHead& r, int64_t lo, int64_t u0, int64_t u1, int64_t last,
+                                                      int64_t own, const float* sc, int64_t stride, float* out) {
   __m512 acc[NG][DV];
   for (int g = 0; g < NG; g++)
     for (int d = 0; d < DV; d++) acc[g][d] = _mm512_setzero_ps();
-  if (r.j->group_v) {  // an int4 pool: the stored rows (before `own`) summed rotated, rotated back once
-    const int64_t stored = std::min(nk, std::max<int64_t>(0, own - lo));
-    for (int64_t u = 0; u < stored; u++) {
-      if (lo + u + 16 <= last) r.value(lo + u + 16).prefetch(DV);
-      __m512 v[DV];
-      r.value(lo + u, own).load_all<DV>(v);
-      for (int g = 0; g < NG; g++) {
-        const __m512 w = _mm512_set1_ps(sc[g * stride + u]);
-        for (int d = 0; d < DV; d++) acc[g][d] = _mm512_fmadd_ps(w, v[d], acc[g][d]);
-      }
-    }
-    alignas(64) float back[NG][DV * 16];  // rotated back in memory: the sums stay in registers
-    for (int g = 0; g < NG; g++) {
-      for (int d = 0; d < DV; d++) {
-        _mm512_store_ps(&back[g][16 * d], acc[g][d]);
-        acc[g][d] = _mm512_setzero_ps();
-      }
-      rotate_back_row(back[g], DV);
-    }
-    for (int64_t u = stored; u < nk; u++) {  // the exact rows
-      __m512 v[DV];
-      r.value(lo + u, own).load_all<DV>(v);
-      for (int g = 0; g < NG; g++) {
-        const __m512 w = _mm512_set1_ps(sc[g * stride + u]);
-        for (int d = 0; d < DV; d++) acc[g][d] = _mm512_fmadd_ps(w, v[d], acc[g][d]);
-      }
-    }
-    for (int g = 0; g < NG; g++)
-      for (int d = 0; d < DV; d++)
-        _mm512_storeu_ps(out + g * DV * 16 + 16 * d, _mm512_add_ps(_mm512_load_ps(&back[g][16 * d]), acc[g][d]));
-    return;
-  }
-  for (int64_t u = 0; u < nk; u++) {
+  for (int64_t u = u0; u < u1; u++) {
     const KVRow vr = r.value(lo + u, own);
     if (lo + u + 16 <= last) r.value(lo + u + 16).prefetch(DV);  // on past the segment: a block apart
     __m512 v[DV];
@@ -462,6 +413,28 @@ inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, int64_t last,
   }
   for (int g = 0; g < NG; g++)
     for (int d = 0; d < DV; d++) _mm512_storeu_ps(out + g * DV * 16 + 16 * d, acc[g][d]);
+}
+
+// out row g (D floats) = sum over keys lo + u (u < nk) of sc[g * stride + u] * value, undivided; NG heads share
+// each value row read. An int4 pool's stored rows (before `own`) are summed in their rotated space and the
+// sum rotated back once, then the exact rows' sum added.
+template <int DV, int NG>
+inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, int64_t last, int64_t own, const float* sc,
+                         int64_t stride, float* out) {
+  if (!r.j->group_v) {
+    sum_values<DV, NG>(r, lo, 0, nk, last, own, sc, stride, out);
+    return;
+  }
+  const int64_t stored = std::min(nk, std::max<int64_t>(0, own - lo));
+  alignas(64) float back[NG][DV * 16];
+  sum_values<DV, NG>(r, lo, 0, stored, last, own, sc, stride, &back[0][0]);
+  for (int g = 0; g < NG; g++) rotate_back_row(back[g], DV);
+  sum_values<DV, NG>(r, lo, stored, nk, last, own, sc, stride, out);
+  for (int g = 0; g < NG; g++)
+    for (int d = 0; d < DV; d++) {
+      float* o = out + g * DV * 16 + 16 * d;
+      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_load_ps(&back[g][16 * d]), _mm512_loadu_ps(o)));
+    }
 }
 
 // What attention over some of a query's segments left for it (a shared prefix's: their fold; a range's:
