@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--text", default=None, metavar="FILE", help="UTF-8 text (default: CPython's LICENSE.txt)")
     e.add_argument("--tokens", type=int, default=2048, help="tokens of the text to use (default 2048)")
     e.add_argument("--kv-dtype", default="fp32", choices=list(KV_DTYPES),
-                   help="the KV pool's precision; int8 without --reference: KL against the same package on fp32 KV")
+                   help="the KV pool's precision; int8 or int4 without --reference: KL against the same package on fp32 KV")
     e.add_argument("--no-speed", action="store_true", help="skip the decode tok/s column")
     e.add_argument("--json", action="store_true")
     i = sub.add_parser("inspect", help="summarize a package: manifest and graph inputs/outputs")

@@ -24,6 +24,10 @@ kv_heads, block_size, head_dim] committed only where written, and a query reads 
 and the block before it from its sequence's floor on (TAIL_BLOCKS; SmolLM2 in fp32: KL 0.00008 rather than
 0.00057, greedy text on 20 prompts equal to the fp32 pool's on 18 rather than 13; docs/PERFORMANCE.md). A block's tail pages go back to the system once
 no later step of its sequence reads it exact or the scheduler drops it.
+
+With kv_dtype "int4" (read by ruvllm.PagedAttention only) each kind is packed 4-bit rows [layers, kv_heads,
+slots, head_dim / 2] of Hadamard-rotated numbers and fp16 (scale, minimum) pairs per group
+(quantize_rows_int4; keys in groups of 32, values 64: kv_blocks.kv_int4_groups), behind the same tails.
 """
 
 from __future__ import annotations

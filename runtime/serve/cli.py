@@ -446,23 +446,30 @@ def cmd_info(args) -> int:
     else:
         print(f"  on this host   {h['device']}, KV {h['kv_dtype']}: projections on {h['matmul_kernel']}, "
               f"attention on {h['attention_kernel']}")
+        print(f"  KV pool        {h['kv_bytes_per_token']:,} bytes a token, {h['kv_tokens_per_gb']:,} tokens a GB "
+              f"({h['kv_vs_fp32']}x fp32's; exact tails apart)")
         print("  batch invariant yes: a request's tokens do not depend on what runs beside it" if h["batch_invariant"]
               else f"  batch invariant no ({h['batch_invariance']}); --batch-invariant serves one request at a time")
     return 0
 
 
 def host_info(pkg, device: str, kv_dtype: str) -> dict:
-    """What this host runs the package on (its graph opened, no KV pool): the kernels, and whether a
-    request's numbers depend on its batch (issue 50: the same answer the server's /v1/models gives)."""
+    """What this host runs the package on (its graph opened, no KV pool): the kernels, whether a request's
+    numbers depend on its batch (issue 50: the same answer the server's /v1/models gives), and the KV
+    pool's bytes a token (the cold rows and their scales; the exact tails are two blocks a sequence)."""
     from runtime.backends.native import NativeBackend
+    from runtime.core.kv_blocks import kv_bytes_per_token
 
     try:
         backend = NativeBackend(pkg, device=device, kv_dtype=kv_dtype)
     except RuvLLMError as err:
         return {"device": device, "kv_dtype": kv_dtype, "error": str(err)}
+    fp32 = kv_bytes_per_token(pkg.config, "fp32")
+    per_token = backend.kv_bytes_per_token(pkg.config)
     return {"device": device, "kv_dtype": kv_dtype, "matmul_kernel": backend.matmul_kernel,
             "attention_kernel": backend.attention_kernel, "batch_invariant": backend.batch_invariant,
-            "batch_invariance": backend.batch_invariance}
+            "batch_invariance": backend.batch_invariance, "kv_bytes_per_token": per_token,
+            "kv_tokens_per_gb": int(2**30 // per_token), "kv_vs_fp32": round(fp32 / per_token, 2)}
 
 
 def cmd_download(args) -> int:
@@ -625,7 +632,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--num-blocks", type=int, default=None, help="KV-cache size in blocks (overrides --kv-memory)")
         p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: the package's)")
         p.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES),
-                       help="KV-cache numbers: fp32 (default) or int8 (about a quarter of the memory; CPU)")
+                       help="KV-cache numbers: fp32 (default), int8 (about a quarter of the memory; CPU) or int4 "
+                            "(about a sixth; CPU with AVX-512)")
         p.add_argument("--speculative-tokens", type=int, default=None,
                        help="prompt-lookup drafts verified per decode step, for requests at temperature <= 0.5 (default 3; 0: off)")
         p.add_argument("--speculative-max-batch", type=int, default=None,

@@ -171,6 +171,25 @@ def test_int4_pool_holds_about_six_times_the_fp32_pools_tokens(tiny_package):
     assert engine.scheduler.allocator.num_blocks == pytest.approx(ratio * fp32.scheduler.allocator.num_blocks, rel=0.02)
 
 
+@needs_kernel
+def test_ruvllm_info_gives_the_pools_bytes_a_token(tiny_package):
+    import json
+
+    from runtime.core.kv_blocks import kv_bytes_per_token
+    from runtime.package import load_package
+    from tests.conftest import run_cli
+
+    pkg = tiny_package(ARCH)
+    cfg = load_package(pkg).config
+    for kv_dtype in ("fp32", "int8", "int4"):
+        proc = run_cli("info", str(pkg), "--json", "--kv-dtype", kv_dtype)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        host = json.loads(proc.stdout)["host"]
+        assert host["kv_bytes_per_token"] == kv_bytes_per_token(cfg, kv_dtype)
+        assert host["kv_vs_fp32"] == round(kv_bytes_per_token(cfg) / kv_bytes_per_token(cfg, kv_dtype), 2)
+    assert host["kv_vs_fp32"] > 6
+
+
 def test_int4_is_refused_clearly_where_it_cannot_run(tiny_package, monkeypatch):
     with pytest.raises(DeviceError, match="head_dim is 16"):
         Engine.from_package(tiny_package("llama"), kv_dtype="int4")
