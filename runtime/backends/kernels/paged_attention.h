@@ -687,33 +687,32 @@ inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, int64_t last, co
     for (int d = 0; d < DV; d++) acc[i][d] = _mm512_setzero_ps();
   const int64_t exact_from = *std::min_element(own, own + NQ);
   if (r.j->group_v) {  // an int4 pool: each query's stored rows summed rotated, rotated back once (weigh_values)
-    int64_t u = u_lo;
-    for (; u <= std::min(u_hi, exact_from - 1); u++) {  // every query's stored rows: the rotated sums in acc
+    // first the stored rows (each query's before its own[i]), then the exact ones: each sum in registers,
+    // each in ascending positions, as weigh_values sums them
+    const int64_t stored_to = std::min(u_hi, *std::max_element(own, own + NQ) - 1);
+    for (int64_t u = u_lo; u <= stored_to; u++) {
       if (u + 16 <= last) r.value(u + 16).prefetch(DV);
       __m512 v[DV];
       r.value(u).load_all<DV>(v);
       for (int i = 0; i < NQ; i++) {
+        if (u >= own[i]) continue;
         const __m512 w = _mm512_set1_ps(sc[i][u]);
         for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
       }
     }
-    alignas(64) float rot[NQ][DV * 16];  // those sums, continued in memory where the rows are mixed
+    alignas(64) float rot[NQ][DV * 16];
     for (int i = 0; i < NQ; i++)
       for (int d = 0; d < DV; d++) {
         _mm512_store_ps(&rot[i][16 * d], acc[i][d]);
         acc[i][d] = _mm512_setzero_ps();
       }
-    for (; u <= u_hi; u++) {  // each query's own block: exact from its own[i], as stored before
-      __m512 stored[DV], exact[DV];
-      r.value(u).load_all<DV>(stored);
-      r.value(u, u).load_all<DV>(exact);
+    for (int64_t u = std::max(u_lo, exact_from); u <= u_hi; u++) {
+      __m512 v[DV];
+      r.value(u, u).load_all<DV>(v);
       for (int i = 0; i < NQ; i++) {
+        if (u < own[i]) continue;
         const __m512 w = _mm512_set1_ps(sc[i][u]);
-        if (u < own[i])
-          for (int d = 0; d < DV; d++)
-            _mm512_store_ps(&rot[i][16 * d], _mm512_fmadd_ps(w, stored[d], _mm512_load_ps(&rot[i][16 * d])));
-        else
-          for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, exact[d], acc[i][d]);
+        for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
       }
     }
     for (int i = 0; i < NQ; i++) {
