@@ -6,6 +6,8 @@ against a plain reference; test_batch_invariance its paths bit for bit)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -198,17 +200,22 @@ def test_int4_is_refused_clearly_where_it_cannot_run(tiny_package, monkeypatch):
         Engine.from_package(tiny_package(ARCH), kv_dtype="int4")
 
 
+GPL3 = Path("/usr/share/common-licenses/GPL-3")  # issue 52's text (Debian's base-files)
+
+
 @pytest.mark.slow
 @needs_kernel
+@pytest.mark.skipif(not GPL3.exists(), reason="issue 52's quality gate is measured on Debian's GPL-3 text")
 def test_smollm2_on_an_int4_pool_within_the_quality_gate(smol_fp32):
-    """`python -m exporter eval PKG --kv-dtype int4` on the embedded model in fp32: mean KL(fp32 pool ||
-    int4 pool) <= 0.01 and perplexity within 1 %, over 1,024 held-out tokens (issue 52's gate at 4,096:
-    docs/PERFORMANCE.md)."""
+    """Issue 52's gate, `python -m exporter eval PKG --kv-dtype int4 --tokens 4096 --text GPL-3` on the embedded
+    model in fp32: mean KL(fp32 pool || int4 pool) <= 0.01 and perplexity within 1 % (measured 0.0088,
+    +0.40 %; on CPython's LICENSE, 2,048 tokens, it is 0.013 and +2.1 %: docs/PERFORMANCE.md)."""
     from exporter.evaluate import evaluate
 
-    result = evaluate([str(smol_fp32)], tokens=1024, speed=False, progress=False, kv_dtype="int4")
+    result = evaluate([str(smol_fp32)], text=GPL3.read_text(), tokens=4096, speed=False, progress=False,
+                      kv_dtype="int4")
     row = result["rows"][0]
-    assert result["kv_dtype"] == "int4"
+    assert result["kv_dtype"] == "int4" and result["tokens"] == 4096
     assert 0 < row["kl"] <= 0.01 and abs(row["delta_ppl_pct"]) <= 1.0, row
 
 
