@@ -17,7 +17,7 @@ from runtime.core.engine import Engine
 from runtime.core.kv_blocks import kv_int4_groups
 from runtime.core.sampling import SamplingParams
 from runtime.errors import DeviceError
-from tests.runtime.test_kv_int8 import CHAT_PROMPTS, run_chunk
+from tests.runtime.test_kv_int8 import CHAT_PROMPTS, answer_logprobs, run_chunk
 
 HAS_KERNEL = "PagedAttention" in kernel_library.operators(kernel_library.library()[0])
 needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="an int4 pool is read by ruvllm.PagedAttention (AVX-512)")
@@ -226,34 +226,10 @@ def test_smollm2_along_the_fp32_pools_chat_answers_on_an_int4_pool(smol_fp32):
     floors the engine gives: mean KL(fp32 pool || int4 pool) per token <= 0.01 and the top choice the same
     at >= 95 % of the tokens (measured 0.0064 and 97.2 %). Issue 52's greedy gate (16 of 20 answers equal)
     is not met: a 3 % disagreement a token parts most 64-token answers somewhere (2 of 20 equal)."""
-    from runtime.backends.native import NativeBackend
-    from runtime.core.kv_blocks import exact_floor
-    from runtime.core.step_batch import Chunk, build_step
-    from runtime.package import load_package
-
     engine = Engine.from_package(smol_fp32, verify=False, speculative_tokens=0)
     prompts = [engine.encode_prompt(messages=[{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     answers = [[t for o in engine.generate(p, greedy(64)) for t in o.token_ids] for p in prompts]
-    pkg = load_package(smol_fp32)
-    logprobs = {}
-    for kv_dtype in ("fp32", "int4"):
-        backend = NativeBackend(pkg, kv_dtype=kv_dtype)
-        bs, blocks = 16, 10
-        backend.allocate(blocks, bs)
-        rows = []
-        for prompt, answer in zip(prompts, answers):
-            ids = prompt + answer[:-1]
-            batch = build_step([Chunk(ids, 0, list(range(blocks)), list(range(len(ids))), True,
-                                      exact_from=exact_floor(len(prompt), bs))], bs, want_full_logits=True)
-            batch.logits_index = list(range(len(prompt) - 1, len(ids)))
-            n = len(batch.logits_index)
-            batch.temperature, batch.repetition_penalty = [1.0] * n, [1.0] * n
-            batch.presence_penalty, batch.frequency_penalty = [0.0] * n, [0.0] * n
-            batch.sparse_ids, batch.sparse_seen = [[0]] * n, [[0.0]] * n
-            batch.sparse_counts, batch.sparse_bias = [[0.0]] * n, [[0.0]] * n
-            logits = backend.run(batch).logits.astype(np.float64)
-            rows.append(logits - np.logaddexp.reduce(logits, axis=1, keepdims=True))
-        logprobs[kv_dtype] = rows
+    logprobs = {kv: answer_logprobs(smol_fp32, kv, prompts, answers) for kv in ("fp32", "int4")}
     kl = np.mean([(np.exp(r) * (r - g)).sum(1).mean() for r, g in zip(logprobs["fp32"], logprobs["int4"])])
     top = np.mean([(r.argmax(1) == g.argmax(1)).mean() for r, g in zip(logprobs["fp32"], logprobs["int4"])])
     assert 0 < kl <= 0.01 and top >= 0.95, (kl, top)

@@ -302,6 +302,32 @@ CHAT_PROMPTS = [
     "Translate 'good morning' into Spanish and German.", "Write a limerick about a programmer."]
 
 
+def answer_logprobs(package, kv_dtype: str, prompts: list[list[int]], answers: list[list[int]]) -> list:
+    """Each answer teacher-forced after its prompt on a pool of kv_dtype, one step a sequence with the row's
+    floor as the engine gives it (the numbers the engine's steps read): log-probabilities [answer, vocab]."""
+    from runtime.backends.native import NativeBackend
+    from runtime.core.step_batch import Chunk, build_step
+    from runtime.package import load_package
+
+    backend = NativeBackend(load_package(package), kv_dtype=kv_dtype)
+    bs, blocks = 16, 10
+    backend.allocate(blocks, bs)
+    rows = []
+    for prompt, answer in zip(prompts, answers):
+        ids = prompt + answer[:-1]
+        batch = build_step([Chunk(ids, 0, list(range(blocks)), list(range(len(ids))), True,
+                                  exact_from=exact_floor(len(prompt), bs))], bs, want_full_logits=True)
+        batch.logits_index = list(range(len(prompt) - 1, len(ids)))  # the rows that chose the answer
+        n = len(batch.logits_index)
+        batch.temperature, batch.repetition_penalty = [1.0] * n, [1.0] * n
+        batch.presence_penalty, batch.frequency_penalty = [0.0] * n, [0.0] * n
+        batch.sparse_ids, batch.sparse_seen = [[0]] * n, [[0.0]] * n
+        batch.sparse_counts, batch.sparse_bias = [[0.0]] * n, [[0.0]] * n
+        logits = backend.run(batch).logits.astype(np.float64)
+        rows.append(logits - np.logaddexp.reduce(logits, axis=1, keepdims=True))
+    return rows
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_KERNEL, reason="full-precision tails are read by ruvllm.PagedAttention")
 def test_smollm2_greedy_text_on_an_int8_pool_matches_the_fp32_pools(smol_fp32):
@@ -309,11 +335,6 @@ def test_smollm2_greedy_text_on_an_int8_pool_matches_the_fp32_pools(smol_fp32):
     share the system prompt), equal the fp32 pool's on at least 18; and along each fp32 continuation the
     mean per-token KL(fp32 pool || int8 pool) stays within 0.005 (teacher-forced, one step a sequence,
     the row's floor as the engine gave it: the same numbers the engine's steps read)."""
-    from runtime.backends.native import NativeBackend
-    from runtime.core.kv_blocks import exact_floor
-    from runtime.core.step_batch import Chunk, build_step
-    from runtime.package import load_package
-
     texts = {}
     for kv_dtype in ("fp32", "int8"):
         engine = Engine.from_package(smol_fp32, verify=False, kv_dtype=kv_dtype, speculative_tokens=0)
@@ -331,26 +352,7 @@ def test_smollm2_greedy_text_on_an_int8_pool_matches_the_fp32_pools(smol_fp32):
     assert equal >= 18, equal
 
     prompts = [engine.encode_prompt(messages=[{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
-    pkg = load_package(smol_fp32)
-    logprobs = {}
-    for kv_dtype in ("fp32", "int8"):
-        backend = NativeBackend(pkg, kv_dtype=kv_dtype)
-        bs, blocks = 16, 10
-        backend.allocate(blocks, bs)
-        rows = []
-        for prompt, answer in zip(prompts, texts["fp32"]):
-            ids = prompt + answer[:-1]
-            batch = build_step([Chunk(ids, 0, list(range(blocks)), list(range(len(ids))), True,
-                                      exact_from=exact_floor(len(prompt), bs))], bs, want_full_logits=True)
-            batch.logits_index = list(range(len(prompt) - 1, len(ids)))  # the rows that chose the answer
-            n = len(batch.logits_index)
-            batch.temperature, batch.repetition_penalty = [1.0] * n, [1.0] * n
-            batch.presence_penalty, batch.frequency_penalty = [0.0] * n, [0.0] * n
-            batch.sparse_ids, batch.sparse_seen = [[0]] * n, [[0.0]] * n
-            batch.sparse_counts, batch.sparse_bias = [[0.0]] * n, [[0.0]] * n
-            logits = backend.run(batch).logits.astype(np.float64)
-            rows.append(logits - np.logaddexp.reduce(logits, axis=1, keepdims=True))
-        logprobs[kv_dtype] = rows
+    logprobs = {kv: answer_logprobs(smol_fp32, kv, prompts, texts["fp32"]) for kv in ("fp32", "int8")}
     for ref, got in zip(logprobs["fp32"], logprobs["int8"]):
         kl = (np.exp(ref) * (ref - got)).sum(axis=1).mean()
         assert 0 < kl <= 0.005, kl
