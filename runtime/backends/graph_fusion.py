@@ -361,7 +361,7 @@ def kv_quantized(model, num_layers: int, tails: bool = True, kv_dtype: str = "in
 
     from runtime import contract as C
     from runtime.backends.kv_pool import TAIL_BLOCKS
-    from runtime.core.kv_blocks import kv_int4_groups
+    from runtime.core.kv_blocks import kv_scale_widths
 
     inputs = {i.name: i for i in model.graph.input}
     consumers = _consumers(model.graph.node)
@@ -380,10 +380,7 @@ def kv_quantized(model, num_layers: int, tails: bool = True, kv_dtype: str = "in
         if grouping is None:
             continue
         head_dim = grouping[0] * grouping[1]
-        if kv_dtype == "int4":
-            widths = [2 * head_dim // g for g in kv_int4_groups(head_dim)]
-        else:
-            widths = [grouping[0]] * 2
+        widths = kv_scale_widths(head_dim, kv_dtype)
         if tails and not count:
             for name in (C.KV_TAIL_KEY, C.KV_TAIL_VALUE):
                 model.graph.input.append(_tail_input(key, name, num_layers))

@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime import contract as C
-from runtime.core.kv_blocks import kv_group, kv_int4_groups
+from runtime.core.kv_blocks import kv_group, kv_int4_groups, kv_scale_widths
 
 POOL_KEY, POOL_VALUE, SLOTS = "pool.key", "pool.value", "kv_slots"
 FIRST_BLOCKS = 16  # blocks committed when the pool is made; it doubles from there as blocks are used
@@ -221,7 +221,7 @@ class DeviceKVPool:
         self.int8, self.int4 = kv_dtype == "int8", kv_dtype == "int4"
         self.quantized = self.int8 or self.int4
         self.tails = tails and self.quantized
-        self.tail_blocks = TAIL_BLOCKS  # what the graph's kernel was given (graph_fusion.kv_in_int8)
+        self.tail_blocks = TAIL_BLOCKS  # what the graph's kernel was given (graph_fusion.kv_quantized)
         self.dtype = np.int8 if self.int8 else np.uint8 if self.int4 else np.float32
         if self.quantized and (self.device != "cpu" or self.device_writes):
             raise ValueError(f"an {kv_dtype} KV pool lives in host memory: it runs on the CPU only")
@@ -229,13 +229,10 @@ class DeviceKVPool:
         self.layer_shape = [kv_heads, num_blocks, block_size, width]  # what each layer's graph input sees
         shape = [num_layers, kv_heads, num_blocks * block_size, width]
         self.layer_bytes = kv_heads * num_blocks * block_size * width * np.dtype(self.dtype).itemsize
-        # fp16 numbers a row's scales take, per kind: int8, one per group; int4, a (scale, minimum) pair per
-        # group (keys' and values' groups may differ: kv_blocks.kv_int4_groups)
+        # fp16 numbers a row's scales take, per kind (keys' and values' int4 groups differ: kv_int4_groups)
         self.int4_groups = kv_int4_groups(head_dim) if self.int4 else (0, 0)
-        self.scale_widths = tuple(2 * head_dim // g for g in self.int4_groups) if self.int4 else \
-            (head_dim // kv_group(head_dim),) * 2
-        # a layer's scales, per kind
-        self.scale_bytes = tuple(kv_heads * num_blocks * block_size * w * 2 if self.quantized else 0 for w in self.scale_widths)
+        self.scale_widths = kv_scale_widths(head_dim, kv_dtype)
+        self.scale_bytes = tuple(kv_heads * num_blocks * block_size * w * 2 for w in self.scale_widths)  # a layer's
         self.num_blocks, self.block_size, self.num_layers = num_blocks, block_size, num_layers
         self.committed = num_blocks  # blocks whose memory is written (zeros) and so resident
         if self.device == "cpu":

@@ -37,14 +37,21 @@ def kv_int4_groups(head_dim: int) -> tuple[int, int]:
     return 32, 64 if head_dim % 64 == 0 else 32
 
 
-def kv_row_bytes(head_dim: int, kv_dtype: str, kind: int = 0) -> int:
-    """Bytes one token's kv head takes in a pool of kv_dtype for keys (kind 0) or values (1): fp32 numbers,
-    int8 ones and an fp16 scale per group, or int4 ones and an fp16 scale and minimum per group."""
+def kv_scale_widths(head_dim: int, kv_dtype: str) -> tuple[int, int]:
+    """fp16 numbers a key row's and a value row's scales take: int8, one per group; int4, a (scale,
+    minimum) pair per group; fp32, none."""
     if kv_dtype == "int8":
-        return head_dim + 2 * (head_dim // kv_group(head_dim))
+        return (head_dim // kv_group(head_dim),) * 2
     if kv_dtype == "int4":
-        return head_dim // 2 + 4 * (head_dim // kv_int4_groups(head_dim)[kind])
-    return 4 * head_dim
+        return tuple(2 * head_dim // g for g in kv_int4_groups(head_dim))
+    return 0, 0
+
+
+def kv_row_bytes(head_dim: int, kv_dtype: str, kind: int = 0) -> int:
+    """Bytes one token's kv head takes in a pool of kv_dtype for keys (kind 0) or values (1): its numbers
+    (fp32, int8, or int4 two a byte) and its fp16 scales (kv_scale_widths)."""
+    numbers = {"int8": head_dim, "int4": head_dim // 2}.get(kv_dtype, 4 * head_dim)
+    return numbers + 2 * kv_scale_widths(head_dim, kv_dtype)[kind]
 
 
 def kv_bytes_per_token(cfg: dict, kv_dtype: str = "fp32") -> int:

@@ -17,7 +17,7 @@ from runtime.core.engine import Engine
 from runtime.core.kv_blocks import kv_int4_groups
 from runtime.core.sampling import SamplingParams
 from runtime.errors import DeviceError
-from tests.runtime.test_kv_int8 import CHAT_PROMPTS, answer_logprobs, run_chunk
+from tests.runtime.test_kv_int8 import CHAT_PROMPTS, answer_logprobs, steps, written_pools
 
 HAS_KERNEL = "PagedAttention" in kernel_library.operators(kernel_library.library()[0])
 needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="an int4 pool is read by ruvllm.PagedAttention (AVX-512)")
@@ -56,45 +56,15 @@ def test_the_kernel_librarys_writer_stores_what_numpy_does_bit_for_bit(monkeypat
     """ruvllm_kv_write_int4 against kv_pool.quantize_rows_int4 and numpy's copies: the same nibbles, (scale,
     minimum) pairs and tail rows, for a prompt chunk and a decode step, with a row of zeros, tiny numbers
     and numbers past fp16's range (their minimum and scale held at its largest: finite, if coarse)."""
-    import onnxruntime as ort
+    def special(present):
+        present[0][0, 0, 0] = 0.0
+        present[0][1, 0, 1] = 1e-30
+        present[1][2, -1, 1] *= 1e4
 
-    from runtime.backends import kv_pool
-    from runtime.backends.kv_pool import DeviceKVPool
-    from runtime.core.step_batch import Chunk, build_step
-
-    layers, heads, bs, table = 3, 2, 4, [5, 2, 7]
-    pools = []
-    for native in (True, False):
-        if not native:
-            monkeypatch.setattr(kv_pool, "_native_writer", lambda kv_dtype: None)
-        pool = DeviceKVPool(ort, ["CPUExecutionProvider"], layers, heads, head_dim, 8, bs, kv_dtype="int4", tails=True)
-        pool.ensure(8)
-        assert (pool._native is not None) == native
-        rng = np.random.default_rng(head_dim)
-        for start, n in ((0, 6), (6, 1)):
-            present = [(rng.standard_normal((layers, n, heads, head_dim)) * 3).astype(np.float32) for _ in "kv"]
-            present[0][0, 0, 0] = 0.0
-            present[0][1, 0, 1] = 1e-30
-            present[1][2, -1, 1] *= 1e4
-            slots = [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-            batch = build_step([Chunk(list(range(n)), start, table, slots, True, top_k=5)], bs)
-            pool.write(*(ort.OrtValue.ortvalue_from_numpy(x) for x in present), slots, batch)
-        pools.append(pool)
-    native, plain = pools
+    native, _ = written_pools(monkeypatch, "int4", head_dim, special)
     assert [a.shape[-1] for a in native._scales] == [2 * head_dim // g for g in kv_int4_groups(head_dim)]
-    for a, b in zip((*native._host, *native._scales, *native._tails), (*plain._host, *plain._scales, *plain._tails)):
-        assert a.tobytes() == b.tobytes()
-    assert native._live == plain._live == {5, 2} and native._host[0].any()
+    assert native._host[0].any()
     assert np.isfinite(dequantize_rows_int4(native._host[1], native._scales[1])).all()
-
-
-def steps(backend, prompt: list[int], decodes: int) -> np.ndarray:
-    backend.allocate(16, 4)
-    out, pos = [], 0
-    for tokens in [prompt[:5], prompt[5:]] + [[7 + i] for i in range(decodes)]:
-        out.append(run_chunk(backend, tokens, pos, list(range(16)), 4, full_logits=True).logits.copy())
-        pos += len(tokens)
-    return np.concatenate(out)
 
 
 @needs_kernel

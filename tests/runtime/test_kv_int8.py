@@ -40,12 +40,11 @@ def test_rows_round_trip_within_half_a_step(head_dim):
     assert (np.abs(x - dequantize_rows(q, s)) <= step * 0.51 + 1e-30).all()
 
 
-@pytest.mark.skipif(kernel_library.kv_writer() is None, reason="the kernel library is not built here")
-@pytest.mark.parametrize("head_dim", [16, 48, 64])
-def test_the_kernel_librarys_writer_stores_what_numpy_does_bit_for_bit(monkeypatch, head_dim):
-    """ruvllm_kv_write_int8 (one pass) against the numpy path (quantize_rows and fancy-indexed copies):
-    the same int8 numbers, fp16 scales and tail rows, for a prompt chunk and a decode step, with rows of
-    zeros, numbers too small for an fp16 scale, halfway ties and large numbers."""
+def written_pools(monkeypatch, kv_dtype: str, head_dim: int, special) -> tuple:
+    """A prompt chunk of 6 tokens and a decode step written into two pools of kv_dtype with tails, one
+    through the kernel library's writer and one through numpy (`special(present)` puts the kind's hard
+    numbers into each step's rows); every array of the two is the same byte for byte, and both keep the
+    tails of position 6's block, where the next step may start, and (floor 0) of the one before it."""
     import onnxruntime as ort
 
     from runtime.backends import kv_pool
@@ -57,16 +56,13 @@ def test_the_kernel_librarys_writer_stores_what_numpy_does_bit_for_bit(monkeypat
     for native in (True, False):
         if not native:
             monkeypatch.setattr(kv_pool, "_native_writer", lambda kv_dtype: None)
-        pool = DeviceKVPool(ort, ["CPUExecutionProvider"], layers, heads, head_dim, 8, bs, kv_dtype="int8", tails=True)
+        pool = DeviceKVPool(ort, ["CPUExecutionProvider"], layers, heads, head_dim, 8, bs, kv_dtype=kv_dtype, tails=True)
         pool.ensure(8)
         assert (pool._native is not None) == native  # the first pool writes through the kernel library
         rng_step = np.random.default_rng(head_dim)
         for start, n in ((0, 6), (6, 1)):
             present = [(rng_step.standard_normal((layers, n, heads, head_dim)) * 3).astype(np.float32) for _ in "kv"]
-            present[0][0, 0, 0] = 0.0
-            present[0][1, 0, 1] = 1e-30
-            present[1][0, 0, 0, :2] = [63.5, 0.75]  # scale 0.5 exactly: 0.75 is 1.5 steps, a tie (to 2)
-            present[1][2, -1, 1] *= 1e4
+            special(present)
             slots = [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             batch = build_step([Chunk(list(range(n)), start, table, slots, True, top_k=5)], bs)
             pool.write(*(ort.OrtValue.ortvalue_from_numpy(x) for x in present), slots, batch)
@@ -74,8 +70,23 @@ def test_the_kernel_librarys_writer_stores_what_numpy_does_bit_for_bit(monkeypat
     native, plain = pools
     for a, b in zip((*native._host, *native._scales, *native._tails), (*plain._host, *plain._scales, *plain._tails)):
         assert a.tobytes() == b.tobytes()
-    # position 6's block, where the next step may start, and (floor 0) the one before it
     assert native._live == plain._live == {5, 2}
+    return native, plain
+
+
+@pytest.mark.skipif(kernel_library.kv_writer() is None, reason="the kernel library is not built here")
+@pytest.mark.parametrize("head_dim", [16, 48, 64])
+def test_the_kernel_librarys_writer_stores_what_numpy_does_bit_for_bit(monkeypatch, head_dim):
+    """ruvllm_kv_write_int8 (one pass) against the numpy path (quantize_rows and fancy-indexed copies):
+    the same int8 numbers, fp16 scales and tail rows, for a prompt chunk and a decode step, with rows of
+    zeros, numbers too small for an fp16 scale, halfway ties and large numbers."""
+    def special(present):
+        present[0][0, 0, 0] = 0.0
+        present[0][1, 0, 1] = 1e-30
+        present[1][0, 0, 0, :2] = [63.5, 0.75]  # scale 0.5 exactly: 0.75 is 1.5 steps, a tie (to 2)
+        present[1][2, -1, 1] *= 1e4
+
+    native, _ = written_pools(monkeypatch, "int8", head_dim, special)
     assert np.abs(native._host[1]).max() == 127 and native._scales[0].any()
 
 

@@ -42,6 +42,14 @@ inline void fwht(float* y, int64_t n) {
       }
 }
 
+// y (D numbers) times c H, block by block of kv_rotation(D) numbers: the rotation a row is stored in
+inline void rotate_row(float* y, int64_t D) {
+  const int64_t n = kv_rotation(D);
+  const float c = rotation_scale(n);
+  for (int64_t b = 0; b < D; b += n) fwht(y + b, n);
+  for (int64_t i = 0; i < D; i++) y[i] *= c;
+}
+
 #if RUVLLM_AVX512
 // fwht's butterflies of distance 1, 2, 4, 8 on one vector: lanes i and i ^ h, (a, b) -> (a + b, a - b)
 inline __m512 butterflies16(__m512 v) {
@@ -104,13 +112,8 @@ inline void quantize_row_int4(const float* x, int64_t D, int64_t group, uint8_t*
 #else
 inline void quantize_row_int4(const float* x, int64_t D, int64_t group, uint8_t* packed, uint16_t* sm) {
   float y[256];
-  const int64_t n = kv_rotation(D);
-  const float c = rotation_scale(n);
-  for (int64_t b = 0; b < D; b += n) {
-    for (int64_t i = 0; i < n; i++) y[b + i] = x[b + i];
-    fwht(y + b, n);
-    for (int64_t i = 0; i < n; i++) y[b + i] *= c;
-  }
+  std::memcpy(y, x, (size_t)D * sizeof(float));
+  rotate_row(y, D);
   uint8_t q[256];
   for (int64_t g = 0; g < D / group; g++) {
     const float* yg = y + g * group;

@@ -157,8 +157,8 @@ struct AttnJob {
 // numpy rounds them). A key's score is then y . (c H q), the query rotated once instead of every key, and
 // a value's part of a segment's weighted sum is summed as y and rotated back once per segment (c H is its
 // own inverse): rotate_back_row, in fwht's butterfly order (distance 1, 2, 4, 8 within a vector, 16, 32, ...
-// across vectors) and the scale c last.
-// the same on a row in memory (a sum kept in registers elsewhere is not made to live in memory)
+// across vectors) and the scale c last (kv_write.h: rotate). On a row in memory, so that a sum kept in
+// registers elsewhere is not made to live in memory.
 __attribute__((noinline)) inline void rotate_back_row(float* row, int DV) {
   __m512 v[16];
   for (int d = 0; d < DV; d++) v[d] = _mm512_load_ps(row + 16 * d);
@@ -299,11 +299,8 @@ inline void round_rows_int4(const float* from, int64_t stride, int64_t n, int64_
 inline void round_query(const float* q, int64_t D, float* rounded, bool rotate = false) {
   float qr[256];
   if (rotate) {  // an int4 pool's keys are stored rotated: y . (c H q) is the score
-    const int64_t n = kv_rotation(D);
-    const float c = rotation_scale(n);
-    for (int64_t d = 0; d < D; d++) qr[d] = q[d];
-    for (int64_t b = 0; b < D; b += n) fwht(qr + b, n);
-    for (int64_t d = 0; d < D; d++) qr[d] *= c;
+    std::memcpy(qr, q, (size_t)D * sizeof(float));
+    rotate_row(qr, D);
     q = qr;
   }
   float m = 0.f;
