@@ -1,7 +1,8 @@
-"""The int4 KV pool (--kv-dtype int4): each 16 numbers of a row rotated by H16 / 4, then asymmetric 4-bit
-steps per group (keys 32, values 64), behind the two-tier pool's exact tails; read by ruvllm.PagedAttention
-only. Checked against numpy's reference (kv_pool.quantize_rows_int4), the fp32 pool, and through the
-engine's batching, drafts, prefix cache and preemption (test_cpu_kernels checks the operator's arithmetic
+"""The int4 KV pool (--kv-dtype int4): each row rotated by the orthonormal Hadamard matrix of its largest
+power-of-two block, then asymmetric 4-bit steps per group (keys 32, values 64), behind the two-tier pool's
+exact tails; read by ruvllm.PagedAttention only. Checked against numpy's reference
+(kv_pool.quantize_rows_int4), the fp32 pool, and through the engine's prefix cache (test_kv_int8 runs its
+batching, drafts and preemption test on both pools; test_cpu_kernels checks the operator's arithmetic
 against a plain reference; test_batch_invariance its paths bit for bit)."""
 
 from __future__ import annotations
@@ -88,28 +89,6 @@ def test_int4_pool_stays_near_the_fp32_pool_and_its_tails_bring_it_nearer(tiny_p
     # 4-bit steps on a random model's keys move its logits by up to a tenth or so of their range here (a
     # wrong nibble order or an unrotated read moves them by their whole range)
     assert np.abs(got["int4", False] - plain).max() <= 0.25 * np.abs(plain).max()
-
-
-@needs_kernel
-@pytest.mark.parametrize("num_blocks", [None, 96])  # 96 blocks of 4 force preemption under 12 requests
-def test_int4_outputs_do_not_depend_on_batching_drafts_or_preemption(tiny_package, num_blocks):
-    """12 staggered requests in chunked batches with prompt-lookup drafts (and preemption) give each
-    request's tokens run alone without drafts, as on the int8 pool."""
-    from tests.runtime.test_engine import prompts, run_staggered
-
-    pkg = tiny_package(ARCH)
-    texts = [t + " . " + t for t in prompts(12)]
-    alone = Engine.from_package(pkg, kv_dtype="int4", enable_prefix_cache=False, max_num_seqs=1, speculative_tokens=0,
-                                block_size=4)
-    solo = [[t for o in alone.generate(text, greedy(24)) for t in o.token_ids] for text in texts]
-    engine = Engine.from_package(pkg, kv_dtype="int4", max_num_seqs=12, max_batch_tokens=96, num_blocks=num_blocks,
-                                 block_size=4, speculative_tokens=3, speculative_max_batch=12)
-    got = run_staggered(engine, texts, max_tokens=24)
-    assert [got[i] for i in range(len(texts))] == solo
-    stats = engine.stats_snapshot()
-    assert stats["accepted_draft_tokens"] > 0
-    if num_blocks:
-        assert stats["preemptions"] > 0
 
 
 @needs_kernel

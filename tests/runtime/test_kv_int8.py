@@ -195,18 +195,19 @@ def test_tails_of_finished_sequences_are_given_back_at_the_next_step(tiny_packag
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="full-precision tails are read by ruvllm.PagedAttention")
 @pytest.mark.parametrize("num_blocks", [None, 96])  # 96 blocks of 4 force preemption under 12 requests
-def test_two_tier_outputs_do_not_depend_on_batching_drafts_or_preemption(tiny_package, num_blocks):
-    """Which numbers a position reads (exact in its own block, int8 before it) depends on positions only: 12 staggered requests in chunked batches with prompt-lookup drafts
+@pytest.mark.parametrize("arch,kv_dtype", [("llama", "int8"), ("qwen3", "int4")])  # int4: head_dim 32
+def test_two_tier_outputs_do_not_depend_on_batching_drafts_or_preemption(tiny_package, num_blocks, arch, kv_dtype):
+    """Which numbers a position reads (exact in its own block, int8 or int4 before it) depends on positions only: 12 staggered requests in chunked batches with prompt-lookup drafts
     (rejected drafts rewrite rows of a block already filled) and preemption give each request's tokens
     run alone without drafts."""
     from tests.runtime.test_engine import prompts, run_staggered
 
-    pkg = tiny_package("llama")
+    pkg = tiny_package(arch)
     texts = [t + " . " + t for t in prompts(12)]  # repeats give the lookup drafts to verify
-    alone = Engine.from_package(pkg, kv_dtype="int8", enable_prefix_cache=False, max_num_seqs=1, speculative_tokens=0,
+    alone = Engine.from_package(pkg, kv_dtype=kv_dtype, enable_prefix_cache=False, max_num_seqs=1, speculative_tokens=0,
                                 block_size=4)  # blocks of 4: drafts cross into the next block often
     solo = [[t for o in alone.generate(text, greedy(24)) for t in o.token_ids] for text in texts]
-    engine = Engine.from_package(pkg, kv_dtype="int8", max_num_seqs=12, max_batch_tokens=96, num_blocks=num_blocks,
+    engine = Engine.from_package(pkg, kv_dtype=kv_dtype, max_num_seqs=12, max_batch_tokens=96, num_blocks=num_blocks,
                                  block_size=4, speculative_tokens=3, speculative_max_batch=12)
     got = run_staggered(engine, texts, max_tokens=24)
     assert [got[i] for i in range(len(texts))] == solo
