@@ -41,7 +41,7 @@ def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER) -> G
 
     w = w.detach().clone().float()
     out_f, in_f = w.shape
-    h = h.detach().clone().double()
+    h = h.detach().float()  # consumed: the caller's accumulator (gptq_layer's) is not kept
     dead = torch.diag(h) == 0  # an input that is always zero: its weights do not matter
     h[dead, dead] = 1
     w[:, dead] = 0
@@ -53,10 +53,15 @@ def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER) -> G
     else:  # each block's grid is set when its first column comes up
         scales, zeros = torch.zeros(out_f, blocks), torch.zeros(out_f, blocks)
         perm = torch.arange(in_f)
-    w, h = w[:, perm], h[perm][:, perm]
-    h += DAMP * torch.mean(torch.diag(h)) * torch.eye(in_f, dtype=h.dtype)
-    # the upper Cholesky factor of H^-1: row i holds how column i's error moves the later columns
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    w, h = w[:, perm], h[perm[:, None], perm]  # one gather: H and its permuted copy, no third
+    h.diagonal().add_(DAMP * torch.mean(torch.diag(h)))
+    # the upper Cholesky factor of H^-1: row i holds how column i's error moves the later columns. One
+    # [in, in] float32 matrix at a time besides H's: a 7B's down projection's is 0.8 GB (float64 and
+    # copies held together: ~6 GB)
+    h = torch.linalg.cholesky(h)
+    h = torch.cholesky_inverse(h)
+    u = torch.linalg.cholesky(h, upper=True)
+    del h
     q = torch.zeros(out_f, in_f, dtype=torch.uint8)
     lazy = max(LAZY_COLUMNS, block)  # a multiple of block (both powers of two): a block starts a batch or lies in one
     for i1 in range(0, in_f, lazy):
@@ -179,10 +184,15 @@ def gptq_layer(i: int, layer, captured: list[tuple], block: int, bits: int, mlp_
 
 
 def _accumulate(hs: dict, name: str):
-    """A pre-hook adding X^T X of a projection's input to hs[name]."""
+    """A pre-hook adding X^T X of a projection's input to hs[name], in place and in float32 (as GPTQ's
+    reference implementation keeps it; the damping dominates float32's rounding)."""
+    import torch
+
     def hook(module, args) -> None:
-        x = args[0].reshape(-1, args[0].shape[-1]).double()
-        hs[name] = hs[name] + x.T @ x
+        x = args[0].reshape(-1, args[0].shape[-1]).float()
+        if isinstance(hs[name], int):
+            hs[name] = torch.zeros(x.shape[1], x.shape[1])
+        hs[name].addmm_(x.T, x)
     return hook
 
 
