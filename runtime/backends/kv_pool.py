@@ -36,21 +36,10 @@ import numpy as np
 
 from runtime import contract as C
 from runtime.core.kv_blocks import kv_group, kv_int4_groups, kv_scale_widths
+from runtime.core.kv_tails import TAIL_BLOCKS, TailBlocks
 
 POOL_KEY, POOL_VALUE, SLOTS = "pool.key", "pool.value", "kv_slots"
 FIRST_BLOCKS = 16  # blocks committed when the pool is made; it doubles from there as blocks are used
-# A row of up to this many tokens may be a decode with drafts: its next step may start right after its
-# first token, so its tail keeps rows from that position's block on (longer rows: from their end's)
-DRAFT_ROWS = 16
-# Two-tier: a query reads the positions of its own block and of the TAIL_BLOCKS - 1 blocks before it exact
-# (from the tails, or this step's rows), every earlier block as stored; graph_fusion gives
-# ruvllm.PagedAttention the same number (attribute tail_blocks). The blocks before its own it reads exact
-# only from its row's floor on (StepBatch.exact_from, kv_blocks.exact_floor: from the block before the
-# prompt's last): a prefix-cache hit ends at the new request's floor, so no cached block (whose tail is
-# gone) is ever read exact, and the scheduler shares only blocks computed below floors. Two rather than one:
-# SmolLM2 in fp32, greedy text on 20 chat prompts equal to the fp32 pool's on 18 rather than 16
-# (docs/PERFORMANCE.md).
-TAIL_BLOCKS = 2
 
 
 def device_of(providers: list[str]) -> str:
@@ -245,7 +234,7 @@ class DeviceKVPool:
             # committed where written (never by ensure), given back as their blocks fall behind
             tail_shape = [num_blocks, num_layers, kv_heads, block_size, head_dim]  # a block's rows: one range
             self._tails = (_reserved(tail_shape), _reserved(tail_shape)) if self.tails else ()
-            self._live: set[int] = set()  # blocks whose tail rows hold memory
+            self._tail_rows = TailBlocks(block_size, self.tail_blocks)  # its live blocks' tail rows hold memory
             # a quantized pool's one-pass writer (kernel library) and its arrays' addresses, which never move;
             # None: numpy writes it
             self._native = _native_writer(kv_dtype) if self.quantized else None
@@ -290,7 +279,7 @@ class DeviceKVPool:
     def committed_bytes(self) -> int:
         """Bytes of K and V memory committed so far (the whole pool on a GPU), the tails' pages included."""
         pool = self.num_layers * (2 * self.layer_bytes + sum(self.scale_bytes)) * self.committed // self.num_blocks
-        return pool + (len(self._live) * 2 * self._tail_block_bytes if self.tails else 0)
+        return pool + (len(self._tail_rows.live) * 2 * self._tail_block_bytes if self.tails else 0)
 
     @property
     def _tail_block_bytes(self) -> int:
@@ -359,35 +348,18 @@ class DeviceKVPool:
                 raise ValueError("the KV pool's writer refused a step's rows (a slot outside the pool)")
 
     def _tail_tokens(self, kv_slots: list[int], batch) -> list[int]:
-        """The step's tokens whose rows go into the tails too (those of each batch row's blocks that a later
-        step may still read exact: its own block, and the TAIL_BLOCKS - 1 before it from the row's floor on,
-        the kernel's rule), after giving back the tail pages of the blocks before those:
-        whole and computed once this step is, they are read as stored from now on. Only the row's own blocks:
-        those before its own_from are prefix-cache hits, whose tails another sequence may still read exact."""
-        bs, sealed, tokens = self.block_size, set(), []
-        for row, table, floor, own_start in zip(batch.query_index, batch.block_tables, batch.exact_from, batch.own_from):
-            first = row[0]
-            start, count = batch.position_ids[first], row[-1] - first + 1
-            resume = start + 1 if count <= DRAFT_ROWS else start + count  # where the next step may start
-            own = resume - resume % bs
-            keep = min(own, max(floor, own - (self.tail_blocks - 1) * bs))  # the next step's first exact position
-            tokens.extend(range(first + max(0, keep - start), first + count))
-            # the row's earlier steps kept rows from at most DRAFT_ROWS (and TAIL_BLOCKS - 1 blocks) before
-            # this one's start on
-            earliest = max(own_start // bs, (start - DRAFT_ROWS) // bs - (self.tail_blocks - 1))
-            sealed.update(b for b in table[earliest:keep // bs] if b in self._live)
+        """The step's tokens whose rows go into the tails too (kv_tails.TailBlocks.step), after giving back
+        the tail pages of the blocks no step reads exact any more."""
+        tokens, sealed = self._tail_rows.step(batch)
         if sealed:
-            self._live -= sealed
             self._release_tails(sealed)
-        self._live.update(kv_slots[t] // bs for t in tokens)
         return tokens
 
     def drop(self, blocks: list[int]) -> None:
         """Blocks no sequence holds any more (the scheduler's dropped blocks; before a step writes, since it
         may write them for a new holder): their tail pages go back."""
-        gone = self._live.intersection(blocks) if self.tails else set()
+        gone = self._tail_rows.drop(blocks) if self.tails else set()
         if gone:
-            self._live -= gone
             self._release_tails(gone)
 
     def _release_tails(self, blocks: set[int]) -> None:

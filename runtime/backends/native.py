@@ -51,7 +51,7 @@ def providers_for(device: str) -> list[str]:
 
 class NativeBackend:
     name = "onnxruntime"
-    kv_exact_blocks = 1  # allocate: kv_pool.TAIL_BLOCKS on a two-tier pool
+    kv_exact_blocks = 1  # allocate: kv_tails.TAIL_BLOCKS on a two-tier pool
 
     def __init__(self, package: ModelPackage, device: str = "cpu", threads: int | None = None,
                  lora: bool = False, kv_device_writes: bool | None = None, kv_dtype: str = "fp32") -> None:

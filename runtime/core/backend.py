@@ -15,7 +15,7 @@ from runtime.core.step_batch import StepBatch, StepResult
 class Backend(Protocol):
     name: str
     # blocks up to a query's own that the pool reads exact, set by allocate (a two-tier int8 pool's
-    # kv_pool.TAIL_BLOCKS; 1 otherwise): above one the scheduler gives each row a floor (StepBatch.exact_from)
+    # kv_tails.TAIL_BLOCKS; 1 otherwise): above one the scheduler gives each row a floor (StepBatch.exact_from)
     kv_exact_blocks: int
 
     def kv_bytes_per_token(self, config: dict) -> int:

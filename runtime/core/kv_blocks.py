@@ -62,7 +62,7 @@ def kv_bytes_per_token(cfg: dict, kv_dtype: str = "fp32") -> int:
 
 
 def exact_floor(prompt_len: int, block_size: int) -> int:
-    """A sequence's floor on a two-tier pool that reads blocks before a query's own exact (kv_pool.TAIL_BLOCKS
+    """A sequence's floor on a two-tier pool that reads blocks before a query's own exact (kv_tails.TAIL_BLOCKS
     > 1): the first position such reads may reach, the start of the block before the one holding the
     prompt's last token. Below it a query reads its own block alone, as every other request computing
     those tokens does, so those blocks can be shared through the prefix cache; from it on (the prompt's

@@ -70,7 +70,7 @@ def written_pools(monkeypatch, kv_dtype: str, head_dim: int, special) -> tuple:
     native, plain = pools
     for a, b in zip((*native._host, *native._scales, *native._tails), (*plain._host, *plain._scales, *plain._tails)):
         assert a.tobytes() == b.tobytes()
-    assert native._live == plain._live == {5, 2}
+    assert native._tail_rows.live == plain._tail_rows.live == {5, 2}
     return native, plain
 
 
@@ -144,7 +144,7 @@ def test_int8_pool_stays_near_the_fp32_pool_on_either_reader(tiny_package, monke
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="full-precision tails are read by ruvllm.PagedAttention")
-@pytest.mark.parametrize("tail_blocks", [1, 2])  # kv_pool.TAIL_BLOCKS: 2 in use (rows' floors 0 here); 1 works too
+@pytest.mark.parametrize("tail_blocks", [1, 2])  # kv_tails.TAIL_BLOCKS: 2 in use (rows' floors 0 here); 1 works too
 def test_a_query_reads_the_blocks_up_to_its_own_in_full_precision(tiny_package, monkeypatch, tail_blocks):
     """Two-tier: while every position a step attends to lies in its own pool block (or, with two tail
     blocks, the one before) the int8 pool's logits are the fp32 pool's (blocks of 32, a prompt of 9 in two
@@ -163,7 +163,7 @@ def test_a_query_reads_the_blocks_up_to_its_own_in_full_precision(tiny_package, 
         out, pos, live = [], 0, []
         for tokens in [[5, 17, 99, 3], [250, 41, 7, 8, 9]] + [[7 + i % 50] for i in range(58)]:
             out.append(run_chunk(backend, tokens, pos, table, bs, full_logits=True).logits.copy())
-            live.append(sorted(backend.pool._live) if kv_dtype == "int8" else None)
+            live.append(sorted(backend.pool._tail_rows.live) if kv_dtype == "int8" else None)
             pos += len(tokens)
         runs.append(np.concatenate(out))
     plain, int8 = runs
@@ -188,9 +188,9 @@ def test_tails_of_finished_sequences_are_given_back_at_the_next_step(tiny_packag
     while engine.has_unfinished():
         engine.step()
     pool = engine.backend.pool
-    assert len(pool._live) == 8 and pool.committed_bytes > pool.num_layers * 2 * pool.layer_bytes * pool.committed // pool.num_blocks
+    assert len(pool._tail_rows.live) == 8 and pool.committed_bytes > pool.num_layers * 2 * pool.layer_bytes * pool.committed // pool.num_blocks
     list(engine.generate([9, 8, 7], greedy(2)))
-    assert len(pool._live) == 1  # only the new request's block
+    assert len(pool._tail_rows.live) == 1  # only the new request's block
 
 
 @pytest.mark.skipif(not HAS_KERNEL, reason="full-precision tails are read by ruvllm.PagedAttention")
@@ -238,7 +238,7 @@ def test_a_long_prompt_chunk_keeps_only_the_blocks_its_next_chunk_reads_exact(ti
     table, live = [7, 3, 9, 4, 12, 1, 6, 14], []
     for start in (0, 40, 80):
         run_chunk(backend, list(range(5, 45)), start, table, 16, floor=floor)
-        live.append(sorted(backend.pool._live))
+        live.append(sorted(backend.pool._tail_rows.live))
     assert live == want
 
 

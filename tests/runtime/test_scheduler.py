@@ -134,7 +134,7 @@ def test_prefix_cache_hit_skips_cached_blocks_and_shares_them():
 
 
 def test_a_pool_reading_the_block_before_a_querys_own_exact_shares_only_blocks_below_floors():
-    """exact_blocks 2 (a two-tier int8 pool, kv_pool.TAIL_BLOCKS): each chunk carries its sequence's floor
+    """exact_blocks 2 (a two-tier int8 pool, kv_tails.TAIL_BLOCKS): each chunk carries its sequence's floor
     (kv_blocks.exact_floor), a sequence registers only the blocks up to its floor's, and a hit ends at
     the new sequence's floor, so no cached block (whose tail is gone) is read exact."""
     from runtime.core.kv_blocks import exact_floor

@@ -357,7 +357,7 @@ struct RowHead {
     return KVRow(j->step_v ? j->step_v + ((base + t - start) * Hkv + h) * D : step_value(t));
   }
   // the first position a query at p reads exact (with tails: its own block's first, or the first of the
-  // tail_blocks - 1 blocks before it (kv_pool.TAIL_BLOCKS) at or after the row's floor; else none)
+  // tail_blocks - 1 blocks before it (kv_tails.TAIL_BLOCKS) at or after the row's floor; else none)
   int64_t own_block(int64_t p) const {
     if (!j->tail_k) return INT64_MAX;
     const int64_t own = p - in_block(p);
