@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 SOURCE = Path(__file__).resolve().parent / "step" / "step.c"
+REFUSALS = {1: "too many tokens", 2: "a position, slot or logits row out of range",
+            3: "a row reads or keeps exact rows its quantized pool's tails do not hold"}
 # -mrelaxed-simd: clang fuses step.c's multiply-adds into f32x4.relaxed_madd, which Chromium and wasmtime run
 # as FMA: the native engine's rounding (SmolLM2 against it: mean KL 0.0033 and greedy 64 / 64 tokens,
 # against 0.0042 and 35 / 64 unfused) and faster. Node 20 needs --experimental-wasm-relaxed-simd.
@@ -93,10 +95,12 @@ class WasmStep:
     a KV pool of num_blocks blocks of block_size and room for steps of max_tokens tokens (and rows) and
     max_logits logits rows. threads > 1: `wasm` is the threaded build (step-threads.wasm), with threads - 1
     helpers, each an instance in a Python thread of its own (wasmtime runs without the GIL); close() ends
-    them."""
+    them. kv_dtype "int8" or "int4": a quantized pool with exact tails (wasm/step/kv.h), whose tokens to keep
+    and block -> tail slot changes each run is given (runtime/core/kv_tails.TailSlots)."""
 
     def __init__(self, wasm: str | Path, weights: str | Path, num_blocks: int, block_size: int,
-                 max_tokens: int = 512, max_logits: int = 64, threads: int = 1) -> None:
+                 max_tokens: int = 512, max_logits: int = 64, threads: int = 1, kv_dtype: str = "fp32",
+                 tail_blocks: int = 2) -> None:
         import wasmtime
 
         weights = Path(weights)
@@ -127,19 +131,52 @@ class WasmStep:
         at = {a["name"]: self._put(blob[a["offset"]:a["offset"] + a["bytes"]]) for a in index["arrays"]}
         self._types, self._bytes = index["matrices"], {a["name"]: a["bytes"] for a in index["arrays"]}
         self.model = self._model(index, at)
-        rows = cfg["layers"] * cfg["kv_heads"] * num_blocks * block_size * cfg["head_dim"] * 4
-        self.pool = self._put(struct.pack("<2i2I", num_blocks, block_size, self._alloc(rows), self._alloc(rows)))
+        self.kv_dtype = kv_dtype
+        self.pool = self._put(self._pool_struct(num_blocks, block_size, kv_dtype, tail_blocks))
+        self._tail_slots: list[int] = []  # each tail slot's address
         if exports["step_init"](self.store, self.model, max_tokens) != max_tokens:
             raise MemoryError(f"the WASM step cannot hold steps of {max_tokens} tokens")
         self.max_tokens, self.max_logits = max_tokens, max_logits
         self.max_blocks = -(-cfg["max_pos"] // block_size)
-        # the batch's arrays, made once: ids, pos, slots, row_first, row_count, logits_at, tables; logits
-        self._ints_at = [self._alloc(4 * max_tokens) for _ in range(6)] + [self._alloc(4 * max_tokens * self.max_blocks)]
+        # the batch's arrays, made once: ids, pos, slots, row_first, row_count, logits_at, tables, exact_from,
+        # keep; logits
+        self._ints_at = ([self._alloc(4 * max_tokens) for _ in range(6)] + [self._alloc(4 * max_tokens * self.max_blocks)]
+                         + [self._alloc(4 * max_tokens) for _ in range(2)])
         self._logits = self._alloc(4 * max_logits * cfg["vocab"])
-        self._batch = self._alloc(52)
+        self._batch = self._alloc(60)
         self._learn_room = 0  # tokens step_learn's scratch holds (learn_init, at the first learn)
         if threads > 1:
             self._start_helpers(engine, module, shared, threads - 1)
+
+    def _pool_struct(self, num_blocks: int, block_size: int, kv_dtype: str, tail_blocks: int) -> bytes:
+        """step.c's Pool: the rows and scales of each kind (runtime/core/kv_blocks.py's widths), the tails' map."""
+        from runtime.core.kv_blocks import kv_row_bytes, kv_scale_widths
+
+        cfg = self.cfg
+        d, rows = cfg["head_dim"], cfg["layers"] * cfg["kv_heads"] * num_blocks * block_size
+        widths = kv_scale_widths(d, kv_dtype)
+        pools = [self._alloc(rows * (kv_row_bytes(d, kv_dtype, k) - 2 * widths[k])) for k in range(2)]  # numbers
+        if kv_dtype == "fp32":
+            return struct.pack("<2i2Ii2Ii2I", num_blocks, block_size, *pools, 0, 0, 0, 0, 0, 0)
+        scales = [self._alloc(2 * rows * w) for w in widths]
+        self._tail_of = self._put(struct.pack(f"<{num_blocks}i", *[-1] * num_blocks))
+        self._tail_table, self._tail_room = 0, 0
+        self._tail_bytes = 2 * cfg["layers"] * cfg["kv_heads"] * block_size * d * 4
+        return struct.pack("<2i2Ii2Ii2I", num_blocks, block_size, *pools, ("fp32", "int8", "int4").index(kv_dtype),
+                           *scales, tail_blocks, self._tail_of, 0)
+
+    def _tails(self, changes: list[tuple[int, int]]) -> None:
+        """Apply a step's block -> tail slot changes, making room for slots not seen before."""
+        for block, slot in changes:
+            while slot >= len(self._tail_slots):
+                self._tail_slots.append(self._alloc(self._tail_bytes))
+            self.memory.write(self.store, struct.pack("<i", slot), self._tail_of + 4 * block)
+        if len(self._tail_slots) > self._tail_room:  # the table of slot addresses, grown twice the size
+            self._tail_room = 2 * len(self._tail_slots)
+            self._tail_table = self._alloc(4 * self._tail_room)
+            self.memory.write(self.store, struct.pack("<I", self._tail_table), self.pool + 36)
+        if self._tail_slots:
+            self.memory.write(self.store, struct.pack(f"<{len(self._tail_slots)}I", *self._tail_slots), self._tail_table)
 
     def _start_helpers(self, engine, module, shared, count: int, stack: int = 1 << 18) -> None:
         import threading
@@ -202,6 +239,34 @@ class WasmStep:
             raise ValueError(f"step_project: {t} rows of {k} is more than the step holds")
         return np.frombuffer(self.memory.read(self.store, yp, yp + 4 * t * n), np.float32).reshape(t, n)
 
+    def quantize_kv(self, x: np.ndarray, kv_dtype: str, kind: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rows x [T, D] as the step writes them into an int8 or int4 pool for keys (kind 0) or values (1):
+        (numbers [T, D] int8 or [T, D / 2] uint8, fp16 scales [T, width])."""
+        from runtime.core.kv_blocks import kv_scale_widths
+
+        x = np.ascontiguousarray(x, np.float32)
+        t, d = x.shape
+        width, int4 = kv_scale_widths(d, kv_dtype)[kind], kv_dtype == "int4"
+        numbers = d // 2 if int4 else d
+        xp = self._scratch("kv_x", x.tobytes())
+        qp, sp = self._scratch("kv_q", bytes(t * numbers)), self._scratch("kv_s", bytes(2 * t * width))
+        self._exports["step_kv_quantize"](self.store, 2 if int4 else 1, kind, xp, t, d, qp, sp)
+        q = np.frombuffer(self.memory.read(self.store, qp, qp + t * numbers), np.uint8 if int4 else np.int8)
+        s = np.frombuffer(self.memory.read(self.store, sp, sp + 2 * t * width), np.float16)
+        return q.reshape(t, numbers).copy(), s.reshape(t, width).copy()
+
+    def kv_read(self, kv_dtype: str, q: np.ndarray, numbers: np.ndarray, scales: np.ndarray, w: float) -> tuple[float, np.ndarray]:
+        """How the step reads one stored row (quantize_kv's numbers and scales): its score against q as a key,
+        and w times it as a value (an int4 row's left in the rotated space, as the step sums them)."""
+        d = q.shape[0]
+        qp = self._scratch("kv_qn", np.ascontiguousarray(q, np.float32).tobytes())
+        rp, sp = self._scratch("kv_row", numbers.tobytes()), self._scratch("kv_scales", scales.tobytes())
+        code = 2 if kv_dtype == "int4" else 1
+        score = self._exports["step_kv_dot"](self.store, code, qp, rp, sp, d)
+        acc = self._scratch("kv_acc", bytes(4 * d))
+        self._exports["step_kv_add"](self.store, code, w, rp, sp, d, acc)
+        return score, np.frombuffer(self.memory.read(self.store, acc, acc + 4 * d), np.float32).copy()
+
     def dequantize(self, name: str, row: int, k: int) -> np.ndarray:
         """Row `row` of matrix `name` in fp32, as the step's embedding lookup reads it."""
         out = self._scratch("dequantize", bytes(4 * k))
@@ -233,26 +298,31 @@ class WasmStep:
         self.memory.write(self.store, data, ptr)
         return ptr
 
-    def run(self, batch) -> np.ndarray:
+    def run(self, batch, kept: list[int] = (), changes: list[tuple[int, int]] = ()) -> np.ndarray:
         """A StepBatch (runtime/core/step_batch.py): its K/V into the pool, the logits of its logits rows
-        [num_logits, vocab]."""
+        [num_logits, vocab]. A quantized pool's: the tokens whose rows its tails keep too and the block ->
+        tail slot changes before it (TailSlots.step_slots)."""
+        if self.kv_dtype != "fp32":
+            self._tails(list(changes))
         n, rows, logits = len(batch.input_ids), len(batch.block_tables), len(batch.logits_index)
         if n > self.max_tokens or logits > self.max_logits or batch.max_blocks > self.max_blocks:
             raise ValueError(f"a step of {n} tokens, {logits} logits rows and {batch.max_blocks} blocks a row is "
                              f"more than this WasmStep holds")
         first = [q[0] for q in batch.query_index]
         count = [q[-1] - q[0] + 1 for q in batch.query_index]
+        keep = np.zeros(n, np.int32)
+        keep[list(kept)] = 1
         arrays = [batch.input_ids, batch.position_ids, batch.kv_slots, first, count, batch.logits_index,
-                  [b for table in batch.block_tables for b in table]]
+                  [b for table in batch.block_tables for b in table], batch.exact_from or [0] * rows, keep]
         for ptr, values in zip(self._ints_at, arrays):
             self.memory.write(self.store, np.asarray(values, np.int32).tobytes(), ptr)
-        ids, pos, slots, row_first, row_count, logits_at, tables = self._ints_at
-        self.memory.write(self.store, struct.pack("<4i9I", n, rows, batch.max_blocks, logits, ids, pos, slots,
-                                                  row_first, row_count, tables, logits_at, self._logits, 0), self._batch)
+        ids, pos, slots, row_first, row_count, logits_at, tables, exact_from, keep_at = self._ints_at
+        self.memory.write(self.store, struct.pack("<4i11I", n, rows, batch.max_blocks, logits, ids, pos, slots,
+                                                  row_first, row_count, tables, logits_at, self._logits, 0,
+                                                  exact_from, keep_at), self._batch)
         status = self._run(self.store, self.model, self.pool, self._batch)
         if status:
-            raise ValueError("the WASM step refused the batch: " + ("too many tokens" if status == 1 else
-                                                                     "a position, slot or logits row out of range"))
+            raise ValueError("the WASM step refused the batch: " + REFUSALS.get(status, f"status {status}"))
         out = self.memory.read(self.store, self._logits, self._logits + 4 * logits * self.cfg["vocab"])
         return np.frombuffer(out, np.float32).reshape(logits, self.cfg["vocab"])
 

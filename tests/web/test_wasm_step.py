@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from runtime.core.kv_tails import TAIL_BLOCKS, TailSlots
 from runtime.core.step_batch import Chunk, StepResult, build_step
 
 PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
@@ -18,25 +19,28 @@ class WasmtimeBackend:
     (step_sample), as the page's model worker will."""
 
     name = "wasm-step (wasmtime)"
-    kv_exact_blocks = 1
 
-    def __init__(self, files, wasm=None) -> None:
-        """files: a folder with step.bin and step.json (and step.wasm, unless `wasm` names another)."""
-        self.files, self.wasm = files, wasm or files / "step.wasm"
-        self.step = None
+    def __init__(self, files, wasm=None, kv_dtype: str = "fp32") -> None:
+        """files: a folder with step.bin and step.json (and step.wasm, unless `wasm` names another);
+        kv_dtype "int8" or "int4": a two-tier quantized pool, its tails kept as the page's WebBackend keeps
+        them (kv_tails.TailSlots)."""
+        self.files, self.wasm, self.kv_dtype = files, wasm or files / "step.wasm", kv_dtype
+        self.kv_exact_blocks = 1 if kv_dtype == "fp32" else TAIL_BLOCKS
+        self.step = self.tails = None
 
     def kv_bytes_per_token(self, cfg: dict) -> int:
         from runtime.core.kv_blocks import kv_bytes_per_token
 
-        return kv_bytes_per_token(cfg)
+        return kv_bytes_per_token(cfg, self.kv_dtype)
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
         from wasm.step_module import WasmStep
 
-        self.step = WasmStep(self.wasm, self.files, num_blocks, block_size, max_tokens=128)
+        self.step = WasmStep(self.wasm, self.files, num_blocks, block_size, max_tokens=128, kv_dtype=self.kv_dtype)
+        self.tails = TailSlots(block_size) if self.kv_dtype != "fp32" else None
 
     def run(self, batch) -> StepResult:
-        raw = self.step.run(batch)
+        raw = self.step.run(batch, *(self.tails.step_slots(batch) if self.tails else ()))
         logits = raw.copy() if batch.want_full_logits else None
         if not batch.logits_index:
             return StepResult([], [])

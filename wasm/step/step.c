@@ -7,7 +7,7 @@
 // token's numbers are computed alone (per-token projections, attention over its own row's positions), so
 // a token's logits do not depend on the batch it ran in. Built with threads (threads.h),
 // each projection's output rows, the attention heads and the head's vocabulary are split between them.
-#include "blocks.h"
+#include "kv.h"
 #include "threads.h"
 
 typedef struct {
@@ -28,7 +28,12 @@ typedef struct {
 
 typedef struct {
   int32_t num_blocks, block_size;
-  float *k, *v;  // [layers, kv_heads, num_blocks * block_size, head_dim]
+  float *k, *v;  // [layers, kv_heads, num_blocks * block_size, head_dim]; int8 rows, or int4 two numbers a byte
+  int32_t dtype;             // KV_FP32, KV_INT8, KV_INT4 (kv.h)
+  uint16_t *ks, *vs;         // quantized: fp16 scales [layers, kv_heads, slots, kv_width]
+  int32_t tail_blocks;       // quantized: blocks up to a query's own that it reads exact (kv_tails.TAIL_BLOCKS)
+  const int32_t* tail_of;    // quantized: [num_blocks] the tail slot holding a block's exact rows, or -1
+  float* const* tails;       // quantized: per tail slot [2 kinds, layers, kv_heads, block_size, head_dim]
 } Pool;
 
 // A StepBatch (runtime/core/step_batch.py) as int32 arrays: row b's tokens are row_first[b] ..
@@ -41,6 +46,8 @@ typedef struct {
   const int32_t* logits_at;
   float* logits;  // out: [num_logits, vocab]
   const struct Lora* lora;  // the step's adapters, or null
+  const int32_t* exact_from;  // quantized pools: [num_rows] each row's floor (StepBatch.exact_from)
+  const int32_t* keep;        // quantized pools: [num_tokens] 1 where the token's rows go into its block's tail too
 } Batch;
 
 // A step's adapters (web/src/lora_store.js's adapter columns, in the module's memory): each target's
@@ -54,8 +61,9 @@ typedef struct Lora {
   float* u;                // scratch [3, num_tokens, columns]
 } Lora;
 
-static float *x, *xn, *q, *kk, *vv, *att, *sc, *g, *u, *xs, *xsum, *xsum16;
+static float *x, *xn, *q, *kk, *vv, *att, *sc, *g, *u, *xs, *xsum, *xsum16, *kvq;
 static int8_t* xq;
+static const uint8_t** kv_rows;  // per part: a context's stored rows' and scales' addresses (attend_quantized)
 static int32_t* row_of;       // a step's token -> its batch row
 static int32_t capacity = 0;  // tokens a step may hold (step_init)
 static int32_t width = 0;     // the widest activation row it holds
@@ -66,10 +74,13 @@ EXPORT int step_init(const Model* m, int32_t max_tokens) {
   x = arena(4 * n * m->dim), xn = arena(4 * n * big), q = arena(4 * n * m->heads * m->head_dim);
   kk = arena(4 * n * m->kv_heads * m->head_dim), vv = arena(4 * n * m->kv_heads * m->head_dim);
   att = arena(4 * n * m->heads * m->head_dim), g = arena(4 * n * m->hidden), u = arena(4 * n * m->hidden);
-  sc = arena(4 * MAX_THREADS * m->max_pos), xs = arena(4 * n * big / 32), xsum = arena(4 * n * big / 32);
+  const int G = m->heads / m->kv_heads;
+  sc = arena(4 * MAX_THREADS * G * m->max_pos), xs = arena(4 * n * big / 32), xsum = arena(4 * n * big / 32);
   xsum16 = arena(4 * n * big / 16);
+  kvq = arena(4 * MAX_THREADS * KV_WORK(G, m->head_dim));  // per part: attend_quantized's work
+  kv_rows = arena(4 * MAX_THREADS * KV_ROWS(m->head_dim) * m->max_pos);
   row_of = arena(4 * n), xq = arena(n * big);
-  capacity = xq ? max_tokens : 0;
+  capacity = xq && kvq && kv_rows ? max_tokens : 0;
   width = big;
   return capacity;
 }
@@ -225,6 +236,90 @@ static void attend(const Model* m, const Pool* P, const Batch* B, int l, int b, 
   }
 }
 
+// The first position a query at p of row b reads exact on a quantized pool: its own block's first, or the
+// first of the tail_blocks - 1 blocks before it at or after the row's floor (ruvllm.PagedAttention's own_block)
+static inline int own_block(const Pool* P, const Batch* B, int b, int p) {
+  const int bs = P->block_size, own = p - p % bs, before = own - (P->tail_blocks - 1) * bs;
+  const int floor = B->exact_from[b] > before ? B->exact_from[b] : before;
+  return own < floor ? own : floor;
+}
+
+// where layer l's kind (0 keys, 1 values) of kv head h keeps pool slot `slot`: its numbers and its scales
+static inline const uint8_t* pooled(const Model* m, const Pool* P, int kind, int l, int h, size_t slot,
+                                    const uint16_t** scales) {
+  const size_t rows = (size_t)P->num_blocks * P->block_size, at = ((size_t)l * m->kv_heads + h) * rows + slot;
+  const int d = m->head_dim;
+  *scales = (kind ? P->vs : P->ks) + at * kv_width(P->dtype, d, kind);
+  return (const uint8_t*)(kind ? P->v : P->k) + at * kv_row_bytes(P->dtype, d);
+}
+
+// position t's exact row of kind (0 keys, 1 values) for row b's kv head h in layer l: from its block's tail
+// slot before the row's first position of this step, from this step's rows (kk, vv) from it on
+static inline const float* exact_row(const Model* m, const Pool* P, const Batch* B, int kind, int l, int b, int h, int t) {
+  const int bs = P->block_size, hd = m->head_dim, start = B->pos[B->row_first[b]];
+  if (t >= start) return (kind ? vv : kk) + ((size_t)(B->row_first[b] + t - start) * m->kv_heads + h) * hd;
+  const int block = B->tables[(size_t)b * B->max_blocks + t / bs];
+  const float* tail = P->tails[P->tail_of[block]];
+  return tail + ((((size_t)kind * m->layers + l) * m->kv_heads + h) * bs + t % bs) * hd;
+}
+
+// attend() on a quantized pool, for the G query heads of kv head hk at once (qn, out: their rows, head_dim
+// apart): positions before own_block(p) as stored (keys against the queries rounded to 16 bits, as natively),
+// from it on exact. sc: room for G * (p + 1) scores; work: KV_WORK floats; rows: KV_ROWS(hd) words a position
+static void attend_quantized(const Model* m, const Pool* P, const Batch* B, int l, int b, int p, int hk, const float* qn,
+                             float* out, float* sc, float* work, const uint8_t** rows) {
+  const int hd = m->head_dim, G = m->heads / m->kv_heads, bs = P->block_size, int4 = P->dtype == KV_INT4;
+  const int32_t* table = B->tables + (size_t)b * B->max_blocks;
+  const int own = own_block(P, B, b, p), n = p + 1, stored = own < n ? own : n;
+  const float scale = 1.f / __builtin_sqrtf((float)hd);
+  // work: the rounded queries (int16), their steps and sums per 32, rotated value sums, weights, scores
+  int16_t* qs = (int16_t*)work;
+  float *steps = work + G * hd / 2, *qsum = steps + G, *rot = qsum + G * hd / 32, *w = rot + G * hd, *row_sc = w + G;
+  round_queries(qn, G, hd, int4, qs, steps, qsum, w + 2 * G);
+  for (int t = 0; t < n; t++) {  // sc[h * n + t]: head h's score of position t
+    if (t >= own) {
+      const float* k = exact_row(m, P, B, 0, l, b, hk, t);
+      for (int h = 0; h < G; h++) sc[h * n + t] = dot(qn + (size_t)h * hd, k, hd) * scale;
+      continue;
+    }
+    const uint16_t* s;
+    const uint8_t* row = pooled(m, P, 0, l, hk, (size_t)table[t / bs] * bs + t % bs, &s);
+    if (int4) dot4(qs, steps, qsum, G, row, s, hd, row_sc);
+    else dot8(qs, steps, G, (const int8_t*)row, s, hd, row_sc);
+    for (int h = 0; h < G; h++) sc[h * n + t] = row_sc[h] * scale;
+  }
+  for (int h = 0; h < G; h++) {
+    float* sh = sc + (size_t)h * n;
+    float mx = -3.4e38f, sum = 0.f;
+    for (int t = 0; t < n; t++) mx = sh[t] > mx ? sh[t] : mx;
+    for (int t = 0; t < n; t++) sum += (sh[t] = exp_(sh[t] - mx));
+    for (int t = 0; t < n; t++) sh[t] /= sum;
+  }
+  for (int i = 0; i < G * hd; i += 4) wasm_v128_store(out + i, wasm_f32x4_splat(0.f)), wasm_v128_store(rot + i, wasm_f32x4_splat(0.f));
+  const int g = int4 ? kv_group4(hd, 1) : kv_group8(hd), groups = hd / g;
+  const uint16_t** scales = (const uint16_t**)(rows + stored);
+  float *sf = (float*)(scales + stored), *mf = sf + (size_t)stored * groups;
+  for (int t = 0; t < stored; t++) rows[t] = pooled(m, P, 1, l, hk, (size_t)table[t / bs] * bs + t % bs, &scales[t]);
+  row_scales(scales, stored, int4, groups, sf, mf);
+  // stored values: int4's summed rotated, rotated back once
+  sum_values(rows, sf, mf, stored, sc, n, G, int4, hd, g, int4 ? rot : out);
+  if (int4 && stored > 0)
+    for (int h = 0; h < G; h++) {
+      float *r = rot + (size_t)h * hd, *o = out + (size_t)h * hd;
+      fwht(r, hd);
+      for (int i = 0; i < hd; i += 4) wasm_v128_store(o + i, wasm_f32x4_add(wasm_v128_load(o + i), wasm_v128_load(r + i)));
+    }
+  for (int t = stored; t < n; t++) {
+    const float* vt = exact_row(m, P, B, 1, l, b, hk, t);
+    for (int h = 0; h < G; h++) {
+      const v128_t wt = wasm_f32x4_splat(sc[h * n + t]);
+      float* o = out + (size_t)h * hd;
+      for (int i = 0; i < hd; i += 4)
+        wasm_v128_store(o + i, wasm_f32x4_add(wasm_v128_load(o + i), wasm_f32x4_mul(wt, wasm_v128_load(vt + i))));
+    }
+  }
+}
+
 typedef struct {
   const Model* m;
   const Pool* P;
@@ -232,14 +327,19 @@ typedef struct {
   int l;
 } Attention;
 
-static void attention_part(const void* ctx, int part, int parts) {  // every parts-th (token, head), for balance
+// every parts-th (token, head), for balance; on a quantized pool (token, kv head), its query heads together
+static void attention_part(const void* ctx, int part, int parts) {
   const Attention* j = ctx;
-  const int H = j->m->heads, hd = j->m->head_dim;
-  float* scores = sc + (size_t)part * j->m->max_pos;
-  for (int i = part; i < j->B->num_tokens * H; i += parts) {
-    const int n = i / H, h = i % H;
-    attend(j->m, j->P, j->B, j->l, row_of[n], j->B->pos[n], h, q + (size_t)n * H * hd + (size_t)h * hd,
-           att + (size_t)n * H * hd + (size_t)h * hd, scores);
+  const int H = j->m->heads, hd = j->m->head_dim, G = H / j->m->kv_heads;
+  float* scores = sc + (size_t)part * G * j->m->max_pos;
+  const int per = j->P->dtype == KV_FP32 ? 1 : G, items = H / per;  // heads an item attends for
+  for (int i = part; i < j->B->num_tokens * items; i += parts) {
+    const int n = i / items, h = (i % items) * per;
+    const float* qn = q + (size_t)n * H * hd + (size_t)h * hd;
+    float* out = att + (size_t)n * H * hd + (size_t)h * hd;
+    if (per == 1) attend(j->m, j->P, j->B, j->l, row_of[n], j->B->pos[n], h, qn, out, scores);
+    else attend_quantized(j->m, j->P, j->B, j->l, row_of[n], j->B->pos[n], h / G, qn, out, scores,
+                          kvq + (size_t)part * KV_WORK(G, hd), kv_rows + (size_t)part * KV_ROWS(hd) * j->m->max_pos);
   }
 }
 
@@ -256,9 +356,43 @@ static void head_part(const void* ctx, int part, int parts) {  // the part's voc
   qmat_gemm(&j->m->head, lo, hi, D, j->B->num_logits, xq, xs, xsum, xsum16, j->B->logits, V);
 }
 
+// token n's rows of layer l (kk, vv) into a quantized pool, and into its block's tail slot where B->keep says
+static void store_quantized(const Model* m, const Pool* P, const Batch* B, int l, int n) {
+  const int hd = m->head_dim, Hkv = m->kv_heads, bs = P->block_size, slot = B->slots[n];
+  float* y = kvq;  // the main thread's part of the scratch: attention has not started
+  for (int kind = 0; kind < 2; kind++)
+    for (int h = 0; h < Hkv; h++) {
+      const float* row = (kind ? vv : kk) + ((size_t)n * Hkv + h) * hd;
+      const uint16_t* s;
+      uint8_t* out = (uint8_t*)pooled(m, P, kind, l, h, (size_t)slot, &s);
+      if (P->dtype == KV_INT8) quantize8(row, hd, (int8_t*)out, (uint16_t*)s);
+      else quantize4(row, hd, kv_group4(hd, kind), out, (uint16_t*)s, y);
+      if (B->keep[n]) {
+        float* tail = P->tails[P->tail_of[slot / bs]] + ((((size_t)kind * m->layers + l) * Hkv + h) * bs + slot % bs) * hd;
+        for (int i = 0; i < hd; i++) tail[i] = row[i];
+      }
+    }
+}
+
+// every kept token's block has a tail slot, and so does every block a query reads exact before its row's
+// first position this step (own_block is lowest at that position)
+static int tails_hold(const Pool* P, const Batch* B) {
+  const int bs = P->block_size;
+  for (int n = 0; n < B->num_tokens; n++)
+    if (B->keep[n] && (P->tail_of[B->slots[n] / bs] < 0)) return 0;
+  for (int b = 0; b < B->num_rows; b++) {
+    const int start = B->pos[B->row_first[b]];
+    for (int t = own_block(P, B, b, start); t < start; t += bs) {
+      const int block = B->tables[(size_t)b * B->max_blocks + t / bs];
+      if (block < 0 || block >= P->num_blocks || P->tail_of[block] < 0) return 0;
+    }
+  }
+  return 1;
+}
+
 // Runs the batch: writes every token's K/V into its slot and the logits rows. Returns 0, or 1 when the
 // batch holds more tokens (or logits rows) than step_init made room for, 2 when a position, slot or logits
-// row is out of range.
+// row is out of range, 3 when a quantized pool's tails lack rows the batch keeps or reads exact.
 EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
   const int D = m->dim, hd = m->head_dim, H = m->heads, Hkv = m->kv_heads, F = m->hidden, N = B->num_tokens;
   const int kvw = Hkv * hd, blocks = D / 32;
@@ -270,6 +404,7 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
     if (B->logits_at[r] < 0 || B->logits_at[r] >= N) return 2;
   for (int b = 0; b < B->num_rows; b++)
     for (int n = B->row_first[b]; n < B->row_first[b] + B->row_count[b]; n++) row_of[n] = b;
+  if (P->dtype != KV_FP32 && !tails_hold(P, B)) return 3;
   for (int n = 0; n < N; n++) {
     if (B->ids[n] < 0 || B->ids[n] >= m->vocab) return 2;
     qmat_row(&m->embd, B->ids[n], D, x + (size_t)n * D);
@@ -283,12 +418,16 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
       const float* cs = m->rope + (size_t)B->pos[n] * hd;
       rope(q + (size_t)n * H * hd, H, hd, cs, m->rope_neox);
       rope(kk + (size_t)n * kvw, Hkv, hd, cs, m->rope_neox);
-      for (int h = 0; h < Hkv; h++) {  // into the pool first: the row's later tokens read it
-        const size_t at = (((size_t)l * Hkv + h) * rows + B->slots[n]) * hd;
-        for (int i = 0; i < hd; i++) {
-          P->k[at + i] = kk[(size_t)n * kvw + h * hd + i];
-          P->v[at + i] = vv[(size_t)n * kvw + h * hd + i];
+      if (P->dtype == KV_FP32) {
+        for (int h = 0; h < Hkv; h++) {  // into the pool first: the row's later tokens read it
+          const size_t at = (((size_t)l * Hkv + h) * rows + B->slots[n]) * hd;
+          for (int i = 0; i < hd; i++) {
+            P->k[at + i] = kk[(size_t)n * kvw + h * hd + i];
+            P->v[at + i] = vv[(size_t)n * kvw + h * hd + i];
+          }
         }
+      } else {
+        store_quantized(m, P, B, l, n);
       }
     }
     const Attention layer = {m, P, B, l};
@@ -394,6 +533,36 @@ EXPORT int step_project(const QMat* W, int N, int K, int T, const float* in, flo
   quantize_rows(in, T, K);
   qmat_gemm(W, 0, N, K, T, xq, xs, xsum, xsum16, y, N);
   return 0;
+}
+
+// For tests: T rows of d numbers (x [T, d]) as a pool of dtype (KV_INT8, KV_INT4) stores them for keys (kind 0)
+// or values (1): numbers into q, fp16 scales into s; 1 when d is too wide for the scratch
+EXPORT int step_kv_quantize(int dtype, int kind, const float* x, int T, int d, uint8_t* q, uint16_t* s) {
+  if (d > width) return 1;
+  const int w = kv_width(dtype, d, kind), b = kv_row_bytes(dtype, d);
+  for (int t = 0; t < T; t++) {
+    if (dtype == KV_INT8) quantize8(x + (size_t)t * d, d, (int8_t*)q + (size_t)t * b, s + (size_t)t * w);
+    else quantize4(x + (size_t)t * d, d, kv_group4(d, kind), q + (size_t)t * b, s + (size_t)t * w, xn);
+  }
+  return 0;
+}
+
+// For tests: q . a stored key row (int4: q rotated first, as attend_quantized scores), and acc += w * a stored
+// value row (int4: left rotated, as attend_quantized sums them)
+EXPORT float step_kv_dot(int dtype, const float* qn, const uint8_t* row, const uint16_t* s, int d) {
+  int16_t* qs = (int16_t*)kvq;
+  float *steps = kvq + d / 2, *qsum = steps + 1, *work = qsum + d / 32, score;
+  round_queries(qn, 1, d, dtype == KV_INT4, qs, steps, qsum, work);
+  if (dtype == KV_INT8) dot8(qs, steps, 1, (const int8_t*)row, s, d, &score);
+  else dot4(qs, steps, qsum, 1, row, s, d, &score);
+  return score;
+}
+
+EXPORT void step_kv_add(int dtype, float w, const uint8_t* row, const uint16_t* s, int d, float* acc) {
+  const int int4 = dtype == KV_INT4, g = int4 ? kv_group4(d, 1) : kv_group8(d);
+  float *sf = kvq, *mf = kvq + d / g;
+  row_scales(&s, 1, int4, d / g, sf, mf);
+  sum_values(&row, sf, mf, 1, &w, 1, 1, int4, d, g, acc);
 }
 
 // row n of W [N, K] in fp32, as the embedding's lookup reads it
