@@ -106,6 +106,31 @@ def test_a_positions_numbers_do_not_depend_on_how_steps_are_cut(step_files, kv_d
     assert 0 < kl.mean() < 0.05  # quantized, and near the fp32 pool
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_threads_split_a_decodes_segments_without_changing_a_number(step_files, kv_dtype):
+    """A 300-token prompt, then decode steps of two rows and of one: on three threads a one-row decode's three
+    (token, kv head) items are split by segments of 128 positions and folded after; on one thread (and for
+    larger steps) each item folds its segments as it goes. The same logits, bit for bit."""
+    from wasm.step_module import THREADED, WasmStep
+
+    ids = some_ids(300)
+    table, other = list(range(20)), [20, 21]
+    steps = [build_step([Chunk(ids[s:s + 100], s, table[:(s + 99) // BS + 1], list(range(s, s + 100)), True,
+                               logits_rows=4)], BS) for s in range(0, 300, 100)]
+    steps.append(build_step([Chunk([5], 300, table, [300], True), Chunk([9, 8], 0, other, [320, 321], True)], BS))
+    steps.append(build_step([Chunk([6], 301, table, [301], True), Chunk([7], 2, other, [322], True)], BS))
+    steps += [build_step([Chunk([4 + p], p, table, [p], True)], BS) for p in (302, 303)]  # 3 items: split on 3 threads
+    one = WasmStep(step_files / "step.wasm", step_files, 24, BS, max_tokens=128, kv_dtype=kv_dtype)
+    split = WasmStep(step_files / THREADED, step_files, 24, BS, max_tokens=128, kv_dtype=kv_dtype, threads=3)
+    tails = [TailSlots(BS), TailSlots(BS)]
+    try:
+        for batch in steps:
+            got = split.run(batch, *tails[0].step_slots(batch))
+            assert np.array_equal(got, one.run(batch, *tails[1].step_slots(batch)))
+    finally:
+        split.close()
+
+
 def test_a_step_whose_exact_rows_have_no_tail_is_refused(step_files):
     """A token kept for a block with no tail slot, or a row reading exact rows of such a block from earlier
     steps: a clear error; with TailSlots' slots, the same steps run."""

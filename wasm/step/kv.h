@@ -119,9 +119,13 @@ static inline float lanes_sum(v128_t v) {
 // row is widened once for all of them; each head's arithmetic is the same for any G. KV_HEADS_AT_ONCE heads a
 // pass keep their accumulators in registers.
 #define KV_HEADS_AT_ONCE 8
-// step.c's attend_quantized's scratch in floats for G heads of hd: the rounded queries (int16), their steps and
-// sums per 32, rotated value sums, weights, scores, one row to rotate
-#define KV_WORK(G, hd) ((G) * (hd) / 2 + (G) + (G) * (hd) / 32 + (G) * (hd) + 2 * (G) + (hd) + 4)
+#define KV_SEGMENT 128  // positions a quantized attention segment holds (step.c)
+// step.c's quantized attention's scratch in floats, for G heads of hd and segments of KV_SEGMENT positions:
+// the rounded queries (int16), their steps and sums per 32 and a row to rotate (KV_QUERY_WORK); a segment's
+// scores, rotated value sums and a row's scores (KV_SEG_WORK); a running fold and a segment's partial
+#define KV_QUERY_WORK(G, hd) ((G) * (hd) / 2 + (G) + (G) * (hd) / 32 + (hd) + 4)
+#define KV_SEG_WORK(G, hd) ((G) * KV_SEGMENT + (G) * (hd) + (G) + 4)
+#define KV_WORK(G, hd) (KV_QUERY_WORK(G, hd) + KV_SEG_WORK(G, hd) + 2 * ((G) * (hd) + 2 * (G)) + 4)
 // and, per position of a context, its stored value row's address, scales' address, scales and minimums
 #define KV_ROWS(d) (2 + 2 * ((d) < 32 ? 1 : (d) / 32))
 

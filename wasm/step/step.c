@@ -63,7 +63,9 @@ typedef struct Lora {
 
 static float *x, *xn, *q, *kk, *vv, *att, *sc, *g, *u, *xs, *xsum, *xsum16, *kvq;
 static int8_t* xq;
-static const uint8_t** kv_rows;  // per part: a context's stored rows' and scales' addresses (attend_quantized)
+static const uint8_t** kv_rows;  // per part: a segment's stored rows' and scales' addresses (segment_partial)
+static float* kv_partials;       // [KV_SPLIT_ITEMS, max_pos / KV_SEGMENT + 1, G * (hd + 2)]: a split step's segments
+#define KV_SPLIT_ITEMS 16          // (token, kv head) items a step splits by segments at most
 static int32_t* row_of;       // a step's token -> its batch row
 static int32_t capacity = 0;  // tokens a step may hold (step_init)
 static int32_t width = 0;     // the widest activation row it holds
@@ -75,12 +77,13 @@ EXPORT int step_init(const Model* m, int32_t max_tokens) {
   kk = arena(4 * n * m->kv_heads * m->head_dim), vv = arena(4 * n * m->kv_heads * m->head_dim);
   att = arena(4 * n * m->heads * m->head_dim), g = arena(4 * n * m->hidden), u = arena(4 * n * m->hidden);
   const int G = m->heads / m->kv_heads;
-  sc = arena(4 * MAX_THREADS * G * m->max_pos), xs = arena(4 * n * big / 32), xsum = arena(4 * n * big / 32);
+  sc = arena(4 * MAX_THREADS * m->max_pos), xs = arena(4 * n * big / 32), xsum = arena(4 * n * big / 32);
   xsum16 = arena(4 * n * big / 16);
   kvq = arena(4 * MAX_THREADS * KV_WORK(G, m->head_dim));  // per part: attend_quantized's work
-  kv_rows = arena(4 * MAX_THREADS * KV_ROWS(m->head_dim) * m->max_pos);
+  kv_rows = arena(4 * MAX_THREADS * KV_ROWS(m->head_dim) * KV_SEGMENT);
+  kv_partials = arena(4 * KV_SPLIT_ITEMS * (m->max_pos / KV_SEGMENT + 1) * G * (m->head_dim + 2));
   row_of = arena(4 * n), xq = arena(n * big);
-  capacity = xq && kvq && kv_rows ? max_tokens : 0;
+  capacity = xq && kvq && kv_rows && kv_partials ? max_tokens : 0;
   width = big;
   return capacity;
 }
@@ -263,61 +266,102 @@ static inline const float* exact_row(const Model* m, const Pool* P, const Batch*
   return tail + ((((size_t)kind * m->layers + l) * m->kv_heads + h) * bs + t % bs) * hd;
 }
 
-// attend() on a quantized pool, for the G query heads of kv head hk at once (qn, out: their rows, head_dim
+// Attention on a quantized pool (attend's, for G query heads of kv head hk at once, qn: their rows head_dim
 // apart): positions before own_block(p) as stored (keys against the queries rounded to 16 bits, as natively),
-// from it on exact. sc: room for G * (p + 1) scores; work: KV_WORK floats; rows: KV_ROWS(hd) words a position
-static void attend_quantized(const Model* m, const Pool* P, const Batch* B, int l, int b, int p, int hk, const float* qn,
-                             float* out, float* sc, float* work, const uint8_t** rows) {
-  const int hd = m->head_dim, G = m->heads / m->kv_heads, bs = P->block_size, int4 = P->dtype == KV_INT4;
+// from it on exact. It runs over fixed segments of KV_SEGMENT positions, each giving its heads' max, sum of
+// exps and undivided weighted values, folded left to right: a short step's segments can be computed in
+// parallel and folded after, with the same numbers as a long step's folded one after the other (KV_SEGMENT).
+
+typedef struct {  // a query's G heads, rounded for the stored keys
+  const float* qn;  // [G, hd]: as computed, for exact rows
+  int16_t* qs;      // [G, hd]: rounded (int4: rotated first)
+  float *steps, *qsum;
+} Queries;
+
+static void prepare_queries(int G, int hd, int int4, const float* qn, float* work, Queries* Q) {
+  Q->qn = qn, Q->qs = (int16_t*)work, Q->steps = work + G * hd / 2, Q->qsum = Q->steps + G;
+  round_queries(qn, G, hd, int4, Q->qs, Q->steps, Q->qsum, Q->qsum + G * hd / 32);
+}
+
+// segment `seg` of the query at p (row b) for its G heads: mx[h], sum[h], o [G, hd] (undivided). scratch:
+// KV_SEG_WORK(G, hd) floats; rows: KV_SEGMENT * KV_ROWS(hd) words
+static void segment_partial(const Model* m, const Pool* P, const Batch* B, int l, int b, int p, int hk, int G,
+                            const Queries* Q, int seg, float* mx, float* sum, float* o, float* scratch,
+                            const uint8_t** rows) {
+  const int hd = m->head_dim, bs = P->block_size, int4 = P->dtype == KV_INT4;
   const int32_t* table = B->tables + (size_t)b * B->max_blocks;
-  const int own = own_block(P, B, b, p), n = p + 1, stored = own < n ? own : n;
+  const int lo = seg * KV_SEGMENT, hi = lo + KV_SEGMENT < p + 1 ? lo + KV_SEGMENT : p + 1, n = hi - lo;
+  const int own = own_block(P, B, b, p), stored = own < hi ? (own > lo ? own : lo) : hi;  // [lo, stored) as stored
   const float scale = 1.f / __builtin_sqrtf((float)hd);
-  // work: the rounded queries (int16), their steps and sums per 32, rotated value sums, weights, scores
-  int16_t* qs = (int16_t*)work;
-  float *steps = work + G * hd / 2, *qsum = steps + G, *rot = qsum + G * hd / 32, *w = rot + G * hd, *row_sc = w + G;
-  round_queries(qn, G, hd, int4, qs, steps, qsum, w + 2 * G);
-  for (int t = 0; t < n; t++) {  // sc[h * n + t]: head h's score of position t
-    if (t >= own) {
+  float *sc = scratch, *rot = sc + G * KV_SEGMENT, *row_sc = rot + G * hd;
+  for (int t = lo; t < hi; t++) {  // sc[h * n + t - lo]: head h's score of position t
+    if (t >= stored) {
       const float* k = exact_row(m, P, B, 0, l, b, hk, t);
-      for (int h = 0; h < G; h++) sc[h * n + t] = dot(qn + (size_t)h * hd, k, hd) * scale;
+      for (int h = 0; h < G; h++) sc[h * n + t - lo] = dot(Q->qn + (size_t)h * hd, k, hd) * scale;
       continue;
     }
     const uint16_t* s;
     const uint8_t* row = pooled(m, P, 0, l, hk, (size_t)table[t / bs] * bs + t % bs, &s);
-    if (int4) dot4(qs, steps, qsum, G, row, s, hd, row_sc);
-    else dot8(qs, steps, G, (const int8_t*)row, s, hd, row_sc);
-    for (int h = 0; h < G; h++) sc[h * n + t] = row_sc[h] * scale;
+    if (int4) dot4(Q->qs, Q->steps, Q->qsum, G, row, s, hd, row_sc);
+    else dot8(Q->qs, Q->steps, G, (const int8_t*)row, s, hd, row_sc);
+    for (int h = 0; h < G; h++) sc[h * n + t - lo] = row_sc[h] * scale;
   }
   for (int h = 0; h < G; h++) {
     float* sh = sc + (size_t)h * n;
-    float mx = -3.4e38f, sum = 0.f;
-    for (int t = 0; t < n; t++) mx = sh[t] > mx ? sh[t] : mx;
-    for (int t = 0; t < n; t++) sum += (sh[t] = exp_(sh[t] - mx));
-    for (int t = 0; t < n; t++) sh[t] /= sum;
+    float top = -3.4e38f, total = 0.f;
+    for (int t = 0; t < n; t++) top = sh[t] > top ? sh[t] : top;
+    for (int t = 0; t < n; t++) total += (sh[t] = exp_(sh[t] - top));
+    mx[h] = top, sum[h] = total;
   }
-  for (int i = 0; i < G * hd; i += 4) wasm_v128_store(out + i, wasm_f32x4_splat(0.f)), wasm_v128_store(rot + i, wasm_f32x4_splat(0.f));
-  const int g = int4 ? kv_group4(hd, 1) : kv_group8(hd), groups = hd / g;
-  const uint16_t** scales = (const uint16_t**)(rows + stored);
-  float *sf = (float*)(scales + stored), *mf = sf + (size_t)stored * groups;
-  for (int t = 0; t < stored; t++) rows[t] = pooled(m, P, 1, l, hk, (size_t)table[t / bs] * bs + t % bs, &scales[t]);
-  row_scales(scales, stored, int4, groups, sf, mf);
-  // stored values: int4's summed rotated, rotated back once
-  sum_values(rows, sf, mf, stored, sc, n, G, int4, hd, g, int4 ? rot : out);
-  if (int4 && stored > 0)
-    for (int h = 0; h < G; h++) {
-      float *r = rot + (size_t)h * hd, *o = out + (size_t)h * hd;
-      fwht(r, hd);
-      for (int i = 0; i < hd; i += 4) wasm_v128_store(o + i, wasm_f32x4_add(wasm_v128_load(o + i), wasm_v128_load(r + i)));
-    }
-  for (int t = stored; t < n; t++) {
+  for (int i = 0; i < G * hd; i += 4) wasm_v128_store(o + i, wasm_f32x4_splat(0.f)), wasm_v128_store(rot + i, wasm_f32x4_splat(0.f));
+  const int count = stored - lo, g = int4 ? kv_group4(hd, 1) : kv_group8(hd), groups = hd / g;
+  if (count > 0) {
+    const uint16_t** scales = (const uint16_t**)(rows + count);
+    float *sf = (float*)(scales + count), *mf = sf + (size_t)count * groups;
+    for (int t = lo; t < stored; t++) rows[t - lo] = pooled(m, P, 1, l, hk, (size_t)table[t / bs] * bs + t % bs, &scales[t - lo]);
+    row_scales(scales, count, int4, groups, sf, mf);
+    sum_values(rows, sf, mf, count, sc, n, G, int4, hd, g, int4 ? rot : o);  // int4's summed rotated,
+    if (int4)                                                                  // rotated back once
+      for (int h = 0; h < G; h++) {
+        float *r = rot + (size_t)h * hd, *oh = o + (size_t)h * hd;
+        fwht(r, hd);
+        for (int i = 0; i < hd; i += 4) wasm_v128_store(oh + i, wasm_f32x4_add(wasm_v128_load(oh + i), wasm_v128_load(r + i)));
+      }
+  }
+  for (int t = stored; t < hi; t++) {
     const float* vt = exact_row(m, P, B, 1, l, b, hk, t);
     for (int h = 0; h < G; h++) {
-      const v128_t wt = wasm_f32x4_splat(sc[h * n + t]);
-      float* o = out + (size_t)h * hd;
+      const v128_t wt = wasm_f32x4_splat(sc[h * n + t - lo]);
+      float* oh = o + (size_t)h * hd;
       for (int i = 0; i < hd; i += 4)
-        wasm_v128_store(o + i, wasm_f32x4_add(wasm_v128_load(o + i), wasm_f32x4_mul(wt, wasm_v128_load(vt + i))));
+        wasm_v128_store(oh + i, wasm_f32x4_add(wasm_v128_load(oh + i), wasm_f32x4_mul(wt, wasm_v128_load(vt + i))));
     }
   }
+}
+
+// the running (M, S, O) of G heads folded with a segment's (m, s, o); first: the segment's alone
+static void fold_segment(int G, int hd, float* M, float* S, float* O, const float* m, const float* s, const float* o,
+                         int first) {
+  for (int h = 0; h < G; h++) {
+    float* Oh = O + (size_t)h * hd;
+    const float* oh = o + (size_t)h * hd;
+    if (first) {
+      M[h] = m[h], S[h] = s[h];
+      for (int i = 0; i < hd; i++) Oh[i] = oh[i];
+      continue;
+    }
+    const float top = M[h] > m[h] ? M[h] : m[h], a = exp_(M[h] - top), c = exp_(m[h] - top);
+    S[h] = S[h] * a + s[h] * c, M[h] = top;
+    const v128_t va = wasm_f32x4_splat(a), vc = wasm_f32x4_splat(c);
+    for (int i = 0; i < hd; i += 4)
+      wasm_v128_store(Oh + i, wasm_f32x4_add(wasm_f32x4_mul(wasm_v128_load(Oh + i), va), wasm_f32x4_mul(wasm_v128_load(oh + i), vc)));
+  }
+}
+
+// out [G, hd] = O / S
+static void finish_heads(int G, int hd, const float* S, const float* O, float* out) {
+  for (int h = 0; h < G; h++)
+    for (int i = 0; i < hd; i++) out[(size_t)h * hd + i] = O[(size_t)h * hd + i] / S[h];
 }
 
 typedef struct {
@@ -327,19 +371,75 @@ typedef struct {
   int l;
 } Attention;
 
-// every parts-th (token, head), for balance; on a quantized pool (token, kv head), its query heads together
+// every parts-th (token, head), for balance
 static void attention_part(const void* ctx, int part, int parts) {
   const Attention* j = ctx;
-  const int H = j->m->heads, hd = j->m->head_dim, G = H / j->m->kv_heads;
-  float* scores = sc + (size_t)part * G * j->m->max_pos;
-  const int per = j->P->dtype == KV_FP32 ? 1 : G, items = H / per;  // heads an item attends for
-  for (int i = part; i < j->B->num_tokens * items; i += parts) {
-    const int n = i / items, h = (i % items) * per;
-    const float* qn = q + (size_t)n * H * hd + (size_t)h * hd;
-    float* out = att + (size_t)n * H * hd + (size_t)h * hd;
-    if (per == 1) attend(j->m, j->P, j->B, j->l, row_of[n], j->B->pos[n], h, qn, out, scores);
-    else attend_quantized(j->m, j->P, j->B, j->l, row_of[n], j->B->pos[n], h / G, qn, out, scores,
-                          kvq + (size_t)part * KV_WORK(G, hd), kv_rows + (size_t)part * KV_ROWS(hd) * j->m->max_pos);
+  const int H = j->m->heads, hd = j->m->head_dim;
+  float* scores = sc + (size_t)part * j->m->max_pos;
+  for (int i = part; i < j->B->num_tokens * H; i += parts) {
+    const int n = i / H, h = i % H;
+    attend(j->m, j->P, j->B, j->l, row_of[n], j->B->pos[n], h, q + (size_t)n * H * hd + (size_t)h * hd,
+           att + (size_t)n * H * hd + (size_t)h * hd, scores);
+  }
+}
+
+// A quantized pool's attention, an item per (token, kv head): its query heads' segments one after the other,
+// folded as they come. A step of few items (a decode) is split by segments instead: quantized_segments_part
+// keeps each segment's partial and quantized_fold_part folds them in the same order.
+static void quantized_part(const void* ctx, int part, int parts) {
+  const Attention* j = ctx;
+  const Model* m = j->m;
+  const int H = m->heads, hd = m->head_dim, Hkv = m->kv_heads, G = H / Hkv, int4 = j->P->dtype == KV_INT4;
+  float *work = kvq + (size_t)part * KV_WORK(G, hd), *seg = work + KV_QUERY_WORK(G, hd);
+  float *M = seg + KV_SEG_WORK(G, hd), *S = M + G, *O = S + G, *mx = O + G * hd, *sum = mx + G, *o = sum + G;
+  const uint8_t** rows = kv_rows + (size_t)part * KV_SEGMENT * KV_ROWS(hd);
+  for (int i = part; i < j->B->num_tokens * Hkv; i += parts) {
+    const int n = i / Hkv, hk = i % Hkv, p = j->B->pos[n];
+    Queries Q;
+    prepare_queries(G, hd, int4, q + ((size_t)n * H + (size_t)hk * G) * hd, work, &Q);
+    for (int s = 0; s <= p / KV_SEGMENT; s++) {
+      segment_partial(m, j->P, j->B, j->l, row_of[n], p, hk, G, &Q, s, mx, sum, o, seg, rows);
+      fold_segment(G, hd, M, S, O, mx, sum, o, s == 0);
+    }
+    finish_heads(G, hd, S, O, att + ((size_t)n * H + (size_t)hk * G) * hd);
+  }
+}
+
+static inline float* partial_at(const Model* m, int item, int s) {
+  const int G = m->heads / m->kv_heads;
+  return kv_partials + ((size_t)item * (m->max_pos / KV_SEGMENT + 1) + s) * G * (m->head_dim + 2);
+}
+
+static void quantized_segments_part(const void* ctx, int part, int parts) {
+  const Attention* j = ctx;
+  const Model* m = j->m;
+  const int H = m->heads, hd = m->head_dim, Hkv = m->kv_heads, G = H / Hkv, int4 = j->P->dtype == KV_INT4;
+  const int per_item = m->max_pos / KV_SEGMENT + 1, items = j->B->num_tokens * Hkv;
+  float *work = kvq + (size_t)part * KV_WORK(G, hd), *seg = work + KV_QUERY_WORK(G, hd);
+  const uint8_t** rows = kv_rows + (size_t)part * KV_SEGMENT * KV_ROWS(hd);
+  int prepared = -1;
+  Queries Q;
+  for (int i = part; i < items * per_item; i += parts) {
+    const int item = i / per_item, s = i % per_item, n = item / Hkv, hk = item % Hkv, p = j->B->pos[n];
+    if (s > p / KV_SEGMENT) continue;
+    if (prepared != item) prepare_queries(G, hd, int4, q + ((size_t)n * H + (size_t)hk * G) * hd, work, &Q), prepared = item;
+    float* out = partial_at(m, item, s);
+    segment_partial(m, j->P, j->B, j->l, row_of[n], p, hk, G, &Q, s, out, out + G, out + 2 * G, seg, rows);
+  }
+}
+
+static void quantized_fold_part(const void* ctx, int part, int parts) {
+  const Attention* j = ctx;
+  const Model* m = j->m;
+  const int H = m->heads, hd = m->head_dim, Hkv = m->kv_heads, G = H / Hkv;
+  float *M = kvq + (size_t)part * KV_WORK(G, hd) + KV_QUERY_WORK(G, hd) + KV_SEG_WORK(G, hd), *S = M + G, *O = S + G;
+  for (int item = part; item < j->B->num_tokens * Hkv; item += parts) {
+    const int n = item / Hkv, hk = item % Hkv, p = j->B->pos[n];
+    for (int s = 0; s <= p / KV_SEGMENT; s++) {
+      const float* seg = partial_at(m, item, s);
+      fold_segment(G, hd, M, S, O, seg, seg + G, seg + 2 * G, s == 0);
+    }
+    finish_heads(G, hd, S, O, att + ((size_t)n * H + (size_t)hk * G) * hd);
   }
 }
 
@@ -431,7 +531,14 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
       }
     }
     const Attention layer = {m, P, B, l};
-    parallel(attention_part, &layer);
+    if (P->dtype == KV_FP32) {
+      parallel(attention_part, &layer);
+    } else if (N * Hkv >= 2 * step_threads() || N * Hkv > KV_SPLIT_ITEMS) {
+      parallel(quantized_part, &layer);
+    } else {  // too few items to keep every thread busy: their segments in parallel, then folded
+      parallel(quantized_segments_part, &layer);
+      parallel(quantized_fold_part, &layer);
+    }
     quantize_rows(att, N, H * hd);
     project(m, B->lora, l, 3, att, N, H * hd, 1, (int[]){D}, (float* []){xn}, 0, x);
     for (int n = 0; n < N; n++) rmsnorm(x + (size_t)n * D, L->ffn_norm, D, m->eps, xn + (size_t)n * D);
