@@ -228,7 +228,7 @@ def main() -> None:
     ap.add_argument("--reload-prompt", choices=("same", "other"), default="same",
                     help="the reload asks the same question as the first visit, or another one (RuvLLM keeps the "
                          "last prompt's K/V blocks across reloads; with 'other' only the shared system prompt's apply)")
-    ap.add_argument("--kv", default="fp32", help="RuvLLM's KV pool: fp32, int8, or both (fp32,int8: each a row)")
+    ap.add_argument("--kv", default="fp32", help="RuvLLM's KV pools, each a row: fp32, int8, int4 (fp32,int8,int4)")
     ap.add_argument("--context", type=int, default=0, help="about this many tokens of text before the question")
     ap.add_argument("--gguf", type=Path, help="a GGUF for RuvLLM (exported for the page) and wllama alike, instead "
                     "of SmolLM2")

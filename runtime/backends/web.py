@@ -11,7 +11,8 @@ graph (web/src/lora_store.js holds the adapters' columns and X-LoRA classifiers)
 from __future__ import annotations
 
 from runtime import contract as C
-from runtime.core.kv_blocks import kv_bytes_per_token, kv_group
+from runtime.core.kv_blocks import kv_bytes_per_token, kv_group, kv_row_bytes, kv_scale_widths
+from runtime.core.kv_tails import TAIL_BLOCKS, TailSlots
 from runtime.core.step_batch import StepBatch, StepResult
 from runtime.core.xlora import mix_sets
 from runtime.errors import DeviceError
@@ -20,19 +21,26 @@ from runtime.package import ModelPackage
 
 class WebBackend:
     name = "onnxruntime-web"
-    kv_exact_blocks = 1  # one-tier pools
 
-    def __init__(self, package: ModelPackage, runner, kv_dtype: str = "fp32") -> None:
-        """runner: the JS RemoteRunner whose model worker owns the InferenceSession and the KV pool.
-        kv_dtype "int8": the model worker runs the package's int8-KV graph (decoder_kv8) on a pool of
-        int8 rows and fp16 group scales, which it quantizes as the native pool does."""
+    def __init__(self, package: ModelPackage, runner, kv_dtype: str = "fp32", stepper: str = "onnxruntime") -> None:
+        """runner: the JS RemoteRunner whose model worker owns the InferenceSession (or the WASM step: stepper
+        "wasm-step") and the KV pool. kv_dtype "int8" on onnxruntime-web: the model worker runs the package's
+        int8-KV graph (decoder_kv8) on a one-tier pool of int8 rows and fp16 group scales, which it quantizes as
+        the native pool does. "int8" or "int4" on the WASM step: the native engine's two-tier pool (rows
+        quantized bit for bit as kv_pool.py's, the blocks being written kept exact too in tail slots, which
+        kv_tails.TailSlots assigns here)."""
         if kv_dtype not in C.KV_DTYPES:
             raise DeviceError(f"kvDtype {kv_dtype!r}: choose one of {', '.join(C.KV_DTYPES)}")
-        if kv_dtype == "int4":
-            raise DeviceError("kvDtype 'int4' runs natively only for now (ruvllm.PagedAttention); use 'int8' or 'fp32' in the page")
-        if kv_dtype == "int8" and "decoder_kv8" not in package.manifest.get("graphs", {}):
+        self.on_step = stepper == "wasm-step"
+        if kv_dtype == "int4" and not self.on_step:
+            raise DeviceError("kvDtype 'int4' runs on the page's WASM step only (backend 'wasm-step' or 'auto', a "
+                              "package exported from a GGUF with --target wasm); use 'int8' or 'fp32' on onnxruntime-web")
+        if kv_dtype == "int8" and not self.on_step and "decoder_kv8" not in package.manifest.get("graphs", {}):
             raise DeviceError("kvDtype 'int8': this model package has no int8-KV graph (model_kv8.onnx); re-export it")
         self.kv_dtype = kv_dtype
+        two_tier = self.on_step and kv_dtype != "fp32"
+        self.kv_exact_blocks = TAIL_BLOCKS if two_tier else 1  # the scheduler's floors follow it
+        self.tails: TailSlots | None = None  # a two-tier pool's tail slots, made by allocate
         self.pkg = package
         self.runner = runner
         self.vocab_size = package.config["vocab_size"]
@@ -54,7 +62,15 @@ class WebBackend:
                                "presence": C.PRESENCE_PENALTY, "frequency": C.FREQUENCY_PENALTY,
                                "sparse_ids": C.SPARSE_IDS, "sparse_seen": C.SPARSE_SEEN,
                                "sparse_counts": C.SPARSE_COUNTS, "sparse_bias": C.SPARSE_BIAS, "top_k": C.TOP_K}
-        if self.kv_dtype == "int8":  # the int8-KV graph's scale inputs, and the rows' layout
+        d = self.pkg.config["head_dim"]
+        # the WASM step's pool: each kind's bytes of numbers and of fp16 scales a row, the blocks read exact
+        roles["kv_layout"] = {"dtype": self.kv_dtype, "tail_blocks": self.kv_exact_blocks,
+                              "numbers": [kv_row_bytes(d, self.kv_dtype, k) - 2 * w
+                                          for k, w in enumerate(kv_scale_widths(d, self.kv_dtype))],
+                              "scales": list(kv_scale_widths(d, self.kv_dtype))}
+        if self.kv_exact_blocks > 1:
+            self.tails = TailSlots(block_size, self.kv_exact_blocks)
+        if self.kv_dtype == "int8" and not self.on_step:  # the int8-KV graph's scale inputs, and the rows' layout
             n = self.pkg.config["num_layers"]
             roles.update(kv_dtype="int8", kv_group=kv_group(self.pkg.config["head_dim"]),
                          past_key_scales=[C.past_key_scale(i) for i in range(n)],
@@ -72,9 +88,9 @@ class WebBackend:
 
         if self.lora is not None:
             return
-        if self.kv_dtype == "int8":
-            raise AdapterError("adapters with kvDtype 'int8' are not supported in the page yet (the package has no "
-                               "LoRA graph on an int8 pool): load the engine with kvDtype 'fp32'")
+        if self.kv_dtype == "int8" and not self.on_step:
+            raise AdapterError("adapters with kvDtype 'int8' run on the WASM step only (onnxruntime-web has no LoRA "
+                               "graph on an int8 pool): load the engine with kvDtype 'fp32', or on backend 'wasm-step'")
         if "decoder_lora" not in self.pkg.manifest.get("graphs", {}):
             raise AdapterError("this model package has no LoRA graph (exported with --no-lora); re-export it")
         features = target_features(self.pkg.config)
@@ -202,6 +218,9 @@ class WebBackend:
             # structured output: per logits row its allowed tokens as a bitmask (None: unconstrained)
             "mask": batch.matchers and [m and m.allowed_bits() for m in batch.matchers],
         }
+        if self.tails is not None:  # the tokens kept exact too, and the tail slots' changes before the step
+            keep, changes = self.tails.step_slots(batch)
+            step["tails"] = {"keep": keep, "changes": changes, "exact_from": batch.exact_from}
         return (await self.runner.run(to_js(step, dict_converter=Object.fromEntries))).to_py()
 
     async def _xlora_pass(self, xp) -> dict[int, list[tuple[int, float]]]:

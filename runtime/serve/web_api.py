@@ -27,9 +27,10 @@ from runtime.serve.web_personal import PageUsers
 class WebEngine:
     def __init__(self, package_dir: str, runner, graph_files: list[str], model_name: str,
                  kv_memory_mb: int | None = None, kv_dtype: str = "fp32", max_request_bytes: int | None = None,
-                 user: str | None = None, **engine_options) -> None:
+                 user: str | None = None, stepper: str = "onnxruntime", **engine_options) -> None:
         """engine_options: EngineConfig fields the page's caller chose; the rest are EngineConfig.web()'s.
-        kv_dtype: the KV pool's numbers, "fp32" or "int8" (WebBackend). max_request_bytes: the largest
+        kv_dtype: the KV pool's numbers, "fp32", "int8" or "int4" (WebBackend); stepper: what runs the model
+        worker's steps, "onnxruntime" or "wasm-step" (web/src/ort_worker.js's choice). max_request_bytes: the largest
         request (its JSON in UTF-8) taken, by default the server's rule for this context. user: the page's
         user (createEngine's `user`): their adapter serves requests that name no other user, and feedback
         that names none teaches them (runtime/serve/web_personal.py)."""
@@ -37,7 +38,7 @@ class WebEngine:
         self.model_name = model_name
         if kv_memory_mb is not None:
             engine_options["kv_memory"] = int(kv_memory_mb) << 20
-        engine = Engine(pkg, WebBackend(pkg, runner, kv_dtype), EngineConfig.web(**engine_options))
+        engine = Engine(pkg, WebBackend(pkg, runner, kv_dtype, stepper), EngineConfig.web(**engine_options))
         self.aengine = AsyncEngine(engine, use_thread=False)
         self.max_request_bytes = int(max_request_bytes or default_max_request_bytes(engine.prompts.max_context))
         self._jobs: dict[str, list[str]] = {}  # the page's request id -> the engine's (one per choice)

@@ -28,14 +28,14 @@ def load(p, url: str, **opts) -> dict:
     return p.evaluate(LOAD_ENGINE, [url, opts])
 
 
-def wasmtime_ids(bundle, messages: list[dict], **params) -> list[int]:
+def wasmtime_ids(bundle, messages: list[dict], kv_dtype: str = "fp32", **params) -> list[int]:
     """The same engine natively, over the bundle's own step.wasm in wasmtime and the package's weights."""
     from runtime.core.engine import Engine
     from runtime.core.sampling import SamplingParams
     from runtime.package import load_package
 
     package = bundle / "models" / "smollm2-135m"
-    engine = Engine(load_package(package), WasmtimeBackend(package, bundle / "ruvllm" / "step.wasm"),
+    engine = Engine(load_package(package), WasmtimeBackend(package, bundle / "ruvllm" / "step.wasm", kv_dtype),
                     speculative_tokens=0)
     return [t for o in engine.generate(messages=messages, params=SamplingParams(**params)) for t in o.token_ids]
 
@@ -68,6 +68,51 @@ def test_the_page_runs_the_wasm_step_as_wasmtime_does_and_fetches_only_its_weigh
     assert any(u.endswith("/ruvllm/step-threads.wasm") for u in p.requests)
 
 
+SEA = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_quantized_kv_pools_on_the_step_give_the_native_tokens(offline_page, web_bundle, smol_int4, web_models, tmp_path,
+                                                               kv_dtype):
+    """kvDtype 'int8' / 'int4' take the WASM step under backend 'auto': greedy text equal to the same step's in
+    wasmtime (the same module), again from the prefix cache's quantized blocks, and to the native engine's on
+    its pool of the same kind (rows quantized by the same rule) until they part at a near tie, if they do; the
+    pool is the quantized pool's bytes a token, and the tails a sequence's last blocks; adapters run on it."""
+    from runtime.core.engine import Engine
+    from runtime.core.kv_blocks import kv_bytes_per_token
+    from runtime.core.sampling import SamplingParams
+
+    p = offline_page()
+    info = load(p, SMOL, device="wasm", kvDtype=kv_dtype, speculativeTokens=0, threads=2)
+    assert info["backend"] == "wasm-step" and info["kvDtype"] == kv_dtype, info
+    greedy = {"max_tokens": 32, "temperature": 0}
+    got = [p.evaluate(CHAT, {"messages": SEA, "return_token_ids": True, **greedy})["choices"][0]["token_ids"]
+           for _ in range(2)]
+    want = wasmtime_ids(web_bundle, SEA, kv_dtype, **greedy)
+    assert got == [want, want]
+    native = Engine.from_package(smol_int4, verify=False, speculative_tokens=0, kv_dtype=kv_dtype)
+    steps = [lp for o in native.generate(messages=SEA, params=SamplingParams(logprobs=5, **greedy)) for lp in o.logprobs]
+    # equal until they part, if they do, and only at a near tie of the native engine's (the page's token within
+    # 0.3 nats of its best): rows quantized from slightly different activations may tip one
+    parted = next((i for i, (t, lp) in enumerate(zip(want, steps)) if t != lp.token_id), len(steps))
+    assert parted >= 8, (parted, want, steps)
+    if parted < len(steps):
+        top = dict(steps[parted].top)
+        assert want[parted] in top and top[steps[parted].token_id] - top[want[parted]] < 0.3, (parted, want, steps[parted])
+    stats = p.evaluate("async () => await window.engine.stats()")
+    manifest = json.loads((web_bundle / "models" / "smollm2-135m" / "manifest.json").read_text())
+    cfg, block = manifest["config"], manifest["kv_cache"]["block_size"]
+    pool, tails = stats["backend"]["kv_pool_bytes"], stats["backend"]["kv_tail_bytes"]
+    assert pool > 0 and pool % (kv_bytes_per_token(cfg, kv_dtype) * block) == 0, stats["backend"]
+    slot = kv_bytes_per_token(cfg) * block  # a tail slot: one block of fp32 rows
+    assert 0 < tails <= 4 * slot and tails % slot == 0, stats["backend"]  # a sequence's last blocks only
+    url = publish(web_models, smol_peft(tmp_path / "peft"), "smol-peft")  # adapters run on the quantized pool
+    assert p.evaluate("async (url) => engine.loadAdapter('mine', url)", url)["rank"] == 4
+    tuned = p.evaluate(CHAT, {"messages": SEA, "return_token_ids": True, "model": "mine", **greedy})
+    assert tuned["choices"][0]["token_ids"][:4] != want[:4]
+    assert p.evaluate(CHAT, {"messages": SEA, "return_token_ids": True, **greedy})["choices"][0]["token_ids"] == want
+
+
 def test_the_last_prompts_kv_survives_a_reload_on_the_wasm_step(offline_page):
     """As on onnxruntime-web: after a reload the last prompt's full K/V blocks come back from storage
     into the step's pool, the same prompt skips their prefill and gets the same greedy answer."""
@@ -92,10 +137,10 @@ def test_the_last_prompts_kv_survives_a_reload_on_the_wasm_step(offline_page):
 
 
 def test_auto_takes_the_step_where_it_runs_and_onnxruntime_elsewhere(offline_page, tiny_package, web_models):
-    """backend 'auto' (the default): the WASM step for a package that carries one; onnxruntime-web for an
-    int8 KV cache (the step keeps fp32) and for a package without step weights."""
+    """backend 'auto' (the default): the WASM step for a package that carries one, with an int8 KV cache too;
+    onnxruntime-web for a package without step weights."""
     url = publish(web_models, tiny_package("llama", "fp32"), "tiny-llama-fp32")
-    for model, opts, want in ((SMOL, {}, "wasm-step"), (SMOL, {"kvDtype": "int8"}, "onnxruntime"),
+    for model, opts, want in ((SMOL, {}, "wasm-step"), (SMOL, {"kvDtype": "int8"}, "wasm-step"),
                               (url, {}, "onnxruntime")):
         p = offline_page()
         info = load(p, model, device="wasm", **opts)
@@ -178,8 +223,9 @@ def test_adapters_run_on_the_step_as_natively(offline_page, web_models, smol_int
 
 
 def test_wasm_step_refusals_are_clear(offline_page, tiny_package, web_models, web_bundle):
-    """A package without step weights, one whose step weights are an older layout, an int8 KV cache and
-    WebGPU are refused by name, at load; under 'auto' the older layout runs on onnxruntime-web."""
+    """A package without step weights, one whose step weights are an older layout, a KV cache of numbers the
+    step does not keep and WebGPU are refused by name, at load; under 'auto' the older layout runs on
+    onnxruntime-web."""
     url = publish(web_models, tiny_package("llama", "fp32"), "tiny-llama-fp32")
     old = web_models / "smol-old-step"
     old.mkdir(exist_ok=True)
@@ -193,7 +239,7 @@ def test_wasm_step_refusals_are_clear(offline_page, tiny_package, web_models, we
     assert load(p, "/test-models/smol-old-step/", device="wasm")["backend"] == "onnxruntime"
     for model, opts, want in ((url, {}, "has no WASM step weights"),
                               ("/test-models/smol-old-step/", {}, "an older layout (format 1; this page reads 2)"),
-                              (SMOL, {"kvDtype": "int8"}, 'use kvDtype "fp32"'),
+                              (SMOL, {"kvDtype": "fp16"}, "fp16"),
                               (SMOL, {"device": "webgpu"}, 'use device "wasm"')):
         p = offline_page()
         p.api()
@@ -302,7 +348,7 @@ def test_a_step_only_package_answers_on_the_step_and_refuses_onnxruntime_clearly
     assert ids == [t for o in engine.generate(messages=QUESTION, params=SamplingParams(**greedy)) for t in o.token_ids]
     native = Engine.from_package(step_only_package, verify=False).generate(messages=QUESTION, params=SamplingParams(**greedy))
     assert [t for o in native for t in o.token_ids][:1] == ids[:1]  # the same file natively: its first token
-    for opts in ({"backend": "onnxruntime"}, {"kvDtype": "int8"}):
+    for opts in ({"backend": "onnxruntime"}, {"device": "webgpu"}):
         p = offline_page()
         p.api()
         err = p.evaluate(LOAD_ERROR, [url, {"device": "wasm", **opts}])

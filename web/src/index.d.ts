@@ -35,9 +35,10 @@ export interface CreateEngineOptions {
   maxRequestBytes?: number;
   /** The page's user: their adapter (learned by engine.feedback) serves requests that name no other `user`. */
   user?: string;
-  /** The KV cache's numbers: 'fp32' (default), or 'int8' rows with an fp16 scale per 32 numbers (about a
-   *  quarter of the memory, on the package's int8-KV graph; WASM only, no adapters). */
-  kvDtype?: 'fp32' | 'int8';
+  /** The KV cache's numbers: 'fp32' (default), 'int8' rows with an fp16 scale per 32 numbers (about a
+   *  quarter of the memory), or 'int4' (Hadamard-rotated 4-bit rows, about a seventh; the WASM step only).
+   *  Quantized pools keep the blocks being written exact too, as the native engine does. WASM only. */
+  kvDtype?: 'fp32' | 'int8' | 'int4';
   maxNumSeqs?: number;
   /** Tokens one step computes at most (default 128 on the WASM step, whose scratch grows with them; 256 on
    *  onnxruntime-web). */
@@ -190,7 +191,7 @@ export interface EngineInfo {
   graph: string;
   threads: number;
   /** the KV cache's numbers (options.kvDtype) */
-  kvDtype: 'fp32' | 'int8';
+  kvDtype: 'fp32' | 'int8' | 'int4';
   crossOriginIsolated: boolean;
   quantization: Record<string, unknown>;
   cache: { fromCache: number; downloaded: number; refetched: number };

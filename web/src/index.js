@@ -271,16 +271,18 @@ async function storedOrFetched(url, meta, cache) {
 /**
  * Start the engine in a Web Worker and load a model package.
  * options: { model, device: 'auto'|'wasm'|'webgpu', threads, onProgress, assetsURL, pyodideURL, ortURL,
- *            pythonURL, kvMemoryMB, kvDtype: 'fp32'|'int8', maxNumSeqs, maxBatchTokens, speculativeTokens,
+ *            pythonURL, kvMemoryMB, kvDtype: 'fp32'|'int8'|'int4', maxNumSeqs, maxBatchTokens, speculativeTokens,
  *            promptCache, modelName, backend: 'auto'|'onnxruntime'|'wasm-step', maxRequestBytes }
  * maxRequestBytes: a request whose JSON is larger is refused (code 'request_too_large') before it is parsed;
  * by default 1 KiB a token of the model's context plus 1 MiB, as the server's. A prompt that cannot fit the
  * context is refused before it is tokenized.
- * kvDtype 'int8' keeps the KV cache as int8 rows with fp16 group scales (a quarter of the memory, and of
- * what each step copies into onnxruntime-web), on the package's int8-KV graph; WASM only, no adapters.
+ * kvDtype 'int8' keeps the KV cache as int8 rows with fp16 group scales (a quarter of the memory), 'int4' as
+ * Hadamard-rotated 4-bit rows (about a seventh), each behind exact copies of the blocks being written, as the
+ * native engine keeps them; on the WASM step (int8 also on onnxruntime-web's int8-KV graph, one-tier, without
+ * adapters). WASM only.
  * backend 'wasm-step' runs the package's own WASM decode step (a GGUF's blocks, wasm/step/step.c) instead
- * of onnxruntime-web, on `threads` threads: fp32 KV, LoRA but no X-LoRA yet. 'auto' (the default) takes it where
- * the package carries one and the step would run on the CPU with fp32 KV, else onnxruntime-web.
+ * of onnxruntime-web, on `threads` threads: LoRA but no X-LoRA yet. 'auto' (the default) takes it where
+ * the package carries one and the step would run on the CPU, else onnxruntime-web.
  */
 export async function createEngine(options) {
   if (!options?.model) throw new Error('createEngine: options.model (the model package URL) is required');

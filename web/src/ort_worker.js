@@ -31,8 +31,8 @@ function nested(config) {
 
 async function chooseDevice(wanted, kvDtype) {
   if (wanted === 'wasm') return 'wasm';
-  if (kvDtype === 'int8') { // the int8-KV graph is a WASM graph (its K/V write is the main graph's)
-    if (wanted === 'webgpu') throw new Error('kvDtype "int8" runs on the "wasm" device, not "webgpu"');
+  if (kvDtype === 'int8' || kvDtype === 'int4') { // quantized pools live in WASM memory (the step's, or the int8-KV graph's)
+    if (wanted === 'webgpu') throw new Error(`kvDtype "${kvDtype}" runs on the "wasm" device, not "webgpu"`);
     return 'wasm';
   }
   const adapter = self.navigator?.gpu ? await self.navigator.gpu.requestAdapter().catch(() => null) : null;
@@ -117,7 +117,8 @@ async function warmUp(ort, stop) {
 // and kvDtype 'int8' opens the graph on an int8 pool (exporter: model_kv8.onnx)
 const graphKey = (device, kvDtype = 'fp32') => {
   if (kvDtype === 'int8') return 'decoder_kv8';
-  if (kvDtype !== 'fp32') throw new Error(`kvDtype ${JSON.stringify(kvDtype)}: choose "fp32" or "int8"`);
+  if (kvDtype === 'int4') throw new Error('kvDtype "int4" runs on the WASM step only: use backend "wasm-step" (or "auto") on a package with step weights (exported from a GGUF with --target wasm)');
+  if (kvDtype !== 'fp32') throw new Error(`kvDtype ${JSON.stringify(kvDtype)}: choose "fp32", "int8" or "int4"`);
   return device === 'webgpu' ? 'decoder_webgpu' : 'decoder';
 };
 
@@ -147,7 +148,7 @@ async function openLoraGraph() {
 async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
   const t0 = performance.now();
   if (device === 'webgpu') throw new Error('backend "wasm-step" runs on the CPU: use device "wasm" or "auto"');
-  if (kvDtype !== 'fp32') throw new Error('backend "wasm-step" keeps its KV cache in fp32: use kvDtype "fp32"');
+  if (!['fp32', 'int8', 'int4'].includes(kvDtype)) throw new Error(`kvDtype ${JSON.stringify(kvDtype)}: the WASM step keeps "fp32", "int8" or "int4"`);
   const bytes = (name) => {
     const got = fetch(new URL(`./${name}`, import.meta.url)).then((r) => {
       if (!r.ok) throw new Error(`${name}: HTTP ${r.status}`);
@@ -207,10 +208,10 @@ async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
 }
 
 // backend 'auto' (the default): the package's own WASM step where the package carries one and it would
-// run on the CPU with an fp32 KV cache (no GPU adapter, or device 'wasm'); else onnxruntime-web
+// run on the CPU (no GPU adapter, device 'wasm', or a quantized KV cache); else onnxruntime-web
 async function chooseBackend({ model, device, kvDtype }) {
   const manifest = await readManifest(model);
-  if (!hasStep(manifest) || kvDtype !== 'fp32' || device === 'webgpu') return 'onnxruntime';
+  if (!hasStep(manifest) || device === 'webgpu') return 'onnxruntime';
   return (await chooseDevice(device, kvDtype)) === 'wasm' ? 'wasm-step' : 'onnxruntime';
 }
 
@@ -220,7 +221,7 @@ async function open(options) {
   if (backend !== 'onnxruntime') throw new Error(`backend ${JSON.stringify(backend)}: choose "auto", "onnxruntime" or "wasm-step"`);
   if ((await readManifest(options.model)).wasm_step?.only) { // a large GGUF's page package: native graphs and the step
     throw new Error('this model package runs in the page on its WASM step only (its graphs are the native engine\'s, '
-      + 'with RuvLLM\'s CPU kernels): use backend "wasm-step" (or "auto") with device "wasm" and kvDtype "fp32"');
+      + 'with RuvLLM\'s CPU kernels): use backend "wasm-step" (or "auto") with device "wasm"');
   }
   return { backend, ...await openOnnxruntime(options) };
 }

@@ -17,6 +17,9 @@ const PAGE = 65536;
 export const STEP_FORMAT = 2; // the step.bin layout this module reads (exporter/step_weights.py's FORMAT)
 const QMAT_PARTS = ['w', 'hb', 'd', 'm', 'sc', 'mb']; // exporter/step_weights.py's PARTS: blocks.h's QMat fields
 const MATRICES = ['q', 'k', 'v', 'o', 'gate', 'up', 'down']; // a Layer's QMats, in step.c's order
+const KV_DTYPES = ['fp32', 'int8', 'int4']; // step.c's Pool.dtype: kv.h's KV_FP32, KV_INT8, KV_INT4
+const REFUSALS = { 1: 'too many tokens', 2: 'a position, slot or logits row out of range',
+  3: "a row reads or keeps exact rows its quantized pool's tails do not hold" }; // step_run's statuses
 
 // resolves when a helper (a Worker, or Node's worker_threads Worker) reports, rejects on its error
 function reply(helper) {
@@ -35,8 +38,8 @@ function reply(helper) {
 // The step's KV pool as prompt_kv.js sees one (the fp32 KvPool's interface): keys and values, each
 // [layers, kv_heads, num_blocks * block_size, head_dim] floats in the module's memory.
 class StepPool {
-  constructor(runner, layout, numBlocks, [keys, values]) {
-    Object.assign(this, layout, { runner, numBlocks, dtype: 'fp32', starts: [keys, values] });
+  constructor(runner, layout, numBlocks, [keys, values], dtype = 'fp32') {
+    Object.assign(this, layout, { runner, numBlocks, dtype, starts: [keys, values] });
   }
 
   get blockFloats() {
@@ -293,19 +296,43 @@ export class WasmStepRunner {
   }
 
   timings() {
-    return { steps: this.steps, session_ms: this.sessionMs, bridge_ms: this.stepMs, kv_pool_bytes: this.pool?.bytes ?? 0,
-      threads: this.threads };
+    return { steps: this.steps, session_ms: this.sessionMs, bridge_ms: this.stepMs, kv_pool_bytes: this.poolBytes ?? 0,
+      kv_tail_bytes: (this.tailSlots?.length ?? 0) * this.tailBytes, threads: this.threads };
   }
 
+  /** The pool (io.kv_layout, from Python's runtime/core/kv_blocks.py: the dtype, each kind's bytes of numbers
+   * and fp16 scales a row, the blocks a query reads exact) and, for a quantized one, its tails' map. */
   allocate(numBlocks, blockSize, io) {
-    if (io.kv_dtype === 'int8') throw new Error('kvDtype "int8" does not run on the WASM step yet: use kvDtype "fp32"');
-    const c = this.cfg, bytes = c.layers * c.kv_heads * numBlocks * blockSize * c.head_dim * 4;
-    const keys = this.alloc(bytes), values = this.alloc(bytes);
-    this.poolStruct = this.alloc(16);
-    this.i32(this.poolStruct, 4).set([numBlocks, blockSize, keys, values]);
+    const c = this.cfg, layout = io.kv_layout, rows = c.layers * c.kv_heads * numBlocks * blockSize;
+    const dtype = KV_DTYPES.indexOf(layout.dtype);
+    if (dtype < 0) throw new Error(`kvDtype ${JSON.stringify(layout.dtype)}: the WASM step keeps "${KV_DTYPES.join('", "')}"`);
+    const [keys, values] = layout.numbers.map((n) => this.alloc(rows * n));
+    const [keyScales, valueScales] = dtype ? layout.scales.map((w) => this.alloc(2 * rows * w)) : [0, 0];
+    this.tailOf = dtype ? this.alloc(4 * numBlocks) : 0; // block -> tail slot, -1: none
+    if (dtype) this.i32(this.tailOf, numBlocks).fill(-1);
+    this.tailSlots = []; // each tail slot's address
+    this.tailTable = 0; // their addresses, as step.c's Pool.tails reads them
+    this.tailBytes = 2 * c.layers * c.kv_heads * blockSize * c.head_dim * 4;
+    this.poolStruct = this.alloc(40);
+    this.i32(this.poolStruct, 10).set([numBlocks, blockSize, keys, values, dtype, keyScales, valueScales,
+      layout.tail_blocks ?? 1, this.tailOf, 0]);
     this.pool = new StepPool(this, { numLayers: c.layers, kvHeads: c.kv_heads, headDim: c.head_dim, blockSize }, numBlocks,
-      [keys, values]);
+      [keys, values], layout.dtype);
+    this.poolBytes = rows * (layout.numbers[0] + layout.numbers[1] + 2 * (layout.scales[0] + layout.scales[1]));
     this.io = io;
+  }
+
+  /** A step's block -> tail slot changes (runtime/core/kv_tails.py TailSlots), slots new to it made. */
+  moveTails(changes) {
+    const before = this.tailSlots.length;
+    for (const [block, slot] of changes) {
+      while (slot >= this.tailSlots.length) this.tailSlots.push(this.alloc(this.tailBytes));
+      this.i32(this.tailOf + 4 * block, 1)[0] = slot;
+    }
+    if (this.tailSlots.length === before) return;
+    this.tailTable = this.buffer('tails', 4 * this.tailSlots.length);
+    this.i32(this.tailTable, this.tailSlots.length).set(this.tailSlots);
+    this.i32(this.poolStruct + 36, 1)[0] = this.tailTable;
   }
 
   /** Adapters on the step (spec: web.py's, as onnxruntime-web's LoRA graph gets it); not X-LoRA. */
@@ -330,15 +357,23 @@ export class WasmStepRunner {
       if ((step.lora.sets ?? 1) !== 1) throw new Error(NO_XLORA);
       adapters = this.lora.bind(step.lora.columns, this.floats('lora_weights', step.lora.weights));
     }
-    const batch = this.buffer('batch', 52);
+    let exactFrom = 0, keep = 0;
+    if (step.tails) { // a quantized pool: its tails' slots, the rows' floors, the tokens kept exact too
+      this.moveTails(step.tails.changes);
+      exactFrom = this.ints('exact_from', step.tails.exact_from);
+      const kept = new Int32Array(ids.length);
+      for (const t of step.tails.keep) kept[t] = 1;
+      keep = this.ints('keep', kept);
+    }
+    const batch = this.buffer('batch', 60);
     const fields = [ids.length, rowsIn, maxBlocks, rows, this.ints('ids', ids), this.ints('pos', f[r.positions][0]),
       this.ints('slots', step.kv_slots), this.ints('first', qidx.map((q) => q[0])),
       this.ints('count', qidx.map((q) => q[q.length - 1] - q[0] + 1)), this.ints('tables', f[r.block_tables][0].flat()),
-      this.ints('logits_at', f[r.logits_index][0]), logits, adapters];
-    this.i32(batch, 13).set(fields);
+      this.ints('logits_at', f[r.logits_index][0]), logits, adapters, exactFrom, keep];
+    this.i32(batch, 15).set(fields);
     const t0 = performance.now();
     const status = this.k.step_run(this.model, this.poolStruct, batch);
-    if (status) throw new Error(`the WASM step refused a step: ${status === 1 ? 'too many tokens' : 'a position, slot or logits row out of range'}`);
+    if (status) throw new Error(`the WASM step refused a step: ${REFUSALS[status] ?? `status ${status}`}`);
     const result = { topk_ids: [], topk_logprobs: [] };
     if (rows) {
       if (step.want_logits) {

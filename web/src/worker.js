@@ -96,7 +96,7 @@ async function load(opts) {
   // off a 1B model's page at the same prefill speed (16-token tiles either way; docs/PERFORMANCE.md)
   const chosen = { kv_memory_mb: opts.kvMemoryMB, max_num_seqs: opts.maxNumSeqs,
     max_batch_tokens: opts.maxBatchTokens ?? (stepper === 'wasm-step' ? 128 : undefined),
-    kv_dtype: opts.kvDtype, max_request_bytes: opts.maxRequestBytes, user: opts.user,
+    kv_dtype: opts.kvDtype, max_request_bytes: opts.maxRequestBytes, user: opts.user, stepper,
     speculative_tokens: opts.speculativeTokens ?? (stepper === 'wasm-step' ? 0 : undefined) };
   engine = api.WebEngine.callKwargs(dir, runner, graphFiles, name,
     Object.fromEntries(Object.entries(chosen).filter(([, v]) => v != null)));

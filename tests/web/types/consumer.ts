@@ -15,7 +15,7 @@ const options: CreateEngineOptions = { model: '/models/smollm2-135m/', device, t
 export async function main(): Promise<void> {
   const engine: Engine = await createEngine(options);
   const info: EngineInfo = engine.info;
-  const kv: 'fp32' | 'int8' = info.kvDtype;
+  const kv: 'fp32' | 'int8' | 'int4' = info.kvDtype;
   const backend: 'onnxruntime' | 'wasm-step' = info.backend;
   const messages: ChatMessage[] = [{ role: 'system', content: 'Be brief.' }, { role: 'user', content: [{ type: 'text', text: 'Hi' }] }];
   const request = { messages, max_tokens: 8, temperature: 0, top_k: -1, stop: ['\n'], seed: 1,
