@@ -14,7 +14,8 @@ export async function runStep({ manifest, weights, wasm, logits, threads = 1, th
   const runner = await WasmStepRunner.create(wasm, manifest, weights, { config: { vocab_size: cfg.vocab } },
     { threads, threaded: threaded && (async () => threaded), spawnHelper });
   const bs = 16, blocks = Math.ceil(cfg.max_pos / bs), table = Array.from({ length: blocks }, (_, i) => i);
-  runner.allocate(blocks, bs, { kv_dtype: 'fp32', step_feeds: Object.fromEntries(PARTS.map((p) => [p, p])) });
+  const fp32 = { dtype: 'fp32', numbers: [4 * cfg.head_dim, 4 * cfg.head_dim], scales: [0, 0], tail_blocks: 1 };  // web.py's kv_layout
+  runner.allocate(blocks, bs, { kv_dtype: 'fp32', kv_layout: fp32, step_feeds: Object.fromEntries(PARTS.map((p) => [p, p])) });
   const one = (v) => [[v], [1]], row = (v) => [[[v]], [1, 1]];
   const step = (token, pos, wantLogits) => runner.run({  // one token at `pos`, its K/V in slot `pos`
     feeds: { ids: one(token), positions: one(pos), query_index: row(0), block_tables: [[table], [1, blocks]],
