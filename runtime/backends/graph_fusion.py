@@ -129,7 +129,10 @@ def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] =
     reads it back without onnx or the rewrite, which are most of the time a load takes."""
     import json
 
-    key = _rewrite_key(graph, config, ops, half_adapters, kv_dtype, kv_tails)
+    from runtime.backends import kv_pool
+
+    # the tails' window is read at rewrite time (kv_quantized), so it is part of the key too
+    key = _rewrite_key(graph, config, ops, half_adapters, kv_dtype, kv_tails, kv_pool.TAIL_BLOCKS)
     where = None if key is None else _rewrite_cache() / key
     if where is not None:
         try:
@@ -154,7 +157,7 @@ def _rewrite_cache() -> Path:
     return cache_dir() / "graphs"
 
 
-def _rewrite_key(graph: Path, config: dict | None, ops: frozenset[str], *flags: bool | str) -> str | None:
+def _rewrite_key(graph: Path, config: dict | None, ops: frozenset[str], *flags: bool | str | int) -> str | None:
     """A digest of the graph's bytes, the stamps of its folder's files (the external data fuse reads),
     the arguments, this code and onnx's; None where a file cannot be read (no caching then)."""
     import hashlib
