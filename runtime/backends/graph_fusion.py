@@ -356,7 +356,7 @@ def kv_quantized(model, num_layers: int, tails: bool = True, kv_dtype: str = "in
     2] (int4), and the node takes four more inputs: the fp16 scales of each row's groups [kv_heads,
     num_blocks, block_size, n] per kind (contract.past_key_scale; int8: one per group, kv_pool.quantize_rows;
     int4: a (scale, minimum) pair per group, kv_pool.quantize_rows_int4), which the kernel multiplies back
-    in, and the fp32 tails, full-precision copies of the blocks being written, every layer's in one input
+    in, and the fp16 tails, near-exact copies of the blocks being written, every layer's in one input
     per kind (contract.KV_TAIL_KEY; kv_pool.py; the node's `layer` says which part is its own,
     `tail_blocks` how many blocks up to a query's own it reads from them), and each row's floor
     (contract.KV_EXACT_FROM), unless `tails` is False. Returns how many layers."""
@@ -426,11 +426,11 @@ def _scales_input(pool, name: str, groups: int):
 
 
 def _tail_input(pool, name: str, num_layers: int):
-    """The graph input of the fp32 tails of every layer, [blocks, layers, kv_heads, block_size, head_dim],
+    """The graph input of the fp16 tails of every layer, [blocks, layers, kv_heads, block_size, head_dim],
     from a layer's pool input [kv_heads, blocks, block_size, head_dim]."""
     from onnx import TensorProto, helper
 
-    tail = helper.make_tensor_value_info(name, TensorProto.FLOAT, None)
+    tail = helper.make_tensor_value_info(name, TensorProto.FLOAT16, None)
     heads, blocks, size, dim = list(pool.type.tensor_type.shape.dim)
     shape = tail.type.tensor_type.shape
     shape.dim.add().CopyFrom(blocks)

@@ -19,8 +19,9 @@ group; per group rather than per row because a key row's few large channels woul
 the others (SmolLM2, decode-like steps: KL 0.0047 vs 0.0052 per row; docs/PERFORMANCE.md). Each token is
 quantized as it is written (in one pass by the kernel library's ruvllm_kv_write_int8 where it is built,
 bit for bit as quantize_rows; numpy otherwise). Where ruvllm.PagedAttention reads the pool it is two-tier (`tails`): the rows
-of the blocks sequences are still writing are also kept in full precision, in fp32 tails [blocks, layers,
-kv_heads, block_size, head_dim] committed only where written, and a query reads its own block from them,
+of the blocks sequences are still writing are also kept in fp16 (the seed's FP16 hot tier: half fp32's bytes,
+and KL against an fp32 pool as with fp32 tails; docs/PERFORMANCE.md), in tails [blocks, layers, kv_heads,
+block_size, head_dim] committed only where written, and a query reads its own block from them,
 and the block before it from its sequence's floor on (TAIL_BLOCKS; SmolLM2 in fp32: KL 0.00008 rather than
 0.00057, greedy text on 20 prompts equal to the fp32 pool's on 18 rather than 13; docs/PERFORMANCE.md). A block's tail pages go back to the system once
 no later step of its sequence reads it exact or the scheduler drops it.
@@ -222,7 +223,7 @@ class DeviceKVPool:
         self.int4_groups = kv_int4_groups(head_dim) if self.int4 else (0, 0)
         self.scale_widths = kv_scale_widths(head_dim, kv_dtype)
         self.scale_bytes = tuple(kv_heads * num_blocks * block_size * w * 2 for w in self.scale_widths)  # a layer's
-        self.num_blocks, self.block_size, self.num_layers = num_blocks, block_size, num_layers
+        self.num_blocks, self.block_size, self.num_layers, self.head_dim = num_blocks, block_size, num_layers, head_dim
         self.committed = num_blocks  # blocks whose memory is written (zeros) and so resident
         if self.device == "cpu":
             # reserved, not committed: the pool's memory is zeroed (and so becomes resident) ahead of use,
@@ -233,7 +234,7 @@ class DeviceKVPool:
             self._scales = tuple(_reserved([*shape[:3], w], np.float16) for w in self.scale_widths) if self.quantized else ()
             # committed where written (never by ensure), given back as their blocks fall behind
             tail_shape = [num_blocks, num_layers, kv_heads, block_size, head_dim]  # a block's rows: one range
-            self._tails = (_reserved(tail_shape), _reserved(tail_shape)) if self.tails else ()
+            self._tails = (_reserved(tail_shape, np.float16), _reserved(tail_shape, np.float16)) if self.tails else ()
             self._tail_rows = TailBlocks(block_size, self.tail_blocks)  # its live blocks' tail rows hold memory
             # a quantized pool's one-pass writer (kernel library) and its arrays' addresses, which never move;
             # None: numpy writes it
@@ -283,8 +284,8 @@ class DeviceKVPool:
 
     @property
     def _tail_block_bytes(self) -> int:
-        """Bytes of one block's rows of every layer and kv head in a tail."""
-        return self.num_layers * self.layer_shape[0] * self.block_size * self.layer_shape[3] * 4
+        """Bytes of one block's rows of every layer and kv head in a tail (fp16)."""
+        return self.num_layers * self.layer_shape[0] * self.block_size * self.head_dim * 2
 
     def bind_layers(self, io, num_layers: int) -> None:
         """Bind each layer's past.{i}.key / .value graph input to its slice of the pool."""
@@ -309,7 +310,7 @@ class DeviceKVPool:
             if kept:
                 at = np.asarray([kv_slots[t] for t in kept], np.int64)
                 for tail, present in zip(self._tails, presents):
-                    tail[at // self.block_size, :, :, at % self.block_size] = present[:, kept].transpose(1, 0, 2, 3)
+                    tail[at // self.block_size, :, :, at % self.block_size] = present[:, kept].transpose(1, 0, 2, 3).astype(np.float16)
             first, n = kv_slots[0], len(kv_slots)
             if kv_slots[-1] - first == n - 1 and kv_slots == list(range(first, first + n)):
                 slots = slice(first, first + n)  # one run of slots (every decode, most chunks): no fancy indexing

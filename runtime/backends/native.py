@@ -245,10 +245,15 @@ class NativeBackend:
         self.attention_kernel = f"ruvllm.PagedAttention ({layers} layers)" if layers else "the graph's own" + no_attention
         return session
 
+    @property
+    def two_tier(self) -> bool:
+        """Whether a quantized pool keeps exact tails here (ruvllm.PagedAttention reads it)."""
+        return C.KV_TAIL_KEY in {i.name for i in self.session.get_inputs()}
+
     def allocate(self, num_blocks: int, block_size: int) -> None:
         from runtime.backends.kv_pool import DeviceKVPool
 
-        tails = C.KV_TAIL_KEY in {i.name for i in self.session.get_inputs()}  # int8 on ruvllm.PagedAttention
+        tails = self.two_tier
         self.pool = DeviceKVPool(self._ort, self.providers, self.num_layers, self.kv_heads, self.head_dim,
                                  num_blocks, block_size, self._kv_device_writes, self.kv_dtype, tails)
         self.kv_exact_blocks = self.pool.tail_blocks if tails else 1

@@ -61,6 +61,14 @@ def kv_bytes_per_token(cfg: dict, kv_dtype: str = "fp32") -> int:
     return cfg["num_layers"] * cfg["num_kv_heads"] * row
 
 
+def kv_tail_bytes(cfg: dict, kv_dtype: str, block_size: int, tail_blocks: int) -> int:
+    """Bytes the exact tails of a two-tier pool (int8, int4) hold a sequence at most, over all layers: its
+    tail_blocks blocks' rows in fp16 (the native pool's; kv_pool.py); none for fp32."""
+    if kv_dtype == "fp32":
+        return 0
+    return tail_blocks * block_size * cfg["num_layers"] * cfg["num_kv_heads"] * 2 * cfg["head_dim"] * 2
+
+
 def exact_floor(prompt_len: int, block_size: int) -> int:
     """A sequence's floor on a two-tier pool that reads blocks before a query's own exact (kv_tails.TAIL_BLOCKS
     > 1): the first position such reads may reach, the start of the block before the one holding the

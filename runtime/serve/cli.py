@@ -448,6 +448,9 @@ def cmd_info(args) -> int:
               f"attention on {h['attention_kernel']}")
         print(f"  KV pool        {h['kv_bytes_per_token']:,} bytes a token, {h['kv_tokens_per_gb']:,} tokens a GB "
               f"({h['kv_vs_fp32']}x fp32's; exact tails apart)")
+        if h["kv_tail_bytes_a_sequence"]:
+            print(f"  KV tails       {h['kv_tail_bytes_a_sequence']:,} bytes a sequence at most (fp16); with them, "
+                  f"sequences of 512 tokens hold {h['kv_vs_fp32_at_512']}x fp32's tokens a GB")
         print("  batch invariant yes: a request's tokens do not depend on what runs beside it" if h["batch_invariant"]
               else f"  batch invariant no ({h['batch_invariance']}); --batch-invariant serves one request at a time")
     return 0
@@ -456,9 +459,11 @@ def cmd_info(args) -> int:
 def host_info(pkg, device: str, kv_dtype: str) -> dict:
     """What this host runs the package on (its graph opened, no KV pool): the kernels, whether a request's
     numbers depend on its batch (issue 50: the same answer the server's /v1/models gives), and the KV
-    pool's bytes a token (the cold rows and their scales; the exact tails are two blocks a sequence)."""
+    pool's bytes a token (the cold rows and their scales), and what the exact tails add a sequence (at
+    most kv_tails.TAIL_BLOCKS blocks), and both together at 512 tokens a sequence (issue 52's measure)."""
     from runtime.backends.native import NativeBackend
-    from runtime.core.kv_blocks import kv_bytes_per_token
+    from runtime.core.kv_blocks import kv_bytes_per_token, kv_tail_bytes
+    from runtime.core.kv_tails import TAIL_BLOCKS
 
     try:
         backend = NativeBackend(pkg, device=device, kv_dtype=kv_dtype)
@@ -466,10 +471,14 @@ def host_info(pkg, device: str, kv_dtype: str) -> dict:
         return {"device": device, "kv_dtype": kv_dtype, "error": str(err)}
     fp32 = kv_bytes_per_token(pkg.config, "fp32")
     per_token = backend.kv_bytes_per_token(pkg.config)
+    two_tier = backend.two_tier  # tails only where ruvllm.PagedAttention reads the pool
+    tails = kv_tail_bytes(pkg.config, kv_dtype, int(pkg.manifest["kv_cache"]["block_size"]), TAIL_BLOCKS) if two_tier else 0
     return {"device": device, "kv_dtype": kv_dtype, "matmul_kernel": backend.matmul_kernel,
             "attention_kernel": backend.attention_kernel, "batch_invariant": backend.batch_invariant,
             "batch_invariance": backend.batch_invariance, "kv_bytes_per_token": per_token,
-            "kv_tokens_per_gb": int(2**30 // per_token), "kv_vs_fp32": round(fp32 / per_token, 2)}
+            "kv_tokens_per_gb": int(2**30 // per_token), "kv_vs_fp32": round(fp32 / per_token, 2),
+            "kv_tail_bytes_a_sequence": tails,
+            "kv_vs_fp32_at_512": round(512 * fp32 / (512 * per_token + tails), 2)}
 
 
 def cmd_download(args) -> int:

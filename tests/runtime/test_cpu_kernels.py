@@ -396,15 +396,17 @@ def test_decode_rows_sharing_prefix_blocks_attend_to_them_together_exactly(tiny_
 
 
 def attention_graph(Hq: int, Hkv: int, window: int, scale: float, kv: str = "fp32", softcap: float = 0.0,
-                    tails: bool = False, tail_blocks: int = 0, floors: bool = False) -> bytes:
+                    tails: bool = False, tail_blocks: int = 0, floors: bool = False, half_tails: bool = False) -> bytes:
     """The operator alone; `kv` "int8" or "int4": quantized pools with their rows' scales (--kv-dtype),
-    `tails`: and their full-precision tails, read for `tail_blocks` blocks up to a query's own (0: the
-    attribute left out), `floors`: from each row's floor on (input exact_from)."""
+    `tails`: and their full-precision tails (`half_tails`: fp16, as the native pool keeps them), read for
+    `tail_blocks` blocks up to a query's own (0: the attribute left out), `floors`: from each row's floor on
+    (input exact_from)."""
     f, i64 = TensorProto.FLOAT, TensorProto.INT64
     pool = {"fp32": f, "int8": TensorProto.INT8, "int4": TensorProto.UINT8}[kv]
     names = [("qk", f), ("v", f), ("pool_k", pool), ("pool_v", pool), ("tables", i64), ("qidx", i64), ("pos", i64)]
     names += [("scale_k", TensorProto.FLOAT16), ("scale_v", TensorProto.FLOAT16)] if kv != "fp32" else []
-    names += [("tail_k", f), ("tail_v", f)] if tails else []
+    tail = TensorProto.FLOAT16 if half_tails else f
+    names += [("tail_k", tail), ("tail_v", tail)] if tails else []
     names += [("exact_from", i64)] if floors else []
     node = helper.make_node("PagedAttention", [n for n, _ in names], ["out"], domain="ruvllm", num_heads=Hq,
                             num_kv_heads=Hkv, sliding_window=window, scale=scale, softcap=softcap)
@@ -498,7 +500,7 @@ def rotation(x: np.ndarray) -> np.ndarray:
 
 @needs_avx512
 @pytest.mark.parametrize("kv", ["fp32", "int8", "int8+tails", "int8+2tails", "int8+2tails+floors", "int4",
-                                "int4+2tails+floors"])
+                                "int4+2tails+floors", "int8+2tails16+floors", "int4+2tails16+floors"])
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
 @pytest.mark.parametrize("Hq,Hkv,D,bs,window,softcap", [
     (9, 3, 64, 16, 0, 0.0), (8, 2, 128, 16, 0, 0.0), (4, 4, 32, 8, 0, 0.0), (16, 2, 16, 4, 0, 0.0),
@@ -517,7 +519,9 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
     them; head_dim a multiple of 32), read as kv_pool.dequantize_rows_int4 gives them back. `int8+tails`: with full-precision tails, from which (or from this step's exact rows) each
     token reads its own block's positions, and every earlier block's as int8 (as rounded);
     `int8+2tails`: its own block's and the one's before it (attribute tail_blocks 2); `+floors`: that one
-    only from each row's floor on (input exact_from: below a row's positions, inside them, past them)."""
+    only from each row's floor on (input exact_from: below a row's positions, inside them, past them);
+    `tails16`: fp16 tails (the native pool's), where the exact rows, this step's too, are read as fp16
+    rounds them."""
     if kv.startswith("int4") and D % 32:
         pytest.skip("an int4 pool needs head_dim a multiple of 32")
     rng = np.random.default_rng(Hq * D + bs)
@@ -566,17 +570,25 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
         reference = {**feeds, "pool_k": rounded_rows(pool_k, gk, rotated=True), "pool_v": rounded_rows(pool_v, gv),
                      "qk": qk.reshape(-1, D), "v": rounded_rows(feeds["v"], gv)}
         if "tails" in kv:  # layer 1 of the tails holds the pool's rows unrounded (only the exact blocks' are read)
+            half = np.float16 if "tails16" in kv else np.float32
             for name, pool in (("tail_k", pool_k), ("tail_v", pool_v)):
-                feeds[name] = rng.standard_normal((num_blocks, 2, Hkv, bs, D), dtype=np.float32)
+                feeds[name] = rng.standard_normal((num_blocks, 2, Hkv, bs, D), dtype=np.float32).astype(half)
                 feeds[name][:, 1] = pool.transpose(1, 0, 2, 3)
             exact = {**feeds, "pool_k": pool_k, "pool_v": pool_v}
+            if "tails16" in kv:  # every exact row as fp16 holds it: the tails', and this step's rows
+                as_half = lambda x: x.astype(np.float16).astype(np.float32)  # noqa: E731
+                qk = feeds["qk"].reshape(N, Hq + Hkv, D).copy()
+                qk[:, Hq:] = as_half(qk[:, Hq:])
+                exact = {**feeds, "pool_k": as_half(pool_k), "pool_v": as_half(pool_v), "qk": qk.reshape(-1, D),
+                         "v": as_half(feeds["v"])}
     tail_blocks = 2 if "2tails" in kv else 0
     floors = None
     if kv.endswith("floors"):  # each row's floor, a block start: 0, one inside its positions, one past them
         floors = np.array([(c + n // 2) // bs * bs if b % 3 == 1 else (c + n + bs) // bs * bs if b % 3 == 2 else 0
                            for b, (c, n, _) in enumerate(rows)], np.int64)
         feeds["exact_from"] = floors
-    graph = attention_graph(Hq, Hkv, window, scale, quant, softcap, "tails" in kv, tail_blocks, floors is not None)
+    graph = attention_graph(Hq, Hkv, window, scale, quant, softcap, "tails" in kv, tail_blocks, floors is not None,
+                            "tails16" in kv)
     got = ort.InferenceSession(graph, opts).run(None, feeds)[0]
     want = attention_reference(reference, Hq, Hkv, window, scale, softcap, exact, kv != "fp32", max(1, tail_blocks),
                                floors, rotated=quant == "int4")

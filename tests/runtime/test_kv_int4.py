@@ -16,6 +16,7 @@ from runtime.backends import kernel_library
 from runtime.backends.kv_pool import dequantize_rows_int4, quantize_rows_int4
 from runtime.core.engine import Engine
 from runtime.core.kv_blocks import kv_int4_groups
+from runtime.core.kv_tails import TAIL_BLOCKS
 from runtime.core.sampling import SamplingParams
 from runtime.errors import DeviceError
 from tests.runtime.test_kv_int8 import CHAT_PROMPTS, answer_logprobs, steps, written_pools
@@ -138,7 +139,14 @@ def test_ruvllm_info_gives_the_pools_bytes_a_token(tiny_package):
         host = json.loads(proc.stdout)["host"]
         assert host["kv_bytes_per_token"] == kv_bytes_per_token(cfg, kv_dtype)
         assert host["kv_vs_fp32"] == round(kv_bytes_per_token(cfg) / kv_bytes_per_token(cfg, kv_dtype), 2)
-    assert host["kv_vs_fp32"] > 6
+        # the tails as the pool holds them: TAIL_BLOCKS blocks of fp16 rows, keys and values (none for fp32)
+        engine = Engine.from_package(pkg, kv_dtype=kv_dtype, kv_memory=1 << 20)
+        pool, blocks = engine.backend.pool, TAIL_BLOCKS if kv_dtype != "fp32" else 0
+        assert (pool._tails[0].dtype == np.float16) if blocks else pool._tails == ()
+        assert host["kv_tail_bytes_a_sequence"] == blocks * 2 * pool._tail_block_bytes
+        tails = host["kv_tail_bytes_a_sequence"]
+        assert host["kv_vs_fp32_at_512"] == round(512 * kv_bytes_per_token(cfg) / (512 * kv_bytes_per_token(cfg, kv_dtype) + tails), 2)
+    assert host["kv_vs_fp32"] > 6 and 5 < host["kv_vs_fp32_at_512"] < host["kv_vs_fp32"]
 
 
 def test_int4_is_refused_clearly_where_it_cannot_run(tiny_package, monkeypatch):

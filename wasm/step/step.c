@@ -456,17 +456,21 @@ static void head_part(const void* ctx, int part, int parts) {  // the part's voc
   qmat_gemm(&j->m->head, lo, hi, D, j->B->num_logits, xq, xs, xsum, xsum16, j->B->logits, V);
 }
 
-// token n's rows of layer l (kk, vv) into a quantized pool, and into its block's tail slot where B->keep says
+// token n's rows of layer l (kk, vv) into a quantized pool, and into its block's tail slot where B->keep says.
+// The rows are then left rounded to fp16 (in kk, vv and the tail), as the native pool's fp16 tails hold the
+// rows read "exact": the slots stay float (a page runs a sequence or two: their bytes do not matter there, and
+// reading them needs no conversion), the numbers are the native engine's.
 static void store_quantized(const Model* m, const Pool* P, const Batch* B, int l, int n) {
   const int hd = m->head_dim, Hkv = m->kv_heads, bs = P->block_size, slot = B->slots[n];
   float* y = kvq;  // the main thread's part of the scratch: attention has not started
   for (int kind = 0; kind < 2; kind++)
     for (int h = 0; h < Hkv; h++) {
-      const float* row = (kind ? vv : kk) + ((size_t)n * Hkv + h) * hd;
+      float* row = (kind ? vv : kk) + ((size_t)n * Hkv + h) * hd;
       const uint16_t* s;
       uint8_t* out = (uint8_t*)pooled(m, P, kind, l, h, (size_t)slot, &s);
       if (P->dtype == KV_INT8) quantize8(row, hd, (int8_t*)out, (uint16_t*)s);
       else quantize4(row, hd, kv_group4(hd, kind), out, (uint16_t*)s, y);
+      for (int i = 0; i < hd; i++) row[i] = half1(to_half(row[i]));
       if (B->keep[n]) {
         float* tail = P->tails[P->tail_of[slot / bs]] + ((((size_t)kind * m->layers + l) * Hkv + h) * bs + slot % bs) * hd;
         for (int i = 0; i < hd; i++) tail[i] = row[i];

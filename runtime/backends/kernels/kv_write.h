@@ -2,7 +2,7 @@
 
 #include "isa.h"
 
-// ---- a step's K or V rows into an int8 KV pool (kv_pool.py), and into its fp32 tails ----
+// ---- a step's K or V rows into an int8 KV pool (kv_pool.py), and into its fp16 tails ----
 //
 // kv_pool.quantize_rows in numpy is ten passes over the rows and the tails' fancy-indexed copy another
 // two: ~0.35 ms of Python a decode step on SmolLM2, 7% of a one-stream step. This is one pass, with the
@@ -11,8 +11,8 @@
 //
 // present [layers, tokens, heads, D] fp32; pool [layers, heads, pool_slots, D] int8 and scales [layers,
 // heads, pool_slots, groups] fp16 bits; token n goes to slot slots[n]. With a tail ([blocks, layers, heads,
-// bs, D] fp32), the tokens tail_tokens[0 .. n_tail) are also copied there exact, at block slot / bs, row
-// slot % bs.
+// bs, D] fp16 bits), the tokens tail_tokens[0 .. n_tail) are also copied there in fp16 (nearest even, as
+// numpy's astype(float16)), at block slot / bs, row slot % bs.
 //
 // An int4 pool (ruvllm_kv_write_int4, kv_pool.quantize_rows_int4) rotates each row first by the
 // orthonormal Hadamard matrix of kv_rotation(D) numbers (H / sqrt(n), block by block), which spreads a
@@ -137,18 +137,23 @@ inline void quantize_row_int4(const float* x, int64_t D, int64_t group, uint8_t*
 }
 #endif
 
-// the tokens tail_tokens[0 .. n_tail) of present copied exact into the tails (see above); false: a token
+// n numbers (a multiple of 8) as fp16 bits, nearest even (numpy's astype(float16), overflow to infinity)
+inline void to_fp16(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t d = 0; d < n; d += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + d), _mm256_cvtps_ph(_mm256_loadu_ps(x + d), _MM_FROUND_TO_NEAREST_INT));
+}
+
+// the tokens tail_tokens[0 .. n_tail) of present copied into the fp16 tails (see above); false: a token
 // outside the step
 inline bool copy_tails(const float* present, int64_t layers, int64_t tokens, int64_t heads, int64_t D,
-                       const int64_t* slots, float* tail, const int64_t* tail_tokens, int64_t n_tail, int64_t bs) {
+                       const int64_t* slots, uint16_t* tail, const int64_t* tail_tokens, int64_t n_tail, int64_t bs) {
   for (int64_t i = 0; tail && i < n_tail; i++) {
     const int64_t n = tail_tokens[i];
     if (n < 0 || n >= tokens) return false;
     const int64_t block = slots[n] / bs, at = slots[n] % bs;
     for (int64_t l = 0; l < layers; l++)
       for (int64_t h = 0; h < heads; h++)
-        std::memcpy(tail + (((block * layers + l) * heads + h) * bs + at) * D,
-                    present + ((l * tokens + n) * heads + h) * D, (size_t)D * sizeof(float));
+        to_fp16(present + ((l * tokens + n) * heads + h) * D, D, tail + (((block * layers + l) * heads + h) * bs + at) * D);
   }
   return true;
 }
@@ -183,9 +188,9 @@ extern "C" {
 __attribute__((visibility("default"))) int ruvllm_kv_write_int8(const float* present, int64_t layers, int64_t tokens,
                                                               int64_t heads, int64_t D, const int64_t* slots,
                                                               int64_t pool_slots, int64_t groups, int8_t* pool,
-                                                              uint16_t* scales, float* tail, const int64_t* tail_tokens,
+                                                              uint16_t* scales, uint16_t* tail, const int64_t* tail_tokens,
                                                               int64_t n_tail, int64_t bs) {
-  if (D <= 0 || groups <= 0 || D % groups || (D / groups) % 8 || (tail && bs <= 0)) return 1;
+  if (D <= 0 || D % 8 || groups <= 0 || D % groups || (D / groups) % 8 || (tail && bs <= 0)) return 1;
   for (int64_t l = 0; l < layers; l++)
     for (int64_t n = 0; n < tokens; n++) {
       const int64_t slot = slots[n];
@@ -204,7 +209,7 @@ __attribute__((visibility("default"))) int ruvllm_kv_write_int8(const float* pre
 __attribute__((visibility("default"))) int ruvllm_kv_write_int4(const float* present, int64_t layers, int64_t tokens,
                                                               int64_t heads, int64_t D, const int64_t* slots,
                                                               int64_t pool_slots, int64_t group, uint8_t* pool,
-                                                              uint16_t* sm, float* tail, const int64_t* tail_tokens,
+                                                              uint16_t* sm, uint16_t* tail, const int64_t* tail_tokens,
                                                               int64_t n_tail, int64_t bs) {
   if (D <= 0 || D > 256 || D % 32 || (group != 32 && group != 64) || D % group || (tail && bs <= 0)) return 1;
   for (int64_t l = 0; l < layers; l++)

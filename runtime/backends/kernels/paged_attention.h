@@ -22,12 +22,14 @@ namespace {
 // [Hkv, blocks, block_size, groups] for keys and for values (the native backend's --kv-dtype int8: a
 // group of 32 is its absolute maximum / 127 steps, rounded to nearest, kv_pool.quantize_rows); a row is
 // read as its int8 numbers times their group's scale, so an int8 pool is a quarter of the bytes to read.
-// Two more optional inputs with an int8 pool, fp32 tails [blocks, layers, Hkv, block_size, D] per kind
-// (every layer's, block by block, so that a block's tail is one range of memory to give back; attribute
-// `layer` says which is this one's), make it two-tier: the pool's blocks that sequences are still writing
-// keep full-precision copies of their rows there (kv_pool.py), and a query reads the keys and values of its
-// own block and the tail_blocks - 1 blocks before it exact, from the tails or this step's rows, and every
-// earlier block's as stored (int8; this step's rows rounded as they will be). With a twelfth input,
+// Two more optional inputs with an int8 pool, tails [blocks, layers, Hkv, block_size, D] per kind, fp16 (the
+// native pool's: half the bytes of fp32, and the seed's FP16 hot tier) or fp32 (every layer's, block by
+// block, so that a block's tail is one range of memory to give back; attribute `layer` says which is this
+// one's), make it two-tier: the pool's blocks that sequences are still writing keep copies of their rows
+// there in full or half precision (kv_pool.py), and a query reads the keys and values of its own block and
+// the tail_blocks - 1 blocks before it "exact", from the tails or this step's rows (rounded to fp16 with fp16
+// tails, as the tails hold them), and every earlier block's as stored (int8; this step's rows rounded as
+// they will be). With a twelfth input,
 // exact_from [B] (int64, optional), row b reads blocks before its own exact only from position
 // exact_from[b] on: the scheduler's floor (kv_blocks.exact_floor), below which a row reads its own block
 // alone. The choice depends on the two positions and the row's floor only, so a step's chunking, a
@@ -139,11 +141,13 @@ struct AttnJob {
   const uint16_t *scale_k = nullptr, *scale_v = nullptr;  // an int8 pool's fp16 group scales; null: fp32 pools
   int64_t groups = 1;  // scales per row: one per 32 numbers, or one for the whole row (kv_pool.kv_group)
   int64_t group_k = 0, group_v = 0;  // an int4 pool's numbers per (scale, minimum) pair, per kind; 0: not int4
-  const float *tail_k = nullptr, *tail_v = nullptr;  // an int8 pool's full-precision tails (this layer's), or null
-  int64_t tail_block = 0;  // floats from one block's tail to the next's (layers * Hkv * bs * D)
+  const void *tail_k = nullptr, *tail_v = nullptr;  // a quantized pool's tails (this layer's), or null
+  bool tail_half = false;  // the tails are fp16 (else fp32)
+  int64_t tail_block = 0;  // numbers from one block's tail to the next's (layers * Hkv * bs * D)
   int bs_shift = -1;  // log2(bs) where bs is a power of two
   const int64_t* exact_from = nullptr;  // with tails: each row's floor, the first position it may read exact before its own block
   const float *step_k = nullptr, *step_v = nullptr;  // int8 pools: this step's key and value rows, rounded [N, Hkv, D]
+  const float *exact_k = nullptr, *exact_v = nullptr;  // fp16 tails: this step's rows rounded to fp16 [N, Hkv, D]
 };
 
 // A key or value row: fp32 (this step's, or an fp32 pool's), or int8 times its scale (an int8 pool's).
@@ -168,12 +172,14 @@ __attribute__((noinline)) inline void rotate_back_row(float* row, int DV) {
 
 struct KVRow {
   const float* f = nullptr;
+  const uint16_t* hf = nullptr;  // fp16 rows (a pool's tails)
   const int8_t* q = nullptr;
   const uint8_t* n4 = nullptr;   // int4 rows: 16 bytes per 32 numbers
   const uint16_t* sc = nullptr;  // int8 rows: their groups' fp16 scales; int4: (scale, minimum) pairs
   int shift = 0;                 // the group of 16-number chunk d is d >> shift (groups of 32, 64, or one)
   KVRow() {}
   explicit KVRow(const float* row) : f(row) {}
+  explicit KVRow(const uint16_t* half) : hf(half) {}
   KVRow(const int8_t* row, const uint16_t* scales, int64_t groups) : q(row), sc(scales), shift(shift_of(groups)) {}
   KVRow(const uint8_t* row, const uint16_t* pairs, int64_t group) : n4(row), sc(pairs), shift(group == 64 ? 2 : 1) {}
   static int shift_of(int64_t groups) { return groups > 1 ? 1 : 4; }  // d < 16: d >> 4 is the one group
@@ -205,6 +211,7 @@ struct KVRow {
   }
   __m512 load(int d) const {  // numbers 16d .. 16d + 15 (an int4 row's rotated ones)
     if (f) return _mm512_loadu_ps(f + 16 * d);
+    if (hf) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hf + 16 * d)));
     if (n4) return load4(d);
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * d));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(_cvtsh_ss(sc[d >> shift])));
@@ -214,6 +221,10 @@ struct KVRow {
   __attribute__((always_inline)) void load_all(__m512 v[DV]) const {
     if (f) {
       for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(f + 16 * d);
+      return;
+    }
+    if (hf) {
+      for (int d = 0; d < DV; d++) v[d] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hf + 16 * d)));
       return;
     }
     if (n4) {
@@ -246,6 +257,8 @@ struct KVRow {
   }
   void prefetch(int DV) const {
     if (f) prefetch_row(f, DV);
+    else if (hf)
+      for (int d = 0; d < DV * 32; d += 64) ::prefetch(reinterpret_cast<const char*>(hf) + d);
     else if (n4)
       for (int d = 0; d < DV * 8; d += 64) ::prefetch(n4 + d);
     else
@@ -277,6 +290,12 @@ inline void round_rows(const float* from, int64_t stride, int64_t n, int64_t D, 
       }
     }
   }
+}
+
+// n numbers (a multiple of 16) rounded to fp16 and back, nearest even: what fp16 tails hold (kv_write.h)
+inline void round_half(const float* from, int64_t n, float* to) {
+  for (int64_t i = 0; i < n; i += 16)
+    _mm512_storeu_ps(to + i, _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT)));
 }
 
 // the same for an int4 pool: each row quantized as kv_write.h stores it, then read back as KVRow reads
@@ -365,13 +384,19 @@ struct RowHead {
   }
   // key t for a query whose block starts at `own`: exact in that block, as stored before it
   size_t tail_row(int64_t t) const { return table[block_of(t)] * j->tail_block + (h * j->bs + in_block(t)) * D; }
+  KVRow tail(const void* from, int64_t t) const {
+    if (j->tail_half) return KVRow(static_cast<const uint16_t*>(from) + tail_row(t));
+    return KVRow(static_cast<const float*>(from) + tail_row(t));
+  }
   KVRow key(int64_t t, int64_t own) const {
     if (t < own) return key(t);
-    return KVRow(t < start ? j->tail_k + tail_row(t) : step_key(t));
+    if (t < start) return tail(j->tail_k, t);
+    return KVRow(j->exact_k ? j->exact_k + ((base + t - start) * Hkv + h) * D : step_key(t));
   }
   KVRow value(int64_t t, int64_t own) const {
     if (t < own) return value(t);
-    return KVRow(t < start ? j->tail_v + tail_row(t) : step_value(t));
+    if (t < start) return tail(j->tail_v, t);
+    return KVRow(j->exact_v ? j->exact_v + ((base + t - start) * Hkv + h) * D : step_value(t));
   }
   int64_t lowest(int64_t p) const { return j->k->window > 0 ? std::max<int64_t>(0, p - j->k->window + 1) : 0; }
 };
@@ -951,6 +976,7 @@ struct Plan {
   Partial shared{}, split{};
   std::vector<int8_t> role;  // per row: 0 decode, 1 prefill, 2 in a shared group
   std::vector<float> step_rows;  // int8 pools: this step's keys, then values, rounded (AttnJob::step_k)
+  std::vector<float> exact_rows;  // fp16 tails: this step's keys, then values, rounded to fp16 (AttnJob::exact_k)
 };
 
 constexpr int64_t kChunkBlocks = 8;  // key blocks (of 16) per transposition work item
@@ -1249,22 +1275,25 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
     }
     RETURN_IF(tensor_data(in[7], const_cast<uint16_t**>(&job.scale_k)));
     RETURN_IF(tensor_data(in[8], const_cast<uint16_t**>(&job.scale_v)));
-    if (in[9] || in[10]) {  // the full-precision tails [blocks, layers, Hkv, block_size, D]
+    if (in[9] || in[10]) {  // the tails [blocks, layers, Hkv, block_size, D], fp16 or fp32
+      int types[2] = {};
       for (int i : {9, 10}) {
-        int type = 0;
+        int& type = types[i - 9];
         if (in[i]) RETURN_IF(tensor_type(in[i], &type));
         const std::vector<int64_t>& t = dims[i];
-        if (!in[i] || type != kFloat || t.size() != 5 || t[0] != dims[2][1] || t[2] != dims[2][0] || t[3] != dims[2][2] ||
-            t[4] != D || k.layer < 0 || k.layer >= t[1])
-          return fail("ruvllm.PagedAttention: an int8 pool's tails must both be fp32 [blocks, layers, kv_heads, "
-                      "block_size, head_dim], with this node's `layer` among them");
+        if (!in[i] || (type != kFloat16 && type != kFloat) || t.size() != 5 || t[0] != dims[2][1] || t[2] != dims[2][0] ||
+            t[3] != dims[2][2] || t[4] != D || k.layer < 0 || k.layer >= t[1])
+          return fail("ruvllm.PagedAttention: a quantized pool's tails must both be fp16 or fp32 [blocks, layers, "
+                      "kv_heads, block_size, head_dim], with this node's `layer` among them");
       }
+      if (types[0] != types[1]) return fail("ruvllm.PagedAttention: the key and value tails must have one type");
+      job.tail_half = types[0] == kFloat16;
       job.tail_block = dims[9][1] * dims[9][2] * dims[9][3] * D;
-      const int64_t layer_offset = k.layer * dims[9][2] * dims[9][3] * D;
-      RETURN_IF(tensor_data(in[9], const_cast<float**>(&job.tail_k)));
-      RETURN_IF(tensor_data(in[10], const_cast<float**>(&job.tail_v)));
-      job.tail_k += layer_offset;
-      job.tail_v += layer_offset;
+      const size_t layer_offset = (size_t)(k.layer * dims[9][2] * dims[9][3] * D) * (job.tail_half ? 2 : 4);
+      RETURN_IF(tensor_data(in[9], const_cast<void**>(&job.tail_k)));
+      RETURN_IF(tensor_data(in[10], const_cast<void**>(&job.tail_v)));
+      job.tail_k = static_cast<const char*>(job.tail_k) + layer_offset;
+      job.tail_v = static_cast<const char*>(job.tail_v) + layer_offset;
       if (in[11]) {  // each row's floor
         int type = 0;
         RETURN_IF(tensor_type(in[11], &type));
@@ -1298,6 +1327,16 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
     else round_rows(job.v, D, N * Hkv, D, job.groups, keys + N * Hkv * D);
     job.step_k = keys;
     job.step_v = keys + N * Hkv * D;
+    if (job.tail_half) {  // and as fp16 tails hold them, for the rows read "exact"
+      plan.exact_rows.resize((size_t)(2 * N * Hkv * D));
+      float* exact = plan.exact_rows.data();
+      for (int64_t n = 0; n < N; n++)
+        for (int64_t h = 0; h < Hkv; h++)
+          round_half(job.qk + (n * (Hq + Hkv) + Hq + h) * D, D, exact + (n * Hkv + h) * D);
+      round_half(job.v, N * Hkv * D, exact + N * Hkv * D);
+      job.exact_k = exact;
+      job.exact_v = exact + N * Hkv * D;
+    }
   }
   make_plan(job, plan);
   PhaseJob phase{&job, &plan};

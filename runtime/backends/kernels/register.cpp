@@ -123,10 +123,10 @@ CustomOp matmul_op() {
 CustomOp attention_op() {
   CustomOp op = kernel_op<AttnKernel, create_attention, attend_step, kAttentionName>();
   op.GetName = [](const CustomOp*) { return "PagedAttention"; };
-  // the pools (2, 3): float, or int8 with their rows' fp16 group scales (7, 8), fp32 tails (9, 10) and the
-  // rows' floors (11)
+  // the pools (2, 3): float, or int8 with their rows' fp16 group scales (7, 8), fp16 or fp32 tails (9, 10)
+  // and the rows' floors (11)
   op.GetInputType = [](const CustomOp*, size_t i) {
-    return i == 2 || i == 3 ? kUndefined : i == 11 ? kInt64 : i > 8 ? kFloat : i > 6 ? kFloat16 : i < 4 ? kFloat : kInt64;
+    return i == 2 || i == 3 || i == 9 || i == 10 ? kUndefined : i == 11 ? kInt64 : i > 6 ? kFloat16 : i < 4 ? kFloat : kInt64;
   };
   op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 12; };
   op.GetInputCharacteristic = [](const CustomOp*, size_t i) { return i >= 7 ? 1 : 0; };  // scales, tails, floors: optional
