@@ -151,7 +151,9 @@ def batch_decoder(ctx, batch):
 def llamacpp_batch(llm, prompt_ids: list[int], streams: int, tokens: int, threads: int,
                    trace: list | None = None) -> dict:
     """`streams` copies of the prompt as parallel sequences of one llama.cpp context (its server's way
-    to batch): one llama_decode per step with a token of every sequence, greedy argmax per sequence.
+    to batch): one llama_decode per step with a token of every sequence, greedy argmax per sequence. Each
+    sequence has a KV stream of its own (not unified: there every sequence's attention would span all
+    sequences' cells, masked, which slows llama.cpp as streams grow and flatters RuvLLM).
     trace, if given, receives every step's tokens (to check them against single-stream greedy)."""
     import ctypes
 
@@ -159,10 +161,10 @@ def llamacpp_batch(llm, prompt_ids: list[int], streams: int, tokens: int, thread
     import numpy as np
 
     params = L.llama_context_default_params()
-    params.n_ctx = streams * (len(prompt_ids) + tokens + 16)
+    params.n_ctx = streams * (len(prompt_ids) + tokens + 16)  # split evenly between the streams
     params.n_batch = params.n_ubatch = max(512, streams * len(prompt_ids))
     params.n_seq_max = streams
-    params.kv_unified = True
+    params.kv_unified = False
     params.n_threads = params.n_threads_batch = threads
     ctx = L.llama_init_from_model(llm._model.model, params)
     vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(llm._model.model))
