@@ -17,9 +17,12 @@ On disk, per package (its name and the digest of its manifest):
     <state>/<package>/<user digest>/user.json            the user's name and key, counts, the version served
                                     trainer.safetensors  factors, EWC++ start and Fisher, Adam's moments
                                     v<N>/                the adapter as PEFT writes it (what the engine serves)
+                                    forgotten            marks a user reset: the folder is to be deleted
 The newest KEEP_VERSIONS versions stay, so a request admitted on one still finds it while a newer one
 is served; older versions, and a forgotten user's, are deleted RETIRE_SECONDS later (a running request
-may load its adapter into a slot again after a preemption), or when the next process starts.
+may load its adapter into a slot again after a preemption), or when the next process starts (only folders
+marked forgotten: a new user's folder has no user.json either until its first feedback is written, which
+another process on the same state folder may be doing).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from runtime.errors import RequestError
 ADAPTER_PREFIX = "user:"  # engine adapter names of users' adapters: never a request's `model`
 KEEP_VERSIONS = 3
 RETIRE_SECONDS = 300.0
+FORGOTTEN = "forgotten"  # the marker forget() leaves in a user's folder
 REFERENCE_MESSAGES = [{"role": "user", "content": "Tell me about something you know well, in detail."}]
 
 
@@ -172,7 +176,7 @@ class Personalization:
         self.feedbacks = 0
         if self.root.exists():  # a user forgotten by an earlier process: what it left to delete
             for folder in self.root.iterdir():
-                if folder.is_dir() and not (folder / "user.json").exists():
+                if (folder / FORGOTTEN).exists() and not (folder / "user.json").exists():
                     shutil.rmtree(folder, ignore_errors=True)
 
     # ---- what requests are served with ----
@@ -217,6 +221,7 @@ class Personalization:
             trainer = self._trainer(digest)
             meta = self._meta(digest)
             if meta is None:  # numbered past any version a forgotten namesake left to retire
+                (self._dir(digest) / FORGOTTEN).unlink(missing_ok=True)  # a user again: keep the folder
                 last = max((int(p.name[1:]) for p in self._versions(digest)), default=0)
                 meta = {"user": user, "key": key, "version": last, "feedbacks": 0, "tokens": 0, "created": time.time()}
             plan = feedback_steps(fb.kind, fb.ids, fb.scored_from, fb.rating, s.chunk, s.epochs, self._positions())
@@ -256,6 +261,7 @@ class Personalization:
             folder = self._dir(digest)
             if not (folder / "user.json").exists():
                 return False
+            (folder / FORGOTTEN).touch()  # what is left goes, at the latest when a process starts on it
             (folder / "user.json").unlink()  # from here on the user is unknown; their factors go now
             (folder / "trainer.safetensors").unlink(missing_ok=True)
             self._retire(self._versions(digest))  # the served versions go once nothing can read them

@@ -190,6 +190,28 @@ def test_a_users_state_resumes_from_disk_where_it_stopped(tiny_package, tmp_path
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
 
 
+def test_a_forgotten_users_folder_goes_at_the_next_start_and_a_new_users_stays(tiny_package, tmp_path):
+    """A process starting on a state folder deletes what a forgotten user left, and nothing else: a folder
+    with no user.json yet may be a new user's first feedback, written by another process right then."""
+    from runtime.core.engine import Engine
+    from runtime.serve.personalization import FORGOTTEN, LocalUser
+
+    settings = PersonalSettings(rank=2, lr=2e-2, reference_tokens=16)
+    engine = Engine.from_package(tiny_package("llama"))
+    erin = LocalUser(engine, "erin", settings, tmp_path / "users")
+    erin.learn({"kind": "text", "text": PHRASE * 2})
+    root = erin.personal.root
+    gone, arriving = root / user_digest("local", "erin"), root / user_digest("local", "fay")
+    (arriving / "v000001").mkdir(parents=True)  # another process's new user, its user.json not yet written
+    assert erin.forget() and (gone / FORGOTTEN).exists() and not (gone / "user.json").exists()
+    LocalUser(engine, "gil", settings, tmp_path / "users")  # a process starting on the folder
+    assert not gone.exists() and (arriving / "v000001").is_dir()
+    erin.learn({"kind": "text", "text": PHRASE})  # erin again, in the process that forgot her: kept
+    assert not (gone / FORGOTTEN).exists() and (gone / "user.json").exists()
+    LocalUser(engine, "gil", settings, tmp_path / "users")
+    assert (gone / "user.json").exists()
+
+
 @pytest.mark.slow
 def test_chat_user_learns_and_info_and_exporter_see_it(tiny_package, tmp_path):
     pkg = str(tiny_package("llama"))
