@@ -36,7 +36,7 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     data lives, to read those zero points. `half_adapters`: the LoRA graph's adapter inputs that only
     RuvLLM's LoRA operators read become fp16 (adapters_in_half). `kv_dtype` "int8" or "int4": the KV pool
     inputs that only ruvllm.PagedAttention reads become int8 (int4: packed in uint8) with their group scales
-    (kv_quantized, with full-precision tails unless `kv_tails` is False); an int8 pool elsewhere is read by
+    (kv_quantized, with fp16 tails unless `kv_tails` is False); an int8 pool elsewhere is read by
     the graph's own attention (kv_in_int8_graph).
     """
     import onnx

@@ -204,7 +204,7 @@ class DeviceKVPool:
     def __init__(self, ort, providers: list[str], num_layers: int, kv_heads: int, head_dim: int,
                  num_blocks: int, block_size: int, device_writes: bool | None = None, kv_dtype: str = "fp32",
                  tails: bool = False) -> None:
-        """tails: keep full-precision copies of the blocks being written beside an int8 pool (the graph
+        """tails: keep fp16 copies of the blocks being written beside an int8 or int4 pool (the graph
         reads them: contract.KV_TAIL_KEY)."""
         self.device = device_of(providers)
         self.device_writes = self.device != "cpu" if device_writes is None else device_writes
@@ -300,7 +300,7 @@ class DeviceKVPool:
 
     def write(self, present_key, present_value, kv_slots: list[int], batch=None) -> None:
         """Put a step's K/V ([layers, tokens, kv_heads, head_dim] OrtValues on the device) into the slots;
-        with tails, `batch` (the step's StepBatch) says which rows are kept in full precision too."""
+        with tails, `batch` (the step's StepBatch) says which rows are kept in the fp16 tails too."""
         if not self.device_writes:
             kept = self._tail_tokens(kv_slots, batch) if self.tails and batch is not None else []
             if self._native is not None:

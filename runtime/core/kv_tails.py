@@ -1,6 +1,6 @@
 """Which rows of a two-tier KV pool are also kept exact (its tails), for the native pool and the page's step.
 
-A quantized pool (int8, int4) keeps the rows of the blocks sequences are still writing in full precision
+A quantized pool (int8, int4) keeps the rows of the blocks sequences are still writing in fp16
 too, and a query reads its own block and the TAIL_BLOCKS - 1 blocks before it exact, from its row's floor
 on (StepBatch.exact_from). This module decides, step by step, which of a step's tokens must be kept exact
 (a later step may still read them so) and which blocks' exact copies nothing will read again; where the
