@@ -209,9 +209,10 @@ struct KVRow {
       v[d + 1] = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), t);
     }
   }
+  __m512 load_half(int d) const { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hf + 16 * d))); }
   __m512 load(int d) const {  // numbers 16d .. 16d + 15 (an int4 row's rotated ones)
     if (f) return _mm512_loadu_ps(f + 16 * d);
-    if (hf) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hf + 16 * d)));
+    if (hf) return load_half(d);
     if (n4) return load4(d);
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * d));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(_cvtsh_ss(sc[d >> shift])));
@@ -223,8 +224,8 @@ struct KVRow {
       for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(f + 16 * d);
       return;
     }
-    if (hf) {
-      for (int d = 0; d < DV; d++) v[d] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hf + 16 * d)));
+    if (hf) {  // its own loop: through load(d), the value loops' stored int4 rows lost their registers
+      for (int d = 0; d < DV; d++) v[d] = load_half(d);
       return;
     }
     if (n4) {
@@ -1330,9 +1331,7 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
     if (job.tail_half) {  // and as fp16 tails hold them, for the rows read "exact"
       plan.exact_rows.resize((size_t)(2 * N * Hkv * D));
       float* exact = plan.exact_rows.data();
-      for (int64_t n = 0; n < N; n++)
-        for (int64_t h = 0; h < Hkv; h++)
-          round_half(job.qk + (n * (Hq + Hkv) + Hq + h) * D, D, exact + (n * Hkv + h) * D);
+      for (int64_t n = 0; n < N; n++) round_half(job.qk + (n * (Hq + Hkv) + Hq) * D, Hkv * D, exact + n * Hkv * D);
       round_half(job.v, N * Hkv * D, exact + N * Hkv * D);
       job.exact_k = exact;
       job.exact_v = exact + N * Hkv * D;
