@@ -264,6 +264,49 @@ inline void prefetch_scales(const PackedWeights& wts, int tile, int next, int b,
 }
 
 #if RUVLLM_AVX512
+// How a 2- or 1-bit field line (block_layouts.py) reaches its place `at` in a weight register's bytes: in
+// the line broadcast to the register, the field of a lane in 256-bit half x (2 bits) or 128-bit quarter q
+// (1 bit) sits at bit 2x (q) of its byte, plus 4 in the high register (`high`: 4). Each 16-bit lane is
+// shifted by at - that bit: left where every count is >= 0, right where every one is <= 0 (a 16-bit shift
+// moves a byte's field within its byte for these counts: the spill into the other byte is masked off),
+// else (`mixed`: Q3_K's 1-bit low register) right to bit 0, masked, then left.
+struct FieldShift {
+  int width, at;  // the field's bits and its place in the weight
+  bool left, mixed;
+  int base;  // the count of lane group 0; group j's is base - j * step, negated for right shifts
+};
+constexpr FieldShift field_shift(int width, int at, int high) {
+  const int step = width == 2 ? 2 : 1, groups = width == 2 ? 2 : 4;
+  const int first = at - high, last = at - high - step * (groups - 1);
+  if (last >= 0) return {width, at, true, false, first};
+  if (first <= 0) return {width, at, false, false, first};
+  return {width, at, false, true, -high};  // right by each lane group's own bit, then left by `at`
+}
+// the 16-bit shift counts of a field's lanes (non-negative: the direction is FieldShift::left's)
+inline __m512i field_counts(FieldShift f) {
+  const int step = f.width == 2 ? 2 : 1, per = f.width == 2 ? 16 : 8;  // 16-bit lanes a lane group
+  alignas(64) int16_t c[32];
+  for (int l = 0; l < 32; l++) {
+    const int count = f.base - (l / per) * step;
+    c[l] = (int16_t)(f.left ? count : -count);
+  }
+  return _mm512_load_si512(c);
+}
+// w with each byte's field from line h at its place (mask: the field's bits there); Merge: w holds other
+// fields' bits already (else it is zero, and only the field is kept)
+template <int Width, int At, bool Left, bool Mixed, bool Merge>
+inline __m512i merge_field(__m512i w, __m512i h, __m512i counts, __m512i mask) {
+  __m512i t;
+  if constexpr (Mixed)
+    t = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, counts), _mm512_set1_epi8((char)((1 << Width) - 1))), At);
+  else if constexpr (Left)
+    t = _mm512_sllv_epi16(h, counts);
+  else
+    t = _mm512_srlv_epi16(h, counts);
+  if constexpr (Merge) return _mm512_ternarylogic_epi32(w, t, mask, 0xF8);  // w | (t & mask)
+  return _mm512_and_si512(t, mask);
+}
+
 // Mode: 0 zero points and fp32 scales, 1 fp16 scales and minimums, 2 and up an own-bit layout (PackedWeights::mode)
 template <int T, int R, bool SwiGLU, Prefetch F, int Mode>
 inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0, int64_t m0, const Output& out,
@@ -272,25 +315,31 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
   constexpr int GB = 16 * L.bits;  // bytes a group of 8 k takes in a tile (all its fields)
   constexpr bool nib = L.bits & 4, two = L.bits & 2, one = L.bits & 1;  // the fields (see OwnBits::bits)
   constexpr int two_at = nib ? 4 : 0, one_at = two_at + (two ? 2 : 0);  // where they go in a weight
+  constexpr bool kFoldZero = Mode >= 2 && (L.scales == Scales::kSix || L.scales == Scales::kHalf);
   const int nblk = wts.nblk, block = wts.block, K = wts.Kp;  // rows of qa are padded to whole blocks
   const size_t tile_bytes = (size_t)nblk * (block / 8) * GB;
   const size_t two_off = (size_t)(block / 8) * 64 * nib, one_off = two_off + (size_t)(block / 8) * 32 * two;
   const size_t last_block = (size_t)wts.ntiles * nblk - 1;
-  const __m512i low4 = _mm512_set1_epi8(15), three = _mm512_set1_epi8(3), ones8 = _mm512_set1_epi8(1);
-  // each byte's field for the low and high nibble registers' lanes (see block_layouts.py): 2 bits, lanes 32+ at
-  // bit 2; 1 bit, lanes 16q + p at bit q; the high register 4 bits further
-  const __m512i two_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-  const __m512i one_lo = _mm512_cvtepu8_epi16(_mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m512i four = _mm512_set1_epi16(4);
-  const __m512i two_hi = _mm512_add_epi16(two_lo, four), one_hi = _mm512_add_epi16(one_lo, four);
+  const __m512i low4 = _mm512_set1_epi8(15);
+  // each 2- and 1-bit field moved to its place in the weight by one shift per 16-bit lane (field_shifts) and
+  // merged under its mask
+  constexpr FieldShift two0 = field_shift(2, two_at, 0), two1 = field_shift(2, two_at, 4);
+  constexpr FieldShift one0 = field_shift(1, one_at, 0), one1 = field_shift(1, one_at, 4);
+  const __m512i two_c0 = field_counts(two0), two_c1 = field_counts(two1);
+  const __m512i one_c0 = field_counts(one0), one_c1 = field_counts(one1);
+  const __m512i two_m = _mm512_set1_epi8((char)(3 << two_at)), one_m = _mm512_set1_epi8((char)(1 << one_at));
   __m512 acc[T][R];
   for (int i = 0; i < T; i++)
     for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_ps();
   for (int b = 0; b < nblk; b++) {
+    // a type with one zero point z (w = s (q - z)) starts each row's sums at -z sum(qa), in integers (exact
+    // as the fp32 sum it replaces: both are below 2^24), so the block's epilogue has one operation less
     __m512i dot[T][R];
-    for (int i = 0; i < T; i++)
-      for (int r = 0; r < R; r++) dot[i][r] = _mm512_setzero_si512();
+    for (int r = 0; r < R; r++) {
+      const __m512i start = kFoldZero ? _mm512_set1_epi32(-L.zero * (int32_t)acts.sum[(size_t)(m0 + r) * nblk + b])
+                                      : _mm512_setzero_si512();
+      for (int i = 0; i < T; i++) dot[i][r] = start;
+    }
     const uint8_t* wp = wts.wdata + ((size_t)t0 * nblk + b) * (block / 8) * GB;
     const int8_t* ap = acts.q.data() + m0 * K + (size_t)b * block;
     if constexpr (F != Prefetch::kNone)
@@ -311,13 +360,13 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
         }
         if constexpr (two) {
           const __m512i h = _mm512_broadcast_i64x4(_mm256_load_si256(reinterpret_cast<const __m256i*>(tp + two_off + g * 32)));
-          w[i][0] = _mm512_or_si512(w[i][0], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, two_lo), three), two_at));
-          w[i][1] = _mm512_or_si512(w[i][1], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, two_hi), three), two_at));
+          w[i][0] = merge_field<2, two_at, two0.left, two0.mixed, nib>(w[i][0], h, two_c0, two_m);
+          w[i][1] = merge_field<2, two_at, two1.left, two1.mixed, nib>(w[i][1], h, two_c1, two_m);
         }
         if constexpr (one) {
           const __m512i h = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(tp + one_off + g * 16)));
-          w[i][0] = _mm512_or_si512(w[i][0], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, one_lo), ones8), one_at));
-          w[i][1] = _mm512_or_si512(w[i][1], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, one_hi), ones8), one_at));
+          w[i][0] = merge_field<1, one_at, one0.left, one0.mixed, nib || two>(w[i][0], h, one_c0, one_m);
+          w[i][1] = merge_field<1, one_at, one1.left, one1.mixed, nib || two>(w[i][1], h, one_c1, one_m);
         }
       }
       for (int h = 0; h < 2; h++)
@@ -378,6 +427,8 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
         if constexpr (minimums) {
           acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][r]), _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[i][r]);
           acc[i][r] = _mm512_fmadd_ps(mn_or_z, _mm512_set1_ps(acts.scale[mb] * acts.sum[mb]), acc[i][r]);
+        } else if constexpr (kFoldZero) {
+          acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][r]), _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[i][r]);
         } else {
           const __m512 x = _mm512_fnmadd_ps(mn_or_z, _mm512_set1_ps(acts.sum[mb]), _mm512_cvtepi32_ps(dot[i][r]));
           acc[i][r] = _mm512_fmadd_ps(x, _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[i][r]);
