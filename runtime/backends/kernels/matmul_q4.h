@@ -176,14 +176,17 @@ struct QuantizedRows {  // the activations, per row and block
 };
 
 // Each row's blocks rounded to int8 (symmetric, scale max|a| / 127) with their integer sums; a short last
-// block reads as zeros.
-void quantize_rows(QuantizedRows& out, const float* A, int64_t M, int K, int block) {
-  const int nblk = (K + block - 1) / block, Kp = nblk * block;
-  out.q.resize((size_t)M * Kp);
+// block reads as zeros. Rows [m_begin, m_end) of `out`, sized for M rows by size_rows.
+void size_rows(QuantizedRows& out, int64_t M, int K, int block) {
+  const int nblk = (K + block - 1) / block;
+  out.q.resize((size_t)M * nblk * block);
   out.scale.resize((size_t)M * nblk);
   out.sum.resize((size_t)M * nblk);
+}
+void quantize_row_range(QuantizedRows& out, const float* A, int64_t m_begin, int64_t m_end, int K, int block) {
+  const int nblk = (K + block - 1) / block, Kp = nblk * block;
   std::vector<float> pad(block);
-  for (int64_t m = 0; m < M; m++)
+  for (int64_t m = m_begin; m < m_end; m++)
     for (int b = 0; b < nblk; b++) {
       const int valid = std::min(block, K - b * block);
       const float* a = A + m * K + (size_t)b * block;
@@ -206,6 +209,10 @@ void quantize_rows(QuantizedRows& out, const float* A, int64_t M, int K, int blo
       out.scale[m * nblk + b] = amax / 127.f;
       out.sum[m * nblk + b] = (float)Vec::reduce_iadd(sum);
     }
+}
+void quantize_rows(QuantizedRows& out, const float* A, int64_t M, int K, int block) {
+  size_rows(out, M, K, block);
+  quantize_row_range(out, A, 0, M, K, block);
 }
 
 // Where output tile t's 16 columns of row m go: tiles before `split` to c0 (row stride ld0), the rest
@@ -629,6 +636,40 @@ void gemm_tiles(const PackedWeights& wts, const QuantizedRows& acts, int64_t M, 
 
 // ---- the custom operator ----
 
+// Many rows' activations (a prefill chunk) are rounded in ranges of rows across the threads: one thread
+// rounding 512 x 4,864 numbers kept the other waiting for a tenth of the product's time.
+constexpr int64_t kQuantizeRows = 32;
+struct QuantizeJob {
+  QuantizedRows* rows;
+  const float* A;
+  int64_t M;
+  int K, block;
+};
+void run_quantize(void* data, size_t i) {
+  const QuantizeJob& j = *static_cast<QuantizeJob*>(data);
+  const int64_t m = (int64_t)i * kQuantizeRows;
+  quantize_row_range(*j.rows, j.A, m, std::min(j.M, m + kQuantizeRows), j.K, j.block);
+}
+OrtStatus* quantize_activations(OrtKernelContext* ctx, QuantizedRows& rows, const float* A, int64_t M, int K, int block) {
+  size_rows(rows, M, K, block);
+  if (M < 2 * kQuantizeRows) {
+    quantize_row_range(rows, A, 0, M, K, block);
+    return nullptr;
+  }
+  QuantizeJob job{&rows, A, M, K, block};
+  return parallel_for(ctx, run_quantize, (size_t)((M + kQuantizeRows - 1) / kQuantizeRows), &job);
+}
+
+// Weight tiles a work item: `most`, halved (down to kTilesPer) until there are 16 items or more, so that the
+// threads end level (896 columns in items of 8 tiles were 7 items: one of two threads did 4, a seventh more
+// than its half).
+inline int tiles_per_item(int tiles, int most) {
+  int per = most;
+  while (per > kTilesPer && (tiles + per - 1) / per < 16) per /= 2;
+  return per;
+}
+
+
 enum class Epilogue { kOne, kSplit, kSwiGLU };  // MatMulQ4, MatMulQ4Split, MatMulQ4SwiGLU
 
 struct Kernel {
@@ -824,11 +865,11 @@ OrtStatus* compute_rows(void* kernel, OrtKernelContext* ctx) {
   RETURN_IF(tensor_data(in, &A));
   if (M == 0) return nullptr;
   thread_local QuantizedRows rows;  // one session may run on several threads at once
-  quantize_rows(rows, A, M, w.K, w.block);
+  RETURN_IF(quantize_activations(ctx, rows, A, M, w.K, w.block));
   const bool swiglu = k.epilogue == Epilogue::kSwiGLU;
-  // items of 8 weight tiles (128 columns; 4 output tiles with SwiGLU); a small product stays on this
+  // items of up to 8 weight tiles (128 columns; 4 output tiles with SwiGLU); a small product stays on this
   // thread, where a handoff costs more
-  Work job{&w, &rows, M, out, tiles, swiglu ? 4 : 8, swiglu};
+  Work job{&w, &rows, M, out, tiles, tiles_per_item(tiles, swiglu ? 4 : 8), swiglu};
   const size_t items = (size_t)(tiles + job.tiles_per_item - 1) / job.tiles_per_item;
   if (items == 1 || (double)M * w.N * w.K < 2e5) {
     gemm_tiles(w, rows, M, out, 0, tiles, swiglu);

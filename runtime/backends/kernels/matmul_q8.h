@@ -244,8 +244,8 @@ OrtStatus* compute_q8(void* kernel, OrtKernelContext* ctx) {
   RETURN_IF(tensor_data(in, &A));
   if (M == 0) return nullptr;
   thread_local QuantizedRows rows;
-  quantize_rows(rows, A, M, w.K, w.block);
-  Q8Work job{&w, &rows, M, out, 8};
+  RETURN_IF(quantize_activations(ctx, rows, A, M, w.K, w.block));
+  Q8Work job{&w, &rows, M, out, tiles_per_item(w.ntiles, 8)};
   const size_t items = (size_t)(w.ntiles + job.tiles_per_item - 1) / job.tiles_per_item;
   if (items == 1 || (double)M * w.N * w.K < 2e5) {
     q8_tiles(w, rows, M, out, 0, w.ntiles);
