@@ -91,8 +91,8 @@ inline void q8_tile_rows(const PackedQ8& wts, const QuantizedRows& acts, int t, 
   for (int b = 0; b < wts.nblk; b++) {
     const int8_t* ap = acts.q.data() + m0 * K + (size_t)b * wts.block;
     const uint8_t* wp = wts.at(t, b);
-    __m512i dot[R];
-    for (int r = 0; r < R; r++) dot[r] = _mm512_setzero_si512();
+    __m512i dot[R];  // each row's sums start at -128 sum(qa): the correction below, taken in the integers
+    for (int r = 0; r < R; r++) dot[r] = _mm512_set1_epi32(-128 * (int32_t)acts.sum[(size_t)(m0 + r) * wts.nblk + b]);
     for (int g = 0; g < groups; g++) {
       const __m512i w = _mm512_xor_si512(_mm512_load_si512(wp + g * 64), flip);
       for (int r = 0; r < R; r++) {
@@ -105,8 +105,7 @@ inline void q8_tile_rows(const PackedQ8& wts, const QuantizedRows& acts, int t, 
                               : _mm512_load_ps(reinterpret_cast<const float*>(wp + (size_t)groups * 64));
     for (int r = 0; r < R; r++) {
       const size_t mb = (size_t)(m0 + r) * wts.nblk + b;
-      const __m512i exact = _mm512_sub_epi32(dot[r], _mm512_set1_epi32(128 * (int)acts.sum[mb]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[r]);
     }
   }
   for (int r = 0; r < R; r++) _mm512_storeu_ps(out.at(m0 + r, t), acc[r]);
