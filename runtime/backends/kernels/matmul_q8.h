@@ -77,44 +77,53 @@ void pack_q8(PackedQ8& wts, int N, int K, int block, const uint8_t* B, const flo
 }
 
 #if RUVLLM_AVX512
-// One tile x R rows. vpdpbusd multiplies unsigned by signed bytes with no int16 step, so each weight byte
-// enters as q + 128 (one xor per line, shared by the rows) and the block's product is corrected by
-// 128 * sum(qa), the quantized activations' block sum: (q + 128).qa - 128 * sum(qa) = q.qa, exact in int32,
-// the same integers as the AVX2 path below. One tile at a time streams the weights in order: two tiles
-// sharing each broadcast (as MatMulQ4 does) measured slower here.
-template <int R>
+// T tiles (t, t + 1, ...) x R rows. vpdpbusd multiplies unsigned by signed bytes with no int16 step, so each
+// weight byte enters as q + 128 (one xor per line, shared by the rows) and the block's product is corrected
+// by 128 * sum(qa), the quantized activations' block sum: (q + 128).qa - 128 * sum(qa) = q.qa, exact in
+// int32, the same integers as the AVX2 path below. One tile at a time streams the weights in order, which
+// a row or two (bound by memory) want; from 4 rows on, two tiles share each broadcast activation word.
+template <int T, int R>
 inline void q8_tile_rows(const PackedQ8& wts, const QuantizedRows& acts, int t, int64_t m0, const Output& out) {
   const int K = wts.Kp, groups = wts.block / 4;
   const __m512i flip = _mm512_set1_epi8((char)0x80);
-  __m512 acc[R];
-  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  __m512 acc[T][R];
+  for (int i = 0; i < T; i++)
+    for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_ps();
   for (int b = 0; b < wts.nblk; b++) {
     const int8_t* ap = acts.q.data() + m0 * K + (size_t)b * wts.block;
-    const uint8_t* wp = wts.at(t, b);
-    __m512i dot[R];  // each row's sums start at -128 sum(qa): the correction below, taken in the integers
-    for (int r = 0; r < R; r++) dot[r] = _mm512_set1_epi32(-128 * (int32_t)acts.sum[(size_t)(m0 + r) * wts.nblk + b]);
+    __m512i dot[T][R];  // each row's sums start at -128 sum(qa): the correction below, taken in the integers
+    for (int r = 0; r < R; r++) {
+      const __m512i start = _mm512_set1_epi32(-128 * (int32_t)acts.sum[(size_t)(m0 + r) * wts.nblk + b]);
+      for (int i = 0; i < T; i++) dot[i][r] = start;
+    }
     for (int g = 0; g < groups; g++) {
-      const __m512i w = _mm512_xor_si512(_mm512_load_si512(wp + g * 64), flip);
+      __m512i w[T];
+      for (int i = 0; i < T; i++) w[i] = _mm512_xor_si512(_mm512_load_si512(wts.at(t + i, b) + g * 64), flip);
       for (int r = 0; r < R; r++) {
         int32_t word;
         std::memcpy(&word, ap + (size_t)r * K + g * 4, 4);
-        dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(word));
+        const __m512i x = _mm512_set1_epi32(word);
+        for (int i = 0; i < T; i++) dot[i][r] = _mm512_dpbusd_epi32(dot[i][r], w[i], x);
       }
     }
-    const __m512 s = wts.half ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wts.half + ((size_t)t * wts.nblk + b) * kTile)))
-                              : _mm512_load_ps(reinterpret_cast<const float*>(wp + (size_t)groups * 64));
-    for (int r = 0; r < R; r++) {
-      const size_t mb = (size_t)(m0 + r) * wts.nblk + b;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[r]);
+    for (int i = 0; i < T; i++) {
+      const __m512 s = wts.half ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wts.half + ((size_t)(t + i) * wts.nblk + b) * kTile)))
+                                : _mm512_load_ps(reinterpret_cast<const float*>(wts.at(t + i, b) + (size_t)groups * 64));
+      for (int r = 0; r < R; r++) {
+        const size_t mb = (size_t)(m0 + r) * wts.nblk + b;
+        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][r]), _mm512_mul_ps(s, _mm512_set1_ps(acts.scale[mb])), acc[i][r]);
+      }
     }
   }
-  for (int r = 0; r < R; r++) _mm512_storeu_ps(out.at(m0 + r, t), acc[r]);
+  for (int i = 0; i < T; i++)
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out.at(m0 + r, t + i), acc[i][r]);
 }
 
 #else
 // one tile (16 columns, as two halves of 8) x R rows
-template <int R>
+template <int T, int R>
 inline void q8_tile_rows(const PackedQ8& wts, const QuantizedRows& acts, int t, int64_t m0, const Output& out) {
+  static_assert(T == 1, "AVX2: one tile at a time");
   const int K = wts.Kp, groups = wts.block / 4;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R][2];
@@ -161,16 +170,21 @@ inline void q8_tile_rows(const PackedQ8& wts, const QuantizedRows& acts, int t, 
 #endif
 
 void q8_tiles(const PackedQ8& wts, const QuantizedRows& acts, int64_t M, const Output& out, int t_begin, int t_end) {
-  for (int t = t_begin; t < t_end; t++) {
+  int t = t_begin;
+  auto tiles = [&](auto width) {
+    constexpr int T = decltype(width)::value;
     int64_t m = 0;
-    for (; m + kRowsPer <= M; m += kRowsPer) q8_tile_rows<kRowsPer>(wts, acts, t, m, out);
+    for (; m + kRowsPer <= M; m += kRowsPer) q8_tile_rows<T, kRowsPer>(wts, acts, t, m, out);
     switch (M - m) {
-      case 1: q8_tile_rows<1>(wts, acts, t, m, out); break;
-      case 2: q8_tile_rows<2>(wts, acts, t, m, out); break;
-      case 3: q8_tile_rows<3>(wts, acts, t, m, out); break;
+      case 1: q8_tile_rows<T, 1>(wts, acts, t, m, out); break;
+      case 2: q8_tile_rows<T, 2>(wts, acts, t, m, out); break;
+      case 3: q8_tile_rows<T, 3>(wts, acts, t, m, out); break;
       default: break;
     }
-  }
+  };
+  if (RUVLLM_AVX512 && M >= kRowsPer)
+    for (; t + kTilesPer <= t_end; t += kTilesPer) tiles(std::integral_constant<int, kTilesPer>{});
+  for (; t < t_end; t++) tiles(std::integral_constant<int, 1>{});
 }
 
 // ---- the custom operator ----
