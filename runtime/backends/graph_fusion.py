@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 
 DOMAIN, OP = "ruvllm", "MatMulQ4"
-ALL_OPS = frozenset(("MatMulQ4", "MatMulQ8", "PagedAttention", "SkipRMSNorm", "LoraDelta"))
+ALL_OPS = frozenset(("MatMulQ4", "MatMulQ8", "PagedAttention", "SkipRMSNorm", "LoraDelta", "SampleTopK"))
 
 
 def fusable_head_dim(head_dim: int) -> bool:
@@ -26,7 +26,8 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     """Rewrite `model` in place with the operators in `ops`: every MatMulNBits the kernel computes the
     same way becomes ruvllm.MatMulQ4 (with its epilogues and block minimums folded in), and, given the
     package's config, each layer's attention ruvllm.PagedAttention (fuse_attention) and each residual
-    add + RMS norm ruvllm.SkipRMSNorm. Returns how many of each were replaced.
+    add + RMS norm ruvllm.SkipRMSNorm, and the sampling tail ruvllm.SampleTopK (fuse_sampling). Returns how
+    many of each were replaced.
 
     Only 4-bit nodes with int8 compute (accuracy_level 4), packed uint8 zero points and fp32 scales,
     all initializers, qualify; the rest (fp32-compute test packages, fp16 scales) keep MLAS's kernel.
@@ -88,10 +89,11 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     lora_qkv = fuse_lora_split(model) if loras else 0
     if loras and half_adapters:
         adapters_in_half(model)
-    if (count or q8 or layers or norms or loras) and DOMAIN not in {o.domain for o in model.opset_import}:
+    tails = fuse_sampling(model) if "SampleTopK" in ops else 0
+    if (count or q8 or layers or norms or loras or tails) and DOMAIN not in {o.domain for o in model.opset_import}:
         model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     return {"MatMulQ4": count, "MatMulQ8": q8, "PagedAttention": layers, "SkipRMSNorm": norms, "LoraDelta": loras,
-            "LoraSwiGLU": lora_mlps, "LoraSplit": lora_qkv}
+            "LoraSwiGLU": lora_mlps, "LoraSplit": lora_qkv, "SampleTopK": tails}
 
 
 def _all_128(tensor, base_dir: Path | None) -> bool:
@@ -665,6 +667,52 @@ def fuse_norms(model) -> int:
                                       name=node.name, domain=DOMAIN, epsilon=float(eps))
         model.graph.node[i].CopyFrom(fused)
         count += 1
+    return count
+
+
+def fuse_sampling(model) -> int:
+    """The step's sampling tail (exporter/builders: the sparse penalties' ScatterElements over the logits, Add
+    of structured output's mask where the graph has one, Div by the temperature, LogSoftmax, TopK) becomes one
+    ruvllm.SampleTopK, which keeps a row in one buffer instead of five passes over [rows, vocab]. The small
+    operators computing the sparse values stay. Returns how many (0 or 1)."""
+    import onnx
+
+    nodes = list(model.graph.node)
+    consumers = _consumers(nodes)
+    producer = {name: node for node in nodes for name in node.output}
+    graph_outputs = {o.name for o in model.graph.output}
+
+    def feeding(node, i: int, op_type: str):
+        """The node producing node.input[i] if it is an op_type that nothing else reads from."""
+        src = producer.get(node.input[i]) if len(node.input) > i else None
+        if src is None or src.op_type != op_type or src.domain not in ("", "ai.onnx"):
+            return None
+        private = consumers.get(src.output[0]) == [node] and src.output[0] not in graph_outputs
+        return src if private else None
+
+    count = 0
+    for i, topk in enumerate(nodes):
+        if (topk.op_type != "TopK" or topk.domain not in ("", "ai.onnx") or _attr(topk, "axis", -1) not in (-1, 1)
+                or _attr(topk, "largest", 1) != 1 or _attr(topk, "sorted", 1) != 1):
+            continue
+        lsm = feeding(topk, 0, "LogSoftmax")
+        div = lsm and _attr(lsm, "axis", -1) in (-1, 1) and feeding(lsm, 0, "Div")
+        temperature = div and feeding(div, 1, "Unsqueeze")
+        add = div and feeding(div, 0, "Add")
+        mask = None
+        if add:
+            scatter, mask = feeding(add, 0, "ScatterElements"), add.input[1]
+        else:
+            scatter = div and feeding(div, 0, "ScatterElements")
+        if not (temperature and scatter and _attr(scatter, "axis", 0) in (-1, 1)
+                and _attr(scatter, "reduction", b"none") in (b"none", "none")):
+            continue
+        inputs = [*scatter.input[:3], temperature.input[0], topk.input[1]] + ([mask] if mask else [])
+        fused = onnx.helper.make_node("SampleTopK", inputs, list(topk.output), name=topk.name, domain=DOMAIN)
+        model.graph.node[i].CopyFrom(fused)
+        count += 1
+    if count:
+        _drop_dead(model)
     return count
 
 

@@ -50,16 +50,17 @@ def sessions(tmp_path, K: int, N: int, block: int) -> tuple[ort.InferenceSession
 
 
 def test_built_wherever_the_cpu_can_run_it():
-    """Every operator with AVX-512 VNNI; the block matmuls and the LoRA delta with AVX2, FMA and F16C; else none."""
+    """Every operator with AVX-512 VNNI; the block matmuls, the LoRA delta and the sampling tail with AVX2, FMA and
+    F16C; else none."""
     flags = kernel_library._cpu_flags()
     if os.environ.get("RUVLLM_KERNEL_ISA") == "avx2":
         flags -= set(kernel_library.CPU_FLAGS)  # the AVX2 build, asked for on any host that has AVX2
     if all(f in flags for f in kernel_library.CPU_FLAGS):
         assert LIB is not None and LIB.exists(), WHY
-        assert OPS == {"MatMulQ4", "MatMulQ8", "PagedAttention", "SkipRMSNorm", "LoraDelta"}
+        assert OPS == {"MatMulQ4", "MatMulQ8", "PagedAttention", "SkipRMSNorm", "LoraDelta", "SampleTopK"}
     elif all(f in flags for f in kernel_library.AVX2_FLAGS):
         assert LIB is not None and LIB.exists(), WHY
-        assert OPS == {"MatMulQ4", "MatMulQ8", "LoraDelta"}
+        assert OPS == {"MatMulQ4", "MatMulQ8", "LoraDelta", "SampleTopK"}
     else:
         assert LIB is None and "lacks" in WHY
 
@@ -918,3 +919,101 @@ def test_gathered_rows_are_the_tables_dequantization_bit_for_bit(name, tmp_path)
     runs.append(ort.InferenceSession(model.SerializeToString()).run(None, {"ids": ids})[0])
     for got in runs:
         assert got.shape == (2, 3, 512) and np.array_equal(got.view(np.uint32), w[ids].view(np.uint32))
+
+
+def sampling_tail(mask_rows: int | None) -> onnx.ModelProto:
+    """The exported graph's sampling tail as onnxruntime's operators: ScatterElements of the sparse values over
+    the logits, Add of the mask (when mask_rows is given), Div by the temperature, LogSoftmax, TopK."""
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    ins = [("logits", f), ("ids", i64), ("values", f), ("temperature", f), ("k", i64)] + ([("mask", f)] if mask_rows else [])
+    axes = helper.make_tensor("axes", i64, [1], [1])
+    nodes = [helper.make_node("ScatterElements", ["logits", "ids", "values"], ["s"], axis=1),
+             helper.make_node("Unsqueeze", ["temperature", "axes"], ["t"])]
+    x = "s"
+    if mask_rows:
+        nodes.append(helper.make_node("Add", ["s", "mask"], ["m"]))
+        x = "m"
+    nodes += [helper.make_node("Div", [x, "t"], ["d"]), helper.make_node("LogSoftmax", ["d"], ["lp"], axis=1),
+              helper.make_node("TopK", ["lp", "k"], ["topk_logprobs", "topk_ids"], axis=1)]
+    graph = helper.make_graph(nodes, "tail", [helper.make_tensor_value_info(n, t, None) for n, t in ins],
+                              [helper.make_tensor_value_info("topk_logprobs", f, None),
+                               helper.make_tensor_value_info("topk_ids", i64, None)], [axes])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+
+
+@needs_kernel
+@pytest.mark.parametrize("mask_rows", [None, 1, 5])
+def test_sampling_tail_computes_what_its_five_operators_compute(mask_rows):
+    """ruvllm.SampleTopK (the rewrite of the tail) against the tail on onnxruntime's operators: the same ids in the
+    same order (ties in index order), log-probabilities within a few ulps; penalized duplicates and negative ids
+    are scattered as ScatterElements does; a row's result does not depend on the other rows."""
+    model = sampling_tail(mask_rows)
+    plain = ort.InferenceSession(model.SerializeToString())
+    assert graph_fusion.fuse_sampling(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["SampleTopK"]
+    opts = ort.SessionOptions()
+    opts.register_custom_ops_library(str(LIB))
+    ours = ort.InferenceSession(model.SerializeToString(), opts)
+    rng = np.random.default_rng(7)
+    B, V = 5, 1000 + 3  # a vocabulary that is not a multiple of the vector width
+    logits = (rng.standard_normal((B, V)) * 3).astype(np.float32)
+    logits[1, [10, 500, 900]] = logits[1].max() + 1  # a three-way tie at the top: index order
+    logits[2, 7::50] = 2.5  # ties inside the top k
+    ids = rng.integers(-V, V, (B, 6))
+    ids[:, 5] = ids[:, 0]  # a duplicate writing the same value (how the engine pads rows)
+    values = (rng.standard_normal((B, 6)) * 3).astype(np.float32)
+    values[:, 5] = values[:, 0]
+    feeds = {"logits": logits, "ids": ids, "values": values,
+             "temperature": np.array([1.0, 0.7, 1.3, 1.0, 0.25], np.float32)}
+    if mask_rows:
+        mask = np.zeros((mask_rows, V), np.float32)
+        mask[-1, rng.choice(V, V // 2, replace=False)] = -np.inf  # a constrained row: half the vocabulary banned
+        feeds["mask"] = mask
+    for k in (1, 8, 64, V):
+        feeds["k"] = np.array([k], np.int64)
+        want_lp, want_ids = plain.run(None, feeds)
+        got_lp, got_ids = ours.run(None, feeds)
+        assert got_ids.dtype == np.int64 and got_lp.shape == want_lp.shape == (B, k)
+        finite = np.isfinite(want_lp)
+        assert np.array_equal(got_ids[finite], want_ids[finite]), k
+        assert np.array_equal(np.isfinite(got_lp), finite)
+        assert np.abs(got_lp[finite] - want_lp[finite]).max() <= 2e-6 * max(1.0, np.abs(want_lp[finite]).max())
+        alone = ours.run(None, {n: (v[3:4] if n not in ("k", "mask") or (n == "mask" and mask_rows == B) else v)
+                                for n, v in feeds.items()} | ({"mask": feeds["mask"][3:4]} if mask_rows == B else {}))
+        assert np.array_equal(alone[0][0], got_lp[3]) and np.array_equal(alone[1][0], got_ids[3])
+    feeds["k"] = np.array([V + 1], np.int64)
+    with pytest.raises(Exception, match="k must be in"):
+        ours.run(None, feeds)
+
+
+@needs_kernel
+def test_the_packages_sampling_tail_is_rewritten_and_gives_the_same_tokens(tiny_package, monkeypatch):
+    """A package's graph has its tail fused; sampled and greedy tokens (penalties, a logit bias) are those of the
+    graph with onnxruntime's tail."""
+    from runtime.core.engine import Engine
+    from runtime.core.sampling import SamplingParams
+
+    path = tiny_package("llama", "int4")
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
+                             presence_penalty=0.4, logit_bias={7: 5.0})]
+    fused_tails, rewrite = [], graph_fusion.rewrite_graph
+
+    def spy(*args, **kwargs):
+        model, counts = rewrite(*args, **kwargs)
+        fused_tails.append(counts["SampleTopK"])
+        return model, counts
+
+    monkeypatch.setattr(graph_fusion, "rewrite_graph", spy)
+
+    def tokens() -> list[list[int]]:
+        fused_tails.clear()
+        engine = Engine.from_package(str(path), threads=2)
+        return [list(engine.generate([5, 6, 7, 8], p))[-1].token_ids for p in params]
+
+    fused = tokens()
+    assert fused_tails and all(n == 1 for n in fused_tails)
+    monkeypatch.setattr(kernel_library, "operators", lambda lib=None: OPS - {"SampleTopK"})
+    plain = tokens()
+    assert fused_tails and not any(fused_tails)
+    assert fused == plain

@@ -34,6 +34,7 @@ enum ApiEntry : size_t {
   kGetTensorTypeAndShape = 65,
   kKernelInfoGetAttribute_float = 85,
   kKernelInfoGetAttribute_int64 = 86,
+  kKernelContext_GetInputCount = 88,
   kKernelContext_GetInput = 90,
   kKernelContext_GetOutput = 91,
   kReleaseStatus = 93,
@@ -110,8 +111,9 @@ OrtStatus* constant_bytes(const OrtKernelInfo* info, size_t i, size_t want, cons
   return tensor_data(v, data);
 }
 
-// output i of the given shape, allocated by onnxruntime, as floats
-OrtStatus* output_data(OrtKernelContext* ctx, size_t i, const int64_t* dims, size_t rank, float** data) {
+// output i of the given shape, allocated by onnxruntime, as floats (or int64s)
+template <typename T>
+OrtStatus* output_data(OrtKernelContext* ctx, size_t i, const int64_t* dims, size_t rank, T** data) {
   OrtValue* v = nullptr;
   RETURN_IF(api<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(kKernelContext_GetOutput)(
       ctx, i, dims, rank, &v));

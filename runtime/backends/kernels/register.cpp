@@ -10,6 +10,7 @@
 #include "matmul_q8.h"
 #include "kv_write.h"
 #include "paged_attention.h"
+#include "sample_topk.h"
 #include "skip_rms_norm.h"
 
 namespace {
@@ -94,7 +95,8 @@ OrtStatus* guarded(void* kernel, OrtKernelContext* ctx) {
 constexpr char kMatMulName[] = "ruvllm.MatMulQ4", kAttentionName[] = "ruvllm.PagedAttention",
                kNormName[] = "ruvllm.SkipRMSNorm", kLoraName[] = "ruvllm.LoraDelta",
                kMatMulQ8Name[] = "ruvllm.MatMulQ8", kLoraSwigluName[] = "ruvllm.LoraSwiGLU",
-               kLoraSplitName[] = "ruvllm.LoraSplit", kGatherName[] = "ruvllm.GatherQ";
+               kLoraSplitName[] = "ruvllm.LoraSplit", kGatherName[] = "ruvllm.GatherQ",
+               kSampleName[] = "ruvllm.SampleTopK";
 
 // the entry points of an operator whose kernel object (a K) `create` makes and `run` computes with
 template <typename K, CreateFn create, ComputeFn run, const char* what>
@@ -187,6 +189,17 @@ CustomOp gather_op() {
   return op;
 }
 
+CustomOp sample_op() {
+  CustomOp op = kernel_op<SampleKernel, create_sample, sample_topk, kSampleName>();
+  op.GetName = [](const CustomOp*) { return "SampleTopK"; };
+  op.GetInputType = [](const CustomOp*, size_t i) { return i == 1 || i == 4 ? kInt64 : kFloat; };
+  op.GetInputTypeCount = [](const CustomOp*) -> size_t { return 6; };
+  op.GetInputCharacteristic = [](const CustomOp*, size_t i) { return i == 5 ? 1 : 0; };  // the mask: optional
+  op.GetOutputType = [](const CustomOp*, size_t i) { return i == 1 ? kInt64 : kFloat; };
+  op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 2; };
+  return op;
+}
+
 CustomOp matmul_split_op() {
   CustomOp op = matmul_op();
   op.GetName = [](const CustomOp*) { return "MatMulQ4Split"; };
@@ -208,6 +221,7 @@ const CustomOp g_lora_swiglu = lora_swiglu_op();
 const CustomOp g_lora_split = lora_split_op();
 const CustomOp g_matmul_q8 = matmul_q8_op();
 const CustomOp g_gather = gather_op();
+const CustomOp g_sample = sample_op();
 #if RUVLLM_AVX512
 const CustomOp g_attention = attention_op();
 const CustomOp g_norm = norm_op();
@@ -226,19 +240,20 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   auto add = api<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomain_Add);
 #if RUVLLM_AVX512
   for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_matmul_q8, &g_gather, &g_attention, &g_norm, &g_lora,
-                            &g_lora_swiglu, &g_lora_split})
+                            &g_lora_swiglu, &g_lora_split, &g_sample})
     RETURN_IF(add(domain, op));
 #else
   for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_matmul_q8, &g_gather, &g_lora, &g_lora_swiglu,
-                            &g_lora_split})
+                            &g_lora_split, &g_sample})
     RETURN_IF(add(domain, op));
 #endif
   return api<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
 }
 
-// Which operators this build registers (AVX-512: all; AVX2: the block matmuls and the LoRA delta).
+// Which operators this build registers (AVX-512: all; AVX2: the block matmuls, the LoRA delta, the sampling tail).
 __attribute__((visibility("default"))) const char* ruvllm_kernel_ops() {
-  return RUVLLM_AVX512 ? "MatMulQ4,MatMulQ8,PagedAttention,SkipRMSNorm,LoraDelta" : "MatMulQ4,MatMulQ8,LoraDelta";
+  return RUVLLM_AVX512 ? "MatMulQ4,MatMulQ8,PagedAttention,SkipRMSNorm,LoraDelta,SampleTopK"
+                       : "MatMulQ4,MatMulQ8,LoraDelta,SampleTopK";
 }
 
 // For the library's own test: the kernel on plain buffers, without onnxruntime.

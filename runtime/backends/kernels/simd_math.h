@@ -31,6 +31,7 @@ struct Vec {
   static F round(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static F pow2(F n) { return _mm512_scalef_ps(set1(1.f), n); }  // 2^n, n integral
   static float reduce_max(F a) { return _mm512_reduce_max_ps(a); }
+  static bool any_greater(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
   static I to_int(F a) { return _mm512_cvtps_epi32(a); }  // nearest, ties to even
   static I izero() { return _mm512_setzero_si512(); }
   static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
@@ -67,6 +68,7 @@ struct Vec {
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
   }
+  static bool any_greater(F a, F b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0; }
   static I to_int(F a) { return _mm256_cvtps_epi32(a); }
   static I izero() { return _mm256_setzero_si256(); }
   static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
