@@ -117,7 +117,10 @@ class LayerwiseQuantizer:
         def loaded():
             try:
                 for n in names:
-                    value = torch.from_numpy(self.tensors.float(prefix + n))
+                    # owned and writable: AWQ folds its scales into the weights in place, and a GGUF's F32
+                    # tensors come as read-only views of the file's map (writing one was a segfault)
+                    value = self.tensors.float(prefix + n)
+                    value = torch.from_numpy(value if value.flags.writeable else value.copy())
                     set_module_tensor_to_device(module, n, "cpu", value=value)
                 yield
             finally:

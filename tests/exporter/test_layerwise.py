@@ -82,3 +82,40 @@ def test_large_models_go_layer_by_layer(tiny_model_dir, monkeypatch):
         assert streamed.streams(source, ConvertOptions(quant="int4", method=method), "llama"), method
     assert not streamed.streams(source, ConvertOptions(quant="int4", method="hqq"), "llama")
     assert not streamed.streams(source, ConvertOptions(quant="int4", method="awq", layerwise=False), "llama")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_layer_by_layer_on_a_gguf_leaves_the_file_alone(method, smol_gguf, workdir, tmp_path):
+    """A GGUF's F32 tensors (its norms) are read-only views of the file's map; AWQ folds its scales into the
+    norms in place, which wrote into that map and crashed the process. In a process of its own: the export
+    completes, AWQ's scales are folded into the package's norms, and the file is unchanged."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from tests.exporter.test_gguf_import import write_tiny_gguf
+
+    gguf_path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(gguf_path, smol_gguf, "Q8_0")
+    digest = hashlib.sha256(gguf_path.read_bytes()).hexdigest()
+    text = tmp_path / "calibration.txt"
+    text.write_text(TEXT * 20)
+    out = tmp_path / f"pkg-{method}"
+    proc = subprocess.run([sys.executable, "-m", "exporter", "convert", str(gguf_path), "-o", str(out), "--quant",
+                           "int4", "--method", method, "--layerwise", "--calibration", str(text), "--no-lora", "--quiet"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert hashlib.sha256(gguf_path.read_bytes()).hexdigest() == digest
+    import gguf
+
+    graph = initializers(out, "model.onnx")
+    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    moved = []
+    for t in gguf.GGUFReader(str(gguf_path)).tensors:
+        i, kind = t.name.split(".")[1:3] if t.name.startswith("blk.") else (None, None)
+        if kind in names:
+            folded = graph[f"layers.{i}.{names[kind]}"]
+            assert np.isfinite(folded).all()
+            moved.append(not np.array_equal(folded, np.asarray(t.data)))
+    assert len(moved) == 4 and any(moved) == (method == "awq")  # AWQ divides norms by its scales, GPTQ does not
