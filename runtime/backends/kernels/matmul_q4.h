@@ -457,6 +457,22 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
 // product sum (vpmaddubsw: weight 0..15 times activation -127..127, twice: no int16 saturation) then
 // summed in pairs into int32 (vpmaddwd by ones) is vpdpbusd's result. Tiles go one after another within
 // a block, so that R rows' accumulators stay in the 16 registers.
+// AVX2: a's bytes' bits moved by S (left where S > 0, right where S < 0) in 16-bit lanes; a field of a byte
+// that moves within the byte lands where the mask after it keeps it (the spill into the other byte is masked)
+template <int S>
+inline __m256i shift_bytes(__m256i a) {
+  if constexpr (S > 0) return _mm256_slli_epi16(a, S);
+  else if constexpr (S < 0) return _mm256_srli_epi16(a, -S);
+  else return a;
+}
+// the same with S0 for the low 128-bit half and S1 for the high one (32-bit lanes), both of one sign
+template <int S0, int S1>
+inline __m256i shift_halves(__m256i a) {
+  static_assert((S0 >= 0 && S1 >= 0) || (S0 <= 0 && S1 <= 0), "a field line's halves move one way");
+  if constexpr (S0 >= 0 && S1 >= 0) return _mm256_sllv_epi32(a, _mm256_setr_epi32(S0, S0, S0, S0, S1, S1, S1, S1));
+  else return _mm256_srlv_epi32(a, _mm256_setr_epi32(-S0, -S0, -S0, -S0, -S1, -S1, -S1, -S1));
+}
+
 template <int T, int R, bool SwiGLU, Prefetch F, int Mode>
 inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int t0, int64_t m0, const Output& out,
                        int stride, int next) {
@@ -470,8 +486,8 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
   const size_t two_off = (size_t)(block / 8) * 64 * nib, one_off = two_off + (size_t)(block / 8) * 32 * two;
   const size_t last_block = (size_t)wts.ntiles * nblk - 1;
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-  const __m256i three = _mm256_set1_epi8(3), ones8 = _mm256_set1_epi8(1);
-  const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  // one bit: the 128-bit halves' fields
+  const __m256i two_m = _mm256_set1_epi8((char)(3 << two_at)), one_m = _mm256_set1_epi8((char)(1 << one_at));
+  constexpr bool kFoldZero = Mode >= 2 && (L.scales == Scales::kSix || L.scales == Scales::kHalf);  // as AVX-512's
   __m256 acc[T][R][2];
   for (int i = 0; i < T; i++)
     for (int r = 0; r < R; r++) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_ps();
@@ -482,7 +498,9 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
       const uint8_t* wp = wts.wdata + tb * (block / 8) * GB;
       if constexpr (F != Prefetch::kNone) prefetch_scales<F, Mode>(wts, t0 + i * stride, next, b, last_block);
       __m256i dot[R][2];
-      for (int r = 0; r < R; r++) dot[r][0] = dot[r][1] = _mm256_setzero_si256();
+      for (int r = 0; r < R; r++)
+        dot[r][0] = dot[r][1] = kFoldZero ? _mm256_set1_epi32(-L.zero * (int32_t)acts.sum[(size_t)(m0 + r) * nblk + b])
+                                          : _mm256_setzero_si256();
       for (int g = 0; g < block / 8; g++) {
         if constexpr (F == Prefetch::kAhead) prefetch(wp + g * 64 + 2048);
         if constexpr (F == Prefetch::kNext) prefetch(wp + next * tile_bytes + g * 64);
@@ -493,29 +511,30 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
         }
         if constexpr (two) h2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wp + two_off + g * 32));
         if constexpr (one) h1 = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(wp + one_off + g * 16)));
-        for (int h = 0; h < 2; h++) {
-          __m256i w0 = h ? _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4) : _mm256_and_si256(v0, low4);
-          __m256i w1 = h ? _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4) : _mm256_and_si256(v1, low4);
-          if constexpr (two) {  // lanes 0-31 (v0) at bits 4h, lanes 32-63 (v1) at 4h + 2 (see block_layouts.py)
-            const __m256i f0 = _mm256_srl_epi16(h2, _mm_cvtsi32_si128(4 * h));
-            const __m256i f1 = _mm256_srl_epi16(h2, _mm_cvtsi32_si128(4 * h + 2));
-            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(f0, three), two_at));
-            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(f1, three), two_at));
+        // each field moved to its place `at` by one shift (a 2-bit field sits at bit 4h + 2c of its byte for
+        // register c; a 1-bit one at q + 4h, q = 2c and 2c + 1 in the two 128-bit halves), then merged under its mask
+        auto half = [&](auto hc) {
+          constexpr int H = decltype(hc)::value;
+          __m256i w0 = H ? _mm256_and_si256(_mm256_srli_epi16(v0, 4), low4) : _mm256_and_si256(v0, low4);
+          __m256i w1 = H ? _mm256_and_si256(_mm256_srli_epi16(v1, 4), low4) : _mm256_and_si256(v1, low4);
+          if constexpr (two) {
+            w0 = _mm256_or_si256(w0, _mm256_and_si256(shift_bytes<two_at - 4 * H>(h2), two_m));
+            w1 = _mm256_or_si256(w1, _mm256_and_si256(shift_bytes<two_at - 4 * H - 2>(h2), two_m));
           }
-          if constexpr (one) {  // lanes 16q + p at bit q (+ 4 for the high nibbles): v0 holds q = 0, 1, v1 q = 2, 3
-            const __m256i f0 = _mm256_srlv_epi32(h1, _mm256_add_epi32(halves, _mm256_set1_epi32(4 * h)));
-            const __m256i f1 = _mm256_srlv_epi32(h1, _mm256_add_epi32(halves, _mm256_set1_epi32(4 * h + 2)));
-            w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(f0, ones8), one_at));
-            w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(f1, ones8), one_at));
+          if constexpr (one) {
+            w0 = _mm256_or_si256(w0, _mm256_and_si256(shift_halves<one_at - 4 * H, one_at - 4 * H - 1>(h1), one_m));
+            w1 = _mm256_or_si256(w1, _mm256_and_si256(shift_halves<one_at - 4 * H - 2, one_at - 4 * H - 3>(h1), one_m));
           }
           for (int r = 0; r < R; r++) {
             int32_t word;
-            std::memcpy(&word, ap + (size_t)r * K + g * 8 + h * 4, 4);
+            std::memcpy(&word, ap + (size_t)r * K + g * 8 + H * 4, 4);
             const __m256i x = _mm256_set1_epi32(word);
             dot[r][0] = _mm256_add_epi32(dot[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(w0, x), ones));
             dot[r][1] = _mm256_add_epi32(dot[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(w1, x), ones));
           }
-        }
+        };
+        half(std::integral_constant<int, 0>{});
+        half(std::integral_constant<int, 1>{});
       }
       auto half8 = [](const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); };
       for (int c = 0; c < 2; c++) {
@@ -560,6 +579,8 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
           if constexpr (minimums) {
             acc[i][r][c] = _mm256_fmadd_ps(d, _mm256_mul_ps(s, _mm256_set1_ps(acts.scale[mb])), acc[i][r][c]);
             acc[i][r][c] = _mm256_fmadd_ps(mn_or_z, _mm256_set1_ps(acts.scale[mb] * acts.sum[mb]), acc[i][r][c]);
+          } else if constexpr (kFoldZero) {
+            acc[i][r][c] = _mm256_fmadd_ps(d, _mm256_mul_ps(s, _mm256_set1_ps(acts.scale[mb])), acc[i][r][c]);
           } else {
             const __m256 x = _mm256_fnmadd_ps(mn_or_z, _mm256_set1_ps(acts.sum[mb]), d);
             acc[i][r][c] = _mm256_fmadd_ps(x, _mm256_mul_ps(s, _mm256_set1_ps(acts.scale[mb])), acc[i][r][c]);
