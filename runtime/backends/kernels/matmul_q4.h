@@ -328,7 +328,7 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
   const size_t two_off = (size_t)(block / 8) * 64 * nib, one_off = two_off + (size_t)(block / 8) * 32 * two;
   const size_t last_block = (size_t)wts.ntiles * nblk - 1;
   const __m512i low4 = _mm512_set1_epi8(15);
-  // each 2- and 1-bit field moved to its place in the weight by one shift per 16-bit lane (field_shifts) and
+  // each 2- and 1-bit field moved to its place in the weight by one shift per 16-bit lane (field_shift) and
   // merged under its mask
   constexpr FieldShift two0 = field_shift(2, two_at, 0), two1 = field_shift(2, two_at, 4);
   constexpr FieldShift one0 = field_shift(1, one_at, 0), one1 = field_shift(1, one_at, 4);
