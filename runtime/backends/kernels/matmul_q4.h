@@ -248,6 +248,12 @@ constexpr OwnBits traits() {
   if constexpr (Mode >= 2) return kOwnBits[Mode - 2];
   else return OwnBits{"", 4, 32, 0, 32, Mode == 1 ? Scales::kHalfMin : Scales::kHalf};
 }
+// A type with one zero point z (w = s (q - z)) starts each row's sums at -z sum(qa), in integers (exact as
+// the fp32 correction it replaces: both are below 2^24), so the block's epilogue has one operation less
+template <int Mode>
+constexpr bool fold_zero() {
+  return Mode >= 2 && (traits<Mode>().scales == Scales::kSix || traits<Mode>().scales == Scales::kHalf);
+}
 
 // The scales a later block reads, into the cache: block b + 4 of the same tile (kAhead), or block b of the
 // tile `next` tiles on (kNext); tb indexes blocks tile by tile. A super-block's d line serves several
@@ -322,7 +328,7 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
   constexpr int GB = 16 * L.bits;  // bytes a group of 8 k takes in a tile (all its fields)
   constexpr bool nib = L.bits & 4, two = L.bits & 2, one = L.bits & 1;  // the fields (see OwnBits::bits)
   constexpr int two_at = nib ? 4 : 0, one_at = two_at + (two ? 2 : 0);  // where they go in a weight
-  constexpr bool kFoldZero = Mode >= 2 && (L.scales == Scales::kSix || L.scales == Scales::kHalf);
+  constexpr bool kFoldZero = fold_zero<Mode>();
   const int nblk = wts.nblk, block = wts.block, K = wts.Kp;  // rows of qa are padded to whole blocks
   const size_t tile_bytes = (size_t)nblk * (block / 8) * GB;
   const size_t two_off = (size_t)(block / 8) * 64 * nib, one_off = two_off + (size_t)(block / 8) * 32 * two;
@@ -339,9 +345,7 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
   for (int i = 0; i < T; i++)
     for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_ps();
   for (int b = 0; b < nblk; b++) {
-    // a type with one zero point z (w = s (q - z)) starts each row's sums at -z sum(qa), in integers (exact
-    // as the fp32 sum it replaces: both are below 2^24), so the block's epilogue has one operation less
-    __m512i dot[T][R];
+    __m512i dot[T][R];  // with one zero point, each row's sums start at -z sum(qa) (fold_zero)
     for (int r = 0; r < R; r++) {
       const __m512i start = kFoldZero ? _mm512_set1_epi32(-L.zero * (int32_t)acts.sum[(size_t)(m0 + r) * nblk + b])
                                       : _mm512_setzero_si512();
@@ -487,7 +491,7 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
   const size_t last_block = (size_t)wts.ntiles * nblk - 1;
   const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
   const __m256i two_m = _mm256_set1_epi8((char)(3 << two_at)), one_m = _mm256_set1_epi8((char)(1 << one_at));
-  constexpr bool kFoldZero = Mode >= 2 && (L.scales == Scales::kSix || L.scales == Scales::kHalf);  // as AVX-512's
+  constexpr bool kFoldZero = fold_zero<Mode>();
   __m256 acc[T][R][2];
   for (int i = 0; i < T; i++)
     for (int r = 0; r < R; r++) acc[i][r][0] = acc[i][r][1] = _mm256_setzero_ps();

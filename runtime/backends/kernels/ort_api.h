@@ -34,7 +34,6 @@ enum ApiEntry : size_t {
   kGetTensorTypeAndShape = 65,
   kKernelInfoGetAttribute_float = 85,
   kKernelInfoGetAttribute_int64 = 86,
-  kKernelContext_GetInputCount = 88,
   kKernelContext_GetInput = 90,
   kKernelContext_GetOutput = 91,
   kReleaseStatus = 93,
@@ -119,11 +118,17 @@ OrtStatus* output_data(OrtKernelContext* ctx, size_t i, const int64_t* dims, siz
       ctx, i, dims, rank, &v));
   return tensor_data(v, data);
 }
-// inputs 0..n-1 of the kernel's context, with their shapes
-OrtStatus* read_inputs(OrtKernelContext* ctx, size_t n, const OrtValue** in, std::vector<int64_t>* dims) {
+// inputs 0..n-1 of the kernel's context, with their shapes. From `required` on they are optional: an absent one
+// is null (its dims empty); one absent before it is `op`'s error.
+OrtStatus* read_inputs(OrtKernelContext* ctx, size_t n, const OrtValue** in, std::vector<int64_t>* dims,
+                       size_t required = SIZE_MAX, const char* op = "ruvllm") {
   auto input = api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput);
   for (size_t i = 0; i < n; i++) {
     RETURN_IF(input(ctx, i, &in[i]));
+    if (!in[i]) {
+      if (i < required) return fail(std::string(op) + ": a required input is missing");
+      continue;
+    }
     RETURN_IF(tensor_shape(in[i], dims[i]));
   }
   return nullptr;

@@ -1231,14 +1231,9 @@ OrtStatus* create_attention(const CustomOp*, const void*, const OrtKernelInfo* i
 
 OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
   const AttnKernel& k = *static_cast<AttnKernel*>(kernel);
-  auto input = api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput);
   const OrtValue* in[12] = {};
   std::vector<int64_t> dims[12];
-  for (size_t i = 0; i < 12; i++) {
-    RETURN_IF(input(ctx, i, &in[i]));
-    if (in[i]) RETURN_IF(tensor_shape(in[i], dims[i]));
-    else if (i < 7) return fail("ruvllm.PagedAttention: a required input is missing");
-  }
+  RETURN_IF(read_inputs(ctx, 12, in, dims, 7, "ruvllm.PagedAttention"));  // scales, tails, floors: optional
   if (dims[0].size() != 2 || dims[2].size() != 4 || dims[4].size() != 2 || dims[5].size() != 2 || dims[6].size() != 1)
     return fail("ruvllm.PagedAttention: unexpected input ranks");
   const int64_t D = dims[0][1], N = dims[6][0];

@@ -121,16 +121,9 @@ OrtStatus* create_sample(const CustomOp*, const void*, const OrtKernelInfo*, voi
 
 OrtStatus* sample_topk(void*, OrtKernelContext* ctx) {
   const char* op = "ruvllm.SampleTopK";
-  size_t count = 0;
-  RETURN_IF(api<OrtStatus* (*)(const OrtKernelContext*, size_t*)>(kKernelContext_GetInputCount)(ctx, &count));
   const OrtValue* in[6] = {};
   std::vector<int64_t> d[6];
-  for (size_t n = 0; n < std::min<size_t>(count, 6); n++) {
-    RETURN_IF(api<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(kKernelContext_GetInput)(ctx, n, &in[n]));
-    if (in[n]) RETURN_IF(tensor_shape(in[n], d[n]));
-  }
-  for (int n = 0; n < 5; n++)
-    if (!in[n]) return fail(std::string(op) + ": inputs 0-4 (logits, ids, values, temperature, k) are required");
+  RETURN_IF(read_inputs(ctx, 6, in, d, 5, op));  // the mask: optional
   SampleJob j{};
   if (d[0].size() != 2) return fail(std::string(op) + ": logits must be [rows, vocab]");
   j.B = d[0][0];
