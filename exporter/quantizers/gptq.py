@@ -31,37 +31,39 @@ ACT_ORDER = True  # SmolLM2, AWQ then GPTQ in blocks of 128, 7k tokens of pydoc:
 LAZY_COLUMNS = 128  # columns whose updates are applied together (GPTQ's lazy batch)
 
 
-def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER) -> Grid:
+def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER, consume: bool = False) -> Grid:
     """Quantize w [out, in] (torch, float) given h = X^T X [in, in] of its calibration inputs.
 
     act_order: round the columns in order of decreasing H diagonal (the inputs with the most energy
     first, while many columns are left to absorb their error), with every block's grid fixed
-    beforehand from the weights as given (a block's columns are then not rounded together)."""
+    beforehand from the weights as given (a block's columns are then not rounded together).
+    consume: w (float32) is worked on in its own memory, not copied (gptq_layer's concatenation)."""
     import torch
 
-    w = w.detach().clone().float()
     out_f, in_f = w.shape
-    h = h.detach().float()  # consumed: the caller's accumulator (gptq_layer's) is not kept
+    h = h.detach().float().contiguous()  # consumed: the caller's accumulator (gptq_layer's) is not kept
     dead = torch.diag(h) == 0  # an input that is always zero: its weights do not matter
     h[dead, dead] = 1
-    w[:, dead] = 0
     levels = 2 ** bits - 1
     blocks = -(-in_f // block)
+    w = w.detach()
     if act_order:
-        scales, zeros = block_grid(torch.nn.functional.pad(w, (0, -in_f % block)).reshape(out_f, blocks, block), bits)
+        scales, zeros = torch.zeros(out_f, blocks), torch.zeros(out_f, blocks)
+        for r in range(0, out_f, 1024):  # rows a chunk at a time: no padded copy of the whole matrix
+            padded = torch.nn.functional.pad(w[r:r + 1024].float(), (0, -in_f % block))
+            padded[:, :in_f][:, dead] = 0
+            scales[r:r + 1024], zeros[r:r + 1024] = block_grid(padded.reshape(-1, blocks, block), bits)
         perm = torch.argsort(torch.diag(h), descending=True)
     else:  # each block's grid is set when its first column comes up
         scales, zeros = torch.zeros(out_f, blocks), torch.zeros(out_f, blocks)
         perm = torch.arange(in_f)
-    w, h = w[:, perm], h[perm[:, None], perm]  # one gather: H and its permuted copy, no third
+    w = _permuted_columns(w, perm, consume and w.dtype == torch.float32)
+    w[:, dead[perm]] = 0
+    _permute_symmetric_(h, perm)
     h.diagonal().add_(DAMP * torch.mean(torch.diag(h)))
-    # the upper Cholesky factor of H^-1: row i holds how column i's error moves the later columns. One
-    # [in, in] float32 matrix at a time besides H's: a 7B's down projection's is 0.8 GB (float64 and
-    # copies held together: ~6 GB)
-    h = torch.linalg.cholesky(h)
-    h = torch.cholesky_inverse(h)
-    u = torch.linalg.cholesky(h, upper=True)
-    del h
+    # the upper Cholesky factor of H^-1: row i holds how column i's error moves the later columns, made in
+    # H's own memory (a 7B's down projection's H is 0.8 GB; torch's factorizations would each make another)
+    u = _inverse_cholesky_upper_(h)
     q = torch.zeros(out_f, in_f, dtype=torch.uint8)
     lazy = max(LAZY_COLUMNS, block)  # a multiple of block (both powers of two): a block starts a batch or lies in one
     for i1 in range(0, in_f, lazy):
@@ -81,9 +83,67 @@ def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER) -> G
             err[:, i] = e
             q[:, col] = qi.to(torch.uint8)
         w[:, i2:] -= err @ u[i1:i2, i2:]
+    del u, h
     q = q[:, torch.argsort(perm)]
     return Grid(q.numpy(), scales.numpy().astype(np.float32), zeros.numpy().astype(np.uint8), block, bits)
 
+
+def _permuted_columns(w, perm, in_place: bool):
+    """w[:, perm] in float32: into w itself (in_place), else into one new matrix, rows a chunk at a time."""
+    import torch
+
+    out = w if in_place else torch.empty(w.shape, dtype=torch.float32)
+    for r in range(0, w.shape[0], 1024):
+        out[r:r + 1024] = w[r:r + 1024][:, perm].float()
+    return out
+
+
+def _permute_rows_(m, perm) -> None:
+    """m[perm] into m's own memory, one row held aside per cycle of the permutation."""
+    p = perm.tolist()
+    done = [False] * len(p)
+    for start in range(len(p)):
+        if done[start] or p[start] == start:
+            continue
+        held, i = m[start].clone(), start
+        while True:
+            done[i] = True
+            if p[i] == start:
+                m[i] = held
+                break
+            m[i] = m[p[i]]
+            i = p[i]
+
+
+def _permute_symmetric_(h, perm) -> None:
+    """h[perm][:, perm] (h symmetric) in h's own memory: rows permuted, h transposed in place (blocks swapped),
+    rows permuted again."""
+    _permute_rows_(h, perm)
+    n, b = h.shape[0], 512
+    for i in range(0, n, b):
+        h[i:i + b, i:i + b] = h[i:i + b, i:i + b].T.clone()
+        for j in range(i + b, n, b):
+            held = h[i:i + b, j:j + b].clone()
+            h[i:i + b, j:j + b] = h[j:j + b, i:i + b].T
+            h[j:j + b, i:i + b] = held.T
+    _permute_rows_(h, perm)
+
+
+def _inverse_cholesky_upper_(h):
+    """U, upper triangular, with U^T U = h^-1 (h symmetric positive definite, float32, C-contiguous),
+    computed in h's memory by LAPACK's potrf, potri and potrf again; returned as a view of it."""
+    import torch
+    from scipy.linalg import lapack
+
+    a = h.numpy().T  # the same memory in Fortran order; h is symmetric, so a is h
+    steps = (("potrf", lambda x: lapack.spotrf(x, lower=0, clean=0, overwrite_a=1)),  # a = R^T R, R upper
+             ("potri", lambda x: lapack.spotri(x, lower=0, overwrite_c=1)),  # a^-1's upper triangle
+             ("potrf", lambda x: lapack.spotrf(x, lower=0, clean=1, overwrite_a=1)))  # U, the rest zeroed
+    for name, step in steps:
+        out, info = step(a)
+        if info != 0 or not np.shares_memory(out, a):
+            raise RuntimeError(f"GPTQ: LAPACK's {name} failed (info {info}) on the damped Hessian")
+    return torch.from_numpy(a)
 
 def model_samples(model, n: int = SELF_SAMPLES, length: int = SELF_SAMPLE_LEN, seed: int = 0) -> list[list[int]]:
     """Text the model writes itself, sampled at temperature 1 from a random first token (as LLM-QAT's
@@ -170,8 +230,8 @@ def gptq_layer(i: int, layer, captured: list[tuple], block: int, bits: int, mlp_
             for h in hooks:
                 h.remove()
         for name, mods in groups.items():
-            w = torch.cat([m.weight for m in mods], 0)
-            grid = gptq_quantize(w, hs.pop(name), width[name], bits, act_order)
+            grid = gptq_quantize(torch.cat([m.weight for m in mods], 0), hs.pop(name), width[name], bits, act_order,
+                                 consume=True)
             grids[f"layers.{i}.{name}"] = grid
             deq = torch.from_numpy(grid.dequantize())
             start = 0

@@ -3,6 +3,10 @@ minimizes, and a GPTQ export (alone or after AWQ) matches fp32."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
 import pytest
@@ -129,3 +133,48 @@ def test_gptq_with_own_calibration_text(tiny_model_dir, workdir, tmp_path, monke
                                                         calibration=str(text), progress=False, lora=False)))
     q = pkg.manifest["quantization"]
     assert q["calibration"] == q["gptq"]["calibration"] == "calibration.txt"
+
+
+@pytest.mark.parametrize("n", [96, 700, 1100])
+def test_hessian_permuted_and_factored_in_its_own_memory(n):
+    """The symmetric permutation and the upper Cholesky factor of H^-1 are torch's (gather, cholesky,
+    cholesky_inverse, cholesky upper), made in H's memory (sizes past one 512 block and ragged ones)."""
+    from exporter.quantizers.gptq import _inverse_cholesky_upper_, _permute_symmetric_
+
+    rng = np.random.default_rng(n)
+    x = torch.from_numpy(rng.standard_normal((2 * n, n)).astype(np.float32) * np.exp(rng.standard_normal(n)).astype(np.float32))
+    h = x.T @ x + 0.1 * torch.eye(n)
+    perm = torch.from_numpy(rng.permutation(n))
+    want = h[perm[:, None], perm]
+    got = h.clone()
+    address = got.data_ptr()
+    _permute_symmetric_(got, perm)
+    assert torch.equal(got, want)
+    u = _inverse_cholesky_upper_(got)
+    ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(want.double())), upper=True)
+    assert u.data_ptr() == address and torch.equal(torch.triu(u), u)
+    assert torch.allclose(u.double(), ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+
+
+def test_gptq_holds_one_hessian():
+    """GPTQ on a 6,144-input projection: the peak above its inputs is a few copies of the (small) weights,
+    not a second Hessian (torch's factorizations each made one)."""
+    code = """
+import numpy as np, torch
+from scipy.linalg import lapack
+from exporter.quantizers.gptq import gptq_quantize
+lapack.spotrf(np.asfortranarray(np.eye(256, dtype=np.float32)), overwrite_a=1)  # LAPACK's own start-up, apart
+def status(key):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(key))
+n, out_f = 6144, 128
+h = torch.zeros(n, n); x = torch.randn(256, n); h.addmm_(x.T, x); del x
+w = torch.randn(out_f, n)
+open("/proc/self/clear_refs", "w").write("5")  # the peak (VmHWM) starts again from here
+before = status("VmRSS:")
+gptq_quantize(w, h, 32, 4)
+print((status("VmHWM:") - before) / 1024)
+"""
+    grew = float(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parents[2]).stdout)
+    hessian = 6144 * 6144 * 4 / 2**20  # 144 MB; the weights 3 MB
+    assert grew < 0.5 * hessian, grew
