@@ -233,12 +233,12 @@ def gptq_layer(i: int, layer, captured: list[tuple], block: int, bits: int, mlp_
             grid = gptq_quantize(torch.cat([m.weight for m in mods], 0), hs.pop(name), width[name], bits, act_order,
                                  consume=True)
             grids[f"layers.{i}.{name}"] = grid
-            deq = torch.from_numpy(grid.dequantize())
             start = 0
-            for m in mods:
-                rows = m.weight.shape[0]
-                m.weight.copy_(deq[start:start + rows].to(m.weight.dtype))
-                start += rows
+            for m in mods:  # the dequantized weights, 1,024 rows at a time
+                for r in range(0, m.weight.shape[0], 1024):
+                    part = grid.rows(start + r, start + min(r + 1024, m.weight.shape[0])).dequantize()
+                    m.weight[r:r + len(part)].copy_(torch.from_numpy(part).to(m.weight.dtype))
+                start += m.weight.shape[0]
         # the next layer calibrates on this one's quantized outputs
         return grids, [(layer_output(layer(hidden, **kwargs)), kwargs) for hidden, kwargs in captured]
 

@@ -178,3 +178,17 @@ print((status("VmHWM:") - before) / 1024)
                                 cwd=Path(__file__).resolve().parents[2]).stdout)
     hessian = 6144 * 6144 * 4 / 2**20  # 144 MB; the weights 3 MB
     assert grew < 0.5 * hessian, grew
+
+
+@pytest.mark.parametrize("mins", [False, True])
+def test_a_grids_rows_dequantize_as_the_whole(mins):
+    """gptq_layer writes the dequantized weights back 1,024 rows at a time: Grid.rows' numbers are the
+    whole grid's rows, bit for bit."""
+    rng = np.random.default_rng(3)
+    out_f, in_f, block = 2500, 96, 32
+    grid = Grid(rng.integers(0, 16, (out_f, in_f), dtype=np.uint8), rng.random((out_f, 3), dtype=np.float32),
+                rng.integers(0, 16, (out_f, 3), dtype=np.uint8), block, 4,
+                rng.standard_normal((out_f, 3)).astype(np.float32) if mins else None)
+    whole = grid.dequantize()
+    parts = [grid.rows(r, min(r + 1024, out_f)).dequantize() for r in range(0, out_f, 1024)]
+    assert np.array_equal(np.concatenate(parts), whole)
