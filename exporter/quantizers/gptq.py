@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from exporter.heap import release_freed
 from exporter.quantizers.awq import block_grid
 from exporter.quantizers.grid import Grid
 
@@ -239,6 +240,7 @@ def gptq_layer(i: int, layer, captured: list[tuple], block: int, bits: int, mlp_
                     part = grid.rows(start + r, start + min(r + 1024, m.weight.shape[0])).dequantize()
                     m.weight[r:r + len(part)].copy_(torch.from_numpy(part).to(m.weight.dtype))
                 start += m.weight.shape[0]
+            release_freed()  # the group's Hessian and working copies, out of glibc's heap
         # the next layer calibrates on this one's quantized outputs
         return grids, [(layer_output(layer(hidden, **kwargs)), kwargs) for hidden, kwargs in captured]
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from exporter.builders.spec import FUSED_PROJECTIONS
+from exporter.heap import release_freed
 from exporter.quantizers.awq import LoraScales, awq_layer, layer_probes, sample_share
 from exporter.quantizers.gptq import capture_first_layer, gptq_layer, layer_output
 from exporter.quantizers.grid import Grid, rtn_grid
@@ -102,6 +103,7 @@ class LayerwiseQuantizer:
                     w = np.concatenate([layer.get_submodule(p).weight.detach().numpy() for p in parts])
                     block = (self.mlp_block or self.block) if name.endswith(MLP_WEIGHTS) else self.block
                     self.grids[name] = rtn_grid(w, self.bits, block)
+        release_freed()  # the layer's float weights and calibration temporaries
 
     def _loaded(self, module, prefix: str, skip: str | None = None):
         """A context in which `module`'s parameters hold the source's weights (those under `skip` left
