@@ -30,6 +30,7 @@ DAMP = 0.1
 SELF_SAMPLES, SELF_SAMPLE_LEN = 8, 512  # the model's own text added to the default calibration (model_samples)
 ACT_ORDER = True  # SmolLM2, AWQ then GPTQ in blocks of 128, 7k tokens of pydoc: KL 0.140 with, 0.145 without
 LAZY_COLUMNS = 128  # columns whose updates are applied together (GPTQ's lazy batch)
+ROWS = 1024  # output rows a whole-matrix copy is made of at a time (a 7B gate_up's float32 copy is 470 MB)
 
 
 def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER, consume: bool = False) -> Grid:
@@ -48,15 +49,14 @@ def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER, cons
     levels = 2 ** bits - 1
     blocks = -(-in_f // block)
     w = w.detach()
+    scales, zeros = torch.zeros(out_f, blocks), torch.zeros(out_f, blocks)
     if act_order:
-        scales, zeros = torch.zeros(out_f, blocks), torch.zeros(out_f, blocks)
-        for r in range(0, out_f, 1024):  # rows a chunk at a time: no padded copy of the whole matrix
-            padded = torch.nn.functional.pad(w[r:r + 1024].float(), (0, -in_f % block))
+        for r in range(0, out_f, ROWS):  # no padded copy of the whole matrix
+            padded = torch.nn.functional.pad(w[r:r + ROWS].float(), (0, -in_f % block))
             padded[:, :in_f][:, dead] = 0
-            scales[r:r + 1024], zeros[r:r + 1024] = block_grid(padded.reshape(-1, blocks, block), bits)
+            scales[r:r + ROWS], zeros[r:r + ROWS] = block_grid(padded.reshape(-1, blocks, block), bits)
         perm = torch.argsort(torch.diag(h), descending=True)
     else:  # each block's grid is set when its first column comes up
-        scales, zeros = torch.zeros(out_f, blocks), torch.zeros(out_f, blocks)
         perm = torch.arange(in_f)
     w = _permuted_columns(w, perm, consume and w.dtype == torch.float32)
     w[:, dead[perm]] = 0
@@ -90,12 +90,12 @@ def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER, cons
 
 
 def _permuted_columns(w, perm, in_place: bool):
-    """w[:, perm] in float32: into w itself (in_place), else into one new matrix, rows a chunk at a time."""
+    """w[:, perm] in float32: into w itself (in_place), else into one new matrix, ROWS rows at a time."""
     import torch
 
     out = w if in_place else torch.empty(w.shape, dtype=torch.float32)
-    for r in range(0, w.shape[0], 1024):
-        out[r:r + 1024] = w[r:r + 1024][:, perm].float()
+    for r in range(0, w.shape[0], ROWS):
+        out[r:r + ROWS] = w[r:r + ROWS][:, perm].float()
     return out
 
 
@@ -136,15 +136,16 @@ def _inverse_cholesky_upper_(h):
     import torch
     from scipy.linalg import lapack
 
-    a = h.numpy().T  # the same memory in Fortran order; h is symmetric, so a is h
-    steps = (("potrf", lambda x: lapack.spotrf(x, lower=0, clean=0, overwrite_a=1)),  # a = R^T R, R upper
-             ("potri", lambda x: lapack.spotri(x, lower=0, overwrite_c=1)),  # a^-1's upper triangle
-             ("potrf", lambda x: lapack.spotrf(x, lower=0, clean=1, overwrite_a=1)))  # U, the rest zeroed
-    for name, step in steps:
-        out, info = step(a)
+    def check(name: str, out, info: int) -> None:
         if info != 0 or not np.shares_memory(out, a):
             raise RuntimeError(f"GPTQ: LAPACK's {name} failed (info {info}) on the damped Hessian")
+
+    a = h.numpy().T  # the same memory in Fortran order; h is symmetric, so a is h
+    check("potrf", *lapack.spotrf(a, lower=0, clean=0, overwrite_a=1))  # a = R^T R, R upper
+    check("potri", *lapack.spotri(a, lower=0, overwrite_c=1))  # a^-1's upper triangle
+    check("potrf", *lapack.spotrf(a, lower=0, clean=1, overwrite_a=1))  # U, the rest zeroed
     return torch.from_numpy(a)
+
 
 def model_samples(model, n: int = SELF_SAMPLES, length: int = SELF_SAMPLE_LEN, seed: int = 0) -> list[list[int]]:
     """Text the model writes itself, sampled at temperature 1 from a random first token (as LLM-QAT's
@@ -235,9 +236,9 @@ def gptq_layer(i: int, layer, captured: list[tuple], block: int, bits: int, mlp_
                                  consume=True)
             grids[f"layers.{i}.{name}"] = grid
             start = 0
-            for m in mods:  # the dequantized weights, 1,024 rows at a time
-                for r in range(0, m.weight.shape[0], 1024):
-                    part = grid.rows(start + r, start + min(r + 1024, m.weight.shape[0])).dequantize()
+            for m in mods:  # the dequantized weights, ROWS rows at a time
+                for r in range(0, m.weight.shape[0], ROWS):
+                    part = grid.rows(start + r, start + min(r + ROWS, m.weight.shape[0])).dequantize()
                     m.weight[r:r + len(part)].copy_(torch.from_numpy(part).to(m.weight.dtype))
                 start += m.weight.shape[0]
             release_freed()  # the group's Hessian and working copies, out of glibc's heap
