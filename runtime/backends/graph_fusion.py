@@ -78,7 +78,7 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     if "PagedAttention" in ops and config is not None and fusable_head_dim(config.get("head_dim", 0)):
         windows = config.get("layer_windows") or [config.get("sliding_window")] * config["num_layers"]
         layers = fuse_attention(model, config["num_layers"], config["num_heads"], config["num_kv_heads"], windows)
-    if kv_dtype in ("int8", "int4"):  # on the kernel's layers, else (int8, no AVX-512) on the graph's own attention
+    if kv_dtype in ("int8", "int4"):  # on the kernel's layers, else (int8, no kernel) on the graph's own attention
         if layers:
             kv_quantized(model, config["num_layers"], kv_tails, kv_dtype)
         if kv_dtype == "int8":

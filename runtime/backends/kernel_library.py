@@ -8,10 +8,10 @@ MatMulQ4Split also do what follows a projection; `ruvllm.MatMulQ8` is its 8-bit 
 zero points of 128 (a GGUF's Q8_0 LM head), one pass over the bytes. `ruvllm.PagedAttention` reads each row's KV blocks
 in place instead of the graph gathering every context into a copy, and `ruvllm.SkipRMSNorm` replaces
 onnxruntime's residual add + RMS norm, ~10x slower per row. graph_fusion.py rewrites a graph onto
-them. All need AVX-512 VNNI and a C++ compiler; on a CPU with AVX2, FMA and F16C only, the library
-holds the block matmuls and the LoRA delta alone (`operators()` says which), in AVX2, where onnxruntime's own AVX2 int8
-kernel quantizes activations ~2.5x less exactly than rounding each block to nearest (see
-docs/PERFORMANCE.md). The library is built once per source, compiler and CPU into the cache
+them. All need a C++ compiler and AVX-512 VNNI, or AVX2 with FMA and F16C (`isa()` says which build: the
+AVX2 build's attention gives the AVX-512 build's numbers bit for bit; its matmuls the same integer sums),
+where onnxruntime's own AVX2 int8 kernel quantizes activations ~2.5x less exactly than rounding each block
+to nearest (see docs/PERFORMANCE.md). The library is built once per source, compiler and CPU into the cache
 (RUVLLM_CACHE_DIR or ~/.cache/ruvllm, under kernels/), as torch's cpp_extension does; where the CPU
 or compiler is missing the native backend runs the package's graph as it is. RUVLLM_CPU_KERNELS=0
 turns them all off, RUVLLM_PAGED_ATTENTION=0 the attention only; RUVLLM_KERNEL_ISA=avx2 builds the AVX2
@@ -31,8 +31,8 @@ from runtime.aliases import cache_dir
 
 KERNELS = Path(__file__).with_name("kernels")
 SOURCE = KERNELS / "register.cpp"  # one translation unit over the op families' headers
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # the full set of operators
-AVX2_FLAGS = ("avx2", "fma", "f16c")  # the block matmuls and the LoRA delta
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")  # the AVX-512 build
+AVX2_FLAGS = ("avx2", "fma", "f16c")  # the AVX2 build
 # -ffp-contract=off: no multiply and add fused where the source does not fuse them, so a number is computed
 # alike on every path that writes it alike (batch invariance: tests/runtime/test_batch_invariance.py)
 COMPILE_FLAGS = ["-O3", "-march=native", "-std=c++17", "-ffp-contract=off", "-shared", "-fPIC", "-fvisibility=hidden"]
@@ -146,8 +146,20 @@ def kv_writer(kv_dtype: str = "int8"):
     return _kv_writers[kv_dtype]
 
 
+def isa(lib: Path | None = None) -> str:
+    """Which instruction set the compiled library was built for ("AVX-512 VNNI" or "AVX2"; "" if none)."""
+    lib = lib or library()[0]
+    if lib is None:
+        return ""
+    import ctypes
+
+    fn = ctypes.CDLL(str(lib)).ruvllm_kernel_isa
+    fn.restype = ctypes.c_char_p
+    return fn().decode()
+
+
 def operators(lib: Path | None = None) -> frozenset[str]:
-    """The operators the compiled library registers: all of them with AVX-512, the 4-bit matmuls with AVX2."""
+    """The operators the compiled library registers (both builds: all of them)."""
     lib = lib or library()[0]
     if lib is None:
         return frozenset()

@@ -172,7 +172,7 @@ class NativeBackend:
         types = {i.name: i.type for i in session.get_inputs()}
         want = "tensor(uint8)" if self.kv_dtype == "int4" else "tensor(int8)"
         if any(types.get(C.past_key(i)) != want for i in range(self.num_layers)):
-            where = ("an int4 pool is read by RuvLLM's PagedAttention kernel only (AVX-512), here "
+            where = ("an int4 pool is read by RuvLLM's PagedAttention kernel only (AVX-512 or AVX2), here "
                      f"{self.attention_kernel}" if self.kv_dtype == "int4" else "some layers' attention cannot read it")
             raise DeviceError(f"--kv-dtype {self.kv_dtype}: {self.pkg.path.name}'s graph cannot run on this pool "
                               f"({where}); run it with --kv-dtype fp32 or int8")
@@ -193,7 +193,7 @@ class NativeBackend:
             self.attention_kernel += f" ({why})"
             return None
         ops = kernel_library.operators(lib)
-        no_attention = "" if "PagedAttention" in ops else " (AVX2 build: no PagedAttention)"
+        no_attention = "" if "PagedAttention" in ops else " (this build has no PagedAttention)"
         if os.environ.get("RUVLLM_PAGED_ATTENTION", "1") == "0":
             ops -= {"PagedAttention"}
             no_attention = ""  # asked for: the graph's own attention is the expected path
@@ -238,7 +238,7 @@ class NativeBackend:
             self.attention_kernel += why
             return None
         if count:
-            isa = "AVX-512 VNNI" if "PagedAttention" in kernel_library.operators(lib) else "AVX2"
+            isa = kernel_library.isa(lib)
             self.matmul_kernel = f"ruvllm.MatMulQ4 ({count} of the graph's MatMulNBits, {isa})"
             if counts.get("MatMulQ8"):
                 self.matmul_kernel += f" + ruvllm.MatMulQ8 ({counts['MatMulQ8']} 8-bit)"

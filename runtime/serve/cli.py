@@ -642,7 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--block-size", type=int, default=None, help="KV block size in tokens (default: the package's)")
         p.add_argument("--kv-dtype", default=None, choices=list(KV_DTYPES),
                        help="KV-cache numbers: fp32 (default), int8 (about a quarter of the memory; CPU) or int4 "
-                            "(about a sixth; CPU with AVX-512)")
+                            "(about a sixth; CPU with AVX2 or AVX-512)")
         p.add_argument("--speculative-tokens", type=int, default=None,
                        help="prompt-lookup drafts verified per decode step, for requests at temperature <= 0.5 (default 3; 0: off)")
         p.add_argument("--speculative-max-batch", type=int, default=None,

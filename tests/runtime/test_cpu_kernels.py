@@ -18,8 +18,8 @@ from runtime.backends import graph_fusion, kernel_library
 LIB, WHY = kernel_library.library()
 needs_kernel = pytest.mark.skipif(LIB is None, reason=f"the 4-bit kernel is not used here: {WHY}")
 OPS = kernel_library.operators(LIB)
-needs_avx512 = pytest.mark.skipif("PagedAttention" not in OPS,
-                                  reason=f"PagedAttention and SkipRMSNorm need AVX-512 (this build: {sorted(OPS) or WHY})")
+needs_attention = pytest.mark.skipif("PagedAttention" not in OPS,
+                                     reason=f"PagedAttention and SkipRMSNorm are not built here: {sorted(OPS) or WHY}")
 
 
 def matmul_model(K: int, N: int, block: int, *, accuracy_level: int = 4, seed: int = 0) -> bytes:
@@ -50,17 +50,13 @@ def sessions(tmp_path, K: int, N: int, block: int) -> tuple[ort.InferenceSession
 
 
 def test_built_wherever_the_cpu_can_run_it():
-    """Every operator with AVX-512 VNNI; the block matmuls, the LoRA delta and the sampling tail with AVX2, FMA and
-    F16C; else none."""
+    """Every operator with AVX-512 VNNI, and with AVX2, FMA and F16C; else none."""
     flags = kernel_library._cpu_flags()
     if os.environ.get("RUVLLM_KERNEL_ISA") == "avx2":
         flags -= set(kernel_library.CPU_FLAGS)  # the AVX2 build, asked for on any host that has AVX2
-    if all(f in flags for f in kernel_library.CPU_FLAGS):
+    if all(f in flags for f in kernel_library.CPU_FLAGS) or all(f in flags for f in kernel_library.AVX2_FLAGS):
         assert LIB is not None and LIB.exists(), WHY
         assert OPS == {"MatMulQ4", "MatMulQ8", "PagedAttention", "SkipRMSNorm", "LoraDelta", "SampleTopK"}
-    elif all(f in flags for f in kernel_library.AVX2_FLAGS):
-        assert LIB is not None and LIB.exists(), WHY
-        assert OPS == {"MatMulQ4", "MatMulQ8", "LoraDelta", "SampleTopK"}
     else:
         assert LIB is None and "lacks" in WHY
 
@@ -226,7 +222,7 @@ def residual_norm_model(H: int, read_inverse: bool) -> bytes:
                                                    helper.make_opsetid("com.microsoft", 1)]).SerializeToString()
 
 
-@needs_avx512
+@needs_attention
 @pytest.mark.parametrize("H", [576, 40])
 def test_residual_add_and_rms_norm_computed_as_onnxruntime_does(tmp_path, H):
     """ruvllm.SkipRMSNorm gives both outputs onnxruntime's kernel gives: one row, a batch, rows enough to
@@ -375,7 +371,7 @@ def shared_prefix_steps(backend, prefix: list[int], own: list[list[int]], block:
     return run_step(backend, [chunk(r, [7 + r], len(prefix) + len(own[r])) for r in range(rows)])
 
 
-@needs_avx512
+@needs_attention
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
 def test_decode_rows_sharing_prefix_blocks_attend_to_them_together_exactly(tiny_package, monkeypatch, arch):
     """fp32 packages: the cascade (shared keys once for all rows, then each row's own, merged) against
@@ -499,7 +495,7 @@ def rotation(x: np.ndarray) -> np.ndarray:
     return _fwht(x.astype(np.float32))
 
 
-@needs_avx512
+@needs_attention
 @pytest.mark.parametrize("kv", ["fp32", "int8", "int8+tails", "int8+2tails", "int8+2tails+floors", "int4",
                                 "int4+2tails+floors", "int8+2tails16+floors", "int4+2tails16+floors"])
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
@@ -525,6 +521,18 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
     rounds them."""
     if kv.startswith("int4") and D % 32:
         pytest.skip("an int4 pool needs head_dim a multiple of 32")
+    graph, feeds, want = attention_case(Hq, Hkv, D, bs, window, softcap, layout, kv)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 2
+    opts.register_custom_ops_library(str(LIB))
+    got = ort.InferenceSession(graph, opts).run(None, feeds)[0]
+    want = want()
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
+
+
+def attention_case(Hq, Hkv, D, bs, window, softcap, layout, kv):
+    """test_paged_attention_op_against_a_plain_reference's step: (graph, feeds, a function giving the reference)."""
     rng = np.random.default_rng(Hq * D + bs)
     num_blocks = 512
     pool_k = rng.standard_normal((Hkv, num_blocks, bs, D), dtype=np.float32)
@@ -550,9 +558,6 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
     feeds = {"qk": rng.standard_normal((N * (Hq + Hkv), D), dtype=np.float32),
              "v": rng.standard_normal((N * Hkv, D), dtype=np.float32), "pool_k": pool_k, "pool_v": pool_v,
              "tables": tables, "qidx": qidx, "pos": np.array(pos, np.int64)}
-    opts = ort.SessionOptions()
-    opts.intra_op_num_threads = 2
-    opts.register_custom_ops_library(str(LIB))
     scale = 1 / np.sqrt(D)
     reference, exact = feeds, None
     quant = kv.split("+")[0]
@@ -590,14 +595,11 @@ def test_paged_attention_op_against_a_plain_reference(Hq, Hkv, D, bs, window, so
         feeds["exact_from"] = floors
     graph = attention_graph(Hq, Hkv, window, scale, quant, softcap, "tails" in kv, tail_blocks, floors is not None,
                             "tails16" in kv)
-    got = ort.InferenceSession(graph, opts).run(None, feeds)[0]
-    want = attention_reference(reference, Hq, Hkv, window, scale, softcap, exact, kv != "fp32", max(1, tail_blocks),
-                               floors, rotated=quant == "int4")
-    assert got.shape == want.shape == (N, Hq * D)
-    assert np.abs(got - want).max() <= 2e-5 * np.abs(want).max()
+    return graph, feeds, lambda: attention_reference(reference, Hq, Hkv, window, scale, softcap, exact, kv != "fp32",
+                                                     max(1, tail_blocks), floors, rotated=quant == "int4")
 
 
-@needs_avx512
+@needs_attention
 @pytest.mark.parametrize("arch,lengths", [("llama", (30, 3, 9)), ("mistral", (30, 3, 9)), ("qwen2", (30, 3, 9)),
                                           ("gemma2", (30, 3, 9)), ("llama", (150, 1, 40)), ("mistral", (150, 1, 40))])
 def test_paged_attention_computes_what_the_graph_computes(tiny_package, monkeypatch, arch, lengths):
@@ -726,12 +728,13 @@ def test_a_declared_fusion_that_does_not_apply_is_refused(tiny_package, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("RUVLLM_KERNEL_ISA") == "avx2" or "PagedAttention" not in OPS,
+@pytest.mark.skipif(os.environ.get("RUVLLM_KERNEL_ISA") == "avx2" or LIB is None
+                    or not all(f in kernel_library._cpu_flags() for f in kernel_library.CPU_FLAGS),
                     reason="this run already tests the only build this host has")
 def test_the_avx2_build_passes_these_tests_too():
     """An AVX-512 host builds the AVX2 set as well (RUVLLM_KERNEL_ISA=avx2) and runs this file, the
     adapter tests (ruvllm.LoraDelta) and the int8 KV writer's on it, so both instruction sets' paths of
-    the block matmuls, the LoRA delta and the writer are run on every such host."""
+    every operator (PagedAttention on every pool), the LoRA delta and the writer are run on every such host."""
     env = dict(os.environ, RUVLLM_KERNEL_ISA="avx2")
     adapters = str(Path(__file__).with_name("test_adapters.py"))
     writer = str(Path(__file__).with_name("test_kv_int8.py")) + "::test_the_kernel_librarys_writer_stores_what_numpy_does_bit_for_bit"
@@ -739,6 +742,42 @@ def test_the_avx2_build_passes_these_tests_too():
                           cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]
+
+
+ISA_CASES = [(kv, layout, shape) for kv in ("fp32", "int8+2tails16+floors", "int4+2tails16+floors", "int4")
+             for layout in ("mixed", "decode")
+             for shape in ((9, 3, 64, 16, 0, 0.0), (8, 2, 128, 16, 0, 0.0), (8, 2, 64, 16, 24, 0.0), (9, 3, 64, 16, 0, 2.0))]
+
+
+def attention_outputs(path: str) -> None:
+    """ISA_CASES' outputs of this process's build, saved to `path` (npz)."""
+    outs = {}
+    for i, (kv, layout, shape) in enumerate(ISA_CASES):
+        graph, feeds, _ = attention_case(*shape, layout, kv)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 2
+        opts.register_custom_ops_library(str(LIB))
+        outs[str(i)] = ort.InferenceSession(graph, opts).run(None, feeds)[0]
+    np.savez(path, **outs)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("RUVLLM_KERNEL_ISA") == "avx2" or LIB is None
+                    or not all(f in kernel_library._cpu_flags() for f in kernel_library.CPU_FLAGS),
+                    reason="needs a host with both builds")
+def test_the_avx2_builds_attention_gives_the_avx512_builds_numbers_bit_for_bit(tmp_path):
+    """PagedAttention's arithmetic is defined over 16 lanes (vec16.h): the AVX2 build computes it as two 8-lane
+    halves in the same order, so a CPU without AVX-512 gives the same attention, on every pool and path."""
+    theirs = tmp_path / "avx2.npz"
+    code = f"from tests.runtime.test_cpu_kernels import attention_outputs; attention_outputs({str(theirs)!r})"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                          env=dict(os.environ, RUVLLM_KERNEL_ISA="avx2"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ours = tmp_path / "avx512.npz"
+    attention_outputs(str(ours))
+    a, b = np.load(ours), np.load(theirs)
+    for i, case in enumerate(ISA_CASES):
+        assert np.array_equal(a[str(i)].view(np.uint32), b[str(i)].view(np.uint32)), case
 
 
 HUGE_PAGE_PROBE = """

@@ -22,7 +22,7 @@ from runtime.errors import DeviceError
 from tests.runtime.test_kv_int8 import CHAT_PROMPTS, answer_logprobs, steps, written_pools
 
 HAS_KERNEL = "PagedAttention" in kernel_library.operators(kernel_library.library()[0])
-needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="an int4 pool is read by ruvllm.PagedAttention (AVX-512)")
+needs_kernel = pytest.mark.skipif(not HAS_KERNEL, reason="an int4 pool is read by ruvllm.PagedAttention (AVX-512 or AVX2)")
 ARCH = "qwen3"  # the tiny families' one with head_dim 32 and no soft cap
 
 
@@ -152,7 +152,7 @@ def test_ruvllm_info_gives_the_pools_bytes_a_token(tiny_package):
 def test_int4_is_refused_clearly_where_it_cannot_run(tiny_package, monkeypatch):
     with pytest.raises(DeviceError, match="head_dim is 16"):
         Engine.from_package(tiny_package("llama"), kv_dtype="int4")
-    monkeypatch.setenv("RUVLLM_PAGED_ATTENTION", "0")  # as on a CPU without AVX-512
+    monkeypatch.setenv("RUVLLM_PAGED_ATTENTION", "0")  # as where RuvLLM's kernels cannot be built
     with pytest.raises(DeviceError, match="int4 pool is read by RuvLLM's PagedAttention kernel only"):
         Engine.from_package(tiny_package(ARCH), kv_dtype="int4")
 

@@ -114,7 +114,7 @@ def steps(backend, prompt: list[int], decodes: int) -> np.ndarray:
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
 def test_int8_pool_stays_near_the_fp32_pool_on_either_reader(tiny_package, monkeypatch, arch):
     """Prefill chunks and decodes on the int8 pool against the fp32 pool: int8's own error, small; the
-    graph's own attention (RUVLLM_PAGED_ATTENTION=0, as on a CPU without AVX-512) reads the same numbers
+    graph's own attention (RUVLLM_PAGED_ATTENTION=0, as where RuvLLM's kernels cannot be built) reads the same numbers
     (up to the kernel's 16-bit query) as ruvllm.PagedAttention without its full-precision tails (RUVLLM_KV_TAILS=0; mistral: across its
     sliding window), and the tails bring the kernel's reading nearer the fp32 pool's."""
     from runtime.backends.native import NativeBackend

@@ -76,8 +76,8 @@ PROMPT = [{"role": "user", "content": "Reply with one JSON value that fits what 
 def test_fifty_schemas_give_valid_json_batched_with_free_text(smol_int4):
     """All 50 at once (greedy and sampled), beside two free-text requests whose tokens stay those of a
     solo run: each output parses, validates with jsonschema, and ends by itself. The free requests have
-    prompts of their own: rows that share prompt blocks are attended together (cascade attention on
-    AVX-512), which rounds differently from a lone row."""
+    prompts of their own: rows that share prompt blocks are attended together (cascade attention in
+    ruvllm.PagedAttention), which rounds differently from a lone row."""
     engine = Engine.from_package(smol_int4, max_num_seqs=32)
     free = SamplingParams(max_tokens=24, temperature=0.0)
     prompts = ["Once upon a time, in a quiet harbour town,", "The three laws of motion say that"]

@@ -3,10 +3,10 @@
 
 #include <immintrin.h>
 
-// The full set (MatMulQ4 and its variants, PagedAttention, SkipRMSNorm) is AVX-512 (BW, VL, VNNI). On a
-// CPU with AVX2, FMA and F16C only, the library holds MatMulQ4 and its variants alone, computed with
-// AVX2 (vpmaddubsw + vpmaddwd where AVX-512 VNNI has vpdpbusd): the same arithmetic, rows for rows.
-// `ruvllm_kernel_ops` says which operators a build has.
+// Every operator is built for AVX-512 (BW, VL, VNNI) or for a CPU with AVX2, FMA and F16C only. The AVX2
+// build computes the block matmuls with vpmaddubsw + vpmaddwd where AVX-512 VNNI has vpdpbusd (the same
+// integer sums), and PagedAttention and SkipRMSNorm on two 8-lane halves of each 16-lane vector
+// (vec16.h: the same numbers bit for bit). `ruvllm_kernel_isa` says which build a library is.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define RUVLLM_AVX512 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)

@@ -1,6 +1,6 @@
 #pragma once
 
-#include "isa.h"
+#include "vec16.h"
 
 // ---- a step's K or V rows into an int8 KV pool (kv_pool.py), and into its fp16 tails ----
 //
@@ -50,35 +50,24 @@ inline void rotate_row(float* y, int64_t D) {
   for (int64_t i = 0; i < D; i++) y[i] *= c;
 }
 
-#if RUVLLM_AVX512
-// fwht's butterflies of distance 1, 2, 4, 8 on one vector: lanes i and i ^ h, (a, b) -> (a + b, a - b)
-inline __m512 butterflies16(__m512 v) {
-  __m512 p = _mm512_permute_ps(v, 0xB1);  // distance 1: lanes i ^ 1
-  v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xAAAA, p, v);
-  p = _mm512_permute_ps(v, 0x4E);  // distance 2
-  v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xCCCC, p, v);
-  p = _mm512_shuffle_f32x4(v, v, 0xB1);  // distance 4: 128-bit lanes swapped in pairs
-  v = _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xF0F0, p, v);
-  p = _mm512_shuffle_f32x4(v, v, 0x4E);  // distance 8
-  return _mm512_mask_sub_ps(_mm512_add_ps(v, p), 0xFF00, p, v);
-}
-
-// v (DV vectors, a row of D = 16 DV numbers) times c H, block by block of kv_rotation(D) numbers
-inline void rotate(__m512* v, int DV) {
+// v (DV vectors, a row of D = 16 DV numbers) times c H, block by block of kv_rotation(D) numbers: fwht's
+// butterflies in its order (distance 1, 2, 4, 8 within a vector, 16, 32, ... across vectors), the scale c last
+inline void rotate(V16* v, int DV) {
   const int rv = (int)(kv_rotation(16 * DV) / 16);
   for (int d = 0; d < DV; d++) v[d] = butterflies16(v[d]);
   for (int b = 0; b < DV; b += rv)
     for (int h = 1; h < rv; h *= 2)  // distance 16 h: whole vectors
       for (int k = b; k < b + rv; k++)
         if (!((k - b) & h)) {
-          const __m512 a = v[k], x = v[k + h];
-          v[k] = _mm512_add_ps(a, x);
-          v[k + h] = _mm512_sub_ps(a, x);
+          const V16 a = v[k], x = v[k + h];
+          v[k] = v_add(a, x);
+          v[k + h] = v_sub(a, x);
         }
-  const __m512 c = _mm512_set1_ps(rotation_scale(kv_rotation(16 * DV)));
-  for (int d = 0; d < DV; d++) v[d] = _mm512_mul_ps(v[d], c);
+  const V16 c = v_set1(rotation_scale(kv_rotation(16 * DV)));
+  for (int d = 0; d < DV; d++) v[d] = v_mul(v[d], c);
 }
 
+#if RUVLLM_AVX512
 inline void quantize_row_int4(const float* x, int64_t D, int64_t group, uint8_t* packed, uint16_t* sm) {
   const int DV = (int)(D / 16), per = (int)(group / 16);  // chunks of 16 in the row, in a group
   __m512 v[16];

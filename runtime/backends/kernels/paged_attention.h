@@ -1,10 +1,8 @@
 #pragma once
 
 #include "ort_api.h"
-#include "simd_math.h"
 #include "kv_write.h"
 
-#if RUVLLM_AVX512
 namespace {
 
 // ---- paged attention: each row's context read from the KV pool in place ----
@@ -42,30 +40,30 @@ namespace {
 
 // sc[t] = e^(sc[t] - mx) for t in [first, last]; returns their sum (16 lanes from `first`, one fixed tree)
 inline float exp_in_place(float* sc, int64_t first, int64_t last, float mx) {
-  const __m512 vmx = _mm512_set1_ps(mx);
-  __m512 vsum = _mm512_setzero_ps();
+  const V16 vmx = v_set1(mx);
+  V16 vsum = v_zero();
   int64_t t = first;
   for (; t + 16 <= last + 1; t += 16) {
-    const __m512 e = vexp(_mm512_sub_ps(_mm512_loadu_ps(&sc[t]), vmx));
-    _mm512_storeu_ps(&sc[t], e);
-    vsum = _mm512_add_ps(vsum, e);
+    const V16 e = v_exp(v_sub(v_loadu(&sc[t]), vmx));
+    v_storeu(&sc[t], e);
+    vsum = v_add(vsum, e);
   }
   if (t <= last) {
-    const __mmask16 m = (__mmask16)((1u << (last + 1 - t)) - 1);
-    const __m512 e = vexp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, &sc[t]), vmx));
-    _mm512_mask_storeu_ps(&sc[t], m, e);
-    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(m, e));
+    const int64_t n = last + 1 - t;
+    const V16 e = v_exp(v_sub(v_loadn(&sc[t], n), vmx));
+    v_storen(&sc[t], e, n);
+    vsum = v_add(vsum, v_keep(e, n));
   }
-  return _mm512_reduce_add_ps(vsum);
+  return v_reduce_add(vsum);
 }
 
 // the largest of sc[first .. last]
 inline float max_of(const float* sc, int64_t first, int64_t last) {
-  __m512 m = _mm512_set1_ps(-INFINITY);
+  V16 m = v_set1(-INFINITY);
   int64_t t = first;
-  for (; t + 16 <= last + 1; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(&sc[t]));
-  if (t <= last) m = _mm512_mask_max_ps(m, (__mmask16)((1u << (last + 1 - t)) - 1), m, _mm512_maskz_loadu_ps((__mmask16)((1u << (last + 1 - t)) - 1), &sc[t]));
-  return _mm512_reduce_max_ps(m);
+  for (; t + 16 <= last + 1; t += 16) m = v_max(m, v_loadu(&sc[t]));
+  if (t <= last) m = v_max_loadn(m, &sc[t], last + 1 - t);
+  return v_reduce_max(m);
 }
 
 // Batch invariance: a query's numbers must not depend on the path its step sends it down (a decode row
@@ -80,23 +78,23 @@ constexpr int64_t kSegment = 128;
 
 inline int64_t segment_last(int64_t t) { return (t / kSegment + 1) * kSegment - 1; }
 
-inline float exp1(float x) { return _mm512_cvtss_f32(vexp(_mm512_set1_ps(x))); }
+inline float exp1(float x) { return v_first(v_exp(v_set1(x))); }
 
 // One query's running result over the segments so far: o (D floats, undivided), exp sum *l, max *m
 // (*l == 0: none yet); `acc` is the next segment's weighted values, ls its exp sum, ms its max.
 template <int DV>
-inline void fold(float* o, float* l, float* m, const __m512 acc[DV], float ls, float ms) {
+inline void fold(float* o, float* l, float* m, const V16 acc[DV], float ls, float ms) {
   if (*l == 0.f) {
-    for (int d = 0; d < DV; d++) _mm512_storeu_ps(o + 16 * d, acc[d]);
+    for (int d = 0; d < DV; d++) v_storeu(o + 16 * d, acc[d]);
     *l = ls;
     *m = ms;
     return;
   }
   const float mx = std::max(*m, ms);
   const float a = *m == mx ? 1.f : exp1(*m - mx), b = ms == mx ? 1.f : exp1(ms - mx);
-  const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+  const V16 va = v_set1(a), vb = v_set1(b);
   for (int d = 0; d < DV; d++)
-    _mm512_storeu_ps(o + 16 * d, _mm512_fmadd_ps(_mm512_loadu_ps(o + 16 * d), va, _mm512_mul_ps(acc[d], vb)));
+    v_storeu(o + 16 * d, v_fmadd(v_loadu(o + 16 * d), va, v_mul(acc[d], vb)));
   *l = std::fma(*l, a, ls * b);
   *m = mx;
 }
@@ -104,8 +102,8 @@ inline void fold(float* o, float* l, float* m, const __m512 acc[DV], float ls, f
 // the fold's result: o / l
 template <int DV>
 inline void finish(const float* o, float l, float* out) {
-  const __m512 inv = _mm512_set1_ps(1.f / l);
-  for (int d = 0; d < DV; d++) _mm512_storeu_ps(out + 16 * d, _mm512_mul_ps(_mm512_loadu_ps(o + 16 * d), inv));
+  const V16 inv = v_set1(1.f / l);
+  for (int d = 0; d < DV; d++) v_storeu(out + 16 * d, v_mul(v_loadu(o + 16 * d), inv));
 }
 
 struct AttnKernel {
@@ -114,18 +112,18 @@ struct AttnKernel {
 };
 
 // cap * tanh(s / cap) = cap - 2 cap / (e^(2 s / cap) + 1) (vexp clamps its input: no overflow)
-inline __m512 softcap16(__m512 s, float cap) {
-  const __m512 e = vexp(_mm512_mul_ps(s, _mm512_set1_ps(2.f / cap)));
-  return _mm512_sub_ps(_mm512_set1_ps(cap), _mm512_div_ps(_mm512_set1_ps(2.f * cap), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+inline V16 softcap16(V16 s, float cap) {
+  const V16 e = v_exp(v_mul(s, v_set1(2.f / cap)));
+  return v_sub(v_set1(cap), v_div(v_set1(2.f * cap), v_add(e, v_set1(1.f))));
 }
 
 // sc[t] = cap * tanh(sc[t] / cap) for t in [first, last]
 inline void softcap_in_place(float* sc, int64_t first, int64_t last, float cap) {
   int64_t t = first;
-  for (; t + 16 <= last + 1; t += 16) _mm512_storeu_ps(&sc[t], softcap16(_mm512_loadu_ps(&sc[t]), cap));
+  for (; t + 16 <= last + 1; t += 16) v_storeu(&sc[t], softcap16(v_loadu(&sc[t]), cap));
   if (t <= last) {
-    const __mmask16 m = (__mmask16)((1u << (last + 1 - t)) - 1);
-    _mm512_mask_storeu_ps(&sc[t], m, softcap16(_mm512_maskz_loadu_ps(m, &sc[t]), cap));
+    const int64_t n = last + 1 - t;
+    v_storen(&sc[t], softcap16(v_loadn(&sc[t], n), cap), n);
   }
 }
 
@@ -164,10 +162,10 @@ struct AttnJob {
 // across vectors) and the scale c last (kv_write.h: rotate). On a row in memory, so that a sum kept in
 // registers elsewhere is not made to live in memory.
 __attribute__((noinline)) inline void rotate_back_row(float* row, int DV) {
-  __m512 v[16];
-  for (int d = 0; d < DV; d++) v[d] = _mm512_load_ps(row + 16 * d);
+  V16 v[16];
+  for (int d = 0; d < DV; d++) v[d] = v_load(row + 16 * d);
   rotate(v, DV);
-  for (int d = 0; d < DV; d++) _mm512_store_ps(row + 16 * d, v[d]);
+  for (int d = 0; d < DV; d++) v_store(row + 16 * d, v[d]);
 }
 
 struct KVRow {
@@ -184,44 +182,34 @@ struct KVRow {
   KVRow(const uint8_t* row, const uint16_t* pairs, int64_t group) : n4(row), sc(pairs), shift(group == 64 ? 2 : 1) {}
   static int shift_of(int64_t groups) { return groups > 1 ? 1 : 4; }  // d < 16: d >> 4 is the one group
   bool plain() const { return f != nullptr; }
-  // an int4 group's 16 possible numbers, steps 0 .. 15 times its scale plus its minimum (a multiply, then
-  // an add): a chunk's numbers are then one permute of its nibbles (which reads their low 4 bits)
-  __m512 table(int group) const {
-    int32_t pair;  // the group's fp16 scale and minimum, converted together
-    std::memcpy(&pair, sc + 2 * group, sizeof(pair));
-    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(pair));
-    const __m512 steps = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_add_ps(_mm512_mul_ps(steps, _mm512_broadcastss_ps(f)), _mm512_broadcastss_ps(_mm_movehdup_ps(f)));
-  }
+  Int4Group group4(int d) const { return Int4Group(sc + 2 * (d >> shift)); }  // chunk d's group
   // an int4 row's numbers 16d .. 16d + 15, in the rotated space it is stored in
-  __m512 load4(int d) const {
-    const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(n4 + 16 * (d >> 1))));
-    return _mm512_permutexvar_ps((d & 1) ? _mm512_srli_epi32(w, 4) : w, table(d >> shift));
+  V16 load4(int d) const {
+    V16 low, high;
+    group4(d).numbers(n4 + 16 * (d >> 1), low, high);
+    return (d & 1) ? high : low;
   }
-  // the whole int4 row (DV chunks): each group's table made once, each 16 bytes loaded once for two chunks
+  // the whole int4 row (DV chunks): each group's numbers made once, each 16 bytes loaded once for two chunks
   template <int DV>
-  __attribute__((always_inline)) void load4_all(__m512* v) const {
-    __m512 t = _mm512_setzero_ps();
+  __attribute__((always_inline)) void load4_all(V16* v) const {
+    Int4Group t;
     for (int d = 0; d < DV; d += 2) {
-      if (!(d & ((1 << shift) - 1))) t = table(d >> shift);
-      const __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(n4 + 8 * d)));
-      v[d] = _mm512_permutexvar_ps(w, t);
-      v[d + 1] = _mm512_permutexvar_ps(_mm512_srli_epi32(w, 4), t);
+      if (!(d & ((1 << shift) - 1))) t = group4(d);
+      t.numbers(n4 + 8 * d, v[d], v[d + 1]);
     }
   }
-  __m512 load_half(int d) const { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(hf + 16 * d))); }
-  __m512 load(int d) const {  // numbers 16d .. 16d + 15 (an int4 row's rotated ones)
-    if (f) return _mm512_loadu_ps(f + 16 * d);
+  V16 load_half(int d) const { return v_load_half(hf + 16 * d); }
+  V16 load(int d) const {  // numbers 16d .. 16d + 15 (an int4 row's rotated ones)
+    if (f) return v_loadu(f + 16 * d);
     if (hf) return load_half(d);
     if (n4) return load4(d);
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * d));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(_cvtsh_ss(sc[d >> shift])));
+    return v_mul(v_load_i8(q + 16 * d), v_set1(_cvtsh_ss(sc[d >> shift])));
   }
   // the whole row (DV chunks of 16): an int8 row's scales converted once per group, not per chunk
   template <int DV>
-  __attribute__((always_inline)) void load_all(__m512 v[DV]) const {
+  __attribute__((always_inline)) void load_all(V16 v[DV]) const {
     if (f) {
-      for (int d = 0; d < DV; d++) v[d] = _mm512_loadu_ps(f + 16 * d);
+      for (int d = 0; d < DV; d++) v[d] = v_loadu(f + 16 * d);
       return;
     }
     if (hf) {  // its own loop: through load(d), the value loops' stored int4 rows lost their registers
@@ -232,17 +220,16 @@ struct KVRow {
       load4_all<DV>(v);
       return;
     }
-    __m512 s = _mm512_set1_ps(_cvtsh_ss(sc[0]));
+    V16 s = v_set1(_cvtsh_ss(sc[0]));
     for (int d = 0; d < DV; d++) {  // groups of 32 (two chunks each), or one for the row (shift 4)
-      if (d > 0 && d % 2 == 0 && shift == 1) s = _mm512_set1_ps(_cvtsh_ss(sc[d / 2]));
-      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * d));
-      v[d] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s);
+      if (d > 0 && d % 2 == 0 && shift == 1) s = v_set1(_cvtsh_ss(sc[d / 2]));
+      v[d] = v_mul(v_load_i8(q + 16 * d), s);
     }
   }
   // the whole row into `to` (D floats)
   void store_row(float* to, int DV) const {
     if (n4) {
-      __m512 v[16];
+      V16 v[16];
       switch (DV) {  // the head sizes the operator runs (paged_attention: 16 .. 128 in steps of 16, or 256)
         case 2: load4_all<2>(v); break;
         case 4: load4_all<4>(v); break;
@@ -251,10 +238,10 @@ struct KVRow {
         case 16: load4_all<16>(v); break;
         default: for (int d = 0; d < DV; d++) v[d] = load4(d);
       }
-      for (int d = 0; d < DV; d++) _mm512_storeu_ps(to + 16 * d, v[d]);
+      for (int d = 0; d < DV; d++) v_storeu(to + 16 * d, v[d]);
       return;
     }
-    for (int d = 0; d < DV; d++) _mm512_storeu_ps(to + 16 * d, load(d));
+    for (int d = 0; d < DV; d++) v_storeu(to + 16 * d, load(d));
   }
   void prefetch(int DV) const {
     if (f) prefetch_row(f, DV);
@@ -271,23 +258,21 @@ struct KVRow {
 // (fp16 scales of max / 127, steps rounded to nearest even, kept within 127) into `to` (rows of D)
 inline void round_rows(const float* from, int64_t stride, int64_t n, int64_t D, int64_t groups, float* to) {
   const int64_t chunks = D / 16 / groups;
-  const __m512 lim = _mm512_set1_ps(127.f);  // an fp16 scale rounded down can put the maximum at 128
+  const V16 lim = v_set1(127.f);  // an fp16 scale rounded down can put the maximum at 128
   for (int64_t i = 0; i < n; i++) {
     const float* f = from + i * stride;
     for (int64_t g = 0; g < groups; g++) {
-      __m512 m = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; c++) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(f + (g * chunks + c) * 16)));
-      const float s = _cvtsh_ss(_cvtss_sh(_mm512_reduce_max_ps(m) / 127.f, _MM_FROUND_TO_NEAREST_INT));
+      V16 m = v_zero();
+      for (int64_t c = 0; c < chunks; c++) m = v_max(m, v_abs(v_loadu(f + (g * chunks + c) * 16)));
+      const float s = _cvtsh_ss(_cvtss_sh(v_reduce_max(m) / 127.f, _MM_FROUND_TO_NEAREST_INT));
       for (int64_t c = 0; c < chunks; c++) {
         const int64_t at = (g * chunks + c) * 16;
-        __m512 out = _mm512_setzero_ps();
+        V16 out = v_zero();
         if (s != 0.f) {
-          const __m512 steps = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(f + at), _mm512_set1_ps(s)),
-                                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          out = _mm512_mul_ps(_mm512_max_ps(_mm512_min_ps(steps, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim)),
-                              _mm512_set1_ps(s));
+          const V16 steps = v_round(v_div(v_loadu(f + at), v_set1(s)));
+          out = v_mul(v_max(v_min(steps, lim), v_sub(v_zero(), lim)), v_set1(s));
         }
-        _mm512_storeu_ps(to + i * D + at, out);
+        v_storeu(to + i * D + at, out);
       }
     }
   }
@@ -296,7 +281,7 @@ inline void round_rows(const float* from, int64_t stride, int64_t n, int64_t D, 
 // n numbers (a multiple of 16) rounded to fp16 and back, nearest even: what fp16 tails hold (kv_write.h)
 inline void round_half(const float* from, int64_t n, float* to) {
   for (int64_t i = 0; i < n; i += 16)
-    _mm512_storeu_ps(to + i, _mm512_cvtph_ps(_mm512_cvtps_ph(_mm512_loadu_ps(from + i), _MM_FROUND_TO_NEAREST_INT)));
+    v_storeu(to + i, v_round_half(v_loadu(from + i)));
 }
 
 // the same for an int4 pool: each row quantized as kv_write.h stores it, then read back as KVRow reads
@@ -402,40 +387,26 @@ struct RowHead {
   int64_t lowest(int64_t p) const { return j->k->window > 0 ? std::max<int64_t>(0, p - j->k->window + 1) : 0; }
 };
 
-// lane i = the sum of v[i]'s lanes: halves of pairs added level by level (45 operations, no scalar sums)
-inline __m512 sum16(const __m512 v[16]) {
-  __m512 b[8], c[4];
-  for (int k = 0; k < 8; k++)  // per 128 bits: v2k, v2k+1, v2k, v2k+1 (two lanes each)
-    b[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int k = 0; k < 4; k++) {  // per 128 bits: v4k .. v4k+3, a quarter of each
-    const __m512d x = _mm512_castps_pd(b[2 * k]), y = _mm512_castps_pd(b[2 * k + 1]);
-    c[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
-}
-
 // out row g (D floats) = sum over keys lo + u, u in [u0, u1), of sc[g * stride + u] * value, undivided; NG
 // heads share each value row read
 template <int DV, int NG>
 __attribute__((always_inline)) inline void sum_values(const RowHead& r, int64_t lo, int64_t u0, int64_t u1, int64_t last,
                                                       int64_t own, const float* sc, int64_t stride, float* out) {
-  __m512 acc[NG][DV];
+  V16 acc[NG][DV];
   for (int g = 0; g < NG; g++)
-    for (int d = 0; d < DV; d++) acc[g][d] = _mm512_setzero_ps();
+    for (int d = 0; d < DV; d++) acc[g][d] = v_zero();
   for (int64_t u = u0; u < u1; u++) {
     const KVRow vr = r.value(lo + u, own);
     if (lo + u + 16 <= last) r.value(lo + u + 16).prefetch(DV);  // on past the segment: a block apart
-    __m512 v[DV];
+    V16 v[DV];
     vr.load_all<DV>(v);
     for (int g = 0; g < NG; g++) {
-      const __m512 w = _mm512_set1_ps(sc[g * stride + u]);
-      for (int d = 0; d < DV; d++) acc[g][d] = _mm512_fmadd_ps(w, v[d], acc[g][d]);
+      const V16 w = v_set1(sc[g * stride + u]);
+      for (int d = 0; d < DV; d++) acc[g][d] = v_fmadd(w, v[d], acc[g][d]);
     }
   }
   for (int g = 0; g < NG; g++)
-    for (int d = 0; d < DV; d++) _mm512_storeu_ps(out + g * DV * 16 + 16 * d, acc[g][d]);
+    for (int d = 0; d < DV; d++) v_storeu(out + g * DV * 16 + 16 * d, acc[g][d]);
 }
 
 // out row g (D floats) = sum over keys lo + u (u < nk) of sc[g * stride + u] * value, undivided; NG heads share
@@ -456,7 +427,7 @@ inline void weigh_values(const RowHead& r, int64_t lo, int64_t nk, int64_t last,
   for (int g = 0; g < NG; g++)
     for (int d = 0; d < DV; d++) {
       float* o = out + g * DV * 16 + 16 * d;
-      _mm512_storeu_ps(o, _mm512_add_ps(_mm512_load_ps(&back[g][16 * d]), _mm512_loadu_ps(o)));
+      v_storeu(o, v_add(v_load(&back[g][16 * d]), v_loadu(o)));
     }
 }
 
@@ -489,7 +460,7 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
   constexpr int64_t width = kSegment;
   const int64_t Hq = r.Hq, Hkv = r.Hkv, G = r.G, h = r.h, base = r.base, count = r.count, start = r.start;
   thread_local std::vector<float> scores, qs, qr, mx, ls, keys, acc, o, l, m;
-  const __m512 scale = _mm512_set1_ps(j.k->scale);
+  const V16 scale = v_set1(j.k->scale);
   const bool int8 = j.scale_k != nullptr;
   keys.resize((size_t)16 * D);
   scores.resize((size_t)G * width);
@@ -501,7 +472,7 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
     const int64_t first = range ? range->from : shared ? from : r.lowest(p);
     for (int64_t g = 0; g < G; g++) {  // the token's query heads, scaled
       const float* qp = j.qk + (n * (Hq + Hkv) + h * G + g) * D;
-      for (int d = 0; d < DV; d++) _mm512_storeu_ps(&qs[g * D + 16 * d], _mm512_mul_ps(_mm512_loadu_ps(qp + 16 * d), scale));
+      for (int d = 0; d < DV; d++) v_storeu(&qs[g * D + 16 * d], v_mul(v_loadu(qp + 16 * d), scale));
     }
     if (int8) {  // and rounded, for the keys an int8 pool stores
       qr.resize((size_t)G * D);
@@ -523,12 +494,11 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
       mx.assign((size_t)G, -INFINITY);
       for (int64_t t0 = 0; t0 < nk; t0 += 16) {  // 16 keys at a time for every head: read from memory once
         const int nt = (int)std::min<int64_t>(16, nk - t0);
-        const __mmask16 valid = (__mmask16)((1u << nt) - 1);
         if (lo + t0 + 16 <= scored) {  // a shared prefix's keys, scored with the group's
           for (int64_t g = 0; g < G; g++) {
-            const __m512 v = _mm512_loadu_ps(shared->pre + (n * Hq + h * G + g) * kSegment + (lo + t0 - from));
-            _mm512_storeu_ps(&scores[g * width + t0], v);
-            mx[g] = std::max(mx[g], _mm512_reduce_max_ps(v));
+            const V16 v = v_loadu(shared->pre + (n * Hq + h * G + g) * kSegment + (lo + t0 - from));
+            v_storeu(&scores[g * width + t0], v);
+            mx[g] = std::max(mx[g], v_reduce_max(v));
           }
           continue;
         }
@@ -544,24 +514,24 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
         }
         for (int64_t t = lo + t0 + 16; t < std::min(p + 1, lo + t0 + 32); t++) r.key(t).prefetch(DV);  // a block apart
         for (int64_t g = 0; g < G; g++) {
-          __m512 q[DV], part[16];
-          for (int d = 0; d < DV; d++) q[d] = _mm512_loadu_ps(&qs[g * D + 16 * d]);
+          V16 q[DV], part[16];
+          for (int d = 0; d < DV; d++) q[d] = v_loadu(&qs[g * D + 16 * d]);
           if (!int8) {
             for (int i = 0; i < nt; i++) {
-              part[i] = _mm512_mul_ps(q[0], kr[i].load(0));
-              for (int d = 1; d < DV; d++) part[i] = _mm512_fmadd_ps(q[d], kr[i].load(d), part[i]);
+              part[i] = v_mul(q[0], kr[i].load(0));
+              for (int d = 1; d < DV; d++) part[i] = v_fmadd(q[d], kr[i].load(d), part[i]);
             }
           } else {
             for (int i = 0; i < nt; i++) {
               const float* qi = (stored[i] ? qstored : qs.data()) + g * D;
-              part[i] = _mm512_mul_ps(_mm512_loadu_ps(qi), kr[i].load(0));
-              for (int d = 1; d < DV; d++) part[i] = _mm512_fmadd_ps(_mm512_loadu_ps(qi + 16 * d), kr[i].load(d), part[i]);
+              part[i] = v_mul(v_loadu(qi), kr[i].load(0));
+              for (int d = 1; d < DV; d++) part[i] = v_fmadd(v_loadu(qi + 16 * d), kr[i].load(d), part[i]);
             }
           }
-          for (int i = nt; i < 16; i++) part[i] = _mm512_setzero_ps();
-          const __m512 v = j.k->softcap > 0.f ? softcap16(sum16(part), j.k->softcap) : sum16(part);
-          _mm512_storeu_ps(&scores[g * width + t0], v);
-          mx[g] = std::max(mx[g], _mm512_mask_reduce_max_ps(valid, v));
+          for (int i = nt; i < 16; i++) part[i] = v_zero();
+          const V16 v = j.k->softcap > 0.f ? softcap16(sum16(part), j.k->softcap) : sum16(part);
+          v_storeu(&scores[g * width + t0], v);
+          mx[g] = std::max(mx[g], v_reduce_max(v, nt));
         }
       }
       ls.resize((size_t)G);
@@ -584,41 +554,14 @@ void attend(const AttnJob& j, const RowHead& r, const Partial* shared = nullptr,
           range->into->max[i] = mx[g];
           continue;
         }
-        __m512 a[DV];
-        for (int d = 0; d < DV; d++) a[d] = _mm512_loadu_ps(&acc[g * D + 16 * d]);
+        V16 a[DV];
+        for (int d = 0; d < DV; d++) a[d] = v_loadu(&acc[g * D + 16 * d]);
         fold<DV>(&o[g * D], &l[g], &m[g], a, ls[g], mx[g]);
       }
     }
     if (!range)
       for (int64_t g = 0; g < G; g++) finish<DV>(&o[g * D], l[g], j.out + n * Hq * D + (h * G + g) * D);
   }
-}
-
-// r[i] = row i of a 16x16 block in, column i out
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 8; i++) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; i++) {  // lane j of r[4i+k]: rows 4i..4i+3 of column 4j+k
-    const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
-    const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
-    r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
-    r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
-    r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
-    r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
-  }
-  __m512 out[16];
-  for (int k = 0; k < 4; k++) {
-    const __m512 ab_lo = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x88), ab_hi = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xDD);
-    const __m512 cd_lo = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x88), cd_hi = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xDD);
-    out[k] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0x88);
-    out[8 + k] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0xDD);
-    out[4 + k] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0x88);
-    out[12 + k] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0xDD);
-  }
-  for (int i = 0; i < 16; i++) r[i] = out[i];
 }
 
 // The same for many queries at once (a prefill chunk: tokens x G heads >= 16): the row's keys are
@@ -642,10 +585,10 @@ void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int
     for (int64_t i = 0; i < 16 && key0 + c * 16 + 16 + i <= last; i++)  // the next 16 keys: a pool block apart
       r.key(key0 + c * 16 + 16 + i).prefetch(DV);
     for (int d0 = 0; d0 < D; d0 += 16) {
-      __m512 block[16];
-      for (int i = 0; i < 16; i++) block[i] = real[i] ? rows[i].load(d0 / 16) : _mm512_setzero_ps();
+      V16 block[16];
+      for (int i = 0; i < 16; i++) block[i] = real[i] ? rows[i].load(d0 / 16) : v_zero();
       transpose16(block);
-      for (int d = 0; d < 16; d++) _mm512_storeu_ps(&dst[(d0 + d) * 16], block[d]);
+      for (int d = 0; d < 16; d++) v_storeu(&dst[(d0 + d) * 16], block[d]);
     }
   }
 }
@@ -657,34 +600,34 @@ void transpose_keys(const RowHead& r, int64_t key0, int64_t last, float* kt, int
 template <int D, int NB, int R>
 inline void score_tree(const float* q, const float* blk, float* out, int64_t stride, int64_t nr) {
   constexpr int DV = D / 16;
-  auto leaf = [&](int l, __m512 x[R][NB]) {
+  auto leaf = [&](int l, V16 x[R][NB]) {
     for (int b = 0; b < NB; b++) {
-      const __m512 k = _mm512_loadu_ps(blk + (b * D + l) * 16);
-      for (int r = 0; r < R; r++) x[r][b] = _mm512_mul_ps(_mm512_set1_ps(q[r * D + l]), k);
+      const V16 k = v_loadu(blk + (b * D + l) * 16);
+      for (int r = 0; r < R; r++) x[r][b] = v_mul(v_set1(q[r * D + l]), k);
     }
     for (int c = 1; c < DV; c++)
       for (int b = 0; b < NB; b++) {
-        const __m512 k = _mm512_loadu_ps(blk + (b * D + 16 * c + l) * 16);
-        for (int r = 0; r < R; r++) x[r][b] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * D + 16 * c + l]), k, x[r][b]);
+        const V16 k = v_loadu(blk + (b * D + 16 * c + l) * 16);
+        for (int r = 0; r < R; r++) x[r][b] = v_fmadd(v_set1(q[r * D + 16 * c + l]), k, x[r][b]);
       }
   };
-  __m512 half[2][R][NB];
+  V16 half[2][R][NB];
   for (int Q = 0; Q < 4; Q++) {  // the quarters of the lanes
-    __m512 x0[R][NB], x1[R][NB], y[R][NB];
+    V16 x0[R][NB], x1[R][NB], y[R][NB];
     leaf(4 * Q, x0);
     leaf(4 * Q + 2, y);
     for (int r = 0; r < R; r++)
-      for (int b = 0; b < NB; b++) x0[r][b] = _mm512_add_ps(x0[r][b], y[r][b]);
+      for (int b = 0; b < NB; b++) x0[r][b] = v_add(x0[r][b], y[r][b]);
     leaf(4 * Q + 1, x1);
     leaf(4 * Q + 3, y);
     for (int r = 0; r < R; r++)
       for (int b = 0; b < NB; b++) {
-        const __m512 quarter = _mm512_add_ps(x0[r][b], _mm512_add_ps(x1[r][b], y[r][b]));
-        half[Q / 2][r][b] = Q % 2 ? _mm512_add_ps(half[Q / 2][r][b], quarter) : quarter;
+        const V16 quarter = v_add(x0[r][b], v_add(x1[r][b], y[r][b]));
+        half[Q / 2][r][b] = Q % 2 ? v_add(half[Q / 2][r][b], quarter) : quarter;
       }
   }
   for (int r = 0; r < nr; r++)
-    for (int b = 0; b < NB; b++) _mm512_storeu_ps(out + r * stride + 16 * b, _mm512_add_ps(half[0][r][b], half[1][r][b]));
+    for (int b = 0; b < NB; b++) v_storeu(out + r * stride + 16 * b, v_add(half[0][r][b], half[1][r][b]));
 }
 
 // the same for nr <= kScoreRows queries (all kScoreRows rows are read) against `blocks` (1 or 2) blocks
@@ -704,10 +647,10 @@ constexpr int kValueRows = std::clamp(24 / DV, 1, 8);
 // read; query i reads the values from own[i] on exact (two-tier pools; INT64_MAX: none), as `attend` does
 template <int DV>
 inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, int64_t last, const float* const* sc,
-                  __m512 acc[][DV], const int64_t* own) {
+                  V16 acc[][DV], const int64_t* own) {
   constexpr int NQ = kValueRows<DV>;
   for (int i = 0; i < NQ; i++)
-    for (int d = 0; d < DV; d++) acc[i][d] = _mm512_setzero_ps();
+    for (int d = 0; d < DV; d++) acc[i][d] = v_zero();
   const int64_t exact_from = *std::min_element(own, own + NQ);
   if (r.j->group_v) {  // an int4 pool: each query's stored rows summed rotated, rotated back once (weigh_values)
     // first the stored rows (each query's before its own[i]), then the exact ones: each sum in registers,
@@ -715,32 +658,32 @@ inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, int64_t last, co
     const int64_t stored_to = std::min(u_hi, *std::max_element(own, own + NQ) - 1);
     for (int64_t u = u_lo; u <= stored_to; u++) {
       if (u + 16 <= last) r.value(u + 16).prefetch(DV);
-      __m512 v[DV];
+      V16 v[DV];
       r.value(u).load_all<DV>(v);
       for (int i = 0; i < NQ; i++) {
         if (u >= own[i]) continue;
-        const __m512 w = _mm512_set1_ps(sc[i][u]);
-        for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
+        const V16 w = v_set1(sc[i][u]);
+        for (int d = 0; d < DV; d++) acc[i][d] = v_fmadd(w, v[d], acc[i][d]);
       }
     }
     alignas(64) float rot[NQ][DV * 16];
     for (int i = 0; i < NQ; i++)
       for (int d = 0; d < DV; d++) {
-        _mm512_store_ps(&rot[i][16 * d], acc[i][d]);
-        acc[i][d] = _mm512_setzero_ps();
+        v_store(&rot[i][16 * d], acc[i][d]);
+        acc[i][d] = v_zero();
       }
     for (int64_t u = std::max(u_lo, exact_from); u <= u_hi; u++) {
-      __m512 v[DV];
+      V16 v[DV];
       r.value(u, u).load_all<DV>(v);
       for (int i = 0; i < NQ; i++) {
         if (u < own[i]) continue;
-        const __m512 w = _mm512_set1_ps(sc[i][u]);
-        for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
+        const V16 w = v_set1(sc[i][u]);
+        for (int d = 0; d < DV; d++) acc[i][d] = v_fmadd(w, v[d], acc[i][d]);
       }
     }
     for (int i = 0; i < NQ; i++) {
       rotate_back_row(rot[i], DV);
-      for (int d = 0; d < DV; d++) acc[i][d] = _mm512_add_ps(_mm512_load_ps(&rot[i][16 * d]), acc[i][d]);
+      for (int d = 0; d < DV; d++) acc[i][d] = v_add(v_load(&rot[i][16 * d]), acc[i][d]);
     }
     return;
   }
@@ -748,29 +691,29 @@ inline void weigh(const RowHead& r, int64_t u_lo, int64_t u_hi, int64_t last, co
   for (; u <= std::min(u_hi, exact_from - 1); u++) {
     const KVRow vr = r.value(u);
     if (u + 16 <= last) r.value(u + 16).prefetch(DV);  // on past the segment
-    __m512 v[DV];
+    V16 v[DV];
     vr.load_all<DV>(v);
     for (int i = 0; i < NQ; i++) {
-      const __m512 w = _mm512_set1_ps(sc[i][u]);
-      for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
+      const V16 w = v_set1(sc[i][u]);
+      for (int d = 0; d < DV; d++) acc[i][d] = v_fmadd(w, v[d], acc[i][d]);
     }
   }
   for (; u <= u_hi; u++) {  // each query's own block: the exact rows from its own[i], as stored before
-    __m512 stored[DV], exact[DV];
+    V16 stored[DV], exact[DV];
     r.value(u).load_all<DV>(stored);
     r.value(u, u).load_all<DV>(exact);
     for (int i = 0; i < NQ; i++) {
-      const __m512 w = _mm512_set1_ps(sc[i][u]);
-      const __m512* v = u >= own[i] ? exact : stored;
-      for (int d = 0; d < DV; d++) acc[i][d] = _mm512_fmadd_ps(w, v[d], acc[i][d]);
+      const V16 w = v_set1(sc[i][u]);
+      const V16* v = u >= own[i] ? exact : stored;
+      for (int d = 0; d < DV; d++) acc[i][d] = v_fmadd(w, v[d], acc[i][d]);
     }
   }
 }
 
 // v's lanes added in sum16's tree (a key's score, as `attend` sums its lanes)
-inline float tree16(__m512 v) {
+inline float tree16(V16 v) {
   alignas(64) float x[16];
-  _mm512_store_ps(x, v);
+  v_store(x, v);
   auto quarter = [&](int q) { return (x[4 * q] + x[4 * q + 2]) + (x[4 * q + 1] + x[4 * q + 3]); };
   return (quarter(0) + quarter(1)) + (quarter(2) + quarter(3));
 }
@@ -781,8 +724,8 @@ template <int DV>
 inline void own_block_scores(const RowHead& r, const float* q, int64_t own, int64_t p, float* sc) {
   for (int64_t t = own; t <= p; t++) {
     const KVRow k = r.key(t, own);
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), k.load(0));
-    for (int d = 1; d < DV; d++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * d), k.load(d), acc);
+    V16 acc = v_mul(v_loadu(q), k.load(0));
+    for (int d = 1; d < DV; d++) acc = v_fmadd(v_loadu(q + 16 * d), k.load(d), acc);
     sc[t] = tree16(acc);
   }
 }
@@ -826,7 +769,7 @@ void softmax_values(const RowHead& r, int64_t nq, int64_t lo, int64_t last, Scor
         }
       }
       if (u_hi < 0) continue;
-      __m512 acc[NQ][DV];
+      V16 acc[NQ][DV];
       weigh<DV>(r, u_lo, u_hi, last, rows, acc, owns);
       for (int rr = 0; rr < nr; rr++) {
         const int64_t i = i0 + rr;
@@ -999,8 +942,8 @@ void merge_ranges(const AttnJob& j, const Plan& plan, const RowHead& r, int64_t 
     float l = 0.f, m = 0.f;
     for (int64_t c = 0; c < count; c++) {
       const int64_t i = (first + c) * r.G + g;
-      __m512 acc[DV];
-      for (int d = 0; d < DV; d++) acc[d] = _mm512_loadu_ps(p.o + i * D + 16 * d);
+      V16 acc[DV];
+      for (int d = 0; d < DV; d++) acc[d] = v_loadu(p.o + i * D + 16 * d);
       fold<DV>(o, &l, &m, acc, p.sum[i], p.max[i]);
     }
     finish<DV>(o, l, j.out + r.base * r.Hq * D + (r.h * r.G + g) * D);
@@ -1341,4 +1284,3 @@ OrtStatus* attend_step(void* kernel, OrtKernelContext* ctx) {
 }
 
 }  // namespace
-#endif  // RUVLLM_AVX512

@@ -121,7 +121,6 @@ CustomOp matmul_op() {
   return op;
 }
 
-#if RUVLLM_AVX512
 CustomOp attention_op() {
   CustomOp op = kernel_op<AttnKernel, create_attention, attend_step, kAttentionName>();
   op.GetName = [](const CustomOp*) { return "PagedAttention"; };
@@ -143,8 +142,6 @@ CustomOp norm_op() {
   op.GetOutputTypeCount = [](const CustomOp*) -> size_t { return 2; };
   return op;
 }
-
-#endif
 
 CustomOp lora_op() {
   CustomOp op = kernel_op<LoraKernel, create_lora, lora_delta, kLoraName>();
@@ -222,10 +219,8 @@ const CustomOp g_lora_split = lora_split_op();
 const CustomOp g_matmul_q8 = matmul_q8_op();
 const CustomOp g_gather = gather_op();
 const CustomOp g_sample = sample_op();
-#if RUVLLM_AVX512
 const CustomOp g_attention = attention_op();
 const CustomOp g_norm = norm_op();
-#endif
 
 }  // namespace
 
@@ -238,23 +233,17 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   OrtCustomOpDomain* domain = nullptr;  // kept for the process's life, as sessions refer to it
   RETURN_IF(api<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(kCreateCustomOpDomain)("ruvllm", &domain));
   auto add = api<OrtStatus* (*)(OrtCustomOpDomain*, const CustomOp*)>(kCustomOpDomain_Add);
-#if RUVLLM_AVX512
   for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_matmul_q8, &g_gather, &g_attention, &g_norm, &g_lora,
                             &g_lora_swiglu, &g_lora_split, &g_sample})
     RETURN_IF(add(domain, op));
-#else
-  for (const CustomOp* op : {&g_matmul, &g_matmul_split, &g_matmul_swiglu, &g_matmul_q8, &g_gather, &g_lora, &g_lora_swiglu,
-                            &g_lora_split, &g_sample})
-    RETURN_IF(add(domain, op));
-#endif
   return api<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(kAddCustomOpDomain)(options, domain);
 }
 
-// Which operators this build registers (AVX-512: all; AVX2: the block matmuls, the LoRA delta, the sampling tail).
+// Which operators this build registers (both builds: all of them), and in which instruction set
 __attribute__((visibility("default"))) const char* ruvllm_kernel_ops() {
-  return RUVLLM_AVX512 ? "MatMulQ4,MatMulQ8,PagedAttention,SkipRMSNorm,LoraDelta,SampleTopK"
-                       : "MatMulQ4,MatMulQ8,LoraDelta,SampleTopK";
+  return "MatMulQ4,MatMulQ8,PagedAttention,SkipRMSNorm,LoraDelta,SampleTopK";
 }
+__attribute__((visibility("default"))) const char* ruvllm_kernel_isa() { return RUVLLM_AVX512 ? "AVX-512 VNNI" : "AVX2"; }
 
 // For the library's own test: the kernel on plain buffers, without onnxruntime.
 __attribute__((visibility("default"))) int ruvllm_q4_matmul(const float* A, int64_t M, int K, int N, int block,

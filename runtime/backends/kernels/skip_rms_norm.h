@@ -1,8 +1,8 @@
 #pragma once
 
 #include "ort_api.h"
+#include "vec16.h"
 
-#if RUVLLM_AVX512
 namespace {
 
 // ---- residual add + RMS norm ----
@@ -38,19 +38,17 @@ void norm_rows(const NormJob& j, int64_t m0, int64_t m1) {
   for (int64_t m = m0; m < m1; m++) {
     const float *x = j.x + m * H, *r = j.skip + m * H;
     float *s = j.sum + m * H, *y = j.y + m * H;
-    auto lanes = [H](int64_t i) { return (__mmask16)(H - i >= 16 ? 0xffff : (1u << (H - i)) - 1); };
-    __m512 ss = _mm512_setzero_ps();
+    V16 ss = v_zero();
     for (int64_t i = 0; i < H; i += 16) {
-      const __mmask16 k = lanes(i);
-      const __m512 v = _mm512_add_ps(_mm512_maskz_loadu_ps(k, x + i), _mm512_maskz_loadu_ps(k, r + i));
-      _mm512_mask_storeu_ps(s + i, k, v);
-      ss = _mm512_fmadd_ps(v, v, ss);
+      const int64_t n = std::min<int64_t>(16, H - i);
+      const V16 v = v_add(v_loadn(x + i, n), v_loadn(r + i, n));
+      v_storen(s + i, v, n);
+      ss = v_fmadd(v, v, ss);
     }
-    const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / (float)H + j.epsilon));
+    const V16 inv = v_set1(1.f / std::sqrt(v_reduce_add(ss) / (float)H + j.epsilon));
     for (int64_t i = 0; i < H; i += 16) {
-      const __mmask16 k = lanes(i);
-      const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + i), inv);
-      _mm512_mask_storeu_ps(y + i, k, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(k, j.gamma + i)));
+      const int64_t n = std::min<int64_t>(16, H - i);
+      v_storen(y + i, v_mul(v_mul(v_loadn(s + i, n), inv), v_loadn(j.gamma + i, n)), n);
     }
   }
 }
@@ -90,4 +88,3 @@ OrtStatus* skip_rms_norm(void* kernel, OrtKernelContext* ctx) {
 }
 
 }  // namespace
-#endif  // RUVLLM_AVX512
