@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from exporter.staging import staging_dir
 from runtime.backends.adapter_weights import adapter_arrays
 from runtime.core.adapters import (
     ADAPTER_FORMAT,
@@ -50,8 +50,7 @@ def convert_adapter(peft_dir: str | Path, base: str | Path, out_dir: str | Path,
         tensors[own_tensor(target, "A")] = np.ascontiguousarray(a.astype(DTYPES[dtype]))
         tensors[own_tensor(target, "B")] = np.ascontiguousarray(b.astype(DTYPES[dtype]))
     out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".ruvllm-adapter-", dir=out.parent))
+    tmp = staging_dir(out.parent, "adapter")
     try:
         save_file(tensors, str(tmp / OWN_WEIGHTS))
         peft_cfg = json.loads((peft / PEFT_CONFIG).read_text())

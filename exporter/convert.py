@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from exporter import staging
 from exporter.builders import LoraSlots, build_decoder
 from exporter.options import (
     BROWSER_TARGETS,
@@ -165,9 +165,9 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
 
 
 def staging_dir(out: Path) -> Path:
-    """A fresh folder beside the destination (a rename from another filesystem, a tmpfs /tmp, would fail)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=".ruvllm-export-", dir=out.parent))
+    """A fresh folder beside the destination (a rename from another filesystem, a tmpfs /tmp, would fail);
+    what killed exports left there is removed first (exporter/staging.py)."""
+    return staging.staging_dir(out.parent, "export")
 
 
 def write_package(out: Path, graphs: dict, store, tok, source, spec, opts: ConvertOptions, gen_cfg: dict,
