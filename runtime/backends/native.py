@@ -112,6 +112,12 @@ class NativeBackend:
     @property
     def batch_invariant(self) -> bool:
         return not self.batch_invariance
+
+    @property
+    def pads_rows(self) -> bool:
+        """The graph's own attention computes every row over the step's longest chunk (ruvllm.PagedAttention
+        reads each row's own tokens)."""
+        return not self.attention_kernel.startswith("ruvllm.PagedAttention")
     def _options(self):
         """Fresh session options per session (a custom-op library registers its domain once per options)."""
         ort = self._ort

@@ -32,6 +32,7 @@ class WebBackend:
         if kv_dtype not in C.KV_DTYPES:
             raise DeviceError(f"kvDtype {kv_dtype!r}: choose one of {', '.join(C.KV_DTYPES)}")
         self.on_step = stepper == "wasm-step"
+        self.pads_rows = not self.on_step  # onnxruntime-web runs the graph's own attention; the step's is ragged
         if kv_dtype == "int4" and not self.on_step:
             raise DeviceError("kvDtype 'int4' runs on the page's WASM step only (backend 'wasm-step' or 'auto', a "
                               "package exported from a GGUF with --target wasm); use 'int8' or 'fp32' on onnxruntime-web")

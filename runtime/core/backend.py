@@ -17,6 +17,9 @@ class Backend(Protocol):
     # blocks up to a query's own that the pool reads exact, set by allocate (a two-tier int8 pool's
     # kv_tails.TAIL_BLOCKS; 1 otherwise): above one the scheduler gives each row a floor (StepBatch.exact_from)
     kv_exact_blocks: int
+    # whether a step's attention pads every row to the step's longest chunk (the exported graph's own
+    # attention; a ragged kernel does not): the scheduler then caps each row's chunk (Scheduler.pads_rows)
+    pads_rows: bool
 
     def kv_bytes_per_token(self, config: dict) -> int:
         """Bytes of K and V one token takes in the pool, over all layers."""

@@ -63,7 +63,8 @@ class Engine:
         backend.allocate(num_blocks, self.block_size)
         self.stats = EngineStats()
         self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_context, self.vocab_size, self.stats,
-                                   exact_blocks=getattr(backend, "kv_exact_blocks", 1))
+                                   exact_blocks=getattr(backend, "kv_exact_blocks", 1),
+                                   pads_rows=getattr(backend, "pads_rows", False))
         self.prompts = PromptEncoder.from_package(package, self.vocab_size, self.max_context, tokenizer)
         self.tokenizer, self.chat_template = self.prompts.tokenizer, self.prompts.chat_template
         self.processor = OutputProcessor(self.tokenizer, self.model, self.stats)

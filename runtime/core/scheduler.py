@@ -4,7 +4,10 @@ FCFS with a per-step token budget: running sequences first (decodes, then unfini
 then waiting ones admitted while KV blocks last; a waiting prompt whose next blocks this step
 computes for another waits a step and takes them from the prefix cache. When the pool runs out,
 the newest running sequence is preempted and later recomputed. Greedy and low-temperature decodes
-may carry prompt-lookup drafts (runtime/core/speculative.py) for the step to verify.
+may carry prompt-lookup drafts (runtime/core/speculative.py) for the step to verify. On a backend whose
+attention pads every row to the step's longest (`pads_rows`: the exported graph's own attention), a step's
+cost is rows x its longest chunk, so each row's chunk is capped at the budget over the rows that may run:
+many streams take a long prompt in smaller chunks instead of padding every decode row to its length.
 
 The scheduler owns the block allocator and the prefix cache, and hands the backend each
 sequence's block table in the step's chunks; it never touches a model, so it is tested alone.
@@ -40,8 +43,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int, max_context: int, vocab_size: int,
-                 stats: EngineStats | None = None, exact_blocks: int = 1) -> None:
+                 stats: EngineStats | None = None, exact_blocks: int = 1, pads_rows: bool = False) -> None:
         self.config = config
+        self.pads_rows = pads_rows  # Backend.pads_rows: a step's attention costs rows x its longest chunk
         # blocks up to a query's own that the backend's pool reads exact (Backend.kv_exact_blocks): above
         # one, each sequence gets a floor (kv_blocks.exact_floor), and only blocks below it are shared
         self.exact_blocks = exact_blocks
@@ -90,13 +94,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput | None:
         """The next step, or None when nothing can run."""
         budget = self.config.max_batch_tokens
+        cap = self._row_cap()
         plan: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
             if budget <= 0:
                 break
             if seq not in self.running:  # preempted below to make room
                 continue
-            n = min(len(seq.tokens) - seq.num_computed, budget)
+            n = min(len(seq.tokens) - seq.num_computed, budget, cap)
             while not self._grow(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -104,11 +109,11 @@ class Scheduler:
                     break
             if seq not in self.running:
                 continue
-            seq.draft = self._draft(seq, budget - n) if n == 1 == len(seq.tokens) - seq.num_computed else []
+            seq.draft = self._draft(seq, min(budget, cap) - n) if n == 1 == len(seq.tokens) - seq.num_computed else []
             n += len(seq.draft)
             plan.append((seq, n))
             budget -= n
-        self._admit(plan, budget)
+        self._admit(plan, budget, cap)
         if not plan:
             return None
         for seq, n in plan:
@@ -117,7 +122,16 @@ class Scheduler:
         self.stats.peak_running = max(self.stats.peak_running, len(plan))
         return SchedulerOutput(plan, [self._chunk(seq, n) for seq, n in plan], self.allocator.take_dropped())
 
-    def _admit(self, plan: list[tuple[Sequence, int]], budget: int) -> None:
+    def _row_cap(self) -> int:
+        """The most tokens one row may compute this step: the budget, or on a backend that pads rows, the
+        budget over the rows this step may hold (so rows x the longest chunk stays within it)."""
+        budget = self.config.max_batch_tokens
+        if not self.pads_rows:
+            return budget
+        rows = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        return max(1, budget // max(1, rows))
+
+    def _admit(self, plan: list[tuple[Sequence, int]], budget: int, cap: int) -> None:
         # prefix keys of the prompt blocks this step's chunks complete: a waiting prompt that starts with
         # them waits a step and then reads them from the cache instead of computing them again
         sharing = self.allocator.enable_prefix_cache and bool(self.waiting)
@@ -145,7 +159,7 @@ class Scheduler:
             seq.block_keys = keys[:len(cached)]  # copies: update() appends to them
             seq.shadow_keys = shadow_keys[:len(shadow)]
             start = len(cached) * self.block_size
-            n = min(len(seq.tokens) - start, budget)
+            n = min(len(seq.tokens) - start, budget, cap)
             if seq.kv_passes * (self.allocator.blocks_for(start + n) - len(cached)) > self.allocator.num_free:
                 for block in cached + shadow:  # not admitted after all: give the hits back
                     self.allocator.release(block)

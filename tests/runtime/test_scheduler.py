@@ -74,6 +74,32 @@ def test_decodes_come_before_new_prompts_and_share_the_budget():
     assert out.chunks[0].tokens == [a.tokens[-2]] and out.chunks[0].start == 6
 
 
+def test_on_a_backend_that_pads_rows_rows_times_the_longest_chunk_stays_within_the_budget():
+    """The graph's own attention computes every row over the step's longest chunk: 8 decoding streams and a
+    new 60-token prompt must not make a step of 9 x 60 padded tokens (on a real pool, gigabytes of scores).
+    Each row's chunk is capped at the budget over the rows; the prompt still gets all its tokens, in order."""
+    padded = Scheduler(EngineConfig(max_batch_tokens=32, speculative_tokens=0), 256, BS, max_context=256,
+                       vocab_size=100, pads_rows=True)
+    plain = make(256, max_batch_tokens=32)
+    for s in (padded, plain):
+        for i in range(8):
+            add(s, f"d{i}", [1, 2, 3], max_tokens=64)
+        run_step(s)  # the eight prompts (3 tokens each: within either budget)
+        add(s, "long", list(range(10, 70)), max_tokens=4)
+    longest = {}
+    for name, s in (("padded", padded), ("plain", plain)):
+        seq, steps = s.seqs["long"], []
+        while seq.num_computed < 60:
+            out = run_step(s)
+            rows = len(out.scheduled)
+            steps.append(rows * max(n for _, n in out.scheduled))
+        longest[name] = max(steps)
+        assert seq.tokens[:60] == list(range(10, 70))
+        check_blocks(s)
+    assert longest["padded"] <= 32  # 9 rows x 3 tokens at most
+    assert longest["plain"] > 32  # without the cap a step pads 9 rows to the prompt's 24-token chunk
+
+
 def test_chunk_carries_block_table_and_kv_slots():
     s = make()
     add(s, "a", list(range(10)))
