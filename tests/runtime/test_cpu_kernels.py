@@ -780,6 +780,45 @@ def test_the_avx2_builds_attention_gives_the_avx512_builds_numbers_bit_for_bit(t
         assert np.array_equal(a[str(i)].view(np.uint32), b[str(i)].view(np.uint32)), case
 
 
+def engine_outputs(package: str, kv_dtype: str) -> list:
+    """Four chat prompts' 16 greedy tokens and each token's log-probability (and its runner-up's), one batch."""
+    from runtime.core.engine import Engine
+    from runtime.core.sampling import SamplingParams
+
+    engine = Engine.from_package(package, verify=False, kv_dtype=kv_dtype, speculative_tokens=0)
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.", "How do I boil an egg?",
+               "Why is the sky blue?"]
+    ids = [engine.add_request(messages=[{"role": "user", "content": p}],
+                              params=SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2))
+           for p in prompts]
+    out: dict = {i: [] for i in ids}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += [(lp.token_id, lp.logprob, lp.top) for lp in o.logprobs]
+    return [out[i] for i in ids]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("RUVLLM_KERNEL_ISA") == "avx2" or LIB is None
+                    or not all(f in kernel_library._cpu_flags() for f in kernel_library.CPU_FLAGS),
+                    reason="needs a host with both builds")
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int4"])
+def test_a_request_gives_the_same_tokens_and_log_probabilities_on_either_build(smol_int4, kv_dtype):
+    """Every kernel sums in the same order on AVX2 as on AVX-512 (the block matmuls' integer sums, attention
+    and the sampling tail's exponentials in 16 lanes): a request's answer, log-probabilities included, does not
+    depend on which CPU served it."""
+    code = ("import json; from tests.runtime.test_cpu_kernels import engine_outputs; "
+            f"print(json.dumps(engine_outputs({str(smol_int4)!r}, {kv_dtype!r})))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
+                          env=dict(os.environ, RUVLLM_KERNEL_ISA="avx2"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import json
+
+    theirs = json.loads(proc.stdout.strip().splitlines()[-1])
+    ours = json.loads(json.dumps(engine_outputs(str(smol_int4), kv_dtype)))  # tuples as JSON gives them back
+    assert ours == theirs
+
+
 HUGE_PAGE_PROBE = """
 import gc, sys
 from runtime.backends.native import NativeBackend
