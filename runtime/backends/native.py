@@ -118,6 +118,7 @@ class NativeBackend:
         """The graph's own attention computes every row over the step's longest chunk (ruvllm.PagedAttention
         reads each row's own tokens)."""
         return not self.attention_kernel.startswith("ruvllm.PagedAttention")
+
     def _options(self):
         """Fresh session options per session (a custom-op library registers its domain once per options)."""
         ort = self._ort
@@ -199,10 +200,8 @@ class NativeBackend:
             self.attention_kernel += f" ({why})"
             return None
         ops = kernel_library.operators(lib)
-        no_attention = "" if "PagedAttention" in ops else " (this build has no PagedAttention)"
         if os.environ.get("RUVLLM_PAGED_ATTENTION", "1") == "0":
             ops -= {"PagedAttention"}
-            no_attention = ""  # asked for: the graph's own attention is the expected path
         try:
             # a quantized package's adapters in fp16: half the bytes each step's deltas read
             model, counts = graph_fusion.rewrite_graph(graph, self.pkg.config, ops,
@@ -248,7 +247,7 @@ class NativeBackend:
             self.matmul_kernel = f"ruvllm.MatMulQ4 ({count} of the graph's MatMulNBits, {isa})"
             if counts.get("MatMulQ8"):
                 self.matmul_kernel += f" + ruvllm.MatMulQ8 ({counts['MatMulQ8']} 8-bit)"
-        self.attention_kernel = f"ruvllm.PagedAttention ({layers} layers)" if layers else "the graph's own" + no_attention
+        self.attention_kernel = f"ruvllm.PagedAttention ({layers} layers)" if layers else "the graph's own"
         return session
 
     @property

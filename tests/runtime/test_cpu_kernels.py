@@ -16,10 +16,19 @@ from onnx import TensorProto, helper
 from runtime.backends import graph_fusion, kernel_library
 
 LIB, WHY = kernel_library.library()
-needs_kernel = pytest.mark.skipif(LIB is None, reason=f"the 4-bit kernel is not used here: {WHY}")
+needs_kernel = pytest.mark.skipif(LIB is None, reason=f"RuvLLM's kernels are not built here: {WHY}")
 OPS = kernel_library.operators(LIB)
-needs_attention = pytest.mark.skipif("PagedAttention" not in OPS,
-                                     reason=f"PagedAttention and SkipRMSNorm are not built here: {sorted(OPS) or WHY}")
+# an AVX-512 host builds the AVX2 library as well (RUVLLM_KERNEL_ISA=avx2): the tests that run both
+needs_both_builds = pytest.mark.skipif(
+    os.environ.get("RUVLLM_KERNEL_ISA") == "avx2" or LIB is None
+    or not all(f in kernel_library._cpu_flags() for f in kernel_library.CPU_FLAGS),
+    reason="one build here: no second one to run or compare with")
+
+
+def in_avx2_build(args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    """`python args...` from the project's root with the AVX2 build of the kernels."""
+    return subprocess.run([sys.executable, *args], cwd=Path(__file__).resolve().parents[2],
+                          env=dict(os.environ, RUVLLM_KERNEL_ISA="avx2"), capture_output=True, text=True, timeout=timeout)
 
 
 def matmul_model(K: int, N: int, block: int, *, accuracy_level: int = 4, seed: int = 0) -> bytes:
@@ -222,7 +231,7 @@ def residual_norm_model(H: int, read_inverse: bool) -> bytes:
                                                    helper.make_opsetid("com.microsoft", 1)]).SerializeToString()
 
 
-@needs_attention
+@needs_kernel
 @pytest.mark.parametrize("H", [576, 40])
 def test_residual_add_and_rms_norm_computed_as_onnxruntime_does(tmp_path, H):
     """ruvllm.SkipRMSNorm gives both outputs onnxruntime's kernel gives: one row, a batch, rows enough to
@@ -371,7 +380,7 @@ def shared_prefix_steps(backend, prefix: list[int], own: list[list[int]], block:
     return run_step(backend, [chunk(r, [7 + r], len(prefix) + len(own[r])) for r in range(rows)])
 
 
-@needs_attention
+@needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
 def test_decode_rows_sharing_prefix_blocks_attend_to_them_together_exactly(tiny_package, monkeypatch, arch):
     """fp32 packages: the cascade (shared keys once for all rows, then each row's own, merged) against
@@ -495,7 +504,7 @@ def rotation(x: np.ndarray) -> np.ndarray:
     return _fwht(x.astype(np.float32))
 
 
-@needs_attention
+@needs_kernel
 @pytest.mark.parametrize("kv", ["fp32", "int8", "int8+tails", "int8+2tails", "int8+2tails+floors", "int4",
                                 "int4+2tails+floors", "int8+2tails16+floors", "int4+2tails16+floors"])
 @pytest.mark.parametrize("layout", ["mixed", "decode"])
@@ -599,7 +608,7 @@ def attention_case(Hq, Hkv, D, bs, window, softcap, layout, kv):
                                                      max(1, tail_blocks), floors, rotated=quant == "int4")
 
 
-@needs_attention
+@needs_kernel
 @pytest.mark.parametrize("arch,lengths", [("llama", (30, 3, 9)), ("mistral", (30, 3, 9)), ("qwen2", (30, 3, 9)),
                                           ("gemma2", (30, 3, 9)), ("llama", (150, 1, 40)), ("mistral", (150, 1, 40))])
 def test_paged_attention_computes_what_the_graph_computes(tiny_package, monkeypatch, arch, lengths):
@@ -728,18 +737,14 @@ def test_a_declared_fusion_that_does_not_apply_is_refused(tiny_package, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("RUVLLM_KERNEL_ISA") == "avx2" or LIB is None
-                    or not all(f in kernel_library._cpu_flags() for f in kernel_library.CPU_FLAGS),
-                    reason="this run already tests the only build this host has")
+@needs_both_builds
 def test_the_avx2_build_passes_these_tests_too():
     """An AVX-512 host builds the AVX2 set as well (RUVLLM_KERNEL_ISA=avx2) and runs this file, the
     adapter tests (ruvllm.LoraDelta) and the int8 KV writer's on it, so both instruction sets' paths of
     every operator (PagedAttention on every pool), the LoRA delta and the writer are run on every such host."""
-    env = dict(os.environ, RUVLLM_KERNEL_ISA="avx2")
     adapters = str(Path(__file__).with_name("test_adapters.py"))
     writer = str(Path(__file__).with_name("test_kv_int8.py")) + "::test_the_kernel_librarys_writer_stores_what_numpy_does_bit_for_bit"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, adapters, writer],
-                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=900)
+    proc = in_avx2_build(["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, adapters, writer], timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]
 
@@ -762,16 +767,13 @@ def attention_outputs(path: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("RUVLLM_KERNEL_ISA") == "avx2" or LIB is None
-                    or not all(f in kernel_library._cpu_flags() for f in kernel_library.CPU_FLAGS),
-                    reason="needs a host with both builds")
+@needs_both_builds
 def test_the_avx2_builds_attention_gives_the_avx512_builds_numbers_bit_for_bit(tmp_path):
     """PagedAttention's arithmetic is defined over 16 lanes (vec16.h): the AVX2 build computes it as two 8-lane
     halves in the same order, so a CPU without AVX-512 gives the same attention, on every pool and path."""
     theirs = tmp_path / "avx2.npz"
     code = f"from tests.runtime.test_cpu_kernels import attention_outputs; attention_outputs({str(theirs)!r})"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
-                          env=dict(os.environ, RUVLLM_KERNEL_ISA="avx2"), capture_output=True, text=True, timeout=600)
+    proc = in_avx2_build(["-c", code], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     ours = tmp_path / "avx512.npz"
     attention_outputs(str(ours))
@@ -799,9 +801,7 @@ def engine_outputs(package: str, kv_dtype: str) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("RUVLLM_KERNEL_ISA") == "avx2" or LIB is None
-                    or not all(f in kernel_library._cpu_flags() for f in kernel_library.CPU_FLAGS),
-                    reason="needs a host with both builds")
+@needs_both_builds
 @pytest.mark.parametrize("kv_dtype", ["fp32", "int4"])
 def test_a_request_gives_the_same_tokens_and_log_probabilities_on_either_build(smol_int4, kv_dtype):
     """Every kernel sums in the same order on AVX2 as on AVX-512 (the block matmuls' integer sums, attention
@@ -809,8 +809,7 @@ def test_a_request_gives_the_same_tokens_and_log_probabilities_on_either_build(s
     depend on which CPU served it."""
     code = ("import json; from tests.runtime.test_cpu_kernels import engine_outputs; "
             f"print(json.dumps(engine_outputs({str(smol_int4)!r}, {kv_dtype!r})))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2],
-                          env=dict(os.environ, RUVLLM_KERNEL_ISA="avx2"), capture_output=True, text=True, timeout=600)
+    proc = in_avx2_build(["-c", code], timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     import json
 

@@ -28,21 +28,18 @@ inline V16 v_max_loadn(V16 a, const float* p, int64_t n) {
   const __mmask16 k = (__mmask16)((1u << n) - 1);
   return _mm512_mask_max_ps(a, k, a, _mm512_maskz_loadu_ps(k, p));
 }
-inline V16 v_add(V16 a, V16 b) { return _mm512_add_ps(a, b); }
-inline V16 v_sub(V16 a, V16 b) { return _mm512_sub_ps(a, b); }
-inline V16 v_mul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
-inline V16 v_div(V16 a, V16 b) { return _mm512_div_ps(a, b); }
-inline V16 v_fmadd(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }
-inline V16 v_max(V16 a, V16 b) { return _mm512_max_ps(a, b); }
-inline V16 v_min(V16 a, V16 b) { return _mm512_min_ps(a, b); }
-inline V16 v_abs(V16 a) { return _mm512_abs_ps(a); }
-inline V16 v_round(V16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
-inline V16 v_exp(V16 a) { return vexp(a); }
+// simd_math.h's Vec is this width: its operations serve V16 as they are (see the lifts below)
+#define RUVLLM_V16_UNARY(name, f) \
+  inline V16 name(V16 a) { return f(a); }
+#define RUVLLM_V16_BINARY(name, f) \
+  inline V16 name(V16 a, V16 b) { return f(a, b); }
+#define RUVLLM_V16_TERNARY(name, f) \
+  inline V16 name(V16 a, V16 b, V16 c) { return f(a, b, c); }
 inline float v_first(V16 a) { return _mm512_cvtss_f32(a); }
-inline float v_reduce_add(V16 a) { return _mm512_reduce_add_ps(a); }
-inline float v_reduce_max(V16 a) { return _mm512_reduce_max_ps(a); }
+inline float v_reduce_add(V16 a) { return Vec::reduce_add(a); }
+inline float v_reduce_max(V16 a) { return Vec::reduce_max(a); }
 inline float v_reduce_max(V16 a, int64_t n) { return _mm512_mask_reduce_max_ps((__mmask16)((1u << n) - 1), a); }  // lanes < n
-inline V16 v_load_half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline V16 v_load_half(const uint16_t* p) { return Vec::load(p); }
 inline V16 v_round_half(V16 a) { return _mm512_cvtph_ps(_mm512_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT)); }
 inline V16 v_load_i8(const int8_t* p) {  // 16 int8 numbers as floats
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -159,19 +156,13 @@ inline V16 v_max_loadn(V16 a, const float* p, int64_t n) {  // lanes < n: max(a,
   return {_mm256_blendv_ps(a.lo, _mm256_max_ps(a.lo, x.lo), lanes_below(n, 0)),
           _mm256_blendv_ps(a.hi, _mm256_max_ps(a.hi, x.hi), lanes_below(n, 8))};
 }
-#define RUVLLM_V16_OP(name, op) \
-  inline V16 name(V16 a, V16 b) { return {op(a.lo, b.lo), op(a.hi, b.hi)}; }
-RUVLLM_V16_OP(v_add, _mm256_add_ps)
-RUVLLM_V16_OP(v_sub, _mm256_sub_ps)
-RUVLLM_V16_OP(v_mul, _mm256_mul_ps)
-RUVLLM_V16_OP(v_div, _mm256_div_ps)
-RUVLLM_V16_OP(v_max, _mm256_max_ps)
-RUVLLM_V16_OP(v_min, _mm256_min_ps)
-#undef RUVLLM_V16_OP
-inline V16 v_fmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-inline V16 v_abs(V16 a) { return {Vec::abs(a.lo), Vec::abs(a.hi)}; }
-inline V16 v_round(V16 a) { return {Vec::round(a.lo), Vec::round(a.hi)}; }
-inline V16 v_exp(V16 a) { return {vexp(a.lo), vexp(a.hi)}; }
+// simd_math.h's Vec is 8 lanes here: its operations serve V16 on each half (see the lifts below)
+#define RUVLLM_V16_UNARY(name, f) \
+  inline V16 name(V16 a) { return {f(a.lo), f(a.hi)}; }
+#define RUVLLM_V16_BINARY(name, f) \
+  inline V16 name(V16 a, V16 b) { return {f(a.lo, b.lo), f(a.hi, b.hi)}; }
+#define RUVLLM_V16_TERNARY(name, f) \
+  inline V16 name(V16 a, V16 b, V16 c) { return {f(a.lo, b.lo, c.lo), f(a.hi, b.hi, c.hi)}; }
 inline float v_first(V16 a) { return _mm256_cvtss_f32(a.lo); }
 // in the order of GCC's _mm512_reduce_add_ps: the halves, their 128-bit halves, then (0 + 2) + (1 + 3)
 inline float v_reduce_add(V16 a) { return Vec::reduce_add(_mm256_add_ps(a.hi, a.lo)); }
@@ -183,10 +174,7 @@ inline float v_reduce_max(V16 a, int64_t n) {  // lanes < n
   for (int64_t i = 1; i < n; i++) m = std::max(m, x[i]);
   return m;
 }
-inline V16 v_load_half(const uint16_t* p) {
-  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
-}
+inline V16 v_load_half(const uint16_t* p) { return {Vec::load(p), Vec::load(p + 8)}; }
 inline __m256 round_half8(__m256 a) { return _mm256_cvtph_ps(_mm256_cvtps_ph(a, _MM_FROUND_TO_NEAREST_INT)); }
 inline V16 v_round_half(V16 a) { return {round_half8(a.lo), round_half8(a.hi)}; }
 inline V16 v_load_i8(const int8_t* p) {
@@ -284,5 +272,20 @@ inline V16 butterflies16(V16 v) {
   return {_mm256_add_ps(a, b), _mm256_sub_ps(a, b)};  // distance 8
 }
 #endif
+
+// The elementwise operations, simd_math.h's Vec lifted to 16 lanes
+RUVLLM_V16_BINARY(v_add, Vec::add)
+RUVLLM_V16_BINARY(v_sub, Vec::sub)
+RUVLLM_V16_BINARY(v_mul, Vec::mul)
+RUVLLM_V16_BINARY(v_div, Vec::div)
+RUVLLM_V16_BINARY(v_max, Vec::max)
+RUVLLM_V16_BINARY(v_min, Vec::min)
+RUVLLM_V16_TERNARY(v_fmadd, Vec::fmadd)
+RUVLLM_V16_UNARY(v_abs, Vec::abs)
+RUVLLM_V16_UNARY(v_round, Vec::round)
+RUVLLM_V16_UNARY(v_exp, vexp)
+#undef RUVLLM_V16_UNARY
+#undef RUVLLM_V16_BINARY
+#undef RUVLLM_V16_TERNARY
 
 }  // namespace
