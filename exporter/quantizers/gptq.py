@@ -83,7 +83,7 @@ def gptq_quantize(w, h, block: int, bits: int, act_order: bool = ACT_ORDER, cons
             w1[:, i:] -= e[:, None] * u1[i, i:][None, :]
             err[:, i] = e
             q[:, col] = qi.to(torch.uint8)
-        w[:, i2:] -= err @ u[i1:i2, i2:]
+        w[:, i2:].addmm_(err, u[i1:i2, i2:], alpha=-1)  # in place: err @ u whole is w's size again
     del u, h
     q = q[:, torch.argsort(perm)]
     return Grid(q.numpy(), scales.numpy().astype(np.float32), zeros.numpy().astype(np.uint8), block, bits)
@@ -214,7 +214,13 @@ def gptq_layer(i: int, layer, captured: list[tuple], block: int, bits: int, mlp_
                act_order: bool = ACT_ORDER) -> tuple[dict[str, Grid], list[tuple]]:
     """One layer's GPTQ on its inputs `captured` (capture_first_layer's, then this function's): the
     fused graph weights' Grids, the layer's weights replaced by their dequantized values, and the next
-    layer's inputs (this one's quantized outputs)."""
+    layer's inputs (this one's quantized outputs, written into `captured` as each input is let go).
+
+    The groups go in the order the layer computes them, each calibrated on what the groups before it give
+    once quantized (GPTQ's reference's "true sequential"), so one group's Hessian lives at a time (a 7B's
+    down projection's alone is 0.8 GB) and each pass stops at the projection it measures. A group's float
+    weights are let go while it is quantized, and the attention's while the MLP is: their values are in
+    their grids, and come back from them."""
     import torch
 
     grids: dict[str, Grid] = {}
@@ -223,27 +229,134 @@ def gptq_layer(i: int, layer, captured: list[tuple], block: int, bits: int, mlp_
         attn, mlp = layer.self_attn, layer.mlp
         groups = {"qkv_proj": [attn.q_proj, attn.k_proj, attn.v_proj], "o_proj": [attn.o_proj],
                   "gate_up_proj": [mlp.gate_proj, mlp.up_proj], "down_proj": [mlp.down_proj]}
-        hs = {name: 0 for name in groups}
-        hooks = [mods[0].register_forward_pre_hook(_accumulate(hs, name)) for name, mods in groups.items()]
-        try:
-            for hidden, kwargs in captured:
-                layer(hidden, **kwargs)
-        finally:
-            for h in hooks:
-                h.remove()
-        for name, mods in groups.items():
-            grid = gptq_quantize(torch.cat([m.weight for m in mods], 0), hs.pop(name), width[name], bits, act_order,
-                                 consume=True)
-            grids[f"layers.{i}.{name}"] = grid
+
+        def quantize(name: str, module, inputs: list[tuple], pop: bool = False, keep: bool = True) -> None:
+            """keep: the dequantized weights put back (the passes after run them)."""
+            mods = groups[name]
+            hessian = [_hessian(module, inputs, mods[0], pop)]
+            shapes = [m.weight.shape for m in mods]
+            w = torch.empty(sum(s[0] for s in shapes), shapes[0][1])
             start = 0
-            for m in mods:  # the dequantized weights, ROWS rows at a time
-                for r in range(0, m.weight.shape[0], ROWS):
-                    part = grid.rows(start + r, start + min(r + ROWS, m.weight.shape[0])).dequantize()
-                    m.weight[r:r + len(part)].copy_(torch.from_numpy(part).to(m.weight.dtype))
-                start += m.weight.shape[0]
+            for m, shape in zip(mods, shapes):  # one float32 copy of the group, each part let go as it is made
+                w[start:start + shape[0]] = m.weight
+                start += shape[0]
+                m.weight.data = torch.empty(0, dtype=m.weight.dtype)
+            grid = gptq_quantize(w, hessian.pop(), width[name], bits, act_order, consume=True)
+            del w
+            grids[f"layers.{i}.{name}"] = grid
+            if keep:
+                restore(name)
             release_freed()  # the group's Hessian and working copies, out of glibc's heap
+
+        def let_go(*names: str) -> None:
+            for name in names:
+                for m in groups[name]:
+                    m.weight.data = torch.empty(0, dtype=m.weight.dtype)
+
+        def restore(*names: str) -> None:  # the dequantized weights, ROWS rows at a time
+            for name in names:
+                grid, start = grids[f"layers.{i}.{name}"], 0
+                for m in groups[name]:
+                    out_f = m.out_features
+                    m.weight.data = torch.empty(out_f, m.in_features, dtype=m.weight.dtype)
+                    for r in range(0, out_f, ROWS):
+                        m.weight[r:r + ROWS].copy_(torch.from_numpy(_dequantized(grid, start + r, start + out_f)))
+                    start += out_f
+
+        quantize("qkv_proj", layer, captured)
+        quantize("o_proj", layer, captured)
+        mlp_in = [(x, {}) for x in _inputs(layer, captured, mlp)]  # through the quantized attention
+        let_go("qkv_proj", "o_proj")
+        quantize("gate_up_proj", mlp, mlp_in, keep=False)
+        # down's inputs: gate and up computed from their grid a few rows at a time (a 7B's are 0.47 GB in float32)
+        with _from_grid(groups["gate_up_proj"], grids[f"layers.{i}.gate_up_proj"]):
+            quantize("down_proj", mlp, mlp_in, pop=True, keep=False)  # the MLP's inputs go as the Hessian is made
+        release_freed()
+        restore(*groups)
         # the next layer calibrates on this one's quantized outputs
-        return grids, [(layer_output(layer(hidden, **kwargs)), kwargs) for hidden, kwargs in captured]
+        for n, (hidden, kwargs) in enumerate(captured):
+            captured[n] = (layer_output(layer(hidden, **kwargs)), kwargs)
+        return grids, captured
+
+
+def _dequantized(grid: Grid, start: int, stop: int):
+    """Up to ROWS of a grid's rows from `start` (to `stop` at most), dequantized."""
+    return grid.rows(start, min(start + ROWS, stop)).dequantize()
+
+
+def _from_grid(mods: list, grid: Grid):
+    """A context in which the linear modules `mods` (the grid's rows, in order; their weights let go)
+    compute their outputs from the grid, ROWS output features at a time."""
+    import contextlib
+
+    import torch
+
+    def linear(start: int, m):
+        def forward(x):
+            out = torch.empty(*x.shape[:-1], m.out_features, dtype=x.dtype)
+            for r in range(0, m.out_features, ROWS):
+                w = torch.from_numpy(_dequantized(grid, start + r, start + m.out_features)).to(x.dtype)
+                out[..., r:r + len(w)] = torch.nn.functional.linear(x, w)
+            return out if m.bias is None else out + m.bias
+        return forward
+
+    @contextlib.contextmanager
+    def computed():
+        start = 0
+        for m in mods:
+            m.forward = linear(start, m)
+            start += m.out_features
+        try:
+            yield
+        finally:
+            for m in mods:
+                del m.forward
+    return computed()
+
+
+def _hessian(module, inputs: list[tuple], target, pop: bool = False):
+    """X^T X of `target`'s input as `module` runs on `inputs` ((hidden states, keyword arguments) pairs),
+    each pass stopped there; pop: each input is let go once used."""
+    hs: dict = {"h": 0}
+    add = _accumulate(hs, "h")
+
+    def hook(mod, args) -> None:
+        add(mod, args)
+        raise _Stop
+
+    _run_to(module, inputs, target, hook, pop)
+    return hs["h"]
+
+
+def _inputs(module, inputs: list[tuple], target) -> list:
+    """`target`'s first argument as `module` runs on each of `inputs`, the pass stopped there."""
+    got: list = []
+
+    def hook(mod, args) -> None:
+        got.append(args[0])
+        raise _Stop
+
+    _run_to(module, inputs, target, hook)
+    return got
+
+
+def _run_to(module, inputs: list[tuple], target, hook, pop: bool = False) -> None:
+    handle = target.register_forward_pre_hook(hook)
+    try:
+        n = 0
+        while n < len(inputs):
+            hidden, kwargs = inputs[n]
+            try:
+                module(hidden, **kwargs)
+            except _Stop:
+                pass
+            if pop:
+                del inputs[n]
+            else:
+                n += 1
+            release_freed()  # a sequence's temporaries (glibc's heap grew ~24 MB a sequence at 7B without)
+    finally:
+        handle.remove()
 
 
 def _accumulate(hs: dict, name: str):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from exporter.builders.spec import FUSED_PROJECTIONS
-from exporter.heap import release_freed
+from exporter.heap import map_large_blocks, release_freed
 from exporter.quantizers.awq import LoraScales, awq_layer, layer_probes, sample_share
 from exporter.quantizers.gptq import capture_first_layer, gptq_layer, layer_output
 from exporter.quantizers.grid import Grid, rtn_grid
@@ -36,6 +36,7 @@ class LayerwiseQuantizer:
                  mlp_block: int | None = None, progress: bool = False) -> None:
         """model: streamed.skeleton's (no weights); tensors: a GgufTensors or SafetensorsTensors on the
         source; method: awq, gptq or awq+gptq."""
+        map_large_blocks()  # the process exports a model too large to load whole: its temporaries given back when freed
         self.model, self.tensors, self.method = model, tensors, method
         self.block, self.bits, self.mlp_block = block, bits, mlp_block
         self.scales = LoraScales()

@@ -180,6 +180,70 @@ print((status("VmHWM:") - before) / 1024)
     assert grew < 0.5 * hessian, grew
 
 
+def test_a_layer_quantizes_its_groups_in_order_one_hessian_at_a_time(monkeypatch):
+    """gptq_layer calibrates each projection group on the inputs the groups before it give once quantized
+    (o_proj through the quantized q, k and v; down_proj through the quantized gate and up, computed from
+    their grid), holds one Hessian at a time, and has let go of every other float weight while down_proj is
+    quantized; the layer ends on its grids' values, and its outputs are theirs."""
+    import copy
+    import weakref
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import exporter.quantizers.gptq as g
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    captured = g.capture_first_layer(model, [list(range(1, 33)), list(range(40, 72))])
+    inputs = [(h.clone(), kw) for h, kw in captured]
+    layer = model.model.layers[0]
+    ref = copy.deepcopy(layer)
+    seen, live, real = [], [], g.gptq_quantize
+
+    def spy(w, h, *args, **kwargs):
+        assert all(r() is None for r in live), "an earlier group's Hessian is still held"
+        live.append(weakref.ref(h))
+        seen.append((h.clone(), {n: p.numel() for n, p in layer.named_parameters() if n.endswith("proj.weight")}))
+        return real(w, h, *args, **kwargs)
+
+    monkeypatch.setattr(g, "gptq_quantize", spy)
+    grids, outputs = g.gptq_layer(0, layer, captured, 16, 4)
+
+    def xtx(target):
+        xs = []
+        hook = target.register_forward_pre_hook(lambda m, a: xs.append(a[0].reshape(-1, a[0].shape[-1])))
+        with torch.no_grad():
+            for h, kw in inputs:
+                ref(h, **kw)
+        hook.remove()
+        x = torch.cat(xs)
+        return x.T @ x
+
+    def quantized(name, *mods):
+        w = torch.from_numpy(grids[f"layers.0.{name}"].dequantize())
+        for m, part in zip(mods, torch.split(w, [m.out_features for m in mods])):
+            m.weight.data = part.clone()
+
+    attn, mlp = ref.self_attn, ref.mlp
+    order = [("qkv_proj", attn.q_proj, (attn.q_proj, attn.k_proj, attn.v_proj)),
+             ("o_proj", attn.o_proj, (attn.o_proj,)),
+             ("gate_up_proj", mlp.gate_proj, (mlp.gate_proj, mlp.up_proj)),
+             ("down_proj", mlp.down_proj, (mlp.down_proj,))]
+    assert len(seen) == len(order)
+    for (name, target, mods), (h, _) in zip(order, seen):
+        want = xtx(target)
+        torch.testing.assert_close(h, want, rtol=1e-4, atol=1e-4 * want.abs().max().item(), msg=name)
+        quantized(name, *mods)
+    assert not any(seen[-1][1].values()), seen[-1][1]  # while down_proj is quantized no float weight is held
+    for (name, p), (_, want) in zip(layer.named_parameters(), ref.named_parameters()):
+        assert torch.equal(p, want), name
+    with torch.no_grad():
+        for (out, _), (h, kw) in zip(outputs, inputs):
+            torch.testing.assert_close(out, g.layer_output(ref(h, **kw)))
+
+
 @pytest.mark.parametrize("mins", [False, True])
 def test_a_grids_rows_dequantize_as_the_whole(mins):
     """gptq_layer writes the dequantized weights back 1,024 rows at a time: Grid.rows' numbers are the
