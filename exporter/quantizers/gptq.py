@@ -240,7 +240,7 @@ def gptq_layer(i: int, layer, captured: list[tuple], block: int, bits: int, mlp_
             for m, shape in zip(mods, shapes):  # one float32 copy of the group, each part let go as it is made
                 w[start:start + shape[0]] = m.weight
                 start += shape[0]
-                m.weight.data = torch.empty(0, dtype=m.weight.dtype)
+                let_go(m)
             grid = gptq_quantize(w, hessian.pop(), width[name], bits, act_order, consume=True)
             del w
             grids[f"layers.{i}.{name}"] = grid
@@ -248,10 +248,9 @@ def gptq_layer(i: int, layer, captured: list[tuple], block: int, bits: int, mlp_
                 restore(name)
             release_freed()  # the group's Hessian and working copies, out of glibc's heap
 
-        def let_go(*names: str) -> None:
-            for name in names:
-                for m in groups[name]:
-                    m.weight.data = torch.empty(0, dtype=m.weight.dtype)
+        def let_go(*mods) -> None:
+            for m in mods:
+                m.weight.data = torch.empty(0, dtype=m.weight.dtype)
 
         def restore(*names: str) -> None:  # the dequantized weights, ROWS rows at a time
             for name in names:
@@ -266,7 +265,7 @@ def gptq_layer(i: int, layer, captured: list[tuple], block: int, bits: int, mlp_
         quantize("qkv_proj", layer, captured)
         quantize("o_proj", layer, captured)
         mlp_in = [(x, {}) for x in _inputs(layer, captured, mlp)]  # through the quantized attention
-        let_go("qkv_proj", "o_proj")
+        let_go(*groups["qkv_proj"], *groups["o_proj"])
         quantize("gate_up_proj", mlp, mlp_in, keep=False)
         # down's inputs: gate and up computed from their grid a few rows at a time (a 7B's are 0.47 GB in float32)
         with _from_grid(groups["gate_up_proj"], grids[f"layers.{i}.gate_up_proj"]):
