@@ -27,7 +27,7 @@ from exporter.options import (
 )
 from exporter.progress import stage
 from exporter.quantizers.awq import apply_awq, apply_smoothquant, calibration_ids
-from exporter.quantizers.block_matmul import apply_grids
+from exporter.quantizers.block_matmul import apply_grids, kernel_layouts
 from exporter.quantizers.browser_format import dequantize_at_load
 from exporter.quantizers.gptq import apply_gptq, model_samples
 from exporter.quantizers.quantize import BITS, QUANTS, quantize_weights
@@ -160,6 +160,8 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
                 graphs[name] = apply_grids(graphs[name], own)
             if opts.target in BROWSER_TARGETS:  # storage stays quantized, compute becomes fp32 (browser_format)
                 graphs[name] = dequantize_at_load(graphs[name], tied, exact=carried is not None)
+            elif opts.target == "cpu":  # int4 grids in the CPU kernel's layout: a load maps them
+                kernel_layouts(graphs[name])
 
     return write_package(out, graphs, None, tok, source, spec, opts, gen_cfg, started, gptq_calibration, carried)
 

@@ -253,7 +253,7 @@ def convert_streamed(source, out: Path, opts: ConvertOptions, started: float) ->
         projections = None
         graphs = {}
         for file_name, slots in ((GRAPH_FILE, None), (LORA_GRAPH_FILE, LoraSlots()))[:n_graphs]:
-            graph_grids = ProjectionGrids(grids) if grids else None
+            graph_grids = ProjectionGrids(grids, kernel_layout=opts.target == "cpu") if grids else None
             if projections is not None and graph_grids is not None:
                 graph_grids.layouts = projections.layouts  # the second graph reuses the first's tensors
             graphs[file_name] = build_decoder(

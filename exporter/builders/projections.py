@@ -16,7 +16,7 @@ import numpy as np
 from exporter.builders.onnx_builder import GraphBuilder
 from exporter.quantizers.block_matmul import GridLayout, grid_nodes, grid_tensors, layout_of, tensor_names
 from exporter.quantizers.grid import Grid
-from runtime.backends.block_layouts import DOMAIN, OWN, own_layout
+from runtime.backends.block_layouts import DOMAIN, GRID_KIND, OWN, grid_fits, grid_layout, own_layout
 
 
 @dataclass
@@ -74,9 +74,12 @@ class OwnBitsLayout:
 
 
 class ProjectionGrids:
-    def __init__(self, make: Callable[[str], Grid | OwnBits | None]) -> None:
-        """make(graph weight name) -> its Grid (or OwnBits), or None for a float projection."""
+    def __init__(self, make: Callable[[str], Grid | OwnBits | None], kernel_layout: bool = False) -> None:
+        """make(graph weight name) -> its Grid (or OwnBits), or None for a float projection. kernel_layout: an
+        int4 grid the CPU kernel reads is written in its layout (block_layouts.grid_layout), so that a load
+        maps it; a host without the kernel gets MatMulNBits at load."""
         self._make = make
+        self.kernel_layout = kernel_layout
         self.layouts: dict[str, GridLayout | OwnBitsLayout | None] = {}  # each name's, once made (a second graph's)
 
     def matmul(self, b: GraphBuilder, w: str, x: str, out: str | None = None) -> str | None:
@@ -106,6 +109,11 @@ class ProjectionGrids:
                 outs.append(part_out)
             if len(outs) > 1:
                 b.op("Concat", outs, axis=-1, out=y)
+            return y
+        if self.kernel_layout and grid_fits(layout):
+            blob = b.named_weight(f"{w}_Q4G", lambda: grid_layout(grid.q, grid.scale, grid.zero, grid.block))
+            b.op("MatMulQ4", [x, blob], name=f"{w}/MatMulQ4", out=y, domain=DOMAIN, K=layout.k, N=layout.n, bits=4,
+                 block_size=layout.block, kquant=GRID_KIND)
             return y
         values = None
 

@@ -17,11 +17,12 @@ from onnx import numpy_helper
 
 from exporter.builders.onnx_builder import replace_graph
 from exporter.quantizers.grid import Grid, fp16_exact, pack_nbits
-from runtime.backends.block_layouts import GridLayout, block_ones
+from runtime.backends.block_layouts import DOMAIN, GRID_KIND, GridLayout, block_ones, grid_fits, grid_layout
 from runtime.backends.block_layouts import nbits_names as tensor_names
 from runtime.backends.block_layouts import nbits_nodes as grid_nodes
 
-__all__ = ["GridLayout", "apply_grids", "grid_nodes", "grid_tensors", "layout_of", "take_minimum_terms", "tensor_names"]
+__all__ = ["GridLayout", "apply_grids", "grid_nodes", "grid_tensors", "kernel_layouts", "layout_of", "take_minimum_terms",
+           "tensor_names"]
 
 
 def layout_of(grid: Grid) -> GridLayout:
@@ -88,3 +89,44 @@ def take_minimum_terms(model: onnx.ModelProto) -> dict[str, tuple[np.ndarray, st
         replace_graph(model, [n for n in model.graph.node if n.name not in drop_nodes],
                       [t for t in model.graph.initializer if t.name not in drop_inits])
     return terms
+
+
+def kernel_layouts(model: onnx.ModelProto) -> int:
+    """Every 4-bit MatMulNBits the CPU kernel computes the same way (int8 compute, packed zero points, fp32
+    scales, no minimum term) as ruvllm.MatMulQ4 over its grid in the kernel's layout (block_layouts.grid_layout):
+    a load then maps the weights where it would otherwise pack a copy of them. A host without the kernel gets
+    MatMulNBits back at load (block_layouts.portable_graph). In place; returns how many."""
+    from onnx import TensorProto, helper
+
+    inits = {t.name: t for t in model.graph.initializer}
+    nodes, added, done, dropped = [], [], {}, set()
+    for node in model.graph.node:
+        attrs = {a.name: a.i for a in node.attribute}
+        weights = [inits.get(name) for name in node.input[1:]]
+        fits = (node.op_type == "MatMulNBits" and node.domain == "com.microsoft" and len(node.input) == 4
+                and not node.output[0].endswith("/nbits_out") and attrs.get("accuracy_level") == 4
+                and None not in weights
+                and [t.data_type for t in weights] == [TensorProto.UINT8, TensorProto.FLOAT, TensorProto.UINT8])
+        layout = GridLayout(attrs.get("N", 0), attrs.get("K", 0), attrs.get("bits", 0), attrs.get("block_size", 0), None)
+        if not (fits and layout.block and grid_fits(layout)):
+            nodes.append(node)
+            continue
+        w = node.input[1]
+        if w not in done:
+            n, k, block = layout.n, layout.k, layout.block
+            b, s, z = (numpy_helper.to_array(t) for t in weights)
+            q = np.stack([b & 15, b >> 4], axis=-1).reshape(n, k)
+            zero = np.stack([z & 15, z >> 4], axis=-1).reshape(n, -1)[:, :k // block]
+            done[w] = (w[:-3] if w.endswith("_Q4") else w) + "_Q4G"
+            added.append(numpy_helper.from_array(grid_layout(q, s.reshape(n, -1), zero, block), done[w]))
+            dropped.update(node.input[1:])
+        nodes.append(helper.make_node("MatMulQ4", [node.input[0], done[w]], list(node.output),
+                                      name=node.name.replace("MatMulNBits", "MatMulQ4"), domain=DOMAIN, K=layout.k,
+                                      N=layout.n, bits=4, block_size=layout.block, kquant=GRID_KIND))
+    if done:
+        read = {name for node in nodes for name in node.input}
+        replace_graph(model, nodes, [t for t in model.graph.initializer if t.name not in dropped or t.name in read]
+                      + added)
+        if DOMAIN not in {o.domain for o in model.opset_import}:
+            model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return len(done)

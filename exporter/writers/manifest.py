@@ -47,6 +47,8 @@ def manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict, 
     if opts.quant in ("int8", "int4", "w8a8"):
         quant.update(method=opts.method, block_size=opts.block_size, symmetric=False, accuracy_level=4,
                      op="com.microsoft.MatMulNBits")
+        if opts.quant == "int4" and opts.target == "cpu":  # exporter/quantizers/block_matmul.kernel_layouts
+            quant["op"] = "ruvllm.MatMulQ4 where its kernel reads the grid (in the kernel's layout), else com.microsoft.MatMulNBits"
         if opts.quant == "w8a8":  # block_size, symmetric, accuracy_level and op are the head's
             quant["projections"] = {"op": "MatMulInteger", "weights": "int8, symmetric, per output channel",
                                     "activations": "uint8 around 128, symmetric, per row (dynamic)"}

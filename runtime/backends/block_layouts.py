@@ -131,12 +131,18 @@ def own_bytes(name: str, n: int, k: int) -> int:
     return sum(own_sections(OWN[name], n, k))
 
 
-def _lanes(q: np.ndarray, t: OwnType) -> np.ndarray:
+def _lanes(q: np.ndarray, block: int) -> np.ndarray:
     """q [N, K] as the kernel's registers see it: [tiles, blocks, groups, 2 (low, high nibble), 64 lanes],
     lane 4j + i holding column j's k = 8g + i (+ 4 in the high nibble register)."""
     n, k = q.shape
-    qq = q.reshape(n // TILE, TILE, k // t.block, t.block // 8, 2, 4)  # [t, j, b, g, h, i]
-    return qq.transpose(0, 2, 3, 4, 1, 5).reshape(n // TILE, k // t.block, t.block // 8, 2, 64)
+    qq = q.reshape(n // TILE, TILE, k // block, block // 8, 2, 4)  # [t, j, b, g, h, i]
+    return qq.transpose(0, 2, 3, 4, 1, 5).reshape(n // TILE, k // block, block // 8, 2, 64)
+
+
+def _from_lanes(lanes: np.ndarray, n: int, k: int) -> np.ndarray:
+    """_lanes' inverse: q [N, K]."""
+    tiles, nblk, groups = lanes.shape[:3]
+    return lanes.reshape(tiles, nblk, groups, 2, TILE, 4).transpose(0, 4, 1, 2, 3, 5).reshape(n, k).astype(np.uint8)
 
 
 def own_layout(name: str, q: np.ndarray, *scales: np.ndarray) -> np.ndarray:
@@ -157,7 +163,7 @@ def own_layout(name: str, q: np.ndarray, *scales: np.ndarray) -> np.ndarray:
         lines = bytes_.reshape(n // TILE, TILE, k // t.block, t.block // 4, 4).transpose(0, 2, 3, 1, 4)  # [t, b, g, j, i]
         d = scales[0].reshape(n // TILE, TILE, -1).transpose(0, 2, 1).astype(np.float16)  # [t, b, j]
         return np.concatenate([lines.reshape(-1), np.ascontiguousarray(d).reshape(-1).view(np.uint8)])
-    lanes = _lanes(q, t)
+    lanes = _lanes(q, t.block)
     tiles, nblk = lanes.shape[:2]
     lines = []
     for width, at in t.fields:
@@ -217,7 +223,7 @@ def own_parts(name: str, blob: np.ndarray, n: int, k: int) -> tuple:
             f = np.stack([((h >> bit) & 1).reshape(tiles, nblk, groups, 64),
                           ((h >> (bit + 4)) & 1).reshape(tiles, nblk, groups, 64)], axis=3)
         lanes |= f << at
-    q = lanes.reshape(tiles, nblk, groups, 2, TILE, 4).transpose(0, 4, 1, 2, 3, 5).reshape(n, k).astype(np.uint8)
+    q = _from_lanes(lanes, n, k)
     rest = blob[w_bytes:]
     rows = lambda a, count: a.reshape(tiles, -1, count, TILE).transpose(0, 3, 1, 2).reshape(n, -1, count)  # noqa: E731
     if t.scales == "kquant":
@@ -258,9 +264,66 @@ def own_grid(name: str, blob: np.ndarray, n: int, k: int):
 
 def dequantize_own(name: str, blob: np.ndarray, n: int, k: int) -> np.ndarray:
     """The matrix [N, K] in fp32, as gguf dequantizes it."""
-    t = OWN[name]
-    q, scale, zero, mins = own_grid(name, blob, n, k)
-    qb = q.reshape(n, -1, t.block).astype(np.float32)
+    return dequantize_node({"N": n, "K": k, "kquant": OWN[name].kind}, blob)
+
+
+# ---- an int4 grid (RTN, AWQ, GPTQ: zero points and fp32 scales) in the kernel's layout ----
+
+GRID_KIND = 11  # the operator's kquant for it (kernels/matmul_q4.h's kGridKind); its block is block_size's
+
+
+def grid_fits(layout: GridLayout) -> bool:
+    """Whether ruvllm.MatMulQ4 reads this grid in its own layout: 4 bits, no minimums, whole tiles and blocks."""
+    return (layout.bits == 4 and not layout.mins and layout.n % TILE == 0 and layout.block % BLOCK == 0
+            and layout.k % layout.block == 0)
+
+
+def grid_bytes(n: int, k: int, block: int) -> int:
+    return n * k // 2 + n * (k // block) * 5
+
+
+def grid_layout(q: np.ndarray, scale: np.ndarray, zero: np.ndarray, block: int) -> np.ndarray:
+    """The kernel's bytes for w = (q - zero) * scale in blocks of `block`, as the kernel would otherwise pack
+    them at load (so that a load maps them): per tile of 16 columns and block, the 4-bit lines as
+    own_layout writes them, then the fp32 scales, then the zero points, each [tile, block, column]."""
+    n, k = q.shape
+    lanes = _lanes(q, block)
+    weights = (lanes[..., 0, :] | (lanes[..., 1, :] << 4)).astype(np.uint8).reshape(-1)
+    del lanes
+
+    def per_tile(a: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(a.reshape(n // TILE, TILE, -1).transpose(0, 2, 1)).reshape(-1)
+
+    return np.concatenate([weights, per_tile(scale.astype(np.float32)).view(np.uint8), per_tile(zero.astype(np.uint8))])
+
+
+def grid_parts(blob: np.ndarray, n: int, k: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """grid_layout's inverse: (q uint8 [N, K], scales fp32 [N, blocks], zero points uint8 [N, blocks])."""
+    nblk, w = k // block, n * k // 2
+    lines = blob[:w].reshape(n // TILE, nblk, block // 8, 64)
+    q = _from_lanes(np.stack([lines & 15, lines >> 4], axis=3), n, k)
+
+    def rows(a: np.ndarray) -> np.ndarray:
+        return a.reshape(n // TILE, nblk, TILE).transpose(0, 2, 1).reshape(n, nblk)
+
+    return q, rows(blob[w:w + n * nblk * 4].view(np.float32)), rows(blob[w + n * nblk * 4:grid_bytes(n, k, block)])
+
+
+def node_grid(attrs: dict, blob: np.ndarray) -> tuple:
+    """A ruvllm.MatMulQ4/Q8 weight the exporter wrote (its attributes, its bytes) as a grid: (q [N, K], scales
+    fp32 [N, blocks], zero points uint8 or None, minimums fp32 or None, block, bits of MatMulNBits)."""
+    n, k, kind = attrs["N"], attrs["K"], attrs["kquant"]
+    if kind == GRID_KIND:
+        return (*grid_parts(blob, n, k, attrs["block_size"]), None, attrs["block_size"], 4)
+    t = OWN[BY_KIND[kind]]
+    return (*own_grid(BY_KIND[kind], blob, n, k), t.block, 4 if t.bits <= 4 else 8)
+
+
+def dequantize_node(attrs: dict, blob: np.ndarray) -> np.ndarray:
+    """node_grid's weights [N, K] in fp32."""
+    q, scale, zero, mins, block, _ = node_grid(attrs, blob)
+    n, k = q.shape
+    qb = q.reshape(n, -1, block).astype(np.float32)
     w = (qb - zero[..., None]) * scale[..., None] if zero is not None else qb * scale[..., None] + mins[..., None]
     return w.reshape(n, k)
 
@@ -268,8 +331,8 @@ def dequantize_own(name: str, blob: np.ndarray, n: int, k: int) -> np.ndarray:
 # ---- the graph with exporter-written kernel ops made portable ----
 
 def portable_graph(model, base_dir) -> int:
-    """Rewrite, in place, every ruvllm.MatMulQ4 the exporter wrote in a GGUF's own layout (Q4_K, Q6_K) into
-    MatMulNBits (and a Q4_K's minimum term), and every ruvllm.GatherQ into standard gathers, over the same
+    """Rewrite, in place, every ruvllm.MatMulQ4/Q8 the exporter wrote in a kernel's layout (a GGUF's own
+    types, an int4 grid) into MatMulNBits (and a Q4_K's minimum term), and every ruvllm.GatherQ into standard gathers, over the same
     weights (read from the external data under base_dir). Returns how many."""
     from onnx import numpy_helper
 
@@ -292,21 +355,18 @@ def portable_graph(model, base_dir) -> int:
             raise ValueError(f"{node.name}: a k-quant {node.op_type} has no portable form here (rewritten before the "
                              "kernels were chosen?)")
         n, k, w = attrs["N"], attrs["K"], node.input[1]
-        name = BY_KIND[attrs["kquant"]]
-        t = OWN[name]
-        bits = 4 if t.bits <= 4 else 8
-        q, scale, zero, mins = own_grid(name, _read(inits[w], base_dir), n, k)
-        layout = GridLayout(n, k, bits, t.block, None if mins is None else "fp32")
+        q, scale, zero, mins, block, bits = node_grid(attrs, _read(inits[w], base_dir))
+        layout = GridLayout(n, k, bits, block, None if mins is None else "fp32")
         if w not in done:
             names = nbits_names(w, layout)
             zero = np.zeros(scale.shape, np.uint8) if zero is None else zero
             if bits == 4:
-                b, z = pack_4bit(q, zero, t.block)
+                b, z = pack_4bit(q, zero, block)
             else:
-                b, z = q.reshape(n, -1, t.block), zero
+                b, z = q.reshape(n, -1, block), zero
             values = {"q": b, "scales": scale, "zero_points": z}
             if mins is not None:
-                values.update(mins=np.ascontiguousarray(mins.T), block_ones=block_ones(k, t.block))
+                values.update(mins=np.ascontiguousarray(mins.T), block_ones=block_ones(k, block))
             added += [numpy_helper.from_array(np.ascontiguousarray(v), names[role]) for role, v in values.items()]
             done.add(w)
         nodes += nbits_nodes(w, node.input[0], node.output[0], layout)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.backends.block_layouts import BY_KIND, DOMAIN, OWN, dequantize_own, own_grid
+from runtime.backends.block_layouts import BY_KIND, DOMAIN, OWN, dequantize_node, own_grid
 from runtime.errors import PackageError
 
 MATMULS = ("MatMul", "MatMulNBits", "MatMulQ4", "MatMulQ8")
@@ -98,8 +98,7 @@ class GraphWeights:
         if node.op_type == "MatMulNBits":
             return self._nbits(w, node, attrs)
         if node.domain == DOMAIN and attrs.get("kquant"):
-            n, k = attrs["N"], attrs["K"]
-            return np.ascontiguousarray(dequantize_own(BY_KIND[attrs["kquant"]], self.array(node.input[1]), n, k).T)
+            return np.ascontiguousarray(dequantize_node(attrs, self.array(node.input[1])).T)
         raise PackageError(f"{node.name}: the instant loop does not read a {node.op_type} weight "
                            "(its layout is the kernels' own, written at load)")
 

@@ -26,8 +26,9 @@ def test_browser_package_matches_the_native_int4_package(arch, tiny_package, tin
     ops = {n.op_type for n in graph.node}
     assert "MatMulNBits" not in ops and "DequantizeLinear" in ops
     native = onnx.load(cpu.graph_path, load_external_data=False).graph
-    # one DequantizeLinear per MatMulNBits of the native package (4 per layer and the head)
-    assert sum(n.op_type == "DequantizeLinear" for n in graph.node) == sum(n.op_type == "MatMulNBits" for n in native.node)
+    # one DequantizeLinear per grid of the native package (4 per layer and the head; MatMulQ4 in the kernel's layout)
+    grids = sum(n.op_type in ("MatMulNBits", "MatMulQ4") for n in native.node)
+    assert sum(n.op_type == "DequantizeLinear" for n in graph.node) == grids == 4 * cpu.config["num_layers"] + 1
     tok = Tokenizer.from_file(web.file("tokenizer.json"), web.manifest["tokenizer"])
     ids = tok.encode(TEXT)[:40]
     ref = teacher_forced_logprobs(cpu.path, ids)

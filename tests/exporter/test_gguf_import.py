@@ -109,20 +109,20 @@ def write_tiny_gguf(path, smol_gguf, type_name: str) -> None:
 
 
 def package_weights(pkg_dir) -> dict[str, np.ndarray]:
-    """Each MatMulNBits weight of the package's graph, and each Q4_K kept at its own bits for the kernel
-    (ruvllm.MatMulQ4, kquant=1), dequantized as the graph defines it, [N, K]."""
+    """Each MatMulNBits weight of the package's graph, and each one written in a kernel's layout (ruvllm.MatMulQ4/Q8
+    with a kquant: a GGUF type at its own bits, an int4 grid), dequantized as the graph defines it, [N, K]."""
     import re
 
-    from runtime.backends.block_layouts import BY_KIND, dequantize_own
+    from runtime.backends.block_layouts import dequantize_node
 
     model = onnx.load(str(pkg_dir / "model.onnx"))
     inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     out, parts = {}, {}
     for node in model.graph.node:
         a = {x.name: onnx.helper.get_attribute_value(x) for x in node.attribute}
-        if node.op_type in ("MatMulQ4", "MatMulQ8") and a.get("kquant"):  # a GGUF type at the file's own bits
-            w = dequantize_own(BY_KIND[a["kquant"]], inits[node.input[1]], a["N"], a["K"])
-            name, part = re.match(r"(.*?)(?:_part(\d+))?_Q\d[K01]$", node.input[1]).groups()
+        if node.op_type in ("MatMulQ4", "MatMulQ8") and a.get("kquant"):  # a GGUF type at its own bits, an int4 grid
+            w = dequantize_node(a, inits[node.input[1]])
+            name, part = re.match(r"(.*?)(?:_part(\d+))?_Q\d[K01G]$", node.input[1]).groups()
             parts.setdefault(name, {})[int(part or 0)] = w
             continue
         if node.op_type != "MatMulNBits":

@@ -9,6 +9,8 @@ from exporter.evaluate import quality, teacher_forced_logits, teacher_forced_log
 from runtime.package import load_package
 from runtime.text.tokenizer import Tokenizer
 
+GRID_OPS = ("MatMulNBits", "MatMulQ4")  # a grid's operator: MatMulQ4 where a native package has the kernel's layout
+
 TEXT = ("The Eiffel Tower is a wrought-iron lattice tower on the Champ de Mars in Paris, France. It is named "
         "after the engineer Gustave Eiffel, whose company designed and built the tower from 1887 to 1889. "
         "Locally nicknamed the Iron Lady, it was constructed as the centrepiece of the 1889 World's Fair.")
@@ -66,7 +68,7 @@ def test_int4_head_on_request(tiny_model_dir, tiny_package, workdir):
 
     def head_bits(pkg) -> int:
         graph = onnx.load(str(pkg.graph_path), load_external_data=False).graph
-        node = next(n for n in graph.node if n.op_type == "MatMulNBits" and n.name.startswith(LM_HEAD_NODE))
+        node = next(n for n in graph.node if n.op_type in GRID_OPS and n.name.startswith(LM_HEAD_NODE))
         return next(a.i for a in node.attribute if a.name == "bits")
 
     default = load_package(tiny_package("llama", "int4"))
@@ -97,7 +99,7 @@ def test_mlp_block_size(method, tiny_model_dir, tiny_package, workdir):
     assert (q["block_size"], q["mlp_block_size"], q["method"]) == (16, 32, method)
     blocks = {}
     for node in onnx.load(str(pkg.graph_path), load_external_data=False).graph.node:
-        if node.op_type == "MatMulNBits":
+        if node.op_type in GRID_OPS:
             kind = ("head" if node.name.startswith(LM_HEAD_NODE) else
                     "mlp" if "gate_up_proj" in node.input[1] or "down_proj" in node.input[1] else "attention")
             blocks.setdefault(kind, set()).add(next(a.i for a in node.attribute if a.name == "block_size"))
@@ -134,7 +136,7 @@ def test_w8a8_projections(tiny_package, workdir):
                                                                                           "MatMulInteger")
         for graph in (pkg.graph_path, pkg.lora_graph_path):
             ops = [n.op_type for n in onnx.load(str(graph), load_external_data=False).graph.node]
-            assert ops.count("MatMulInteger") == 4 * pkg.config["num_layers"] and ops.count("MatMulNBits") == 1
+            assert ops.count("MatMulInteger") == 4 * pkg.config["num_layers"] and sum(map(ops.count, GRID_OPS)) == 1
     pkg = load_package(tiny_package("llama", "w8a8"))
     tok = Tokenizer.from_file(pkg.file("tokenizer.json"), pkg.manifest["tokenizer"])
     ids = tok.encode(TEXT)[:40]

@@ -95,6 +95,45 @@ def test_a_row_does_not_depend_on_the_batch(tmp_path):
         assert np.array_equal(ours.run(None, {"X": x[i:i + 1]})[0][0], together[i])
 
 
+@needs_kernel
+@pytest.mark.parametrize("K,N,block", [(576, 960, 64), (256, 48, 32), (512, 64, 128)])
+def test_an_int4_grid_in_the_kernels_layout_computes_what_it_packs_at_load(tmp_path, K, N, block):
+    """The exporter writes an int4 grid in the layout the kernel would pack at load (block_matmul.kernel_layouts):
+    the same numbers, bit for bit, as the kernel packing MatMulNBits' grid; without the kernel the graph turns
+    back into that MatMulNBits exactly (portable_graph)."""
+    from exporter.quantizers.block_matmul import kernel_layouts
+    from runtime.backends.block_layouts import GRID_KIND, grid_parts, portable_graph
+
+    mlas, packed = sessions(tmp_path, K, N, block)
+    original = onnx.load_from_string(matmul_model(K, N, block))
+    model = onnx.load_from_string(matmul_model(K, N, block))
+    assert kernel_layouts(model) == 1
+    (node,) = model.graph.node
+    assert (node.domain, node.op_type) == ("ruvllm", "MatMulQ4")
+    assert {a.name: a.i for a in node.attribute}["kquant"] == GRID_KIND
+    (blob,) = [onnx.numpy_helper.to_array(t) for t in model.graph.initializer]
+    q, scale, zero = grid_parts(blob, N, K, block)
+    b, s, z = (onnx.numpy_helper.to_array(t) for t in original.graph.initializer)
+    assert np.array_equal(np.stack([b & 15, b >> 4], -1).reshape(N, K), q)
+    assert np.array_equal(s.reshape(N, -1), scale)
+    assert np.array_equal(np.stack([z & 15, z >> 4], -1).reshape(N, -1)[:, :K // block], zero)
+
+    path = tmp_path / "grid.onnx"
+    onnx.save(model, path)
+    rewritten, counts = graph_fusion.rewrite_graph(path)
+    assert counts["MatMulQ4"] == 1
+    opts = ort.SessionOptions()
+    opts.register_custom_ops_library(str(LIB))
+    ours = ort.InferenceSession(rewritten, opts)
+    portable = onnx.load_from_string(matmul_model(K, N, block))
+    kernel_layouts(portable)
+    assert portable_graph(portable, tmp_path) == 1
+    back = ort.InferenceSession(portable.SerializeToString())
+    x = np.random.default_rng(K).standard_normal((5, K), dtype=np.float32)
+    assert np.array_equal(ours.run(None, {"X": x})[0], packed.run(None, {"X": x})[0])
+    assert np.array_equal(back.run(None, {"X": x})[0], mlas.run(None, {"X": x})[0])
+
+
 def test_rewrite_leaves_what_the_kernel_does_not_compute(tmp_path):
     cases = {"fp32-compute": (matmul_model(256, 64, 32, accuracy_level=0), 0),
              "n-not-16": (matmul_model(256, 40, 32), 0),

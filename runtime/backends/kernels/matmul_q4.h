@@ -51,6 +51,8 @@ struct PackedWeights {
   const uint8_t* wdata = nullptr;  // the weights: w's copy, or (k-quant layout) the initializer itself
   std::vector<float> scale;    // per tile, per block: 16 columns each
   std::vector<uint8_t> zero;   // the same, as bytes (a quarter of fp32's: a single row is memory-bound)
+  const float* sc = nullptr;   // where mode 0 reads them: the vectors, or an exporter-written grid in place
+  const uint8_t* zp = nullptr;
   bool mins = false;           // minimums mode: scale and zero unused, scale_min holds both
   std::vector<uint16_t> scale_min;  // per tile, per block: 16 fp16 scales, then 16 fp16 minimums
   // an own-bit layout (OwnBits::mode, 2 and up; 0: packed from MatMulNBits at load): its scale sections
@@ -102,6 +104,22 @@ inline size_t own_bytes(int mode, int64_t N, int64_t K) {
 // A layout the exporter wrote (own_bytes(mode, N, K)): read where it lies when aligned as the exporter writes
 // it (onnxruntime maps the package's weights file: nothing copied, the page cache shared), else, or with
 // RUVLLM_COPY_WEIGHTS=1, copied whole into the arena
+// The exporter's bytes for a kernel: read where they lie when aligned as the exporter writes them
+// (onnxruntime maps the package's weights file: nothing copied, the page cache shared), else, or with
+// RUVLLM_COPY_WEIGHTS=1, copied whole into the arena
+void map_or_copy(PackedWeights& wts, const uint8_t* blob, size_t bytes) {
+  const char* copy = std::getenv("RUVLLM_COPY_WEIGHTS");
+  if (reinterpret_cast<uintptr_t>(blob) % 64 == 0 && !(copy && copy[0] == '1')) {
+    wts.wdata = blob;
+    populate(blob, bytes);
+  } else {
+    wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(bytes)));
+    std::memcpy(wts.w.get(), blob, bytes);
+    wts.wdata = wts.w.get();
+  }
+}
+
+// A layout the exporter wrote (own_bytes(mode, N, K))
 void pack_own(PackedWeights& wts, int mode, int N, int K, const uint8_t* blob) {
   const OwnBits& t = own_bits(mode);
   if (K % t.superblock || N % kTile)
@@ -111,17 +129,24 @@ void pack_own(PackedWeights& wts, int mode, int N, int K, const uint8_t* blob) {
   wts.own = mode;
   size_t weights, sc, half;
   own_sections(t, N, K, &weights, &sc, &half);
-  const char* copy = std::getenv("RUVLLM_COPY_WEIGHTS");
-  if (reinterpret_cast<uintptr_t>(blob) % 64 == 0 && !(copy && copy[0] == '1')) {
-    wts.wdata = blob;
-    populate(blob, weights + sc + half);
-  } else {
-    wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(weights + sc + half)));
-    std::memcpy(wts.w.get(), blob, weights + sc + half);
-    wts.wdata = wts.w.get();
-  }
+  map_or_copy(wts, blob, weights + sc + half);
   wts.ksc = wts.wdata + weights;
   wts.kd = reinterpret_cast<const uint16_t*>(wts.ksc + sc);
+}
+
+// An int4 grid (zero points, fp32 scales: RTN, AWQ, GPTQ) the exporter wrote in mode 0's layout
+// (block_layouts.grid_layout, kquant kGridKind): pack()'s weights, then its scales and zero points, each
+// [tile, block, column]; read in place as pack_own's are
+constexpr int kGridKind = 11;
+inline size_t grid_bytes(int64_t N, int64_t K, int64_t block) { return (size_t)(N * K / 2 + N * (K / block) * 5); }
+void pack_grid(PackedWeights& wts, int N, int K, int block, const uint8_t* blob) {
+  if (block % 32 || K % block || N % kTile)
+    throw std::invalid_argument("an int4 grid needs its block a multiple of 32, K of the block, N of 16");
+  wts.N = N; wts.K = K; wts.block = block; wts.nblk = K / block; wts.ntiles = N / kTile; wts.Kp = K;
+  const size_t weights = (size_t)N * K / 2, scales = (size_t)N * wts.nblk * 4;
+  map_or_copy(wts, blob, grid_bytes(N, K, block));
+  wts.sc = reinterpret_cast<const float*>(wts.wdata + weights);
+  wts.zp = wts.wdata + weights + scales;
 }
 
 inline bool fp16_exact(float x, uint16_t* h) {
@@ -142,6 +167,8 @@ void pack(PackedWeights& wts, int N, int K, int block, const uint8_t* B, const f
   else {
     wts.scale.resize((size_t)N * wts.nblk);
     wts.zero.resize((size_t)N * wts.nblk);
+    wts.sc = wts.scale.data();
+    wts.zp = wts.zero.data();
   }
   const int zp_stride = (wts.nblk + 1) / 2;
   for (int t = 0; t < wts.ntiles; t++)
@@ -271,8 +298,8 @@ inline void prefetch_scales(const PackedWeights& wts, int tile, int next, int b,
   } else if constexpr (Mode == 1) {
     prefetch(wts.scale_min.data() + tb * 2 * kTile);
   } else {
-    prefetch(wts.scale.data() + tb * kTile);
-    prefetch(wts.zero.data() + tb * kTile);
+    prefetch(wts.sc + tb * kTile);
+    prefetch(wts.zp + tb * kTile);
   }
 }
 
@@ -395,8 +422,8 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
       __m512 s, mn_or_z;
       constexpr bool minimums = L.scales == Scales::kKQuant || L.scales == Scales::kKQuant4 || L.scales == Scales::kHalfMin;
       if constexpr (Mode == 0) {
-        mn_or_z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wts.zero.data() + tb * kTile))));
-        s = _mm512_loadu_ps(wts.scale.data() + tb * kTile);
+        mn_or_z = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wts.zp + tb * kTile))));
+        s = _mm512_loadu_ps(wts.sc + tb * kTile);
       } else if constexpr (Mode == 1) {
         const __m512i sm = _mm512_loadu_si512(wts.scale_min.data() + tb * 2 * kTile);
         s = _mm512_cvtph_ps(_mm512_castsi512_si256(sm));
@@ -544,8 +571,8 @@ inline void tiles_rows(const PackedWeights& wts, const QuantizedRows& acts, int 
       for (int c = 0; c < 2; c++) {
         __m256 s, mn_or_z;  // as the AVX-512 path: w = s q + mn, or s (q - z)
         if constexpr (Mode == 0) {
-          s = _mm256_loadu_ps(wts.scale.data() + tb * kTile + 8 * c);
-          mn_or_z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wts.zero.data() + tb * kTile + 8 * c))));
+          s = _mm256_loadu_ps(wts.sc + tb * kTile + 8 * c);
+          mn_or_z = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wts.zp + tb * kTile + 8 * c))));
         } else if constexpr (Mode == 1) {
           const uint16_t* sm = wts.scale_min.data() + tb * 2 * kTile;
           s = half8(sm + 8 * c);
@@ -819,8 +846,30 @@ OrtStatus* create_own_kernel(const CustomOp* op, const OrtKernelInfo* info, int6
   }, out);
 }
 
+// MatMulQ4 on an int4 grid the exporter wrote in the kernel's layout (kquant kGridKind; K, N, block_size)
+OrtStatus* create_grid_kernel(const CustomOp* op, const OrtKernelInfo* info, void** out) {
+  int64_t K = 0, N = 0, block = 0, split = 0;
+  auto attr = api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64);
+  RETURN_IF(attr(info, "K", &K));
+  RETURN_IF(attr(info, "N", &N));
+  RETURN_IF(attr(info, "block_size", &block));
+  if (block <= 0 || block % 32 || K % block || N % kTile)
+    return fail("ruvllm.MatMulQ4 (int4 grid): needs block_size a multiple of 32, K a multiple of it, N of 16");
+  const uint8_t* data = nullptr;
+  RETURN_IF(constant_bytes(info, 1, grid_bytes(N, K, block), "ruvllm.MatMulQ4 (int4 grid): the weights", &data));
+  Epilogue epilogue;
+  RETURN_IF(epilogue_attrs(op, info, N, &epilogue, &split));
+  return make_kernel<Kernel>("ruvllm.MatMulQ4", [&](Kernel& k) {
+    k.epilogue = epilogue;
+    k.split = split;
+    pack_grid(k.w, (int)N, (int)K, (int)block, data);
+  }, out);
+}
+
 OrtStatus* create_kernel(const CustomOp* op, const void*, const OrtKernelInfo* info, void** out) {
-  if (const int64_t kind = attr_or(info, "kquant", 0)) return create_own_kernel(op, info, kind, out);
+  const int64_t kind = attr_or(info, "kquant", 0);
+  if (kind == kGridKind) return create_grid_kernel(op, info, out);
+  if (kind) return create_own_kernel(op, info, kind, out);
   int64_t K = 0, N = 0, block = 0, has_mins = 0;  // mins: set by the graph rewrite (1: a fifth input, the minimums)
   RETURN_IF(api<OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*)>(kKernelInfoGetAttribute_int64)(
       info, "mins", &has_mins));
