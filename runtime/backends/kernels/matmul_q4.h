@@ -101,13 +101,11 @@ inline size_t own_bytes(int mode, int64_t N, int64_t K) {
   return w + sc + half;
 }
 
-// A layout the exporter wrote (own_bytes(mode, N, K)): read where it lies when aligned as the exporter writes
-// it (onnxruntime maps the package's weights file: nothing copied, the page cache shared), else, or with
-// RUVLLM_COPY_WEIGHTS=1, copied whole into the arena
 // The exporter's bytes for a kernel: read where they lie when aligned as the exporter writes them
 // (onnxruntime maps the package's weights file: nothing copied, the page cache shared), else, or with
-// RUVLLM_COPY_WEIGHTS=1, copied whole into the arena
-void map_or_copy(PackedWeights& wts, const uint8_t* blob, size_t bytes) {
+// RUVLLM_COPY_WEIGHTS=1, copied whole into the arena (W: PackedWeights, matmul_q8.h's PackedQ8)
+template <typename W>
+void map_or_copy(W& wts, const uint8_t* blob, size_t bytes) {
   const char* copy = std::getenv("RUVLLM_COPY_WEIGHTS");
   if (reinterpret_cast<uintptr_t>(blob) % 64 == 0 && !(copy && copy[0] == '1')) {
     wts.wdata = blob;

@@ -36,16 +36,7 @@ void pack_q8_own(PackedQ8& wts, int N, int K, const uint8_t* blob) {
   if (K % 32 || N % kTile) throw std::invalid_argument("Q8_0 needs K a multiple of 32, N of 16");
   wts.N = N; wts.K = K; wts.block = 32; wts.nblk = K / 32; wts.ntiles = N / kTile; wts.Kp = K;
   wts.tile_block_bytes = (size_t)(32 / 4) * 64;
-  const size_t bytes = (size_t)N * K + (size_t)N * K / 16;
-  const char* copy = std::getenv("RUVLLM_COPY_WEIGHTS");
-  if (reinterpret_cast<uintptr_t>(blob) % 64 == 0 && !(copy && copy[0] == '1')) {
-    wts.wdata = blob;
-    populate(blob, bytes);
-  } else {
-    wts.w.reset(static_cast<uint8_t*>(WeightArena::instance().allocate(bytes)));
-    std::memcpy(wts.w.get(), blob, bytes);
-    wts.wdata = wts.w.get();
-  }
+  map_or_copy(wts, blob, (size_t)N * K + (size_t)N * K / 16);
   wts.half = reinterpret_cast<const uint16_t*>(wts.wdata + (size_t)N * K);
 }
 
