@@ -354,3 +354,15 @@ def test_a_step_only_package_answers_on_the_step_and_refuses_onnxruntime_clearly
         err = p.evaluate(LOAD_ERROR, [url, {"device": "wasm", **opts}])
         assert err and "WASM step only" in err, (opts, err)
         assert not [u for u in p.requests if "step-only" in u and u.endswith((".onnx", ".data", ".bin"))]
+
+
+def test_a_native_int4_package_is_refused_in_the_page_by_name(offline_page, tiny_package, web_models):
+    """A --target cpu int4 package holds its weights in RuvLLM's CPU kernels' layout (ruvllm.MatMulQ4): the page
+    says to export for it, before any download, whichever backend was asked for."""
+    url = publish(web_models, tiny_package("llama", "int4"), "tiny-llama-int4-cpu")
+    for opts in ({}, {"backend": "onnxruntime"}):
+        p = offline_page()
+        p.api()
+        err = p.evaluate(LOAD_ERROR, [url, {"device": "wasm", **opts}])
+        assert err and "--target cpu" in err and "--target wasm" in err, (opts, err)
+        assert not [u for u in p.requests if "tiny-llama-int4-cpu" in u and u.endswith((".onnx", ".data"))]

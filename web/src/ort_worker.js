@@ -219,9 +219,14 @@ async function open(options) {
   const backend = options.backend === 'auto' ? await chooseBackend(options) : options.backend;
   if (backend === 'wasm-step') return { backend, ...await openWasmStep(options) };
   if (backend !== 'onnxruntime') throw new Error(`backend ${JSON.stringify(backend)}: choose "auto", "onnxruntime" or "wasm-step"`);
-  if ((await readManifest(options.model)).wasm_step?.only) { // a large GGUF's page package: native graphs and the step
+  const manifest = await readManifest(options.model);
+  if (manifest.wasm_step?.only) { // a large GGUF's page package: native graphs and the step
     throw new Error('this model package runs in the page on its WASM step only (its graphs are the native engine\'s, '
       + 'with RuvLLM\'s CPU kernels): use backend "wasm-step" (or "auto") with device "wasm"');
+  }
+  if (manifest.target === 'cpu' && manifest.quantization?.weights === 'int4') { // ruvllm.MatMulQ4's layouts
+    throw new Error('this model package was exported for native CPUs (--target cpu): its int4 weights are in RuvLLM\'s '
+      + 'CPU kernels\' layout, which onnxruntime-web has no kernel for; export it with --target wasm for the page');
   }
   return { backend, ...await openOnnxruntime(options) };
 }
