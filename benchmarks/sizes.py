@@ -8,8 +8,10 @@ llama.cpp's own `convert_hf_to_gguf.py` and quantized to each type by its own qu
 (`llama_cpp.llama_model_quantize`): what a user downloads. The converter comes from the
 llama-cpp-python sdist (fetched once from the package index into the work folder); the quantizer and
 the peer engine from the installed llama-cpp-python (`pip install llama-cpp-python`; not a project
-dependency). Two fixes to the converter, applied in its process: it would take the `llama_hf` vocab
-path for a BPE tokenizer.json (an SPM-style vocabulary that crashes llama.cpp's tokenizer), and it
+dependency; on a host where its native build dies of SIGILL, as it did on a Sapphire Rapids-class VM, build it
+for the ISA by name: `CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_BF16=ON" pip install llama-cpp-python`).
+Two fixes to the converter, applied in its process: it would take the `llama_hf` vocab path for a BPE tokenizer.json (an SPM-style vocabulary that crashes llama.cpp's tokenizer), and it
 does not know SmolLM2's pre-tokenizer hash: the gpt2 path and the `smollm` pre-tokenizer are forced.
 
 Then RuvLLM exports each file (`python -m exporter convert`: wall time, peak RSS, package size), and
