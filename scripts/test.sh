@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 bash scripts/setup.sh
 $PY -m ruff check exporter runtime wasm tests benchmarks
-HF_HUB_OFFLINE=1 $PY -m pytest -q "$@"
+HF_HUB_OFFLINE=1 $PY -m pytest -q --durations=25 "$@"
