@@ -17,7 +17,15 @@ from onnx import numpy_helper
 
 from exporter.builders.onnx_builder import replace_graph
 from exporter.quantizers.grid import Grid, fp16_exact, pack_nbits
-from runtime.backends.block_layouts import DOMAIN, GRID_KIND, GridLayout, block_ones, grid_fits, grid_layout
+from runtime.backends.block_layouts import (
+    DOMAIN,
+    GRID_KIND,
+    GridLayout,
+    block_ones,
+    grid_fits,
+    grid_layout,
+    unpack_4bit,
+)
 from runtime.backends.block_layouts import nbits_names as tensor_names
 from runtime.backends.block_layouts import nbits_nodes as grid_nodes
 
@@ -115,10 +123,9 @@ def kernel_layouts(model: onnx.ModelProto) -> int:
         if w not in done:
             n, k, block = layout.n, layout.k, layout.block
             b, s, z = (numpy_helper.to_array(t) for t in weights)
-            q = np.stack([b & 15, b >> 4], axis=-1).reshape(n, k)
-            zero = np.stack([z & 15, z >> 4], axis=-1).reshape(n, -1)[:, :k // block]
             done[w] = (w[:-3] if w.endswith("_Q4") else w) + "_Q4G"
-            added.append(numpy_helper.from_array(grid_layout(q, s.reshape(n, -1), zero, block), done[w]))
+            added.append(numpy_helper.from_array(grid_layout(unpack_4bit(b, k), s.reshape(n, -1),
+                                                             unpack_4bit(z.reshape(n, -1), k // block), block), done[w]))
             dropped.update(node.input[1:])
         nodes.append(helper.make_node("MatMulQ4", [node.input[0], done[w]], list(node.output),
                                       name=node.name.replace("MatMulNBits", "MatMulQ4"), domain=DOMAIN, K=layout.k,

@@ -78,6 +78,13 @@ def pack_4bit(q: np.ndarray, zero: np.ndarray, block: int) -> tuple[np.ndarray, 
     return b, (z[:, 0::2] | (z[:, 1::2] << 4)).astype(np.uint8)
 
 
+
+def unpack_4bit(packed: np.ndarray, cols: int) -> np.ndarray:
+    """pack_4bit's bytes (B or zero points; low nibble first) back to one integer a byte, [rows, cols]: the
+    rows are packed's first axis, its padding (an odd count of zero points) dropped."""
+    rows = packed.shape[0]
+    return np.stack([packed & 15, packed >> 4], axis=-1).reshape(rows, -1)[:, :cols]
+
 # ---- a GGUF's block types at their own bits, for ruvllm.MatMulQ4 (kquant = OWN[type].kind) ----
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runtime.backends.block_layouts import BY_KIND, DOMAIN, OWN, dequantize_node, own_grid
+from runtime.backends.block_layouts import BY_KIND, DOMAIN, OWN, dequantize_node, own_grid, unpack_4bit
 from runtime.errors import PackageError
 
 MATMULS = ("MatMul", "MatMulNBits", "MatMulQ4", "MatMulQ8")
@@ -108,7 +108,7 @@ class GraphWeights:
         packed = self.array(node.input[1]).reshape(n, blocks, -1)
         scales = self.array(node.input[2]).astype(np.float32).reshape(n, blocks)
         if bits == 4:
-            q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, blocks, block)
+            q = unpack_4bit(packed, blocks * block).reshape(n, blocks, block)
         elif bits == 8:
             q = packed
         else:
@@ -117,9 +117,7 @@ class GraphWeights:
             zp = self.array(node.input[3])
             if zp.dtype != np.uint8:
                 raise PackageError(f"{node.name}: float zero points are not read here")
-            zp = zp.reshape(n, -1)
-            if bits == 4:
-                zp = np.stack([zp & 15, zp >> 4], axis=-1).reshape(n, -1)
+            zp = unpack_4bit(zp.reshape(n, -1), blocks) if bits == 4 else zp.reshape(n, -1)
             zero = zp[:, :blocks].astype(np.float32)
         else:
             zero = np.full((n, blocks), 2 ** (bits - 1), np.float32)
