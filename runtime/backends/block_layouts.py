@@ -101,6 +101,11 @@ class OwnType:
     op: str = "MatMulQ4"  # the kernel that reads it
 
     @property
+    def mins(self) -> bool:
+        """Whether a block has a minimum (w = scale * q + minimum) rather than a zero point."""
+        return self.zero == 0
+
+    @property
     def fields(self) -> tuple[tuple[int, int], ...]:
         """(width, bit position) of each line kind a weight's bits are stored in, in the layout's order: a
         nibble (4 bits at 0) where bits >= 4, then a 2-bit field, then a 1-bit one, each above the last
@@ -337,21 +342,33 @@ def dequantize_node(attrs: dict, blob: np.ndarray) -> np.ndarray:
 
 # ---- the graph with exporter-written kernel ops made portable ----
 
-def portable_graph(model, base_dir) -> int:
+# where an initializer that the session is handed in memory says its data lives: no file of that name is read
+IN_MEMORY = "ruvllm-in-memory"
+
+
+def portable_graph(model, base_dir, weights: dict[str, np.ndarray] | None = None) -> int:
     """Rewrite, in place, every ruvllm.MatMulQ4/Q8 the exporter wrote in a kernel's layout (a GGUF's own
     types, an int4 grid) into MatMulNBits (and a Q4_K's minimum term), and every ruvllm.GatherQ into standard gathers, over the same
-    weights (read from the external data under base_dir). Returns how many."""
-    from onnx import numpy_helper
+    weights (read from the external data under base_dir). Returns how many.
 
+    The new weights are embedded in the graph, or, given `weights`, put there by name and declared as external
+    data that names no file (IN_MEMORY), for the session to take in memory (add_external_initializers): a
+    model's worth of weights cannot pass protobuf's 2 GB, and need not be serialized and parsed again. A name
+    already in `weights` (the other graph of the same package) is taken as it is, not converted twice."""
     inits = {t.name: t for t in model.graph.initializer}
+    store = {} if weights is None else weights
     nodes, added, done, count = [], [], set(), 0
     for node in model.graph.node:
         attrs = {a.name: a.i for a in node.attribute}
         if node.domain == DOMAIN and node.op_type == "GatherQ":
             table = node.input[0]
-            nodes += gather_nodes(node, attrs, f"{table}/portable")
+            prefix = f"{table}/portable"
+            nodes += gather_nodes(node, attrs, prefix)
             if table not in done:
-                added += gather_tables(_read(inits[table], base_dir), attrs, f"{table}/portable")
+                names = gather_names(attrs, prefix)
+                if any(name not in store for name in names):
+                    store.update(gather_tables(_read(inits[table], base_dir), attrs, prefix))
+                added += names
                 done.add(table)
             count += 1
             continue
@@ -362,19 +379,14 @@ def portable_graph(model, base_dir) -> int:
             raise ValueError(f"{node.name}: a k-quant {node.op_type} has no portable form here (rewritten before the "
                              "kernels were chosen?)")
         n, k, w = attrs["N"], attrs["K"], node.input[1]
-        q, scale, zero, mins, block, bits = node_grid(attrs, _read(inits[w], base_dir))
-        layout = GridLayout(n, k, bits, block, None if mins is None else "fp32")
+        t = OWN.get(BY_KIND.get(attrs["kquant"], ""))
+        block, bits = (attrs["block_size"], 4) if t is None else (t.block, 4 if t.bits <= 4 else 8)
+        layout = GridLayout(n, k, bits, block, "fp32" if t is not None and t.mins else None)
         if w not in done:
             names = nbits_names(w, layout)
-            zero = np.zeros(scale.shape, np.uint8) if zero is None else zero
-            if bits == 4:
-                b, z = pack_4bit(q, zero, block)
-            else:
-                b, z = q.reshape(n, -1, block), zero
-            values = {"q": b, "scales": scale, "zero_points": z}
-            if mins is not None:
-                values.update(mins=np.ascontiguousarray(mins.T), block_ones=block_ones(k, block))
-            added += [numpy_helper.from_array(np.ascontiguousarray(v), names[role]) for role, v in values.items()]
+            if any(name not in store for name in names.values()):
+                store.update(zip(names.values(), nbits_arrays(attrs, _read(inits[w], base_dir)).values()))
+            added += names.values()
             done.add(w)
         nodes += nbits_nodes(w, node.input[0], node.output[0], layout)
         count += 1
@@ -383,17 +395,63 @@ def portable_graph(model, base_dir) -> int:
         model.graph.ClearField("node")
         model.graph.node.extend(nodes)
         model.graph.ClearField("initializer")
-        model.graph.initializer.extend(kept + added)
+        model.graph.initializer.extend(kept + [_initializer(name, store[name], weights is None) for name in added])
     return count
 
 
-def gather_tables(blob: np.ndarray, attrs: dict, prefix: str) -> list:
-    """GatherQ's table as plain initializers: q [N, K] uint8, scales (and minimums) [N, blocks] fp32."""
+def nbits_arrays(attrs: dict, blob: np.ndarray) -> dict[str, np.ndarray]:
+    """A kernel-layout weight's MatMulNBits initializers by role (nbits_names' order): packed q, scales, zero
+    points, and for minimums the minimums [blocks, N] and the block sums' ones."""
+    q, scale, zero, mins, block, bits = node_grid(attrs, blob)
+    n, k = q.shape
+    zero = np.zeros(scale.shape, np.uint8) if zero is None else zero
+    b, z = pack_4bit(q, zero, block) if bits == 4 else (q.reshape(n, -1, block), zero)
+    values = {"q": b, "scales": scale, "zero_points": z}
+    if mins is not None:
+        values.update(mins=mins.T, block_ones=block_ones(k, block))
+    return {role: np.ascontiguousarray(v) for role, v in values.items()}
+
+
+def _initializer(name: str, array: np.ndarray, embed: bool):
+    """The graph's entry for a weight: its bytes, or (in memory) its type and shape and an external location
+    that no file has."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    if embed:
+        return numpy_helper.from_array(array, name)
+    t = TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape,
+                    data_location=TensorProto.EXTERNAL)
+    for key, value in (("location", IN_MEMORY), ("offset", "0"), ("length", str(array.nbytes))):
+        t.external_data.add(key=key, value=value)
+    return t
+
+
+def in_memory_names(model) -> set[str]:
+    """The graph's initializers declared IN_MEMORY."""
+    return {t.name for t in model.graph.initializer
+            if any(e.key == "location" and e.value == IN_MEMORY for e in t.external_data)}
+
+
+def embed_in_memory(model, weights: dict[str, np.ndarray]) -> None:
+    """Turn the graph's IN_MEMORY entries back into embedded weights (a small rewrite, worth caching whole)."""
     from onnx import numpy_helper
 
+    names = in_memory_names(model)
+    for t in model.graph.initializer:
+        if t.name in names:
+            t.CopyFrom(numpy_helper.from_array(weights[t.name], t.name))
+
+
+def gather_names(attrs: dict, prefix: str) -> list[str]:
+    """gather_tables' initializer names."""
+    return [f"{prefix}.{role}" for role in ("q", "scales", "mins")[:3 if OWN[BY_KIND[attrs["kquant"]]].mins else 2]]
+
+
+def gather_tables(blob: np.ndarray, attrs: dict, prefix: str) -> dict[str, np.ndarray]:
+    """GatherQ's table as plain initializers: q [N, K] uint8, scales (and minimums) [N, blocks] fp32."""
     q, scale, _, mins = own_grid(BY_KIND[attrs["kquant"]], blob, attrs["N"], attrs["K"])
     arrays = {"q": q, "scales": scale, **({"mins": mins} if mins is not None else {})}
-    return [numpy_helper.from_array(np.ascontiguousarray(v), f"{prefix}.{role}") for role, v in arrays.items()]
+    return {f"{prefix}.{role}": np.ascontiguousarray(v) for role, v in arrays.items()}
 
 
 def gather_nodes(node, attrs: dict, prefix: str) -> list:

@@ -22,7 +22,8 @@ def fusable_head_dim(head_dim: int) -> bool:
 
 
 def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_dir: Path | None = None,
-         half_adapters: bool = False, kv_dtype: str = "fp32", kv_tails: bool = True) -> dict[str, int]:
+         half_adapters: bool = False, kv_dtype: str = "fp32", kv_tails: bool = True,
+         weights: dict | None = None) -> dict[str, int]:
     """Rewrite `model` in place with the operators in `ops`: every MatMulNBits the kernel computes the
     same way becomes ruvllm.MatMulQ4 (with its epilogues and block minimums folded in), and, given the
     package's config, each layer's attention ruvllm.PagedAttention (fuse_attention) and each residual
@@ -38,14 +39,15 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     RuvLLM's LoRA operators read become fp16 (adapters_in_half). `kv_dtype` "int8" or "int4": the KV pool
     inputs that only ruvllm.PagedAttention reads become int8 (int4: packed in uint8) with their group scales
     (kv_quantized, with fp16 tails unless `kv_tails` is False); an int8 pool elsewhere is read by
-    the graph's own attention (kv_in_int8_graph).
+    the graph's own attention (kv_in_int8_graph). `weights`: where the weights made for a host without the
+    kernels go, in memory rather than in the graph (block_layouts.portable_graph).
     """
     import onnx
 
     if "MatMulQ4" not in ops:  # layouts only the kernel reads (a GGUF's Q4_K) become MatMulNBits
         from runtime.backends.block_layouts import portable_graph
 
-        portable_graph(model, base_dir)
+        portable_graph(model, base_dir, weights)
     inits = {i.name: i for i in model.graph.initializer}
     # the exporter's own MatMulQ4 (a GGUF's Q4_K at its own bits): already on the kernel, counted as fused
     count = sum(1 for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP)
@@ -123,12 +125,17 @@ CACHED_REWRITES = 256  # entries kept; the least recently used go first
 
 
 def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] = ALL_OPS,
-                  half_adapters: bool = False, kv_dtype: str = "fp32", kv_tails: bool = True) -> tuple[bytes, dict[str, int]]:
+                  half_adapters: bool = False, kv_dtype: str = "fp32", kv_tails: bool = True,
+                  weights: dict | None = None) -> tuple[bytes, dict[str, int]]:
     """The graph file rewritten by fuse() (weights stay where they are: the model's external data is
     read from the package's folder), serialized, and the counts.
 
     The result is kept in the cache folder (graphs/), keyed by everything it depends on: a later load
-    reads it back without onnx or the rewrite, which are most of the time a load takes."""
+    reads it back without onnx or the rewrite, which are most of the time a load takes. Weights the
+    rewrite makes (a kernel layout's portable form, on a host without the kernels) are embedded while
+    they are small; past CACHED_REWRITE_BYTES, given `weights`, they stay out of the graph, and on return
+    that dict holds exactly them by name, for the session to take in memory (the graph is then not cached:
+    it needs them). Names already in it (the package's other graph) are taken, not converted again."""
     import json
 
     from runtime.backends import kv_pool
@@ -140,15 +147,26 @@ def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] =
         try:
             found = where.with_suffix(".onnx").read_bytes(), json.loads(where.with_suffix(".json").read_text())
             where.with_suffix(".json").touch()  # used: the last to be pruned (_keep_rewrite)
+            if weights is not None:
+                weights.clear()  # a cached graph has its weights (only a small one is cached)
             return found
         except (OSError, ValueError):
             pass
     import onnx
 
+    from runtime.backends.block_layouts import embed_in_memory, in_memory_names
+
     model = onnx.load(str(graph), load_external_data=False)
-    counts = fuse(model, config, ops, graph.parent, half_adapters, kv_dtype, kv_tails)
+    made: dict = {} if weights is None else weights
+    counts = fuse(model, config, ops, graph.parent, half_adapters, kv_dtype, kv_tails, made)
+    held = in_memory_names(model)
+    if weights is None or sum(made[name].nbytes for name in held) <= CACHED_REWRITE_BYTES:
+        embed_in_memory(model, made)
+        held = set()
+    for name in set(made) - held:  # what this graph takes in memory, no more
+        del made[name]
     data = model.SerializeToString()
-    if where is not None and len(data) <= CACHED_REWRITE_BYTES:
+    if where is not None and len(data) <= CACHED_REWRITE_BYTES and not held:
         _keep_rewrite(where, data, counts)
     return data, counts
 

@@ -86,6 +86,8 @@ class NativeBackend:
         self._no_mask = None  # the [1, vocab] zeros bound as logits_mask while no row is constrained
         self.mask_seconds, self.mask_steps = 0.0, 0  # structured output's mask time (ruvllm bench reports it)
         self._classifiers: dict[str, object] = {}  # X-LoRA id -> its classifier, weights read once
+        self._portable: dict = {}  # no kernels: the weights graph_fusion.rewrite_graph made, shared by both graphs
+        self._in_memory: list = []  # the OrtValues each session was handed (add_external_initializers)
         self.session = self._open(lora)
         self.runner = GraphRunner(self, self.session)
         self.lora_runner: GraphRunner | None = self.runner if lora else None
@@ -145,11 +147,17 @@ class NativeBackend:
 
             # no kernels: layouts only they read become standard operators (graph_fusion.fuse with no ops), and
             # an int8 pool is read by the graph's own attention (graph_fusion.kv_in_int8_graph)
+            opts = self._options()
             try:
-                model, _ = graph_fusion.rewrite_graph(graph, self.pkg.config, frozenset(), kv_dtype=self.kv_dtype)
+                model, _ = graph_fusion.rewrite_graph(graph, self.pkg.config, frozenset(), kv_dtype=self.kv_dtype,
+                                                      weights=self._portable)
             except Exception:  # a graph onnx cannot parse: onnxruntime's load below names the problem
                 model = str(graph)
-            opts = self._options()
+                self._portable.clear()
+            if self._portable:  # a kernel layout's portable weights, too large for the graph: handed over in memory
+                values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self._portable.values()]
+                opts.add_external_initializers(list(self._portable), values)
+                self._in_memory.append(values)  # the session reads their arrays in place: held as long as it
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph.parent))
             try:
                 session = ort.InferenceSession(model, sess_options=opts, providers=self.providers)

@@ -201,7 +201,7 @@ def test_k_quants_at_their_own_bits_run_with_and_without_the_kernels(mix, smol_g
     from transformers import AutoModelForCausalLM
 
     from exporter.convert import ConvertOptions, convert
-    from runtime.backends import kernel_library
+    from runtime.backends import graph_fusion, kernel_library
     from runtime.backends.native import NativeBackend
     from runtime.package import load_package
     from tests.exporter.test_quantization import teacher_forced_logits
@@ -233,6 +233,16 @@ def test_k_quants_at_their_own_bits_run_with_and_without_the_kernels(mix, smol_g
     monkeypatch.setattr(kernel_library, "_library", (None, "turned off for the test"))
     assert NativeBackend(load_package(pkg_dir)).matmul_kernel.startswith("onnxruntime MatMulNBits")
     runs["onnxruntime"] = teacher_forced_logits(pkg_dir, ids)
+    # a model too large for its portable weights in the graph (protobuf's 2 GB) hands them to the session in memory
+    monkeypatch.setattr(graph_fusion, "CACHED_REWRITE_BYTES", 0)
+    monkeypatch.setattr(graph_fusion, "_rewrite_cache", lambda: workdir / f"graphs-{mix}-in-memory")
+    backend = NativeBackend(load_package(pkg_dir))
+    backend.enable_lora(2, 4)  # the LoRA graph takes the same arrays, not a second conversion
+    assert backend._portable and len(backend._in_memory) == 2
+    assert [a.data_ptr() for a in backend._in_memory[0]] == [b.data_ptr() for b in backend._in_memory[1]]
+    in_memory = teacher_forced_logits(pkg_dir, ids)
+    assert np.array_equal(in_memory.view(np.uint32), runs["onnxruntime"].view(np.uint32))
+    assert not list((workdir / f"graphs-{mix}-in-memory").glob("*.onnx"))  # needs its arrays: not cached
     scale = np.abs(ref).max()
     for name, logits in runs.items():  # int8 activations (K-quant mixes have wide rows: the max moves more)
         err = np.abs(logits - ref)
