@@ -385,7 +385,7 @@ def portable_graph(model, base_dir, weights: dict[str, np.ndarray] | None = None
         if w not in done:
             names = nbits_names(w, layout)
             if any(name not in store for name in names.values()):
-                store.update(zip(names.values(), nbits_arrays(attrs, _read(inits[w], base_dir)).values()))
+                store.update({names[role]: a for role, a in nbits_arrays(attrs, _read(inits[w], base_dir)).items()})
             added += names.values()
             done.add(w)
         nodes += nbits_nodes(w, node.input[0], node.output[0], layout)
@@ -400,8 +400,8 @@ def portable_graph(model, base_dir, weights: dict[str, np.ndarray] | None = None
 
 
 def nbits_arrays(attrs: dict, blob: np.ndarray) -> dict[str, np.ndarray]:
-    """A kernel-layout weight's MatMulNBits initializers by role (nbits_names' order): packed q, scales, zero
-    points, and for minimums the minimums [blocks, N] and the block sums' ones."""
+    """A kernel-layout weight's MatMulNBits initializers by nbits_names' role: packed q, scales, zero points,
+    and for minimums the minimums [blocks, N] and the block sums' ones."""
     q, scale, zero, mins, block, bits = node_grid(attrs, blob)
     n, k = q.shape
     zero = np.zeros(scale.shape, np.uint8) if zero is None else zero
