@@ -24,6 +24,7 @@ from runtime.backends.block_layouts import (
     block_ones,
     grid_fits,
     grid_layout,
+    kernel_grid,
     unpack_4bit,
 )
 from runtime.backends.block_layouts import nbits_names as tensor_names
@@ -104,25 +105,19 @@ def kernel_layouts(model: onnx.ModelProto) -> int:
     scales, no minimum term) as ruvllm.MatMulQ4 over its grid in the kernel's layout (block_layouts.grid_layout):
     a load then maps the weights where it would otherwise pack a copy of them. A host without the kernel gets
     MatMulNBits back at load (block_layouts.portable_graph). In place; returns how many."""
-    from onnx import TensorProto, helper
+    from onnx import helper
 
     inits = {t.name: t for t in model.graph.initializer}
     nodes, added, done, dropped = [], [], {}, set()
     for node in model.graph.node:
-        attrs = {a.name: a.i for a in node.attribute}
-        weights = [inits.get(name) for name in node.input[1:]]
-        fits = (node.op_type == "MatMulNBits" and node.domain == "com.microsoft" and len(node.input) == 4
-                and not node.output[0].endswith("/nbits_out") and attrs.get("accuracy_level") == 4
-                and None not in weights
-                and [t.data_type for t in weights] == [TensorProto.UINT8, TensorProto.FLOAT, TensorProto.UINT8])
-        layout = GridLayout(attrs.get("N", 0), attrs.get("K", 0), attrs.get("bits", 0), attrs.get("block_size", 0), None)
-        if not (fits and layout.block and grid_fits(layout)):
+        layout = kernel_grid(node, inits)  # and not a grid whose minimum term follows (its output .../nbits_out)
+        if layout is None or not grid_fits(layout) or node.output[0].endswith("/nbits_out"):
             nodes.append(node)
             continue
         w = node.input[1]
         if w not in done:
             n, k, block = layout.n, layout.k, layout.block
-            b, s, z = (numpy_helper.to_array(t) for t in weights)
+            b, s, z = (numpy_helper.to_array(inits[name]) for name in node.input[1:])
             done[w] = (w[:-3] if w.endswith("_Q4") else w) + "_Q4G"
             added.append(numpy_helper.from_array(grid_layout(unpack_4bit(b, k), s.reshape(n, -1),
                                                              unpack_4bit(z.reshape(n, -1), k // block), block), done[w]))

@@ -284,6 +284,23 @@ def dequantize_own(name: str, blob: np.ndarray, n: int, k: int) -> np.ndarray:
 GRID_KIND = 11  # the operator's kquant for it (kernels/matmul_q4.h's kGridKind); its block is block_size's
 
 
+def kernel_grid(node, inits: dict) -> GridLayout | None:
+    """The grid of a MatMulNBits that RuvLLM's kernels compute as onnxruntime does (int8 compute; uint8
+    weights, fp32 scales and uint8 zero points, all initializers; blocks a multiple of 32, N of 16), or None."""
+    from onnx import TensorProto
+
+    if node.op_type != "MatMulNBits" or node.domain != MS_DOMAIN or len(node.input) != 4:
+        return None
+    attrs = {a.name: a.i for a in node.attribute}
+    layout = GridLayout(attrs.get("N", 0), attrs.get("K", 0), attrs.get("bits", 4), attrs.get("block_size", 0), None)
+    weights = [inits.get(name) for name in node.input[1:]]
+    if (attrs.get("accuracy_level", 0) != 4 or not layout.block or layout.block % BLOCK or layout.n % TILE
+            or None in weights
+            or [t.data_type for t in weights] != [TensorProto.UINT8, TensorProto.FLOAT, TensorProto.UINT8]):
+        return None
+    return layout
+
+
 def grid_fits(layout: GridLayout) -> bool:
     """Whether ruvllm.MatMulQ4 reads this grid in its own layout: 4 bits, no minimums, whole tiles and blocks."""
     return (layout.bits == 4 and not layout.mins and layout.n % TILE == 0 and layout.block % BLOCK == 0

@@ -44,29 +44,21 @@ def fuse(model, config: dict | None = None, ops: frozenset[str] = ALL_OPS, base_
     """
     import onnx
 
-    if "MatMulQ4" not in ops:  # layouts only the kernel reads (a GGUF's Q4_K) become MatMulNBits
-        from runtime.backends.block_layouts import portable_graph
+    from runtime.backends.block_layouts import kernel_grid, portable_graph
 
+    if "MatMulQ4" not in ops:  # layouts only the kernel reads (a GGUF's Q4_K) become MatMulNBits
         portable_graph(model, base_dir, weights)
     inits = {i.name: i for i in model.graph.initializer}
     # the exporter's own MatMulQ4 (a GGUF's Q4_K at its own bits): already on the kernel, counted as fused
     count = sum(1 for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP)
     q8 = sum(1 for n in model.graph.node if n.domain == DOMAIN and n.op_type == "MatMulQ8")
     for node in model.graph.node:
-        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or len(node.input) != 4:
-            continue
-        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        block, n = attrs.get("block_size", 0), attrs.get("N", 0)
-        bits = attrs.get("bits", 4)
-        op = {4: "MatMulQ4", 8: "MatMulQ8"}.get(bits)
-        if op not in ops or attrs.get("accuracy_level", 0) != 4 or not block or block % 32 or n % 16:
-            continue
-        b, s, z = (inits.get(name) for name in node.input[1:])
-        if (b is None or s is None or z is None or b.data_type != onnx.TensorProto.UINT8
-                or s.data_type != onnx.TensorProto.FLOAT or z.data_type != onnx.TensorProto.UINT8):
+        layout = kernel_grid(node, inits)
+        op = None if layout is None else {4: "MatMulQ4", 8: "MatMulQ8"}.get(layout.bits)
+        if op not in ops:
             continue
         if op == "MatMulQ8":
-            if _all_128(z, base_dir):
+            if _all_128(inits[node.input[3]], base_dir):
                 node.op_type, node.domain = op, DOMAIN
                 q8 += 1
             continue
