@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 from exporter.quantizers.block_matmul import take_minimum_terms
 from exporter.quantizers.grid import fp16_exact
 from exporter.quantizers.quantize import LM_HEAD_NODE
+from runtime.backends.block_layouts import unpack_4bit
 
 # The session option a runtime must set for this format (documented in docs/ARCHITECTURE.md).
 SESSION_CONFIG = {"session.disable_quant_qdq": "1"}
@@ -111,12 +112,8 @@ def dequantize_at_load(model: onnx.ModelProto, tied_embedding: str | None = None
 
 def _unpack(t: onnx.TensorProto, bits: int, shape: tuple[int, int]) -> np.ndarray:
     raw = np.frombuffer(t.raw_data or numpy_helper.to_array(t).tobytes(), np.uint8)
-    if bits == 8:
-        return raw.reshape(shape)
-    out = np.empty(raw.size * 2, np.uint8)
-    out[0::2], out[1::2] = raw & 0x0F, raw >> 4
     rows, cols = shape  # MatMulNBits pads each row of 4-bit zero points to whole bytes (an odd block count)
-    return out.reshape(rows, cols + cols % 2)[:, :cols]
+    return raw.reshape(shape) if bits == 8 else unpack_4bit(raw.reshape(rows, -1), cols)
 
 
 def _pack(name: str, values: np.ndarray, elem: int, bits: int) -> onnx.TensorProto:
