@@ -147,13 +147,15 @@ class NativeBackend:
 
             # no kernels: layouts only they read become standard operators (graph_fusion.fuse with no ops), and
             # an int8 pool is read by the graph's own attention (graph_fusion.kv_in_int8_graph)
-            opts = self._options()
+            opts, rewrite_failed = self._options(), ""
             try:
                 model, _ = graph_fusion.rewrite_graph(graph, self.pkg.config, frozenset(), kv_dtype=self.kv_dtype,
                                                       weights=self._portable)
-            except Exception:  # a graph onnx cannot parse: onnxruntime's load below names the problem
+            except Exception as err:  # a graph onnx cannot parse: onnxruntime's load below names the problem
                 model = str(graph)
                 self._portable.clear()
+                rewrite_failed = (f" (its rewrite for a host without RuvLLM's kernels failed: "
+                                  f"{type(err).__name__}: {str(err)[:200]})")
             if self._portable:  # a kernel layout's portable weights, too large for the graph: handed over in memory
                 values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self._portable.values()]
                 opts.add_external_initializers(list(self._portable), values)
@@ -163,7 +165,7 @@ class NativeBackend:
                 session = ort.InferenceSession(model, sess_options=opts, providers=self.providers)
             except Exception as err:  # onnxruntime raises its own exception types
                 raise PackageError(f"{package.path}: onnxruntime cannot load {graph.name}: "
-                                   f"{str(err).splitlines()[0][:300]}") from err
+                                   f"{str(err).splitlines()[0][:300]}{rewrite_failed}") from err
         names = [i.name for i in session.get_inputs()]
         if self.kv_dtype != "fp32":
             self._check_quantized_pool(session)

@@ -341,6 +341,27 @@ def test_the_native_backend_says_which_kernel_it_runs(tiny_package, monkeypatch)
     assert NativeBackend(pkg).matmul_kernel == "onnxruntime MatMulNBits (turned off by RUVLLM_CPU_KERNELS=0)"
 
 
+def test_a_failed_rewrite_without_the_kernels_is_named_in_the_load_error(tiny_package, monkeypatch):
+    """A --target cpu package's int4 grids are in the kernel's layout: without the kernels they must be rewritten,
+    and when that fails the error says so, rather than only onnxruntime's "not a registered op"."""
+    from runtime.backends import graph_fusion
+    from runtime.backends.native import NativeBackend
+    from runtime.errors import PackageError
+    from runtime.package import load_package
+
+    pkg = load_package(tiny_package("llama", "int4"))
+    monkeypatch.setattr(kernel_library, "_library", (None, "turned off for the test"))
+
+    def fail(*args, **kwargs):
+        raise MemoryError("no room for the portable weights")
+
+    monkeypatch.setattr(graph_fusion, "rewrite_graph", fail)
+    with pytest.raises(PackageError) as err:
+        NativeBackend(pkg)
+    assert "onnxruntime cannot load model.onnx" in str(err.value)
+    assert "rewrite for a host without RuvLLM's kernels failed: MemoryError: no room" in str(err.value)
+
+
 def test_an_untested_onnxruntime_gets_the_plain_graph_with_the_reason(tiny_package, monkeypatch):
     """The kernels call onnxruntime's C API by table position: only the tested minor versions load them."""
     from runtime.backends.native import NativeBackend
