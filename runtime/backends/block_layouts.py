@@ -338,14 +338,23 @@ def grid_parts(blob: np.ndarray, n: int, k: int, block: int) -> tuple[np.ndarray
     return q, rows(blob[w:w + n * nblk * 4].view(np.float32)), rows(blob[w + n * nblk * 4:grid_bytes(n, k, block)])
 
 
+def node_layout(attrs: dict) -> GridLayout:
+    """The MatMulNBits grid (and minimum term) a ruvllm.MatMulQ4/Q8 weight the exporter wrote becomes, from its
+    attributes alone: an int4 grid's own block, or the type's block at 4 bits (8 above 4)."""
+    n, k, kind = attrs["N"], attrs["K"], attrs["kquant"]
+    if kind == GRID_KIND:
+        return GridLayout(n, k, 4, attrs["block_size"], None)
+    t = OWN[BY_KIND[kind]]
+    return GridLayout(n, k, 4 if t.bits <= 4 else 8, t.block, "fp32" if t.mins else None)
+
+
 def node_grid(attrs: dict, blob: np.ndarray) -> tuple:
     """A ruvllm.MatMulQ4/Q8 weight the exporter wrote (its attributes, its bytes) as a grid: (q [N, K], scales
     fp32 [N, blocks], zero points uint8 or None, minimums fp32 or None, block, bits of MatMulNBits)."""
     n, k, kind = attrs["N"], attrs["K"], attrs["kquant"]
-    if kind == GRID_KIND:
-        return (*grid_parts(blob, n, k, attrs["block_size"]), None, attrs["block_size"], 4)
-    t = OWN[BY_KIND[kind]]
-    return (*own_grid(BY_KIND[kind], blob, n, k), t.block, 4 if t.bits <= 4 else 8)
+    layout = node_layout(attrs)
+    parts = grid_parts(blob, n, k, layout.block) + (None,) if kind == GRID_KIND else own_grid(BY_KIND[kind], blob, n, k)
+    return (*parts, layout.block, layout.bits)
 
 
 def dequantize_node(attrs: dict, blob: np.ndarray) -> np.ndarray:
@@ -395,10 +404,7 @@ def portable_graph(model, base_dir, weights: dict[str, np.ndarray] | None = None
         if node.op_type not in ("MatMulQ4", "MatMulQ8"):
             raise ValueError(f"{node.name}: a k-quant {node.op_type} has no portable form here (rewritten before the "
                              "kernels were chosen?)")
-        n, k, w = attrs["N"], attrs["K"], node.input[1]
-        t = OWN.get(BY_KIND.get(attrs["kquant"], ""))
-        block, bits = (attrs["block_size"], 4) if t is None else (t.block, 4 if t.bits <= 4 else 8)
-        layout = GridLayout(n, k, bits, block, "fp32" if t is not None and t.mins else None)
+        w, layout = node.input[1], node_layout(attrs)
         if w not in done:
             names = nbits_names(w, layout)
             if any(name not in store for name in names.values()):
@@ -449,11 +455,11 @@ def in_memory_names(model) -> set[str]:
             if any(e.key == "location" and e.value == IN_MEMORY for e in t.external_data)}
 
 
-def embed_in_memory(model, weights: dict[str, np.ndarray]) -> None:
-    """Turn the graph's IN_MEMORY entries back into embedded weights (a small rewrite, worth caching whole)."""
+def embed_in_memory(model, weights: dict[str, np.ndarray], names: set[str]) -> None:
+    """Turn the graph's IN_MEMORY entries `names` (in_memory_names) back into embedded weights (a small rewrite,
+    worth caching whole)."""
     from onnx import numpy_helper
 
-    names = in_memory_names(model)
     for t in model.graph.initializer:
         if t.name in names:
             t.CopyFrom(numpy_helper.from_array(weights[t.name], t.name))
@@ -465,10 +471,9 @@ def gather_names(attrs: dict, prefix: str) -> list[str]:
 
 
 def gather_tables(blob: np.ndarray, attrs: dict, prefix: str) -> dict[str, np.ndarray]:
-    """GatherQ's table as plain initializers: q [N, K] uint8, scales (and minimums) [N, blocks] fp32."""
+    """GatherQ's table as plain initializers (gather_names): q [N, K] uint8, scales (and minimums) [N, blocks] fp32."""
     q, scale, _, mins = own_grid(BY_KIND[attrs["kquant"]], blob, attrs["N"], attrs["K"])
-    arrays = {"q": q, "scales": scale, **({"mins": mins} if mins is not None else {})}
-    return {f"{prefix}.{role}": np.ascontiguousarray(v) for role, v in arrays.items()}
+    return dict(zip(gather_names(attrs, prefix), (np.ascontiguousarray(v) for v in (q, scale, mins))))
 
 
 def gather_nodes(node, attrs: dict, prefix: str) -> list:

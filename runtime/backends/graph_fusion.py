@@ -153,7 +153,7 @@ def rewrite_graph(graph: Path, config: dict | None = None, ops: frozenset[str] =
     counts = fuse(model, config, ops, graph.parent, half_adapters, kv_dtype, kv_tails, made)
     held = in_memory_names(model)
     if weights is None or sum(made[name].nbytes for name in held) <= CACHED_REWRITE_BYTES:
-        embed_in_memory(model, made)
+        embed_in_memory(model, made, held)
         held = set()
     for name in set(made) - held:  # what this graph takes in memory, no more
         del made[name]
