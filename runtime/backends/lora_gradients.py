@@ -176,9 +176,16 @@ def _add_lora(x: np.ndarray, y: np.ndarray, lora: Lora, key: tuple[int, str], ca
     return y
 
 
+def lowest_layer(lora: Lora, layers: int) -> int:
+    """The first layer the LoRA adapts (`layers` when none): the backward stops there, since nothing below
+    it has a factor to learn."""
+    return min((i for i, _ in lora.factors), default=layers)
+
+
 def _forward(dec: DenseDecoder, ids: list[int], lora: Lora, keep: bool):
     """The LoRA model's forward over one sequence: (the last layer's output, the final norm's output and
-    root mean squares, the logits [T, vocab], what the backward reads per layer (kept when `keep`))."""
+    root mean squares, the logits [T, vocab], what the backward reads per layer (kept when `keep`, from the
+    lowest adapted layer on; None below it))."""
     T = len(ids)
     if T < 2:
         raise ValueError("a text of at least two tokens")
@@ -190,6 +197,7 @@ def _forward(dec: DenseDecoder, ids: list[int], lora: Lora, keep: bool):
     causal = np.triu(np.full((T, T), -np.inf, np.float32), 1)
     x = dec.embed_rows(ids)
     saved = []
+    lowest = lowest_layer(lora, len(dec.layers))
     for i, L in enumerate(dec.layers):
         lora_cache: list = []
         a, r1 = _rms(x, L["input_norm"], dec.eps)
@@ -220,7 +228,7 @@ def _forward(dec: DenseDecoder, ids: list[int], lora: Lora, keep: bool):
         act = gate * sig * up
         x2 = x1 + _add_lora(act, act @ L["down_t"], lora, (i, "down_proj"), lora_cache)
         if keep:  # what the backward reads (a scoring pass keeps nothing: 2,048 tokens' scores are GBs)
-            saved.append((x, a, r1, qh, kh, vh, p, o, x1, m, r2, gate, up, sig, act, lora_cache))
+            saved.append(None if i < lowest else (x, a, r1, qh, kh, vh, p, o, x1, m, r2, gate, up, sig, act, lora_cache))
         x = x2
     z, rf = _rms(x, dec.final_norm, dec.eps)
     logits = z @ dec.head_t
@@ -271,7 +279,7 @@ def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool
                 return dt @ A
         return None
 
-    for i in reversed(range(len(dec.layers))):
+    for i in reversed(range(lowest_layer(lora, len(dec.layers)), len(dec.layers))):
         L = dec.layers[i]
         x0, a, r1, qh, kh, vh, p, o, x1, m, r2, gate, up, sig, act, cache = saved[i]
         # MLP: x2 = x1 + down(act)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -62,12 +63,18 @@ def read_peft(folder: str | Path) -> Lora:
 
 class MicroLora:
     def __init__(self, decoder: DenseDecoder, targets: tuple[str, ...] = ("q_proj", "v_proj"), rank: int = 4,
-                 alpha: float = 8.0, lr: float = 3e-3, seed: int = 0, ewc: float = 0.0, fisher_decay: float = 0.5) -> None:
+                 alpha: float = 8.0, lr: float = 3e-3, seed: int = 0, ewc: float = 0.0, fisher_decay: float = 0.5,
+                 layers: Iterable[int] | None = None) -> None:
+        """`layers`: the layers adapted (PEFT's layers_to_transform; None: every one)."""
         self.dec, self.targets, self.rank, self.alpha, self.lr = decoder, tuple(targets), rank, alpha, lr
         self.ewc, self.fisher_decay = ewc, fisher_decay
+        count = len(decoder.layers)
+        self.layers = sorted(set(range(count) if layers is None else layers))
+        if not self.layers or not all(0 <= i < count for i in self.layers):
+            raise ValueError(f"adapted layers must be among the model's 0-{count - 1}, not {self.layers}")
         rng = np.random.default_rng(seed)
         factors = {}
-        for i in range(len(decoder.layers)):
+        for i in self.layers:
             for t in self.targets:
                 fin, fout = decoder.features[t]
                 bound = 1.0 / np.sqrt(fin)  # kaiming_uniform_(a=sqrt(5)) on [rank, fin]
@@ -143,7 +150,8 @@ class MicroLora:
             tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a)
             tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b)
         save_file(tensors, str(folder / "adapter_model.safetensors"))
-        config = peft_lora_config(self.rank, self.alpha, self.targets, base)
+        every = len(self.layers) == len(self.dec.layers)
+        config = peft_lora_config(self.rank, self.alpha, self.targets, base, None if every else self.layers)
         (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
         return folder
 
@@ -171,6 +179,11 @@ class MicroLora:
         from safetensors import safe_open
 
         with safe_open(str(path), "np") as fh:
+            stored = {k.removeprefix("factor.").rsplit(".", 1)[0] for k in fh.keys() if k.startswith("factor.")}
+            mine = {f"{i}.{t}" for i, t in self.lora.factors}
+            if stored != mine:  # the settings changed (targets, layers) since this state was written
+                raise ValueError(f"{path}: factors of {len(stored)} (layer, target) pairs, this trainer's "
+                                 f"{len(mine)}; written with other personalization settings")
             self._t = int(fh.metadata().get("adam_t", "0"))
             for (i, t) in self.lora.factors:
                 for role, j in (("A", 0), ("B", 1)):

@@ -153,12 +153,15 @@ def read_adapter(name: str, path: str | Path, config: dict, architecture: str,
     return info
 
 
-def peft_lora_config(rank: int, alpha: float, targets, base: str = "") -> dict:
+def peft_lora_config(rank: int, alpha: float, targets, base: str = "", layers=None) -> dict:
     """adapter_config.json of a plain LoRA as PEFT writes it (a user's adapter: micro_lora.py natively,
-    runtime/serve/web_personal.py in the page)."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-            "target_modules": list(targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
-            "base_model_name_or_path": base, "use_rslora": False, "use_dora": False}
+    runtime/serve/web_personal.py in the page); `layers`: PEFT's layers_to_transform (None: every layer)."""
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": list(targets), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "base_model_name_or_path": base, "use_rslora": False, "use_dora": False}
+    if layers is not None:
+        config["layers_to_transform"] = sorted(layers)
+    return config
 
 
 def load_json(path: Path) -> dict:

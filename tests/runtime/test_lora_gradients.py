@@ -11,15 +11,19 @@ from runtime.package import load_package
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.mark.parametrize("arch,unlikely", [("llama", False), ("qwen2", False), ("llama", True)])
-def test_loss_and_factor_gradients_equal_peft_autograd(arch, unlikely, tiny_model_dir, tiny_package):
+@pytest.mark.parametrize("arch,unlikely,layers", [("llama", False, None), ("qwen2", False, None), ("llama", True, None),
+                                                 ("llama", False, [1])])
+def test_loss_and_factor_gradients_equal_peft_autograd(arch, unlikely, layers, tiny_model_dir, tiny_package):
+    """Also with the upper layer alone adapted (PEFT's layers_to_transform), where the backward stops above
+    the lower one."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(arch), torch_dtype=torch.float32).eval()
-    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0))
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
+                                            layers_to_transform=layers))
     factors = {}
     for name, module in peft.named_modules():
         if hasattr(module, "lora_A") and "default" in module.lora_A:
@@ -112,9 +116,11 @@ def test_the_dense_budget_bounds_what_the_trainer_keeps(tiny_package):
     assert bounded.cache.used == 0 and kept.cache.used > 0
 
 
-def test_a_users_adapter_learns_and_is_served_as_peft_reads_it(tmp_path, tiny_model_dir, tiny_package):
+@pytest.mark.parametrize("layers", [None, [1]])
+def test_a_users_adapter_learns_and_is_served_as_peft_reads_it(layers, tmp_path, tiny_model_dir, tiny_package):
     """The instant loop on a text lowers its loss; the saved folder is PEFT's format (PEFT computes the same
-    loss from it), and the engine serves it as a user's adapter, with PEFT's greedy tokens."""
+    loss from it, and adapts the same layers), and the engine serves it as a user's adapter, with PEFT's
+    greedy tokens."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -125,16 +131,18 @@ def test_a_users_adapter_learns_and_is_served_as_peft_reads_it(tmp_path, tiny_mo
 
     pkg = tiny_package("llama")
     user = MicroLora(DenseDecoder.from_package(load_package(pkg)), targets=("q_proj", "v_proj", "down_proj"),
-                     rank=2, lr=3e-2)
+                     rank=2, lr=3e-2, layers=layers)
     rng = np.random.default_rng(3)
     phrase = rng.integers(100, 2000, 12).tolist()
     text = phrase * 6  # a user who repeats themselves: easy to learn
     first = user.learn(text, chunk=32, epochs=6)["epoch_losses"]
-    assert first == sorted(first, reverse=True) and first[-1] < 0.8 * first[0], first
+    assert first == sorted(first, reverse=True) and first[-1] < 0.85 * first[0], first
     folder = user.save_peft(tmp_path / "user-a")
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), torch_dtype=torch.float32).eval()
     peft = PeftModel.from_pretrained(model, str(folder)).eval()
+    adapted = {int(n.split(".layers.")[1].split(".")[0]) for n, m in peft.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == set(layers or (0, 1))
     ids = text[:40]
     x = torch.tensor([ids])
     with torch.no_grad():

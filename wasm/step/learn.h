@@ -493,7 +493,10 @@ EXPORT int step_learn(const Model* m, const Learn* J) {
   *J->loss = head_loss(m, J, l_x1);
   for (size_t n = 0; n < (size_t)T * D; n++) l_dx[n] = 0.f;
   rms_back(l_dm, last, l_r2, m->out_norm, T, D, l_dx);
-  for (int l = m->layers - 1; l >= 0; l--) layer_backward(m, J, l, l_dx);
+  int lowest = m->layers;  // the first adapted layer: nothing below it has a factor to learn
+  for (int i = 7 * m->layers - 1; i >= 0; i--)
+    if (J->a[i]) lowest = i / 7;
+  for (int l = m->layers - 1; l >= lowest; l--) layer_backward(m, J, l, l_dx);
   return 0;
 }
 

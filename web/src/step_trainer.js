@@ -31,14 +31,17 @@ async function usersDir(store, create) { // the package's folder of users in OPF
 }
 
 export class StepTrainer {
-  /** runner: the WasmStepRunner; spec: { targets, rank, alpha, lr, ewc, fisherDecay }. */
+  /** runner: the WasmStepRunner; spec: { targets, layers (the adapted ones; absent: all), rank, alpha, lr, ewc,
+   * fisherDecay }. */
   constructor(runner, spec, roomTokens) {
     const cfg = runner.cfg, shapes = features(cfg);
     Object.assign(this, { runner, spec, cfg, scale: spec.alpha / spec.rank, t: 0 });
     for (const t of spec.targets) if (!TARGETS.includes(t)) throw new Error(`personalization target ${t} is not one of ${TARGETS.join(', ')}`);
     this.parts = [];
     let n = 0;
-    for (let l = 0; l < cfg.layers; l++) {
+    const layers = spec.layers ?? [...Array(cfg.layers).keys()];
+    for (const l of layers) if (!(Number.isInteger(l) && l >= 0 && l < cfg.layers)) throw new Error(`personalization layer ${l} is not among the model's 0-${cfg.layers - 1}`);
+    for (const l of layers) {
       for (const target of spec.targets) {
         const [fin, fout] = shapes[target];
         this.parts.push({ layer: l, target, index: 7 * l + TARGETS.indexOf(target), fin, fout, a: n, b: n + spec.rank * fin });
@@ -166,7 +169,7 @@ export class StepTrainer {
     const len = new DataView(bytes.buffer, bytes.byteOffset).getUint32(0, true);
     const head = JSON.parse(new TextDecoder().decode(bytes.subarray(4, 4 + len)));
     if (head.format !== FORMAT || head.n !== this.n || JSON.stringify(head.spec.targets) !== JSON.stringify(this.spec.targets)
-        || head.spec.rank !== this.spec.rank) return null;
+        || head.spec.rank !== this.spec.rank || JSON.stringify(head.spec.layers) !== JSON.stringify(this.spec.layers)) return null;
     const data = bytes.slice(4 + len); // aligned
     ARRAYS.forEach((name, i) => this.view(name).set(new Float32Array(data.buffer, 4 * this.n * i, this.n)));
     this.t = head.t;
