@@ -75,7 +75,9 @@ class AdapterTensors:
             self.stacked[target] = (np.zeros((layers, cols, fin), dtype), np.zeros((layers, cols, fout), dtype))
         self.rank = 0  # columns per slot
         self.holders: dict[int, AdapterInfo] = {}
-        self.targets_of: dict[int, frozenset] = {}  # per slot, the targets its adapter adapts
+        self.adapted_in: dict[int, frozenset] = {}  # per slot, the (layer, target) pairs its adapter adapts
+        self._idle: tuple = (None, frozenset())  # (columns, writes) -> its answer
+        self._writes = 0
         self._cache: OrderedDict[str, dict] = OrderedDict()
         self._cache_size = max(max_cpu_loras or max_loras, 1)
 
@@ -107,7 +109,9 @@ class AdapterTensors:
 
     def _write(self, slot: int, info: AdapterInfo) -> None:
         arrays = self._arrays(info)
-        self.targets_of[slot] = frozenset(arrays)
+        self._writes += 1
+        self.adapted_in[slot] = frozenset((layer, target) for target, (a, _) in arrays.items()
+                                          for layer in range(a.shape[0]) if a[layer].any())
         start = (slot - 1) * self.rank
         for target, (a_all, b_all) in self.stacked.items():
             a_all[:, start:start + self.rank] = 0.0
@@ -122,19 +126,24 @@ class AdapterTensors:
         """Columns a step with these slots needs bound: up to its highest slot's."""
         return max(token_slots) * self.rank
 
-    def idle_targets(self, columns: int) -> frozenset:
-        """Targets no adapter in the slots of these columns adapts: their deltas are zero for every row."""
-        slots = range(1, columns // max(self.rank, 1) + 1)
-        used = frozenset().union(*(self.targets_of.get(s, frozenset()) for s in slots))
-        return frozenset(self.stacked) - used
+    def idle(self, columns: int) -> frozenset:
+        """(layer, target) pairs no adapter in the slots of these columns adapts (a target it leaves out, a
+        layer outside its layers_to_transform): their deltas are zero for every row."""
+        key = (columns, self._writes)
+        if self._idle[0] != key:  # a step's answer is the last one's until a slot changes
+            slots = range(1, columns // max(self.rank, 1) + 1)
+            used = frozenset().union(*(self.adapted_in.get(s, frozenset()) for s in slots))
+            every = frozenset((layer, t) for t, (a, _) in self.stacked.items() for layer in range(a.shape[0]))
+            self._idle = (key, every - used)
+        return self._idle[1]
 
     def views(self, columns: int, idle: frozenset = frozenset()) -> dict[str, np.ndarray]:
         """Every layer's A and B inputs over the first `columns` columns (contiguous views, no copy); an
-        idle target's with none (ruvllm's LoRA kernels then pass its projection through untouched)."""
+        idle pair's with none (ruvllm's LoRA kernels then pass its projection through untouched)."""
         out = {}
         for target, (a_all, b_all) in self.stacked.items():
-            width = 0 if target in idle else columns
             for layer in range(a_all.shape[0]):
+                width = 0 if (layer, target) in idle else columns
                 out[C.lora_a(layer, target)] = a_all[layer, :width]
                 out[C.lora_b(layer, target)] = b_all[layer, :width]
         return out

@@ -81,7 +81,7 @@ class NativeBackend:
         self.attention_kernel = "the graph's own"  # the exported gather + attention, or ruvllm.PagedAttention
         self.lora_kernel: str | None = None  # what computes the LoRA graph's adapter deltas, when it is ours
         self._lora_mlps_unfused = False  # an adapter graph's MLPs on onnxruntime's operators (_kernel_session)
-        self._lora_all_fused = False  # every target's delta on ruvllm's LoRA kernels (idle targets bind no columns)
+        self._lora_all_fused = False  # every target's delta on ruvllm's LoRA kernels (idle (layer, target) pairs bind no columns)
         self._guide = None  # structured output's llguidance tables, made on the first constrained request
         self._no_mask = None  # the [1, vocab] zeros bound as logits_mask while no row is constrained
         self.mask_seconds, self.mask_steps = 0.0, 0  # structured output's mask time (ruvllm bench reports it)
@@ -401,7 +401,7 @@ class NativeBackend:
         slot or the rank moves); returns how many."""
         columns = self.adapters.columns(slots)
         # only where every target's delta is ruvllm's kernel: the graph's own operators need all the columns
-        idle = self.adapters.idle_targets(columns) if self._lora_all_fused else frozenset()
+        idle = self.adapters.idle(columns) if self._lora_all_fused else frozenset()
         if (columns, idle) != self._lora_columns:
             self.lora_runner.bind_static(self.adapters.views(columns, idle))
             self._lora_columns = (columns, idle)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from runtime import contract as C
 from runtime.core.adapters import AdapterError
 from runtime.core.engine import Engine
 from runtime.core.sampling import SamplingParams
@@ -343,11 +344,12 @@ def test_targets_no_held_adapter_adapts_are_skipped_with_bit_equal_logits(tiny_p
     for slot, name in ((1, "attn4"), (2, "mlp8")):
         backend.set_adapter(slot, read_adapter(name, folders[name], pkg.config, "llama"))
     assert backend._lora_all_fused
-    assert backend.adapters.idle_targets(backend.adapters.columns([2])) == {"k_proj", "o_proj"}
-    assert backend.adapters.idle_targets(backend.adapters.columns([1])) == {"k_proj", "o_proj", "gate_proj",
-                                                                            "up_proj", "down_proj"}
+    pairs = lambda *targets: {(layer, t) for layer in range(2) for t in targets}  # noqa: E731
+    assert backend.adapters.idle(backend.adapters.columns([2])) == pairs("k_proj", "o_proj")
+    assert backend.adapters.idle(backend.adapters.columns([1])) == pairs("k_proj", "o_proj", "gate_proj",
+                                                                          "up_proj", "down_proj")
     skipped = mixed_step_logits(backend)
-    assert backend._lora_columns[1] == {"k_proj", "o_proj"}
+    assert backend._lora_columns[1] == pairs("k_proj", "o_proj")
     backend._lora_all_fused = False  # every column bound, as a graph without the kernels needs
     every = mixed_step_logits(backend)
     assert backend._lora_columns[1] == frozenset()
@@ -361,7 +363,39 @@ def test_targets_no_held_adapter_adapts_are_skipped_with_bit_equal_logits(tiny_p
                                              True, top_k=5, adapter_slot=1)], 4, want_full_logits=True)).logits.copy()
     every = alone()
     backend._lora_all_fused = True
-    assert np.array_equal(alone(), every) and len(backend._lora_columns[1]) == 5
+    assert np.array_equal(alone(), every) and len(backend._lora_columns[1]) == 10
+
+
+def test_layers_a_users_adapter_leaves_out_are_skipped_with_bit_equal_logits(tiny_package, tmp_path):
+    """A user's adapter of the last layer alone (PEFT's layers_to_transform) binds the other layer with no
+    columns on every target: the logits are bit-equal to binding every column."""
+    from runtime.backends import kernel_library
+    from runtime.backends.lora_gradients import DenseDecoder
+    from runtime.backends.micro_lora import MicroLora
+    from runtime.backends.native import NativeBackend
+    from runtime.core.adapters import read_adapter
+    from runtime.core.step_batch import Chunk, build_step
+    from runtime.package import load_package
+
+    if kernel_library.library()[0] is None:
+        pytest.skip("RuvLLM's kernels do not build here")
+    pkg = load_package(tiny_package("llama", "int4"))
+    user = MicroLora(DenseDecoder.from_package(pkg), tuple(C.LORA_TARGETS), rank=2, lr=3e-2, layers=[1])
+    user.learn(PROMPT * 4, chunk=16, epochs=2)
+    backend = NativeBackend(pkg)
+    backend.allocate(64, 4)
+    backend.enable_lora(1, 4)
+    backend.set_adapter(1, read_adapter("top", user.save_peft(tmp_path / "top"), pkg.config, "llama"))
+
+    def step():
+        table = [0, 1, 2]
+        return backend.run(build_step([Chunk(PROMPT, 0, table, [table[t // 4] * 4 + t % 4 for t in range(len(PROMPT))],
+                                             True, top_k=5, adapter_slot=1)], 4, want_full_logits=True)).logits.copy()
+    skipped = step()
+    assert backend._lora_columns[1] == {(0, t) for t in C.LORA_TARGETS}
+    backend._lora_all_fused = False
+    every = step()
+    assert backend._lora_columns[1] == frozenset() and np.array_equal(skipped, every)
 
 
 def test_a_one_set_lora_graph_still_fuses_and_gives_the_same_logits(tiny_package, peft_adapters, tmp_path):
