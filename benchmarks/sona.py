@@ -6,12 +6,12 @@ perplexity of the rest of that user's text? (not a test)
 
 Each "user" is the long description (README) of an installed package, named in the output: the first
 --tokens tokens are the feedback the loop learns from, in chunks of 256 (runtime/backends/micro_lora.py:
-Adam on rank-2 factors of every layer's projections (the server's default), gradients from lora_gradients.py, no torch), the next
+Adam on rank-2 factors of the last third of the layers' projections (the server's default), gradients from lora_gradients.py, no torch), the next
 --tokens are scored teacher-forced. Per user: no adaptation; the first half in context before the second;
 a random adapter with the trained one's factor norms; the adapted user. Also the perplexity of a general
 text (CPython's LICENSE.txt) before and after each user's adaptation (forgetting), and how far the adapter
 moved the model: the mean KL from the base model's next-token distributions on the model's own sampled
-answer (own_text) and on the general text; --ewc is EWC++'s strength (4), measured on that own text. PKG: any package of a llama, mistral or qwen2 model
+answer (own_text) and on the general text; --ewc is EWC++'s strength (2), measured on that own text. PKG: any package of a llama, mistral or qwen2 model
 (the loop learns against the weights it serves, quantized or not). Prints JSON.
 
 With --page the loop runs in headless Chromium instead: the bundle's SmolLM2 (`python -m wasm build`) on
@@ -35,6 +35,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.serve.personalization import PersonalSettings  # noqa: E402
 
 USERS = ["fonttools", "yarl", "pydantic", "tqdm", "orjson", "responses", "openai", "regex", "charset-normalizer",
          "wcwidth", "sentencepiece", "python-dotenv", "psutil", "fastapi", "jedi", "rich"]
@@ -116,7 +118,9 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
-    ap.add_argument("--ewc", type=float, default=4.0, help="EWC++'s strength (0: off)")
+    ap.add_argument("--layers", type=float, default=PersonalSettings.top_layers,
+                    help="the share of the layers adapted, the last ones (the server's default; 1: all)")
+    ap.add_argument("--ewc", type=float, default=PersonalSettings.ewc, help="EWC++'s strength (0: off)")
     ap.add_argument("--reference-tokens", type=int, default=512, help="EWC++: the model's own text it is measured on")
     ap.add_argument("--save-adapters", default=None, metavar="DIR",
                     help="write each user's adapter there as a PEFT folder (for `ruvllm bench --adapters`)")
@@ -151,7 +155,8 @@ def main() -> None:
             folder, seconds, tokens = page.learn(name, pieces, args.epochs)
             adapted, learned = read_peft(folder), {"seconds": seconds, "tokens": tokens}
         else:
-            user = MicroLora(dec, tuple(args.targets.split(",")), rank=args.rank, lr=args.lr, ewc=args.ewc)
+            layers = PersonalSettings(top_layers=args.layers).layers(len(dec.layers))
+            user = MicroLora(dec, tuple(args.targets.split(",")), rank=args.rank, lr=args.lr, ewc=args.ewc, layers=layers)
             learned = user.learn(first, chunk=256, epochs=args.epochs, reference=reference)
             adapted = user.lora
         random = Lora({k: tuple((rng.standard_normal(f.shape) * np.linalg.norm(f) / math.sqrt(f.size)).astype(np.float32)
@@ -173,7 +178,7 @@ def main() -> None:
     if page:
         page.close()
     mean = lambda key: round(float(np.mean([r[key] for r in rows])), 4)  # noqa: E731
-    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "package": str(pkg.path), "targets": args.targets,
+    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "package": str(pkg.path), "targets": args.targets, "layers": args.layers,
                       "where": f"page (Chromium, WASM step, {args.threads} threads)" if page else "native",
                       "ewc": args.ewc,
                       "rank": args.rank, "lr": args.lr, "epochs": args.epochs, "tokens": args.tokens,

@@ -239,9 +239,11 @@ def personal_args(p, serve: bool) -> None:
     g.add_argument("--personalize-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                    metavar="T,T", help="projections a user's adapter adapts (default: all seven)")
     g.add_argument("--personalize-rank", type=int, default=2, help="a user's adapter rank (1-16, default 2)")
+    g.add_argument("--personalize-layers", type=float, default=1 / 3, metavar="SHARE",
+                   help="the share of the layers a user's adapter adapts, the last ones (default 1/3; 1: all)")
     g.add_argument("--personalize-lr", type=float, default=3e-3, help="the instant loop's Adam step size")
     g.add_argument("--personalize-epochs", type=int, default=1, help="passes over each feedback")
-    g.add_argument("--personalize-ewc", type=float, default=4.0,
+    g.add_argument("--personalize-ewc", type=float, default=2.0,
                    help="EWC++ strength against forgetting (0: off)")
 
 
@@ -250,7 +252,8 @@ def personal_settings(args):
 
     try:
         return PersonalSettings(targets=tuple(t.strip() for t in args.personalize_targets.split(",") if t.strip()),
-                                rank=args.personalize_rank, lr=args.personalize_lr,
+                                rank=args.personalize_rank, top_layers=args.personalize_layers,
+                                lr=args.personalize_lr,
                                 epochs=max(1, args.personalize_epochs), ewc=args.personalize_ewc)
     except ValueError as err:
         raise RuvLLMError(str(err)) from None

@@ -51,16 +51,19 @@ REFERENCE_MESSAGES = [{"role": "user", "content": "Tell me about something you k
 class PersonalSettings:
     """What a user's adapter is and how it learns (`ruvllm serve --personalize-*`)."""
 
-    # every projection at rank 2 with EWC++ 4: on 8 users of SmolLM2, -5.8 % perplexity with the general
-    # text +0.3 %, and 16 users' adapters serve at 0.90x the base model's 16 streams; q and v alone at rank
-    # 4 gave -3.5 %, every projection at rank 4 -6.2 % but 0.78x (docs/PERFORMANCE.md, session 35)
+    # every projection of the last third of the layers at rank 2, EWC++ 2: on 8 users of SmolLM2, -5.6 %
+    # perplexity, the general text +0.1 % (at most +0.5 %); every layer with EWC++ 4 gave -5.8 % but one
+    # user +1.4 %; q and v alone at rank 4 -3.5 % (docs/PERFORMANCE.md, sessions 35 and 46)
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     rank: int = 2
+    # the share of the layers adapted, the last ones: on SmolLM2 the lower two thirds of an all-layer
+    # user's adapter gave a quarter of its benefit and most of its forgetting
+    top_layers: float = 1 / 3
     alpha: float = 8.0
     lr: float = 3e-3
     epochs: int = 1
     chunk: int = 256  # tokens a step when learning from a text
-    ewc: float = 4.0  # EWC++ strength (0: off)
+    ewc: float = 2.0  # EWC++ strength (0: off)
     fisher_decay: float = 0.5
     consolidate_every: int = 4  # feedbacks between the background loop's Fisher refreshes
     reference_tokens: int = 256  # the model's own text the Fisher is measured on
@@ -77,6 +80,13 @@ class PersonalSettings:
                              f"up_proj, down_proj; got {list(self.targets)}")
         if not 1 <= self.rank <= 16:
             raise ValueError(f"personalization rank must be 1 to 16, not {self.rank}")
+        if not 0 < self.top_layers <= 1:
+            raise ValueError(f"personalization's share of the layers must be above 0 and at most 1, not {self.top_layers}")
+
+    def layers(self, num_layers: int) -> list[int]:
+        """The layers a user's adapter adapts: the last top_layers of them (at least one)."""
+        count = min(num_layers, max(1, round(num_layers * self.top_layers)))
+        return list(range(num_layers - count, num_layers))
 
 
 @dataclass
@@ -272,7 +282,7 @@ class Personalization:
     def state(self) -> dict:
         s = self.settings
         return {"enabled": True, "state_dir": str(self.root), "users": stored_users(self.root)["users"],
-                "targets": list(s.targets),
+                "targets": list(s.targets), "layers": s.layers(int(self.pkg.config["num_layers"])),
                 "rank": s.rank, "alpha": s.alpha, "lr": s.lr, "ewc": s.ewc, "consolidate_every": s.consolidate_every,
                 "feedbacks_since_start": self.feedbacks, "trainers_in_memory": len(self._trainers)}
 
@@ -319,10 +329,14 @@ class Personalization:
         if trainer is None:
             s = self.settings
             trainer = MicroLora(self.decoder, s.targets, s.rank, s.alpha, s.lr, seed=int(digest[:8], 16), ewc=s.ewc,
-                                fisher_decay=s.fisher_decay)
+                                fisher_decay=s.fisher_decay, layers=s.layers(len(self.decoder.layers)))
             state = self._dir(digest) / "trainer.safetensors"
             if state.exists():
-                trainer.load_state(state)
+                try:
+                    trainer.load_state(state)
+                except (OSError, ValueError) as err:
+                    raise RequestError(f"this user's stored state does not fit ({err}); reset the user to start "
+                                       "again", "user") from None
             elif s.ewc and self._load_reference():  # a new user's Fisher, at the model as it is
                 trainer.consolidate(self._load_reference(), s.chunk)
         self._trainers[digest] = trainer

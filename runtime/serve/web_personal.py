@@ -51,8 +51,11 @@ class PageUsers:
 
     def _spec(self) -> dict:
         s = self.settings
-        return {"targets": list(s.targets), "rank": s.rank, "alpha": s.alpha, "lr": s.lr, "ewc": s.ewc,
+        return {"targets": list(s.targets), "layers": self._layers(), "rank": s.rank, "alpha": s.alpha, "lr": s.lr, "ewc": s.ewc,
                 "fisherDecay": s.fisher_decay}
+
+    def _layers(self) -> list[int]:
+        return self.settings.layers(int(self.pkg.config["num_layers"]))
 
     async def _call(self, method: str, *args):
         from js import Object
@@ -84,7 +87,8 @@ class PageUsers:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "adapter_model.safetensors").write_bytes(weights)
         s = self.settings
-        (folder / "adapter_config.json").write_text(json.dumps(peft_lora_config(s.rank, s.alpha, s.targets, self.pkg.name)))
+        config = peft_lora_config(s.rank, s.alpha, s.targets, self.pkg.name, self._layers())
+        (folder / "adapter_config.json").write_text(json.dumps(config))
         self.aengine.add_adapter(ADAPTER_PREFIX + digest, str(folder))
         for old in sorted((ROOT / digest).glob("v*"))[:-KEEP_VERSIONS]:
             shutil.rmtree(old, ignore_errors=True)
@@ -143,4 +147,5 @@ class PageUsers:
     async def state(self, user: str) -> dict:
         _, meta = await self._opened(user)
         return {"object": "user", "user": user, "version": meta["version"], "feedbacks": meta["feedbacks"],
-                "tokens": meta["tokens"], "targets": list(self.settings.targets), "rank": self.settings.rank}
+                "tokens": meta["tokens"], "targets": list(self.settings.targets), "layers": self._layers(),
+                "rank": self.settings.rank}

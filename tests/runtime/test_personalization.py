@@ -190,6 +190,24 @@ def test_a_users_state_resumes_from_disk_where_it_stopped(tiny_package, tmp_path
             np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-7)
 
 
+def test_a_users_state_from_other_settings_is_refused_and_kept(tiny_package, tmp_path):
+    """A server restarted with other settings (every layer now) refuses the user's stored trainer with a
+    request error saying why, rather than resuming part of it; the stored state is left as it was."""
+    from runtime.core.engine import Engine
+    from runtime.errors import RequestError
+    from runtime.serve.personalization import LocalUser
+
+    engine = Engine.from_package(tiny_package("llama"))
+    first = LocalUser(engine, "dave", PersonalSettings(rank=2, ewc=0.0), tmp_path)
+    first.learn({"kind": "text", "text": PHRASE * 3})
+    state = tmp_path / first.personal.root.name / user_digest("local", "dave") / "trainer.safetensors"
+    before = state.read_bytes()
+    again = LocalUser(engine, "dave", PersonalSettings(rank=2, ewc=0.0, top_layers=1.0), tmp_path)
+    with pytest.raises(RequestError, match="other personalization settings.*reset the user"):
+        again.learn({"kind": "text", "text": PHRASE})
+    assert state.read_bytes() == before
+
+
 def test_a_forgotten_users_folder_goes_at_the_next_start_and_a_new_users_stays(tiny_package, tmp_path):
     """A process starting on a state folder deletes what a forgotten user left, and nothing else: a folder
     with no user.json yet may be a new user's first feedback, written by another process right then."""

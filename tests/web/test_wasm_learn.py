@@ -36,12 +36,12 @@ def native(smol_int4):
     return DenseDecoder.from_package(pkg), package_tokenizer(pkg)
 
 
-def random_lora(dec, targets, rank: int, seed: int):
+def random_lora(dec, targets, rank: int, seed: int, layers=None):
     from runtime.backends.lora_gradients import Lora
 
     rng = np.random.default_rng(seed)
     factors = {}
-    for i in range(dec.num_layers):
+    for i in range(dec.num_layers) if layers is None else layers:
         for t in targets:
             fin, fout = dec.features[t]
             factors[(i, t)] = (rng.normal(0, 0.05, (rank, fin)).astype(np.float32),
@@ -78,18 +78,21 @@ def compare(native_grads, wasm_grads, head_dim: int, rtol: float) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scored_from,unlikely", [(0, False), (9, True)])
-def test_the_steps_gradients_are_the_native_trainers(native, step_files, scored_from, unlikely):
-    """Every target at rank 2, a text (or its reply after a context, with the unlikelihood loss): with
+@pytest.mark.parametrize("scored_from,unlikely,top", [(0, False, None), (9, True, None), (0, False, 1 / 3)])
+def test_the_steps_gradients_are_the_native_trainers(native, step_files, scored_from, unlikely, top):
+    """Every target at rank 2, a text (or its reply after a context, with the unlikelihood loss; or the
+    server's default, the last third of the layers adapted, where both backwards stop above the rest): with
     fp32 products the loss and every factor's gradient equal the native trainer's to float32 rounding;
     with the step's own rounded products (what the page serves and learns on) within the int8 activations'
     floor."""
     from runtime.backends.lora_gradients import loss_and_grads
+    from runtime.serve.personalization import PersonalSettings
     from wasm.step_module import WasmStep
 
     dec, tok = native
     ids = tok.encode(TEXT)[:40]
-    lora = random_lora(dec, TARGETS, 2, seed=1)
+    layers = PersonalSettings(top_layers=top).layers(dec.num_layers) if top else None
+    lora = random_lora(dec, TARGETS, 2, seed=1, layers=layers)
     want_loss, want = loss_and_grads(dec, ids, lora, scored_from=scored_from, unlikely=unlikely)
     step = WasmStep(step_files / "step.wasm", step_files, 4, 16, max_tokens=64)
     loss, got = step.learn(ids, step_factors(lora, dec.head_dim), lora.scale, scored_from, unlikely, exact=True)
