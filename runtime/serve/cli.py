@@ -236,15 +236,17 @@ def personal_args(p, serve: bool) -> None:
                             "/v1/users/NAME resets it")
     g.add_argument("--state-dir", default=None, metavar="DIR",
                    help="where users' adapters are kept (default: the cache's users/)")
-    g.add_argument("--personalize-targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-                   metavar="T,T", help="projections a user's adapter adapts (default: all seven)")
-    g.add_argument("--personalize-rank", type=int, default=2, help="a user's adapter rank (1-16, default 2)")
-    g.add_argument("--personalize-layers", type=float, default=1 / 3, metavar="SHARE",
+    from runtime.serve.personalization import PersonalSettings as S  # the defaults, said once
+
+    g.add_argument("--personalize-targets", default=",".join(S.targets), metavar="T,T",
+                   help="projections a user's adapter adapts (default: all seven)")
+    g.add_argument("--personalize-rank", type=int, default=S.rank, help="a user's adapter rank (1-16, default %(default)s)")
+    g.add_argument("--personalize-layers", type=float, default=S.top_layers, metavar="SHARE",
                    help="the share of the layers a user's adapter adapts, the last ones (default 1/3; 1: all)")
-    g.add_argument("--personalize-lr", type=float, default=3e-3, help="the instant loop's Adam step size")
-    g.add_argument("--personalize-epochs", type=int, default=1, help="passes over each feedback")
-    g.add_argument("--personalize-ewc", type=float, default=2.0,
-                   help="EWC++ strength against forgetting (0: off)")
+    g.add_argument("--personalize-lr", type=float, default=S.lr, help="the instant loop's Adam step size")
+    g.add_argument("--personalize-epochs", type=int, default=S.epochs, help="passes over each feedback")
+    g.add_argument("--personalize-ewc", type=float, default=S.ewc,
+                   help="EWC++ strength against forgetting (0: off; default %(default)s)")
 
 
 def personal_settings(args):
