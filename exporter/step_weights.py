@@ -1,6 +1,6 @@
 """The page's WASM step's weights (wasm/step/step.c): a llama or Qwen2 GGUF's own blocks, repacked, nothing
-quantized again. Every matrix keeps its file type's bits (STEP_TYPES: block_layouts.OWN but its 2- and 3-bit
-types; step.c's `enum kind` numbers them the same), in one shape of layout for all of them, so the step
+quantized again. Every matrix keeps its file type's bits (STEP_TYPES: runtime/formats/block_types.py's types
+marked `step`; the generated wasm/step/abi.h's `enum kind` numbers them the same), in one shape of layout for all of them, so the step
 reads four output rows at a time and a block of 32 weights at a time whatever the type:
 
 | part | what | types |
@@ -30,17 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from exporter.sources.gguf_blocks import own_parts
-from runtime.backends.block_layouts import OWN
 from runtime.errors import PackageError
-
-STEP_TYPES = tuple(name for name, t in OWN.items() if t.bits >= 4)  # step.c has no 2- and 3-bit fields
+from runtime.formats.block_types import OWN, STEP_TYPES
+from runtime.formats.step_abi import ARCHS, FORMAT, PARTS
 
 PROJECTIONS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
                "down": "ffn_down"}
-PARTS = ("w", "hb", "d", "m", "sc", "mb")  # a matrix's arrays, in step.c's QMat field order
-ARCHS = {"llama": False, "qwen2": True}  # the step's architectures: RoPE on halves (NeoX) or adjacent pairs
 ALIGN = 64
-FORMAT = 2  # step.bin's layout (1: Q4_1 only, fp32 scales); web/src/wasm_step.js reads this one
 
 
 def _four(a: np.ndarray) -> np.ndarray:

@@ -38,6 +38,7 @@ from exporter.sources.safetensors_tensors import SafetensorsTensors
 from exporter.writers.external_data import WeightStore
 from runtime.backends.block_layouts import OWN
 from runtime.errors import RuvLLMError
+from runtime.formats.block_types import GATHER_TYPES
 
 HEAD_ROWS = 8192  # rows of a float LM head quantized at a time (a 128k vocabulary's head is 1 GB in fp32)
 
@@ -206,7 +207,7 @@ def embedding(tensors: GgufTensors, opts: ConvertOptions) -> Grid | OwnBits | No
     package (ruvllm.GatherQ on the layout its tied head computes with), else the file's grid (or None)."""
     name = "model.embed_tokens.weight"
     kind = tensors.type_of(name)
-    if opts.quant == "int4" and kind in ("Q4_K", "Q6_K", "Q8_0"):  # the tables ruvllm.GatherQ reads
+    if opts.quant == "int4" and kind in GATHER_TYPES:  # the tables ruvllm.GatherQ reads
         parts = tensors.own_bits(name)
         if parts[0].shape[0] % 16 == 0 and parts[0].shape[1] % OWN[kind].superblock == 0:
             return OwnBits.of([(kind, parts)])

@@ -93,7 +93,7 @@ def _project_version() -> str:
 
 def export_model(source: str, quant: str) -> Path:
     """The source's package for the page, exported once into the cache (runtime.aliases.source_cache_key)."""
-    from exporter.step_weights import FORMAT
+    from runtime.formats.step_abi import FORMAT
     from runtime.serve.cli import export_into_cache
 
     cache_key, source = source_cache_key(source)

@@ -2,8 +2,8 @@
 compiler needed) and, for tests and native comparisons, hosted in wasmtime (PyPI `wasmtime`), where it
 runs the engine's StepBatches as the page will.
 
-The module's structs are wasm32 (4-byte ints, floats and pointers), written here field by field in the
-order step.c declares them.
+The module's structs are packed by field name through runtime/formats/step_abi.py, the one description
+that wasm/step/abi.h is generated from.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from runtime.formats import step_abi
+from runtime.formats.step_abi import REFUSALS, offset, pack, pack_array, sizeof
+
 SOURCE = Path(__file__).resolve().parent / "step" / "step.c"
-REFUSALS = {1: "too many tokens", 2: "a position, slot or logits row out of range",
-            3: "a row reads or keeps exact rows its quantized pool's tails do not hold"}
 # -mrelaxed-simd: clang fuses step.c's multiply-adds into f32x4.relaxed_madd, which Chromium and wasmtime run
 # as FMA: the native engine's rounding (SmolLM2 against it: mean KL 0.0033 and greedy 64 / 64 tokens,
 # against 0.0042 and 35 / 64 unfused) and faster. Node 20 needs --experimental-wasm-relaxed-simd.
@@ -143,7 +144,7 @@ class WasmStep:
         self._ints_at = ([self._alloc(4 * max_tokens) for _ in range(6)] + [self._alloc(4 * max_tokens * self.max_blocks)]
                          + [self._alloc(4 * max_tokens) for _ in range(2)])
         self._logits = self._alloc(4 * max_logits * cfg["vocab"])
-        self._batch = self._alloc(60)
+        self._batch = self._alloc(sizeof("Batch"))
         self._learn_room = 0  # tokens step_learn's scratch holds (learn_init, at the first learn)
         if threads > 1:
             self._start_helpers(engine, module, shared, threads - 1)
@@ -156,14 +157,15 @@ class WasmStep:
         d, rows = cfg["head_dim"], cfg["layers"] * cfg["kv_heads"] * num_blocks * block_size
         widths = kv_scale_widths(d, kv_dtype)
         pools = [self._alloc(rows * (kv_row_bytes(d, kv_dtype, k) - 2 * widths[k])) for k in range(2)]  # numbers
+        pool = {"num_blocks": num_blocks, "block_size": block_size, "k": pools[0], "v": pools[1],
+                "dtype": step_abi.KV_DTYPES.index(kv_dtype), "ks": 0, "vs": 0, "tail_blocks": 0, "tail_of": 0, "tails": 0}
         if kv_dtype == "fp32":
-            return struct.pack("<2i2Ii2Ii2I", num_blocks, block_size, *pools, 0, 0, 0, 0, 0, 0)
+            return pack("Pool", pool)
         scales = [self._alloc(2 * rows * w) for w in widths]
         self._tail_of = self._put(struct.pack(f"<{num_blocks}i", *[-1] * num_blocks))
         self._tail_table, self._tail_room = 0, 0
         self._tail_bytes = 2 * cfg["layers"] * cfg["kv_heads"] * block_size * d * 4
-        return struct.pack("<2i2Ii2Ii2I", num_blocks, block_size, *pools, ("fp32", "int8", "int4").index(kv_dtype),
-                           *scales, tail_blocks, self._tail_of, 0)
+        return pack("Pool", {**pool, "ks": scales[0], "vs": scales[1], "tail_blocks": tail_blocks, "tail_of": self._tail_of})
 
     def _tails(self, changes: list[tuple[int, int]]) -> None:
         """Apply a step's block -> tail slot changes, making room for slots not seen before."""
@@ -174,7 +176,7 @@ class WasmStep:
         if len(self._tail_slots) > self._tail_room:  # the table of slot addresses, grown twice the size
             self._tail_room = 2 * len(self._tail_slots)
             self._tail_table = self._alloc(4 * self._tail_room)
-            self.memory.write(self.store, struct.pack("<I", self._tail_table), self.pool + 36)
+            self.memory.write(self.store, struct.pack("<I", self._tail_table), self.pool + offset("Pool", "tails"))
         if self._tail_slots:
             self.memory.write(self.store, struct.pack(f"<{len(self._tail_slots)}I", *self._tail_slots), self._tail_table)
 
@@ -203,28 +205,25 @@ class WasmStep:
     def _model(self, index: dict, at: dict[str, int]) -> int:
         """step.c's Model and its Layers over arrays placed at `at` (name -> address), as
         web/src/wasm_step.js builds them."""
-        from exporter.step_weights import PARTS, PROJECTIONS
+        from runtime.formats.step_abi import MATRICES, PARTS
 
         cfg = index["config"]
 
-        def qmat(name: str) -> list[int]:  # blocks.h's QMat: the kind, then the parts' addresses (0: none)
-            return [cfg["kinds"][index["matrices"][name]]] + [at.get(f"{name}.{part}", 0) for part in PARTS]
+        def qmat(name: str) -> dict:  # the matrix's kind, then its parts' addresses (0: none)
+            return {"kind": cfg["kinds"][index["matrices"][name]], **{part: at.get(f"{name}.{part}", 0) for part in PARTS}}
 
-        words: list[int] = []
-        layer_words = 5 + 7 * len(PROJECTIONS)
+        layers = self._put(pack_array("Layer", [
+            {"attn_norm": at[f"{i}.attn_norm"], "ffn_norm": at[f"{i}.ffn_norm"],
+             "bias": [at.get(f"{i}.{p}.bias", 0) for p in "qkv"], "mat": [qmat(f"{i}.{p}") for p in MATRICES]}
+            for i in range(cfg["layers"])]))
+        fields = ("dim", "hidden", "layers", "heads", "kv_heads", "head_dim", "vocab", "max_pos", "eps")
+        model = self._put(pack("Model", {**{f: cfg[f] for f in fields}, "rope_neox": int(cfg["rope_neox"]),
+                                         "embd": qmat("embd"), "head": qmat("head" if "head" in index["matrices"] else "embd"),
+                                         "out_norm": at["out_norm"], "rope": at["rope"], "layer": layers}))
+        self.matrices = {"embd": model + offset("Model", "embd"), "head": model + offset("Model", "head")}  # name -> its QMat
         for i in range(cfg["layers"]):
-            words += [at[f"{i}.attn_norm"], at[f"{i}.ffn_norm"], *(at.get(f"{i}.{p}.bias", 0) for p in "qkv")]
-            for p in PROJECTIONS:
-                words += qmat(f"{i}.{p}")
-        layers = self._put(struct.pack(f"<{len(words)}I", *words))
-        head = qmat("head" if "head" in index["matrices"] else "embd")
-        model = self._put(struct.pack("<8ifi17I", cfg["dim"], cfg["hidden"], cfg["layers"], cfg["heads"], cfg["kv_heads"],
-                                     cfg["head_dim"], cfg["vocab"], cfg["max_pos"], cfg["eps"], int(cfg["rope_neox"]),
-                                     *qmat("embd"), *head, at["out_norm"], at["rope"], layers))
-        self.matrices = {"embd": model + 40, "head": model + 68}  # name -> its QMat's address
-        for i in range(cfg["layers"]):
-            for j, p in enumerate(PROJECTIONS):
-                self.matrices[f"{i}.{p}"] = layers + 4 * (i * layer_words + 5 + 7 * j)
+            for j, p in enumerate(MATRICES):
+                self.matrices[f"{i}.{p}"] = layers + i * sizeof("Layer") + offset("Layer", "mat") + j * sizeof("QMat")
         return model
 
     def project(self, name: str, x: np.ndarray) -> np.ndarray:
@@ -317,16 +316,17 @@ class WasmStep:
         for ptr, values in zip(self._ints_at, arrays):
             self.memory.write(self.store, np.asarray(values, np.int32).tobytes(), ptr)
         ids, pos, slots, row_first, row_count, logits_at, tables, exact_from, keep_at = self._ints_at
-        self.memory.write(self.store, struct.pack("<4i11I", n, rows, batch.max_blocks, logits, ids, pos, slots,
-                                                  row_first, row_count, tables, logits_at, self._logits, 0,
-                                                  exact_from, keep_at), self._batch)
+        self.memory.write(self.store, pack("Batch", {
+            "num_tokens": n, "num_rows": rows, "max_blocks": batch.max_blocks, "num_logits": logits, "ids": ids, "pos": pos,
+            "slots": slots, "row_first": row_first, "row_count": row_count, "tables": tables, "logits_at": logits_at,
+            "logits": self._logits, "lora": 0, "exact_from": exact_from, "keep": keep_at}), self._batch)
         status = self._run(self.store, self.model, self.pool, self._batch)
         if status:
             raise ValueError("the WASM step refused the batch: " + REFUSALS.get(status, f"status {status}"))
         out = self.memory.read(self.store, self._logits, self._logits + 4 * logits * self.cfg["vocab"])
         return np.frombuffer(out, np.float32).reshape(logits, self.cfg["vocab"])
 
-    TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # step.c's order
+    TARGETS = step_abi.TARGETS
 
     def learn(self, ids: list[int], factors: dict, scale: float, scored_from: int = 0, unlikely: bool = False,
               exact: bool = False) -> tuple[float, dict]:
@@ -339,27 +339,28 @@ class WasmStep:
             if self._exports["learn_init"](self.store, self.model, room) != room:
                 raise MemoryError(f"the WASM step cannot learn from {room} tokens")
             self._learn_room = room
-        layers = self.cfg["layers"]
-        tables = [[0] * (7 * layers) for _ in range(4)]
+        layers, width = self.cfg["layers"], len(self.TARGETS)
+        tables = [[0] * (width * layers) for _ in range(4)]
         for (layer, target), (a, bt) in factors.items():
-            at = 7 * layer + self.TARGETS.index(target)
+            at = width * layer + self.TARGETS.index(target)
             name = f"learn.{layer}.{target}"
             tables[0][at] = self._scratch(name + ".a", np.ascontiguousarray(a, np.float32).tobytes())
             tables[1][at] = self._scratch(name + ".b", np.ascontiguousarray(bt, np.float32).tobytes())
             tables[2][at] = self._scratch(name + ".ga", bytes(4 * a.size))
             tables[3][at] = self._scratch(name + ".gb", bytes(4 * bt.size))
-        ptrs = [self._scratch(f"learn.table{i}", struct.pack(f"<{7 * layers}I", *t)) for i, t in enumerate(tables)]
+        ptrs = [self._scratch(f"learn.table{i}", struct.pack(f"<{width * layers}I", *t)) for i, t in enumerate(tables)]
         ids_at = self._scratch("learn.ids", np.asarray(ids, np.int32).tobytes())
         loss_at = self._scratch("learn.loss", bytes(4))
-        spec = self._scratch("learn", struct.pack("<5if6I", len(ids), scored_from, int(unlikely), int(exact), rank,
-                                                  scale, ids_at, *ptrs, loss_at))
+        spec = self._scratch("learn", pack("Learn", {
+            "num_tokens": len(ids), "scored_from": scored_from, "unlikely": int(unlikely), "exact": int(exact), "rank": rank,
+            "scale": scale, "ids": ids_at, "a": ptrs[0], "b": ptrs[1], "ga": ptrs[2], "gb": ptrs[3], "loss": loss_at}))
         status = self._exports["step_learn"](self.store, self.model, spec)
         if status:
             raise ValueError(f"step_learn refused the text ({status})")
         read = lambda ptr, n: np.frombuffer(self.memory.read(self.store, ptr, ptr + 4 * n), np.float32)  # noqa: E731
         grads = {}
         for (layer, target), (a, bt) in factors.items():
-            at = 7 * layer + self.TARGETS.index(target)
+            at = width * layer + self.TARGETS.index(target)
             grads[(layer, target)] = (read(tables[2][at], a.size).reshape(a.shape).copy(),
                                       read(tables[3][at], bt.size).reshape(bt.shape).copy())
         return float(read(loss_at, 1)[0]), grads
@@ -393,19 +394,20 @@ class WasmStep:
         rows, k, vocab = len(batch.logits_index), min(batch.top_k, self.cfg["vocab"]), self.cfg["vocab"]
         width = len(batch.sparse_ids[0]) if rows else 0
         f32 = lambda name, v: self._scratch(name, np.asarray(v, np.float32).tobytes())  # noqa: E731
-        fields = [f32("temperature", batch.temperature), f32("repetition", batch.repetition_penalty),
-                  f32("presence", batch.presence_penalty), f32("frequency", batch.frequency_penalty),
-                  self._scratch("sparse_ids", np.asarray(batch.sparse_ids, np.int32).tobytes()),
-                  f32("seen", batch.sparse_seen), f32("counts", batch.sparse_counts), f32("bias", batch.sparse_bias)]
+        fields = {"temperature": f32("temperature", batch.temperature),
+                  "repetition": f32("repetition", batch.repetition_penalty),
+                  "presence": f32("presence", batch.presence_penalty), "frequency": f32("frequency", batch.frequency_penalty),
+                  "sparse_ids": self._scratch("sparse_ids", np.asarray(batch.sparse_ids, np.int32).tobytes()),
+                  "sparse_seen": f32("seen", batch.sparse_seen), "sparse_counts": f32("counts", batch.sparse_counts),
+                  "sparse_bias": f32("bias", batch.sparse_bias), "mask": 0}
         if mask is not None and any(m is not None for m in mask):
             full = bytes([255]) * ((vocab + 7) // 8)
-            fields.append(self._scratch("mask", b"".join(full if m is None else bytes(m) for m in mask)))
-        else:
-            fields.append(0)
+            fields["mask"] = self._scratch("mask", b"".join(full if m is None else bytes(m) for m in mask))
         out_ids, out_values, out_stats = (self._scratch(n, bytes(4 * size)) for n, size in
                                           (("ids", rows * k), ("values", rows * k), ("stats", 2 * rows)))
-        spec = self._scratch("sampling", struct.pack("<3i13I", rows, width, k, *fields, self._logits, out_ids,
-                                                     out_values, out_stats))
+        spec = self._scratch("sampling", pack("Sampling", {
+            "num_logits": rows, "num_sparse": width, "top_k": k, **fields, "logits": self._logits, "out_ids": out_ids,
+            "out_values": out_values, "out_stats": out_stats}))
         if self._sample(self.store, self.model, spec):
             raise ValueError(f"the WASM step cannot sample top {k} of {rows} rows")
         read = lambda ptr, n, t: np.frombuffer(self.memory.read(self.store, ptr, ptr + 4 * n), t)  # noqa: E731

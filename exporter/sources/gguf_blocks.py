@@ -32,6 +32,7 @@ import numpy as np
 
 from exporter.quantizers.grid import Grid, fp16_exact
 from runtime.errors import RuvLLMError
+from runtime.formats.block_types import BY_NAME
 
 QK = 256  # a K-quant super-block
 
@@ -171,9 +172,7 @@ def q5_k_parts(data: np.ndarray, rows: int, cols: int):
 
 def k_parts(type_name: str, data: np.ndarray, rows: int, cols: int):
     """A Q2_K or Q3_K tensor's own parts (_q2_k_parts, _q3_k_parts), shaped per row."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    b = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1])
+    b = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, BY_NAME[type_name].nbytes)
     parts = (_q2_k_parts if type_name == "Q2_K" else _q3_k_parts)(b)
     shaped = [parts[0].reshape(rows, cols).astype(np.uint8)]
     for a in parts[1:]:
@@ -193,9 +192,7 @@ def own_parts(type_name: str, data: np.ndarray, rows: int, cols: int) -> tuple:
         return q5_k_parts(data, rows, cols)
     if type_name == "Q6_K":
         return q6_k_parts(data, rows, cols)
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1])
+    blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, BY_NAME[type_name].nbytes)
     q, d, _, mins, _, _ = DECODERS[type_name](blocks)  # d and m: fp16 in the file, widened exactly
     half = lambda a: a.astype(np.float16).reshape(rows, -1)  # noqa: E731
     return (q.reshape(rows, cols).astype(np.uint8), half(d)) + (() if mins is None else (half(mins),))
@@ -207,9 +204,7 @@ DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q5_0": _q5_0, "Q5_1": 
 
 def decode(data: np.ndarray, type_name: str, rows: int, cols: int) -> Grid:
     """One GGUF tensor's raw blocks ([rows, bytes] as GGUFReader gives them) as a Grid [rows, cols]."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    block_elems, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[type_name]]
+    block_bytes = BY_NAME[type_name].nbytes
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, block_bytes)
     q, scale, zero, mins, sub, bits = DECODERS[type_name](blocks)
     nsub = cols // sub

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.formats.block_types import BY_KIND, GRID_KIND, OWN, SUPER, own_sections  # noqa: F401 (readers import them here)
+
 MS_DOMAIN, DOMAIN = "com.microsoft", "ruvllm"
-TILE, BLOCK, SUPER = 16, 32, 256
+TILE, BLOCK = 16, 32
 
 
 # ---- MatMulNBits: a grid x . ((q - z) * s) (+ the blocks' minimums times their activation sums) ----
@@ -85,58 +87,8 @@ def unpack_4bit(packed: np.ndarray, cols: int) -> np.ndarray:
     rows = packed.shape[0]
     return np.stack([packed & 15, packed >> 4], axis=-1).reshape(rows, -1)[:, :cols]
 
-# ---- a GGUF's block types at their own bits, for ruvllm.MatMulQ4 (kquant = OWN[type].kind) ----
-
-@dataclass(frozen=True)
-class OwnType:
-    """One GGUF block type as the kernel reads it (kernels/matmul_q4.h's kOwnBits, in the same order)."""
-
-    kind: int  # the operator's kquant attribute
-    bits: int  # bits a weight: 2 to 6 as fields (see `fields`), 8 for Q8_0 (a whole byte)
-    block: int  # weights a scale covers
-    zero: int  # the zero point (0: the type has minimums instead)
-    # "kquant" (q, d, dmin, sc, m; "kquant4": sc | m << 4 in a byte), "six" (q, d, sc), "half" (q, d), "halfmin" (q, d, m)
-    scales: str
-    superblock: int = BLOCK  # K must be a multiple of it (SUPER for the K-quants)
-    op: str = "MatMulQ4"  # the kernel that reads it
-
-    @property
-    def mins(self) -> bool:
-        """Whether a block has a minimum (w = scale * q + minimum) rather than a zero point."""
-        return self.zero == 0
-
-    @property
-    def fields(self) -> tuple[tuple[int, int], ...]:
-        """(width, bit position) of each line kind a weight's bits are stored in, in the layout's order: a
-        nibble (4 bits at 0) where bits >= 4, then a 2-bit field, then a 1-bit one, each above the last
-        (Q6_K: 4 + 2, Q5: 4 + 1, Q3_K: 2 + 1, Q2_K: 2)."""
-        out, at = [], 0
-        for width in (4, 2, 1):
-            if self.bits & width:
-                out.append((width, at))
-                at += width
-        return tuple(out)
-
-
-OWN = {"Q4_K": OwnType(1, 4, 32, 0, "kquant", SUPER), "Q6_K": OwnType(2, 6, 16, 32, "six", SUPER),
-       "Q5_K": OwnType(3, 5, 32, 0, "kquant", SUPER), "Q5_0": OwnType(4, 5, 32, 16, "half"),
-       "Q4_0": OwnType(5, 4, 32, 8, "half"), "Q4_1": OwnType(6, 4, 32, 0, "halfmin"),
-       "Q5_1": OwnType(7, 5, 32, 0, "halfmin"),
-       # MatMulQ8's (kernels/matmul_q8.h): per tile and block, the int8 weights as 8 lines of 64 bytes (byte 4j + i
-       # of line g: column j, k = 4g + i), q stored as the file's q (here q + 128 unsigned, zero point 128)
-       "Q8_0": OwnType(8, 8, 32, 128, "half", op="MatMulQ8"),
-       # the 2- and 3-bit K-quants, blocks of 16: Q3_K d * (sc - 32) * (q - 4) (its high-mask bit is q's bit 2),
-       # Q2_K d * sc * q - dmin * m (4-bit sc and m)
-       "Q3_K": OwnType(9, 3, 16, 4, "six", SUPER), "Q2_K": OwnType(10, 2, 16, 0, "kquant4", SUPER)}
-BY_KIND = {t.kind: name for name, t in OWN.items()}
-
-
-def own_sections(t: OwnType, n: int, k: int) -> tuple[int, int, int]:
-    """Bytes of the layout's sections: weights (their field lines), scale bytes, fp16 scales."""
-    blocks, supers = n * (k // t.block), n * (k // SUPER)
-    sc, half = {"kquant": (blocks * 2, supers * 4), "kquant4": (blocks, supers * 4), "six": (blocks, supers * 2),
-                "half": (0, blocks * 2), "halfmin": (0, blocks * 4)}[t.scales]
-    return n * k * t.bits // 8, sc, half
+# ---- a GGUF's block types at their own bits, for ruvllm.MatMulQ4 (kquant = OWN[type].kind): OWN, BY_KIND and
+# own_sections are runtime/formats/block_types.py's, from which kernels/block_types.h is generated ----
 
 
 def own_bytes(name: str, n: int, k: int) -> int:
@@ -159,8 +111,8 @@ def _from_lanes(lanes: np.ndarray, n: int, k: int) -> np.ndarray:
 
 def own_layout(name: str, q: np.ndarray, *scales: np.ndarray) -> np.ndarray:
     """The kernel's bytes for a matrix of GGUF type `name` from its parts (q uint8 [N, K], then the type's
-    scales: see OwnType.scales; fp16 d, dmin and m, uint8 sc and m, int8 Q6_K and Q3_K sc). Per tile of 16
-    columns and block, each of the type's fields (OwnType.fields) as lines, all groups of one field, then the
+    scales: see BlockType.scales; fp16 d, dmin and m, uint8 sc and m, int8 Q6_K and Q3_K sc). Per tile of 16
+    columns and block, each of the type's fields (BlockType.fields) as lines, all groups of one field, then the
     next: 4 bits, 64 bytes a group (byte 4j + i: the low register's lane 4j + i | the high one's << 4, the
     low register holding column j's k = 8g + i, the high one k = 8g + 4 + i); 2 bits, 32 bytes a group
     (byte p: lanes p and p + 32 of the low register, then of the high one); 1 bit, 16 bytes a group (bit q
@@ -281,7 +233,6 @@ def dequantize_own(name: str, blob: np.ndarray, n: int, k: int) -> np.ndarray:
 
 # ---- an int4 grid (RTN, AWQ, GPTQ: zero points and fp32 scales) in the kernel's layout ----
 
-GRID_KIND = 11  # the operator's kquant for it (kernels/matmul_q4.h's kGridKind); its block is block_size's
 
 
 def kernel_grid(node, inits: dict) -> GridLayout | None:

@@ -2,25 +2,13 @@
 // the low nibbles, the bits above them as planes, fp16 scales (widened here, exactly) and the K-quants'
 // scale bytes. One kernel shape for every type: four output rows at a time, a block of 32 weights at a
 // time, the block's integer sums against the activations rounded per block of 32 (kernels.h), then the
-// type's scales. The kinds are runtime/backends/block_layouts.OWN's.
+// type's scales. The kinds are runtime/formats/block_types.py's.
 #pragma once
 #include "kernels.h"
 
-enum kind { Q4_K = 1, Q6_K = 2, Q5_K = 3, Q5_0 = 4, Q4_0 = 5, Q4_1 = 6, Q5_1 = 7, Q8_0 = 8 };
-
-typedef struct {
-  int32_t kind;
-  const uint8_t* w;     // nibbles [N, K/2] (byte i of a block: weight i low, i + 16 high); Q8_0: int8 [N, K]
-  const uint32_t* hb;   // bit planes [N, K/32, planes]: bit j of plane p = weight j's bit 4 + p
-  const uint16_t* d;    // fp16 [N/4, K/32, 4]; K-quants: the super-block's d [N/4, K/256, 4]
-  const uint16_t* m;    // fp16 minimums [N/4, K/32, 4]; K-quants: dmin [N/4, K/256, 4]
-  const uint8_t* sc;    // K-quants' scale bytes [N/4, K/32, 4]; Q6_K: int8 [N/4, K/32, 2, 4]
-  const uint8_t* mb;    // Q4_K, Q5_K: the minimum bytes [N/4, K/32, 4]
-} QMat;
-
-static inline int planes_of(int kind) { return kind == Q6_K ? 2 : (kind == Q5_0 || kind == Q5_1 || kind == Q5_K); }
-static inline int zero_of(int kind) { return kind == Q4_0 ? 8 : kind == Q5_0 ? 16 : kind == Q6_K ? 32 : 0; }
-static inline int is_kquant(int kind) { return kind == Q4_K || kind == Q5_K || kind == Q6_K; }
+// QMat, `enum kind` and the types' traits (planes_of, zero_of, is_kquant, has_mins, is_q8): abi.h, generated
+// from runtime/formats/ (block_types.py's types that the step reads, step_abi.py's structs).
+#include "abi.h"
 
 // four fp16 numbers as f32x4, exactly (subnormals too): the magnitude's bits moved into an f32's place,
 // times 2^112 to correct the exponent's bias, then the sign
@@ -117,7 +105,7 @@ static inline __attribute__((always_inline)) void qmat_rows(const int kind, cons
       }
       v128_t w0[4], w1[4];  // each row's weights 0-15 and 16-31
       for (int r = 0; r < 4; r++) {
-        if (kind == Q8_0) {
+        if (is_q8(kind)) {
           const int8_t* w = (const int8_t*)W->w + (size_t)(n + r) * K + 32 * b;
           w0[r] = wasm_v128_load(w), w1[r] = wasm_v128_load(w + 16);
         } else {
@@ -133,14 +121,14 @@ static inline __attribute__((always_inline)) void qmat_rows(const int kind, cons
         mins = wasm_f32x4_neg(wasm_f32x4_mul(M, bytes4_u(W->mb + at)));
       } else {
         scale = half4(W->d + at);
-        if (kind == Q4_1 || kind == Q5_1) mins = half4(W->m + at);
+        if (has_mins(kind)) mins = half4(W->m + at);
       }
       for (int t = 0; t < TT; t++) {
         const v128_t x0 = wasm_v128_load(x[t].q + 32 * b), x1 = wasm_v128_load(x[t].q + 32 * b + 16);
         v128_t s0[4], s1[4];
         for (int r = 0; r < 4; r++) {
-          s0[r] = kind == Q8_0 ? dot_s(x0, w0[r]) : dot_u(x0, w0[r], relaxed);
-          s1[r] = kind == Q8_0 ? dot_s(x1, w1[r]) : dot_u(x1, w1[r], relaxed);
+          s0[r] = is_q8(kind) ? dot_s(x0, w0[r]) : dot_u(x0, w0[r], relaxed);
+          s1[r] = is_q8(kind) ? dot_s(x1, w1[r]) : dot_u(x1, w1[r], relaxed);
         }
         const v128_t xs = wasm_f32x4_splat(x[t].s[b]);
         if (kind == Q6_K) {  // a scale per 16, zero point 32
@@ -156,7 +144,7 @@ static inline __attribute__((always_inline)) void qmat_rows(const int kind, cons
                                                  wasm_i32x4_add(s0[2], s1[2]), wasm_i32x4_add(s0[3], s1[3])));
         if (z) i = wasm_f32x4_sub(i, wasm_f32x4_splat((float)z * x[t].sum[b]));  // exact: integers below 2^24
         acc[t] = wasm_f32x4_add(acc[t], wasm_f32x4_mul(wasm_f32x4_mul(i, xs), scale));
-        if (!z && kind != Q8_0) acc[t] = wasm_f32x4_add(acc[t], wasm_f32x4_mul(mins, wasm_f32x4_splat(x[t].s[b] * x[t].sum[b])));
+        if (!z && !is_q8(kind)) acc[t] = wasm_f32x4_add(acc[t], wasm_f32x4_mul(mins, wasm_f32x4_splat(x[t].s[b] * x[t].sum[b])));
       }
     }
     for (int t = 0; t < TT; t++) wasm_v128_store(y[t] + n, acc[t]);
@@ -168,9 +156,7 @@ static inline __attribute__((always_inline)) void qmat_rows(const int kind, cons
     if (TT == 1) qmat_rows(kind, relaxed, W, lo, hi, K, x, y, 1); /* a decode: its sums in registers */           \
     else qmat_rows(kind, relaxed, W, lo, hi, K, x, y, TT);                                                           \
   }
-#define QMAT_KINDS(relaxed) \
-  QMAT_KIND(Q4_K, relaxed) QMAT_KIND(Q6_K, relaxed) QMAT_KIND(Q5_K, relaxed) QMAT_KIND(Q5_0, relaxed) \
-  QMAT_KIND(Q4_0, relaxed) QMAT_KIND(Q4_1, relaxed) QMAT_KIND(Q5_1, relaxed) QMAT_KIND(Q8_0, relaxed)
+#define QMAT_KINDS(relaxed) STEP_KINDS(QMAT_KIND, relaxed)
 
 #ifdef PLAIN_SIMD
 #define RELAXED 0
@@ -189,15 +175,10 @@ QMAT_KINDS(0)
 typedef void (*rows_fn)(const QMat*, int, int, int, const Rounded*, float* const*, int);
 
 static rows_fn rows_of(int kind) {
+#define ROWS_CASE(kind, _) case kind: return ROWS(kind);
   switch (kind) {
-    case Q4_K: return ROWS(Q4_K);
-    case Q6_K: return ROWS(Q6_K);
-    case Q5_K: return ROWS(Q5_K);
-    case Q5_0: return ROWS(Q5_0);
-    case Q4_0: return ROWS(Q4_0);
-    case Q4_1: return ROWS(Q4_1);
-    case Q5_1: return ROWS(Q5_1);
-    default: return ROWS(Q8_0);
+    STEP_KINDS(ROWS_CASE, 0)
+    default: return 0;  // not a kind of the step's: step_weights.py writes none
   }
 }
 
@@ -228,7 +209,7 @@ static void qmat_row(const QMat* W, int n, int K, float* out) {
     const size_t at = (quad * blocks + b) * 4 + lane, sup = (quad * (K / 256) + b / 8) * 4 + lane;
     for (int i = 0; i < 32; i++) {
       float w;
-      if (kind == Q8_0) {
+      if (is_q8(kind)) {
         w = (float)((const int8_t*)W->w)[(size_t)n * K + 32 * b + i] * half1(W->d[at]);
       } else {
         const uint8_t byte = W->w[(size_t)n * (K / 2) + 16 * b + (i & 15)];
@@ -240,7 +221,7 @@ static void qmat_row(const QMat* W, int n, int K, float* out) {
         } else if (kind == Q4_K || kind == Q5_K) {
           const float d = half1(W->d[sup]) * (float)W->sc[at], m = half1(W->m[sup]) * (float)W->mb[at];
           w = d * (float)q - m;
-        } else if (kind == Q4_1 || kind == Q5_1) {
+        } else if (has_mins(kind)) {
           w = half1(W->d[at]) * (float)q + half1(W->m[at]);
         } else {
           w = half1(W->d[at]) * (float)(q - z);

@@ -13,7 +13,7 @@
 #pragma once
 #include "blocks.h"
 
-enum { KV_FP32 = 0, KV_INT8 = 1, KV_INT4 = 2 };
+// KV_FP32, KV_INT8, KV_INT4: abi.h
 
 // float32 -> IEEE fp16 bits, rounded to nearest even, subnormals and overflow to infinity included (numpy's
 // astype(float16))

@@ -14,20 +14,7 @@
 // dequantized rows. q and k's rows are in the step's order (the GGUF's), and so are their B factors'.
 #pragma once
 
-typedef struct {
-  int32_t num_tokens;   // the text (ids [num_tokens]), positions 0 ..
-  int32_t scored_from;  // the loss counts the predictions of tokens from here on (before: context only)
-  int32_t unlikely;     // the unlikelihood loss -log(1 - p) (an answer rated bad), else -log p
-  int32_t exact;        // fp32 products on the dequantized weights instead of the step's rounded ones
-  int32_t rank;
-  float scale;               // alpha / rank: delta = scale x (x A^T) B^T
-  const int32_t* ids;
-  const float* const* a;     // [layers * 7] (q k v o gate up down): A [rank, in], or null (not adapted)
-  const float* const* b;     // [layers * 7]: B transposed [rank, out]
-  float* const* ga;          // [layers * 7]: the gradients, written (same shapes), where `a` has a factor
-  float* const* gb;
-  float* loss;               // out: the mean loss
-} Learn;
+// Learn, the text and factors step_learn reads: abi.h
 
 // the natural log in double (no libm here): x = m 2^e with m in [sqrt(1/2), sqrt(2)), log m by the atanh
 // series (|s| <= 0.172: 11 terms reach 1e-17)
@@ -176,7 +163,7 @@ static void backward_rows(const QMat* W, int first, int N, int K, int T, const f
 
 // ---- the LoRA's part ----
 
-static inline int target_of(int l, int i) { return l * 7 + i; }
+static inline int target_of(int l, int i) { return l * LORA_TARGETS + i; }
 
 // out [T, N] += scale x (x A^T) B^T, for target (l, i) where it is adapted
 static void lora_forward(const Learn* J, int l, int i, const float* in, int K, int T, float* out, int N) {
@@ -494,7 +481,7 @@ EXPORT int step_learn(const Model* m, const Learn* J) {
   for (size_t n = 0; n < (size_t)T * D; n++) l_dx[n] = 0.f;
   rms_back(l_dm, last, l_r2, m->out_norm, T, D, l_dx);
   int lowest = m->layers;  // the first adapted layer: nothing below it has a factor to learn
-  for (int i = 7 * m->layers - 1; i >= 0; i--)
+  for (int i = LORA_TARGETS * m->layers - 1; i >= 0; i--)
     if (J->a[i]) lowest = i / 7;
   for (int l = m->layers - 1; l >= lowest; l--) layer_backward(m, J, l, l_dx);
   return 0;

@@ -10,56 +10,14 @@
 #include "kv.h"
 #include "threads.h"
 
-typedef struct {
-  const float *attn_norm, *ffn_norm;
-  const float* bias[3];  // q, k and v's (Qwen2), or null
-  QMat mat[7];           // q k v o gate up down
-} Layer;
-
-typedef struct {
-  int32_t dim, hidden, layers, heads, kv_heads, head_dim, vocab, max_pos;
-  float eps;
-  int32_t rope_neox;  // RoPE on the halves of each head (a Qwen2 GGUF's rows), else on adjacent pairs (llama's)
-  QMat embd, head;    // the embedding and the head [vocab, dim] (the same arrays where they are tied)
-  const float* out_norm;
-  const float* rope;  // [max_pos, head_dim / 2, 2]: cos, sin
-  const Layer* layer;
-} Model;
-
-typedef struct {
-  int32_t num_blocks, block_size;
-  float *k, *v;  // [layers, kv_heads, num_blocks * block_size, head_dim]; int8 rows, or int4 two numbers a byte
-  int32_t dtype;             // KV_FP32, KV_INT8, KV_INT4 (kv.h)
-  uint16_t *ks, *vs;         // quantized: fp16 scales [layers, kv_heads, slots, kv_width]
-  int32_t tail_blocks;       // quantized: blocks up to a query's own that it reads exact (kv_tails.TAIL_BLOCKS)
-  const int32_t* tail_of;    // quantized: [num_blocks] the tail slot holding a block's exact rows, or -1
-  float* const* tails;       // quantized: per tail slot [2 kinds, layers, kv_heads, block_size, head_dim]
-} Pool;
-
+// Model, Layer, Pool, Batch, Lora, Sampling (and learn.h's Learn): abi.h, generated from
+// runtime/formats/step_abi.py, which the callers (wasm/step_module.py, web/src/wasm_step.js) pack through.
 // A StepBatch (runtime/core/step_batch.py) as int32 arrays: row b's tokens are row_first[b] ..
 // row_first[b] + row_count[b] - 1, at consecutive positions; token n's K/V go to pool slot slots[n]
 // (block * block_size + offset); logits rows are tokens logits_at[0 .. num_logits - 1].
-typedef struct {
-  int32_t num_tokens, num_rows, max_blocks, num_logits;
-  const int32_t *ids, *pos, *slots;
-  const int32_t *row_first, *row_count, *tables;  // tables [num_rows, max_blocks]
-  const int32_t* logits_at;
-  float* logits;  // out: [num_logits, vocab]
-  const struct Lora* lora;  // the step's adapters, or null
-  const int32_t* exact_from;  // quantized pools: [num_rows] each row's floor (StepBatch.exact_from)
-  const int32_t* keep;        // quantized pools: [num_tokens] 1 where the token's rows go into its block's tail too
-} Batch;
-
 // A step's adapters (web/src/lora_store.js's adapter columns, in the module's memory): each target's
 // output gains ((x A^T) * w) B, as the LoRA graph computes it (exporter/builders/lora_path.py), in fp32 on
 // the target's fp32 input. B of q and k holds its rows in the GGUF's order, as step.c's q and k are.
-typedef struct Lora {
-  int32_t columns;         // columns bound this step: the first `columns` rows of every A and B
-  const float* weights;    // [num_tokens, columns]: each token's weight per column
-  const float* const* a;   // [layers * 7] (q k v o gate up down): A [columns, in], or null (not adapted)
-  const float* const* b;   // [layers * 7]: B [columns, out]
-  float* u;                // scratch [3, num_tokens, columns]
-} Lora;
 
 static float *x, *xn, *q, *kk, *vv, *att, *sc, *g, *u, *xs, *xsum, *xsum16, *kvq;
 static int8_t* xq;
@@ -185,7 +143,7 @@ static void project(const Model* m, const Lora* ad, int l, int first, const floa
     const int C = ad->columns;
     j.columns = C;
     for (int i = 0; i < count; i++) {
-      const float* a = ad->a[l * 7 + first + i];
+      const float* a = ad->a[l * LORA_TARGETS + first + i];
       if (!a) continue;
       float* mix = ad->u + (size_t)i * T * C;
       for (int t = 0; t < T; t++)
@@ -193,7 +151,7 @@ static void project(const Model* m, const Lora* ad, int l, int first, const floa
           const float wt = ad->weights[(size_t)t * C + c];
           mix[(size_t)t * C + c] = wt == 0.f ? 0.f : dot(x + (size_t)t * K, a + (size_t)c * K, K) * wt;
         }
-      j.u[i] = mix, j.b[i] = ad->b[l * 7 + first + i];
+      j.u[i] = mix, j.b[i] = ad->b[l * LORA_TARGETS + first + i];
     }
   }
   parallel(projections_part, &j);
@@ -501,16 +459,16 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
   const int D = m->dim, hd = m->head_dim, H = m->heads, Hkv = m->kv_heads, F = m->hidden, N = B->num_tokens;
   const int kvw = Hkv * hd, blocks = D / 32;
   const size_t rows = (size_t)P->num_blocks * P->block_size;
-  if (N > capacity || B->num_logits > capacity) return 1;
+  if (N > capacity || B->num_logits > capacity) return STEP_TOO_MANY_TOKENS;
   for (int n = 0; n < N; n++)
-    if (B->pos[n] < 0 || B->pos[n] >= m->max_pos || B->slots[n] < 0 || (size_t)B->slots[n] >= rows) return 2;
+    if (B->pos[n] < 0 || B->pos[n] >= m->max_pos || B->slots[n] < 0 || (size_t)B->slots[n] >= rows) return STEP_OUT_OF_RANGE;
   for (int r = 0; r < B->num_logits; r++)
-    if (B->logits_at[r] < 0 || B->logits_at[r] >= N) return 2;
+    if (B->logits_at[r] < 0 || B->logits_at[r] >= N) return STEP_OUT_OF_RANGE;
   for (int b = 0; b < B->num_rows; b++)
     for (int n = B->row_first[b]; n < B->row_first[b] + B->row_count[b]; n++) row_of[n] = b;
-  if (P->dtype != KV_FP32 && !tails_hold(P, B)) return 3;
+  if (P->dtype != KV_FP32 && !tails_hold(P, B)) return STEP_TAILS_MISSING;
   for (int n = 0; n < N; n++) {
-    if (B->ids[n] < 0 || B->ids[n] >= m->vocab) return 2;
+    if (B->ids[n] < 0 || B->ids[n] >= m->vocab) return STEP_OUT_OF_RANGE;
     qmat_row(&m->embd, B->ids[n], D, x + (size_t)n * D);
   }
   for (int l = 0; l < m->layers; l++) {
@@ -567,17 +525,6 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
 // allowed), the temperature, then the K best (ties: the lower id first). A row's log-probabilities are its
 // candidates' processed logits minus its log-sum-exp, max + log(sum): step_sample leaves max and sum per
 // row for the caller's log (out_stats [rows, 2]).
-typedef struct {
-  int32_t num_logits, num_sparse, top_k;
-  const float *temperature, *repetition, *presence, *frequency;  // [num_logits]
-  const int32_t* sparse_ids;                                     // [num_logits, num_sparse]
-  const float *sparse_seen, *sparse_counts, *sparse_bias;        // [num_logits, num_sparse]
-  const uint8_t* mask;  // [num_logits, ceil(vocab / 8)] bitmasks, or null: every token allowed
-  const float* logits;  // [num_logits, vocab]: step_run's, processed in place
-  int32_t* out_ids;     // [num_logits, top_k]
-  float* out_values;    // [num_logits, top_k]: processed logits, best first
-  float* out_stats;     // [num_logits, 2]: max, sum of e^(x - max)
-} Sampling;
 
 static float* picked = 0;
 static int32_t picked_cap = 0;

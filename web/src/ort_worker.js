@@ -3,6 +3,7 @@
 // (weights expanded to fp32) and Pyodide's boot run at the same time on two cores; a step then costs
 // one small message each way, and the KV pool never leaves this worker.
 
+import { STEP } from './formats.js';
 import { loadPackage, pageGraph, readManifest, sha256Hex, streamFile } from './model_store.js';
 import { promptKVName, readPromptKV, fits, writePromptKV } from './prompt_kv.js';
 import { StepRunner, inputSpec, makeTensor } from './step_runner.js';
@@ -148,7 +149,7 @@ async function openLoraGraph() {
 async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
   const t0 = performance.now();
   if (device === 'webgpu') throw new Error('backend "wasm-step" runs on the CPU: use device "wasm" or "auto"');
-  if (!['fp32', 'int8', 'int4'].includes(kvDtype)) throw new Error(`kvDtype ${JSON.stringify(kvDtype)}: the WASM step keeps "fp32", "int8" or "int4"`);
+  if (!STEP.kvDtypes.includes(kvDtype)) throw new Error(`kvDtype ${JSON.stringify(kvDtype)}: the WASM step keeps "${STEP.kvDtypes.join('", "')}"`);
   const bytes = (name) => {
     const got = fetch(new URL(`./${name}`, import.meta.url)).then((r) => {
       if (!r.ok) throw new Error(`${name}: HTTP ${r.status}`);

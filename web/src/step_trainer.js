@@ -4,7 +4,10 @@
 // origin's OPFS (ruvllm-users/<package>/<user>.bin), so it survives a reload; the factors leave as PEFT's
 // adapter_model.safetensors, which Python serves as the user's adapter.
 
-const TARGETS = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']; // step.c's order
+import { STEP } from './formats.js';
+import { sizeOf, writeStruct } from './structs.js';
+
+const TARGETS = STEP.targets; // Learn's tables: target t of layer l at TARGETS.length * l + t
 const ATTENTION = new Set(['q_proj', 'k_proj', 'v_proj', 'o_proj']);
 const ARRAYS = ['w', 'm', 'v', 'fisher', 'start']; // what the stored state holds, in this order
 const FORMAT = 1;
@@ -44,14 +47,14 @@ export class StepTrainer {
     for (const l of layers) {
       for (const target of spec.targets) {
         const [fin, fout] = shapes[target];
-        this.parts.push({ layer: l, target, index: 7 * l + TARGETS.indexOf(target), fin, fout, a: n, b: n + spec.rank * fin });
+        this.parts.push({ layer: l, target, index: TARGETS.length * l + TARGETS.indexOf(target), fin, fout, a: n, b: n + spec.rank * fin });
         n += spec.rank * (fin + fout);
       }
     }
     this.n = n;
     this.at = {};
     for (const name of [...ARRAYS, 'g', 'fresh']) this.at[name] = runner.alloc(4 * n);
-    this.tables = [0, 1, 2, 3].map(() => runner.alloc(4 * 7 * cfg.layers));
+    this.tables = [0, 1, 2, 3].map(() => runner.alloc(4 * TARGETS.length * cfg.layers));
     this.parts.forEach((p) => {
       runner.i32(this.tables[0] + 4 * p.index, 1)[0] = this.at.w + 4 * p.a;
       runner.i32(this.tables[1] + 4 * p.index, 1)[0] = this.at.w + 4 * p.b;
@@ -62,7 +65,7 @@ export class StepTrainer {
     if (runner.k.learn_init(runner.model, roomTokens) !== roomTokens) throw new Error(`the WASM step has no memory left to learn from ${roomTokens} tokens`);
     this.ids = runner.alloc(4 * roomTokens);
     this.loss = runner.alloc(4);
-    this.struct = runner.alloc(48);
+    this.struct = runner.alloc(sizeOf('Learn'));
     this.reset();
   }
 
@@ -86,9 +89,9 @@ export class StepTrainer {
     if (ids.length > this.room) throw new Error(`a feedback step of ${ids.length} tokens: the WASM step learns from ${this.room} at most`);
     const r = this.runner;
     r.i32(this.ids, ids.length).set(ids);
-    r.i32(this.struct, 5).set([ids.length, scoredFrom, unlikely ? 1 : 0, 0, this.spec.rank]);
-    r.f32(this.struct + 20, 1)[0] = this.scale;
-    r.i32(this.struct + 24, 6).set([this.ids, ...this.tables, this.loss]);
+    const [a, b, ga, gb] = this.tables;
+    writeStruct(r.k.memory.buffer, this.struct, 'Learn', { num_tokens: ids.length, scored_from: scoredFrom,
+      unlikely: unlikely ? 1 : 0, exact: 0, rank: this.spec.rank, scale: this.scale, ids: this.ids, a, b, ga, gb, loss: this.loss });
     const status = r.k.step_learn(r.model, this.struct);
     if (status) throw new Error(status === 1 ? `the WASM step cannot learn from ${ids.length} tokens (scored from ${scoredFrom})` : 'a feedback token is outside the vocabulary');
     return r.f32(this.loss, 1)[0];

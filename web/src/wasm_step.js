@@ -5,21 +5,19 @@
 // exporter/step_weights.py) are copied into the module's memory once; the KV pool lives there too. A step
 // writes the batch's small arrays in, runs step_run (K/V into the pool, logits of the rows asking) and
 // step_sample (the graph's logits processing: penalties, mask, temperature, top-K), and replies with the
-// candidates only. Structs are wasm32: 4-byte ints, floats and pointers, in step.c's field order.
+// candidates only. Structs are packed by field name (structs.js over formats.js, generated from
+// runtime/formats/step_abi.py as step.c's own abi.h is).
 
+import { STEP } from './formats.js';
 import { LoraStore } from './lora_store.js';
+import { offsetOf, sizeOf, writeStruct, writeStructs } from './structs.js';
 
 export const NO_XLORA = 'X-LoRA does not run on the WASM step yet: load the engine with backend "onnxruntime"';
-const TARGETS = ['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']; // step.c's Lora order
+const TARGETS = STEP.targets; // Lora's tables: target t of layer l at TARGETS.length * l + t
 export const TOKENS_PER_STEP = 512; // step_init's scratch: the page's steps are at most maxBatchTokens (256 by default)
 const HELPER_STACK = 1 << 18; // bytes of stack each helper instance gets (step.c's frames are small)
 const PAGE = 65536;
-export const STEP_FORMAT = 2; // the step.bin layout this module reads (exporter/step_weights.py's FORMAT)
-const QMAT_PARTS = ['w', 'hb', 'd', 'm', 'sc', 'mb']; // exporter/step_weights.py's PARTS: blocks.h's QMat fields
-const MATRICES = ['q', 'k', 'v', 'o', 'gate', 'up', 'down']; // a Layer's QMats, in step.c's order
-const KV_DTYPES = ['fp32', 'int8', 'int4']; // step.c's Pool.dtype: kv.h's KV_FP32, KV_INT8, KV_INT4
-const REFUSALS = { 1: 'too many tokens', 2: 'a position, slot or logits row out of range',
-  3: "a row reads or keeps exact rows its quantized pool's tails do not hold" }; // step_run's statuses
+export const STEP_FORMAT = STEP.format; // the step.bin layout this module reads
 
 // resolves when a helper (a Worker, or Node's worker_threads Worker) reports, rejects on its error
 function reply(helper) {
@@ -89,17 +87,18 @@ class StepAdapters {
   constructor(runner, spec) {
     this.runner = runner;
     this.store = new LoraStore(spec, { make: (n) => ({ at: runner.alloc(4 * n), n }), view: (h) => runner.f32(h.at, h.n) });
-    const layers = runner.cfg.layers, tables = [runner.alloc(4 * 7 * layers), runner.alloc(4 * 7 * layers)];
+    const layers = runner.cfg.layers, width = TARGETS.length;
+    const tables = [runner.alloc(4 * width * layers), runner.alloc(4 * width * layers)];
     TARGETS.forEach((name, i) => {
       const t = this.store.targets[name];
       for (let l = 0; t && l < layers; l++) {
-        runner.i32(tables[0] + 4 * (7 * l + i), 1)[0] = t.a[l].at;
-        runner.i32(tables[1] + 4 * (7 * l + i), 1)[0] = t.b[l].at;
+        runner.i32(tables[0] + 4 * (width * l + i), 1)[0] = t.a[l].at;
+        runner.i32(tables[1] + 4 * (width * l + i), 1)[0] = t.b[l].at;
       }
     });
     this.tables = tables;
     this.scratch = runner.alloc(4 * 3 * TOKENS_PER_STEP * spec.maxColumns);
-    this.struct = runner.alloc(20);
+    this.struct = runner.alloc(sizeOf('Lora'));
   }
 
   set(meta, bytes) {
@@ -130,7 +129,8 @@ class StepAdapters {
   /** step.c's Lora for a step: `columns` bound, the tokens' weights at `weights` ([tokens, columns]). */
   bind(columns, weights) {
     if (columns > this.store.maxColumns) throw new Error(`${columns} adapter columns: the WASM step holds ${this.store.maxColumns}`);
-    this.runner.i32(this.struct, 5).set([columns, weights, this.tables[0], this.tables[1], this.scratch]);
+    writeStruct(this.runner.k.memory.buffer, this.struct, 'Lora',
+      { columns, weights, a: this.tables[0], b: this.tables[1], u: this.scratch });
     return this.struct;
   }
 }
@@ -208,21 +208,22 @@ export class WasmStepRunner {
   }
 
   /** step.c's Model and its Layers over the arrays placed at `at` (name -> address), as
-   * wasm/step_module.py builds them: blocks.h's QMat is the matrix's kind, then its parts' addresses. */
+   * wasm/step_module.py builds them: a QMat is the matrix's kind, then its parts' addresses. */
   placeModel(index, at) {
-    const cfg = this.cfg, words = [];
-    const qmat = (name) => [cfg.kinds[index.matrices[name]], ...QMAT_PARTS.map((part) => at[`${name}.${part}`] ?? 0)];
-    for (let l = 0; l < cfg.layers; l++) {
-      words.push(at[`${l}.attn_norm`], at[`${l}.ffn_norm`], ...['q', 'k', 'v'].map((p) => at[`${l}.${p}.bias`] ?? 0));
-      for (const p of MATRICES) words.push(...qmat(`${l}.${p}`));
-    }
-    const layers = this.alloc(4 * words.length);
-    this.i32(layers, words.length).set(words);
-    const model = this.alloc(4 * 27);
-    this.i32(model, 8).set([cfg.dim, cfg.hidden, cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.vocab, cfg.max_pos]);
-    this.f32(model + 32, 1)[0] = cfg.eps;
-    this.i32(model + 36, 18).set([cfg.rope_neox ? 1 : 0, ...qmat('embd'), ...qmat(index.matrices.head ? 'head' : 'embd'),
-      at.out_norm, at.rope, layers]);
+    const cfg = this.cfg;
+    const qmat = (name) => ({ kind: cfg.kinds[index.matrices[name]], ...Object.fromEntries(STEP.parts.map((part) => [part, at[`${name}.${part}`] ?? 0])) });
+    const layers = Array.from({ length: cfg.layers }, (_, l) => ({
+      attn_norm: at[`${l}.attn_norm`], ffn_norm: at[`${l}.ffn_norm`], bias: ['q', 'k', 'v'].map((p) => at[`${l}.${p}.bias`] ?? 0),
+      mat: STEP.matrices.map((p) => qmat(`${l}.${p}`)),
+    }));
+    const layer = this.alloc(sizeOf('Layer') * cfg.layers);
+    writeStructs(this.k.memory.buffer, layer, 'Layer', layers);
+    const model = this.alloc(sizeOf('Model'));
+    writeStruct(this.k.memory.buffer, model, 'Model', {
+      dim: cfg.dim, hidden: cfg.hidden, layers: cfg.layers, heads: cfg.heads, kv_heads: cfg.kv_heads, head_dim: cfg.head_dim,
+      vocab: cfg.vocab, max_pos: cfg.max_pos, eps: cfg.eps, rope_neox: cfg.rope_neox ? 1 : 0, embd: qmat('embd'),
+      head: qmat(index.matrices.head ? 'head' : 'embd'), out_norm: at.out_norm, rope: at.rope, layer,
+    });
     return model;
   }
 
@@ -304,8 +305,8 @@ export class WasmStepRunner {
    * and fp16 scales a row, the blocks a query reads exact) and, for a quantized one, its tails' map. */
   allocate(numBlocks, blockSize, io) {
     const c = this.cfg, layout = io.kv_layout, rows = c.layers * c.kv_heads * numBlocks * blockSize;
-    const dtype = KV_DTYPES.indexOf(layout.dtype);
-    if (dtype < 0) throw new Error(`kvDtype ${JSON.stringify(layout.dtype)}: the WASM step keeps "${KV_DTYPES.join('", "')}"`);
+    const dtype = STEP.kvDtypes.indexOf(layout.dtype);
+    if (dtype < 0) throw new Error(`kvDtype ${JSON.stringify(layout.dtype)}: the WASM step keeps "${STEP.kvDtypes.join('", "')}"`);
     const [keys, values] = layout.numbers.map((n) => this.alloc(rows * n));
     const [keyScales, valueScales] = dtype ? layout.scales.map((w) => this.alloc(2 * rows * w)) : [0, 0];
     this.tailOf = dtype ? this.alloc(4 * numBlocks) : 0; // block -> tail slot, -1: none
@@ -313,9 +314,9 @@ export class WasmStepRunner {
     this.tailSlots = []; // each tail slot's address
     this.tailTable = 0; // their addresses, as step.c's Pool.tails reads them
     this.tailBytes = 2 * c.layers * c.kv_heads * blockSize * c.head_dim * 4;
-    this.poolStruct = this.alloc(40);
-    this.i32(this.poolStruct, 10).set([numBlocks, blockSize, keys, values, dtype, keyScales, valueScales,
-      layout.tail_blocks ?? 1, this.tailOf, 0]);
+    this.poolStruct = this.alloc(sizeOf('Pool'));
+    writeStruct(this.k.memory.buffer, this.poolStruct, 'Pool', { num_blocks: numBlocks, block_size: blockSize, k: keys,
+      v: values, dtype, ks: keyScales, vs: valueScales, tail_blocks: layout.tail_blocks ?? 1, tail_of: this.tailOf, tails: 0 });
     this.pool = new StepPool(this, { numLayers: c.layers, kvHeads: c.kv_heads, headDim: c.head_dim, blockSize }, numBlocks,
       [keys, values], layout.dtype);
     this.poolBytes = rows * (layout.numbers[0] + layout.numbers[1] + 2 * (layout.scales[0] + layout.scales[1]));
@@ -332,7 +333,7 @@ export class WasmStepRunner {
     if (this.tailSlots.length === before) return;
     this.tailTable = this.buffer('tails', 4 * this.tailSlots.length);
     this.i32(this.tailTable, this.tailSlots.length).set(this.tailSlots);
-    this.i32(this.poolStruct + 36, 1)[0] = this.tailTable;
+    this.i32(this.poolStruct + offsetOf('Pool', 'tails'), 1)[0] = this.tailTable;
   }
 
   /** Adapters on the step (spec: web.py's, as onnxruntime-web's LoRA graph gets it); not X-LoRA. */
@@ -365,15 +366,15 @@ export class WasmStepRunner {
       for (const t of step.tails.keep) kept[t] = 1;
       keep = this.ints('keep', kept);
     }
-    const batch = this.buffer('batch', 60);
-    const fields = [ids.length, rowsIn, maxBlocks, rows, this.ints('ids', ids), this.ints('pos', f[r.positions][0]),
-      this.ints('slots', step.kv_slots), this.ints('first', qidx.map((q) => q[0])),
-      this.ints('count', qidx.map((q) => q[q.length - 1] - q[0] + 1)), this.ints('tables', f[r.block_tables][0].flat()),
-      this.ints('logits_at', f[r.logits_index][0]), logits, adapters, exactFrom, keep];
-    this.i32(batch, 15).set(fields);
+    const batch = this.buffer('batch', sizeOf('Batch'));
+    writeStruct(this.k.memory.buffer, batch, 'Batch', { num_tokens: ids.length, num_rows: rowsIn, max_blocks: maxBlocks,
+      num_logits: rows, ids: this.ints('ids', ids), pos: this.ints('pos', f[r.positions][0]), slots: this.ints('slots', step.kv_slots),
+      row_first: this.ints('first', qidx.map((q) => q[0])), row_count: this.ints('count', qidx.map((q) => q[q.length - 1] - q[0] + 1)),
+      tables: this.ints('tables', f[r.block_tables][0].flat()), logits_at: this.ints('logits_at', f[r.logits_index][0]), logits,
+      lora: adapters, exact_from: exactFrom, keep });
     const t0 = performance.now();
     const status = this.k.step_run(this.model, this.poolStruct, batch);
-    if (status) throw new Error(`the WASM step refused a step: ${REFUSALS[status] ?? `status ${status}`}`);
+    if (status) throw new Error(`the WASM step refused a step: ${STEP.refusals[status] ?? `status ${status}`}`);
     const result = { topk_ids: [], topk_logprobs: [] };
     if (rows) {
       if (step.want_logits) {
@@ -387,12 +388,13 @@ export class WasmStepRunner {
         step.mask.forEach((bits, i) => this.u8(mask + i * rowBytes, rowBytes).set(bits ?? new Uint8Array(rowBytes).fill(255)));
       }
       const out = [this.buffer('out_ids', 4 * rows * k), this.buffer('out_values', 4 * rows * k), this.buffer('out_stats', 8 * rows)];
-      const sampling = this.buffer('sampling', 64);
-      this.i32(sampling, 16).set([rows, width, k, this.floats('temperature', f[r.temperature][0]),
-        this.floats('repetition', f[r.repetition][0]), this.floats('presence', f[r.presence][0]),
-        this.floats('frequency', f[r.frequency][0]), this.ints('sparse_ids', sparse.flat()),
-        this.floats('seen', f[r.sparse_seen][0].flat()), this.floats('counts', f[r.sparse_counts][0].flat()),
-        this.floats('bias', f[r.sparse_bias][0].flat()), mask, logits, ...out]);
+      const sampling = this.buffer('sampling', sizeOf('Sampling'));
+      writeStruct(this.k.memory.buffer, sampling, 'Sampling', { num_logits: rows, num_sparse: width, top_k: k,
+        temperature: this.floats('temperature', f[r.temperature][0]), repetition: this.floats('repetition', f[r.repetition][0]),
+        presence: this.floats('presence', f[r.presence][0]), frequency: this.floats('frequency', f[r.frequency][0]),
+        sparse_ids: this.ints('sparse_ids', sparse.flat()), sparse_seen: this.floats('seen', f[r.sparse_seen][0].flat()),
+        sparse_counts: this.floats('counts', f[r.sparse_counts][0].flat()), sparse_bias: this.floats('bias', f[r.sparse_bias][0].flat()),
+        mask, logits, out_ids: out[0], out_values: out[1], out_stats: out[2] });
       if (this.k.step_sample(this.model, sampling)) throw new Error(`the WASM step cannot take the top ${k} of ${rows} rows`);
       const topIds = this.i32(out[0], rows * k), values = this.f32(out[1], rows * k), stats = this.f32(out[2], 2 * rows);
       for (let i = 0; i < rows; i++) {

@@ -12,7 +12,7 @@ namespace {
 
 struct GatherKernel {
   const uint8_t* table = nullptr;  // the initializer, in place
-  int64_t kind = 1, N = 0, K = 0;
+  int64_t kind = kKindQ4_K, N = 0, K = 0;
 };
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
@@ -23,7 +23,7 @@ void q4k_row(const GatherKernel& g, int64_t row, float* out) {
   const int64_t nblk = g.K / 32, nsup = g.K / 256, t = row / kTile, j = row % kTile;
   const uint8_t* w = g.table;
   size_t wb, sb, hb;
-  own_sections(own_bits(2), g.N, g.K, &wb, &sb, &hb);
+  own_sections(own_bits(kKindQ4_K + 1), g.N, g.K, &wb, &sb, &hb);
   const uint8_t* scales = w + wb;
   const uint16_t* supers = reinterpret_cast<const uint16_t*>(scales + sb);
   for (int64_t b = 0; b < nblk; b++) {
@@ -46,7 +46,7 @@ void q6k_row(const GatherKernel& g, int64_t row, float* out) {
   const int64_t nblk = g.K / 16, nsup = g.K / 256, t = row / kTile, j = row % kTile;
   const uint8_t* w = g.table;
   size_t wb, sb, hb;
-  own_sections(own_bits(3), g.N, g.K, &wb, &sb, &hb);
+  own_sections(own_bits(kKindQ6_K + 1), g.N, g.K, &wb, &sb, &hb);
   const int8_t* scales = reinterpret_cast<const int8_t*>(w + wb);
   const uint16_t* supers = reinterpret_cast<const uint16_t*>(w + wb + sb);
   for (int64_t b = 0; b < nblk; b++) {
@@ -86,11 +86,12 @@ OrtStatus* create_gather(const CustomOp*, const void*, const OrtKernelInfo* info
   if (!st) st = attr(info, "kquant", &k->kind);
   const uint8_t* data = nullptr;
   if (!st) {
-    const size_t want = k->kind == 8 ? (size_t)(k->N * k->K + k->N * k->K / 16)
-                                     : k->kind == 1 || k->kind == 2 ? own_bytes((int)k->kind + 1, k->N, k->K) : 0;
-    if (!want) st = fail("ruvllm.GatherQ: tables of Q4_K (1), Q6_K (2) or Q8_0 (8) only");
-    else if (k->K % (k->kind == 8 ? 32 : 256) || k->N % kTile)
-      st = fail("ruvllm.GatherQ: needs K a multiple of " + std::to_string(k->kind == 8 ? 32 : 256) + " and N of 16");
+    const OwnBits* t = k->kind >= 1 && k->kind <= kOwnKinds && kOwnBits[k->kind - 1].gather ? &kOwnBits[k->kind - 1] : nullptr;
+    const size_t want = !t ? 0 : k->kind == kQ8Kind ? (size_t)(k->N * k->K + k->N * k->K / 16)
+                                                     : own_bytes((int)k->kind + 1, k->N, k->K);
+    if (!want) st = fail("ruvllm.GatherQ: tables of Q4_K, Q6_K or Q8_0 only (block_types.h's gather)");
+    else if (k->K % t->superblock || k->N % kTile)
+      st = fail("ruvllm.GatherQ: needs K a multiple of " + std::to_string(t->superblock) + " and N of 16");
     else st = constant_bytes(info, 0, want, "ruvllm.GatherQ: the table", &data);
   }
   if (st) {
@@ -118,8 +119,8 @@ OrtStatus* gather_rows(void* kernel, OrtKernelContext* ctx) {
   for (int64_t r = 0; r < n; r++) {
     const int64_t id = ids[r];
     if (id < 0 || id >= g.N) return fail("ruvllm.GatherQ: a token id is outside the table");
-    if (g.kind == 8) q8_row(g, id, out + r * g.K);
-    else if (g.kind == 2) q6k_row(g, id, out + r * g.K);
+    if (g.kind == kKindQ8_0) q8_row(g, id, out + r * g.K);
+    else if (g.kind == kKindQ6_K) q6k_row(g, id, out + r * g.K);
     else q4k_row(g, id, out + r * g.K);
   }
   return nullptr;

@@ -34,6 +34,7 @@
 #include "ort_api.h"
 #include "simd_math.h"
 #include "weight_arena.h"
+#include "block_types.h"
 
 namespace {
 
@@ -63,24 +64,8 @@ struct PackedWeights {
   int mode() const { return own ? own : mins ? 1 : 0; }
 };
 
-// The own-bit layouts, by the operator's `kquant` attribute (1-10) and the kernel's mode (2-11): one line each.
-// d*sc & -dmin*m (sc, m bytes) / d*sc, a zero point (int8 sc) / d, zero / d & m / d*sc & -dmin*m (sc | m << 4)
-enum class Scales { kKQuant, kSix, kHalf, kHalfMin, kKQuant4 };
-struct OwnBits {
-  const char* name;
-  int bits;  // a weight's bits, stored as fields: a nibble (bits & 4), then 2 bits (bits & 2), then 1 (bits & 1)
-  int block, zero, superblock;  // superblock: 256 for K-quants (K must be a multiple), else 32
-  Scales scales;
-};
-constexpr OwnBits kOwnBits[] = {
-    {"Q4_K", 4, 32, 0, 256, Scales::kKQuant}, {"Q6_K", 6, 16, 32, 256, Scales::kSix},
-    {"Q5_K", 5, 32, 0, 256, Scales::kKQuant}, {"Q5_0", 5, 32, 16, 32, Scales::kHalf},
-    {"Q4_0", 4, 32, 8, 32, Scales::kHalf},    {"Q4_1", 4, 32, 0, 32, Scales::kHalfMin},
-    {"Q5_1", 5, 32, 0, 32, Scales::kHalfMin},
-    {"Q8_0", 8, 32, 128, 32, Scales::kHalf},  // kquant 8: ruvllm.MatMulQ8's (matmul_q8.h), not this kernel's
-    {"Q3_K", 3, 16, 4, 256, Scales::kSix},    {"Q2_K", 2, 16, 0, 256, Scales::kKQuant4}};
-constexpr int kOwnKinds = sizeof(kOwnBits) / sizeof(kOwnBits[0]);
-constexpr int kQ8Kind = 8;
+// The own-bit layouts (kOwnBits, by the operator's `kquant` attribute 1-10; the kernel's mode is kquant + 1):
+// block_types.h, generated from runtime/formats/block_types.py.
 constexpr const OwnBits& own_bits(int mode) { return kOwnBits[mode - 2]; }
 
 // Bytes of each section for N columns and K inputs: weights (nibble and high-bit lines), scale bytes, fp16 scales
@@ -134,8 +119,7 @@ void pack_own(PackedWeights& wts, int mode, int N, int K, const uint8_t* blob) {
 
 // An int4 grid (zero points, fp32 scales: RTN, AWQ, GPTQ) the exporter wrote in mode 0's layout
 // (block_layouts.grid_layout, kquant kGridKind): pack()'s weights, then its scales and zero points, each
-// [tile, block, column]; read in place as pack_own's are
-constexpr int kGridKind = 11;
+// [tile, block, column]; read in place as pack_own's are (kGridKind: block_types.h)
 inline size_t grid_bytes(int64_t N, int64_t K, int64_t block) { return (size_t)(N * K / 2 + N * (K / block) * 5); }
 void pack_grid(PackedWeights& wts, int N, int K, int block, const uint8_t* blob) {
   if (block % 32 || K % block || N % kTile)
@@ -271,7 +255,7 @@ enum class Prefetch { kAhead, kNext, kNone };
 template <int Mode>
 constexpr OwnBits traits() {
   if constexpr (Mode >= 2) return kOwnBits[Mode - 2];
-  else return OwnBits{"", 4, 32, 0, 32, Mode == 1 ? Scales::kHalfMin : Scales::kHalf};
+  else return OwnBits{"", 0, 4, 32, 0, 32, Mode == 1 ? Scales::kHalfMin : Scales::kHalf, false};
 }
 // A type with one zero point z (w = s (q - z)) starts each row's sums at -z sum(qa), in integers (exact as
 // the fp32 correction it replaces: both are below 2^24), so the block's epilogue has one operation less

@@ -245,6 +245,20 @@ __attribute__((visibility("default"))) const char* ruvllm_kernel_ops() {
 }
 __attribute__((visibility("default"))) const char* ruvllm_kernel_isa() { return RUVLLM_AVX512 ? "AVX-512 VNNI" : "AVX2"; }
 
+// The own-bit types this build was compiled with, one "name kind bits block zero superblock scales gather" a
+// line, so that a test compares the compiled table with runtime/formats/block_types.py
+__attribute__((visibility("default"))) const char* ruvllm_block_types() {
+  static const std::string text = [] {
+    std::string out;
+    for (const OwnBits& t : kOwnBits)
+      out += std::string(t.name) + " " + std::to_string(t.kind) + " " + std::to_string(t.bits) + " " + std::to_string(t.block) +
+             " " + std::to_string(t.zero) + " " + std::to_string(t.superblock) + " " + std::to_string((int)t.scales) + " " +
+             std::to_string((int)t.gather) + "\n";
+    return out;
+  }();
+  return text.c_str();
+}
+
 // For the library's own test: the kernel on plain buffers, without onnxruntime.
 __attribute__((visibility("default"))) int ruvllm_q4_matmul(const float* A, int64_t M, int K, int N, int block,
                                                           const uint8_t* B, const float* S, const uint8_t* Z, float* C) {
