@@ -12,7 +12,7 @@ READABLE_FORMAT_VERSIONS = (1, 2)  # a version-1 graph reads the same inputs; wi
 MANIFEST = "manifest.json"
 
 # Architectures whose decoder graph the exporter builds (Hugging Face `model_type` values).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 
 # --- graph inputs: the step's tokens, flattened over the batch ---
 INPUT_IDS = "input_ids"  # int64 [num_tokens]

@@ -19,12 +19,13 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
 
 
 def tiny_config(arch: str, vocab_size: int):
     from transformers import (
         Gemma2Config,
+        Gemma3TextConfig,
         GemmaConfig,
         LlamaConfig,
         MistralConfig,
@@ -49,6 +50,13 @@ def tiny_config(arch: str, vocab_size: int):
         return Gemma2Config(**common, head_dim=32, hidden_activation="gelu_pytorch_tanh", sliding_window=16,
                             query_pre_attn_scalar=24, attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
                             tie_word_embeddings=True)
+    if arch == "gemma3":  # Gemma 2's shape without soft caps, head norms, a sliding layer then a full one, each with
+        # its own RoPE base (the local one lower than Gemma 3's, so that it tells within the test's positions)
+        return Gemma3TextConfig(**common, head_dim=32, hidden_activation="gelu_pytorch_tanh", sliding_window=16,
+                                query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"],
+                                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                                 "full_attention": {"rope_type": "default", "rope_theta": 1e6}},
+                                tie_word_embeddings=True)
     if arch == "phi3":  # fused qkv and gate_up; a window shorter than the test sequences
         return Phi3Config(**common, sliding_window=20, tie_word_embeddings=False)
     return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
@@ -138,7 +146,7 @@ def tiny_model_dir(shared, smol_tokenizer_dir):
             tok = AutoTokenizer.from_pretrained(smol_tokenizer_dir)
             torch.manual_seed(1234)
             model = AutoModelForCausalLM.from_config(tiny_config(arch, len(tok))).eval()
-            if arch in ("gemma", "gemma2"):  # norms start at w = 0, i.e. a scale of 1: make the 1 + w visible
+            if arch in ("gemma", "gemma2", "gemma3"):  # norms start at w = 0, i.e. a scale of 1: make the 1 + w visible
                 with torch.no_grad():
                     for name, p in model.named_parameters():
                         if name.endswith("norm.weight"):

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.formats import step_abi
+from runtime.formats.block_types import OWN
 from runtime.formats.step_abi import REFUSALS, offset, pack, pack_array, sizeof
 
 SOURCE = Path(__file__).resolve().parent / "step" / "step.c"
@@ -232,7 +233,7 @@ class WasmStep:
         x = np.ascontiguousarray(x, np.float32)
         t, k = x.shape
         stored = name if name in self._types else "embd"  # a tied head is the embedding
-        n = self._bytes[f"{stored}.w"] // (k if self._types[stored] == "Q8_0" else k // 2)  # its rows, from its weights
+        n = self._bytes[f"{stored}.w"] // (k if OWN[self._types[stored]].bits == 8 else k // 2)  # its rows, from its weights
         xp, yp = self._scratch("project_x", x.tobytes()), self._scratch("project_y", bytes(4 * t * n))
         if self._exports["step_project"](self.store, self.matrices[name], n, k, t, xp, yp):
             raise ValueError(f"step_project: {t} rows of {k} is more than the step holds")

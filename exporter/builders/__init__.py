@@ -8,6 +8,7 @@ import numpy as np
 from exporter.builders.decoder import BuildOptions, DecoderBuilder
 from exporter.builders.llama import (
     Gemma2Builder,
+    Gemma3Builder,
     GemmaBuilder,
     LlamaBuilder,
     MistralBuilder,
@@ -19,7 +20,8 @@ from runtime.contract import SUPPORTED_ARCHITECTURES
 from runtime.errors import UnsupportedModelError
 
 BUILDERS: dict[str, type[DecoderBuilder]] = {arch: cls for cls in (LlamaBuilder, MistralBuilder, Qwen2Builder,
-                                                         Qwen3Builder, GemmaBuilder, Gemma2Builder)
+                                                         Qwen3Builder, GemmaBuilder, Gemma2Builder,
+                                                         Gemma3Builder)
                                              for arch in cls.architectures}
 assert tuple(BUILDERS) == SUPPORTED_ARCHITECTURES, "runtime.contract.SUPPORTED_ARCHITECTURES lists the builders"
 

@@ -175,12 +175,18 @@ class DecoderBuilder:
         # [N, 1, heads*D]: flat tokens as its batch, since it reads the second dimension as a sequence
         # length that its cos/sin cache must cover
         self.pos_2d = b.op("Unsqueeze", [position_ids, b.const([1])])  # [N, 1]
-        self.cos_cache = b.weight("rope.cos", spec.rope_cos.astype(np.float32))
-        self.sin_cache = b.weight("rope.sin", spec.rope_sin.astype(np.float32))
+        caches = {False: (b.weight("rope.cos", spec.rope_cos.astype(np.float32)),
+                          b.weight("rope.sin", spec.rope_sin.astype(np.float32)))}
+        if spec.layer_rope_local and any(spec.layer_rope_local):  # Gemma 3: the sliding layers' own base
+            caches[True] = (b.weight("rope_local.cos", spec.rope_local_cos.astype(np.float32)),
+                            b.weight("rope_local.sin", spec.rope_local_sin.astype(np.float32)))
+        local = spec.layer_rope_local or (False,) * spec.num_layers
+        self.rope_caches = [caches[flag] for flag in local]
 
-    def rotary(self, x: str, num_heads: int) -> str:  # x: [N, 1, heads * D]
-        return self.b.op("RotaryEmbedding", [x, self.pos_2d, self.cos_cache, self.sin_cache], domain=MS_DOMAIN,
-                         interleaved=0, num_heads=num_heads)
+    def rotary(self, x: str, num_heads: int, layer: int) -> str:  # x: [N, 1, heads * D]
+        cos, sin = self.rope_caches[layer]
+        return self.b.op("RotaryEmbedding", [x, self.pos_2d, cos, sin], domain=MS_DOMAIN, interleaved=0,
+                         num_heads=num_heads)
 
     def embed_rows(self, ids: str) -> str:
         """The residual stream's first value [N, hidden]; sets self.gather_rows for the head's rescoring."""
@@ -256,7 +262,7 @@ class DecoderBuilder:
             qk = b.op("Unsqueeze", [b.op("Concat", [q, k], axis=1), b.const([1])])
         if spec.qk_norm:
             qk = self.head_norms(i, qk)
-        qk = b.op("Reshape", [self.rotary(qk, hq + hkv), b.const([-1, d])])  # [N*(Hq+Hkv), D]
+        qk = b.op("Reshape", [self.rotary(qk, hq + hkv, i), b.const([-1, d])])  # [N*(Hq+Hkv), D]
         v = b.op("Reshape", [v, b.const([-1, d])])  # [N*Hkv, D]
         self.presents[0].append(b.op("Gather", [qk, idx.key_rows], axis=0))
         self.presents[1].append(v)

@@ -1,7 +1,8 @@
 """The Llama family: Llama (and Llama 2/3 shapes), Mistral (sliding-window attention), Qwen2 (q/k/v bias),
 Qwen3 (an RMS norm over each query and key head before RoPE), Gemma (GeGLU, RMS norms that scale by
 1 + w, embeddings times sqrt(hidden)), Gemma 2 (Gemma's, plus sliding and full layers in turn,
-soft-capped scores and logits, norms after attention and the MLP too).
+soft-capped scores and logits, norms after attention and the MLP too), Gemma 3 (Gemma 2's without the
+soft caps, with Qwen3's head norms (1 + w) and a RoPE base of its own for the sliding layers).
 
 They share one graph (DecoderBuilder's); what differs is read from their configs here.
 """
@@ -86,3 +87,20 @@ class Gemma2Builder(GemmaBuilder):
                 "attn_softcap": getattr(config, "attn_logit_softcapping", None),
                 "final_softcap": getattr(config, "final_logit_softcapping", None),
                 "attn_scale": float(scalar) ** -0.5 if scalar else None}
+
+
+class Gemma3Builder(Gemma2Builder):
+    """Gemma 3's text model: its layer_types (five sliding layers to a full one) and rope_parameters per layer
+    type (hf_model.decoder_spec reads both); q_norm and k_norm scale by 1 + w, as its other norms do."""
+
+    architectures = ("gemma3_text",)
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        super().check_config(config)
+        if getattr(config, "use_bidirectional_attention", False):
+            raise UnsupportedModelError("gemma3_text with use_bidirectional_attention=True (an encoder) is not supported")
+
+    @classmethod
+    def spec_options(cls, config) -> dict:
+        return {**super().spec_options(config), "qk_norm": True}

@@ -38,6 +38,10 @@ class DecoderSpec:
     attn_scale: float | None = None
     sandwich_norms: bool = False
     tie_word_embeddings: bool = False
+    # Gemma 3: the sliding layers' own rotary tables (another base) and which layers read them
+    rope_local_cos: np.ndarray | None = None
+    rope_local_sin: np.ndarray | None = None
+    layer_rope_local: tuple[bool, ...] | None = None
 
 
 # the graph's projection weights (`layers.{i}.{name}`) and the Hugging Face projections stacked in each

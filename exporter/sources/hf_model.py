@@ -26,15 +26,16 @@ def as_supported(model):
     return phi3.as_mistral(model) if model.config.model_type == phi3.ARCHITECTURE else model
 
 
-def rope_tables(model, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin exactly as transformers computes them (any rope scaling it knows), first half only."""
+def rope_tables(model, max_positions: int, layer_type: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin exactly as transformers computes them (any rope scaling it knows), first half only; of one
+    layer type's parameters where the model has several (Gemma 3's sliding and full layers)."""
     import torch
 
     rotary = model.model.rotary_emb
     pos = torch.arange(max_positions, dtype=torch.long)[None, :]
     dummy = torch.zeros(1, dtype=torch.float32)
     with torch.no_grad():
-        cos, sin = rotary(dummy, pos)
+        cos, sin = rotary(dummy, pos) if layer_type is None else rotary(dummy, pos, layer_type)
     half = cos.shape[-1] // 2
     return cos[0, :, :half].float().numpy(), sin[0, :, :half].float().numpy()
 
@@ -54,7 +55,13 @@ def decoder_spec(model, max_context: int | None = None) -> DecoderSpec:
         print(f"export: longrope: the context is limited to its original {original} tokens (--max-context for "
               "more, computed with the long factors throughout)", file=sys.stderr)
     max_pos = min(max_pos, max_context or DEFAULT_MAX_CONTEXT)
-    cos, sin = rope_tables(model, max_pos)
+    per_type = rope_per_layer_type(cfg)
+    cos, sin = rope_tables(model, max_pos, "full_attention" if per_type else None)
+    local = {}
+    if per_type and "sliding_attention" in cfg.layer_types:
+        lcos, lsin = rope_tables(model, max_pos, "sliding_attention")
+        local = {"rope_local_cos": lcos, "rope_local_sin": lsin,
+                 "layer_rope_local": tuple(t == "sliding_attention" for t in cfg.layer_types)}
     return DecoderSpec(
         architecture=cfg.model_type,
         num_layers=cfg.num_hidden_layers,
@@ -70,8 +77,16 @@ def decoder_spec(model, max_context: int | None = None) -> DecoderSpec:
         rope_sin=sin,
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         source_architecture=getattr(cfg, "source_model_type", None),
+        **local,
         **family.spec_options(cfg),
     )
+
+
+def rope_per_layer_type(cfg) -> bool:
+    """Whether the config gives each layer type its own RoPE parameters (Gemma 3: a local base for the
+    sliding layers, a global one for the full layers), as transformers' rope_parameters does."""
+    params, types = getattr(cfg, "rope_parameters", None), getattr(cfg, "layer_types", None)
+    return bool(types) and isinstance(params, dict) and all(isinstance(params.get(t), dict) for t in set(types))
 
 
 def float_weights(model) -> dict[str, np.ndarray]:

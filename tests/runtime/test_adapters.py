@@ -40,7 +40,7 @@ def run(engine: Engine, prompt: list[int], adapter: str | None = None, n: int = 
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 8, 1000, 12, 13]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "gemma2", "phi3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3"])
 def test_peft_adapters_match_peft_logits_and_greedy_tokens(arch, tiny_model_dir, tiny_package, peft_adapters):
     from runtime.backends.native import NativeBackend
     from runtime.core.adapters import read_adapter

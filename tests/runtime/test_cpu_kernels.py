@@ -441,7 +441,7 @@ def shared_prefix_steps(backend, prefix: list[int], own: list[list[int]], block:
 
 
 @needs_kernel
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma2", "gemma3"])
 def test_decode_rows_sharing_prefix_blocks_attend_to_them_together_exactly(tiny_package, monkeypatch, arch):
     """fp32 packages: the cascade (shared keys once for all rows, then each row's own, merged) against
     the exported graph's attention (Gemma 2: soft-capped scores, a window on every other layer), for 40 shared positions (32 of them read together) and rows of
