@@ -24,6 +24,7 @@ from runtime.core.xlora import XLoraInfo
 from runtime.errors import ContextLengthError, RequestError
 from runtime.package import ModelPackage, load_package
 from runtime.text.prompt import PromptEncoder, package_tokenizer
+from runtime.text.reasoning import ThinkingBudget, prompt_state
 from runtime.text.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_KV_MEMORY", "Engine", "PreparedRequest", "PreparedStep", "RequestOutput", "TokenLogprob"]
@@ -68,6 +69,7 @@ class Engine:
         self.prompts = PromptEncoder.from_package(package, self.vocab_size, self.max_context, tokenizer)
         self.tokenizer, self.chat_template = self.prompts.tokenizer, self.prompts.chat_template
         self.processor = OutputProcessor(self.tokenizer, self.model, self.stats)
+        self.think = self.prompts.think  # a reasoning model's thinking tags, or None
         self._ids = itertools.count()
         self.adapters = AdapterRegistry(package, backend, self.config)
         # what a request leaves out: the model's generation settings, else chat defaults
@@ -128,6 +130,9 @@ class Engine:
         info = request.adapter
         seq = Sequence(rid, request.ids, request.params, tokens=list(request.ids), adapter=info.id if info else None,
                        xlora=info if info is not None and info.kind == "xlora" else None, matcher=request.matcher)
+        if request.params.thinking_budget is not None and self.think is not None:
+            seq.thinking = ThinkingBudget(self.think, request.params.thinking_budget,
+                                          prompt_state(request.ids, self.think, self.tokenizer.decode))
         self.processor.admit(seq)
         self.scheduler.add(seq)
         return rid

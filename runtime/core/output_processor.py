@@ -61,6 +61,8 @@ class OutputProcessor:
             token = choose(*penalize(ids, lps, penalties, p.logits_temperature), p, seq.rng)
         else:
             token = choose(ids, lps, p, seq.rng)
+        if seq.thinking is not None:  # past its thinking budget the reply's next token closes the block
+            token = seq.thinking.next(token)
         seq.tokens.append(token)
         self.stats.generated_tokens += 1
         if seq.penalties is not None:

@@ -35,6 +35,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "dry_base": (1.0, 10.0, True),
     "dry_allowed_length": (1, 1000, False),
     "dry_penalty_last_n": (-1, None, False),  # -1: the whole context; 0: off
+    "thinking_budget": (0, None, False),  # a reasoning model's tokens inside its thinking block, at most
 }
 DRY_CANDIDATES = 64  # candidates asked for when DRY may demote the likeliest (even a greedy request's)
 
@@ -78,6 +79,7 @@ class SamplingParams:
     dry_penalty_last_n: int = -1
     dry_sequence_breakers: list[str] = field(default_factory=lambda: list(DEFAULT_BREAKERS))
     constraint: object = None  # structured output: a runtime.core.constraints.Constraint the text must match
+    thinking_budget: int | None = None  # a reasoning model closes its thinking block after this many tokens in it
 
     def validate(self, vocab_size: int | None = None) -> None:
         for name in ("max_tokens", "top_k", "dry_allowed_length", "dry_penalty_last_n"):
@@ -93,6 +95,10 @@ class SamplingParams:
                                "dry_sequence_breakers")
         if self.logprobs is not None:
             check_range("logprobs", self.logprobs)
+        if self.thinking_budget is not None:
+            if not isinstance(self.thinking_budget, int) or isinstance(self.thinking_budget, bool):
+                raise RequestError("invalid thinking_budget: must be an integer", "thinking_budget")
+            check_range("thinking_budget", self.thinking_budget)
         for tid, value in self.logit_bias.items():
             check_range("logit_bias", value)
             if vocab_size is not None and not (0 <= int(tid) < vocab_size):

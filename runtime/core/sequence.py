@@ -58,6 +58,7 @@ class Sequence:
     shadow_blocks: list[int] = field(default_factory=list)  # X-LoRA: the scaling pass's KV blocks
     shadow_keys: list[bytes] = field(default_factory=list)  # X-LoRA: prefix keys of its computed shadow blocks
     matcher: object = None  # structured output: its grammar's matcher (runtime.core.constraints.Matcher)
+    thinking: object = None  # a thinking budget (runtime.text.reasoning.ThinkingBudget): closes the block in time
     # the output processor's: sampling, detokenizing, stop strings
     rng: object = None
     decoder: IncrementalDecoder | None = None

@@ -186,26 +186,28 @@ def cmd_generate(args) -> int:
     params = sampling_from(args, engine)
     # a chat model gets a chat message, as llama-cli and Ollama send one; --raw sends the text as it is
     chat = args.chat or (not args.raw and engine.chat_template is not None)
-    kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if chat else {"prompt": args.prompt}
-    kwargs["adapter"] = add_lora(engine, args)
+    from runtime.serve.reasoning_print import ReplyPrinter
+
+    adapter = add_lora(engine, args)
     started = time.perf_counter()
+    prompt = engine.encode_prompt(messages=[{"role": "user", "content": args.prompt}]) if chat else args.prompt
+    printer = ReplyPrinter(engine, prompt if chat else [], write=not args.json)  # a reasoning model's thinking, dimmed
     first = None
-    text, ids, last, logprobs = [], [], None, []
-    for out in engine.generate(params=params, **kwargs):
+    ids, last, logprobs = [], None, []
+    for out in engine.generate(prompt, params=params, adapter=adapter):
         logprobs.extend({"token_id": lp.token_id, "logprob": lp.logprob, "top": lp.top} for lp in out.logprobs)
         if first is None:
             first = time.perf_counter()
-        text.append(out.delta)
+        printer.feed(out.delta, out.token_ids)
         ids.extend(out.token_ids)
         last = out
-        if not args.json:
-            sys.stdout.write(out.delta)
-            sys.stdout.flush()
+    printer.close()
     end = time.perf_counter()
     if args.json:
         n = last.completion_tokens if last else 0
         print(json.dumps({
-            "text": "".join(text), "token_ids": ids, "prompt_tokens": last.prompt_tokens if last else 0,
+            "text": "".join(printer.answer), **({"reasoning": "".join(printer.thought)} if printer.split else {}),
+            "token_ids": ids, "prompt_tokens": last.prompt_tokens if last else 0,
             "completion_tokens": n, "finish_reason": last.finish_reason if last else None,
             "ttft_ms": round((first - started) * 1000, 1) if first else None,
             "decode_tokens_per_s": round((n - 1) / (end - first), 1) if first and n > 1 and end > first else None,
@@ -269,6 +271,8 @@ def add_lora(engine, args) -> str | None:
 
 
 def cmd_chat(args) -> int:
+    from runtime.serve.reasoning_print import ReplyPrinter
+
     sampling_from(args)  # the flags are checked before anything loads
     engine = make_engine(args)
     params = sampling_from(args, engine)
@@ -326,20 +330,22 @@ def cmd_chat(args) -> int:
             adapter = me.adapter
         history.append({"role": "user", "content": line})
         messages = ([{"role": "system", "content": system}] if system else []) + history
-        reply = []
+        printer = None
         try:
-            for out in engine.generate(params=SamplingParams(**vars(params)), messages=messages, adapter=adapter):
-                reply.append(out.delta)
-                sys.stdout.write(out.delta)
-                sys.stdout.flush()
+            ids = engine.encode_prompt(messages=messages)
+            printer = ReplyPrinter(engine, ids)  # a reasoning model's thinking, dimmed; only the answer is kept
+            for out in engine.generate(ids, params=SamplingParams(**vars(params)), adapter=adapter):
+                printer.feed(out.delta, out.token_ids)
         except KeyboardInterrupt:
             pass
         except RuvLLMError as err:
             history.pop()
             print(f"error: {err}")
             continue
+        if printer is not None:
+            printer.close()
         print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+        history.append({"role": "assistant", "content": "".join(printer.answer) if printer else ""})
         if me is not None:  # the user's own writing: their words, their subjects
             learned = me.learn({"kind": "text", "text": line})
             print(f"(learned from your message: version {learned['version']}, {learned['seconds']:.1f} s)",

@@ -66,6 +66,8 @@ class ParsedRequest:
     n: int = 1  # choices: n requests on one prompt (computed once: the engine shares its blocks)
     tools: object = None  # chat: runtime.serve.tools.Tools, when the request offers functions
     user: str | None = None  # OpenAI's end-user id: their adapter, when the server personalizes
+    template_kwargs: dict | None = None  # chat: chat_template_kwargs, the template's own variables (enable_thinking)
+    reasoning: tuple | None = None  # chat with a reasoning model: (ThinkTokens, prompt_state), once queued
 
 
 def _get(body: dict, name: str, types: tuple, default=None, allow_none: bool = True):
@@ -238,7 +240,12 @@ _COMMON = ("model", "stream", "stream_options", "max_tokens", "max_completion_to
            "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
            "logit_bias", "n", "return_token_ids", "ignore_eos", "stop_token_ids", "include_stop_str_in_output"
            ) + DRY_FIELDS + INFORMATIONAL + STRUCTURED
-CHAT_FIELDS = _COMMON + ("messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
+# chat_template_kwargs (vLLM's, Qwen3's enable_thinking) and thinking_budget_tokens (llama.cpp's)
+REASONING_FIELDS = ("chat_template_kwargs", "thinking_budget_tokens")
+# the template's own variables that a request may not set: the renderer's
+RENDERER_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+CHAT_FIELDS = (_COMMON + ("messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
+               + REASONING_FIELDS)
 COMPLETION_FIELDS = _COMMON + ("prompt", "logprobs", "echo")
 
 
@@ -323,9 +330,20 @@ def parse_chat(body, defaults: dict | None = None) -> ParsedRequest:
             raise ProtocolError("a required or named tool call constrains the reply already; drop the structured "
                                 "output field", "tool_choice")
         params.constraint = forced
+    budget = _get(body, "thinking_budget_tokens", (int,))
+    if budget is not None:
+        if budget < 0:
+            raise ProtocolError(f"'thinking_budget_tokens' {range_text('thinking_budget')}, got {budget}",
+                                "thinking_budget_tokens")
+        params.thinking_budget = budget
+    kwargs = _get(body, "chat_template_kwargs", (dict,))
+    if kwargs and any(k in RENDERER_VARIABLES for k in kwargs):
+        raise ProtocolError(f"'chat_template_kwargs' may not set {', '.join(k for k in kwargs if k in RENDERER_VARIABLES)}",
+                            "chat_template_kwargs")
     return ParsedRequest(model, params, stream, include_usage, messages=clean, logprobs=logprobs,
                          max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False), n=n,
-                         tools=tools if tools is not None and tools.active else None, user=user)
+                         tools=tools if tools is not None and tools.active else None, user=user,
+                         template_kwargs=kwargs or None)
 
 
 def _tool_calls(calls, i: int) -> list[dict]:
@@ -435,7 +453,13 @@ def request_schema(chat: bool, models: list[str] | None = None) -> dict:
                                  "properties": {"name": {"type": "string"}}}}}]}
         props.update(messages={"type": "array", "minItems": 1, "items": message}, logprobs={"type": "boolean"},
                      top_logprobs=top, tools={"type": "array", "minItems": 1, "items": tool}, tool_choice=choice,
-                     parallel_tool_calls={"type": "boolean"})
+                     parallel_tool_calls={"type": "boolean"},
+                     chat_template_kwargs={"type": "object", "not": {"anyOf": [{"required": [k]} for k in RENDERER_VARIABLES]},
+                                           "description": "as vLLM: the chat template's own variables, such as "
+                                                          "Qwen3's enable_thinking"},
+                     thinking_budget_tokens={**_ranged("thinking_budget", "integer"),
+                                             "description": "as llama.cpp's server: a reasoning model's thinking "
+                                                            "block is closed after this many tokens"})
     else:
         props.update(prompt={"anyOf": [text, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
                                        {"type": "array", "minItems": 1, "maxItems": 1, "items": text}]},
@@ -449,12 +473,16 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(lasts: list[RequestOutput]) -> dict:
+def usage(lasts: list[RequestOutput], reasoning_tokens: int | None = None) -> dict:
     """One usage for the choices' final outputs: the prompt counted once (as OpenAI does), their
-    completions summed; cached_tokens is the most any choice read from the prefix cache."""
+    completions summed; cached_tokens is the most any choice read from the prefix cache; reasoning_tokens
+    (a reasoning model's): the choices' tokens inside their thinking blocks."""
     prompt, completion = lasts[0].prompt_tokens, sum(o.completion_tokens for o in lasts)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": max(o.cached_tokens for o in lasts)}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": max(o.cached_tokens for o in lasts)}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -495,9 +523,14 @@ def with_token_ids(choice: dict, token_ids: list[int] | None) -> dict:
     return choice
 
 
-def chat_choice(index: int, text: str, last: RequestOutput, logprobs: dict | None, tools=None) -> dict:
-    """One chat choice; with tools offered, the `<tool_call>` blocks of the text become its tool_calls."""
+def chat_choice(index: int, text: str, last: RequestOutput, logprobs: dict | None, tools=None,
+                reasoning: str | None | bool = False) -> dict:
+    """One chat choice; with tools offered, the `<tool_call>` blocks of the text become its tool_calls. A
+    reasoning model's choice (`reasoning` not False) carries its thinking as `reasoning` and, vLLM's older
+    name that clients still read, `reasoning_content` (None where it did not think)."""
     message = {"role": "assistant", "content": text, "refusal": None}
+    if reasoning is not False:
+        message.update(reasoning=reasoning or None, reasoning_content=reasoning or None)
     reason = finish_reason(last.finish_reason)
     if tools is not None:
         from runtime.serve.tools import parse_calls
@@ -513,9 +546,10 @@ def completion_choice(index: int, text: str, last: RequestOutput, logprobs: dict
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(last.finish_reason)}
 
 
-def response(rid: str, model: str, chat: bool, choices: list[dict], lasts: list[RequestOutput]) -> dict:
+def response(rid: str, model: str, chat: bool, choices: list[dict], lasts: list[RequestOutput],
+             reasoning_tokens: int | None = None) -> dict:
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(lasts), "system_fingerprint": None}
+            "model": model, "choices": choices, "usage": usage(lasts, reasoning_tokens), "system_fingerprint": None}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, reason: str | None = None,
@@ -531,9 +565,10 @@ def completion_chunk(rid: str, model: str, created: int, text: str, reason: str 
             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(reason)}]}
 
 
-def usage_chunk(rid: str, model: str, created: int, obj: str, lasts: list[RequestOutput]) -> dict:
+def usage_chunk(rid: str, model: str, created: int, obj: str, lasts: list[RequestOutput],
+                reasoning_tokens: int | None = None) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
-            "choices": [], "usage": usage(lasts)}
+            "choices": [], "usage": usage(lasts, reasoning_tokens)}
 
 
 def model_not_found(name: str) -> ProtocolError:

@@ -15,6 +15,15 @@ from collections.abc import AsyncIterator
 from runtime.core.async_engine import AsyncEngine
 from runtime.core.sequence import RequestOutput
 from runtime.serve import openai_protocol as P
+from runtime.text.reasoning import ReasoningSplitter
+
+
+def splitters(parsed: P.ParsedRequest, n: int) -> list[ReasoningSplitter] | None:
+    """A reasoning model's chat: each choice's splitter of its thinking from its answer; else None."""
+    if parsed.reasoning is None:
+        return None
+    tags, state = parsed.reasoning
+    return [ReasoningSplitter(tags, state) for _ in range(n)]
 
 
 async def merged(aengine: AsyncEngine, rids: list[str]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -74,6 +83,7 @@ class ChunkStream:
             for i in range(len(self.rids)):
                 yield P.chat_chunk(oid, model, created, {"role": "assistant", "content": ""}, index=i)
         held = [ToolCallStream(self, i, created) for i in range(len(self.rids))] if self.parsed.tools else []
+        self.split = splitters(self.parsed, len(self.rids)) if chat else None
         async with contextlib.aclosing(merged(self.aengine, self.rids)) as outs:
             async for i, out in outs:
                 if self.first is None:
@@ -84,13 +94,23 @@ class ChunkStream:
                     return
                 reason = out.finish_reason if out.finished else None
                 ids = out.token_ids if self.parsed.return_token_ids else None
+                thought = ""
+                if self.split is not None:  # the thinking goes out as reasoning deltas, the rest as the reply
+                    thought, answer = self.split[i].feed(out.delta, out.token_ids)
+                    out = dataclasses.replace(out, delta=answer)
+                    if thought:
+                        lp = P.chat_logprobs([out], decode) if want_lp else None
+                        yield P.chat_chunk(oid, model, created, {"reasoning": thought, "reasoning_content": thought},
+                                           None, lp, index=i)
                 if chat and self.parsed.tools is not None:
                     for chunk in held[i].feed(out):
                         yield chunk
                     continue
                 if chat:
-                    lp = P.chat_logprobs([out], decode) if want_lp else None
-                    delta = {"content": out.delta} if out.delta or not out.finished else {}
+                    lp = P.chat_logprobs([out], decode) if want_lp and not thought else None
+                    delta = {"content": out.delta} if out.delta or not (out.finished or thought) else {}
+                    if thought and not delta and not out.finished:
+                        continue
                     chunk = P.chat_chunk(oid, model, created, delta, reason, lp, index=i)
                 else:
                     lp = P.completion_logprobs([out], decode) if want_lp else None
@@ -99,7 +119,13 @@ class ChunkStream:
                 yield chunk
         if self.complete and self.parsed.include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
-            yield P.usage_chunk(oid, model, created, obj, self.lasts)
+            yield P.usage_chunk(oid, model, created, obj, self.lasts, self.reasoning_tokens)
+
+    @property
+    def reasoning_tokens(self) -> int | None:
+        """The choices' tokens inside their thinking blocks (a reasoning model's chat), else None."""
+        split = getattr(self, "split", None)
+        return None if split is None else sum(s.reasoning_tokens for s in split)
 
     @property
     def complete(self) -> bool:
@@ -178,17 +204,23 @@ async def collect(aengine: AsyncEngine, rids: list[str], parsed: P.ParsedRequest
             outs[i].append(out)
     decode = aengine.prompts.tokenizer.decode_token
     choices = []
+    split = splitters(parsed, len(outs)) if chat else None
     for i, choice in enumerate(outs):
         text = "".join(o.delta for o in choice)
         ids = [t for o in choice for t in o.token_ids] if parsed.return_token_ids else None
         if chat:
             lp = P.chat_logprobs(choice, decode) if parsed.logprobs is not None else None
-            choices.append(P.with_token_ids(P.chat_choice(i, text, choice[-1], lp, parsed.tools), ids))
+            thought: str | bool = False
+            if split is not None:
+                parts = [split[i].feed(o.delta, o.token_ids) for o in choice]
+                thought, text = "".join(r for r, _ in parts), "".join(c for _, c in parts)
+            choices.append(P.with_token_ids(P.chat_choice(i, text, choice[-1], lp, parsed.tools, thought), ids))
         else:
             lp = P.completion_logprobs(choice, decode) if parsed.logprobs is not None else None
             choices.append(P.with_token_ids(P.completion_choice(i, text, choice[-1], lp), ids))
     lasts = [choice[-1] for choice in outs]
-    return P.response(P.new_id("chatcmpl" if chat else "cmpl"), model, chat, choices, lasts), lasts, first
+    reasoning_tokens = None if split is None else sum(s.reasoning_tokens for s in split)
+    return P.response(P.new_id("chatcmpl" if chat else "cmpl"), model, chat, choices, lasts, reasoning_tokens), lasts, first
 
 
 def encode_request(prompts, parsed: P.ParsedRequest) -> list[int]:
@@ -203,7 +235,7 @@ def encode_request(prompts, parsed: P.ParsedRequest) -> list[int]:
         messages = render_messages(messages, parsed.tools, takes)
         if takes and parsed.tools is not None:
             tools = [{"type": "function", "function": f} for f in parsed.tools.functions]
-    return prompts.encode(parsed.prompt, messages, tools)
+    return prompts.encode(parsed.prompt, messages, tools, parsed.template_kwargs)
 
 
 def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest, adapter: str | None = None,
@@ -214,6 +246,10 @@ def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest, adapter: str | 
     prompts = aengine.prompts
     if ids is None:
         ids = encode_request(prompts, parsed)
+    if parsed.messages is not None and prompts.think is not None:  # where each reply starts: in a block or not
+        from runtime.text.reasoning import prompt_state
+
+        parsed.reasoning = (prompts.think, prompt_state(ids, prompts.think, prompts.tokenizer.decode))
     room = max(1, prompts.max_context - len(ids))  # the engine refuses a prompt that leaves no room
     params = parsed.params
     params.max_tokens = min(params.max_tokens, room) if parsed.max_tokens_given else room

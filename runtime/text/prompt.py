@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from runtime.errors import ContextLengthError, RequestError
 from runtime.text.chat_template import ChatTemplate
+from runtime.text.reasoning import think_tokens
 from runtime.text.tokenizer import Tokenizer
 
 
@@ -21,6 +22,7 @@ class PromptEncoder:
                  max_context: int) -> None:
         self.tokenizer, self.chat_template = tokenizer, chat_template
         self.vocab_size, self.max_context = vocab_size, max_context
+        self.think = think_tokens(tokenizer)  # a reasoning model's thinking tags (runtime/text/reasoning.py), or None
 
     @classmethod
     def from_package(cls, package, vocab_size: int, max_context: int, tokenizer: Tokenizer | None = None) -> PromptEncoder:
@@ -30,14 +32,16 @@ class PromptEncoder:
         template = ChatTemplate(tmpl, meta.get("bos_token"), meta.get("eos_token")) if tmpl else None
         return cls(tokenizer, template, vocab_size, max_context)
 
-    def encode(self, prompt=None, messages: list[dict] | None = None, tools: list[dict] | None = None) -> list[int]:
+    def encode(self, prompt=None, messages: list[dict] | None = None, tools: list[dict] | None = None,
+               template_kwargs: dict | None = None) -> list[int]:
         """The request's token ids: a chat rendered through the template (with `tools` for a template that
-        takes them), text encoded, or ids checked. A text that cannot fit the context whatever it says
-        (the tokenizer's floor) is refused before it is tokenized."""
+        takes them, and `template_kwargs` as its variables: Qwen3's enable_thinking), text encoded, or ids
+        checked. A text that cannot fit the context whatever it says (the tokenizer's floor) is refused before
+        it is tokenized."""
         if messages is not None:
             if self.chat_template is None:
                 raise RequestError("this model package has no chat template")
-            extra = {"tools": tools} if tools else {}
+            extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
             text = self.chat_template.render(messages, add_generation_prompt=True, **extra)
             self._check_floor(text)
             return self.tokenizer.encode(text, add_bos=False)

@@ -48,7 +48,10 @@ async function send(text) {
   bubble.classList.add('streaming');
   setBusy(true);
   const started = performance.now();
-  let first = null, reply = '', tokens = 0, usage = null;
+  let first = null, reply = '', thought = '', tokens = 0, usage = null;
+  const thinking = document.createElement('div'); // a reasoning model's thinking, dimmed above its answer
+  thinking.className = 'thinking';
+  const answer = document.createTextNode('');
   try {
     state.stream = await state.engine.chat.completions.create({
       messages, stream: true, stream_options: { include_usage: true }, model: $('adapter').value || undefined,
@@ -57,12 +60,18 @@ async function send(text) {
     });
     for await (const chunk of state.stream) {
       if (chunk.usage) usage = chunk.usage;
-      const delta = chunk.choices?.[0]?.delta?.content;
-      if (!delta) continue;
+      const d = chunk.choices?.[0]?.delta, delta = d?.content, think = d?.reasoning ?? d?.reasoning_content;
+      if (!delta && !think) continue;
       first ??= performance.now();
       tokens++;
-      reply += delta;
-      bubble.textContent = reply;
+      if (think) {
+        thought += think;
+        thinking.textContent = thought;
+      }
+      if (delta) reply += delta;
+      answer.textContent = reply;
+      if (!bubble.contains(answer)) bubble.replaceChildren(...(thought ? [thinking] : []), answer);
+      else if (thought && !bubble.contains(thinking)) bubble.prepend(thinking);
       const secs = (performance.now() - first) / 1000;
       $('m-ttft').textContent = `${((first - started) / 1000).toFixed(2)} s`;
       if (secs > 0 && tokens > 1) $('m-speed').textContent = `${((tokens - 1) / secs).toFixed(1)} tok/s`;

@@ -130,6 +130,10 @@ export interface ChatCompletionRequest {
   tools?: FunctionTool[];
   tool_choice?: 'none' | 'auto' | 'required' | { type: 'function'; function: { name: string } };
   parallel_tool_calls?: boolean;
+  /** As vLLM: the chat template's own variables, such as Qwen3's `{ enable_thinking: false }`. */
+  chat_template_kwargs?: Record<string, unknown>;
+  /** As llama.cpp's server: a reasoning model's thinking block is closed after this many tokens. */
+  thinking_budget_tokens?: number;
   /** Informational (as OpenAI): accepted, they change nothing generated. */
   user?: string;
   metadata?: Record<string, string>;
@@ -142,6 +146,8 @@ export interface Usage {
   completion_tokens: number;
   total_tokens: number;
   prompt_tokens_details: { cached_tokens: number };
+  /** A reasoning model's: the tokens of its thinking blocks. */
+  completion_tokens_details?: { reasoning_tokens: number };
 }
 
 export interface ChatCompletion {
@@ -151,7 +157,9 @@ export interface ChatCompletion {
   model: string;
   choices: {
     index: number;
-    message: { role: 'assistant'; content: string | null; refusal: null; tool_calls?: ToolCall[] };
+    /** A reasoning model's thinking is in `reasoning` (and `reasoning_content`, its older name), never in `content`. */
+    message: { role: 'assistant'; content: string | null; refusal: null; tool_calls?: ToolCall[];
+      reasoning?: string | null; reasoning_content?: string | null };
     logprobs: unknown | null;
     finish_reason: 'stop' | 'length' | 'tool_calls' | null;
     token_ids?: number[];
@@ -166,7 +174,7 @@ export interface ChatCompletionChunk {
   model: string;
   choices: {
     index: number;
-    delta: { role?: 'assistant'; content?: string;
+    delta: { role?: 'assistant'; content?: string; reasoning?: string; reasoning_content?: string;
       tool_calls?: { index: number; id?: string; type?: 'function'; function: { name?: string; arguments?: string } }[] };
     logprobs: unknown | null;
     finish_reason: 'stop' | 'length' | 'tool_calls' | null;
