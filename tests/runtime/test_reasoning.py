@@ -190,3 +190,46 @@ def test_the_cli_keeps_the_thinking_apart(reasoners):
     assert reply["reasoning"] and reply["text"] == "" and "<think>" not in reply["reasoning"]
     plain = run_cli("generate", pkg, "Why is the sky blue?", "--temperature", "0", "--max-tokens", "6")
     assert plain.returncode == 0 and plain.stdout.strip() == reply["reasoning"].strip()
+
+
+def test_a_tool_call_after_the_thinking_block_parses():
+    """A reply that thinks, then calls a tool: the call is parsed from what follows the block, whole and streamed
+    (the chunks' path), and the thinking stays in reasoning."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from runtime.core.sequence import RequestOutput
+    from runtime.serve import openai_protocol as P
+    from runtime.serve.openai_stream import ChunkStream, collect
+
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    pieces = [("<think>", 7), ("I should ask", 1), (" for the weather.", 2), ("</think>", 9), ("\n\n", 3), (call, 4)]
+
+    class Replies:  # an AsyncEngine's side that collect and ChunkStream read, replaying the pieces
+        prompts = SimpleNamespace(tokenizer=SimpleNamespace(decode_token=str))
+
+        async def stream(self, rid):
+            for k, (text, token) in enumerate(pieces):
+                last = k == len(pieces) - 1
+                yield RequestOutput(rid, text, [token], last, "stop" if last else None, 3, k + 1)
+
+        def release(self, rid):
+            pass
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    parsed = P.parse_chat({"model": "m", "messages": MSGS, "tools": tools})
+    parsed.reasoning = (TAGS, "free")
+    body, _, _ = asyncio.run(collect(Replies(), ["r"], parsed, "m", True))
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == "I should ask for the weather." and body["choices"][0]["finish_reason"] == "tool_calls"
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert not message["content"] and body["usage"]["completion_tokens_details"]["reasoning_tokens"] == 4
+
+    async def chunks():
+        return [c async for c in ChunkStream(Replies(), ["r"], parsed, "m", True)]
+
+    deltas = [c["choices"][0]["delta"] for c in asyncio.run(chunks()) if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "I should ask for the weather."
+    calls = [t for d in deltas for t in d.get("tool_calls", [])]
+    assert calls[0]["function"]["name"] == "get_weather" and '"Paris"' in calls[1]["function"]["arguments"]
+    assert not "".join(d.get("content") or "" for d in deltas).strip()
