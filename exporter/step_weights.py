@@ -32,11 +32,18 @@ import numpy as np
 from exporter.sources.gguf_blocks import own_parts
 from runtime.errors import PackageError
 from runtime.formats.block_types import OWN, STEP_TYPES
-from runtime.formats.step_abi import ARCHS, FORMAT, PARTS
+from runtime.formats.families import sliding
+from runtime.formats.step_abi import ACTIVATIONS, ARCHS, FORMAT, PARTS
 
 PROJECTIONS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
                "down": "ffn_down"}
 ALIGN = 64
+# a family's per-layer norms beyond attn_norm and ffn_norm, by (qk_norm, sandwich_norms), and their step names
+NORMS = {(False, False): (), (True, False): ("attn_q_norm", "attn_k_norm"),
+         (False, True): ("post_attention_norm", "post_ffw_norm"),
+         (True, True): ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm")}
+NORMS_AS = {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "post_attention_norm": "post_attn_norm",
+            "post_ffw_norm": "post_ffn_norm"}
 
 
 def _four(a: np.ndarray) -> np.ndarray:
@@ -100,7 +107,8 @@ def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[dict, dict[str, st
 
     arch = field("general.architecture")
     if arch not in ARCHS:
-        raise PackageError(f"{gguf_path}: architecture {arch!r}; the WASM step runs {' and '.join(ARCHS)}")
+        raise PackageError(f"{gguf_path}: architecture {arch!r}; the WASM step runs {', '.join(ARCHS)}")
+    family = ARCHS[arch]
     dim, layers = int(field(f"{arch}.embedding_length")), int(field(f"{arch}.block_count"))
     hidden, heads = int(field(f"{arch}.feed_forward_length")), int(field(f"{arch}.attention.head_count"))
     kv_heads, theta = int(field(f"{arch}.attention.head_count_kv")), float(field(f"{arch}.rope.freq_base", 10000.0))
@@ -120,6 +128,13 @@ def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[dict, dict[str, st
             bias = f"blk.{i}.{PROJECTIONS[key]}.bias"
             if bias in tensors and key not in ("q", "k", "v"):
                 raise PackageError(f"{gguf_path}: a bias on {PROJECTIONS[key]}; the WASM step adds q, k and v's only")
+        for name in NORMS[family.qk_norm, family.sandwich_norms]:
+            if f"blk.{i}.{name}.weight" not in tensors:
+                raise PackageError(f"{gguf_path}: no blk.{i}.{name}.weight, which a {arch} layer has")
+    window = int(field(f"{arch}.attention.sliding_window", 0)) if family.swa_pattern else 0
+    if family.swa_pattern and not window:
+        raise PackageError(f"{gguf_path}: no {arch}.attention.sliding_window")
+    windows = [window if sliding(family, i) else 0 for i in range(layers)]
     for gguf_name, rows, cols in wanted.values():  # every matrix checked before any is read
         t = tensors.get(gguf_name)
         if t is None:
@@ -143,14 +158,22 @@ def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[dict, dict[str, st
         if "head" in wanted:
             yield from matrix("head")
         yield "out_norm", np.asarray(tensors["output_norm.weight"].data, np.float32)
-        inv = theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
-        if "rope_freqs.weight" in tensors:  # llama 3's frequency factors: llama.cpp divides each frequency by its own
-            inv = inv / np.asarray(tensors["rope_freqs.weight"].data, np.float64)
-        angle = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
-        yield "rope", np.stack([np.cos(angle), np.sin(angle)], -1).astype(np.float32)
+
+        def rope(base: float) -> np.ndarray:
+            inv = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
+            if "rope_freqs.weight" in tensors:  # llama 3's frequency factors: llama.cpp divides each frequency by its own
+                inv = inv / np.asarray(tensors["rope_freqs.weight"].data, np.float64)
+            angle = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
+            return np.stack([np.cos(angle), np.sin(angle)], -1).astype(np.float32)
+
+        yield "rope", rope(theta)
+        if family.local_rope_base:  # the sliding layers' own base
+            yield "rope_local", rope(family.local_rope_base)
         for i in range(layers):
             yield f"{i}.attn_norm", np.asarray(tensors[f"blk.{i}.attn_norm.weight"].data, np.float32)
             yield f"{i}.ffn_norm", np.asarray(tensors[f"blk.{i}.ffn_norm.weight"].data, np.float32)
+            for name in NORMS[family.qk_norm, family.sandwich_norms]:
+                yield f"{i}.{NORMS_AS[name]}", np.asarray(tensors[f"blk.{i}.{name}.weight"].data, np.float32)
             for key in shapes:
                 yield from matrix(f"{i}.{key}")
                 bias = tensors.get(f"blk.{i}.{PROJECTIONS[key]}.bias")
@@ -158,7 +181,10 @@ def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[dict, dict[str, st
                     yield f"{i}.{key}.bias", np.asarray(bias.data, np.float32)
 
     config = {"arch": arch, "dim": dim, "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
-              "head_dim": hd, "vocab": vocab, "max_pos": max_pos, "eps": eps, "rope_neox": ARCHS[arch],
+              "head_dim": hd, "vocab": vocab, "max_pos": max_pos, "eps": eps, "rope_neox": family.rope_neox,
+              "act": ACTIVATIONS.index(family.activation), "embed_scale": float(np.float32(dim ** 0.5)) if family.embed_scale else 1.0,
+              "attn_scale": 1.0 / float(hd) ** 0.5, "windows": windows,
+              "layer_rope": ["rope_local" if family.local_rope_base and sliding(family, i) else "rope" for i in range(layers)],
               "kinds": {name: OWN[name].kind for name in STEP_TYPES}}
     return config, matrices, arrays()
 

@@ -215,10 +215,14 @@ class WasmStep:
 
         layers = self._put(pack_array("Layer", [
             {"attn_norm": at[f"{i}.attn_norm"], "ffn_norm": at[f"{i}.ffn_norm"],
-             "bias": [at.get(f"{i}.{p}.bias", 0) for p in "qkv"], "mat": [qmat(f"{i}.{p}") for p in MATRICES]}
+             "bias": [at.get(f"{i}.{p}.bias", 0) for p in "qkv"], "mat": [qmat(f"{i}.{p}") for p in MATRICES],
+             **{n: at.get(f"{i}.{n}", 0) for n in ("q_norm", "k_norm", "post_attn_norm", "post_ffn_norm")},
+             "window": cfg.get("windows", [0] * cfg["layers"])[i], "rope": at[cfg.get("layer_rope", ["rope"] * cfg["layers"])[i]]}
             for i in range(cfg["layers"])]))
         fields = ("dim", "hidden", "layers", "heads", "kv_heads", "head_dim", "vocab", "max_pos", "eps")
         model = self._put(pack("Model", {**{f: cfg[f] for f in fields}, "rope_neox": int(cfg["rope_neox"]),
+                                         "act": cfg.get("act", 0), "embed_scale": cfg.get("embed_scale", 1.0),
+                                         "attn_scale": cfg.get("attn_scale", cfg["head_dim"] ** -0.5),
                                          "embd": qmat("embd"), "head": qmat("head" if "head" in index["matrices"] else "embd"),
                                          "out_norm": at["out_norm"], "rope": at["rope"], "layer": layers}))
         self.matrices = {"embd": model + offset("Model", "embd"), "head": model + offset("Model", "head")}  # name -> its QMat
@@ -357,7 +361,8 @@ class WasmStep:
             "scale": scale, "ids": ids_at, "a": ptrs[0], "b": ptrs[1], "ga": ptrs[2], "gb": ptrs[3], "loss": loss_at}))
         status = self._exports["step_learn"](self.store, self.model, spec)
         if status:
-            raise ValueError(f"step_learn refused the text ({status})")
+            raise ValueError(f"step_learn refused the text ({status})" if status != 3 else
+                             f"the WASM step's trainer runs llama and Qwen2 models, not {self.cfg.get('arch')}")
         read = lambda ptr, n: np.frombuffer(self.memory.read(self.store, ptr, ptr + 4 * n), np.float32)  # noqa: E731
         grads = {}
         for (layer, target), (a, bt) in factors.items():

@@ -52,12 +52,21 @@ def _hub_error(source: Source, err: Exception) -> RuvLLMError:
                        f"{str(err).splitlines()[0][:200]}")
 
 
+def gguf_conventions(source: Source, config):
+    """What llama.cpp computes of a GGUF that transformers' config of it leaves at its defaults: a Gemma 3 file
+    carries no query_pre_attn_scalar, and llama.cpp scales its scores by 1 / sqrt(head_dim) (transformers'
+    default, 256, is right only where head_dim is 256)."""
+    if source.kind == "gguf" and config.model_type == "gemma3_text":
+        config.query_pre_attn_scalar = config.head_dim
+    return config
+
+
 def load_config(source: Source):
     from transformers import AutoConfig
 
     where, kwargs = source.load_args
     try:
-        return AutoConfig.from_pretrained(where, **kwargs)
+        return gguf_conventions(source, AutoConfig.from_pretrained(where, **kwargs))
     except (OSError, ValueError) as err:
         if source.kind == "hub":
             raise _hub_error(source, err) from err
@@ -74,6 +83,7 @@ def load_model_and_tokenizer(source: Source):
     try:
         tok = AutoTokenizer.from_pretrained(where, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
+        gguf_conventions(source, model.config)
     except OSError as err:
         if source.kind == "hub":
             raise _hub_error(source, err) from err

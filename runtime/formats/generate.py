@@ -10,6 +10,7 @@ run it). Standard library only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ class Spec:
     targets: tuple = step_abi.TARGETS
     matrices: tuple = step_abi.MATRICES
     archs: dict = field(default_factory=lambda: dict(step_abi.ARCHS))
+    activations: tuple = step_abi.ACTIVATIONS
     format: int = step_abi.FORMAT
 
     @property
@@ -112,6 +114,7 @@ def step_header(spec: Spec) -> str:
         body = "\n".join(_c_field(f) for f in fields)
         structs.append(f"// {doc}\ntypedef struct {name} {{\n{body}\n}} {name};")
     kv = ", ".join(f"KV_{d.upper()} = {i}" for i, d in enumerate(spec.kv_dtypes))
+    acts = ", ".join(f"ACT_{a.upper()} = {i}" for i, a in enumerate(spec.activations))
     refusals = "\n".join(f"  {spec.refusal_names[i]} = {i},  // {text}" for i, text in spec.refusals.items())
     lines = "\n\n".join(structs)
     functions = "\n".join([
@@ -131,6 +134,7 @@ enum kind {{ {enum} }};  // QMat.kind: the block types the step reads
 {functions}
 
 enum {{ {kv} }};  // Pool.dtype
+enum {{ {acts} }};  // Model.act
 #define LORA_TARGETS {len(spec.targets)}  // {' '.join(spec.targets)}: Lora's and Learn's tables are [layers * {len(spec.targets)}]
 #define LAYER_MATRICES {len(spec.matrices)}  // {' '.join(spec.matrices)}
 enum {{  // step_run's refusals
@@ -153,7 +157,8 @@ def formats_js(spec: Spec) -> str:
                        for at, f in fields)
         structs.append(f"  {name}: {{ size: {size}, fields: {{ {fs} }} }},")
     step = {"parts": [f.name for f in spec.structs["QMat"][1][1:]], "matrices": list(spec.matrices),
-            "targets": list(spec.targets), "kvDtypes": list(spec.kv_dtypes), "archs": spec.archs,
+            "targets": list(spec.targets), "kvDtypes": list(spec.kv_dtypes), "activations": list(spec.activations),
+            "archs": {name: dataclasses.asdict(f) for name, f in spec.archs.items()},
             "refusals": {str(k): v for k, v in spec.refusals.items()}, "format": spec.format,
             "kinds": {n: next(t.kind for t in spec.types if t.name == n) for n in spec.step_kinds}}
     steps = "\n".join(f"  {k}: {json.dumps(v)}," for k, v in step.items())

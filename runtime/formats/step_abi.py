@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from runtime.contract import LORA_TARGETS
 from runtime.formats.block_types import STEP_TYPES
+from runtime.formats.families import ACTIVATIONS, FAMILIES  # noqa: F401 (the step's, re-exported)
 
 WORD = 4  # wasm32: every field here is 4 bytes
 
@@ -53,18 +54,26 @@ STRUCTS: dict[str, tuple[str, list[Field]]] = {
         *_f("sc", "const uint8_t*", "K-quants' scale bytes [N/4, K/32, 4]; Q6_K: int8 [N/4, K/32, 2, 4]"),
         *_f("mb", "const uint8_t*", "Q4_K, Q5_K: the minimum bytes [N/4, K/32, 4]"),
     ]),
-    "Layer": ("one decoder layer's weights", [
+    "Layer": ("one decoder layer's weights, and how it attends", [
         *_f("attn_norm, ffn_norm", "const float*"),
         *_f("bias", "const float*", "q, k and v's (Qwen2), or null", count=3),
         *_f("mat", "QMat", "q k v o gate up down (MATRICES)", count=7),
+        *_f("q_norm, k_norm", "const float*", "[head_dim]: each head's RMS norm before RoPE (Family.qk_norm), or null"),
+        *_f("post_attn_norm, post_ffn_norm", "const float*",
+            "[dim]: the block outputs' norms before the residual adds (Family.sandwich_norms), or null"),
+        *_f("window", "int32_t", "a sliding layer's window (positions attended: p - window + 1 .. p); 0: all"),
+        *_f("rope", "const float*", "[max_pos, head_dim / 2, 2]: this layer's cos, sin (its RoPE base)"),
     ]),
     "Model": ("the model: its widths and the arrays step_init and step_run read", [
         *_f("dim, hidden, layers, heads, kv_heads, head_dim, vocab, max_pos", "int32_t"),
         *_f("eps", "float"),
         *_f("rope_neox", "int32_t", "RoPE on the halves of each head (a Qwen2 GGUF's rows), else on adjacent pairs"),
+        *_f("act", "int32_t", "the gated MLP's activation: ACT_SILU, ACT_GELU_TANH (families.ACTIVATIONS)"),
+        *_f("embed_scale", "float", "the embeddings times this (Gemma: sqrt(dim)); 1 for most"),
+        *_f("attn_scale", "float", "the attention scores times this (1 / sqrt(head_dim) for most)"),
         *_f("embd, head", "QMat", "the embedding and the head [vocab, dim] (the same arrays where they are tied)"),
         *_f("out_norm", "const float*"),
-        *_f("rope", "const float*", "[max_pos, head_dim / 2, 2]: cos, sin"),
+        *_f("rope", "const float*", "[max_pos, head_dim / 2, 2]: cos, sin (Layer.rope: each layer's own)"),
         *_f("layer", "const Layer*", "[layers]"),
     ]),
     "Pool": ("the paged KV pool", [
@@ -125,11 +134,13 @@ PARTS = tuple(f.name for f in STRUCTS["QMat"][1][1:])  # a matrix's arrays in st
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a Layer's QMats
 TARGETS = LORA_TARGETS  # Lora's and Learn's tables: [layers * 7], target t of layer l at 7 * l + t
 KV_DTYPES = ("fp32", "int8", "int4")  # Pool.dtype's values, in order (KV_FP32, KV_INT8, KV_INT4)
-ARCHS = {"llama": False, "qwen2": True}  # the step's architectures: Model.rope_neox
+ARCHS = FAMILIES  # the step's architectures and their traits (runtime/formats/families.py)
 KINDS = STEP_TYPES  # QMat.kind's values: the block types the step reads (block_types.OWN's kinds)
 REFUSALS = {1: "too many tokens", 2: "a position, slot or logits row out of range",
-            3: "a row reads or keeps exact rows its quantized pool's tails do not hold"}  # step_run's statuses
-REFUSAL_NAMES = {1: "STEP_TOO_MANY_TOKENS", 2: "STEP_OUT_OF_RANGE", 3: "STEP_TAILS_MISSING"}  # their C names
+            3: "a row reads or keeps exact rows its quantized pool's tails do not hold",
+            4: "a sliding-window model on a quantized KV pool (the step keeps its KV in fp32)"}  # step_run's statuses
+REFUSAL_NAMES = {1: "STEP_TOO_MANY_TOKENS", 2: "STEP_OUT_OF_RANGE", 3: "STEP_TAILS_MISSING",
+                 4: "STEP_WINDOWED_QUANTIZED"}  # their C names
 FORMAT = 2  # step.bin's layout (1: Q4_1 only, fp32 scales)
 
 

@@ -16,19 +16,27 @@ MIX = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q6_K", "attn_output": "Q5_
 
 def write_mixed_gguf(path, smol_gguf, mix: dict[str, str] = MIX, embedding: str = "Q6_K", head: str | None = "Q8_0",
                      arch: str = "llama", metadata: dict | None = None) -> None:
-    """A tiny llama (or Qwen2: q, k and v with biases) GGUF with SmolLM2's vocabulary, random blocks of
-    `mix`'s types (by tensor), the embedding's, and an untied head's (None: tied to the embedding);
-    `metadata`: more keys (a float as float32, an int as int32)."""
+    """A tiny llama (or Qwen2: q, k and v with biases; or Gemma 3: six layers, the last global, the others on a
+    window of 8, head norms and norms after attention and the MLP, stored as llama.cpp's converter stores
+    Gemma's: 1 + w) GGUF with SmolLM2's vocabulary, random blocks of `mix`'s types (by tensor), the
+    embedding's, and an untied head's (None: tied to the embedding); `metadata`: more keys (a float as
+    float32, an int as int32)."""
     import gguf
 
     src = gguf.GGUFReader(str(smol_gguf))
     w = gguf.GGUFWriter(str(path), arch)
-    hidden, inter, layers, heads, kv_heads = 256, 512, 2, 4, 2
+    gemma = arch == "gemma3"
+    hidden, inter, layers, heads, kv_heads = 256, 512, 6 if gemma else 2, 4, 2
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
     for add, value in ((w.add_context_length, 256), (w.add_embedding_length, hidden), (w.add_feed_forward_length, inter),
                        (w.add_block_count, layers), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
-                       (w.add_rope_freq_base, 10000.0), (w.add_layer_norm_rms_eps, 1e-5), (w.add_vocab_size, vocab)):
+                       (w.add_rope_freq_base, 1e6 if gemma else 10000.0), (w.add_layer_norm_rms_eps, 1e-5),
+                       (w.add_vocab_size, vocab)):
         add(value)
+    if gemma:
+        w.add_key_length(hidden // heads)
+        w.add_value_length(hidden // heads)
+        w.add_sliding_window(8)
     for key, value in (metadata or {}).items():
         (w.add_float32 if isinstance(value, float) else w.add_int32)(key, value)
     for name, field in src.fields.items():
@@ -55,6 +63,10 @@ def write_mixed_gguf(path, smol_gguf, mix: dict[str, str] = MIX, embedding: str 
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
         w.add_tensor(p + "ffn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        if gemma:
+            for name, n in (("attn_q_norm", hd), ("attn_k_norm", hd), ("post_attention_norm", hidden),
+                            ("post_ffw_norm", hidden)):
+                w.add_tensor(f"{p}{name}.weight", (1 + 0.1 * rng.standard_normal(n)).astype(np.float32))
         for name, (rows, cols) in shapes.items():
             tensor(f"{p}{name}.weight", rows, cols, mix[name])
             if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):

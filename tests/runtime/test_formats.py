@@ -122,7 +122,8 @@ def test_the_pages_structs_are_packed_as_python_packs_them():
         assert {f: v["offset"] for f, v in offsets[name]["fields"].items()} == {f: at for f, (at, _) in fields.items()}
     qmat = {"kind": 6, "w": 100, "hb": 0, "d": 200, "m": 300, "sc": 0, "mb": 0}
     model = {"dim": 64, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16, "vocab": 999,
-             "max_pos": 256, "eps": 1e-5, "rope_neox": 1, "embd": qmat, "head": {**qmat, "kind": 8}, "out_norm": 7,
+             "max_pos": 256, "eps": 1e-5, "rope_neox": 1, "act": 1, "embed_scale": 8.0, "attn_scale": 0.25, "embd": qmat,
+             "head": {**qmat, "kind": 8}, "out_norm": 7,
              "rope": 3_000_000_000, "layer": 12}
     script = (f"import {{ sizeOf, writeStruct }} from '{src}/structs.js';"
               f"const b = new ArrayBuffer(sizeOf('Model')); writeStruct(b, 0, 'Model', {json.dumps(model)});"

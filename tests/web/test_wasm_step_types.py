@@ -104,13 +104,14 @@ def native_engine_for(workdir, smol_gguf):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("type_name,embedding,head,arch", [(t, "Q6_K", "Q8_0", "llama") for t in TYPES] +
-                         [("Q4_K", "Q4_K", None, "llama"), ("Q5_0", "Q8_0", None, "qwen2")])
+                         [("Q4_K", "Q4_K", None, "llama"), ("Q5_0", "Q8_0", None, "qwen2"), ("Q5_0", "Q8_0", None, "gemma3")])
 def test_a_model_of_each_type_gives_the_native_engines_logits(type_name, embedding, head, arch, native_engine_for,
                                                              step_wasm, tmp_path):
     """A whole model whose projections are all of one type, teacher-forced through a prompt in one step:
     the step's log-probabilities against the native engine's on the same file (mean KL under 1e-3),
-    with an untied head of its own type or the embedding as the head, a llama or a Qwen2 (biases, RoPE
-    on halves)."""
+    with an untied head of its own type or the embedding as the head, a llama, a Qwen2 (biases, RoPE
+    on halves) or a Gemma 3 (GeGLU, head norms, sandwich norms, scaled embeddings, sliding layers with a
+    RoPE base of their own and a global one: the prompt is longer than the window)."""
     from exporter.step_weights import write_step_weights
 
     path, pkg = native_engine_for(type_name, embedding, head, arch)

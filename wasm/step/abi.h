@@ -22,12 +22,14 @@ static inline int is_q8(int kind) {  // whole int8 weights
 }
 
 enum { KV_FP32 = 0, KV_INT8 = 1, KV_INT4 = 2 };  // Pool.dtype
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };  // Model.act
 #define LORA_TARGETS 7  // q_proj k_proj v_proj o_proj gate_proj up_proj down_proj: Lora's and Learn's tables are [layers * 7]
 #define LAYER_MATRICES 7  // q k v o gate up down
 enum {  // step_run's refusals
   STEP_TOO_MANY_TOKENS = 1,  // too many tokens
   STEP_OUT_OF_RANGE = 2,  // a position, slot or logits row out of range
   STEP_TAILS_MISSING = 3,  // a row reads or keeps exact rows its quantized pool's tails do not hold
+  STEP_WINDOWED_QUANTIZED = 4,  // a sliding-window model on a quantized KV pool (the step keeps its KV in fp32)
 };
 
 // a matrix in the step's layout (exporter/step_weights.py): its block type, then its parts
@@ -41,12 +43,18 @@ typedef struct QMat {
   const uint8_t* mb;  // Q4_K, Q5_K: the minimum bytes [N/4, K/32, 4]
 } QMat;
 
-// one decoder layer's weights
+// one decoder layer's weights, and how it attends
 typedef struct Layer {
   const float* attn_norm;
   const float* ffn_norm;
   const float* bias[3];  // q, k and v's (Qwen2), or null
   QMat mat[7];  // q k v o gate up down (MATRICES)
+  const float* q_norm;  // [head_dim]: each head's RMS norm before RoPE (Family.qk_norm), or null
+  const float* k_norm;  // [head_dim]: each head's RMS norm before RoPE (Family.qk_norm), or null
+  const float* post_attn_norm;  // [dim]: the block outputs' norms before the residual adds (Family.sandwich_norms), or null
+  const float* post_ffn_norm;  // [dim]: the block outputs' norms before the residual adds (Family.sandwich_norms), or null
+  int32_t window;  // a sliding layer's window (positions attended: p - window + 1 .. p); 0: all
+  const float* rope;  // [max_pos, head_dim / 2, 2]: this layer's cos, sin (its RoPE base)
 } Layer;
 
 // the model: its widths and the arrays step_init and step_run read
@@ -61,10 +69,13 @@ typedef struct Model {
   int32_t max_pos;
   float eps;
   int32_t rope_neox;  // RoPE on the halves of each head (a Qwen2 GGUF's rows), else on adjacent pairs
+  int32_t act;  // the gated MLP's activation: ACT_SILU, ACT_GELU_TANH (families.ACTIVATIONS)
+  float embed_scale;  // the embeddings times this (Gemma: sqrt(dim)); 1 for most
+  float attn_scale;  // the attention scores times this (1 / sqrt(head_dim) for most)
   QMat embd;  // the embedding and the head [vocab, dim] (the same arrays where they are tied)
   QMat head;  // the embedding and the head [vocab, dim] (the same arrays where they are tied)
   const float* out_norm;
-  const float* rope;  // [max_pos, head_dim / 2, 2]: cos, sin
+  const float* rope;  // [max_pos, head_dim / 2, 2]: cos, sin (Layer.rope: each layer's own)
   const Layer* layer;  // [layers]
 } Model;
 

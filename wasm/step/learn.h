@@ -472,6 +472,9 @@ EXPORT int step_learn(const Model* m, const Learn* J) {
   if (J->rank < 1 || J->rank > 16) return 2;
   for (int t = 0; t < T; t++)
     if (J->ids[t] < 0 || J->ids[t] >= m->vocab) return 2;
+  if (m->act != ACT_SILU || m->embed_scale != 1.f) return 3;  // the forward here is a llama's or a Qwen2's
+  for (int l = 0; l < m->layers; l++)
+    if (m->layer[l].q_norm || m->layer[l].post_attn_norm || m->layer[l].window) return 3;
   for (int t = 0; t < T; t++) qmat_row(&m->embd, J->ids[t], D, l_saved + (size_t)t * D);
   for (int l = 0; l < m->layers; l++)
     layer_forward(m, J, l, l_saved + (size_t)l * T * D, l_saved + (size_t)(l + 1) * T * D);

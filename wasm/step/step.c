@@ -72,6 +72,20 @@ static float rmsnorm(const float* in, const float* w, int n, float eps, float* o
   return inv;
 }
 
+// x [T, D] += each row of y normed by w (a sandwich norm: a block's output normed before its residual add)
+static void add_normed(float* x, float* y, const float* w, int T, int D, float eps) {
+  for (int t = 0; t < T; t++) {
+    rmsnorm(y + (size_t)t * D, w, D, eps, y + (size_t)t * D);
+    for (int i = 0; i < D; i++) x[(size_t)t * D + i] += y[(size_t)t * D + i];
+  }
+}
+
+// the tanh approximation of GELU (Gemma's GeGLU), tanh from exp_: 1 - 2 / (e^2u + 1)
+static inline float gelu_tanh(float v) {
+  const float u = 0.7978845608f * (v + 0.044715f * v * v * v);
+  return 0.5f * v * (2.f - 2.f / (exp_(2.f * u) + 1.f));
+}
+
 // every row of `in` [T, K] rounded alone (xq, xs, xsum: T rows), for the projections that read them
 static void quantize_rows(const float* in, int T, int K) {
   for (int t = 0; t < T; t++)
@@ -124,8 +138,10 @@ static void projections_part(const void* ctx, int part, int parts) {
   part_range(j->N[0], 4, part, parts, &lo, &hi);
   for (int t = 0; t < j->T; t++) {
     float* a = j->out[0] + (size_t)t * j->N[0];
-    if (j->gated)
+    if (j->gated == 1 + ACT_SILU)
       for (int c = lo; c < hi; c++) a[c] = a[c] / (1.f + exp_(-a[c])) * j->out[1][(size_t)t * j->N[1] + c];
+    else if (j->gated == 1 + ACT_GELU_TANH)
+      for (int c = lo; c < hi; c++) a[c] = gelu_tanh(a[c]) * j->out[1][(size_t)t * j->N[1] + c];
     if (j->residual)
       for (int c = lo; c < hi; c++) j->residual[(size_t)t * j->N[0] + c] += a[c];
   }
@@ -179,17 +195,18 @@ static void attend(const Model* m, const Pool* P, const Batch* B, int l, int b, 
   const int hd = m->head_dim, Hkv = m->kv_heads, G = m->heads / Hkv, bs = P->block_size;
   const size_t rows = (size_t)P->num_blocks * bs;
   const int32_t* table = B->tables + (size_t)b * B->max_blocks;
-  const float scale = 1.f / __builtin_sqrtf((float)hd);
+  const float scale = m->attn_scale;
+  const int window = m->layer[l].window, lo = window && p - window + 1 > 0 ? p - window + 1 : 0;
   const float* kh = P->k + ((size_t)l * Hkv + h / G) * rows * hd;
   const float* vh = P->v + ((size_t)l * Hkv + h / G) * rows * hd;
   float mx = -3.4e38f, sum = 0.f;
-  for (int t = 0; t <= p; t++) {
+  for (int t = lo; t <= p; t++) {
     sc[t] = dot(qn, kh + ((size_t)table[t / bs] * bs + t % bs) * hd, hd) * scale;
     mx = sc[t] > mx ? sc[t] : mx;
   }
-  for (int t = 0; t <= p; t++) sum += (sc[t] = exp_(sc[t] - mx));
+  for (int t = lo; t <= p; t++) sum += (sc[t] = exp_(sc[t] - mx));
   for (int i = 0; i < hd; i += 4) wasm_v128_store(out + i, wasm_f32x4_splat(0.f));
-  for (int t = 0; t <= p; t++) {
+  for (int t = lo; t <= p; t++) {
     const v128_t w = wasm_f32x4_splat(sc[t] / sum);
     const float* vt = vh + ((size_t)table[t / bs] * bs + t % bs) * hd;
     for (int i = 0; i < hd; i += 4)
@@ -467,9 +484,14 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
   for (int b = 0; b < B->num_rows; b++)
     for (int n = B->row_first[b]; n < B->row_first[b] + B->row_count[b]; n++) row_of[n] = b;
   if (P->dtype != KV_FP32 && !tails_hold(P, B)) return STEP_TAILS_MISSING;
+  if (P->dtype != KV_FP32)
+    for (int l = 0; l < m->layers; l++)
+      if (m->layer[l].window) return STEP_WINDOWED_QUANTIZED;
   for (int n = 0; n < N; n++) {
     if (B->ids[n] < 0 || B->ids[n] >= m->vocab) return STEP_OUT_OF_RANGE;
     qmat_row(&m->embd, B->ids[n], D, x + (size_t)n * D);
+    if (m->embed_scale != 1.f)
+      for (int i = 0; i < D; i++) x[(size_t)n * D + i] *= m->embed_scale;
   }
   for (int l = 0; l < m->layers; l++) {
     const Layer* L = &m->layer[l];
@@ -477,7 +499,11 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
     quantize_rows(xn, N, D);  // one rounding for q, k and v
     project(m, B->lora, l, 0, xn, N, D, 3, (int[]){H * hd, kvw, kvw}, (float* []){q, kk, vv}, 0, 0);
     for (int n = 0; n < N; n++) {
-      const float* cs = m->rope + (size_t)B->pos[n] * hd;
+      if (L->q_norm) {  // each head RMS-normed before RoPE
+        for (int h = 0; h < H; h++) rmsnorm(q + ((size_t)n * H + h) * hd, L->q_norm, hd, m->eps, q + ((size_t)n * H + h) * hd);
+        for (int h = 0; h < Hkv; h++) rmsnorm(kk + (size_t)n * kvw + h * hd, L->k_norm, hd, m->eps, kk + (size_t)n * kvw + h * hd);
+      }
+      const float* cs = (L->rope ? L->rope : m->rope) + (size_t)B->pos[n] * hd;
       rope(q + (size_t)n * H * hd, H, hd, cs, m->rope_neox);
       rope(kk + (size_t)n * kvw, Hkv, hd, cs, m->rope_neox);
       if (P->dtype == KV_FP32) {
@@ -502,12 +528,14 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
       parallel(quantized_fold_part, &layer);
     }
     quantize_rows(att, N, H * hd);
-    project(m, B->lora, l, 3, att, N, H * hd, 1, (int[]){D}, (float* []){xn}, 0, x);
+    project(m, B->lora, l, 3, att, N, H * hd, 1, (int[]){D}, (float* []){xn}, 0, L->post_attn_norm ? 0 : x);
+    if (L->post_attn_norm) add_normed(x, xn, L->post_attn_norm, N, D, m->eps);
     for (int n = 0; n < N; n++) rmsnorm(x + (size_t)n * D, L->ffn_norm, D, m->eps, xn + (size_t)n * D);
     quantize_rows(xn, N, D);  // one rounding for gate and up
-    project(m, B->lora, l, 4, xn, N, D, 2, (int[]){F, F}, (float* []){g, u}, 1, 0);
+    project(m, B->lora, l, 4, xn, N, D, 2, (int[]){F, F}, (float* []){g, u}, 1 + m->act, 0);
     quantize_rows(g, N, F);
-    project(m, B->lora, l, 6, g, N, F, 1, (int[]){D}, (float* []){xn}, 0, x);
+    project(m, B->lora, l, 6, g, N, F, 1, (int[]){D}, (float* []){xn}, 0, L->post_ffn_norm ? 0 : x);
+    if (L->post_ffn_norm) add_normed(x, xn, L->post_ffn_norm, N, D, m->eps);
   }
   for (int r = 0; r < B->num_logits; r++) {  // every logits row rounded first, then the head's rows split
     rmsnorm(x + (size_t)B->logits_at[r] * D, m->out_norm, D, m->eps, xn + (size_t)r * D);

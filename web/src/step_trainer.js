@@ -93,6 +93,7 @@ export class StepTrainer {
     writeStruct(r.k.memory.buffer, this.struct, 'Learn', { num_tokens: ids.length, scored_from: scoredFrom,
       unlikely: unlikely ? 1 : 0, exact: 0, rank: this.spec.rank, scale: this.scale, ids: this.ids, a, b, ga, gb, loss: this.loss });
     const status = r.k.step_learn(r.model, this.struct);
+    if (status === 3) throw new Error(`the WASM step's trainer runs llama and Qwen2 models, not ${this.cfg.arch}`);
     if (status) throw new Error(status === 1 ? `the WASM step cannot learn from ${ids.length} tokens (scored from ${scoredFrom})` : 'a feedback token is outside the vocabulary');
     return r.f32(this.loss, 1)[0];
   }

@@ -215,13 +215,16 @@ export class WasmStepRunner {
     const layers = Array.from({ length: cfg.layers }, (_, l) => ({
       attn_norm: at[`${l}.attn_norm`], ffn_norm: at[`${l}.ffn_norm`], bias: ['q', 'k', 'v'].map((p) => at[`${l}.${p}.bias`] ?? 0),
       mat: STEP.matrices.map((p) => qmat(`${l}.${p}`)),
+      ...Object.fromEntries(['q_norm', 'k_norm', 'post_attn_norm', 'post_ffn_norm'].map((n) => [n, at[`${l}.${n}`] ?? 0])),
+      window: cfg.windows?.[l] ?? 0, rope: at[cfg.layer_rope?.[l] ?? 'rope'],
     }));
     const layer = this.alloc(sizeOf('Layer') * cfg.layers);
     writeStructs(this.k.memory.buffer, layer, 'Layer', layers);
     const model = this.alloc(sizeOf('Model'));
     writeStruct(this.k.memory.buffer, model, 'Model', {
       dim: cfg.dim, hidden: cfg.hidden, layers: cfg.layers, heads: cfg.heads, kv_heads: cfg.kv_heads, head_dim: cfg.head_dim,
-      vocab: cfg.vocab, max_pos: cfg.max_pos, eps: cfg.eps, rope_neox: cfg.rope_neox ? 1 : 0, embd: qmat('embd'),
+      vocab: cfg.vocab, max_pos: cfg.max_pos, eps: cfg.eps, rope_neox: cfg.rope_neox ? 1 : 0, act: cfg.act ?? 0,
+      embed_scale: cfg.embed_scale ?? 1, attn_scale: cfg.attn_scale ?? 1 / Math.sqrt(cfg.head_dim), embd: qmat('embd'),
       head: qmat(index.matrices.head ? 'head' : 'embd'), out_norm: at.out_norm, rope: at.rope, layer,
     });
     return model;
