@@ -22,6 +22,19 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
 
 
+# Files that take minutes, started first (longest first, as last measured) so that the two xdist workers end
+# on short files, not one of them on a long one (--dist loadfile hands out files in collection order); the
+# rest keep their order. A stale list only changes the order.
+LONG_FIRST = ("tests/exporter/test_quantization.py", "tests/runtime/test_cpu_kernels.py", "tests/runtime/test_kv_int4.py",
+              "tests/runtime/test_server_fuzz.py", "tests/runtime/test_scaleout.py", "tests/runtime/test_readme.py",
+              "tests/web/test_engine_api.py", "tests/runtime/test_wheel.py", "tests/runtime/test_batch_invariance.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 def tiny_config(arch: str, vocab_size: int):
     from transformers import (
         Gemma2Config,
