@@ -123,8 +123,16 @@ def cluster():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)  # never a leftover one
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    for attempt in range(2):  # on a loaded host Serve's proxy can be cancelled before it starts: once more, afresh
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)  # never a leftover one
+        try:
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            break
+        except (ray.exceptions.RayError, TimeoutError):
+            serve.shutdown()
+            ray.shutdown()
+            if attempt:
+                raise
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
