@@ -38,12 +38,12 @@ from runtime.formats.step_abi import ACTIVATIONS, ARCHS, FORMAT, PARTS
 PROJECTIONS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
                "down": "ffn_down"}
 ALIGN = 64
-# a family's per-layer norms beyond attn_norm and ffn_norm, by (qk_norm, sandwich_norms), and their step names
-NORMS = {(False, False): (), (True, False): ("attn_q_norm", "attn_k_norm"),
-         (False, True): ("post_attention_norm", "post_ffw_norm"),
-         (True, True): ("attn_q_norm", "attn_k_norm", "post_attention_norm", "post_ffw_norm")}
-NORMS_AS = {"attn_q_norm": "q_norm", "attn_k_norm": "k_norm", "post_attention_norm": "post_attn_norm",
-            "post_ffw_norm": "post_ffn_norm"}
+
+
+def extra_norms(family) -> list[tuple[str, str]]:
+    """A family's per-layer norms beyond attn_norm and ffn_norm: (the GGUF's name, the step's)."""
+    return ([("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")] if family.qk_norm else []) + (
+        [("post_attention_norm", "post_attn_norm"), ("post_ffw_norm", "post_ffn_norm")] if family.sandwich_norms else [])
 
 
 def _four(a: np.ndarray) -> np.ndarray:
@@ -128,7 +128,7 @@ def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[dict, dict[str, st
             bias = f"blk.{i}.{PROJECTIONS[key]}.bias"
             if bias in tensors and key not in ("q", "k", "v"):
                 raise PackageError(f"{gguf_path}: a bias on {PROJECTIONS[key]}; the WASM step adds q, k and v's only")
-        for name in NORMS[family.qk_norm, family.sandwich_norms]:
+        for name, _ in extra_norms(family):
             if f"blk.{i}.{name}.weight" not in tensors:
                 raise PackageError(f"{gguf_path}: no blk.{i}.{name}.weight, which a {arch} layer has")
     window = int(field(f"{arch}.attention.sliding_window", 0)) if family.swa_pattern else 0
@@ -172,8 +172,8 @@ def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[dict, dict[str, st
         for i in range(layers):
             yield f"{i}.attn_norm", np.asarray(tensors[f"blk.{i}.attn_norm.weight"].data, np.float32)
             yield f"{i}.ffn_norm", np.asarray(tensors[f"blk.{i}.ffn_norm.weight"].data, np.float32)
-            for name in NORMS[family.qk_norm, family.sandwich_norms]:
-                yield f"{i}.{NORMS_AS[name]}", np.asarray(tensors[f"blk.{i}.{name}.weight"].data, np.float32)
+            for name, as_name in extra_norms(family):
+                yield f"{i}.{as_name}", np.asarray(tensors[f"blk.{i}.{name}.weight"].data, np.float32)
             for key in shapes:
                 yield from matrix(f"{i}.{key}")
                 bias = tensors.get(f"blk.{i}.{PROJECTIONS[key]}.bias")

@@ -90,7 +90,6 @@ BLOCK_TYPES: tuple[BlockType, ...] = (
 BY_NAME = {t.name: t for t in BLOCK_TYPES}
 OWN = {t.name: t for t in sorted(BLOCK_TYPES, key=lambda t: t.kind) if t.kind}  # the types read at their own bits
 BY_KIND = {t.kind: t.name for t in OWN.values()}
-BY_GGML = {t.ggml: t for t in BLOCK_TYPES}
 STEP_TYPES = tuple(name for name, t in OWN.items() if t.step)
 GATHER_TYPES = tuple(name for name, t in OWN.items() if t.gather)
 # MatMulQ4's kquant for an int4 grid the exporter writes in the kernel's layout (not a GGUF type)
@@ -104,10 +103,3 @@ def own_sections(t: BlockType, n: int, k: int) -> tuple[int, int, int]:
     sc, half = {"kquant": (blocks * 2, supers * 4), "kquant4": (blocks, supers * 4), "six": (blocks, supers * 2),
                 "half": (0, blocks * 2), "halfmin": (0, blocks * 4)}[t.scales]
     return n * k * t.bits // 8, sc, half
-
-
-def file_bytes(t: BlockType, count: int) -> int:
-    """Bytes a GGUF file holds for `count` weights of type t."""
-    if count % t.elems:
-        raise ValueError(f"{count} weights are not whole {t.name} blocks of {t.elems}")
-    return count // t.elems * t.nbytes

@@ -51,11 +51,8 @@ class Spec:
         return own
 
     def layout(self, name: str) -> tuple[int, list[tuple[int, step_abi.Field]]]:
-        at, out = 0, []
-        for f in self.structs[name][1]:
-            out.append((at, f))
-            at += f.count * (self.layout(f.ctype)[0] if f.ctype in self.structs else step_abi.WORD)
-        return at, out
+        size, fields = step_abi.layout(name, self.structs)
+        return size, list(fields.values())
 
 
 def kernels_header(spec: Spec) -> str:
@@ -118,7 +115,7 @@ def step_header(spec: Spec) -> str:
     refusals = "\n".join(f"  {spec.refusal_names[i]} = {i},  // {text}" for i, text in spec.refusals.items())
     lines = "\n\n".join(structs)
     functions = "\n".join([
-        switch("planes_of", "bit planes above the nibble", lambda t: t.bits - 4 if 4 < t.bits < 8 else 0),
+        switch("planes_of", "bit planes above the nibble", lambda t: t.planes),
         switch("zero_of", "the zero point (0: minimums)", lambda t: t.zero if t.bits < 8 else 0),
         switch("is_kquant", "scales inside super-blocks of 256", lambda t: t.kquant),
         switch("has_mins", "a minimum a block (Q4_1, Q5_1; the K-quants' dmin aside)", lambda t: t.mins and not t.kquant),
@@ -153,7 +150,7 @@ def formats_js(spec: Spec) -> str:
     structs = []
     for name in spec.structs:
         size, fields = spec.layout(name)
-        fs = ", ".join(f"{f.name}: {json.dumps({'offset': at, 'kind': f.kind if f.ctype not in spec.structs else f.ctype, 'count': f.count})}"
+        fs = ", ".join(f"{f.name}: {json.dumps({'offset': at, 'kind': f.kind, 'count': f.count})}"
                        for at, f in fields)
         structs.append(f"  {name}: {{ size: {size}, fields: {{ {fs} }} }},")
     step = {"parts": [f.name for f in spec.structs["QMat"][1][1:]], "matrices": list(spec.matrices),

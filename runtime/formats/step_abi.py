@@ -144,17 +144,19 @@ REFUSAL_NAMES = {1: "STEP_TOO_MANY_TOKENS", 2: "STEP_OUT_OF_RANGE", 3: "STEP_TAI
 FORMAT = 2  # step.bin's layout (1: Q4_1 only, fp32 scales)
 
 
-def layout(name: str) -> tuple[int, dict[str, tuple[int, Field]]]:
-    """(sizeof, {field: (offsetof, field)}) of struct `name` in wasm32."""
+def layout(name: str, structs: dict | None = None) -> tuple[int, dict[str, tuple[int, Field]]]:
+    """(sizeof, {field: (offsetof, field)}) of struct `name` in wasm32, of `structs` (STRUCTS by default)."""
+    structs = STRUCTS if structs is None else structs
     at, fields = 0, {}
-    for f in STRUCTS[name][1]:
+    for f in structs[name][1]:
         fields[f.name] = (at, f)
-        at += f.count * sizeof(f.ctype)
+        at += f.count * sizeof(f.ctype, structs)
     return at, fields
 
 
-def sizeof(ctype: str) -> int:
-    return layout(ctype)[0] if ctype in STRUCTS else WORD
+def sizeof(ctype: str, structs: dict | None = None) -> int:
+    structs = STRUCTS if structs is None else structs
+    return layout(ctype, structs)[0] if ctype in structs else WORD
 
 
 def offset(name: str, field: str) -> int:

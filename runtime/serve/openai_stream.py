@@ -74,6 +74,7 @@ class ChunkStream:
         self.oid = P.new_id("chatcmpl" if chat else "cmpl")
         self.first: float | None = None  # time.monotonic() of the first output
         self.lasts: list[RequestOutput | None] = [None] * len(rids)  # each choice's latest output
+        self.split = splitters(parsed, len(rids)) if chat else None  # a reasoning model's: thinking apart
 
     async def __aiter__(self) -> AsyncIterator[dict]:
         decode = self.aengine.prompts.tokenizer.decode_token
@@ -83,7 +84,6 @@ class ChunkStream:
             for i in range(len(self.rids)):
                 yield P.chat_chunk(oid, model, created, {"role": "assistant", "content": ""}, index=i)
         held = [ToolCallStream(self, i, created) for i in range(len(self.rids))] if self.parsed.tools else []
-        self.split = splitters(self.parsed, len(self.rids)) if chat else None
         async with contextlib.aclosing(merged(self.aengine, self.rids)) as outs:
             async for i, out in outs:
                 if self.first is None:
@@ -124,8 +124,7 @@ class ChunkStream:
     @property
     def reasoning_tokens(self) -> int | None:
         """The choices' tokens inside their thinking blocks (a reasoning model's chat), else None."""
-        split = getattr(self, "split", None)
-        return None if split is None else sum(s.reasoning_tokens for s in split)
+        return None if self.split is None else sum(s.reasoning_tokens for s in self.split)
 
     @property
     def complete(self) -> bool:

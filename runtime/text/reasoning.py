@@ -22,7 +22,7 @@ class ThinkTokens:
 
 def think_tokens(tokenizer) -> ThinkTokens | None:
     """The model's thinking tags as single tokens of its vocabulary, or None (not a reasoning model)."""
-    ids = {text: i for i, text in tokenizer.id_to_token.items() if text in (OPEN, CLOSE) and i in tokenizer.added_ids}
+    ids = {tokenizer.id_to_token.get(i): i for i in tokenizer.added_ids}  # the added tokens only, not the vocabulary
     if OPEN in ids and CLOSE in ids:
         return ThinkTokens(ids[OPEN], ids[CLOSE])
     return None
