@@ -88,6 +88,7 @@ def manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict, 
             **({"layer_windows": list(spec.layer_windows)} if spec.layer_windows else {}),
             **({"attn_softcap": spec.attn_softcap} if spec.attn_softcap else {}),
             **({"final_softcap": spec.final_softcap} if spec.final_softcap else {}),
+            **compute_traits(spec),
         },
         "graphs": {
             "decoder": {"file": GRAPH_FILE, "lora": False},
@@ -137,3 +138,13 @@ def count_params(spec) -> int:
     per_layer = attn + 3 * h * i + 2 * h
     head = 0 if spec.tie_word_embeddings else spec.vocab_size * h
     return spec.num_layers * per_layer + spec.vocab_size * h + head + h
+
+
+def compute_traits(spec) -> dict:
+    """How the decoder computes beyond its projections, for engines that run it again outside its graph
+    (the instant loop's backward, runtime/backends/lora_gradients.py): they read this, never the
+    architecture's name. Written whole, so that a package without it is known to predate it."""
+    local = list(spec.layer_rope_local) if spec.layer_rope_local and any(spec.layer_rope_local) else None
+    return {"compute": {"activation": spec.activation, "embed_scale": float(spec.embed_scale),
+                        "attn_scale": spec.attn_scale, "qk_norm": bool(spec.qk_norm),
+                        "sandwich_norms": bool(spec.sandwich_norms), "layer_rope_local": local}}

@@ -22,7 +22,12 @@ import numpy as np
 from runtime.backends.dense_weights import GraphWeights
 from runtime.errors import PackageError
 
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+# packages written before the manifest said how its decoder computes (config["compute"]): these computed as a
+# Llama does; any other is refused rather than computed wrong
+LEGACY_ARCHITECTURES = ("llama", "mistral", "qwen2")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activations the backward differentiates
+LLAMA_COMPUTE = {"activation": "silu", "embed_scale": 1.0, "attn_scale": None, "qk_norm": False,
+                 "sandwich_norms": False, "layer_rope_local": None}
 
 
 @dataclass
@@ -61,6 +66,32 @@ def default_budget() -> int:
     return int(float(os.environ.get("RUVLLM_TRAIN_DENSE_MB", "1024")) * 2 ** 20)
 
 
+class FrozenPrefix:
+    """The residual stream where the lowest adapted layer reads it, per text, up to a byte budget (least
+    recently used out first). Nothing below that layer has a factor, so a text's stream there is the same
+    at every step: the epochs after the first over a feedback, and EWC++'s reference read again at every
+    refresh, run only the adapted layers."""
+
+    def __init__(self, budget_bytes: int = 64 * 2 ** 20) -> None:
+        from collections import OrderedDict
+
+        self.budget, self.used, self.kept = budget_bytes, 0, OrderedDict()
+
+    def get(self, key) -> np.ndarray | None:
+        got = self.kept.get(key)
+        if got is not None:
+            self.kept.move_to_end(key)
+        return got
+
+    def put(self, key, x: np.ndarray) -> None:
+        if key in self.kept or x.nbytes > self.budget:
+            return
+        self.kept[key] = x
+        self.used += x.nbytes
+        while self.used > self.budget:
+            self.used -= self.kept.popitem(last=False)[1].nbytes
+
+
 class _Layers:
     """The decoder's layers as the backward reads them, each dense on demand (DenseCache)."""
 
@@ -77,6 +108,39 @@ class _Layers:
 
     def __iter__(self):
         return (self[i] for i in range(self.count))
+
+
+@dataclass
+class Compute:
+    """How the decoder computes beyond its projections, as its manifest says (exporter/writers/manifest.py:
+    compute_traits): the backward reads these, never the architecture's name."""
+
+    activation: str = "silu"
+    embed_scale: float = 1.0
+    attn_scale: float | None = None  # None: 1 / sqrt(head_dim)
+    qk_norm: bool = False  # an RMS norm over each query and key head before RoPE
+    sandwich_norms: bool = False  # attention's and the MLP's outputs normed before their residual adds
+    windows: list = field(default_factory=list)  # per layer: a sliding window's width, or None
+    rope_local: list = field(default_factory=list)  # per layer: whether it reads rope_local's tables
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+
+    @classmethod
+    def from_manifest(cls, path, manifest: dict) -> Compute:
+        cfg, n = manifest["config"], manifest["config"]["num_layers"]
+        traits = cfg.get("compute")
+        if traits is None:
+            if manifest["architecture"] not in LEGACY_ARCHITECTURES:
+                raise PackageError(f"{path}: this {manifest['architecture']} package predates the manifest's "
+                                   f"config.compute; export it again to adapt its LoRA")
+            traits = LLAMA_COMPUTE
+        if traits["activation"] not in ACTIVATIONS:
+            raise PackageError(f"{path}: adapting a LoRA through the {traits['activation']!r} activation is not "
+                               f"supported (only {', '.join(ACTIVATIONS)})")
+        windows = cfg.get("layer_windows") or [cfg.get("sliding_window")] * n
+        return cls(traits["activation"], traits["embed_scale"], traits["attn_scale"], traits["qk_norm"],
+                   traits["sandwich_norms"], list(windows), list(traits["layer_rope_local"] or [False] * n),
+                   cfg.get("attn_softcap"), cfg.get("final_softcap"))
 
 
 @dataclass
@@ -97,21 +161,24 @@ class DenseDecoder:
     intermediate: int
     eps: float
     features: dict[str, tuple[int, int]] = field(default_factory=dict)  # target -> (in, out)
+    compute: Compute = field(default_factory=Compute)
+    local_cos: np.ndarray | None = None  # the sliding layers' own rotary tables (Gemma 3), when any reads them
+    local_sin: np.ndarray | None = None
+    prefix: FrozenPrefix = field(default_factory=FrozenPrefix)
 
     @classmethod
     def from_package(cls, pkg, budget_bytes: int | None = None) -> DenseDecoder:
         m, cfg = pkg.manifest, pkg.config
-        if m["architecture"] not in ARCHITECTURES:
-            raise PackageError(f"{pkg.path}: adapting a {m['architecture']} model's LoRA is not supported here yet "
-                               f"(only {', '.join(ARCHITECTURES)})")
+        compute = Compute.from_manifest(pkg.path, m)
         w = GraphWeights(pkg.file(m["graphs"]["decoder"]["file"]))
         hq, hkv, d, f = cfg["num_heads"], cfg["num_kv_heads"], cfg["head_dim"], cfg["intermediate_size"]
         h = cfg["hidden_size"]
         features = {"q_proj": (h, hq * d), "k_proj": (h, hkv * d), "v_proj": (h, hkv * d), "o_proj": (hq * d, h),
                     "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}
         cache = DenseCache(default_budget() if budget_bytes is None else budget_bytes)
+        local = (w.array("rope_local.cos"), w.array("rope_local.sin")) if any(compute.rope_local) else (None, None)
         return cls(w, cache, cfg["num_layers"], w.array("model.norm"), w.array("rope.cos"), w.array("rope.sin"),
-                   hq, hkv, d, f, cfg["rms_norm_eps"], features)
+                   hq, hkv, d, f, cfg["rms_norm_eps"], features, compute, *local)
 
     @property
     def layers(self) -> _Layers:
@@ -124,7 +191,18 @@ class DenseDecoder:
                  "gate_up_t": w.matrix(p + "gate_up_proj"), "down_t": w.matrix(p + "down_proj")}
         if p + "qkv_bias" in w.inits:
             layer["qkv_bias"] = w.array(p + "qkv_bias")
+        if self.compute.qk_norm:  # the graph's [Hq + Hkv, D]: each head's row of its kind's weights
+            layer["qk_norm"] = w.array(p + "qk_norm").reshape(self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.compute.sandwich_norms:
+            layer["pre_ff_norm"] = w.array(p + "pre_feedforward_layernorm")
+            layer["post_ff_norm"] = w.array(p + "post_feedforward_layernorm")
         return layer
+
+    def rope(self, layer: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer `layer`'s rotary tables for positions 0..T-1."""
+        if self.compute.rope_local and self.compute.rope_local[layer]:
+            return self.local_cos[:T], self.local_sin[:T]
+        return self.cos[:T], self.sin[:T]
 
     def embed_rows(self, ids: list[int]) -> np.ndarray:
         return self.weights.embedding_rows(np.asarray(ids))
@@ -165,6 +243,28 @@ def _rotate_back(dy: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray
     return np.concatenate([d1 * c + d2 * s, d2 * c - d1 * s], axis=-1)
 
 
+_GELU_C = np.float32(np.sqrt(2 / np.pi))
+
+
+def _activate(gate: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray]:
+    """The gate's activation and its derivative: SiLU, or GELU's tanh approximation (Gemma's GeGLU)."""
+    if kind == "silu":
+        sig = 1.0 / (1.0 + np.exp(-gate))
+        return gate * sig, sig * (1 + gate * (1 - sig))
+    th = np.tanh(_GELU_C * (gate + np.float32(0.044715) * gate ** 3))
+    slope = 0.5 * (1 + th) + 0.5 * gate * (1 - th * th) * _GELU_C * (1 + np.float32(3 * 0.044715) * gate * gate)
+    return 0.5 * gate * (1 + th), slope
+
+
+def _mask(T: int, window: int | None) -> np.ndarray:
+    """Causal, and within `window` positions back when the layer slides (the graph's rule: q - k < window)."""
+    pos = np.arange(T)
+    allowed = pos[None, :] <= pos[:, None]
+    if window:
+        allowed &= pos[None, :] > pos[:, None] - window
+    return np.where(allowed, np.float32(0), np.float32(-np.inf))
+
+
 def _add_lora(x: np.ndarray, y: np.ndarray, lora: Lora, key: tuple[int, str], cache: list) -> np.ndarray:
     """y (x's projection by the base weight) plus the target's LoRA delta, in place; the backward's inputs
     (x and x A^T) kept in `cache`."""
@@ -185,54 +285,89 @@ def lowest_layer(lora: Lora, layers: int) -> int:
 def _forward(dec: DenseDecoder, ids: list[int], lora: Lora, keep: bool):
     """The LoRA model's forward over one sequence: (the last layer's output, the final norm's output and
     root mean squares, the logits [T, vocab], what the backward reads per layer (kept when `keep`, from the
-    lowest adapted layer on; None below it))."""
+    lowest adapted layer on; None below it), the soft-capped logits' tanh (None without a cap))."""
     T = len(ids)
     if T < 2:
         raise ValueError("a text of at least two tokens")
     if T > dec.cos.shape[0]:
         raise ValueError(f"{T} tokens is past the model's {dec.cos.shape[0]} positions")
-    hq, hkv, d, F = dec.num_heads, dec.num_kv_heads, dec.head_dim, dec.intermediate
-    group, scale = hq // hkv, np.float32(1.0 / np.sqrt(d))  # an np.float64 would make the stream float64
-    cos, sin = dec.cos[:T], dec.sin[:T]
-    causal = np.triu(np.full((T, T), -np.inf, np.float32), 1)
-    x = dec.embed_rows(ids)
-    saved = []
+    hq, hkv, d, F, c = dec.num_heads, dec.num_kv_heads, dec.head_dim, dec.intermediate, dec.compute
+    group = hq // hkv
+    scale = np.float32(c.attn_scale or 1.0 / np.sqrt(d))  # an np.float64 would make the stream float64
+    masks = {w: _mask(T, w) for w in dict.fromkeys(c.windows)}
     lowest = lowest_layer(lora, len(dec.layers))
-    for i, L in enumerate(dec.layers):
-        lora_cache: list = []
+    key = (lowest, np.asarray(ids, np.int64).tobytes())
+    x = dec.prefix.get(key) if lowest > 0 else None
+    start = 0 if x is None else lowest
+    if x is None:
+        x = dec.embed_rows(ids)
+        if c.embed_scale != 1.0:
+            x = x * np.float32(c.embed_scale)
+    saved = [None] * start
+    for i in range(start, len(dec.layers)):
+        L = dec.layers[i]
+        if i == lowest:
+            dec.prefix.put(key, x)
+        s_: dict = {"x0": x, "lora": []}
         a, r1 = _rms(x, L["input_norm"], dec.eps)
         qkv = a @ L["qkv_t"]
         if "qkv_bias" in L:
             qkv = qkv + L["qkv_bias"]
         q, k, v = np.split(qkv, [hq * d, (hq + hkv) * d], axis=1)
         for t, part in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
-            _add_lora(a, part, lora, (i, t), lora_cache)
-        qr = _rotate(q.reshape(T, hq, d), cos, sin)
-        kr = _rotate(k.reshape(T, hkv, d), cos, sin)
+            _add_lora(a, part, lora, (i, t), s_["lora"])
+        q3, k3 = q.reshape(T, hq, d), k.reshape(T, hkv, d)
+        if c.qk_norm:
+            q3n, rq = _rms(q3, L["qk_norm"][:hq], dec.eps)
+            k3n, rk = _rms(k3, L["qk_norm"][hq:], dec.eps)
+            s_.update(q3=q3, k3=k3, rq=rq, rk=rk)
+            q3, k3 = q3n, k3n
+        cos, sin = dec.rope(i, T)
+        qr, kr = _rotate(q3, cos, sin), _rotate(k3, cos, sin)
         vv = v.reshape(T, hkv, d)
         qh = np.ascontiguousarray(qr.transpose(1, 0, 2))  # [hq, T, d]: batched matmuls, not einsum's loops
         kh = np.ascontiguousarray(np.repeat(kr, group, axis=1).transpose(1, 0, 2))
         vh = np.ascontiguousarray(np.repeat(vv, group, axis=1).transpose(1, 0, 2))
-        s = qh @ kh.transpose(0, 2, 1) * scale + causal  # [hq, T, T]
+        s = qh @ kh.transpose(0, 2, 1) * scale  # [hq, T, T]
+        if c.attn_softcap:
+            s_["cap"] = np.tanh(s / np.float32(c.attn_softcap))
+            s = s_["cap"] * np.float32(c.attn_softcap)
+        s = s + masks[c.windows[i]]
         s -= s.max(-1, keepdims=True)
         p = np.exp(s)
         p /= p.sum(-1, keepdims=True)
         o = (p @ vh).transpose(1, 0, 2).reshape(T, hq * d)
-        x1 = x + _add_lora(o, o @ L["o_t"], lora, (i, "o_proj"), lora_cache)
-        m, r2 = _rms(x1, L["post_norm"], dec.eps)
+        y = _add_lora(o, o @ L["o_t"], lora, (i, "o_proj"), s_["lora"])
+        if c.sandwich_norms:
+            yn, s_["r_pa"] = _rms(y, L["post_norm"], dec.eps)
+            x1 = x + yn
+            m, r2 = _rms(x1, L["pre_ff_norm"], dec.eps)
+        else:
+            x1 = x + y
+            m, r2 = _rms(x1, L["post_norm"], dec.eps)
         gu = m @ L["gate_up_t"]
         gate, up = gu[:, :F], gu[:, F:]
         for t, part in (("gate_proj", gate), ("up_proj", up)):
-            _add_lora(m, part, lora, (i, t), lora_cache)
-        sig = 1.0 / (1.0 + np.exp(-gate))
-        act = gate * sig * up
-        x2 = x1 + _add_lora(act, act @ L["down_t"], lora, (i, "down_proj"), lora_cache)
+            _add_lora(m, part, lora, (i, t), s_["lora"])
+        g, slope = _activate(gate, c.activation)
+        act = g * up
+        z = _add_lora(act, act @ L["down_t"], lora, (i, "down_proj"), s_["lora"])
+        if c.sandwich_norms:
+            zn, s_["r_pf"] = _rms(z, L["post_ff_norm"], dec.eps)
+            x2 = x1 + zn
+        else:
+            x2 = x1 + z
         if keep:  # what the backward reads (a scoring pass keeps nothing: 2,048 tokens' scores are GBs)
-            saved.append(None if i < lowest else (x, a, r1, qh, kh, vh, p, o, x1, m, r2, gate, up, sig, act, lora_cache))
+            s_.update(a=a, r1=r1, qh=qh, kh=kh, vh=vh, p=p, y=y, x1=x1, m=m, r2=r2, g=g, slope=slope, up=up, z=z)
+            saved.append(None if i < lowest else s_)
         x = x2
-    z, rf = _rms(x, dec.final_norm, dec.eps)
-    logits = z @ dec.head_t
-    return x, z, rf, logits, saved
+    zf, rf = _rms(x, dec.final_norm, dec.eps)
+    logits = zf @ dec.head_t
+    capped = None
+    if c.final_softcap:
+        capped = np.tanh(logits / np.float32(c.final_softcap))
+        logits = capped * np.float32(c.final_softcap)
+    return x, zf, rf, logits, saved, capped
 
 
 def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool = True,
@@ -242,17 +377,20 @@ def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool
     scored_from: the loss counts the predictions of tokens from this position on (the earlier ones are
     context only). unlikely: the unlikelihood loss -log(1 - p(token)) instead (Welleck et al. 2019), which
     pushes the scored tokens down without pulling any other token up in particular (an answer rated bad)."""
-    x, z, rf, logits, saved = _forward(dec, ids, lora, backward)
-    T, (hq, hkv, d) = len(ids), (dec.num_heads, dec.num_kv_heads, dec.head_dim)
-    group, scale = hq // hkv, np.float32(1.0 / np.sqrt(d))
-    cos, sin = dec.cos[:T], dec.sin[:T]
+    x, z, rf, logits, saved, capped = _forward(dec, ids, lora, backward)
+    T, (hq, hkv, d), c = len(ids), (dec.num_heads, dec.num_kv_heads, dec.head_dim), dec.compute
+    group, scale = hq // hkv, np.float32(c.attn_scale or 1.0 / np.sqrt(d))
     first = max(scored_from - 1, 0)  # the row predicting token `scored_from`
     targets = np.asarray(ids[first + 1:])
-    lg = logits[first:-1]
-    lg = lg - lg.max(-1, keepdims=True)
-    logp = lg - np.log(np.exp(lg).sum(-1, keepdims=True))
     n = len(targets)
-    picked = logp[np.arange(n), targets]
+    # the softmax in place in the logits, which then become their own gradient: a [T, vocab] array is the
+    # step's largest (50 MB at 256 tokens of SmolLM2's vocabulary), so none is made again
+    lg = logits[first:-1]
+    lg -= lg.max(-1, keepdims=True)
+    picked = lg[np.arange(n), targets].copy()
+    np.exp(lg, out=lg)
+    total = lg.sum(-1, keepdims=True)
+    picked -= np.log(total[:, 0])  # log p of each target
     if unlikely:
         p_t = np.minimum(np.exp(picked), np.float32(1 - 1e-6))
         rest = 1 - p_t
@@ -261,11 +399,15 @@ def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool
         loss = float(-picked.mean())
     if not backward:
         return loss, {}
-    dlogits = np.zeros_like(logits)
     # d(-log p_t)/dz = p - onehot; d(-log(1 - p_t))/dz = p_t / (1 - p_t) (onehot - p)
     weight = (-(p_t / rest) if unlikely else np.ones(n, np.float32))[:, None] / n
-    dlogits[first:-1] = np.exp(logp) * weight
-    dlogits[first + np.arange(n), targets] -= weight[:, 0]
+    lg *= (weight / total).astype(np.float32)
+    lg[np.arange(n), targets] -= weight[:, 0]
+    logits[:first] = 0
+    logits[-1] = 0
+    dlogits = logits
+    if capped is not None:  # logits = cap tanh(raw / cap)
+        dlogits *= 1 - capped * capped
     dx = _rms_back(dlogits @ dec.head_t.T, x, rf, dec.final_norm)
     grads: dict = {}
 
@@ -279,44 +421,53 @@ def loss_and_grads(dec: DenseDecoder, ids: list[int], lora: Lora, backward: bool
                 return dt @ A
         return None
 
+    def through(dy: np.ndarray, cache: list, key: tuple[int, str], weight_t: np.ndarray) -> np.ndarray:
+        """The input gradient of a projection (base weight and LoRA), the LoRA's factor gradients taken."""
+        din = dy @ weight_t.T
+        extra = lora_back(dy, cache, key)
+        return din if extra is None else din + extra
+
     for i in reversed(range(lowest_layer(lora, len(dec.layers)), len(dec.layers))):
-        L = dec.layers[i]
-        x0, a, r1, qh, kh, vh, p, o, x1, m, r2, gate, up, sig, act, cache = saved[i]
-        # MLP: x2 = x1 + down(act)
-        dact = dx @ L["down_t"].T
-        extra = lora_back(dx, cache, (i, "down_proj"))
-        if extra is not None:
-            dact += extra
-        dgate = dact * up * sig * (1 + gate * (1 - sig))
-        dup = dact * gate * sig
+        L, S = dec.layers[i], saved[i]
+        cache = S["lora"]
+        # MLP: x2 = x1 + [post_ff_norm](down(act))
+        dz = _rms_back(dx, S["z"], S["r_pf"], L["post_ff_norm"]) if c.sandwich_norms else dx
+        dact = through(dz, cache, (i, "down_proj"), L["down_t"])
+        dgate = dact * S["up"] * S["slope"]
+        dup = dact * S["g"]
         dm = np.concatenate([dgate, dup], axis=1) @ L["gate_up_t"].T
         for t, dpart in (("gate_proj", dgate), ("up_proj", dup)):
             extra = lora_back(dpart, cache, (i, t))
             if extra is not None:
                 dm += extra
-        dx1 = dx + _rms_back(dm, x1, r2, L["post_norm"])
-        # attention: x1 = x0 + o_proj(o)
-        do = dx1 @ L["o_t"].T
-        extra = lora_back(dx1, cache, (i, "o_proj"))
-        if extra is not None:
-            do += extra
+        dx1 = dx + _rms_back(dm, S["x1"], S["r2"], L["pre_ff_norm" if c.sandwich_norms else "post_norm"])
+        # attention: x1 = x0 + [post_attention_norm](o_proj(o))
+        dy = _rms_back(dx1, S["y"], S["r_pa"], L["post_norm"]) if c.sandwich_norms else dx1
+        do = through(dy, cache, (i, "o_proj"), L["o_t"])
+        p, vh, kh, qh = S["p"], S["vh"], S["kh"], S["qh"]
         doh = np.ascontiguousarray(do.reshape(T, hq, d).transpose(1, 0, 2))  # [hq, T, d]
         dp = doh @ vh.transpose(0, 2, 1)  # [hq, T, T]
         dvh = p.transpose(0, 2, 1) @ doh  # [hq, T, d]
-        ds = p * (dp - (dp * p).sum(-1, keepdims=True)) * scale
+        ds = p * (dp - (dp * p).sum(-1, keepdims=True))
+        if c.attn_softcap:
+            ds *= 1 - S["cap"] * S["cap"]
+        ds *= scale
         dqr = (ds @ kh).transpose(1, 0, 2)  # [T, hq, d]
         dkh = ds.transpose(0, 2, 1) @ qh
         dkr = dkh.reshape(hkv, group, T, d).sum(1).transpose(1, 0, 2)  # the group's heads share a kv head
         dv = dvh.reshape(hkv, group, T, d).sum(1).transpose(1, 0, 2)
-        dq = _rotate_back(dqr, cos, sin).reshape(T, hq * d)
-        dk = _rotate_back(dkr, cos, sin).reshape(T, hkv * d)
-        dv = dv.reshape(T, hkv * d)
+        cos, sin = dec.rope(i, T)
+        dq3, dk3 = _rotate_back(dqr, cos, sin), _rotate_back(dkr, cos, sin)
+        if c.qk_norm:
+            dq3 = _rms_back(dq3, S["q3"], S["rq"], L["qk_norm"][:hq])
+            dk3 = _rms_back(dk3, S["k3"], S["rk"], L["qk_norm"][hq:])
+        dq, dk, dv = dq3.reshape(T, hq * d), dk3.reshape(T, hkv * d), dv.reshape(T, hkv * d)
         da = np.concatenate([dq, dk, dv], axis=1) @ L["qkv_t"].T
         for t, dpart in (("q_proj", dq), ("k_proj", dk), ("v_proj", dv)):
             extra = lora_back(dpart, cache, (i, t))
             if extra is not None:
                 da += extra
-        dx = dx1 + _rms_back(da, x0, r1, L["input_norm"])
+        dx = dx1 + _rms_back(da, S["x0"], S["r1"], L["input_norm"])
     return loss, grads
 
 

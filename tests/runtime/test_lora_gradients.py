@@ -11,11 +11,14 @@ from runtime.package import load_package
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.mark.parametrize("arch,unlikely,layers", [("llama", False, None), ("qwen2", False, None), ("llama", True, None),
-                                                 ("llama", False, [1])])
+@pytest.mark.parametrize("arch,unlikely,layers", [
+    ("llama", False, None), ("qwen2", False, None), ("llama", True, None), ("llama", False, [1]),
+    ("mistral", False, None), ("qwen3", False, None), ("gemma", False, None), ("gemma2", False, None),
+    ("gemma3", False, None), ("gemma3", True, [1])])
 def test_loss_and_factor_gradients_equal_peft_autograd(arch, unlikely, layers, tiny_model_dir, tiny_package):
-    """Also with the upper layer alone adapted (PEFT's layers_to_transform), where the backward stops above
-    the lower one."""
+    """Every family the exporter supports, read through the manifest's compute traits (sliding windows,
+    head norms, GeGLU, sandwich norms, soft caps, a RoPE base per layer); also with the upper layer alone
+    adapted (PEFT's layers_to_transform), where the backward stops above the lower one."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -221,3 +224,48 @@ def test_user_b_answers_alike_before_and_after_user_a_adapts(tmp_path, tiny_pack
     after = answers()
     assert after["user-b"] == before["user-b"] and after[None] == before[None]
     assert after["user-a"] != before["user-a"]
+
+
+def test_the_frozen_prefix_changes_no_bit_and_is_used(tiny_package):
+    """A text's residual stream below the lowest adapted layer is kept (FrozenPrefix) and read back at the
+    next step: the loss and every gradient equal a decoder's that computes everything again, bit for bit."""
+    pkg = load_package(tiny_package("gemma3"))
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, pkg.config["vocab_size"], 30).tolist()
+    shape = DenseDecoder.from_package(pkg).features
+    lora = Lora({(1, t): (rng.standard_normal((2, shape[t][0])).astype(np.float32) * 0.1,
+                          rng.standard_normal((shape[t][1], 2)).astype(np.float32) * 0.1) for t in TARGETS}, 2.0)
+    cached = DenseDecoder.from_package(pkg)
+    first = loss_and_grads(cached, ids, lora)
+    assert len(cached.prefix.kept) == 1
+    cached.embed_rows = None  # a hit must not read the embeddings again
+    again = loss_and_grads(cached, ids, lora)
+    fresh = loss_and_grads(DenseDecoder.from_package(pkg), ids, lora)
+    for got in (again, first):
+        assert got[0] == fresh[0]
+        for key, pair in fresh[1].items():
+            for a, b in zip(got[1][key], pair):
+                assert np.array_equal(a, b), key
+
+
+def test_the_fisher_is_measured_again_every_n_steps_of_a_user_across_feedbacks():
+    from runtime.core.feedback_plan import refresh_before
+
+    assert refresh_before(0, 3, 4) == [0]  # a new user's, before anything moves
+    assert refresh_before(0, 12, 4) == [0, 4, 8]  # one long text: as its steps take the factors
+    assert refresh_before(3, 2, 4) == [1] and refresh_before(5, 2, 4) == []  # counted over feedbacks
+    assert refresh_before(0, 5, 0) == []
+
+
+def test_a_package_that_does_not_say_how_it_computes_is_refused_by_name():
+    from runtime.backends.lora_gradients import Compute
+    from runtime.errors import PackageError
+
+    config = {"num_layers": 2, "hidden_size": 8}
+    assert Compute.from_manifest("p", {"architecture": "llama", "config": config}).activation == "silu"
+    with pytest.raises(PackageError, match="predates"):
+        Compute.from_manifest("p", {"architecture": "gemma3_text", "config": config})
+    with pytest.raises(PackageError, match="'gelu' activation"):
+        Compute.from_manifest("p", {"architecture": "gemma", "config": {**config, "compute": {
+            "activation": "gelu", "embed_scale": 1.0, "attn_scale": None, "qk_norm": False, "sandwich_norms": False,
+            "layer_rope_local": None}}})
