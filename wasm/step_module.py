@@ -18,7 +18,7 @@ import numpy as np
 
 from runtime.formats import step_abi
 from runtime.formats.block_types import OWN
-from runtime.formats.step_abi import REFUSALS, offset, pack, pack_array, sizeof
+from runtime.formats.step_abi import LEARN_REFUSALS, REFUSALS, offset, pack, pack_array, sizeof
 
 SOURCE = Path(__file__).resolve().parent / "step" / "step.c"
 # -mrelaxed-simd: clang fuses step.c's multiply-adds into f32x4.relaxed_madd, which Chromium and wasmtime run
@@ -361,8 +361,8 @@ class WasmStep:
             "scale": scale, "ids": ids_at, "a": ptrs[0], "b": ptrs[1], "ga": ptrs[2], "gb": ptrs[3], "loss": loss_at}))
         status = self._exports["step_learn"](self.store, self.model, spec)
         if status:
-            raise ValueError(f"step_learn refused the text ({status})" if status != 3 else
-                             f"the WASM step's trainer runs llama and Qwen2 models, not {self.cfg.get('arch')}")
+            raise ValueError(f"the WASM step's trainer refused a {self.cfg.get('arch')} text of {len(ids)} tokens: "
+                             + LEARN_REFUSALS.get(status, f"status {status}"))
         read = lambda ptr, n: np.frombuffer(self.memory.read(self.store, ptr, ptr + 4 * n), np.float32)  # noqa: E731
         grads = {}
         for (layer, target), (a, bt) in factors.items():

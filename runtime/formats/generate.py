@@ -37,6 +37,8 @@ class Spec:
     kv_dtypes: tuple = step_abi.KV_DTYPES
     refusals: dict = field(default_factory=lambda: dict(step_abi.REFUSALS))
     refusal_names: dict = field(default_factory=lambda: dict(step_abi.REFUSAL_NAMES))
+    learn_refusals: dict = field(default_factory=lambda: dict(step_abi.LEARN_REFUSALS))
+    learn_refusal_names: dict = field(default_factory=lambda: dict(step_abi.LEARN_REFUSAL_NAMES))
     targets: tuple = step_abi.TARGETS
     matrices: tuple = step_abi.MATRICES
     archs: dict = field(default_factory=lambda: dict(step_abi.ARCHS))
@@ -113,6 +115,8 @@ def step_header(spec: Spec) -> str:
     kv = ", ".join(f"KV_{d.upper()} = {i}" for i, d in enumerate(spec.kv_dtypes))
     acts = ", ".join(f"ACT_{a.upper()} = {i}" for i, a in enumerate(spec.activations))
     refusals = "\n".join(f"  {spec.refusal_names[i]} = {i},  // {text}" for i, text in spec.refusals.items())
+    learn_refusals = "\n".join(f"  {spec.learn_refusal_names[i]} = {i},  // {text}"
+                               for i, text in spec.learn_refusals.items())
     lines = "\n\n".join(structs)
     functions = "\n".join([
         switch("planes_of", "bit planes above the nibble", lambda t: t.planes),
@@ -137,6 +141,9 @@ enum {{ {acts} }};  // Model.act
 enum {{  // step_run's refusals
 {refusals}
 }};
+enum {{  // step_learn's refusals
+{learn_refusals}
+}};
 
 {lines}
 """
@@ -156,7 +163,8 @@ def formats_js(spec: Spec) -> str:
     step = {"parts": [f.name for f in spec.structs["QMat"][1][1:]], "matrices": list(spec.matrices),
             "targets": list(spec.targets), "kvDtypes": list(spec.kv_dtypes), "activations": list(spec.activations),
             "archs": {name: dataclasses.asdict(f) for name, f in spec.archs.items()},
-            "refusals": {str(k): v for k, v in spec.refusals.items()}, "format": spec.format,
+            "refusals": {str(k): v for k, v in spec.refusals.items()},
+            "learnRefusals": {str(k): v for k, v in spec.learn_refusals.items()}, "format": spec.format,
             "kinds": {n: next(t.kind for t in spec.types if t.name == n) for n in spec.step_kinds}}
     steps = "\n".join(f"  {k}: {json.dumps(v)}," for k, v in step.items())
     return f"""// {NOTE.format("block_types.py and step_abi.py")}

@@ -141,6 +141,12 @@ REFUSALS = {1: "too many tokens", 2: "a position, slot or logits row out of rang
             4: "a sliding-window model on a quantized KV pool (the step keeps its KV in fp32)"}  # step_run's statuses
 REFUSAL_NAMES = {1: "STEP_TOO_MANY_TOKENS", 2: "STEP_OUT_OF_RANGE", 3: "STEP_TAILS_MISSING",
                  4: "STEP_WINDOWED_QUANTIZED"}  # their C names
+LEARN_REFUSALS = {1: "a text of fewer than 2 tokens, more than the trainer's room or the model's positions, or scored from "
+                    "past its end",
+                  2: "a rank outside 1-16, or a token outside the vocabulary",
+                  3: "a model whose forward the trainer does not follow (it runs llama's and Qwen2's: SiLU, no head or "
+                     "sandwich norms, no sliding window)"}  # step_learn's statuses
+LEARN_REFUSAL_NAMES = {1: "LEARN_BAD_LENGTH", 2: "LEARN_OUT_OF_RANGE", 3: "LEARN_FAMILY"}  # their C names
 FORMAT = 2  # step.bin's layout (1: Q4_1 only, fp32 scales)
 
 

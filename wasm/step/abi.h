@@ -31,6 +31,11 @@ enum {  // step_run's refusals
   STEP_TAILS_MISSING = 3,  // a row reads or keeps exact rows its quantized pool's tails do not hold
   STEP_WINDOWED_QUANTIZED = 4,  // a sliding-window model on a quantized KV pool (the step keeps its KV in fp32)
 };
+enum {  // step_learn's refusals
+  LEARN_BAD_LENGTH = 1,  // a text of fewer than 2 tokens, more than the trainer's room or the model's positions, or scored from past its end
+  LEARN_OUT_OF_RANGE = 2,  // a rank outside 1-16, or a token outside the vocabulary
+  LEARN_FAMILY = 3,  // a model whose forward the trainer does not follow (it runs llama's and Qwen2's: SiLU, no head or sandwich norms, no sliding window)
+};
 
 // a matrix in the step's layout (exporter/step_weights.py): its block type, then its parts
 typedef struct QMat {

@@ -463,18 +463,17 @@ static float head_loss(const Model* m, const Learn* J, const float* z) {
 
 // ---- the exported entries ----
 
-// The loss of J's text under its LoRA and every adapted factor's gradient (J->ga, J->gb). Returns 0;
-// 1 when the text is longer than learn_init made room for (or shorter than two tokens, or scores
-// nothing), 2 when an id is outside the vocabulary or the rank past 16.
+// The loss of J's text under its LoRA and every adapted factor's gradient (J->ga, J->gb). Returns 0,
+// or one of abi.h's LEARN_* refusals (room: what learn_init made).
 EXPORT int step_learn(const Model* m, const Learn* J) {
   const int T = J->num_tokens, D = m->dim;
-  if (T < 2 || T > l_capacity || T > m->max_pos || J->scored_from >= T) return 1;
-  if (J->rank < 1 || J->rank > 16) return 2;
+  if (T < 2 || T > l_capacity || T > m->max_pos || J->scored_from >= T) return LEARN_BAD_LENGTH;
+  if (J->rank < 1 || J->rank > 16) return LEARN_OUT_OF_RANGE;
   for (int t = 0; t < T; t++)
-    if (J->ids[t] < 0 || J->ids[t] >= m->vocab) return 2;
-  if (m->act != ACT_SILU || m->embed_scale != 1.f) return 3;  // the forward here is a llama's or a Qwen2's
+    if (J->ids[t] < 0 || J->ids[t] >= m->vocab) return LEARN_OUT_OF_RANGE;
+  if (m->act != ACT_SILU || m->embed_scale != 1.f) return LEARN_FAMILY;  // the forward here is a llama's or a Qwen2's
   for (int l = 0; l < m->layers; l++)
-    if (m->layer[l].q_norm || m->layer[l].post_attn_norm || m->layer[l].window) return 3;
+    if (m->layer[l].q_norm || m->layer[l].post_attn_norm || m->layer[l].window) return LEARN_FAMILY;
   for (int t = 0; t < T; t++) qmat_row(&m->embd, J->ids[t], D, l_saved + (size_t)t * D);
   for (int l = 0; l < m->layers; l++)
     layer_forward(m, J, l, l_saved + (size_t)l * T * D, l_saved + (size_t)(l + 1) * T * D);

@@ -38,6 +38,7 @@ export const STEP = {
   activations: ["silu", "gelu_tanh"],
   archs: {"llama": {"rope_neox": false, "activation": "silu", "qkv_bias": false, "qk_norm": false, "sandwich_norms": false, "embed_scale": false, "swa_pattern": 0, "local_rope_base": null}, "qwen2": {"rope_neox": true, "activation": "silu", "qkv_bias": true, "qk_norm": false, "sandwich_norms": false, "embed_scale": false, "swa_pattern": 0, "local_rope_base": null}, "gemma3": {"rope_neox": true, "activation": "gelu_tanh", "qkv_bias": false, "qk_norm": true, "sandwich_norms": true, "embed_scale": true, "swa_pattern": 6, "local_rope_base": 10000.0}},
   refusals: {"1": "too many tokens", "2": "a position, slot or logits row out of range", "3": "a row reads or keeps exact rows its quantized pool's tails do not hold", "4": "a sliding-window model on a quantized KV pool (the step keeps its KV in fp32)"},
+  learnRefusals: {"1": "a text of fewer than 2 tokens, more than the trainer's room or the model's positions, or scored from past its end", "2": "a rank outside 1-16, or a token outside the vocabulary", "3": "a model whose forward the trainer does not follow (it runs llama's and Qwen2's: SiLU, no head or sandwich norms, no sliding window)"},
   format: 2,
   kinds: {"Q4_K": 1, "Q6_K": 2, "Q5_K": 3, "Q5_0": 4, "Q4_0": 5, "Q4_1": 6, "Q5_1": 7, "Q8_0": 8},
 };

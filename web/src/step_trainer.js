@@ -93,8 +93,7 @@ export class StepTrainer {
     writeStruct(r.k.memory.buffer, this.struct, 'Learn', { num_tokens: ids.length, scored_from: scoredFrom,
       unlikely: unlikely ? 1 : 0, exact: 0, rank: this.spec.rank, scale: this.scale, ids: this.ids, a, b, ga, gb, loss: this.loss });
     const status = r.k.step_learn(r.model, this.struct);
-    if (status === 3) throw new Error(`the WASM step's trainer runs llama and Qwen2 models, not ${this.cfg.arch}`);
-    if (status) throw new Error(status === 1 ? `the WASM step cannot learn from ${ids.length} tokens (scored from ${scoredFrom})` : 'a feedback token is outside the vocabulary');
+    if (status) throw new Error(`the WASM step's trainer refused a ${this.cfg.arch} text of ${ids.length} tokens: ${STEP.learnRefusals[status] ?? `status ${status}`}`);
     return r.f32(this.loss, 1)[0];
   }
 
@@ -237,10 +236,14 @@ export class PageLearner {
     return this.meta ? { meta: this.meta, peft: this.trainer.peft() } : {};
   }
 
-  async feedback(store, spec, { steps, consolidate, chunk, meta }) {
+  // refresh: the steps (indices) before which EWC++'s Fisher is measured again on `reference`
+  // (runtime/core/feedback_plan.py: refresh_before)
+  async feedback(store, spec, { steps, refresh, reference, chunk, meta }) {
     await this.open(store, spec);
-    const t0 = performance.now(), losses = steps.map(([ids, from, unlikely, scale]) => this.trainer.step(ids, from, unlikely, scale));
-    if (consolidate) this.trainer.consolidate(consolidate, chunk);
+    const t0 = performance.now(), losses = steps.map(([ids, from, unlikely, scale], j) => {
+      if (refresh && refresh.includes(j)) this.trainer.consolidate(reference, chunk);
+      return this.trainer.step(ids, from, unlikely, scale);
+    });
     const seconds = (performance.now() - t0) / 1000;
     await StepTrainer.write(store, this.trainer.serialize(meta));
     this.meta = meta;
