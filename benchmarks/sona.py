@@ -1,22 +1,25 @@
 """Per-user adaptation (issue 51): does a user's MicroLoRA, learned by the instant loop, lower the
 perplexity of the rest of that user's text? (not a test)
 
-    python benchmarks/sona.py --package PKG [--users 8] [--tokens 1024] [--epochs 3]
+    python benchmarks/sona.py [--package PKG] [--users 8] [--tokens 1024] [--user-set held-out|tuning]
     python benchmarks/sona.py --page [--users 4]      the loop in Chromium, on the page's WASM step
 
-Each "user" is the long description (README) of an installed package, named in the output: the first
---tokens tokens are the feedback the loop learns from, in chunks of 256 (runtime/backends/micro_lora.py:
-Adam on rank-2 factors of the last third of the layers' projections (the server's default), gradients from lora_gradients.py, no torch), the next
---tokens are scored teacher-forced. Per user: no adaptation; the first half in context before the second;
-a random adapter with the trained one's factor norms; the adapted user. Also the perplexity of a general
-text (CPython's LICENSE.txt) before and after each user's adaptation (forgetting), and how far the adapter
-moved the model: the mean KL from the base model's next-token distributions on the model's own sampled
-answer (own_text) and on the general text; --ewc is EWC++'s strength (2), measured on that own text. PKG: any package of a llama, mistral or qwen2 model
-(the loop learns against the weights it serves, quantized or not). Prints JSON.
+What a user gets from `ruvllm serve --personalize` without flags: each "user" (the long description, README,
+of an installed package, named in the output) sends its first --tokens tokens as one text feedback to the
+server's own Personalization (runtime/serve/personalization.py) at PersonalSettings' defaults (every flag
+here that is left out is the server's default: epochs, step size, rank, layers, targets, EWC++ and its
+reference, the model's own answer to the server's prompt); the next --tokens are scored teacher-forced.
+Per user: no adaptation; the first half in context before the second; a random adapter with the trained
+one's factor norms; the adapted user; the seconds the feedback took (the server's own count). Also the
+perplexity of a general text (CPython's LICENSE.txt) before and after each user's adaptation (forgetting),
+and how far the adapter moved the model: the mean KL from the base model's next-token distributions on the
+model's own answer and on the general text. --user-set: `held-out` (default) are users 9-16, whose texts
+the defaults were not chosen on; `tuning` users 1-8. PKG: any package whose manifest says how its decoder
+computes (default: the embedded model's int4 package). Prints JSON.
 
 With --page the loop runs in headless Chromium instead: the bundle's SmolLM2 (`python -m wasm build`) on
 its WASM step, each user's first half sent as engine.feedback({ user, text }) pieces of about 256 tokens
-(EWC++ and its reference as the page does them), then the user's adapter is taken out of the page
+(the page's defaults are the server's), then the user's adapter is taken out of the page
 (engine.userAdapter()) and scored here exactly as the native users are; PKG defaults to the native
 default package, whose Q4_1/Q8_0 blocks the page's step reads. Seconds per 256 tokens are the page's.
 """
@@ -47,16 +50,41 @@ def user_text(name: str) -> str:
     return meta.get("Description") or meta.get_payload()
 
 
-def own_text(package, tokens: int) -> list[int]:
-    """What EWC++ measures "what the model did well" on: the model's own answer, sampled (temperature 1,
-    seed 0) by the engine, so that no text from outside the model is needed."""
+def own_text(package, settings: PersonalSettings) -> list[int]:
+    """The model's own answer to the server's reference prompt, sampled as the server samples it: what
+    EWC++ weighs drift on, and the KL is measured on."""
     from runtime.core.engine import Engine
+    from runtime.serve.personalization import REFERENCE_MESSAGES, reference_params
 
     engine = Engine.from_package(package.path)
-    params = engine.sampling_params(temperature=1.0, seed=0, max_tokens=tokens, ignore_eos=True)
-    messages = [{"role": "user", "content": "Tell me about something you know well, in detail."}]
-    prompt = engine.encode_prompt(messages=messages)
-    return prompt + [t for o in engine.generate(prompt, params) for t in o.token_ids]
+    prompt = engine.encode_prompt(messages=REFERENCE_MESSAGES)
+    return prompt + [t for o in engine.generate(prompt, reference_params(settings)) for t in o.token_ids]
+
+
+class ServedUsers:
+    """The server's instant loop (Personalization, as `serve --personalize` runs it) in a state folder of
+    its own; each user's text learned as one feedback."""
+
+    def __init__(self, pkg, settings: PersonalSettings, reference: list[int] | None) -> None:
+        import tempfile
+
+        from runtime.serve.personalization import Personalization
+
+        self.folder = tempfile.mkdtemp(prefix="sona-users-")
+        self.users = Personalization(pkg, self.folder, settings, lambda name, folder: None, lambda name: None)
+        if settings.ewc:
+            self.users.set_reference(reference)
+
+    def learn(self, name: str, ids: list[int]) -> tuple[Path, float, int]:
+        from runtime.serve.personalization import Feedback, stored_adapter
+
+        got = self.users.feedback("sona", name, Feedback("text", ids))
+        return stored_adapter(self.users.root, "sona", name), got["seconds"], got["tokens"]
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class PageUsers:
@@ -83,17 +111,16 @@ class PageUsers:
         self.page.evaluate("async (threads) => { window.engine = await window.createEngine({ model: '/models/smollm2-135m/', "
                            "backend: 'wasm-step', speculativeTokens: 0, threads }); }", threads)
 
-    def learn(self, name: str, pieces: list[str], epochs: int) -> tuple[Path, float, int]:
-        """Each piece as a feedback, `epochs` times: the adapter's PEFT folder, the page's learning
-        seconds, the tokens it learned from."""
+    def learn(self, name: str, pieces: list[str]) -> tuple[Path, float, int]:
+        """Each piece as a feedback (the page's own settings, the server's defaults): the adapter's PEFT
+        folder, the page's learning seconds, the tokens it learned from."""
         import tempfile
 
         seconds, tokens = 0.0, 0
-        for _ in range(epochs):
-            for text in pieces:
-                got = self.page.evaluate("async (body) => await window.engine.feedback(body)", {"user": name, "text": text})
-                seconds += got["learn_seconds"]
-                tokens += got["tokens"]
+        for text in pieces:
+            got = self.page.evaluate("async (body) => await window.engine.feedback(body)", {"user": name, "text": text})
+            seconds += got["learn_seconds"]
+            tokens += got["tokens"]
         files = self.page.evaluate("async (user) => Object.fromEntries(Object.entries(await window.engine.userAdapter(user))"
                                    ".map(([k, v]) => [k, Array.from(v)]))", name)
         folder = Path(tempfile.mkdtemp(prefix=f"sona-page-{name}-"))
@@ -107,26 +134,30 @@ class PageUsers:
         self.server.shutdown()
 
 
+def settings_from(args) -> PersonalSettings:
+    """PersonalSettings' defaults, but for the flags given."""
+    given = {"targets": tuple(args.targets.split(",")) if args.targets else None, "rank": args.rank,
+             "top_layers": args.layers, "lr": args.lr, "epochs": args.epochs, "ewc": args.ewc,
+             "reference_tokens": args.reference_tokens}
+    return PersonalSettings(**{k: v for k, v in given.items() if v is not None})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--package", default=None, help="default: the embedded model's int4 package")
     ap.add_argument("--page", action="store_true", help="the loop in Chromium on the page's WASM step")
     ap.add_argument("--threads", type=int, default=2, help="--page: the step's threads")
     ap.add_argument("--users", type=int, default=None, help="default: 8 natively, 4 in the page")
+    ap.add_argument("--user-set", choices=("held-out", "tuning"), default="held-out")
     ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--rank", type=int, default=2)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
-    ap.add_argument("--layers", type=float, default=PersonalSettings.top_layers,
-                    help="the share of the layers adapted, the last ones (the server's default; 1: all)")
-    ap.add_argument("--ewc", type=float, default=PersonalSettings.ewc, help="EWC++'s strength (0: off)")
-    ap.add_argument("--reference-tokens", type=int, default=512, help="EWC++: the model's own text it is measured on")
+    for flag, kind in (("epochs", int), ("rank", int), ("lr", float), ("targets", str), ("layers", float),
+                       ("ewc", float), ("reference-tokens", int)):
+        ap.add_argument(f"--{flag}", type=kind, default=None, help="default: the server's (PersonalSettings)")
     ap.add_argument("--save-adapters", default=None, metavar="DIR",
-                    help="write each user's adapter there as a PEFT folder (for `ruvllm bench --adapters`)")
+                    help="copy each user's adapter there as a PEFT folder (for `ruvllm bench --adapters`)")
     args = ap.parse_args()
     from runtime.backends.lora_gradients import DenseDecoder, Lora, log_softmax_rows, loss_and_grads, mean_kl
-    from runtime.backends.micro_lora import MicroLora, read_peft
+    from runtime.backends.micro_lora import read_peft
     from runtime.package import load_package
     from runtime.text.prompt import package_tokenizer
 
@@ -134,7 +165,9 @@ def main() -> None:
         from runtime.aliases import cached_package_dir
 
         args.package = cached_package_dir("smollm2-135m", "int4")  # `ruvllm download smollm2-135m` makes it
-    users = args.users or (4 if args.page else 8)
+    settings = settings_from(args)
+    count = args.users or (4 if args.page else 8)
+    names = USERS[8:8 + count] if args.user_set == "held-out" else USERS[:count]
     pkg = load_package(args.package)
     dec = DenseDecoder.from_package(pkg)
     tok = package_tokenizer(pkg)
@@ -142,23 +175,18 @@ def main() -> None:
     general = tok.encode((Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text())[:args.tokens]
     ppl = lambda ids, lora, scored_from=0: math.exp(loss_and_grads(dec, ids, lora, False, scored_from)[0])  # noqa: E731
     general_base = ppl(general, none)
-    own = own_text(pkg, args.reference_tokens)
-    reference = own if args.ewc and not args.page else None
+    own = own_text(pkg, settings)
     base_own, base_general = log_softmax_rows(dec, own, none), log_softmax_rows(dec, general[:512], none)
-    page = PageUsers(args.threads) if args.page else None  # the page's settings are the server's defaults
+    learner = PageUsers(args.threads) if args.page else ServedUsers(pkg, settings, own)
     rows, rng = [], np.random.default_rng(0)
-    for name in USERS[:users]:
+    for name in names:
         ids = tok.encode(user_text(name))
         first, second = ids[:args.tokens], ids[args.tokens:2 * args.tokens]
-        if page:
-            pieces = [tok.decode(first[s:s + 250]) for s in range(0, len(first), 250)]
-            folder, seconds, tokens = page.learn(name, pieces, args.epochs)
-            adapted, learned = read_peft(folder), {"seconds": seconds, "tokens": tokens}
+        if args.page:
+            folder, seconds, tokens = learner.learn(name, [tok.decode(first[s:s + 250]) for s in range(0, len(first), 250)])
         else:
-            layers = PersonalSettings(top_layers=args.layers).layers(len(dec.layers))
-            user = MicroLora(dec, tuple(args.targets.split(",")), rank=args.rank, lr=args.lr, ewc=args.ewc, layers=layers)
-            learned = user.learn(first, chunk=256, epochs=args.epochs, reference=reference)
-            adapted = user.lora
+            folder, seconds, tokens = learner.learn(name, first)
+        adapted = read_peft(folder)
         random = Lora({k: tuple((rng.standard_normal(f.shape) * np.linalg.norm(f) / math.sqrt(f.size)).astype(np.float32)
                                 for f in pair) for k, pair in adapted.factors.items()}, adapted.scale)
         context = first[-2048:] + second
@@ -168,22 +196,25 @@ def main() -> None:
                "general_after": ppl(general, adapted),
                "kl_own_text": round(mean_kl(base_own, log_softmax_rows(dec, own, adapted)), 6),
                "kl_general": round(mean_kl(base_general, log_softmax_rows(dec, general[:512], adapted)), 6),
-               "seconds_per_256_tokens": round(learned["seconds"] / (learned["tokens"] / 256), 2)}
+               "feedback_seconds": round(seconds, 2), "feedback_tokens": tokens}
         row["adapted_vs_none"] = round(row["adapted"] / row["none"] - 1, 4)
         row["forgetting"] = round(row["general_after"] / general_base - 1, 4)
-        if args.save_adapters and not page:
-            row["adapter"] = str(user.save_peft(Path(args.save_adapters) / name, base=pkg.name))
+        if args.save_adapters:
+            import shutil
+
+            row["adapter"] = shutil.copytree(folder, Path(args.save_adapters) / name, dirs_exist_ok=True).as_posix()
         print(json.dumps(row), file=sys.stderr, flush=True)
         rows.append(row)
-    if page:
-        page.close()
+    learner.close()
     mean = lambda key: round(float(np.mean([r[key] for r in rows])), 4)  # noqa: E731
-    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "package": str(pkg.path), "targets": args.targets, "layers": args.layers,
-                      "where": f"page (Chromium, WASM step, {args.threads} threads)" if page else "native",
-                      "ewc": args.ewc,
-                      "rank": args.rank, "lr": args.lr, "epochs": args.epochs, "tokens": args.tokens,
-                      "general_text_ppl": general_base, "mean_adapted_vs_none": mean("adapted_vs_none"),
-                      "mean_forgetting": mean("forgetting"),
+    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "package": str(pkg.path), "user_set": args.user_set,
+                      "where": f"page (Chromium, WASM step, {args.threads} threads)" if args.page else "native, the server's loop",
+                      "settings": {k: getattr(settings, k) for k in ("targets", "rank", "top_layers", "lr", "epochs",
+                                                                      "ewc", "reference_tokens", "chunk")},
+                      "tokens": args.tokens, "general_text_ppl": general_base,
+                      "mean_adapted_vs_none": mean("adapted_vs_none"), "mean_forgetting": mean("forgetting"),
+                      "max_forgetting": max(r["forgetting"] for r in rows),
+                      "max_feedback_seconds": max(r["feedback_seconds"] for r in rows),
                       "adapted_below_random_for_every_user": all(r["adapted"] < r["random_adapter"] for r in rows),
                       "users": rows}, indent=1))
 

@@ -87,6 +87,11 @@ class MicroLora:
         self._v = self.lora.zeros_like()
         self._t = 0
 
+    @property
+    def steps(self) -> int:
+        """Adam steps taken (kept with the state)."""
+        return self._t
+
     def step(self, ids: list[int], scored_from: int = 0, unlikely: bool = False, lr_scale: float = 1.0) -> float:
         """One Adam step on the text's mean next-token loss (from `scored_from` on; the unlikelihood loss
         for `unlikely`), at lr x lr_scale; the loss before the step."""

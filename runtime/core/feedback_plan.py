@@ -36,3 +36,13 @@ def feedback_steps(kind: str, ids: list[int], scored_from: int, rating: float, c
         cut = len(ids) - window
         ids, scored_from = ids[cut:], max(scored_from - cut, 1)
     return [LearnStep(ids, scored_from, rating < 0, abs(rating)) for _ in range(epochs)]
+
+
+def refresh_before(done: int, planned: int, every: int) -> list[int]:
+    """The steps of a feedback (indices into its plan) before which EWC++'s Fisher is measured again: every
+    `every`-th step a user's trainer takes, counting its steps over all feedbacks (`done` before this
+    one), the first included, so that a new user's Fisher is measured before anything moves. Counted in
+    steps, not feedbacks: a long text is many steps, and its factors drift as far as its steps take them."""
+    if every <= 0:
+        return []
+    return [j for j in range(planned) if (done + j) % every == 0]

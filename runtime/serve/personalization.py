@@ -10,8 +10,9 @@ answer they preferred to a conversation (learned as the reply to it), or a ratin
 zero it is learned as preferred, at that fraction of the step size; below zero the unlikelihood loss
 pushes its tokens down (lora_gradients). Each is a few Adam steps on the user's factors (the instant
 loop), then a new version of the adapter is served to the user's next requests. Every
-`consolidate_every` feedbacks the EWC++ Fisher is refreshed on the model's own text (the background
-loop, micro_lora.consolidate), which holds the factors near what the model did well.
+`consolidate_every` steps (a new user's first included) the EWC++ Fisher is measured again on the model's
+own text (micro_lora.consolidate, feedback_plan.refresh_before), which holds the factors near what the
+model did well.
 
 On disk, per package (its name and the digest of its manifest):
     <state>/<package>/<user digest>/user.json            the user's name and key, counts, the version served
@@ -37,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.core.feedback_plan import feedback_steps
+from runtime.core.feedback_plan import feedback_steps, refresh_before
 from runtime.errors import RequestError
 
 ADAPTER_PREFIX = "user:"  # engine adapter names of users' adapters: never a request's `model`
@@ -53,19 +54,21 @@ class PersonalSettings:
 
     # every projection of the last third of the layers at rank 2, EWC++ 2: on 8 users of SmolLM2, -5.6 %
     # perplexity, the general text +0.1 % (at most +0.5 %); every layer with EWC++ 4 gave -5.8 % but one
-    # user +1.4 %; q and v alone at rank 4 -3.5 % (docs/PERFORMANCE.md, sessions 35 and 46)
+    # user +1.4 %; q and v alone at rank 4 -3.5 % (docs/PERFORMANCE.md, sessions 35 and 46). Two passes at
+    # 4e-3, the Fisher measured again every 4 steps: what a 1,024-token feedback gives in about 9 s on
+    # SmolLM2 (-6.8 % on the users tuned on, session 48; one pass at 3e-3 gave -2.1 %)
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     rank: int = 2
     # the share of the layers adapted, the last ones: on SmolLM2 the lower two thirds of an all-layer
     # user's adapter gave a quarter of its benefit and most of its forgetting
     top_layers: float = 1 / 3
     alpha: float = 8.0
-    lr: float = 3e-3
-    epochs: int = 1
+    lr: float = 4e-3
+    epochs: int = 2
     chunk: int = 256  # tokens a step when learning from a text
     ewc: float = 2.0  # EWC++ strength (0: off)
     fisher_decay: float = 0.5
-    consolidate_every: int = 4  # feedbacks between the background loop's Fisher refreshes
+    consolidate_every: int = 4  # a user's trainer steps between EWC++'s Fisher refreshes
     reference_tokens: int = 256  # the model's own text the Fisher is measured on
     max_trainers: int = 4  # users' trainers kept in memory (the others are read back from disk)
     max_feedback_tokens: int = 8192
@@ -235,16 +238,16 @@ class Personalization:
                 last = max((int(p.name[1:]) for p in self._versions(digest)), default=0)
                 meta = {"user": user, "key": key, "version": last, "feedbacks": 0, "tokens": 0, "created": time.time()}
             plan = feedback_steps(fb.kind, fb.ids, fb.scored_from, fb.rating, s.chunk, s.epochs, self._positions())
-            losses = [trainer.step(*step) for step in plan]
-            steps = len(plan)
+            reference = self._load_reference() if s.ewc else None
+            refresh = set(refresh_before(trainer.steps, len(plan), s.consolidate_every)) if reference else set()
+            losses = []
+            for j, step in enumerate(plan):
+                if j in refresh:
+                    trainer.consolidate(reference, s.chunk)
+                losses.append(trainer.step(*step))
+            steps, consolidated = len(plan), bool(refresh)
             meta["feedbacks"] += 1
             meta["tokens"] += len(fb.ids) - fb.scored_from
-            consolidated = False
-            if s.ewc and meta["feedbacks"] % s.consolidate_every == 0:
-                reference = self._load_reference()
-                if reference:
-                    trainer.consolidate(reference, s.chunk)
-                    consolidated = True
             if steps:
                 meta["version"] += 1
                 self._write_version(digest, trainer, meta["version"])
@@ -337,8 +340,6 @@ class Personalization:
                 except (OSError, ValueError) as err:
                     raise RequestError(f"this user's stored state does not fit ({err}); reset the user to start "
                                        "again", "user") from None
-            elif s.ewc and self._load_reference():  # a new user's Fisher, at the model as it is
-                trainer.consolidate(self._load_reference(), s.chunk)
         self._trainers[digest] = trainer
         while len(self._trainers) > self.settings.max_trainers:
             self._trainers.popitem(last=False)
@@ -390,11 +391,9 @@ def personalization_for(engine, settings: PersonalSettings, state_dir: str | Pat
                            "without LoRA inputs (export it again without --no-lora)")
     if settings.rank > engine.config.max_lora_rank:
         raise PackageError(f"--personalize-rank {settings.rank} is above --max-lora-rank {engine.config.max_lora_rank}")
-    from runtime.backends.lora_gradients import ARCHITECTURES
+    from runtime.backends.lora_gradients import Compute
 
-    if pkg.manifest["architecture"] not in ARCHITECTURES:
-        raise PackageError(f"{pkg.path}: personalization learns {', '.join(ARCHITECTURES)} models' adapters; this "
-                           f"one is {pkg.manifest['architecture']}")
+    Compute.from_manifest(pkg.path, pkg.manifest)  # a decoder the backward cannot follow is refused by name
     return Personalization(pkg, state_dir, settings, register, unregister)
 
 

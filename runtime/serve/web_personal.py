@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from runtime.core.adapters import peft_lora_config
-from runtime.core.feedback_plan import feedback_steps
+from runtime.core.feedback_plan import feedback_steps, refresh_before
 from runtime.errors import RequestError
 from runtime.serve.personalization import (
     ADAPTER_PREFIX,
@@ -115,20 +115,20 @@ class PageUsers:
         started = time.perf_counter()
         digest, meta = await self._opened(user)
         plan = feedback_steps(fb.kind, fb.ids, fb.scored_from, fb.rating, s.chunk, s.epochs, self.window)
-        consolidate = None
-        if s.ewc and (meta["feedbacks"] + 1) % s.consolidate_every == 0:
-            consolidate = await self._reference(meta)
+        refresh = refresh_before(meta.get("steps", 0), len(plan), s.consolidate_every) if s.ewc else []
+        reference = await self._reference(meta) if refresh else None
         updated = {**meta, "feedbacks": meta["feedbacks"] + 1, "tokens": meta["tokens"] + len(fb.ids) - fb.scored_from,
+                   "steps": meta.get("steps", 0) + len(plan),
                    "version": meta["version"] + (1 if plan else 0), "updated": time.time()}
         got = await self._call("learn_feedback", self._store(digest), self._spec(), {
             "steps": [[list(st.ids), st.scored_from, bool(st.unlikely), float(st.lr_scale)] for st in plan],
-            "consolidate": consolidate, "chunk": s.chunk, "meta": updated})
+            "refresh": refresh, "reference": reference, "chunk": s.chunk, "meta": updated})
         self._open[digest] = updated
         if plan:
             self._serve(digest, bytes(got["peft"]))
         return {"object": "feedback", "user": user, "kind": fb.kind, "tokens": len(fb.ids) - fb.scored_from,
                 "steps": len(plan), "losses": [round(x, 4) for x in got["losses"]], "version": updated["version"],
-                "feedbacks": updated["feedbacks"], "consolidated": consolidate is not None,
+                "feedbacks": updated["feedbacks"], "consolidated": bool(refresh),
                 "seconds": round(time.perf_counter() - started, 3), "learn_seconds": round(got["seconds"], 3)}
 
     async def forget(self, user: str) -> bool:

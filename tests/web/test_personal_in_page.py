@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 
+from runtime.core.feedback_plan import refresh_before
+from runtime.serve.personalization import PersonalSettings
 from tests.web.conftest import CHAT, LOAD_ENGINE
 
 pytestmark = pytest.mark.slow
 
 SMOL = "/models/smollm2-135m/"
+SETTINGS = PersonalSettings()  # the page's
 QUESTION = [{"role": "user", "content": "Write one sentence about the sea."}]
 TEXT = ("Arr, the sea be a cruel mistress, matey! Hoist the mainsail, swab the deck, and mind the kraken. "
         "Every pirate worth his salt knows the tides, the stars and the creak of a good ship's timbers. ") * 2
@@ -44,7 +47,9 @@ def test_a_page_user_learns_from_feedback_keeps_it_over_a_reload_and_forgets_it(
 
     first = p.evaluate(FEEDBACK, {"text": TEXT})
     assert "failed" not in first, first
-    assert first["version"] == 1 and first["steps"] == 1 and first["user"] == "alice", first
+    # the server's defaults: each text learned in `epochs` passes, a new user's Fisher measured first
+    assert first["version"] == 1 and first["steps"] == SETTINGS.epochs and first["user"] == "alice", first
+    assert first["consolidated"] is True
     # the page learned from the text the native tokenizer makes of it, on the same model: the loss before
     # its first step is the base model's, as the native trainer computes it (within the step's rounding)
     pkg = load_package(smol_int4)
@@ -66,7 +71,9 @@ def test_a_page_user_learns_from_feedback_keeps_it_over_a_reload_and_forgets_it(
                        ".map(([k, v]) => [k, Array.from(v)]))")
     assert sorted(files) == ["adapter_config.json", "adapter_model.safetensors"]
     fourth = p.evaluate(FEEDBACK, {"text": TEXT})
-    assert fourth["consolidated"] is True and fourth["version"] == 4  # EWC++'s Fisher refreshed on the model's text
+    # EWC++'s Fisher measured again every `consolidate_every` of the user's steps, as natively
+    again = bool(refresh_before(3 * SETTINGS.epochs, SETTINGS.epochs, SETTINGS.consolidate_every))
+    assert fourth["consolidated"] is again and fourth["version"] == 4
     for name, data in files.items():
         (tmp_path / name).write_bytes(bytes(data))
     native_adapted, _ = loss_and_grads(dec, ids, read_peft(tmp_path), backward=False)
