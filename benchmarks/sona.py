@@ -186,7 +186,7 @@ def main() -> None:
             folder, seconds, tokens = learner.learn(name, [tok.decode(first[s:s + 250]) for s in range(0, len(first), 250)])
         else:
             folder, seconds, tokens = learner.learn(name, first)
-        adapted = read_peft(folder)
+        adapted = read_peft(folder, pkg.config)
         random = Lora({k: tuple((rng.standard_normal(f.shape) * np.linalg.norm(f) / math.sqrt(f.size)).astype(np.float32)
                                 for f in pair) for k, pair in adapted.factors.items()}, adapted.scale)
         context = first[-2048:] + second

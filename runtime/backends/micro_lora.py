@@ -47,18 +47,18 @@ def adam_update(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, t: i
     w -= (lr * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)).astype(np.float32)
 
 
-def read_peft(folder: str | Path) -> Lora:
-    """save_peft's folder (or any PEFT LoRA of these targets, a page user's too) as the trainer's Lora."""
-    from safetensors.numpy import load_file
+def read_peft(folder: str | Path, config: dict) -> Lora:
+    """A PEFT LoRA folder (a user's, natively or from the page, or any of these targets) as the trainer's
+    Lora, read and checked against the package's `config` by the engine's own reader (core/adapters.py:
+    rank and alpha patterns, rsLoRA, fused targets): each part's scale is carried in its B."""
+    from runtime.backends.adapter_weights import read_tensor
+    from runtime.core.adapters import read_adapter
 
-    folder = Path(folder)
-    cfg = json.loads((folder / "adapter_config.json").read_text())
-    tensors, factors = load_file(str(folder / "adapter_model.safetensors")), {}
-    for name, a in tensors.items():
-        if name.endswith(".lora_A.weight"):
-            parts = name.split(".")  # base_model.model.model.layers.<i>.<module>.<target>.lora_A.weight
-            factors[(int(parts[4]), parts[6])] = (a, tensors[name.replace("lora_A", "lora_B")])
-    return Lora(factors, cfg["lora_alpha"] / cfg["r"])
+    info = read_adapter("peft", folder, config, "", max_rank=1 << 16)
+    with open(info.weights, "rb") as fh:
+        factors = {key: (read_tensor(info.weights, part.a, fh), read_tensor(info.weights, part.b, fh) * np.float32(part.scale))
+                   for key, part in info.parts.items()}
+    return Lora(factors, 1.0)
 
 
 class MicroLora:

@@ -269,3 +269,32 @@ def test_a_package_that_does_not_say_how_it_computes_is_refused_by_name():
         Compute.from_manifest("p", {"architecture": "gemma", "config": {**config, "compute": {
             "activation": "gelu", "embed_scale": 1.0, "attn_scale": None, "qk_norm": False, "sandwich_norms": False,
             "layer_rope_local": None}}})
+
+
+def test_a_peft_folder_is_read_as_peft_scales_it(tiny_model_dir, tiny_package, tmp_path):
+    """read_peft goes through the engine's one PEFT reader: rsLoRA's alpha / sqrt(r), a rank pattern and
+    layers_to_transform give the loss PEFT's model gives."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from runtime.backends.micro_lora import read_peft
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), torch_dtype=torch.float32).eval()
+    peft = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, lora_dropout=0.0,
+                                            use_rslora=True, rank_pattern={"down_proj": 2}, layers_to_transform=[1]))
+    with torch.no_grad():
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2)
+    peft.save_pretrained(tmp_path)
+    ids = np.random.default_rng(2).integers(0, model.config.vocab_size, 30).tolist()
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        want = torch.nn.functional.cross_entropy(peft(x).logits[0, :-1], x[0, 1:]).item()
+    pkg = load_package(tiny_package("llama"))
+    lora = read_peft(tmp_path, pkg.config)
+    assert {layer for layer, _ in lora.factors} == {1} and lora.factors[(1, "down_proj")][0].shape[0] == 2
+    got = loss_and_grads(DenseDecoder.from_package(pkg), ids, lora, backward=False)[0]
+    assert got == pytest.approx(want, rel=1e-5)

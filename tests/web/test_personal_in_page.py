@@ -76,7 +76,7 @@ def test_a_page_user_learns_from_feedback_keeps_it_over_a_reload_and_forgets_it(
     assert fourth["consolidated"] is again and fourth["version"] == 4
     for name, data in files.items():
         (tmp_path / name).write_bytes(bytes(data))
-    native_adapted, _ = loss_and_grads(dec, ids, read_peft(tmp_path), backward=False)
+    native_adapted, _ = loss_and_grads(dec, ids, read_peft(tmp_path, pkg.config), backward=False)
     assert abs(native_adapted - fourth["losses"][0]) < 0.02, (native_adapted, fourth["losses"])
     assert native_loss - native_adapted > 0.05, (native_loss, native_adapted)
     learned = answer(p)
