@@ -54,10 +54,10 @@ def own_text(package, settings: PersonalSettings) -> list[int]:
     """The model's own answer to the server's reference prompt, sampled as the server samples it: what
     EWC++ weighs drift on, and the KL is measured on."""
     from runtime.core.engine import Engine
-    from runtime.serve.personalization import REFERENCE_MESSAGES, reference_params
+    from runtime.serve.personalization import reference_params, reference_prompt
 
     engine = Engine.from_package(package.path)
-    prompt = engine.encode_prompt(messages=REFERENCE_MESSAGES)
+    prompt = reference_prompt(engine.prompts)
     return prompt + [t for o in engine.generate(prompt, reference_params(settings)) for t in o.token_ids]
 
 

@@ -110,10 +110,18 @@ def reference_params(settings: PersonalSettings):
     return SamplingParams(temperature=1.0, seed=0, max_tokens=settings.reference_tokens, ignore_eos=True)
 
 
+def reference_prompt(prompts) -> list[int]:
+    """What the model's own text for EWC++ answers: REFERENCE_MESSAGES through the chat template, or for
+    a base model without one (Gemma 3 270M's GGUF), their words as a text to continue."""
+    if prompts.chat_template is None:
+        return prompts.encode(REFERENCE_MESSAGES[-1]["content"] + "\n")
+    return prompts.encode(None, REFERENCE_MESSAGES)
+
+
 async def sample_reference(aengine, settings: PersonalSettings) -> list[int]:
-    """The model's own text for EWC++ (REFERENCE_MESSAGES' answer, sampled by an AsyncEngine): the
+    """The model's own text for EWC++ (the answer to reference_prompt, sampled by an AsyncEngine): the
     server's and the page's alike."""
-    prompt = aengine.prompts.encode(None, REFERENCE_MESSAGES)
+    prompt = reference_prompt(aengine.prompts)
     tokens: list[int] = []
     async for out in aengine.generate(prompt, reference_params(settings)):
         tokens += out.token_ids

@@ -251,3 +251,18 @@ def test_chat_user_learns_and_info_and_exporter_see_it(tiny_package, tmp_path):
     config = PeftConfig.from_pretrained(str(out))
     assert config.r == 2 and set(config.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                              "up_proj", "down_proj"}
+
+
+def test_a_base_model_without_a_chat_template_gets_a_reference_text_too(tiny_package):
+    """EWC++'s reference is the model's answer to the server's question; a base model (no chat template,
+    as Gemma 3 270M's GGUF) continues the question's words instead of failing the first feedback."""
+    from runtime.package import load_package
+    from runtime.serve.personalization import REFERENCE_MESSAGES, reference_prompt
+    from runtime.text.prompt import PromptEncoder, package_tokenizer
+
+    pkg = load_package(tiny_package("llama"))
+    tok = package_tokenizer(pkg)
+    chat = PromptEncoder.from_package(pkg, pkg.config["vocab_size"], 256)
+    base = PromptEncoder(tok, None, pkg.config["vocab_size"], 256)
+    assert chat.chat_template is not None and reference_prompt(chat) == chat.encode(None, REFERENCE_MESSAGES)
+    assert reference_prompt(base) == tok.encode(REFERENCE_MESSAGES[-1]["content"] + "\n")
