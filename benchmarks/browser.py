@@ -6,7 +6,7 @@ browser's caches), rounds interleaved; prints JSON with medians of load time, TT
 for both visits. Not a test: speed is never asserted.
 
     python benchmarks/browser.py [--repeats 3] [--threads 2] [--tokens 128]
-    python benchmarks/browser.py --gguf FILE --engines ruvllm:step.nolookup,wllama [--context 500]
+    python benchmarks/browser.py --gguf FILE --engines ruvllm:step.nolookup,wllama [--context 500] [--raw]
 
 With --gguf, RuvLLM gets FILE exported for the page (its WASM step reads the file's own blocks) and
 wllama gets FILE itself; benchmarks/sizes.py makes random-weight GGUFs of real shapes.
@@ -162,7 +162,7 @@ def gguf_models(gguf: Path) -> tuple[str, str]:
 
 def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens: int, dtype: str | None,
             timeout_s: int, reload_prompt: str = "same", kv: str = "fp32", context: int = 0,
-            files: tuple[str, str] | None = None, tjs: str = "smollm2-tjs") -> dict:
+            files: tuple[str, str] | None = None, tjs: str = "smollm2-tjs", raw: bool = False) -> dict:
     """A first visit, then a reload: a returning visitor's load, from the browser's own caches.
 
     Each run gets a new persistent profile (a fresh user-data folder), so the first visit is cold and
@@ -185,7 +185,7 @@ def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens:
         try:
             url = (f"{base}bench/bench.html?engine={engine}&threads={threads}&tokens={tokens}"
                    + (f"&dtype={dtype}" if dtype else "") + f"&reload={reload_prompt}&kv={kv}&context={context}"
-                   + (f"&model={files[0]}&gguf={files[1]}" if files else "") + f"&tjs={tjs}")
+                   + (f"&model={files[0]}&gguf={files[1]}" if files else "") + f"&tjs={tjs}" + ("&raw=1" if raw else ""))
             memory = RendererPeak(profile)
             page.goto(url)
             page.wait_for_function("window.result || window.failure", timeout=timeout_s * 1000, polling=500)
@@ -232,6 +232,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=0, help="about this many tokens of text before the question")
     ap.add_argument("--gguf", type=Path, help="a GGUF for RuvLLM (exported for the page) and wllama alike, instead "
                     "of SmolLM2")
+    ap.add_argument("--raw", action="store_true", help="a text completion of the same words instead of a chat "
+                    "(a base model whose GGUF has no chat template: Gemma 3 270M)")
     ap.add_argument("--hf", type=Path, help="with --gguf: the Hugging Face folder the GGUF was converted from, for "
                     "transformers.js (its fp32 weights, the GGUF's before quantization; default: benchmarks/sizes.py's "
                     "SHAPE-hf beside a SHAPE-TYPE.gguf)")
@@ -270,7 +272,7 @@ def main() -> None:
             for name, dtype, kv in engines:
                 key = (name if not dtype else f"{name}:{dtype}") + (f"[kv {kv}]" if kv != "fp32" else "")
                 res = run_one(p, launch, base, name, args.threads, args.tokens, dtype, args.timeout, args.reload_prompt,
-                              kv, args.context, files, tjs)
+                              kv, args.context, files, tjs, args.raw)
                 log(f"round {r + 1} {key}: {json.dumps(res)[:300]}")
                 runs.setdefault(key, []).append(res)
     server.shutdown()
