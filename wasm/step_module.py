@@ -371,6 +371,17 @@ class WasmStep:
                                       read(tables[3][at], bt.size).reshape(bt.shape).copy())
         return float(read(loss_at, 1)[0]), grads
 
+    def weight_rms(self, layer: int, target: str, rows: int, cols: int) -> float:
+        """learn_weight_rms: the RMS of a layer's matrix as the step reads it (what a page user's factors
+        step by a share of); learn_init's room must exist."""
+        from runtime.formats.step_abi import MATRICES
+
+        if not self._learn_room:
+            self._exports["learn_init"](self.store, self.model, 64)
+            self._learn_room = 64
+        return float(self._exports["learn_weight_rms"](self.store, self.model, layer,
+                                                        MATRICES.index(target.removesuffix("_proj")), rows, cols))
+
     def adam(self, w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, t: int, lr: float,
              fisher: np.ndarray | None = None, start: np.ndarray | None = None, ewc: float = 0.0) -> tuple:
         """learn_adam on copies of float32 arrays: (w, m, v) after Adam's step t."""

@@ -198,6 +198,15 @@ class DenseDecoder:
             layer["post_ff_norm"] = w.array(p + "post_feedforward_layernorm")
         return layer
 
+    def projection(self, layer: int, target: str) -> np.ndarray:
+        """A target's weight [in, out] in layer `layer` (a view into the fused matrix that holds it)."""
+        L, hq, hkv, d, f = self.layers[layer], self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate
+        cols = {"q_proj": ("qkv_t", 0, hq * d), "k_proj": ("qkv_t", hq * d, (hq + hkv) * d),
+                "v_proj": ("qkv_t", (hq + hkv) * d, (hq + 2 * hkv) * d), "o_proj": ("o_t", 0, None),
+                "gate_proj": ("gate_up_t", 0, f), "up_proj": ("gate_up_t", f, 2 * f), "down_proj": ("down_t", 0, None)}
+        name, lo, hi = cols[target]
+        return L[name][:, lo:hi]
+
     def rope(self, layer: int, T: int) -> tuple[np.ndarray, np.ndarray]:
         """Layer `layer`'s rotary tables for positions 0..T-1."""
         if self.compute.rope_local and self.compute.rope_local[layer]:

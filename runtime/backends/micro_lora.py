@@ -36,6 +36,11 @@ def ewc_pull(g: np.ndarray, w: np.ndarray, fisher: np.ndarray, start: np.ndarray
     return g + ewc * fisher * (w - start)
 
 
+def weight_rms(w: np.ndarray) -> float:
+    """A projection's root mean square, summed in float64 (the page's step sums the same way)."""
+    return float(np.sqrt(np.mean(np.square(w, dtype=np.float64))))
+
+
 def adam_update(w: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, t: int, lr: float) -> None:
     """Adam's step t on w in place (moments m, v in place), in float32 throughout, as the page's step
     computes it (wasm/step/learn.h: learn_adam)."""
@@ -63,9 +68,10 @@ def read_peft(folder: str | Path, config: dict) -> Lora:
 
 class MicroLora:
     def __init__(self, decoder: DenseDecoder, targets: tuple[str, ...] = ("q_proj", "v_proj"), rank: int = 4,
-                 alpha: float = 8.0, lr: float = 3e-3, seed: int = 0, ewc: float = 0.0, fisher_decay: float = 0.5,
+                 alpha: float = 8.0, lr: float = 0.02, seed: int = 0, ewc: float = 0.0, fisher_decay: float = 0.5,
                  layers: Iterable[int] | None = None) -> None:
-        """`layers`: the layers adapted (PEFT's layers_to_transform; None: every one)."""
+        """`layers`: the layers adapted (PEFT's layers_to_transform; None: every one); `lr`: Adam's step as a
+        share of each adapted projection's weight RMS (rates)."""
         self.dec, self.targets, self.rank, self.alpha, self.lr = decoder, tuple(targets), rank, alpha, lr
         self.ewc, self.fisher_decay = ewc, fisher_decay
         count = len(decoder.layers)
@@ -86,15 +92,26 @@ class MicroLora:
         self._m = self.lora.zeros_like()
         self._v = self.lora.zeros_like()
         self._t = 0
+        self._rates: dict | None = None
 
     @property
     def steps(self) -> int:
         """Adam steps taken (kept with the state)."""
         return self._t
 
+    @property
+    def rates(self) -> dict[tuple[int, str], float]:
+        """Each factor pair's step: lr times its projection's weight RMS (weight_rms), so that a step moves
+        an adapter by the same share of what it adapts whatever the model's scale (Gemma 3 270M's
+        projections are 5-10 times smaller than SmolLM2's; one absolute step made it forget 12 %)."""
+        if self._rates is None:
+            self._rates = {k: self.lr * weight_rms(self.dec.projection(*k)) for k in self.lora.factors}
+        return self._rates
+
     def step(self, ids: list[int], scored_from: int = 0, unlikely: bool = False, lr_scale: float = 1.0) -> float:
         """One Adam step on the text's mean next-token loss (from `scored_from` on; the unlikelihood loss
-        for `unlikely`), at lr x lr_scale; the loss before the step."""
+        for `unlikely`), at rates x lr_scale; the loss before the step."""
+        rates = self.rates
         loss, grads = loss_and_grads(self.dec, ids, self.lora, scored_from=scored_from, unlikely=unlikely)
         if self.ewc:
             grads = {k: tuple(ewc_pull(g, w, f, w0, self.ewc) for g, f, w, w0 in
@@ -102,7 +119,8 @@ class MicroLora:
         self._t += 1
         for key, pair in grads.items():
             for j, g in enumerate(pair):
-                adam_update(self.lora.factors[key][j], g, self._m[key][j], self._v[key][j], self._t, lr_scale * self.lr)
+                adam_update(self.lora.factors[key][j], g, self._m[key][j], self._v[key][j], self._t,
+                            lr_scale * rates[key])
         return loss
 
     def consolidate(self, reference: list[int], chunk: int = 256) -> None:

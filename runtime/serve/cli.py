@@ -245,7 +245,7 @@ def personal_args(p, serve: bool) -> None:
     g.add_argument("--personalize-rank", type=int, default=S.rank, help="a user's adapter rank (1-16, default %(default)s)")
     g.add_argument("--personalize-layers", type=float, default=S.top_layers, metavar="SHARE",
                    help="the share of the layers a user's adapter adapts, the last ones (default 1/3; 1: all)")
-    g.add_argument("--personalize-lr", type=float, default=S.lr, help="the instant loop's Adam step size")
+    g.add_argument("--personalize-lr", type=float, default=S.lr, help="the instant loop's Adam step, as a share of each adapted projection's weight RMS")
     g.add_argument("--personalize-epochs", type=int, default=S.epochs, help="passes over each feedback")
     g.add_argument("--personalize-ewc", type=float, default=S.ewc,
                    help="EWC++ strength against forgetting (0: off; default %(default)s)")

@@ -54,16 +54,16 @@ class PersonalSettings:
 
     # every projection of the last third of the layers at rank 2, EWC++ 2: on 8 users of SmolLM2, -5.6 %
     # perplexity, the general text +0.1 % (at most +0.5 %); every layer with EWC++ 4 gave -5.8 % but one
-    # user +1.4 %; q and v alone at rank 4 -3.5 % (docs/PERFORMANCE.md, sessions 35 and 46). Two passes at
-    # 4e-3, the Fisher measured again every 4 steps: what a 1,024-token feedback gives in about 9 s on
-    # SmolLM2 (-6.8 % on the users tuned on, session 48; one pass at 3e-3 gave -2.1 %)
+    # user +1.4 %; q and v alone at rank 4 -3.5 % (docs/PERFORMANCE.md, sessions 35 and 46). Two passes, each
+    # step 2 % of a projection's weight RMS (4e-3 on SmolLM2's), the Fisher measured again every 4 steps:
+    # what a 1,024-token feedback gives in about 9 s on SmolLM2 (session 48)
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     rank: int = 2
     # the share of the layers adapted, the last ones: on SmolLM2 the lower two thirds of an all-layer
     # user's adapter gave a quarter of its benefit and most of its forgetting
     top_layers: float = 1 / 3
     alpha: float = 8.0
-    lr: float = 4e-3
+    lr: float = 0.02  # Adam's step, a share of each adapted projection's weight RMS (micro_lora.rates)
     epochs: int = 2
     chunk: int = 256  # tokens a step when learning from a text
     ewc: float = 2.0  # EWC++ strength (0: off)

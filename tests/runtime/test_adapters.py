@@ -380,7 +380,7 @@ def test_layers_a_users_adapter_leaves_out_are_skipped_with_bit_equal_logits(tin
     if kernel_library.library()[0] is None:
         pytest.skip("RuvLLM's kernels do not build here")
     pkg = load_package(tiny_package("llama", "int4"))
-    user = MicroLora(DenseDecoder.from_package(pkg), tuple(C.LORA_TARGETS), rank=2, lr=3e-2, layers=[1])
+    user = MicroLora(DenseDecoder.from_package(pkg), tuple(C.LORA_TARGETS), rank=2, lr=0.3, layers=[1])
     user.learn(PROMPT * 4, chunk=16, epochs=2)
     backend = NativeBackend(pkg)
     backend.allocate(64, 4)

@@ -18,7 +18,7 @@ from tests.conftest import run_cli
 from tests.runtime.test_server import LiveServer
 
 ALICE_KEY, BOB_KEY = "sk-team-a-0123456789", "sk-team-b-9876543210"
-SETTINGS = PersonalSettings(targets=("q_proj", "v_proj", "down_proj"), rank=2, lr=3e-2, epochs=2,
+SETTINGS = PersonalSettings(targets=("q_proj", "v_proj", "down_proj"), rank=2, lr=0.3, epochs=2,
                             reference_tokens=24, consolidate_every=2)
 PHRASE = "the quick brown fox jumps over the lazy dog near the quiet river bank "
 
@@ -145,7 +145,7 @@ def test_a_rating_moves_the_answer_the_way_it_says(tiny_package, tmp_path):
     from runtime.serve.personalization import LocalUser, tokenize_feedback
 
     engine = Engine.from_package(tiny_package("llama"))
-    settings = PersonalSettings(rank=2, lr=2e-2, ewc=0.0)
+    settings = PersonalSettings(rank=2, lr=0.2, ewc=0.0)
     messages = [{"role": "user", "content": "Name a colour."}]
     results = {}
     for name, what in (("up", {"kind": "rating", "rating": 1.0}), ("down", {"kind": "rating", "rating": -1.0}),
@@ -174,7 +174,7 @@ def test_a_users_state_resumes_from_disk_where_it_stopped(tiny_package, tmp_path
     from runtime.core.engine import Engine
     from runtime.serve.personalization import LocalUser
 
-    settings = PersonalSettings(rank=2, lr=2e-2, reference_tokens=16, consolidate_every=1)
+    settings = PersonalSettings(rank=2, lr=0.2, reference_tokens=16, consolidate_every=1)
     text = PHRASE * 3
     one = LocalUser(Engine.from_package(tiny_package("llama")), "carol", settings, tmp_path / "a")
     for _ in range(2):
@@ -215,7 +215,7 @@ def test_a_forgotten_users_folder_goes_at_the_next_start_and_a_new_users_stays(t
     from runtime.core.engine import Engine
     from runtime.serve.personalization import FORGOTTEN, LocalUser
 
-    settings = PersonalSettings(rank=2, lr=2e-2, reference_tokens=16)
+    settings = PersonalSettings(rank=2, lr=0.2, reference_tokens=16)
     engine = Engine.from_package(tiny_package("llama"))
     erin = LocalUser(engine, "erin", settings, tmp_path / "users")
     erin.learn({"kind": "text", "text": PHRASE * 2})

@@ -121,3 +121,19 @@ def test_the_steps_adam_is_the_native_trainers(step_files):
         got_w, got_m, got_v = step.adam(w, g, m, v, t, 3e-3 * 0.5, fisher, start, ewc)
         assert np.array_equal(got_m, want_m) and np.array_equal(got_v, want_v)
         assert np.array_equal(got_w, want_w), np.abs(got_w - want_w).max()
+
+
+def test_a_page_users_steps_are_the_native_rates(native, step_files):
+    """A step moves each factor by a share of its projection's weight RMS: the step's learn_weight_rms of
+    each matrix it holds equals the native trainer's RMS of the same (dequantized) weights."""
+    from runtime.backends.micro_lora import weight_rms
+    from wasm.step_module import WasmStep
+
+    dec, _ = native
+    step = WasmStep(step_files / "step.wasm", step_files, 1, 16, max_tokens=16)
+    for layer in (0, dec.num_layers - 1):
+        for target in TARGETS:
+            fin, fout = dec.features[target]
+            want = weight_rms(dec.projection(layer, target))
+            got = step.weight_rms(layer, target, fout, fin)
+            assert abs(got - want) < 1e-6 * want, (layer, target, got, want)

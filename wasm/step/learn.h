@@ -502,6 +502,17 @@ EXPORT void learn_adam(int n, float* w, const float* g, float* m1, float* m2, co
   }
 }
 
+// The root mean square of layer l's matrix `mat` (MATRICES' order; rows x K, as the step reads it), summed
+// in double: a user's factors step by a share of it (micro_lora.MicroLora.rates). Uses learn_init's room.
+EXPORT float learn_weight_rms(const Model* m, int l, int mat, int rows, int K) {
+  double sum = 0.0;
+  for (int n = 0; n < rows; n++) {
+    qmat_row(&m->layer[l].mat[mat], n, K, l_saved);
+    for (int k = 0; k < K; k++) sum += (double)l_saved[k] * l_saved[k];
+  }
+  return (float)__builtin_sqrt(sum / ((double)rows * K));
+}
+
 // the Fisher's refresh: fresh += g^2 / parts for each reference part's gradient
 EXPORT void learn_fisher_add(int n, float* fresh, const float* g, float parts) {
   for (int i = 0; i < n; i++) fresh[i] += g[i] * g[i] / parts;

@@ -63,6 +63,9 @@ export class StepTrainer {
     });
     this.room = roomTokens;
     if (runner.k.learn_init(runner.model, roomTokens) !== roomTokens) throw new Error(`the WASM step has no memory left to learn from ${roomTokens} tokens`);
+    for (const p of this.parts) { // a part's step: lr times its projection's weight RMS (micro_lora.MicroLora.rates)
+      p.rms = runner.k.learn_weight_rms(runner.model, p.layer, STEP.matrices.indexOf(p.target.replace('_proj', '')), p.fout, p.fin);
+    }
     this.ids = runner.alloc(4 * roomTokens);
     this.loss = runner.alloc(4);
     this.struct = runner.alloc(sizeOf('Learn'));
@@ -101,9 +104,12 @@ export class StepTrainer {
   step(ids, scoredFrom = 0, unlikely = false, lrScale = 1) {
     const loss = this.gradients(ids, scoredFrom, unlikely);
     this.t += 1;
-    const { at } = this;
-    this.runner.k.learn_adam(this.n, at.w, at.g, at.m, at.v, at.fisher, at.start, this.spec.ewc, this.spec.lr * lrScale,
-      Math.fround(1 - 0.9 ** this.t), Math.fround(1 - 0.999 ** this.t));
+    const { at } = this, c1 = Math.fround(1 - 0.9 ** this.t), c2 = Math.fround(1 - 0.999 ** this.t);
+    for (const p of this.parts) { // A then B of one part, side by side
+      const off = 4 * p.a, n = this.spec.rank * (p.fin + p.fout);
+      this.runner.k.learn_adam(n, at.w + off, at.g + off, at.m + off, at.v + off, at.fisher + off, at.start + off,
+        this.spec.ewc, Math.fround(Math.fround(this.spec.lr * p.rms) * lrScale), c1, c2);
+    }
     return loss;
   }
 
