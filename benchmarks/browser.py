@@ -192,7 +192,7 @@ def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens:
             peak, rss_sum = memory.stop()
             failure = page.evaluate("window.failure || null")
             if failure:
-                return {"engine": engine, "dtype": dtype, "error": failure[:500]}
+                return {"engine": engine, "dtype": dtype, "error": failure[-1500:]}  # a traceback says what went wrong last
             result = page.evaluate("window.result")
             result["renderer_peak_mb"], result["renderer_rss_sum_peak_mb"] = peak, rss_sum
             memory = RendererPeak(profile)

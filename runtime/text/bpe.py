@@ -2,11 +2,15 @@
 
 Used where the `tokenizers` library cannot be imported (Pyodide). Supports what byte-level BPE
 vocabularies (GPT-2, SmolLM, Llama 3, Qwen2, Mistral-Nemo style) use: added tokens, NFC/NFKC
-normalizers, ByteLevel / Split / Digits pre-tokenizers, BPE with ignore_merges.
+normalizers, ByteLevel / Split / Digits pre-tokenizers, BPE with ignore_merges; and SentencePiece-style
+BPE vocabularies (Gemma's): a Replace normalizer (spaces to U+2581), BPE over characters with byte
+fallback (<0xXX> tokens for a character the vocabulary lacks), merged as `tokenizers` merges a word
+(a heap of pairs by rank, then position), since such a text is one long word.
 """
 
 from __future__ import annotations
 
+import heapq
 import re
 import unicodedata
 from operator import methodcaller
@@ -37,8 +41,9 @@ class PureBPE:
         model = spec.get("model") or {}
         if model.get("type") != "BPE":
             raise PackageError(f"pure-Python tokenizer supports BPE models only, not {model.get('type')}")
-        if model.get("byte_fallback"):
-            raise PackageError("pure-Python tokenizer does not support byte_fallback (SentencePiece) vocabularies yet")
+        self.byte_fallback = bool(model.get("byte_fallback"))
+        # the fallback's pieces are the model's own tokens (an added "<0x41>" is not one, as in `tokenizers`)
+        self.byte_ids = [model["vocab"].get(f"<0x{b:02X}>") for b in range(256)] if self.byte_fallback else []
         self.vocab: dict[str, int] = model["vocab"]
         merges = model.get("merges") or []
         # "a b" strings (older files) or ["a", "b"] lists; the first rank of a repeated pair wins. Built
@@ -72,6 +77,12 @@ class PureBPE:
         t = n.get("type")
         if t in ("NFC", "NFKC", "NFD", "NFKD"):
             return lambda s: unicodedata.normalize(t, s)
+        if t == "Replace":
+            pat, content = n["pattern"], n["content"]
+            if "String" in pat:
+                return lambda s, a=pat["String"]: s.replace(a, content)
+            rx = compile_pattern(pat["Regex"])
+            return lambda s: rx.sub(content, s)
         if t == "Sequence":
             fs = [self._normalizer(x) for x in n["normalizers"]]
 
@@ -103,15 +114,18 @@ class PureBPE:
                     rx = compile_pattern(pat["Regex"])
                 else:
                     rx = re.compile(re.escape(pat["String"]))
-                if step.get("behavior", "Isolated") != "Isolated" or step.get("invert"):
-                    raise PackageError("pure-Python tokenizer supports Split with Isolated behaviour only")
-                funcs.append(("split", rx))
+                behavior = step.get("behavior", "Isolated")
+                if behavior not in ("Isolated", "MergedWithPrevious") or step.get("invert"):
+                    raise PackageError("pure-Python tokenizer supports Split with Isolated or MergedWithPrevious "
+                                       "behaviour only")
+                funcs.append(("split" if behavior == "Isolated" else "merged", rx))
             elif t == "Digits":
                 funcs.append(("digits", bool(step.get("individual_digits"))))
             else:
                 raise PackageError(f"pure-Python tokenizer does not support the {t} pre-tokenizer")
-        if not byte_level:
-            raise PackageError("pure-Python tokenizer needs a ByteLevel pre-tokenizer")
+        if not byte_level and not self.byte_fallback:
+            raise PackageError("pure-Python tokenizer needs a ByteLevel pre-tokenizer or a byte-fallback vocabulary")
+        as_symbols = _to_byte_chars if byte_level else str
 
         def run(text: str) -> list[str]:
             pieces = [text]
@@ -122,10 +136,12 @@ class PureBPE:
                         nxt.append(piece if piece.startswith(" ") else " " + piece)
                     elif kind == "split":
                         nxt.extend(split_isolated(arg, piece))
+                    elif kind == "merged":
+                        nxt.extend(_split_merged_with_previous(arg, piece))
                     else:
                         nxt.extend(split_digits(piece, arg))
                 pieces = nxt
-            return [_to_byte_chars(x) for x in pieces]
+            return [as_symbols(x) for x in pieces]
         return run
 
     # ---- encoding ----
@@ -177,6 +193,8 @@ class PureBPE:
             return cached
         if self.ignore_merges and word in self.vocab:
             out = [self.vocab[word]]
+        elif self.byte_fallback:
+            out = self._symbol_ids(self._merge_all(word))
         else:
             out = self._bpe(word)
         if len(self._cache) < 100_000:
@@ -218,6 +236,58 @@ class PureBPE:
                     ids.append(unk_id)
             # no unk token: tokenizers drops the symbol
         return ids
+
+    def _merge_all(self, word: str) -> list[str]:
+        """`tokenizers`' merge of one word: the lowest-ranked pair first (the leftmost among equals), each
+        merge offering its new neighbours' pairs; linear-logarithmic, for a text that is one word."""
+        syms, ranks = list(word), self.ranks
+        n = len(syms)
+        nxt, prev = list(range(1, n + 1)), list(range(-1, n - 1))
+        heap = [(r, i) for i in range(n - 1) if (r := ranks.get((syms[i], syms[i + 1]))) is not None]
+        heapq.heapify(heap)
+        while heap:
+            r, i = heapq.heappop(heap)
+            j = nxt[i]
+            if syms[i] is None or j >= n or ranks.get((syms[i], syms[j])) != r:
+                continue  # merged away, or no longer this pair
+            syms[i], syms[j] = syms[i] + syms[j], None
+            nxt[i] = nxt[j]
+            if nxt[i] < n:
+                prev[nxt[i]] = i
+                if (r2 := ranks.get((syms[i], syms[nxt[i]]))) is not None:
+                    heapq.heappush(heap, (r2, i))
+            if prev[i] >= 0 and (r2 := ranks.get((syms[prev[i]], syms[i]))) is not None:
+                heapq.heappush(heap, (r2, prev[i]))
+        return [s_ for s_ in syms if s_ is not None]
+
+    def _symbol_ids(self, symbols: list[str]) -> list[int]:
+        """Each symbol's id; one the vocabulary lacks as its UTF-8 bytes' <0xXX> tokens (byte fallback),
+        else the unknown token (fused with one before it when fuse_unk)."""
+        ids: list[int] = []
+        unk_id = self.vocab.get(self.unk) if self.unk is not None else None
+        for sym in symbols:
+            tid = self.vocab.get(sym)
+            if tid is not None:
+                ids.append(tid)
+                continue
+            fallback = [self.byte_ids[b] for b in sym.encode("utf-8")]
+            if fallback and None not in fallback:
+                ids.extend(fallback)
+            elif unk_id is not None and not (self.fuse_unk and ids and ids[-1] == unk_id):
+                ids.append(unk_id)
+        return ids
+
+
+def _split_merged_with_previous(rx: re.Pattern, text: str) -> list[str]:
+    """Split's MergedWithPrevious: each match ends the piece before it."""
+    out, start = [], 0
+    for m in rx.finditer(text):
+        if m.end() > start:
+            out.append(text[start:m.end()])
+            start = m.end()
+    if start < len(text):
+        out.append(text[start:])
+    return out
 
 
 def _to_byte_chars(text: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from runtime.text.tokenizer import IncrementalDecoder, Tokenizer
@@ -69,3 +71,40 @@ def test_unicode_class_tables_stop_early_without_losing_a_character():
 
     full = pretokenize._category_tables.__wrapped__(sys.maxunicode + 1)
     assert pretokenize._category_tables() == full
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_pair(tmp_path_factory):
+    """A SentencePiece-style BPE as Gemma's tokenizer.json has it (spaces to U+2581, one word a text, BPE
+    over characters, <0xXX> byte fallback, unk fused), trained here by `tokenizers` on TRICKY's neighbours."""
+    import tokenizers
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", "merged_with_previous")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    corpus = [t for t in TRICKY if "😀" not in t and "日本" not in t] * 3 + ["the quick brown fox jumps"] * 20
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<unk>", "<start_of_turn>", "<end_of_turn>"],
+        initial_alphabet=[], limit_alphabet=60))
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):  # the byte-fallback pieces, in the model's vocabulary as Gemma's holds them
+        vocab[f"<0x{b:02X}>"] = len(vocab) + 3  # past the three special tokens' ids
+    path = tmp_path_factory.mktemp("sp") / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    return tokenizers.Tokenizer.from_file(str(path)), Tokenizer.from_file(path, prefer_library=False)
+
+
+def test_a_sentencepiece_vocabulary_with_byte_fallback_equals_tokenizers(sentencepiece_pair):
+    """Gemma's kind of vocabulary in the page (no `tokenizers` there): characters the vocabulary lacks
+    become their bytes' tokens, a long text is one word merged in n log n, decoding joins the bytes back."""
+    ref, pure = sentencepiece_pair
+    assert pure.backend == "pure-python"
+    texts = TRICKY + ["<start_of_turn>user\nhi<end_of_turn>\n", "the quick brown fox " * 300]
+    for text in texts:
+        ids = ref.encode(text, add_special_tokens=False).ids
+        assert pure.encode(text) == ids, text
+        assert pure.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    assert any(ref.id_to_token(i).startswith("<0x") for i in ref.encode("日本語 😀", add_special_tokens=False).ids)
