@@ -45,8 +45,11 @@ class WebEngine:
         self.user = check_user(user) if user is not None else None
         self.users = PageUsers(self.aengine, runner)
 
-    async def create(self, job: str, body_json: str, emit) -> None:
-        """Run one chat.completions.create; emit(kind, json_text) with kind chunk | response | error."""
+    async def create(self, job: str, body_json: str, emit, kind: str = "chat") -> None:
+        """Run one chat.completions.create (kind "chat") or completions.create ("completion": a text prompt,
+        as a base model without a chat template needs); emit(kind, json_text) with kind chunk | response |
+        error."""
+        chat = kind != "completion"
         if len(body_json) > self.max_request_bytes or len(body_json.encode("utf-8")) > self.max_request_bytes:
             emit("error", self.too_large())
             return
@@ -54,7 +57,7 @@ class WebEngine:
             body = P.parse_body(body_json)
             if isinstance(body, dict):
                 body.setdefault("model", self.model_name)
-            parsed = P.parse_chat(body, self.aengine.sampling_defaults)
+            parsed = (P.parse_chat if chat else P.parse_completion)(body, self.aengine.sampling_defaults)
             adapter = self._adapter(body.get("model"))
             if adapter is None and (parsed.user or self.user):
                 adapter = await self.users.adapter_for(check_user(parsed.user or self.user))
@@ -63,7 +66,8 @@ class WebEngine:
             emit("error", json.dumps(err.body()))
             return
         except ContextLengthError as err:
-            emit("error", json.dumps(P.error_body(str(err), param="messages", code="context_length_exceeded")))
+            emit("error", json.dumps(P.error_body(str(err), param="messages" if chat else "prompt",
+                                                  code="context_length_exceeded")))
             return
         except RequestError as err:
             emit("error", json.dumps(P.error_body(str(err), param=err.param)))
@@ -71,10 +75,10 @@ class WebEngine:
         self._jobs[job] = rids
         try:
             if parsed.stream:
-                async for payload in ChunkStream(self.aengine, rids, parsed, self.model_name, chat=True):
+                async for payload in ChunkStream(self.aengine, rids, parsed, self.model_name, chat=chat):
                     emit("error" if "error" in payload else "chunk", json.dumps(payload, ensure_ascii=False))
             else:
-                body, lasts, _ = await collect(self.aengine, rids, parsed, self.model_name, chat=True)
+                body, lasts, _ = await collect(self.aengine, rids, parsed, self.model_name, chat=chat)
                 emit("error" if lasts is None else "response", json.dumps(body, ensure_ascii=False))
         finally:
             self._jobs.pop(job, None)

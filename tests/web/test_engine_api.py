@@ -66,6 +66,28 @@ def test_smollm2_browser_package_equals_native(offline_page, web_bundle):
     assert reply["choices"][0]["token_ids"] == native_chat_ids(web_bundle / "models" / "smollm2-135m", question, 16)
 
 
+def test_a_text_prompt_is_continued_as_natively(offline_page, tiny_package, tiny_url):
+    """engine.completions.create: a base model's request (no chat template needed), streamed or whole,
+    the same greedy tokens as `ruvllm generate --raw`."""
+    p = offline_page()
+    load(p, tiny_url, device="wasm")
+    prompt = "The sea is"
+    whole = p.evaluate("async (r) => await window.engine.completions.create(r)",
+                       {"prompt": prompt, "max_tokens": 12, **GREEDY})
+    assert whole["object"] == "text_completion"
+    proc = run_cli("generate", str(tiny_package("llama", "fp32")), prompt, "--raw", "--json", "--temperature", "0",
+                   "--max-tokens", "12")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert whole["choices"][0]["token_ids"] == json.loads(proc.stdout)["token_ids"]
+    texts = p.evaluate("""async (r) => { const out = [];
+      for await (const c of await window.engine.completions.create(r)) out.push(c.choices[0]?.text ?? '');
+      return out; }""", {"prompt": prompt, "max_tokens": 12, "stream": True, **GREEDY})
+    assert "".join(texts) == whole["choices"][0]["text"] and len([t for t in texts if t]) > 1
+    bad = p.evaluate("""async () => { try { await window.engine.completions.create({ messages: [] }); }
+      catch (e) { return e.error?.param ?? String(e); } }""")
+    assert bad == "messages"  # a chat body sent to completions: refused naming the field, as the server does
+
+
 def test_stream_chunks_arrive_one_by_one(offline_page, tiny_url):
     p = offline_page()
     load(p, tiny_url)

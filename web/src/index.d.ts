@@ -190,6 +190,35 @@ export interface ChunkStream extends AsyncIterable<ChatCompletionChunk> {
   abort(): Promise<boolean>;
 }
 
+/** A text prompt (OpenAI's completions): a base model's request, one without a chat template. */
+export type CompletionRequest = Omit<ChatCompletionRequest, 'messages' | 'tools' | 'tool_choice'> & {
+  prompt: string | number[];
+};
+
+export interface Completion {
+  id: string;
+  object: 'text_completion';
+  created: number;
+  model: string;
+  choices: { index: number; text: string; logprobs: unknown | null; finish_reason: 'stop' | 'length' | null;
+    token_ids?: number[] }[];
+  usage: Usage;
+}
+
+export interface CompletionChunk {
+  id: string;
+  object: 'text_completion';
+  created: number;
+  model: string;
+  choices: { index: number; text: string; logprobs: unknown | null; finish_reason: 'stop' | 'length' | null }[];
+  usage?: Usage;
+}
+
+export interface CompletionStream extends AsyncIterable<CompletionChunk> {
+  readonly id: number;
+  abort(): Promise<boolean>;
+}
+
 export interface EngineInfo {
   model: string;
   /** what runs each step (options.backend, 'auto' resolved) */
@@ -255,6 +284,11 @@ export interface Engine {
       create(request: ChatCompletionRequest & { stream: true }): Promise<ChunkStream>;
       create(request: ChatCompletionRequest & { stream?: false }): Promise<ChatCompletion>;
     };
+  };
+  /** A text prompt continued (a base model without a chat template: Gemma 3 270M's GGUF). */
+  completions: {
+    create(request: CompletionRequest & { stream: true }): Promise<CompletionStream>;
+    create(request: CompletionRequest & { stream?: false }): Promise<Completion>;
   };
   /** Abort one request (a stream's id) or, with no argument, every request in flight. */
   abort(id?: number): Promise<boolean>;

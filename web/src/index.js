@@ -57,7 +57,9 @@ class Engine {
     this.nextId = 1;
     this.pending = new Map(); // control calls: id -> {resolve, reject}
     this.requests = new Map(); // create() calls: id -> handler(msg)
-    this.chat = { completions: { create: (request) => this.#create(request) } };
+    this.chat = { completions: { create: (request) => this.#create(request, 'chat') } };
+    // a text prompt, OpenAI's legacy completions: what a base model without a chat template answers
+    this.completions = { create: (request) => this.#create(request, 'completion') };
     worker.onmessage = ({ data }) => this.#dispatch(data);
   }
 
@@ -84,7 +86,7 @@ class Engine {
     });
   }
 
-  #create(request) {
+  #create(request, kind) {
     if (!this.worker) return Promise.reject(new Error('the engine is unloaded'));
     const { signal, ...body } = request ?? {};
     const id = this.nextId++;
@@ -95,7 +97,7 @@ class Engine {
         if (msg.type === 'done') stream.done = true;
         stream.push(msg);
       });
-      this.worker.postMessage({ type: 'create', id, body: JSON.stringify(body) });
+      this.worker.postMessage({ type: 'create', id, kind, body: JSON.stringify(body) });
       return Promise.resolve(stream);
     }
     return new Promise((resolve, reject) => {
@@ -105,7 +107,7 @@ class Engine {
         else if (msg.type === 'error') reject(apiError(msg.payload));
         else if (msg.type === 'done') resolve(result);
       });
-      this.worker.postMessage({ type: 'create', id, body: JSON.stringify(body) });
+      this.worker.postMessage({ type: 'create', id, kind, body: JSON.stringify(body) });
     });
   }
 

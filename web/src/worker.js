@@ -153,12 +153,12 @@ function savePromptKV() {
   }).catch((err) => console.warn(`ruvllm: the prompt cache was not saved (${err?.message ?? err})`));
 }
 
-async function create(id, body) {
+async function create(id, body, kind = 'chat') {
   const emit = (kind, json) => post({ type: kind, id, payload: JSON.parse(json) });
   try {
     // a body past the limit in UTF-16 units is past it in UTF-8 bytes: refused before it is copied into Python
     if (body.length > engine.max_request_bytes) emit('error', engine.too_large());
-    else await engine.create(String(id), body, emit);
+    else await engine.create(String(id), body, emit, kind);
   } catch (err) {
     post({ type: 'error', id, payload: { error: { message: String(err.message ?? err), type: 'internal_error' } } });
   } finally {
@@ -199,7 +199,7 @@ self.onmessage = async ({ data }) => {
     if (type === 'load') post({ type: 'loaded', id, info: await load(data.options) });
     else if (type === 'loadAdapter') post({ type: 'adapterLoaded', id, adapter: loadAdapter(data.name, data.files, data.experts) });
     else if (type === 'unloadAdapter') post({ type: 'adapterUnloaded', id, ok: engine ? engine.remove_adapter(data.name) : false });
-    else if (type === 'create') create(data.id, data.body);
+    else if (type === 'create') create(data.id, data.body, data.kind);
     else if (['feedback', 'forget', 'userState', 'userAdapter'].includes(type)) { // per-user adaptation
       if (!engine) throw new Error('the engine is not loaded');
       const user = data.user ?? null;

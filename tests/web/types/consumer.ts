@@ -2,7 +2,8 @@
 // `tsc --noEmit` (tests/web/test_types.py) must accept it.
 import {
   createEngine, type AdapterInfo, type AdapterSource, type ChatCompletion, type ChatCompletionChunk, type ChatCompletionRequest, type ChatMessage,
-  type ChunkStream, type CreateEngineOptions, type Device, type Engine, type EngineInfo, type EngineStats,
+  type ChunkStream, type Completion, type CompletionChunk, type CompletionRequest, type CompletionStream,
+  type CreateEngineOptions, type Device, type Engine, type EngineInfo, type EngineStats,
   type FunctionTool, type LoadProgress, type ResponseFormat, type StructuredOutputs, type ToolCall, type Usage,
 } from 'ruvllm-web';
 
@@ -38,6 +39,14 @@ export async function main(): Promise<void> {
     if (c.choices[0]?.delta.content) await stream.abort();
   }
   await engine.abort(id);
+  const textRequest = { prompt: 'Once upon a time', max_tokens: 8, temperature: 0 } satisfies CompletionRequest;
+  const continued: Completion = await engine.completions.create(textRequest);
+  const more: string = continued.choices[0].text;
+  const textStream: CompletionStream = await engine.completions.create({ ...textRequest, stream: true });
+  for await (const chunk of textStream) {
+    const c: CompletionChunk = chunk;
+    if (c.choices[0]?.text === more) await textStream.abort();
+  }
   const adapter: AdapterInfo = await engine.loadAdapter('mine', '/adapters/mine/');
   const source: AdapterSource = { 'adapter_config.json': new Uint8Array(2) };
   const mixed: AdapterInfo = await engine.loadAdapter('mixed', '/adapters/xlora/', { experts: { '0': source } });
