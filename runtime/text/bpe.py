@@ -225,17 +225,7 @@ class PureBPE:
                     new.append(parts[i])
                     i += 1
             parts = new
-        ids: list[int] = []
-        unk_id = self.vocab.get(self.unk) if self.unk is not None else None
-        for p in parts:
-            tid = self.vocab.get(p)
-            if tid is not None:
-                ids.append(tid)
-            elif unk_id is not None:
-                if not (self.fuse_unk and ids and ids[-1] == unk_id):
-                    ids.append(unk_id)
-            # no unk token: tokenizers drops the symbol
-        return ids
+        return self._symbol_ids(parts)
 
     def _merge_all(self, word: str) -> list[str]:
         """`tokenizers`' merge of one word: the lowest-ranked pair first (the leftmost among equals), each
@@ -262,7 +252,8 @@ class PureBPE:
 
     def _symbol_ids(self, symbols: list[str]) -> list[int]:
         """Each symbol's id; one the vocabulary lacks as its UTF-8 bytes' <0xXX> tokens (byte fallback),
-        else the unknown token (fused with one before it when fuse_unk)."""
+        else the unknown token (fused with one before it when fuse_unk; with no unknown token, tokenizers
+        drops the symbol)."""
         ids: list[int] = []
         unk_id = self.vocab.get(self.unk) if self.unk is not None else None
         for sym in symbols:
@@ -270,7 +261,7 @@ class PureBPE:
             if tid is not None:
                 ids.append(tid)
                 continue
-            fallback = [self.byte_ids[b] for b in sym.encode("utf-8")]
+            fallback = [self.byte_ids[b] for b in sym.encode("utf-8")] if self.byte_fallback else []
             if fallback and None not in fallback:
                 ids.extend(fallback)
             elif unk_id is not None and not (self.fuse_unk and ids and ids[-1] == unk_id):
