@@ -32,18 +32,9 @@ import numpy as np
 from exporter.sources.gguf_blocks import own_parts
 from runtime.errors import PackageError
 from runtime.formats.block_types import OWN, STEP_TYPES
-from runtime.formats.families import sliding
-from runtime.formats.step_abi import ACTIVATIONS, ARCHS, FORMAT, PARTS
-
-PROJECTIONS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
-               "down": "ffn_down"}
-ALIGN = 64
-
-
-def extra_norms(family) -> list[tuple[str, str]]:
-    """A family's per-layer norms beyond attn_norm and ffn_norm: (the GGUF's name, the step's)."""
-    return ([("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")] if family.qk_norm else []) + (
-        [("post_attention_norm", "post_attn_norm"), ("post_ffw_norm", "post_ffn_norm")] if family.sandwich_norms else [])
+from runtime.formats.gguf_file import read_header_file
+from runtime.formats.step_abi import FORMAT
+from runtime.formats.step_plan import StepPlan, step_plan, step_reads
 
 
 def _four(a: np.ndarray) -> np.ndarray:
@@ -51,11 +42,6 @@ def _four(a: np.ndarray) -> np.ndarray:
     n = a.shape[0]
     b = a.reshape(n // 4, 4, *a.shape[1:])
     return np.ascontiguousarray(np.moveaxis(b, 1, -1))
-
-
-def step_reads(type_name: str, rows: int, cols: int) -> bool:
-    """Whether step.c computes on a [rows, cols] matrix of this GGUF type: four rows at a time, whole blocks."""
-    return type_name in STEP_TYPES and rows % 4 == 0 and cols % OWN[type_name].superblock == 0
 
 
 def step_matrix(type_name: str, raw: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
@@ -88,117 +74,68 @@ def step_matrix(type_name: str, raw: np.ndarray, rows: int, cols: int) -> dict[s
     return out
 
 
-def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[dict, dict[str, str], Iterator[tuple[str, np.ndarray]]]:
-    """(config, matrix types, the arrays one at a time) of a GGUF for step.c: the types fill in as the
-    arrays are read, one matrix in memory at a time. PackageError where the file is not what step.c
-    computes (a llama or Qwen2 GGUF whose matrices are of the types in STEP_TYPES), before the first array."""
-    import gguf
+def rope_table(base: float, head_dim: int, max_pos: int, factors: np.ndarray | None = None) -> np.ndarray:
+    """[max_pos, head_dim / 2, 2] cos and sin, in float64 then rounded (the page's gguf_source.js alike)."""
+    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if factors is not None:  # llama 3's frequency factors: llama.cpp divides each frequency by its own
+        inv = inv / factors.astype(np.float64)
+    angle = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
+    return np.stack([np.cos(angle), np.sin(angle)], -1).astype(np.float32)
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    tensors = {t.name: t for t in reader.tensors}
 
-    def field(key: str, default=None):
-        if key not in reader.fields:
-            if default is not None:
-                return default
-            raise PackageError(f"{gguf_path}: no {key}: the WASM step runs llama and Qwen2 GGUFs only")
-        part = reader.fields[key].parts[-1]
-        return bytes(part).decode() if part.dtype == np.uint8 else part[0]
+def _tensor(blob: np.ndarray, t) -> np.ndarray:
+    return blob[t.offset:t.offset + t.nbytes]
 
-    arch = field("general.architecture")
-    if arch not in ARCHS:
-        raise PackageError(f"{gguf_path}: architecture {arch!r}; the WASM step runs {', '.join(ARCHS)}")
-    family = ARCHS[arch]
-    dim, layers = int(field(f"{arch}.embedding_length")), int(field(f"{arch}.block_count"))
-    hidden, heads = int(field(f"{arch}.feed_forward_length")), int(field(f"{arch}.attention.head_count"))
-    kv_heads, theta = int(field(f"{arch}.attention.head_count_kv")), float(field(f"{arch}.rope.freq_base", 10000.0))
-    eps = float(field(f"{arch}.attention.layer_norm_rms_epsilon"))
-    hd = int(field(f"{arch}.attention.key_length", dim // heads))
-    if dim % 32 or hidden % 32 or (heads * hd) % 32 or hd % 4:
-        raise PackageError(f"{gguf_path}: widths {dim}, {hidden}, {heads} x {hd}: the WASM step needs multiples of 32")
-    vocab = int(tensors["token_embd.weight"].shape[1])
-    shapes = {"q": (heads * hd, dim), "k": (kv_heads * hd, dim), "v": (kv_heads * hd, dim), "o": (dim, heads * hd),
-              "gate": (hidden, dim), "up": (hidden, dim), "down": (dim, hidden)}
-    wanted = {"embd": ("token_embd.weight", vocab, dim)}
-    if "output.weight" in tensors:
-        wanted["head"] = ("output.weight", vocab, dim)
-    for i in range(layers):
-        for key, (rows, cols) in shapes.items():
-            wanted[f"{i}.{key}"] = (f"blk.{i}.{PROJECTIONS[key]}.weight", rows, cols)
-            bias = f"blk.{i}.{PROJECTIONS[key]}.bias"
-            if bias in tensors and key not in ("q", "k", "v"):
-                raise PackageError(f"{gguf_path}: a bias on {PROJECTIONS[key]}; the WASM step adds q, k and v's only")
-        for name, _ in extra_norms(family):
-            if f"blk.{i}.{name}.weight" not in tensors:
-                raise PackageError(f"{gguf_path}: no blk.{i}.{name}.weight, which a {arch} layer has")
-    window = int(field(f"{arch}.attention.sliding_window", 0)) if family.swa_pattern else 0
-    if family.swa_pattern and not window:
-        raise PackageError(f"{gguf_path}: no {arch}.attention.sliding_window")
-    windows = [window if sliding(family, i) else 0 for i in range(layers)]
-    for gguf_name, rows, cols in wanted.values():  # every matrix checked before any is read
-        t = tensors.get(gguf_name)
-        if t is None:
-            raise PackageError(f"{gguf_path}: no {gguf_name}")
-        if (int(t.shape[-1]), int(t.shape[0])) != (rows, cols):
-            raise PackageError(f"{gguf_path}: {gguf_name} is {[int(d) for d in t.shape][::-1]}, not [{rows}, {cols}]")
-        if not step_reads(t.tensor_type.name, rows, cols):
-            raise PackageError(f"{gguf_path}: {gguf_name} is {t.tensor_type.name} [{rows}, {cols}]; the WASM step "
-                               f"reads {', '.join(STEP_TYPES)} with rows in fours")
-    matrices: dict[str, str] = {}
+
+def _floats(blob: np.ndarray, t) -> np.ndarray:
+    raw = _tensor(blob, t)
+    if t.type_name == "F32":
+        return raw.view(np.float32)
+    if t.type_name == "F16":
+        return raw.view(np.float16).astype(np.float32)
+    return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)  # BF16
+
+
+def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[StepPlan, Iterator[tuple[str, np.ndarray]]]:
+    """The plan of a GGUF for step.c (runtime/formats/step_plan.py, from the header alone) and its arrays,
+    one at a time, one matrix in memory at a time. PackageError where the file is not what step.c
+    computes, before the first array."""
+    plan = step_plan(read_header_file(gguf_path), max_pos, str(gguf_path))
+    blob = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+    if plan.size and max((t.offset + t.nbytes for t in plan.sources.values()), default=0) > blob.size:
+        raise PackageError(f"{gguf_path}: its tensors run past the file's end (a truncated file)")
+    factors = _floats(blob, plan.rope_factors) if plan.rope_factors is not None else None
 
     def arrays() -> Iterator[tuple[str, np.ndarray]]:
-        def matrix(name: str):
-            gguf_name, rows, cols = wanted[name]
-            t = tensors[gguf_name]
-            matrices[name] = t.tensor_type.name
-            parts = step_matrix(t.tensor_type.name, t.data, rows, cols)
-            return [(f"{name}.{part}", parts[part]) for part in PARTS if part in parts]
+        made: dict[str, dict[str, np.ndarray]] = {}
+        for a in plan.arrays:
+            if a.rope is not None:
+                arr = rope_table(a.rope, plan.config["head_dim"], max_pos, factors)
+            elif a.part is not None:
+                if a.tensor not in made:
+                    made.clear()  # one matrix at a time
+                    t = plan.sources[a.tensor]
+                    made[a.tensor] = step_matrix(t.type_name, _tensor(blob, t), *t.shape)
+                arr = made[a.tensor][a.part]
+            else:
+                arr = _floats(blob, plan.sources[a.tensor])
+            if arr.dtype.name != a.dtype or tuple(arr.shape) != a.shape:
+                raise AssertionError(f"{a.name}: {arr.dtype} {arr.shape}, the plan says {a.dtype} {a.shape}")
+            yield a.name, arr
 
-        yield from matrix("embd")
-        if "head" in wanted:
-            yield from matrix("head")
-        yield "out_norm", np.asarray(tensors["output_norm.weight"].data, np.float32)
-
-        def rope(base: float) -> np.ndarray:
-            inv = base ** (-np.arange(0, hd, 2, dtype=np.float64) / hd)
-            if "rope_freqs.weight" in tensors:  # llama 3's frequency factors: llama.cpp divides each frequency by its own
-                inv = inv / np.asarray(tensors["rope_freqs.weight"].data, np.float64)
-            angle = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
-            return np.stack([np.cos(angle), np.sin(angle)], -1).astype(np.float32)
-
-        yield "rope", rope(theta)
-        if family.local_rope_base:  # the sliding layers' own base
-            yield "rope_local", rope(family.local_rope_base)
-        for i in range(layers):
-            yield f"{i}.attn_norm", np.asarray(tensors[f"blk.{i}.attn_norm.weight"].data, np.float32)
-            yield f"{i}.ffn_norm", np.asarray(tensors[f"blk.{i}.ffn_norm.weight"].data, np.float32)
-            for name, as_name in extra_norms(family):
-                yield f"{i}.{as_name}", np.asarray(tensors[f"blk.{i}.{name}.weight"].data, np.float32)
-            for key in shapes:
-                yield from matrix(f"{i}.{key}")
-                bias = tensors.get(f"blk.{i}.{PROJECTIONS[key]}.bias")
-                if bias is not None:
-                    yield f"{i}.{key}.bias", np.asarray(bias.data, np.float32)
-
-    config = {"arch": arch, "dim": dim, "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads,
-              "head_dim": hd, "vocab": vocab, "max_pos": max_pos, "eps": eps, "rope_neox": family.rope_neox,
-              "act": ACTIVATIONS.index(family.activation), "embed_scale": float(np.float32(dim ** 0.5)) if family.embed_scale else 1.0,
-              "attn_scale": 1.0 / float(hd) ** 0.5, "windows": windows,
-              "layer_rope": ["rope_local" if family.local_rope_base and sliding(family, i) else "rope" for i in range(layers)],
-              "kinds": {name: OWN[name].kind for name in STEP_TYPES}}
-    return config, matrices, arrays()
+    return plan, arrays()
 
 
 def write_step_weights(gguf_path: str | Path, out: str | Path, max_pos: int) -> dict:
     """step.bin under `out` and its index (returned, and written beside it as step.json)."""
     out = Path(out)
-    config, matrices, arrays = step_arrays(gguf_path, max_pos)
-    index: dict = {"config": config, "matrices": matrices, "arrays": []}
+    plan, arrays = step_arrays(gguf_path, max_pos)
+    by_name = {a.name: a for a in plan.arrays}
     with open(out / "step.bin", "wb") as f:
         for name, arr in arrays:
-            f.write(b"\0" * (-f.tell() % ALIGN))
-            index["arrays"].append({"name": name, "dtype": str(arr.dtype), "offset": f.tell(), "bytes": arr.nbytes})
+            f.write(b"\0" * (by_name[name].offset - f.tell()))
             f.write(np.ascontiguousarray(arr).tobytes())
+    index = plan.index()
     (out / "step.json").write_text(json.dumps(index))
     return index
 
