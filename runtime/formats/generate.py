@@ -124,6 +124,8 @@ def step_header(spec: Spec) -> str:
         switch("is_kquant", "scales inside super-blocks of 256", lambda t: t.kquant),
         switch("has_mins", "a minimum a block (Q4_1, Q5_1; the K-quants' dmin aside)", lambda t: t.mins and not t.kquant),
         switch("is_q8", "whole int8 weights", lambda t: t.bits == 8),
+        switch("block_bytes_of", "bytes of one of the GGUF file's blocks (step_repack reads them)", lambda t: t.nbytes),
+        switch("block_elems_of", "weights in one of the GGUF file's blocks", lambda t: t.elems),
     ])
     return f"""// {NOTE.format("step_abi.py and block_types.py")}
 // The WASM step's ABI: wasm32, every field 4 bytes, in this order (runtime/formats/step_abi.py).

@@ -20,6 +20,12 @@ static inline int has_mins(int kind) {  // a minimum a block (Q4_1, Q5_1; the K-
 static inline int is_q8(int kind) {  // whole int8 weights
   switch (kind) { case Q8_0: return 1; default: return 0; }
 }
+static inline int block_bytes_of(int kind) {  // bytes of one of the GGUF file's blocks (step_repack reads them)
+  switch (kind) { case Q4_K: return 144; case Q6_K: return 210; case Q5_K: return 176; case Q5_0: return 22; case Q4_0: return 18; case Q4_1: return 20; case Q5_1: return 24; case Q8_0: return 34; default: return 0; }
+}
+static inline int block_elems_of(int kind) {  // weights in one of the GGUF file's blocks
+  switch (kind) { case Q4_K: case Q6_K: case Q5_K: return 256; case Q5_0: case Q4_0: case Q4_1: case Q5_1: case Q8_0: return 32; default: return 0; }
+}
 
 enum { KV_FP32 = 0, KV_INT8 = 1, KV_INT4 = 2 };  // Pool.dtype
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };  // Model.act

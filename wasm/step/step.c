@@ -654,3 +654,4 @@ EXPORT void step_kv_add(int dtype, float w, const uint8_t* row, const uint16_t* 
 // row n of W [N, K] in fp32, as the embedding's lookup reads it
 EXPORT void step_dequantize(const QMat* W, int n, int K, float* out) { qmat_row(W, n, K, out); }
 #include "learn.h"
+#include "repack.h"
