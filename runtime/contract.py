@@ -144,6 +144,20 @@ HIDDEN_STATES = "hidden_states"  # float [num_tokens, hidden_size]
 
 
 
+ONNX_DTYPES = {INT64: 7, FLOAT32: 1}  # onnx's TensorProto numbers, as a manifest's io section holds them
+
+
+def declared_io(num_layers: int, kv_heads: int, head_dim: int, vocab: int) -> dict:
+    """The manifest's io section of a decoder graph built to this contract (its inputs as the exporter's graph
+    declares them): for a package without graphs (a GGUF the page opened for its WASM step) and for checks."""
+    past = [{"name": name, "dtype": 1, "shape": [kv_heads, "num_blocks", "block_size", head_dim]}
+            for i in range(num_layers) for name in (past_key(i), past_value(i))]
+    return {"inputs": [{"name": name, "dtype": ONNX_DTYPES[dtype], "shape": list(shape)}
+                       for name, dtype, shape in STEP_INPUTS] + past
+            + [{"name": LOGITS_MASK, "dtype": 1, "shape": ["mask_rows", vocab]}],
+            "outputs": [PRESENT_KEY, PRESENT_VALUE, LOGITS, TOPK_LOGPROBS, TOPK_IDS], "roles": io_roles(num_layers)}
+
+
 def io_roles(num_layers: int) -> dict:
     """Which graph input or output plays each part of a step, for a step runner that must not spell the
     names itself (the page's, in JS): the exporter writes this into the manifest's io section."""

@@ -25,15 +25,16 @@ class Family:
     # to the GGUF's `{arch}.attention.sliding_window` positions; 0: every layer attends to all
     swa_pattern: int = 0
     local_rope_base: float | None = None  # the sliding layers' RoPE base (the file's is the global layers')
+    model_type: str = ""  # transformers' name of it (a package's "architecture"; adapters name it)
 
 
 # llama.cpp's rules where the GGUF names no value (Gemma 3: five sliding layers to a global one, local base 10,000);
 # norms scale by their weights as stored (llama.cpp's converter folds Gemma's 1 + w into the file)
 FAMILIES: dict[str, Family] = {
-    "llama": Family(rope_neox=False),
-    "qwen2": Family(rope_neox=True, qkv_bias=True),
+    "llama": Family(rope_neox=False, model_type="llama"),
+    "qwen2": Family(rope_neox=True, qkv_bias=True, model_type="qwen2"),
     "gemma3": Family(rope_neox=True, activation="gelu_tanh", qk_norm=True, sandwich_norms=True, embed_scale=True,
-                     swa_pattern=6, local_rope_base=10000.0),
+                     swa_pattern=6, local_rope_base=10000.0, model_type="gemma3_text"),
 }
 
 

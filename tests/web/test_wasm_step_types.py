@@ -131,3 +131,36 @@ def test_a_file_the_step_cannot_read_is_named(workdir, smol_gguf, tmp_path):
     with pytest.raises(PackageError, match=r"blk\.0\.ffn_down\.weight is F16 .*Q4_K"):
         write_step_weights(path, tmp_path, max_pos=64)
     assert package_step(path, tmp_path, 64, progress=False) is None
+
+
+@pytest.mark.parametrize("type_name,embedding,head,arch", [("Q4_K", "Q4_K", None, "llama"), ("Q5_0", "Q8_0", None, "gemma3")])
+def test_the_pages_package_of_a_gguf_is_the_exporters(type_name, embedding, head, arch, native_engine_for):
+    """What the page makes of a GGUF's header alone (runtime/formats/gguf_page.py, no weights read) says what
+    the exporter's package of the same file says: the model's shape and compute, the graph I/O its step
+    feeds follow, the tokenizer and its special tokens, the template, the sampling defaults, step.json."""
+    import json
+
+    from runtime.formats.gguf_file import read_header_file
+    from runtime.formats.gguf_page import page_package
+    from runtime.package import load_package
+
+    path, pkg = native_engine_for(type_name, embedding, head, arch)
+    files, plan = page_package(read_header_file(path), "m", str(path))
+    got, want = json.loads(files["manifest.json"]), json.loads((pkg / "manifest.json").read_text())
+    drop = lambda cfg: {k: v for k, v in cfg.items() if k != "num_parameters"}  # noqa: E731 (ours counts every norm)
+    assert drop(got["config"]) == drop(want["config"])
+    assert got["architecture"] == want["architecture"] and got["io"] == want["io"]
+    assert got["tokenizer"] == {k: v for k, v in want["tokenizer"].items() if k != "chat_template"} | {"file": "tokenizer.json"}
+    assert got["special_tokens"] == want["special_tokens"]
+    assert json.loads(files["tokenizer.json"])["model"] == json.loads((pkg / "tokenizer.json").read_text())["model"]
+    if (pkg / "chat_template.jinja").exists():
+        assert files["chat_template.jinja"] == (pkg / "chat_template.jinja").read_bytes()
+    gen = json.loads(files["generation_config.json"])
+    assert gen == {k: json.loads((pkg / "generation_config.json").read_text())[k] for k in gen}
+    assert json.loads(files["step.json"]) == plan.index()
+    assert got["files"]["step.bin"] == {"size": plan.size}
+    folder = path.parent / f"page-{arch}"  # the runtime reads it as a package (the step's files elsewhere)
+    folder.mkdir(exist_ok=True)
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    load_package(folder, elsewhere=("step.bin",))

@@ -1,0 +1,105 @@
+"""A model package for the page's WASM step made from a GGUF's header alone (standard library, run in the
+page's Pyodide): the manifest, tokenizer.json, the chat template, generation_config.json and step.json,
+and the plan by which the page fills step.bin from the file's byte ranges (runtime/formats/step_plan.py).
+No graphs: such a package runs on the WASM step only. What the exporter writes for the same file
+(`python -m exporter convert FILE --target wasm`) is the reference: tests/web/test_gguf_page.py holds
+the two alike, field by field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+from runtime import contract as C
+from runtime.errors import PackageError
+from runtime.formats.families import FAMILIES
+from runtime.formats.gguf_file import GGUFHeader
+from runtime.formats.step_abi import FORMAT
+from runtime.formats.step_plan import StepPlan, step_plan
+from runtime.text.gguf_vocab import tokenizer_json, tokenizer_meta
+
+DEFAULT_MAX_CONTEXT = 32768  # the exporter's cap on a model's context (RoPE tables grow with it)
+KV_BLOCK_SIZE = 16
+# llama.cpp's converter writes the model's generation config here
+GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+                 "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+                 "general.sampling.penalty_repeat": "repetition_penalty"}
+
+
+def generation_fields(header: GGUFHeader) -> dict:
+    """The generation_config.json fields a GGUF's own sampling settings set ({} for none)."""
+    out = {}
+    for key, name in GGUF_SAMPLING.items():
+        value = header.field(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = int(value) if name == "top_k" else float(value)
+    return out
+
+
+def _entry(data: bytes) -> dict:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def page_package(header: GGUFHeader, name: str, source: str, max_context: int | None = None) -> tuple[dict[str, bytes], StepPlan]:
+    """(the package's small files by name, the step's plan). manifest.json lists step.bin with its size only:
+    the page adds its pieces' digests as it writes it (web/src/gguf_source.js). PackageError, by name, for a
+    file the step cannot run, before any weight is read."""
+    arch = header.architecture
+    family = FAMILIES.get(arch)
+    if family is None:
+        raise PackageError(f"{source}: architecture {arch!r}; the page opens {', '.join(FAMILIES)} GGUFs "
+                           "(`python -m exporter convert` exports the others)")
+    context = int(header.arch_field("context_length", 2048))
+    max_pos = min(context, max_context or DEFAULT_MAX_CONTEXT)
+    plan = step_plan(header, max_pos, source)
+    cfg = plan.config
+    tok_json = tokenizer_json(header)
+    tok_meta = tokenizer_meta(header)
+    template = header.field("tokenizer.chat_template")
+    gen = {"bos_token_id": tok_meta["bos_token_id"], "eos_token_id": tok_meta["eos_token_id"],
+           "pad_token_id": tok_meta["pad_token_id"], **generation_fields(header)}
+    window = max(cfg["windows"]) or None
+    files: dict[str, bytes] = {"tokenizer.json": json.dumps(tok_json).encode(),
+                               "generation_config.json": json.dumps(gen, indent=2).encode(),
+                               "step.json": json.dumps(plan.index()).encode()}
+    if isinstance(template, str) and template:
+        files["chat_template.jinja"] = template.encode()
+    layers = cfg["layers"]
+    manifest = {
+        "format": C.FORMAT_NAME, "format_version": C.FORMAT_VERSION, "name": name,
+        "architecture": family.model_type,
+        "config": {
+            "num_layers": layers, "hidden_size": cfg["dim"], "num_heads": cfg["heads"], "num_kv_heads": cfg["kv_heads"],
+            "head_dim": cfg["head_dim"], "intermediate_size": cfg["hidden"], "vocab_size": cfg["vocab"],
+            "max_positions": max_pos, "rms_norm_eps": cfg["eps"], "sliding_window": None,  # per layer below
+            "tie_word_embeddings": "head" not in plan.matrices,
+            "num_parameters": sum(math.prod(t.shape) for t in header.tensors.values() if t.name != "rope_freqs.weight"),
+            **({"layer_windows": [w or None for w in cfg["windows"]]} if window else {}),
+            "compute": {"activation": family.activation, "embed_scale": cfg["embed_scale"],
+                        "attn_scale": cfg["attn_scale"] if family.qk_norm else None, "qk_norm": family.qk_norm,
+                        "sandwich_norms": family.sandwich_norms,
+                        "layer_rope_local": [r == "rope_local" for r in cfg["layer_rope"]] if family.local_rope_base else None},
+        },
+        "graphs": {},
+        "io": C.declared_io(layers, cfg["kv_heads"], cfg["head_dim"], cfg["vocab"]),
+        "kv_cache": {"layout": "paged", "block_size": KV_BLOCK_SIZE, "dtype": "float32", "write": "step",
+                     "num_layers": layers, "num_kv_heads": cfg["kv_heads"], "head_dim": cfg["head_dim"]},
+        "quantization": {"weights": "the file's blocks", "method": "gguf", "types": sorted(set(plan.matrices.values())),
+                         "compute": "the WASM step, at the file's own bits"},
+        "lora": None,
+        "target": "wasm-step",
+        "tokenizer": {k: v for k, v in tok_meta.items() if k != "chat_template"},
+        "chat_template": "chat_template.jinja" if "chat_template.jinja" in files else None,
+        "special_tokens": {"eos_token_ids": [tok_meta["eos_token_id"]] if tok_meta["eos_token_id"] is not None else [],
+                           "bos_token_id": tok_meta["bos_token_id"]},
+        "generation_config": "generation_config.json",
+        "provenance": {"source": source, "source_kind": "gguf", "source_architecture": arch,
+                       "made_by": "the page, from the GGUF's header (runtime/formats/gguf_page.py)"},
+        "wasm_step": {"weights": "step.bin", "index": "step.json", "max_positions": max_pos, "format": FORMAT},
+        "files": {**{n: _entry(b) for n, b in sorted(files.items())}, "step.bin": {"size": plan.size}},
+    }
+    files["manifest.json"] = json.dumps(manifest).encode()
+    return files, plan
+
