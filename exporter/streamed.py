@@ -77,9 +77,9 @@ def source_parameters(source) -> int:
     import struct
 
     if source.kind == "gguf":
-        import gguf
+        from runtime.formats.gguf_file import read_header_file
 
-        return sum(int(t.n_elements) for t in gguf.GGUFReader(source.path).tensors)
+        return sum(int(np.prod(t.shape)) for t in read_header_file(source.path).tensors.values())
     total = 0
     for f in Path(source.path).glob("*.safetensors"):
         with open(f, "rb") as fh:

@@ -224,9 +224,10 @@ def read(path: str, weights: dict[str, np.ndarray], num_layers: int) -> GgufWeig
     transformers loaded, by Hugging Face name, [out, in] float32)."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-    field = reader.fields["general.architecture"]
-    arch_name = bytes(field.parts[field.data[0]]).decode()
+    from exporter.sources.gguf_mapped import MappedGGUF
+
+    reader = MappedGGUF(path)
+    arch_name = reader.architecture
     arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name), None)
     if arch is None:
         raise RuvLLMError(f"{path}: GGUF architecture {arch_name!r} is unknown to the gguf package")

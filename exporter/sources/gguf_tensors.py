@@ -1,8 +1,8 @@
 """A GGUF file's tensors under Hugging Face names, one at a time from the memory-mapped file.
 
 Loading a GGUF through transformers dequantizes every tensor to fp32 and copies it into a model
-(about 23 bytes of RAM a parameter: a 1B model did not fit in 24 GB). Here `gguf.GGUFReader` maps the
-file and each tensor is read when the graph builder reaches it: as float32 (gguf's dequantization),
+(about 23 bytes of RAM a parameter: a 1B model did not fit in 24 GB). Here the
+file is mapped (gguf_mapped.py) and each tensor is read when the graph builder reaches it: as float32 (gguf's dequantization),
 or as its own blocks (a Grid, gguf_blocks.py), with transformers' own tensor processors applied (the
 q/k rows llama.cpp permutes for its rotary, Gemma 2's norm offsets), so a tensor here is bit for bit
 what `from_pretrained(..., gguf_file=...)` would have put in the model.
@@ -16,6 +16,7 @@ import numpy as np
 
 from exporter.quantizers.grid import Grid
 from exporter.sources import gguf_blocks
+from exporter.sources.gguf_mapped import MappedGGUF
 from runtime.errors import RuvLLMError
 
 
@@ -23,17 +24,15 @@ class GgufTensors:
     def __init__(self, path: str, model) -> None:
         """model: the transformers model of the file's config, with no weights (meta tensors), for the
         map of tensor names."""
-        import gguf
         from transformers.modeling_gguf_pytorch_utils import (
             TENSOR_PROCESSORS,
             TensorProcessor,
             get_gguf_hf_weights_map,
-            read_field,
         )
 
         self.path = path
-        self.reader = gguf.GGUFReader(path)
-        arch = read_field(self.reader, "general.architecture")[0]
+        self.reader = MappedGGUF(path)
+        arch = self.reader.architecture
         # the config the processors read (head counts), as transformers parsed it from this file
         self.parsed = {"config": model.config.to_dict()}
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=self.parsed["config"])

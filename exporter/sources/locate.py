@@ -61,12 +61,27 @@ def gguf_conventions(source: Source, config):
     return config
 
 
+_CONFIGS: dict = {}  # a local file's config by (path, size, mtime): an export reads it twice (3 s a time for a GGUF)
+
+
 def load_config(source: Source):
+    import copy
+
     from transformers import AutoConfig
 
     where, kwargs = source.load_args
+    key = None
+    if source.kind == "gguf":
+        st = Path(source.path).stat()
+        key = (str(Path(source.path).resolve()), st.st_size, st.st_mtime_ns)
+        if key in _CONFIGS:
+            return copy.deepcopy(_CONFIGS[key])
     try:
-        return gguf_conventions(source, AutoConfig.from_pretrained(where, **kwargs))
+        config = gguf_conventions(source, AutoConfig.from_pretrained(where, **kwargs))
+        if key is not None:
+            _CONFIGS.clear()  # the last file's only
+            _CONFIGS[key] = copy.deepcopy(config)
+        return config
     except (OSError, ValueError) as err:
         if source.kind == "hub":
             raise _hub_error(source, err) from err
@@ -108,12 +123,7 @@ def source_fingerprint(source: Source) -> str | None:
 
 def gguf_add_bos(path: str) -> bool | None:
     """The GGUF's own add_bos_token flag (transformers' conversion ignores it)."""
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        return None
-    reader = GGUFReader(path)
-    field = reader.fields.get("tokenizer.ggml.add_bos_token")
-    if field is None:
-        return None
-    return bool(field.parts[field.data[0]][0])
+    from runtime.formats.gguf_file import read_header_file
+
+    flag = read_header_file(path).field("tokenizer.ggml.add_bos_token")
+    return None if flag is None else bool(flag)

@@ -39,7 +39,8 @@ class TensorInfo:
     shape: tuple[int, ...]
     type_name: str  # a block_types name, or "ggml type N" for one RuvLLM does not know
     offset: int  # from the file's start
-    nbytes: int
+    nbytes: int  # 0 for a type RuvLLM does not know
+    ggml: int = -1  # the file's type id
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def read_header(head: bytes | bytearray | memoryview) -> GGUFHeader:
         t = TYPES_BY_ID.get(kind)
         type_name = t.name if t else f"ggml type {kind}"
         nbytes = tensor_bytes(type_name, shape) if t else 0
-        tensors[name] = TensorInfo(name, shape, type_name, data_offset + offset, nbytes)
+        tensors[name] = TensorInfo(name, shape, type_name, data_offset + offset, nbytes, kind)
     return GGUFHeader(version, metadata, tensors, data_offset)
 
 
