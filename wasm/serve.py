@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import http.server
+import os
+import re
 import threading
 from pathlib import Path
 
@@ -34,7 +36,37 @@ class Handler(http.server.SimpleHTTPRequestHandler):
                 return str(folder / rest.lstrip("/"))
         return super().translate_path(path)
 
+    def send_head(self):
+        """GET with a byte range (`bytes=a-b` or `bytes=a-`): 206 and those bytes, as every static host
+        serves them; the page reads a GGUF's header and tensors that way (web/src/gguf_source.js)."""
+        wanted = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", "").strip())
+        path = self.translate_path(self.path)
+        if not wanted or os.path.isdir(path):
+            return super().send_head()
+        try:
+            f = open(path, "rb")  # noqa: SIM115 (closed by the server's copy, as SimpleHTTPRequestHandler's is)
+        except OSError:
+            self.send_error(404, "File not found")
+            return None
+        size = os.fstat(f.fileno()).st_size
+        start, end = int(wanted[1]), min(int(wanted[2]) if wanted[2] else size - 1, size - 1)
+        if start >= size or start > end:
+            f.close()
+            self.send_response(416)
+            self.send_header("Content-Range", f"bytes */{size}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return None
+        self.send_response(206)
+        self.send_header("Content-Type", self.guess_type(path))
+        self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+        self.send_header("Content-Length", str(end - start + 1))
+        self.end_headers()
+        f.seek(start)
+        return _Span(f, end - start + 1)
+
     def end_headers(self) -> None:
+        self.send_header("Accept-Ranges", "bytes")
         for key, value in ISOLATION.items():
             self.send_header(key, value)
         if self.path.endswith((".html", "/", ".json")):
@@ -43,6 +75,22 @@ class Handler(http.server.SimpleHTTPRequestHandler):
 
     def log_message(self, *args) -> None:
         pass
+
+
+class _Span:
+    """The next `left` bytes of an open file, as a file the server copies out."""
+
+    def __init__(self, f, left: int) -> None:
+        self.f, self.left = f, left
+
+    def read(self, n: int = -1) -> bytes:
+        n = self.left if n < 0 else min(n, self.left)
+        data = self.f.read(n)
+        self.left -= len(data)
+        return data
+
+    def close(self) -> None:
+        self.f.close()
 
 
 class BundleServer(http.server.ThreadingHTTPServer):

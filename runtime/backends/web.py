@@ -92,7 +92,7 @@ class WebBackend:
         if self.kv_dtype == "int8" and not self.on_step:
             raise AdapterError("adapters with kvDtype 'int8' run on the WASM step only (onnxruntime-web has no LoRA "
                                "graph on an int8 pool): load the engine with kvDtype 'fp32', or on backend 'wasm-step'")
-        if "decoder_lora" not in self.pkg.manifest.get("graphs", {}):
+        if not self.on_step and "decoder_lora" not in self.pkg.manifest.get("graphs", {}):
             raise AdapterError("this model package has no LoRA graph (exported with --no-lora); re-export it")
         features = target_features(self.pkg.config)
         layers = self.pkg.config["num_layers"]

@@ -88,7 +88,7 @@ def page_package(header: GGUFHeader, name: str, source: str, max_context: int | 
                      "num_layers": layers, "num_kv_heads": cfg["kv_heads"], "head_dim": cfg["head_dim"]},
         "quantization": {"weights": "the file's blocks", "method": "gguf", "types": sorted(set(plan.matrices.values())),
                          "compute": "the WASM step, at the file's own bits"},
-        "lora": None,
+        "lora": {"targets": list(C.LORA_TARGETS), "graph": None},  # the step's own adapters (no X-LoRA)
         "target": "wasm-step",
         "tokenizer": {k: v for k, v in tok_meta.items() if k != "chat_template"},
         "chat_template": "chat_template.jinja" if "chat_template.jinja" in files else None,

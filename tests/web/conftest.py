@@ -111,6 +111,7 @@ class OfflinePage:
         self.context = browser.new_context()
         self.off_origin: list[str] = []
         self.requests: list[str] = []
+        self.ranges: list[tuple[str, str | None]] = []  # (url, its Range header) of every request
         self.console: list[str] = []
         self.context.route("**/*", self._route)
         self.page = self.context.new_page()
@@ -121,6 +122,7 @@ class OfflinePage:
     def _route(self, route) -> None:
         url = route.request.url
         self.requests.append(url)
+        self.ranges.append((url, route.request.headers.get("range")))
         if url.startswith(("http://127.0.0.1", "blob:", "data:")):
             route.continue_()
         else:

@@ -1,5 +1,5 @@
 // The demo page: a chat with streaming, stop, settings, load progress and live speed numbers.
-import { createEngine } from './ruvllm/index.js';
+import { createEngine, forgetModel, keptModels } from './ruvllm/index.js';
 
 const $ = (id) => document.getElementById(id);
 const params = new URLSearchParams(location.search);
@@ -99,10 +99,40 @@ async function send(text) {
 async function main() {
   const models = await (await fetch('models.json')).json().catch(() => ({ models: [] }));
   const model = params.get('model') ?? models.models?.[0]?.url;
+  showKept();
   if (!model) {
-    setStatus('error', 'no model in this bundle');
+    setStatus('error', 'no model in this bundle: open a GGUF');
     return;
   }
+  await loadModel(model);
+}
+
+// The models this browser keeps (GGUFs the page opened), each with its size, to open again or delete
+async function showKept() {
+  const kept = await keptModels().catch(() => []);
+  $('kept').replaceChildren(...kept.map((k) => {
+    const li = document.createElement('li');
+    const label = document.createElement('span');
+    label.textContent = `${k.name} · ${(k.bytes / 1e6).toFixed(0)} MB`;
+    label.title = k.source;
+    const open = Object.assign(document.createElement('button'), { textContent: 'Open', className: 'secondary' });
+    open.addEventListener('click', () => loadModel(k.url));
+    const del = Object.assign(document.createElement('button'), { textContent: 'Delete', className: 'secondary' });
+    del.addEventListener('click', async () => { await forgetModel(k.url); showKept(); });
+    li.append(label, open, del);
+    return li;
+  }));
+}
+
+async function loadModel(model) {
+  state.ready = false;
+  $('send').disabled = $('input').disabled = true;
+  if (state.engine) {
+    await state.engine.unload().catch(() => {});
+    state.engine = null;
+  }
+  $('progress').hidden = false;
+  $('progress-fill').style.width = '0%';
   setStatus('loading', 'loading…');
   const t0 = performance.now();
   try {
@@ -110,8 +140,8 @@ async function main() {
       model, device: params.get('device') ?? 'auto',
       threads: params.has('threads') ? Number(params.get('threads')) : undefined,
       onProgress: (p) => {
-        if (p.stage === 'model') {
-          const pct = p.total ? (100 * p.loaded) / p.total : 0;
+        if (p.stage === 'model' && p.total) {
+          const pct = (100 * p.loaded) / p.total;
           $('progress-fill').style.width = `${pct.toFixed(1)}%`;
           $('progress-text').textContent = `${p.cached ? 'Reading cached model' : 'Downloading model'}… ${(p.loaded / 1e6).toFixed(0)} / ${(p.total / 1e6).toFixed(0)} MB`;
         } else if (p.message) {
@@ -125,6 +155,7 @@ async function main() {
     state.error = err.message;
     return;
   }
+  state.error = null;
   const info = state.engine.info;
   state.loadSeconds = (performance.now() - t0) / 1000;
   $('progress').hidden = true;
@@ -145,6 +176,17 @@ async function main() {
   $('input').focus();
 }
 
+
+$('gguf-file').addEventListener('change', (e) => {
+  const [file] = e.target.files;
+  if (file) loadModel(file).then(showKept);
+  e.target.value = '';
+});
+$('gguf-url-form').addEventListener('submit', (e) => {
+  e.preventDefault();
+  const url = $('gguf-url').value.trim();
+  if (url) loadModel(url).then(showKept);
+});
 $('composer').addEventListener('submit', (e) => {
   e.preventDefault();
   send($('input').value);

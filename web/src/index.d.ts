@@ -14,8 +14,10 @@ export interface LoadProgress {
 }
 
 export interface CreateEngineOptions {
-  /** URL of a model package folder (exported with `python -m exporter convert ... --target wasm`). */
-  model: string;
+  /** URL of a model package folder (exported with `python -m exporter convert ... --target wasm`), or a GGUF:
+   *  a `.gguf` URL (read in byte ranges), a File (`<input type=file>`), a Blob or an ArrayBuffer. A GGUF runs
+   *  on the WASM step; the package the page makes of it is kept in OPFS for the next load. */
+  model: string | Blob | ArrayBuffer;
   device?: Device;
   /** WASM threads; needs a cross-origin isolated page (COOP/COEP). Default: min(4, cores). */
   threads?: number;
@@ -226,6 +228,8 @@ export interface EngineInfo {
   device: 'wasm' | 'webgpu';
   /** the package's graph file in use (a --target wasm package has a WebGPU variant) */
   graph: string;
+  /** the GGUF's file name when `model` was a GGUF the page opened itself, else null */
+  gguf: string | null;
   threads: number;
   /** the KV cache's numbers (options.kvDtype) */
   kvDtype: 'fp32' | 'int8' | 'int4';
@@ -349,3 +353,20 @@ export interface UserState {
 }
 
 export function createEngine(options: CreateEngineOptions): Promise<Engine>;
+
+/** A GGUF's package the page made and kept in this browser (OPFS and the Cache API). */
+export interface KeptModel {
+  /** what createEngine's `model` was: the GGUF's URL, or a file's key (`file:name:size:modified`) */
+  source: string;
+  name: string;
+  /** the package's bytes in storage */
+  bytes: number;
+  /** the kept package's own URL (pass it to forgetModel; createEngine opens it too) */
+  url: string;
+}
+
+/** The GGUFs' packages kept in this browser. */
+export function keptModels(): Promise<KeptModel[]>;
+
+/** Delete a kept GGUF package (its files and manifest); true when there was one. */
+export function forgetModel(url: string): Promise<boolean>;

@@ -8,6 +8,8 @@
 
 import { fetchChecked, matches, openCache, openStore, readStored, store } from './model_store.js';
 
+export { forgetModel, keptModels } from './gguf_source.js';
+
 class ChunkStream {
   constructor(engine, id) {
     this.engine = engine;
@@ -271,7 +273,11 @@ async function storedOrFetched(url, meta, cache) {
 }
 
 /**
- * Start the engine in a Web Worker and load a model package.
+ * Start the engine in a Web Worker and load a model package, or a GGUF: `model` is a package folder's URL, or a
+ * .gguf's URL (read in byte ranges), a File, a Blob or an ArrayBuffer. A GGUF becomes a package in the page
+ * itself (no exporter): its header is read first, and one the WASM step cannot run is refused by name before
+ * any weight is fetched; its weights stream into the step at the file's own bits and the package is kept in
+ * the browser's storage (OPFS), so the next load of the same URL or file is read from there, offline.
  * options: { model, device: 'auto'|'wasm'|'webgpu', threads, onProgress, assetsURL, pyodideURL, ortURL,
  *            pythonURL, kvMemoryMB, kvDtype: 'fp32'|'int8'|'int4', maxNumSeqs, maxBatchTokens, speculativeTokens,
  *            promptCache, modelName, backend: 'auto'|'onnxruntime'|'wasm-step', maxRequestBytes }
@@ -287,9 +293,9 @@ async function storedOrFetched(url, meta, cache) {
  * the package carries one and the step would run on the CPU, else onnxruntime-web.
  */
 export async function createEngine(options) {
-  if (!options?.model) throw new Error('createEngine: options.model (the model package URL) is required');
+  if (!options?.model) throw new Error('createEngine: options.model (a model package URL, or a GGUF: its URL, a File, Blob or ArrayBuffer) is required');
   const { onProgress, ...rest } = options;
-  rest.model = new URL(rest.model, location.href).href;
+  if (typeof rest.model === 'string') rest.model = new URL(rest.model, location.href).href; // else a GGUF's bytes (File, Blob, ArrayBuffer)
   for (const key of ['assetsURL', 'pyodideURL', 'ortURL', 'pythonURL']) if (rest[key]) rest[key] = new URL(rest[key], location.href).href;
   const worker = new Worker(new URL('./worker.js', import.meta.url), { type: 'module' });
   const info = await new Promise((resolve, reject) => {

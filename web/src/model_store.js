@@ -151,7 +151,15 @@ async function download(url, size, onBytes) {
   return buf;
 }
 
+// a GGUF's package the page made itself (gguf_source.js): kept in this browser only, no server has it
+export const STORED_PACKAGES = 'ruvllm-gguf/';
+
 async function readJSON(url, cache) {
+  if (new URL(url).pathname.includes(`/${STORED_PACKAGES}`)) {
+    const hit = await cache?.match(url);
+    if (hit) return JSON.parse(await hit.text());
+    throw new Error(`${url}: this GGUF's package is not in this browser's model store`);
+  }
   try {
     const res = await fetch(url, { cache: 'no-cache' });
     if (!res.ok) throw new Error(`HTTP ${res.status}`);

@@ -4,6 +4,7 @@
 // one small message each way, and the KV pool never leaves this worker.
 
 import { STEP } from './formats.js';
+import { byteSource, fillStep, keepPackage } from './gguf_source.js';
 import { loadPackage, pageGraph, readManifest, sha256Hex, streamFile } from './model_store.js';
 import { promptKVName, readPromptKV, fits, writePromptKV } from './prompt_kv.js';
 import { StepRunner, inputSpec, makeTensor } from './step_runner.js';
@@ -146,7 +147,7 @@ async function openLoraGraph() {
 // only its weights are fetched (not the graphs'). With `threads` > 1 in a cross-origin isolated page, the
 // threaded build and its helper workers (step_helper.js); fp32 KV (kept across loads as onnxruntime's
 // is), LoRA adapters on the step, no X-LoRA yet.
-async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
+async function openWasmStep({ model, device, kvDtype = 'fp32', threads, gguf }) {
   const t0 = performance.now();
   if (device === 'webgpu') throw new Error('backend "wasm-step" runs on the CPU: use device "wasm" or "auto"');
   if (!STEP.kvDtypes.includes(kvDtype)) throw new Error(`kvDtype ${JSON.stringify(kvDtype)}: the WASM step keeps "${STEP.kvDtypes.join('", "')}"`);
@@ -161,7 +162,9 @@ async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
   const threaded = threads > 1 && self.crossOriginIsolated;
   const wasm = threaded ? null : bytes('step.wasm'); // else fetched only if the threaded build does not compile
   const threadedWasm = threaded ? bytes('step-threads.wasm') : null;
-  const early = await readManifest(model);
+  // a GGUF not seen before: the package's small files come from its header (worker.js), step.bin from its ranges
+  const encoded = gguf && Object.fromEntries(Object.entries(gguf.files).map(([n, text]) => [n, new TextEncoder().encode(text)]));
+  const early = gguf ? JSON.parse(gguf.files['manifest.json']) : await readManifest(model);
   const stepMeta = early.wasm_step && early.files[early.wasm_step.weights];
   if (stepMeta && Number(stepMeta.size) + STEP_ROOM > WASM32_BYTES) { // before anything is downloaded
     const gb = (n) => `${(n / 2 ** 30).toFixed(1)} GB`;
@@ -173,7 +176,8 @@ async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
   const skip = (name, manifest) => (!stepFiles(manifest).includes(name) && isGraphFile(name))
     || (streamed(manifest) && name === manifest.wasm_step.weights);
   const progress = (p) => post({ type: 'progress', progress: p });
-  const { manifest, files, stats } = await loadPackage(model, progress, { skip });
+  let { manifest, files, stats } = gguf ? { manifest: early, stats: { fromCache: 0, downloaded: 0, refetched: 0, gguf: true },
+    files: Object.fromEntries(Object.entries(encoded).map(([n, b]) => [n, b.slice()])) } : await loadPackage(model, progress, { skip });
   if (!manifest.wasm_step) throw new Error('backend "wasm-step": this model package has no WASM step weights (step.bin); re-export it from a GGUF with --target wasm');
   if (!hasStep(manifest)) throw new Error(`backend "wasm-step": this model package's step weights are an older layout (format ${manifest.wasm_step.format ?? 1}; this page reads ${STEP_FORMAT}); re-export it with --target wasm`);
   const big = modelFiles(manifest);
@@ -183,7 +187,11 @@ async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
   const index = JSON.parse(new TextDecoder().decode(files[manifest.wasm_step.index]));
   const name = manifest.wasm_step.weights, meta = manifest.files[name];
   let weights = files[name];
-  if (streamed(manifest)) {
+  if (gguf) {
+    const source = await byteSource(gguf.source);
+    weights = (view, repack) => fillStep(source, gguf.plan, view, repack, (loaded, total) => progress({ stage: 'model', loaded, total,
+      file: source.name, cached: false }));
+  } else if (streamed(manifest)) {
     weights = async (view) => {
       let loaded = 0;
       const got = await streamFile(model, name, meta, view, (n, cached) => {
@@ -200,6 +208,11 @@ async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
     fallback: () => bytes('step-simd128.wasm'), threads: threaded ? threads : 1, threaded: threaded && (() => threadedWasm),
     spawnHelper: () => new Worker(new URL('./step_helper.js', import.meta.url), { type: 'module' }),
   });
+  if (gguf) { // kept for the next load (step.bin's pieces' digests complete its manifest entry)
+    const { base, size } = runner.weights;
+    manifest = await keepPackage(gguf.packageURL, manifest, encoded, size, (at, n) => runner.u8(base + at, n).slice());
+    stats.downloaded = 1;
+  }
   // the last prompt's K/V across loads: named by the weights and the build that computed them
   const kvName = sha256Hex(new Uint8Array(runner.moduleBytes))
     .then((build) => promptKVName(manifest, [manifest.wasm_step.weights, build], 'wasm-step'));
@@ -212,6 +225,7 @@ async function openWasmStep({ model, device, kvDtype = 'fp32', threads }) {
 // run on the CPU (no GPU adapter, device 'wasm', or a quantized KV cache); else onnxruntime-web
 async function chooseBackend({ model, device, kvDtype }) {
   const manifest = await readManifest(model);
+  if (hasStep(manifest) && !Object.keys(manifest.graphs).length) return 'wasm-step'; // a GGUF the page opened: no graphs
   if (!hasStep(manifest) || device === 'webgpu') return 'onnxruntime';
   return (await chooseDevice(device, kvDtype)) === 'wasm' ? 'wasm-step' : 'onnxruntime';
 }
@@ -221,6 +235,10 @@ async function open(options) {
   if (backend === 'wasm-step') return { backend, ...await openWasmStep(options) };
   if (backend !== 'onnxruntime') throw new Error(`backend ${JSON.stringify(backend)}: choose "auto", "onnxruntime" or "wasm-step"`);
   const manifest = await readManifest(options.model);
+  if (!manifest.graphs.decoder) {
+    throw new Error('this model package has no onnxruntime-web graphs (a GGUF the page opened runs on its WASM step): use '
+      + 'backend "wasm-step" (or "auto"), or export the GGUF with `python -m exporter convert FILE --target wasm`');
+  }
   if (manifest.wasm_step?.only) { // a large GGUF's page package: native graphs and the step
     throw new Error('this model package runs in the page on its WASM step only (its graphs are the native engine\'s, '
       + 'with RuvLLM\'s CPU kernels): use backend "wasm-step" (or "auto") with device "wasm"');

@@ -191,27 +191,53 @@ export class WasmStepRunner {
   }
 
   /** The weights into the module's memory as step.bin lies (the file is the memory image: its arrays at
-   * their offsets, 64-byte aligned; fp16 scales are widened as step.c reads them), then the model's structs. */
+   * their offsets, 64-byte aligned; fp16 scales are widened as step.c reads them), then the model's structs.
+   * A function `weights(view, repack)` writes them itself: `repack(name, rows, cols, src, row0, n)` places
+   * rows of matrix `name` from a GGUF's raw blocks (gguf_source.js). */
   async load(index, weights) {
     const size = weightBytes(index), base = this.alloc(size);
+    this.weights = { base, size };
+    const at = Object.fromEntries(index.arrays.map((a) => [a.name, base + a.offset]));
     if (typeof weights === 'function') {
       await weights((at, n) => {
         if (at < 0 || at + n > size) throw new Error(`bytes ${at}..${at + n} are outside step.bin (${size} bytes)`);
         return this.u8(base + at, n);
-      });
+      }, this.repacker(index, at));
     } else {
       this.u8(base, size).set(weights.subarray(0, size));
     }
-    const at = Object.fromEntries(index.arrays.map((a) => [a.name, base + a.offset]));
     this.model = this.placeModel(index, at);
     if (this.k.step_init(this.model, TOKENS_PER_STEP) !== TOKENS_PER_STEP) throw new Error('the WASM step: out of memory for its scratch');
   }
 
+  /** A matrix's QMat: its kind, then its parts' addresses (`at`: array name -> address), as wasm/step_module.py builds it. */
+  qmat(index, at, name) {
+    return { kind: this.cfg.kinds[index.matrices[name]], ...Object.fromEntries(STEP.parts.map((part) => [part, at[`${name}.${part}`] ?? 0])) };
+  }
+
+  /** step_repack (wasm/step/repack.h) into matrix `name`'s arrays: rows [row0, row0 + n) of [rows, cols] from
+   * `src`, those rows' raw blocks, copied through a scratch buffer that grows to the largest piece. */
+  repacker(index, at) {
+    const q = this.alloc(sizeOf('QMat'));
+    let scratch = 0, room = 0;
+    return (name, rows, cols, src, row0, n) => {
+      if (src.length > room) {
+        room = Math.max(src.length, 4 << 20);
+        scratch = this.alloc(room);
+      }
+      this.u8(scratch, src.length).set(src);
+      writeStruct(this.k.memory.buffer, q, 'QMat', this.qmat(index, at, name));
+      if (this.k.step_repack(q, rows, cols, scratch, row0, n)) {
+        throw new Error(`the WASM step cannot repack ${name} (${index.matrices[name]} [${rows}, ${cols}], rows ${row0}..${row0 + n})`);
+      }
+    };
+  }
+
   /** step.c's Model and its Layers over the arrays placed at `at` (name -> address), as
-   * wasm/step_module.py builds them: a QMat is the matrix's kind, then its parts' addresses. */
+   * wasm/step_module.py builds them. */
   placeModel(index, at) {
     const cfg = this.cfg;
-    const qmat = (name) => ({ kind: cfg.kinds[index.matrices[name]], ...Object.fromEntries(STEP.parts.map((part) => [part, at[`${name}.${part}`] ?? 0])) });
+    const qmat = (name) => this.qmat(index, at, name);
     const layers = Array.from({ length: cfg.layers }, (_, l) => ({
       attn_norm: at[`${l}.attn_norm`], ffn_norm: at[`${l}.ffn_norm`], bias: ['q', 'k', 'v'].map((p) => at[`${l}.${p}.bias`] ?? 0),
       mat: STEP.matrices.map((p) => qmat(`${l}.${p}`)),

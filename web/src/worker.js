@@ -3,7 +3,8 @@
 // index.js. The model itself (fetch, verify, onnxruntime-web session, KV pool) lives in a second
 // worker, ort_worker.js, so both load at once; everything heavy is off the page's thread.
 
-import { fetchChecked } from './model_store.js';
+import { HEADER_FIRST, byteSource, isGGUF, storedPackageURL } from './gguf_source.js';
+import { fetchChecked, openStore, readManifest } from './model_store.js';
 import { findSnapshot, readSnapshot } from './python_snapshot.js';
 import { RemoteRunner } from './remote_runner.js';
 import { installWheels, wheelClosure } from './wheels.js';
@@ -50,6 +51,35 @@ async function bootPython(pyodideURL, pythonURL, mark = () => {}) {
   return { pyodide, python: 'booted' };
 }
 
+// A GGUF's package from its header (runtime/serve/web_gguf.py), read in growing pieces: { files, plan }
+async function ggufPackage(pyodide, source) {
+  for (let n = HEADER_FIRST; ;) {
+    const head = await source.read(0, n);
+    pyodide.FS.writeFile('/tmp/gguf-header', head);
+    const made = JSON.parse(pyodide.pyimport('runtime.serve.web_gguf').gguf_package('/tmp/gguf-header', source.key, source.name));
+    pyodide.FS.unlink('/tmp/gguf-header');
+    if (made.error) throw new Error(made.error);
+    if (!made.need) return made;
+    if (head.length < n) throw new Error(`${source.name}: the GGUF header runs past the file's end (a truncated file)`);
+    n = made.need;
+  }
+}
+
+// A GGUF `model` (URL, File, Blob, ArrayBuffer): the package kept from an earlier load ({ model }), or what
+// making it needs ({ model, source }); a package URL as it is.
+async function resolveModel(model) {
+  if (!isGGUF(model)) return { model: new URL(model, self.location.href).href };
+  const source = await byteSource(model);
+  const url = await storedPackageURL(source.key);
+  const kept = await readManifest(url).then(async (m) => { // whole: every file still in storage
+    const dir = await openStore();
+    if (!dir || !m.files?.[m.wasm_step?.weights]?.chunks) return false;
+    const there = await Promise.all(Object.values(m.files).map((f) => dir.getFileHandle(f.sha256).then(() => true, () => false)));
+    return there.every(Boolean);
+  }, () => false);
+  return kept ? { model: url, gguf: source.name } : { model: url, gguf: source.name, source, given: model };
+}
+
 async function load(opts) {
   const t0 = performance.now();
   const timings = {};
@@ -62,25 +92,38 @@ async function load(opts) {
   const ortURL = new URL(opts.ortURL ?? 'ort/', assets).href;
   const threads = self.crossOriginIsolated ? Math.max(1, opts.threads ?? Math.min(4, navigator.hardwareConcurrency || 1)) : 1;
 
+  const resolved = await resolveModel(opts.model);
+  if (resolved.gguf && opts.backend && !['auto', 'wasm-step'].includes(opts.backend)) {
+    throw new Error(`backend ${JSON.stringify(opts.backend)}: a GGUF opened in the page runs on the WASM step (backend "wasm-step" or "auto"); `
+      + 'for onnxruntime-web export it with `python -m exporter convert FILE --target wasm`');
+  }
   runner = new RemoteRunner(new Worker(new URL('./ort_worker.js', import.meta.url), { type: 'module' }));
   let filesMessage = null;
   const filesArrived = new Promise((resolve) => runner.listeners.add((msg) => {
     if (msg.type === 'progress') progress(msg.progress);
     else if (msg.type === 'files') { filesMessage = msg; mark('fetched'); resolve(msg); }
   }));
-  const opened = runner.call('open', { options: { model: opts.model, ortURL, device: opts.device ?? 'auto', threads,
-    kvDtype: opts.kvDtype ?? 'fp32', backend: opts.backend ?? 'auto' } })
-    .then((r) => { mark('session'); return r; });
   progress({ stage: 'runtime', message: 'starting Python' });
   const python = bootPython(pyodideURL, pythonURL, mark).then((py) => { mark('python'); return py; });
-  opened.catch(() => {});
   python.catch(() => {});
+  let gguf;
+  if (resolved.source) { // a GGUF not seen before: its header makes the package (Python), then its weights stream in
+    progress({ stage: 'model', message: `reading ${resolved.source.name}'s header` });
+    const made = await ggufPackage((await python).pyodide, resolved.source);
+    mark('gguf_header');
+    gguf = { source: resolved.given, files: made.files, plan: made.plan, packageURL: resolved.model };
+  }
+  const opened = runner.call('open', { options: { model: resolved.model, gguf, ortURL, device: opts.device ?? 'auto', threads,
+    kvDtype: opts.kvDtype ?? 'fp32', backend: resolved.gguf ? 'wasm-step' : opts.backend ?? 'auto' } })
+    .then((r) => { mark('session'); return r; });
+  opened.catch(() => {});
 
   // Python needs only the small files (manifest, tokenizer, template), which come before the session
   const openFailed = opened.then(() => new Promise(() => {})); // settles only if opening fails
   const [{ pyodide, python: pythonStart }] = await Promise.race([Promise.all([python, filesArrived]), openFailed]);
   const { manifest, files, graphFiles, backend: stepper } = filesMessage;
-  const dir = `/models/${manifest.files[manifest.graphs.decoder.file].sha256.slice(0, 16)}`;
+  const named = manifest.graphs.decoder?.file ?? manifest.wasm_step.index; // a GGUF the page opened has no graphs
+  const dir = `/models/${manifest.files[named].sha256.slice(0, 16)}`;
   pyodide.FS.mkdirTree(dir);
   pyodide.FS.writeFile(`${dir}/manifest.json`, JSON.stringify(manifest));
   for (const [name, bytes] of Object.entries(files)) pyodide.FS.writeFile(`${dir}/${name}`, bytes);
@@ -108,7 +151,7 @@ async function load(opts) {
   timings.model_worker = { fetch: Number(filesMessage.fetchSeconds.toFixed(3)), session: Number(sessionSeconds.toFixed(3)),
     warmup_steps: warmupSteps };
   info = {
-    model: name, backend, device, graph, threads: usedThreads ?? threads,
+    model: name, backend, device, graph, threads: usedThreads ?? threads, gguf: resolved.gguf ?? null,
     kvDtype: opts.kvDtype ?? 'fp32', crossOriginIsolated: self.crossOriginIsolated,
     quantization: manifest.quantization, cache, python: pythonStart, restoredPromptBlocks: promptBlocks,
     loadSeconds: (performance.now() - t0) / 1000, timings, sampling: JSON.parse(engine.sampling_defaults()),

@@ -1,0 +1,197 @@
+// A GGUF opened by the page itself (a URL, a File or Blob, an ArrayBuffer), with no exporter: the engine
+// worker's Python reads the file's header (runtime/formats/gguf_page.py: the manifest, tokenizer, template
+// and the plan of step.bin, the same description the exporter follows) and the model worker fills step.bin
+// in the WASM step's memory from the file's byte ranges, each matrix repacked by the step itself
+// (wasm/step/repack.h), a few MB at a time: nothing holds the file whole. The package it makes is then kept
+// in the model store (OPFS, the Cache API) under a name of its own, so a reload opens it offline.
+
+import { fromHalf } from './fp16.js';
+import { STORED_PACKAGES, openCache, openStore, sha256Hex, store } from './model_store.js';
+
+export const HEADER_FIRST = 1 << 20; // the header's first read; Python asks for more where it runs past it
+const WINDOW = 8 << 20; // bytes a read brings in (one range request): pieces come in file order
+const PIECE = 4 << 20; // at most this many bytes of a matrix's rows repacked at once
+export const CHUNK = 1 << 24; // step.bin's pieces, each with its sha256 (runtime/package.py's CHUNK_BYTES)
+
+/** Whether `model` names a GGUF rather than a package folder. */
+export function isGGUF(model) {
+  if (typeof model === 'string') return /\.gguf([?#]|$)/i.test(model);
+  return model instanceof Blob || model instanceof ArrayBuffer || ArrayBuffer.isView(model);
+}
+
+const fileName = (url) => decodeURIComponent(new URL(url).pathname.split('/').pop() || 'model.gguf');
+
+/** The file's bytes by range: { name, key (what it is kept under), read(at, n) } over a URL (HTTP ranges),
+ * a Blob or File (slices) or an ArrayBuffer. A read near the end may return fewer bytes. */
+export async function byteSource(model) {
+  if (typeof model === 'string') {
+    const url = new URL(model, self.location.href).href;
+    return { name: fileName(url), key: url, async read(at, n) {
+      const res = await fetch(url, { headers: { Range: `bytes=${at}-${at + n - 1}` }, cache: 'no-store' });
+      if (res.status === 416) return new Uint8Array(0);
+      if (res.status !== 206) {
+        throw new Error(res.ok ? `${url}: the server sent the whole file for a byte range (HTTP ${res.status}); opening a GGUF `
+          + 'in the page reads it in ranges, as every static host and the Hugging Face Hub serve them' : `${url}: HTTP ${res.status}`);
+      }
+      return new Uint8Array(await res.arrayBuffer());
+    } };
+  }
+  if (model instanceof Blob) {
+    const name = model.name || 'model.gguf';
+    return { name, key: `file:${name}:${model.size}:${model.lastModified ?? 0}`,
+      read: async (at, n) => new Uint8Array(await model.slice(at, at + n).arrayBuffer()) };
+  }
+  const bytes = model instanceof ArrayBuffer ? new Uint8Array(model) : new Uint8Array(model.buffer, model.byteOffset, model.byteLength);
+  const head = await sha256Hex(bytes.slice(0, HEADER_FIRST));
+  return { name: 'model.gguf', key: `bytes:${head}:${bytes.length}`, read: async (at, n) => bytes.subarray(at, at + n) };
+}
+
+/** The package URL a GGUF's page package is kept under (by the source's key). */
+export async function storedPackageURL(key) {
+  const id = await sha256Hex(new TextEncoder().encode(key));
+  return new URL(`${STORED_PACKAGES}${id.slice(0, 32)}/`, self.location.href).href;
+}
+
+export const isStoredPackage = (url) => new URL(url, self.location.href).pathname.includes(`/${STORED_PACKAGES}`);
+
+/** step.bin filled from the file: `plan` (StepPlan.to_json: step.json, each array's source), `view(at, n)`
+ * step.bin's bytes in the module's memory, `repack(name, rows, cols, src, row0, n)` the step's own repacking
+ * of a matrix's rows. Reads in file order through a window of WINDOW bytes. */
+export async function fillStep(source, plan, view, repack, onBytes = () => {}) {
+  let start = 0, window = new Uint8Array(0);
+  const read = async (at, n) => {
+    if (at < start || at + n > start + window.length) {
+      window = await source.read(at, Math.max(n, WINDOW));
+      start = at;
+      if (window.length < n) throw new Error(`${source.name}: the file ends inside a tensor (a truncated GGUF)`);
+    }
+    return window.subarray(at - start, at - start + n);
+  };
+  const arrays = Object.fromEntries(plan.index.arrays.map((a) => [a.name, a]));
+  const pieces = []; // [file offset, what to do]
+  for (const [name, src] of Object.entries(plan.sources)) {
+    const placed = plan.fill.filter((f) => f.source === name);
+    if (placed.some((f) => f.part)) { // a matrix: whole groups of four rows at a time
+      const [rows, cols] = src.shape, rowBytes = src.bytes / rows;
+      const step = Math.max(4, Math.floor(PIECE / rowBytes / 4) * 4);
+      for (let r = 0; r < rows; r += step) {
+        const n = Math.min(step, rows - r);
+        pieces.push([src.at + r * rowBytes, async () => repack(name, rows, cols, await read(src.at + r * rowBytes, n * rowBytes), r, n)]);
+      }
+    } else {
+      const a = arrays[placed[0].name];
+      pieces.push([src.at, async () => widen(src.type, await read(src.at, src.bytes), new Float32Array(a.bytes / 4))
+        .then((f) => view(a.offset, a.bytes).set(new Uint8Array(f.buffer)))]);
+    }
+  }
+  pieces.sort((x, y) => x[0] - y[0]);
+  let factors = null;
+  if (plan.rope_factors) factors = await widen(plan.rope_factors.type, await source.read(plan.rope_factors.at, plan.rope_factors.bytes),
+    new Float32Array(plan.rope_factors.bytes / (plan.rope_factors.type === 'F32' ? 4 : 2)));
+  let done = 0;
+  const total = pieces.length;
+  for (const [, run] of pieces) {
+    await run();
+    onBytes(++done, total);
+  }
+  const { head_dim: hd, max_pos: positions } = plan.index.config;
+  for (const f of plan.fill.filter((x) => x.rope !== null)) {
+    const a = arrays[f.name], table = new Float32Array(a.bytes / 4);
+    ropeTable(f.rope, hd, positions, factors, table);
+    view(a.offset, a.bytes).set(new Uint8Array(table.buffer));
+  }
+}
+
+// a norm's or bias's numbers as fp32 (F32, F16 or BF16 in the file)
+async function widen(type, bytes, out) {
+  const copy = bytes.slice(); // aligned
+  if (type === 'F32') out.set(new Float32Array(copy.buffer));
+  else if (type === 'BF16') {
+    const u = new Uint16Array(copy.buffer), w = new Uint32Array(out.buffer);
+    for (let i = 0; i < u.length; i++) w[i] = u[i] << 16;
+  } else if (type === 'F16') {
+    const u = new Uint16Array(copy.buffer);
+    for (let i = 0; i < u.length; i++) out[i] = fromHalf(u[i]);
+  } else throw new Error(`a ${type} vector: the page reads F32, F16 and BF16 ones`);
+  return out;
+}
+
+/** [positions, head_dim / 2, 2] cos and sin: in float64 then rounded, as exporter/step_weights.py's rope_table. */
+export function ropeTable(base, hd, positions, factors, out) {
+  const half = hd / 2, inv = new Float64Array(half);
+  for (let i = 0; i < half; i++) inv[i] = base ** (-(2 * i) / hd) / (factors ? factors[i] : 1);
+  for (let p = 0, at = 0; p < positions; p++) {
+    for (let i = 0; i < half; i++, at += 2) {
+      const angle = p * inv[i];
+      out[at] = Math.cos(angle);
+      out[at + 1] = Math.sin(angle);
+    }
+  }
+  return out;
+}
+
+/** step.bin (`bytes(at, n)`: a copy of its bytes at `at`) and the small files kept in the model store, then the
+ * manifest (its step.bin entry completed with the pieces' digests) in the Cache API under `packageURL`: the
+ * commit point, so a reload finds a whole package or none. Returns the completed manifest. */
+export async function keepPackage(packageURL, manifest, files, size, bytes) {
+  const dir = await openStore(), cache = await openCache();
+  const digests = [];
+  for (let at = 0; at < size; at += CHUNK) digests.push(await sha256Hex(bytes(at, Math.min(CHUNK, size - at))));
+  const id = await sha256Hex(new TextEncoder().encode(digests.join(''))); // names the file (no streaming SHA-256 here)
+  const name = manifest.wasm_step.weights;
+  const done = { ...manifest, files: { ...manifest.files, [name]: { size, sha256: id, chunks: { bytes: CHUNK, sha256: digests } } } };
+  if (!dir || !cache) return done; // storage disabled: this load only
+  try {
+    const part = await dir.getFileHandle(`${id}.part`, { create: true });
+    const access = await part.createSyncAccessHandle();
+    try {
+      access.truncate(0);
+      for (let at = 0; at < size; at += CHUNK) access.write(bytes(at, Math.min(CHUNK, size - at)), { at });
+      access.flush();
+    } finally {
+      access.close();
+    }
+    await part.move(id);
+    for (const [file, data] of Object.entries(files)) {
+      if (file !== 'manifest.json') await store(dir, manifest.files[file].sha256, data);
+    }
+    await cache.put(new URL('manifest.json', packageURL).href,
+      new Response(JSON.stringify(done), { headers: { 'Content-Type': 'application/json' } }));
+  } catch (err) {
+    console.warn(`ruvllm: the GGUF's package was not kept for the next load (${err?.message ?? err})`);
+  }
+  return done;
+}
+
+/** The GGUFs' packages kept in this browser: [{ url, name, source, bytes }] (source: the GGUF's URL or file name). */
+export async function keptModels() {
+  const cache = await openCache();
+  if (!cache) return [];
+  const out = [];
+  for (const request of await cache.keys()) {
+    if (!isStoredPackage(request.url) || !request.url.endsWith('/manifest.json')) continue;
+    const m = await (await cache.match(request)).json().catch(() => null);
+    if (!m?.files) continue;
+    out.push({ url: request.url.slice(0, -'manifest.json'.length), name: m.name, source: m.provenance?.source ?? m.name,
+      bytes: Object.values(m.files).reduce((n, f) => n + Number(f.size), 0) });
+  }
+  return out;
+}
+
+/** Forget a kept GGUF package (its url from keptModels): its files in OPFS and its manifest. */
+export async function forgetModel(url) {
+  const cache = await openCache(), dir = await openStore();
+  const at = new URL('manifest.json', url).href;
+  const hit = await cache?.match(at);
+  if (!hit) return false;
+  const m = await hit.json();
+  const others = (await keptModels()).filter((k) => k.url !== url); // files another kept package shares stay
+  const shared = new Set();
+  for (const k of others) {
+    const o = await (await cache.match(new URL('manifest.json', k.url).href)).json();
+    for (const f of Object.values(o.files)) shared.add(f.sha256);
+  }
+  for (const f of Object.values(m.files)) if (!shared.has(f.sha256)) await dir?.removeEntry(f.sha256).catch(() => {});
+  await cache.delete(at);
+  return true;
+}
