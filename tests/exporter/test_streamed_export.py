@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.exporter.test_gguf_import import package_weights, random_blocks
+from tests.exporter.test_gguf_import import TEST_VOCAB, add_smollm2_tokenizer, package_weights, random_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -15,19 +15,19 @@ MIX = {"attn_q": "Q4_K", "attn_k": "Q5_0", "attn_v": "Q6_K", "attn_output": "Q5_
 
 
 def write_mixed_gguf(path, smol_gguf, mix: dict[str, str] = MIX, embedding: str = "Q6_K", head: str | None = "Q8_0",
-                     arch: str = "llama", metadata: dict | None = None) -> None:
+                     arch: str = "llama", metadata: dict | None = None, vocab: int | None = TEST_VOCAB) -> None:
     """A tiny llama (or Qwen2: q, k and v with biases; or Gemma 3: six layers, the last global, the others on a
     window of 8, head norms and norms after attention and the MLP, stored as llama.cpp's converter stores
     Gemma's: 1 + w) GGUF with SmolLM2's vocabulary, random blocks of `mix`'s types (by tensor), the
     embedding's, and an untied head's (None: tied to the embedding); `metadata`: more keys (a float as
-    float32, an int as int32)."""
+    float32, an int as int32); `vocab`: SmolLM2's first tokens only (None: all 49,152; the logits bounds below
+    were set on those)."""
     import gguf
 
-    src = gguf.GGUFReader(str(smol_gguf))
     w = gguf.GGUFWriter(str(path), arch)
     gemma = arch == "gemma3"
     hidden, inter, layers, heads, kv_heads = 256, 512, 6 if gemma else 2, 4, 2
-    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    vocab = add_smollm2_tokenizer(w, smol_gguf, vocab)
     for add, value in ((w.add_context_length, 256), (w.add_embedding_length, hidden), (w.add_feed_forward_length, inter),
                        (w.add_block_count, layers), (w.add_head_count, heads), (w.add_head_count_kv, kv_heads),
                        (w.add_rope_freq_base, 1e6 if gemma else 10000.0), (w.add_layer_norm_rms_eps, 1e-5),
@@ -39,9 +39,6 @@ def write_mixed_gguf(path, smol_gguf, mix: dict[str, str] = MIX, embedding: str 
         w.add_sliding_window(8)
     for key, value in (metadata or {}).items():
         (w.add_float32 if isinstance(value, float) else w.add_int32)(key, value)
-    for name, field in src.fields.items():
-        if name.startswith("tokenizer."):
-            w.add_key_value(name, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
     rng = np.random.default_rng(3)
 
     def tensor(name: str, rows: int, cols: int, t: str) -> None:
@@ -80,7 +77,7 @@ def write_mixed_gguf(path, smol_gguf, mix: dict[str, str] = MIX, embedding: str 
 @pytest.fixture(scope="module")
 def mixed_gguf(smol_gguf, workdir):
     path = workdir / "tiny-mixed.gguf"
-    write_mixed_gguf(path, smol_gguf)
+    write_mixed_gguf(path, smol_gguf, vocab=None)
     return path
 
 
@@ -220,7 +217,7 @@ def test_k_quants_at_their_own_bits_run_with_and_without_the_kernels(mix, smol_g
 
     types, want_kinds = K_MIXES[mix]
     path = workdir / f"tiny-{mix}.gguf"
-    write_mixed_gguf(path, smol_gguf, types)
+    write_mixed_gguf(path, smol_gguf, types, vocab=None)
     pkg_dir = convert(str(path), workdir / f"pkg-{mix}-own", ConvertOptions(quant="int4", progress=False))
     graph = onnx.load(str(pkg_dir / "model.onnx"), load_external_data=False).graph
     own = [n for n in graph.node if n.op_type == "MatMulQ4" and n.domain == "ruvllm"]

@@ -13,7 +13,7 @@ from runtime.serve.server import create_app, load_models
 from tests.runtime.test_server import LiveServer
 
 pytestmark = pytest.mark.slow
-EXAMPLES = 40  # per endpoint and mode
+EXAMPLES = 30  # per endpoint and mode
 
 
 @pytest.fixture(scope="module")
