@@ -137,9 +137,10 @@ class RendererPeak:
         return round(self.peak, 1), round(self.rss_sum_peak, 1)
 
 
-def gguf_models(gguf: Path) -> tuple[str, str]:
+def gguf_models(gguf: Path, export: bool = True) -> tuple[str | None, str]:
     """(RuvLLM's package URL, wllama's file URL) under /bench-models/ for a GGUF: the package exported for
-    the page once (wasm.build.export_model's cache), both linked into MODELS."""
+    the page once (wasm.build.export_model's cache; export=False: none, the page opens the file itself), both
+    linked into MODELS."""
     import contextlib
     import os
 
@@ -151,13 +152,14 @@ def gguf_models(gguf: Path) -> tuple[str, str]:
         stack.callback(os.close, saved)
         os.dup2(2, 1)
         stack.callback(os.dup2, saved, 1)
-        pkg, name = export_model(str(gguf), "int4"), source_name(str(gguf))
+        pkg, name = (export_model(str(gguf), "int4") if export else None), source_name(str(gguf))
     MODELS.mkdir(parents=True, exist_ok=True)
     for link, target in ((MODELS / name, pkg), (MODELS / gguf.name, gguf.resolve())):
         if link.is_symlink() or link.exists():
             link.unlink()
-        link.symlink_to(target)
-    return f"/bench-models/{name}/", f"/bench-models/{gguf.name}"
+        if target is not None:
+            link.symlink_to(target)
+    return (f"/bench-models/{name}/" if export else None), f"/bench-models/{gguf.name}"
 
 
 def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens: int, dtype: str | None,
@@ -185,7 +187,7 @@ def run_one(pw, launch: list[str], base: str, engine: str, threads: int, tokens:
         try:
             url = (f"{base}bench/bench.html?engine={engine}&threads={threads}&tokens={tokens}"
                    + (f"&dtype={dtype}" if dtype else "") + f"&reload={reload_prompt}&kv={kv}&context={context}"
-                   + (f"&model={files[0]}&gguf={files[1]}" if files else "") + f"&tjs={tjs}" + ("&raw=1" if raw else ""))
+                   + (f"&model={files[0]}" if files and files[0] else "") + (f"&gguf={files[1]}" if files else "") + f"&tjs={tjs}" + ("&raw=1" if raw else ""))
             memory = RendererPeak(profile)
             page.goto(url)
             page.wait_for_function("window.result || window.failure", timeout=timeout_s * 1000, polling=500)
@@ -223,7 +225,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--engines", default="ruvllm,ruvllm:nolookup,transformers.js:fp32,transformers.js:q8,wllama",
                     help="ruvllm:nolookup is RuvLLM with prompt-lookup speculative decoding off; ruvllm:step on its WASM "
-                         "step (backend 'wasm-step'), ruvllm:step.nolookup both")
+                         "step (backend 'wasm-step'), ruvllm:step.nolookup both; ruvllm:gguf.nolookup opens --gguf's file "
+                         "itself (no exported package), as wllama does")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--reload-prompt", choices=("same", "other"), default="same",
                     help="the reload asks the same question as the first visit, or another one (RuvLLM keeps the "
@@ -259,7 +262,8 @@ def main() -> None:
             transformersjs_model(hf, tjs)
         else:
             transformersjs_model()
-    files = gguf_models(args.gguf) if args.gguf else None
+    exported = any(name == "ruvllm" and "gguf" not in (dtype or "").split(".") for name, dtype, _ in engines)
+    files = gguf_models(args.gguf, exported) if args.gguf else None
     if any(e[0] == "wllama" for e in engines) and not files:
         wllama_model()
     server, base = serve_in_thread(bundle, {"/bench/": HERE, "/bench-models/": MODELS})
@@ -308,9 +312,15 @@ def main() -> None:
     step_ratios = {field: {k: round(step[field] / v[field], 2) for k, v in summary.items()
                            if not k.startswith("ruvllm") and step.get(field) and v.get(field)}
                    for field in ("decode_tok_s", "cached_decode_tok_s", "ttft_ms")} if step else {}
+    # the GGUF opened by the page itself (no exported package), on the step, against the peers
+    own = summary.get("ruvllm:gguf.nolookup", {})
+    gguf_ratios = {field: {k: round(own[field] / v[field], 2) for k, v in summary.items()
+                           if not k.startswith("ruvllm") and own.get(field) and v.get(field)}
+                   for field in ("decode_tok_s", "cached_decode_tok_s", "ttft_ms", "load_s", "cached_load_s",
+                                 "renderer_peak_mb")} if own else {}
     print(json.dumps({"gguf": str(args.gguf) if args.gguf else None, "threads": args.threads, "tokens": args.tokens, "repeats": args.repeats, "reload_prompt": args.reload_prompt, "summary": summary,
                       "ruvllm_decode_ratio": ratios, "ruvllm_nolookup_decode_ratio": nolookup_ratios,
-                      "ruvllm_step_nolookup_ratio": step_ratios,
+                      "ruvllm_step_nolookup_ratio": step_ratios, "ruvllm_gguf_nolookup_ratio": gguf_ratios,
                       "runs": runs}, indent=1))
 
 

@@ -80,7 +80,8 @@ def tokenizer_json(header: GGUFHeader) -> dict:
         control = [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == CONTROL and set(t) <= alphabet]
         user = [i for i, ty in enumerate(types) if ty == USER_DEFINED]
         return _template({
-            "added_tokens": _added(tokens, types, control, True) + _added(tokens, types, user, False),
+            "added_tokens": sorted(_added(tokens, types, control, True) + _added(tokens, types, user, False),
+                                   key=lambda t: t["id"]),
             "normalizer": None, "pre_tokenizer": pre,
             "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
@@ -96,9 +97,13 @@ def tokenizer_json(header: GGUFHeader) -> dict:
         control = [i for i, ty in enumerate(types) if ty == CONTROL]
         if isinstance(unk_id, int) and unk_id not in control:
             control = sorted([*control, unk_id])  # GemmaTokenizer's unk token is a special one
-        user = [i for i, ty in enumerate(types) if ty == USER_DEFINED]
+        # a user-defined token is added as the file spells it, where that spelling is a token (a run of spaces,
+        # stored as spaces, is not: it stays the merges' U+2581 run)
+        vocab = set(spelled)
+        user = [i for i, ty in enumerate(types) if ty == USER_DEFINED and tokens[i] in vocab]
         return _template({
-            "added_tokens": _added(spelled, types, control, True) + _added(spelled, types, user, False),
+            "added_tokens": sorted(_added(tokens, types, control, True) + _added(tokens, types, user, False),
+                                   key=lambda t: t["id"]),
             "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": SP_SPACE},
             "pre_tokenizer": {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious",
                               "invert": False},

@@ -53,7 +53,7 @@ def gemma_vocab_gguf(tmp_path_factory):
     vocab = json.loads(tok.to_str())["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])] + ["  ", "<think>"]
     tokens += [f"<0x{b:02X}>" for b in range(256)]
-    types = [3, 3, 3, 2, 3, 3] + [1] * (len(vocab) - 6) + [1, 4] + [6] * 256
+    types = [3, 3, 3, 2, 3, 3] + [1] * (len(vocab) - 6) + [4, 4] + [6] * 256  # Gemma 3 marks its space runs user-defined
     path = tmp_path_factory.mktemp("vocab") / "gemma-vocab.gguf"
     write_vocab_gguf(path, "gemma3", tokens, types, "llama", bos_token_id=2, eos_token_id=1, unk_token_id=3,
                      pad_token_id=0, add_bos_token=True)

@@ -9,7 +9,6 @@ import { fromHalf } from './fp16.js';
 import { STORED_PACKAGES, openCache, openStore, sha256Hex, store } from './model_store.js';
 
 export const HEADER_FIRST = 1 << 20; // the header's first read; Python asks for more where it runs past it
-const WINDOW = 8 << 20; // bytes a read brings in (one range request): pieces come in file order
 const PIECE = 4 << 20; // at most this many bytes of a matrix's rows repacked at once
 export const CHUNK = 1 << 24; // step.bin's pieces, each with its sha256 (runtime/package.py's CHUNK_BYTES)
 
@@ -21,8 +20,9 @@ export function isGGUF(model) {
 
 const fileName = (url) => decodeURIComponent(new URL(url).pathname.split('/').pop() || 'model.gguf');
 
-/** The file's bytes by range: { name, key (what it is kept under), read(at, n) } over a URL (HTTP ranges),
- * a Blob or File (slices) or an ArrayBuffer. A read near the end may return fewer bytes. */
+/** The file's bytes: { name, key (what it is kept under), read(at, n), stream(from) (a reader of the bytes from
+ * there on) } over a URL (HTTP ranges), a Blob or File (slices) or an ArrayBuffer. A read near the end may
+ * return fewer bytes. */
 export async function byteSource(model) {
   if (typeof model === 'string') {
     const url = new URL(model, self.location.href).href;
@@ -34,16 +34,25 @@ export async function byteSource(model) {
           + 'in the page reads it in ranges, as every static host and the Hugging Face Hub serve them' : `${url}: HTTP ${res.status}`);
       }
       return new Uint8Array(await res.arrayBuffer());
+    }, async stream(from) {
+      const res = await fetch(url, { headers: { Range: `bytes=${from}-` }, cache: 'no-store' });
+      if (res.status !== 206 || !res.body) throw new Error(`${url}: HTTP ${res.status} for its bytes from ${from}`);
+      return res.body.getReader();
     } };
   }
   if (model instanceof Blob) {
     const name = model.name || 'model.gguf';
     return { name, key: `file:${name}:${model.size}:${model.lastModified ?? 0}`,
-      read: async (at, n) => new Uint8Array(await model.slice(at, at + n).arrayBuffer()) };
+      read: async (at, n) => new Uint8Array(await model.slice(at, at + n).arrayBuffer()),
+      stream: async (from) => model.slice(from).stream().getReader() };
   }
   const bytes = model instanceof ArrayBuffer ? new Uint8Array(model) : new Uint8Array(model.buffer, model.byteOffset, model.byteLength);
   const head = await sha256Hex(bytes.slice(0, HEADER_FIRST));
-  return { name: 'model.gguf', key: `bytes:${head}:${bytes.length}`, read: async (at, n) => bytes.subarray(at, at + n) };
+  return { name: 'model.gguf', key: `bytes:${head}:${bytes.length}`, read: async (at, n) => bytes.subarray(at, at + n),
+    stream: async (from) => {
+      let done = false;
+      return { read: async () => (done ? { done } : (done = true, { done: false, value: bytes.subarray(from) })), cancel: async () => {} };
+    } };
 }
 
 /** The package URL a GGUF's page package is kept under (by the source's key). */
@@ -54,19 +63,44 @@ export async function storedPackageURL(key) {
 
 export const isStoredPackage = (url) => new URL(url, self.location.href).pathname.includes(`/${STORED_PACKAGES}`);
 
+/** The bytes of a stream from file offset `at` on, taken in increasing order: take(at, n) a copy of n bytes
+ * (the ones before `at` skipped). One request for the whole read: the network runs ahead of the step's work. */
+class Sequential {
+  constructor(reader, at, name) {
+    Object.assign(this, { reader, at, name, chunk: new Uint8Array(0) });
+  }
+
+  async more() {
+    const { done, value } = await this.reader.read();
+    if (done) throw new Error(`${this.name}: the file ends inside a tensor (a truncated GGUF)`);
+    this.chunk = value;
+  }
+
+  async take(at, n) {
+    if (at < this.at) throw new Error(`${this.name}: a tensor at ${at} before the read's place ${this.at}`);
+    while (this.at < at) { // skip the alignment's padding (or a tensor the step does not read)
+      if (!this.chunk.length) await this.more();
+      const skip = Math.min(this.chunk.length, at - this.at);
+      this.chunk = this.chunk.subarray(skip);
+      this.at += skip;
+    }
+    const out = new Uint8Array(n);
+    for (let got = 0; got < n;) {
+      if (!this.chunk.length) await this.more();
+      const k = Math.min(this.chunk.length, n - got);
+      out.set(this.chunk.subarray(0, k), got);
+      this.chunk = this.chunk.subarray(k);
+      got += k;
+      this.at += k;
+    }
+    return out;
+  }
+}
+
 /** step.bin filled from the file: `plan` (StepPlan.to_json: step.json, each array's source), `view(at, n)`
  * step.bin's bytes in the module's memory, `repack(name, rows, cols, src, row0, n)` the step's own repacking
- * of a matrix's rows. Reads in file order through a window of WINDOW bytes. */
-export async function fillStep(source, plan, view, repack, onBytes = () => {}) {
-  let start = 0, window = new Uint8Array(0);
-  const read = async (at, n) => {
-    if (at < start || at + n > start + window.length) {
-      window = await source.read(at, Math.max(n, WINDOW));
-      start = at;
-      if (window.length < n) throw new Error(`${source.name}: the file ends inside a tensor (a truncated GGUF)`);
-    }
-    return window.subarray(at - start, at - start + n);
-  };
+ * of a matrix's rows. The tensors are read in file order in one stream, a piece of at most PIECE bytes at a time. */
+export async function fillStep(source, plan, view, repack, onBytes = () => {}) { // onBytes(read, of): the file's bytes
   const arrays = Object.fromEntries(plan.index.arrays.map((a) => [a.name, a]));
   const pieces = []; // [file offset, what to do]
   for (const [name, src] of Object.entries(plan.sources)) {
@@ -76,24 +110,28 @@ export async function fillStep(source, plan, view, repack, onBytes = () => {}) {
       const step = Math.max(4, Math.floor(PIECE / rowBytes / 4) * 4);
       for (let r = 0; r < rows; r += step) {
         const n = Math.min(step, rows - r);
-        pieces.push([src.at + r * rowBytes, async () => repack(name, rows, cols, await read(src.at + r * rowBytes, n * rowBytes), r, n)]);
+        pieces.push([src.at + r * rowBytes, async () => repack(name, rows, cols, await read(src.at + r * rowBytes, n * rowBytes), r, n),
+          n * rowBytes]);
       }
     } else {
       const a = arrays[placed[0].name];
       pieces.push([src.at, async () => widen(src.type, await read(src.at, src.bytes), new Float32Array(a.bytes / 4))
-        .then((f) => view(a.offset, a.bytes).set(new Uint8Array(f.buffer)))]);
+        .then((f) => view(a.offset, a.bytes).set(new Uint8Array(f.buffer))), src.bytes]);
     }
   }
   pieces.sort((x, y) => x[0] - y[0]);
+  const stream = new Sequential(await source.stream(pieces[0][0]), pieces[0][0], source.name);
+  const read = (at, n) => stream.take(at, n);
   let factors = null;
   if (plan.rope_factors) factors = await widen(plan.rope_factors.type, await source.read(plan.rope_factors.at, plan.rope_factors.bytes),
     new Float32Array(plan.rope_factors.bytes / (plan.rope_factors.type === 'F32' ? 4 : 2)));
   let done = 0;
-  const total = pieces.length;
-  for (const [, run] of pieces) {
+  const total = pieces.reduce((n, p) => n + p[2], 0);
+  for (const [, run, bytes] of pieces) {
     await run();
-    onBytes(++done, total);
+    onBytes(done += bytes, total);
   }
+  await stream.reader.cancel?.().catch(() => {});
   const { head_dim: hd, max_pos: positions } = plan.index.config;
   for (const f of plan.fill.filter((x) => x.rope !== null)) {
     const a = arrays[f.name], table = new Float32Array(a.bytes / 4);

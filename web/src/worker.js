@@ -52,9 +52,9 @@ async function bootPython(pyodideURL, pythonURL, mark = () => {}) {
 }
 
 // A GGUF's package from its header (runtime/serve/web_gguf.py), read in growing pieces: { files, plan }
-async function ggufPackage(pyodide, source) {
+async function ggufPackage(pyodide, source, first) {
   for (let n = HEADER_FIRST; ;) {
-    const head = await source.read(0, n);
+    const head = n === HEADER_FIRST ? await first : await source.read(0, n);
     pyodide.FS.writeFile('/tmp/gguf-header', head);
     const made = JSON.parse(pyodide.pyimport('runtime.serve.web_gguf').gguf_package('/tmp/gguf-header', source.key, source.name));
     pyodide.FS.unlink('/tmp/gguf-header');
@@ -104,12 +104,14 @@ async function load(opts) {
     else if (msg.type === 'files') { filesMessage = msg; mark('fetched'); resolve(msg); }
   }));
   progress({ stage: 'runtime', message: 'starting Python' });
+  const first = resolved.source?.read(0, HEADER_FIRST); // the header's first bytes while Python starts
+  first?.catch(() => {});
   const python = bootPython(pyodideURL, pythonURL, mark).then((py) => { mark('python'); return py; });
   python.catch(() => {});
   let gguf;
   if (resolved.source) { // a GGUF not seen before: its header makes the package (Python), then its weights stream in
     progress({ stage: 'model', message: `reading ${resolved.source.name}'s header` });
-    const made = await ggufPackage((await python).pyodide, resolved.source);
+    const made = await ggufPackage((await python).pyodide, resolved.source, first);
     mark('gguf_header');
     gguf = { source: resolved.given, files: made.files, plan: made.plan, packageURL: resolved.model };
   }
