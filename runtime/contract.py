@@ -144,6 +144,7 @@ HIDDEN_STATES = "hidden_states"  # float [num_tokens, hidden_size]
 
 
 
+GRAPH_OUTPUTS = (PRESENT_KEY, PRESENT_VALUE, LOGITS, TOPK_LOGPROBS, TOPK_IDS)  # a decoder graph's, in order
 ONNX_DTYPES = {INT64: 7, FLOAT32: 1}  # onnx's TensorProto numbers, as a manifest's io section holds them
 
 
@@ -155,7 +156,7 @@ def declared_io(num_layers: int, kv_heads: int, head_dim: int, vocab: int) -> di
     return {"inputs": [{"name": name, "dtype": ONNX_DTYPES[dtype], "shape": list(shape)}
                        for name, dtype, shape in STEP_INPUTS] + past
             + [{"name": LOGITS_MASK, "dtype": 1, "shape": ["mask_rows", vocab]}],
-            "outputs": [PRESENT_KEY, PRESENT_VALUE, LOGITS, TOPK_LOGPROBS, TOPK_IDS], "roles": io_roles(num_layers)}
+            "outputs": list(GRAPH_OUTPUTS), "roles": io_roles(num_layers)}
 
 
 def io_roles(num_layers: int) -> dict:

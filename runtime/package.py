@@ -164,7 +164,7 @@ def expected_inputs(num_layers: int, lora: bool = False) -> list[str]:
 
 
 def expected_outputs(num_layers: int) -> list[str]:
-    return [C.PRESENT_KEY, C.PRESENT_VALUE, C.LOGITS, C.TOPK_LOGPROBS, C.TOPK_IDS]
+    return list(C.GRAPH_OUTPUTS)
 
 
 def load_package(path: str | Path, verify_hashes: bool = False, elsewhere: tuple[str, ...] = ()) -> ModelPackage:
