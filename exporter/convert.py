@@ -28,7 +28,7 @@ from exporter.options import (
 from exporter.progress import stage
 from exporter.quantizers.awq import apply_awq, apply_smoothquant, calibration_ids
 from exporter.quantizers.block_matmul import apply_grids, kernel_layouts
-from exporter.quantizers.browser_format import dequantize_at_load
+from exporter.quantizers.browser_format import dequantize_at_load, keep_blocks_for_webgpu
 from exporter.quantizers.gptq import apply_gptq, model_samples
 from exporter.quantizers.quantize import BITS, QUANTS, quantize_weights
 from exporter.sources import gguf_blocks
@@ -158,7 +158,9 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
                                             mlp_block_size=opts.mlp_block_size, grids=grids, skip=skip)
             if own:
                 graphs[name] = apply_grids(graphs[name], own)
-            if opts.target in BROWSER_TARGETS:  # storage stays quantized, compute becomes fp32 (browser_format)
+            if name == WEBGPU_GRAPH_FILE or opts.target == "webgpu":  # the GPU holds the blocks at their bits
+                graphs[name] = keep_blocks_for_webgpu(graphs[name], tied, exact=carried is not None)
+            elif opts.target in BROWSER_TARGETS:  # storage stays quantized, compute becomes fp32 (browser_format)
                 graphs[name] = dequantize_at_load(graphs[name], tied, exact=carried is not None)
             elif opts.target == "cpu":  # int4 grids in the CPU kernel's layout: a load maps them
                 kernel_layouts(graphs[name])

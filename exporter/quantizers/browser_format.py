@@ -1,13 +1,16 @@
-"""The browser weight format: quantized storage, fp32 compute.
+"""The browser weight formats: the package's quantized blocks, stored once for both browser graphs.
 
 onnxruntime-web's WASM MatMulNBits kernel is ~20x slower than native (DESIGN §6), while its fp32
 MatMul is fast. So for `--target wasm` each MatMulNBits becomes standard ONNX
-DequantizeLinear (blocked, opset 21) -> MatMul over the very same quantized values, stored [K, N]: the
-download stays int4/int8-sized, and onnxruntime's constant folding expands the weights to fp32
-once at session creation (with `session.disable_quant_qdq=1`, which stops it fusing them back).
-A tied embedding table is read from the dequantized LM head, so it is not shipped twice. Blocks with
-float minimums (a GGUF's Q4_1) get them added to the dequantized weight, folded at load like the rest,
-so the page computes with the file's exact weights and runs no extra operator for them.
+DequantizeLinear (blocked, opset 21) -> MatMul over the very same quantized values, stored [N, K]: the
+download stays int4/int8-sized, and onnxruntime's constant folding expands the weights (and their
+transpose) to fp32 once at session creation (with `session.disable_quant_qdq=1`, which stops it fusing
+them back). A tied embedding table is read from the dequantized LM head, so it is not shipped twice.
+Blocks with float minimums (a GGUF's Q4_1) get them added to the dequantized weight, folded at load like
+the rest, so the page computes with the file's exact weights and runs no extra operator for them.
+
+On WebGPU the weights stay at their bits (keep_blocks_for_webgpu): [N, K] is MatMulNBits' own byte
+layout, so that graph's MatMulNBits reads the same bytes from the same file.
 """
 
 from __future__ import annotations
@@ -53,51 +56,42 @@ def dequantize_at_load(model: onnx.ModelProto, tied_embedding: str | None = None
         blocks = k // block
         elem = TensorProto.UINT4 if bits == 4 else TensorProto.UINT8
         # MatMulNBits packs B as [N, K/block, block*bits/8] bytes, low nibble first (zero points
-        # [N, K/block] likewise): the same bytes as an ONNX uint4/uint8 tensor [N, K]
+        # [N, K/block] likewise): the same bytes as an ONNX uint4/uint8 tensor [N, K]. Stored so, the
+        # WebGPU graph's MatMulNBits (keep_blocks_for_webgpu) reads these very bytes from the shared file.
         w = _unpack(inits[w_name], bits, (n, k))
         zp = _unpack(inits[zp_name], bits, (n, blocks))
         scales = numpy_helper.to_array(inits[s_name]).reshape(n, blocks)
-        tied_head = node.name.startswith(LM_HEAD_NODE) and tied_embedding
-        if not tied_head:  # store [K, N], blocked along K: the dequantized weight is MatMul's B as it is
-            w, zp, scales = w.T, zp.T, scales.T
         inits[w_name] = _pack(w_name, w, elem, bits)
         inits[zp_name] = _pack(zp_name, zp, elem, bits)
-        # fp16 scales (7 MB less to download for SmolLM2; their rounding is far below int4's own error),
-        # cast back to fp32 before DequantizeLinear so the big tensor is expanded straight to fp32
-        s_type = np.float32 if exact and not fp16_exact(scales) else np.float16
-        inits[s_name] = numpy_helper.from_array(np.ascontiguousarray(scales, s_type), s_name)
+        inits[s_name] = browser_scales(s_name, scales, exact)
         s32 = f"{s_name}/fp32"
         nodes.append(helper.make_node("Cast", [s_name], [s32], name=f"{node.name}/scales", to=TensorProto.FLOAT))
-        deq = f"{w_name}/dequantized"
+        deq = f"{w_name}/dequantized"  # [N, K]
         nodes.append(helper.make_node("DequantizeLinear", [w_name, s32, zp_name], [deq], name=f"{node.name}/dq",
-                                      axis=1 if tied_head else 0, block_size=block))
+                                      axis=1, block_size=block))
         outputs = list(node.output)
         if node.name in terms:  # + each block's minimum, expanded along the block: still folded at load
-            mins, outputs = terms[node.name][0], [terms[node.name][1]]
-            if tied_head:
-                mins = mins.T  # [N, blocks]
+            mins, outputs = terms[node.name][0].T, [terms[node.name][1]]  # [N, blocks]
             m_name = f"{w_name}/mins"
             inits[m_name] = numpy_helper.from_array(np.ascontiguousarray(mins, np.float16 if fp16_exact(mins) else np.float32), m_name)
             m32 = m_name if inits[m_name].data_type == TensorProto.FLOAT else f"{m_name}/fp32"
             if m32 != m_name:
                 nodes.append(helper.make_node("Cast", [m_name], [m32], name=f"{node.name}/mins_fp32", to=TensorProto.FLOAT))
-            axis = 2 if tied_head else 1  # the block's position within the weight's blocked dimension
-            full = [n, blocks, block] if tied_head else [blocks, block, n]
-            shape_name, full_name = f"{m_name}/expand", f"{m_name}/shape"
-            inits[shape_name] = numpy_helper.from_array(np.array(full, np.int64), shape_name)
-            inits[full_name] = numpy_helper.from_array(np.array([n, k] if tied_head else [k, n], np.int64), full_name)
-            axes = f"{m_name}/axes"
-            inits[axes] = numpy_helper.from_array(np.array([axis], np.int64), axes)
+            shape_name, full_name, axes = f"{m_name}/expand", f"{m_name}/shape", f"{m_name}/axes"
+            inits[shape_name] = numpy_helper.from_array(np.array([n, blocks, block], np.int64), shape_name)
+            inits[full_name] = numpy_helper.from_array(np.array([n, k], np.int64), full_name)
+            inits[axes] = numpy_helper.from_array(np.array([2], np.int64), axes)
             nodes += [helper.make_node("Unsqueeze", [m32, axes], [f"{m_name}/u"], name=f"{node.name}/mins_u"),
                       helper.make_node("Expand", [f"{m_name}/u", shape_name], [f"{m_name}/e"], name=f"{node.name}/mins_e"),
                       helper.make_node("Reshape", [f"{m_name}/e", full_name], [f"{m_name}/w"], name=f"{node.name}/mins_w"),
                       helper.make_node("Add", [deq, f"{m_name}/w"], [f"{deq}+mins"], name=f"{node.name}/add_mins")]
             deq = f"{deq}+mins"
-        if tied_head:  # [vocab, hidden]: the logits read it transposed, the embedding gathers its rows
+        if node.name.startswith(LM_HEAD_NODE) and tied_embedding:  # the embedding gathers its rows
             head_table = deq
             nodes.append(helper.make_node("Gemm", [x, deq], outputs, name=node.name, transB=1))
-        else:
-            nodes.append(helper.make_node("MatMul", [x, deq], outputs, name=node.name))
+        else:  # MatMul's B is [K, N]: the transpose of a constant, folded at load with the rest
+            nodes += [helper.make_node("Transpose", [deq], [f"{deq}/T"], name=f"{node.name}/T", perm=[1, 0]),
+                      helper.make_node("MatMul", [x, f"{deq}/T"], outputs, name=node.name)]
     if tied_embedding and head_table is not None:
         for node in nodes:
             if node.op_type == "Gather" and node.input[0] == tied_embedding:
@@ -107,6 +101,77 @@ def dequantize_at_load(model: onnx.ModelProto, tied_embedding: str | None = None
     kept = [t for name, t in inits.items() if name != tied_embedding or head_table is None]
     graph.ClearField("initializer")
     graph.initializer.extend(kept)
+    return model
+
+
+def browser_scales(name: str, scales: np.ndarray, exact: bool) -> onnx.TensorProto:
+    """A projection's block scales [N, blocks] as both browser graphs store them: fp16 (7 MB less to download
+    for SmolLM2; their rounding is far below int4's own error), or fp32 where `exact` asks to keep a GGUF's
+    weights bit-equal and fp16 would round them. Each graph casts them back to fp32 before use."""
+    s_type = np.float32 if exact and not fp16_exact(scales) else np.float16
+    return numpy_helper.from_array(np.ascontiguousarray(scales, s_type), name)
+
+
+def keep_blocks_for_webgpu(model: onnx.ModelProto, tied_embedding: str | None = None,
+                           exact: bool = False) -> onnx.ModelProto:
+    """The WebGPU graph: every MatMulNBits stays one (onnxruntime's WebGPU kernel unpacks the blocks in its
+    shader; accuracy_level 0, so fp32 activations and sums: Gemma 3 overflows fp16), so the GPU holds the package's 4- or 8-bit weights, never an fp32 copy.
+    It reads the same bytes as the WASM graph (dequantize_at_load): B and zero points are already so, the
+    scales are stored as browser_scales does, so the shared file holds each tensor once. A tied embedding
+    gathers its rows from the LM head's blocks (com.microsoft.GatherBlockQuantized), as the WASM graph
+    gathers them from the dequantized head: the two graphs compute with the same weights. In place."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    nodes: list[onnx.NodeProto] = []
+    head = None  # (B, fp32 scales, zero points, bits, block) of a tied head without a minimum term
+    has_mins = {n.name[:-len("/add_mins")] + "/MatMulNBits" for n in graph.node if n.name.endswith("/add_mins")}
+    for node in graph.node:
+        if node.op_type != "MatMulNBits":
+            nodes.append(node)
+            continue
+        a = _attrs(node)
+        k, n, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
+        s_name = node.input[2]
+        scales = numpy_helper.to_array(inits[s_name]).astype(np.float32).reshape(n, k // block)
+        inits[s_name] = browser_scales(s_name, scales, exact)
+        if inits[s_name].data_type != TensorProto.FLOAT:
+            s32 = f"{s_name}/fp32"
+            nodes.append(helper.make_node("Cast", [s_name], [s32], name=f"{node.name}/scales", to=TensorProto.FLOAT))
+            node.input[2] = s32
+        for attr in node.attribute:  # accuracy_level 4 quantizes the activations to int8 (the DP4A kernel)
+            if attr.name == "accuracy_level":
+                attr.i = 0
+        tied_head = node.name.startswith(LM_HEAD_NODE) and tied_embedding
+        if tied_head and len(node.input) > 3 and node.name not in has_mins:
+            # GatherBlockQuantized reads a [vocab, hidden * bits / 8] byte table; the WebGPU MatMulNBits reads
+            # B by its bytes, so the one tensor serves both (the same bytes as MatMulNBits' [N, blocks, blob])
+            w = inits[node.input[1]]
+            del w.dims[:]
+            w.dims.extend([n, k * bits // 8])
+            head = (node.input[1], node.input[2], node.input[3], bits, block)
+        nodes.append(node)
+    if head is not None:
+        b_name, s32, zp_name, bits, block = head
+        for i, node in enumerate(nodes):
+            if node.op_type == "Gather" and node.input[0] == tied_embedding:
+                nodes[i] = helper.make_node("GatherBlockQuantized", [b_name, node.input[1], s32, zp_name],
+                                            list(node.output), name=node.name, domain="com.microsoft",
+                                            gather_axis=0, quantize_axis=1, block_size=block, bits=bits)
+        used = {i for node in nodes for i in node.input}
+        inits = {name: t for name, t in inits.items() if name in used}
+    # An fp16 table left (an untied embedding): a GPU without shader-f16 (SwiftShader's) has no fp16 Gather, so
+    # the table is cast first, which onnxruntime folds once at load: an fp32 table of fp16 values, no int4 in it
+    for node in list(nodes):
+        table = inits.get(node.input[0]) if node.op_type == "Gather" else None
+        if table is not None and table.data_type == TensorProto.FLOAT16:
+            wide = f"{node.input[0]}/fp32"
+            nodes.insert(nodes.index(node), helper.make_node("Cast", [node.input[0]], [wide], name=f"{node.name}/widen",
+                                                             to=TensorProto.FLOAT))
+            node.input[0] = wide
+    graph.ClearField("node")
+    graph.node.extend(nodes)
+    graph.ClearField("initializer")
+    graph.initializer.extend(inits.values())
     return model
 
 

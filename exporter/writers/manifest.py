@@ -67,9 +67,13 @@ def manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict, 
             quant["gptq"] = {"act_order": ACT_ORDER, "damp": DAMP, "calibration": gptq_calibration}
         if opts.head_rescore:
             quant["lm_head_rescore"] = {"top": opts.head_rescore, "from": f"the {quant['embeddings']} embedding table"}
-        if opts.target in BROWSER_TARGETS:
+        if opts.target == "webgpu":  # browser_format.keep_blocks_for_webgpu
+            quant.update(op="MatMulNBits", compute="fp32", dequantized="in the shader")
+        elif opts.target in BROWSER_TARGETS:
             quant.update(op="DequantizeLinear+MatMul", compute="fp32", dequantized="at session creation",
                          session_config=dict(SESSION_CONFIG))
+            if WEBGPU_GRAPH_FILE in graphs:  # the GPU's graph keeps the blocks (browser_format)
+                quant["webgpu"] = {"op": "MatMulNBits", "compute": "fp32", "dequantized": "in the shader"}
             if spec.tie_word_embeddings and not (carried and carried.embedding is not None):
                 quant["embeddings"] = f"tied to the {opts.head_quant} lm_head"
     n_params = count_params(spec)
