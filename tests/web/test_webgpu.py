@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 from tests.conftest import run_cli
-from tests.web.conftest import CHAT, LOAD_ENGINE, OfflinePage, launch, publish
+from tests.web.conftest import CHAT, LOAD_ENGINE, LOAD_TIMEOUT_MS, OfflinePage, launch, publish
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +29,12 @@ def gpu_browser(playwright):
 def gpu_page(gpu_browser, site):
     pages = []
 
-    def make() -> OfflinePage:
+    def make(api: bool = True) -> OfflinePage:
         p = OfflinePage(gpu_browser, site)
         pages.append(p)
-        p.api()
-        assert p.evaluate("(async () => !!(navigator.gpu && await navigator.gpu.requestAdapter()))()")
+        if api:
+            p.api()
+            assert p.evaluate("(async () => !!(navigator.gpu && await navigator.gpu.requestAdapter()))()")
         return p
     yield make
     for p in pages:
@@ -69,9 +70,11 @@ def test_webgpu_greedy_tokens_equal_native(gpu_page, tiny_package, web_models):
     package = tiny_package("llama", "fp32", "wasm")
     url = publish(web_models, package, "tiny-llama-fp32-wasm")
     p = gpu_page()
-    info = p.evaluate(LOAD_ENGINE, [url, {"device": "auto"}])
-    assert info["device"] == "webgpu"  # auto picks the adapter when there is one
-    assert info["graph"] == "model_webgpu.onnx"
+    # auto passes over a software adapter (SwiftShader is a CPU behind the WebGPU API): WASM
+    assert p.evaluate(LOAD_ENGINE, [url, {"device": "auto"}])["device"] == "wasm"
+    p.evaluate("async () => await window.engine.unload()")
+    info = p.evaluate(LOAD_ENGINE, [url, {"device": "webgpu"}])
+    assert (info["device"], info["graph"]) == ("webgpu", "model_webgpu.onnx"), info
     text = "Hello! Tell me about the sea."
     reply = p.evaluate(CHAT, {"messages": [{"role": "user", "content": text}], "max_tokens": 6,
                               "temperature": 0, "return_token_ids": True})
@@ -123,9 +126,14 @@ def test_webgpu_computes_on_the_int4_blocks(arch, gpu_page, tiny_package, web_mo
 def test_smollm2_on_webgpu_gives_the_steps_tokens(gpu_page, web_bundle):
     """The embedded SmolLM2 on WebGPU (its GGUF's blocks, exact, in MatMulNBits) answers as the WASM step and the
     native engine do, up to a near tie; the demo shows the device."""
-    p = gpu_page()
-    info = p.evaluate(LOAD_ENGINE, [SMOL, {"device": "webgpu", "speculativeTokens": 0}])
+    p = gpu_page(api=False)
+    p.goto("/?device=webgpu")
+    p.page.wait_for_function("window.ruvllm && (window.ruvllm.ready || window.ruvllm.error)", timeout=LOAD_TIMEOUT_MS)
+    assert p.evaluate("window.ruvllm.error || null") is None, "\n".join(p.console)
+    info = p.evaluate("window.ruvllm.engine.info")
     assert (info["device"], info["graph"], info["backend"]) == ("webgpu", "model_webgpu.onnx", "onnxruntime"), info
-    reply = p.evaluate(CHAT, {"messages": SEA, "max_tokens": 6, "temperature": 0, "return_token_ids": True})
+    assert p.page.inner_text("#i-device") == "WebGPU"
+    reply = p.evaluate("(r) => window.ruvllm.engine.chat.completions.create(r)",
+                       {"messages": SEA, "max_tokens": 6, "temperature": 0, "return_token_ids": True})
     steps = native_steps(web_bundle / "models" / "smollm2-135m", SEA, 6)
     assert_equal_up_to_a_near_tie(reply["choices"][0]["token_ids"], steps, 4)

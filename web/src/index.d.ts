@@ -1,5 +1,7 @@
 // Types for ruvllm-web. Requests and chunks follow OpenAI's chat/completions shapes.
 
+/** 'auto' (default): WebGPU where the browser has a hardware adapter (a software one, such as SwiftShader,
+ *  is passed over), else WASM; 'webgpu' takes any adapter. */
 export type Device = 'auto' | 'wasm' | 'webgpu';
 
 export interface LoadProgress {
@@ -57,7 +59,7 @@ export interface CreateEngineOptions {
    *  package's own WASM decode step on its GGUF blocks, wasm/step/step.c, on `threads` threads where the
    *  page is cross-origin isolated; fp32 KV, LoRA but no X-LoRA; the package needs step.bin, written by
    *  `--target wasm` from a GGUF), or 'auto' (default): 'wasm-step' where the package has step.bin, kvDtype
-   *  is 'fp32' and the device would be 'wasm' (no WebGPU adapter, or device 'wasm'), else 'onnxruntime'. */
+   *  is 'fp32' and the device would be 'wasm' (no hardware WebGPU adapter, or device 'wasm'), else 'onnxruntime'. */
   backend?: 'auto' | 'onnxruntime' | 'wasm-step';
 }
 

@@ -38,7 +38,9 @@ async function chooseDevice(wanted, kvDtype) {
     return 'wasm';
   }
   const adapter = self.navigator?.gpu ? await self.navigator.gpu.requestAdapter().catch(() => null) : null;
-  if (adapter) return 'webgpu';
+  // 'auto' passes over a software adapter (SwiftShader: a CPU behind the WebGPU API, far slower than WASM)
+  const software = adapter && (adapter.info?.isFallbackAdapter ?? adapter.isFallbackAdapter);
+  if (adapter && (wanted === 'webgpu' || !software)) return 'webgpu';
   if (wanted === 'webgpu') throw new Error('device "webgpu" was asked for, but this browser has no WebGPU adapter');
   return 'wasm';
 }
