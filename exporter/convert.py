@@ -20,6 +20,8 @@ from exporter.options import (
     LORA_GRAPH_FILE,
     TARGETS,
     WEBGPU_GRAPH_FILE,
+    WEBGPU_GRAPHS,
+    WEBGPU_LORA_GRAPH_FILE,
     ConvertOptions,
     head_plan,
     kv_write_op,
@@ -144,6 +146,8 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
         graphs[LORA_GRAPH_FILE] = build(LoraSlots(), kv_write_op(opts.target))
     if opts.target == "wasm":  # the page picks its device at load: a GPU gets the graph its backend has kernels for
         graphs[WEBGPU_GRAPH_FILE] = build(None, kv_write_op("webgpu"))
+        if opts.lora:
+            graphs[WEBGPU_LORA_GRAPH_FILE] = build(LoraSlots(), kv_write_op("webgpu"))
     weights.clear()  # free the float copies before quantizing
     bar.close()
     own = carried.projections if carried else {}
@@ -158,7 +162,7 @@ def convert(source_name: str, out_dir: str | Path, opts: ConvertOptions | None =
                                             mlp_block_size=opts.mlp_block_size, grids=grids, skip=skip)
             if own:
                 graphs[name] = apply_grids(graphs[name], own)
-            if name == WEBGPU_GRAPH_FILE or opts.target == "webgpu":  # the GPU holds the blocks at their bits
+            if name in WEBGPU_GRAPHS or opts.target == "webgpu":  # the GPU holds the blocks at their bits
                 graphs[name] = keep_blocks_for_webgpu(graphs[name], tied, exact=carried is not None)
             elif opts.target in BROWSER_TARGETS:  # storage stays quantized, compute becomes fp32 (browser_format)
                 graphs[name] = dequantize_at_load(graphs[name], tied, exact=carried is not None)

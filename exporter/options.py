@@ -14,6 +14,8 @@ TARGETS = ("cpu", "wasm", "webgpu", "cuda")
 BROWSER_TARGETS = ("wasm", "webgpu")
 GRAPH_FILE, LORA_GRAPH_FILE, DATA_FILE = "model.onnx", "model_lora.onnx", "model.onnx.data"
 WEBGPU_GRAPH_FILE = "model_webgpu.onnx"  # a --target wasm package's graph for pages that get a GPU
+WEBGPU_LORA_GRAPH_FILE = "model_webgpu_lora.onnx"  # the same with LoRA inputs
+WEBGPU_GRAPHS = (WEBGPU_GRAPH_FILE, WEBGPU_LORA_GRAPH_FILE)  # their weights stay at their bits (browser_format)
 KV8_GRAPH_FILE = "model_kv8.onnx"  # the graph on an int8 KV pool, for the page's kvDtype "int8" (its weights shared)
 
 

@@ -12,6 +12,7 @@ from exporter.options import (
     KV8_GRAPH_FILE,
     LORA_GRAPH_FILE,
     WEBGPU_GRAPH_FILE,
+    WEBGPU_LORA_GRAPH_FILE,
     ConvertOptions,
     kv_write_op,
 )
@@ -99,6 +100,8 @@ def manifest(source, spec, opts: ConvertOptions, tok_meta: dict, gen_cfg: dict, 
             **({"decoder_lora": {"file": LORA_GRAPH_FILE, "lora": True}} if LORA_GRAPH_FILE in graphs else {}),
             **({"decoder_webgpu": {"file": WEBGPU_GRAPH_FILE, "lora": False, "kv_write": kv_write_op("webgpu")}}
                if WEBGPU_GRAPH_FILE in graphs else {}),
+            **({"decoder_webgpu_lora": {"file": WEBGPU_LORA_GRAPH_FILE, "lora": True, "kv_write": kv_write_op("webgpu")}}
+               if WEBGPU_LORA_GRAPH_FILE in graphs else {}),
             **({"decoder_kv8": {"file": KV8_GRAPH_FILE, "lora": False, "kv_write": kv_write_op(opts.target),
                                 "kv_dtype": "int8"}} if KV8_GRAPH_FILE in graphs else {}),
         },

@@ -43,14 +43,18 @@ def gpu_page(gpu_browser, site):
         assert not p.off_origin, f"requests left 127.0.0.1: {p.off_origin}\n{log}"
 
 
-def native_steps(package, messages, max_tokens: int):
-    """The native engine's greedy tokens on the same package, with each step's top logprobs."""
+def native_steps(package, messages, max_tokens: int, adapter=None):
+    """The native engine's greedy tokens on the same package (with a PEFT adapter), each step's top logprobs."""
     from runtime.core.engine import Engine
     from runtime.core.sampling import SamplingParams
 
     engine = Engine.from_package(package, verify=False, speculative_tokens=0)
+    model = None
+    if adapter is not None:
+        engine.adapters.add("mine", adapter)
+        model = "mine"
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=5)
-    return [lp for o in engine.generate(messages=messages, params=params) for lp in o.logprobs]
+    return [lp for o in engine.generate(messages=messages, params=params, adapter=model) for lp in o.logprobs]
 
 
 def assert_equal_up_to_a_near_tie(got: list[int], steps, least: int) -> None:
@@ -137,3 +141,24 @@ def test_smollm2_on_webgpu_gives_the_steps_tokens(gpu_page, web_bundle):
                        {"messages": SEA, "max_tokens": 6, "temperature": 0, "return_token_ids": True})
     steps = native_steps(web_bundle / "models" / "smollm2-135m", SEA, 6)
     assert_equal_up_to_a_near_tie(reply["choices"][0]["token_ids"], steps, 4)
+
+
+def test_adapters_on_webgpu_give_the_native_tokens(gpu_page, tiny_package, peft_adapters, web_models):
+    """PEFT adapters on WebGPU: the package's WebGPU LoRA graph (its blocks kept too), per request by `model`,
+    batched beside the base model, as the native engine gives them on the same package."""
+    package = tiny_package("llama", "int4", "wasm")
+    gpu = onnx.load(package / "model_webgpu_lora.onnx", load_external_data=False).graph
+    assert "DequantizeLinear" not in {n.op_type for n in gpu.node}
+    url = publish(web_models, package, "tiny-llama-int4-wasm")
+    adapter = peft_adapters("llama")["all16"]
+    aurl = publish(web_models, adapter, "adapter-all16")
+    p = gpu_page()
+    assert p.evaluate(LOAD_ENGINE, [url, {"device": "webgpu", "speculativeTokens": 0}])["device"] == "webgpu"
+    assert p.evaluate("async (url) => engine.loadAdapter('all16', url)", aurl)["rank"] == 16
+    greedy = {"messages": SEA, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    replies = p.evaluate("""async ([req, names]) => Promise.all(names.map((model) =>
+      engine.chat.completions.create(model ? { ...req, model } : req)))""", [greedy, ["all16", None]])
+    tuned, base = (r["choices"][0]["token_ids"] for r in replies)
+    assert_equal_up_to_a_near_tie(base, native_steps(package, SEA, 8), 4)
+    assert_equal_up_to_a_near_tie(tuned, native_steps(package, SEA, 8, adapter), 4)
+    assert tuned != base

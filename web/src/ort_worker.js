@@ -137,12 +137,18 @@ async function createSession(ort, manifest, graph, files, device) {
   });
 }
 
-// The package's LoRA graph, read from storage (or fetched) like the rest, with the same weights file
+// The package's LoRA graph for the device (on WebGPU, its blocks kept as the base graph's are), read from
+// storage (or fetched) like the rest, with the same weights file
 async function openLoraGraph() {
   const { ort, model, device } = opened;
-  const { manifest, files } = await loadPackage(model, () => {}, { graph: 'decoder_lora' });
-  if (!manifest.graphs.decoder_lora) throw new Error('this model package has no LoRA graph');
-  return createSession(ort, manifest, manifest.graphs.decoder_lora.file, files, device);
+  const key = device === 'webgpu' ? 'decoder_webgpu_lora' : 'decoder_lora';
+  const { manifest, files } = await loadPackage(model, () => {}, { graph: key });
+  if (!manifest.graphs[key]) {
+    throw new Error(device === 'webgpu' && manifest.graphs.decoder_lora
+      ? 'this model package has no LoRA graph for WebGPU (model_webgpu_lora.onnx): re-export it, or use device "wasm"'
+      : 'this model package has no LoRA graph');
+  }
+  return createSession(ort, manifest, manifest.graphs[key].file, files, device);
 }
 
 // backend 'wasm-step': the package's own WASM step (wasm_step.js) runs the steps, no onnxruntime-web;
