@@ -28,8 +28,10 @@ from runtime.backends.block_layouts import unpack_4bit
 SESSION_CONFIG = {"session.disable_quant_qdq": "1"}
 
 
-def _attrs(node: onnx.NodeProto) -> dict:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+def _dims(node: onnx.NodeProto) -> tuple[int, int, int, int]:
+    """A MatMulNBits node's K, N, bits and block size."""
+    a = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return a["K"], a["N"], a["bits"], a["block_size"]
 
 
 def dequantize_at_load(model: onnx.ModelProto, tied_embedding: str | None = None,
@@ -48,8 +50,7 @@ def dequantize_at_load(model: onnx.ModelProto, tied_embedding: str | None = None
         if node.op_type != "MatMulNBits":
             nodes.append(node)
             continue
-        a = _attrs(node)
-        k, n, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
+        k, n, bits, block = _dims(node)
         if k % block or (bits == 4 and n % 2):
             raise ValueError(f"{node.name}: K={k}, N={n} do not fit {bits}-bit blocks of {block}")
         x, w_name, s_name, zp_name = node.input[:4]
@@ -129,8 +130,7 @@ def keep_blocks_for_webgpu(model: onnx.ModelProto, tied_embedding: str | None = 
         if node.op_type != "MatMulNBits":
             nodes.append(node)
             continue
-        a = _attrs(node)
-        k, n, bits, block = a["K"], a["N"], a["bits"], a["block_size"]
+        k, n, bits, block = _dims(node)
         s_name = node.input[2]
         scales = numpy_helper.to_array(inits[s_name]).astype(np.float32).reshape(n, k // block)
         inits[s_name] = browser_scales(s_name, scales, exact)

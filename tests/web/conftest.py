@@ -145,19 +145,26 @@ class OfflinePage:
         self.context.close()
 
 
-@pytest.fixture
-def offline_page(browser, site):
+def pages_on(browser, site, ready=lambda p: None):
+    """A fixture's body: a factory of OfflinePages on `browser` (each passed to `ready` first); at teardown
+    each is closed and fails the test if a request left 127.0.0.1."""
     pages: list[OfflinePage] = []
 
-    def make() -> OfflinePage:
+    def make(*args, **kwargs) -> OfflinePage:
         p = OfflinePage(browser, site)
         pages.append(p)
+        ready(p, *args, **kwargs)
         return p
     yield make
     for p in pages:
         log = "\n".join(p.console[-30:])
         p.close()
         assert not p.off_origin, f"requests left 127.0.0.1: {p.off_origin}\n{log}"
+
+
+@pytest.fixture
+def offline_page(browser, site):
+    yield from pages_on(browser, site)
 
 
 LOAD_ENGINE = """async ([model, opts]) => {

@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 from tests.conftest import run_cli
-from tests.web.conftest import CHAT, LOAD_ENGINE, LOAD_TIMEOUT_MS, OfflinePage, launch, publish
+from tests.web.conftest import CHAT, LOAD_ENGINE, LOAD_TIMEOUT_MS, OfflinePage, launch, pages_on, publish
 
 pytestmark = pytest.mark.slow
 
@@ -25,22 +25,16 @@ def gpu_browser(playwright):
     b.close()
 
 
+def api_with_gpu(p: OfflinePage, api: bool = True) -> None:
+    if api:
+        p.api()
+        assert p.evaluate("(async () => !!(navigator.gpu && await navigator.gpu.requestAdapter()))()")
+
+
 @pytest.fixture
 def gpu_page(gpu_browser, site):
-    pages = []
-
-    def make(api: bool = True) -> OfflinePage:
-        p = OfflinePage(gpu_browser, site)
-        pages.append(p)
-        if api:
-            p.api()
-            assert p.evaluate("(async () => !!(navigator.gpu && await navigator.gpu.requestAdapter()))()")
-        return p
-    yield make
-    for p in pages:
-        log = "\n".join(p.console[-30:])
-        p.close()
-        assert not p.off_origin, f"requests left 127.0.0.1: {p.off_origin}\n{log}"
+    """offline_page on a browser with a WebGPU adapter; gpu_page() opens the API page, gpu_page(api=False) none."""
+    yield from pages_on(gpu_browser, site, api_with_gpu)
 
 
 def native_steps(package, messages, max_tokens: int, adapter=None):
