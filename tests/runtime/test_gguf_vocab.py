@@ -101,6 +101,22 @@ def test_recovered_merges_put_the_earlier_token_first():
                                                                               ["a", "bc"]]
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_recovered_merges_equal_transformers(ties):
+    """Both paths (scores all distinct, as a GGUF's token order; scores that tie) against transformers'
+    generate_merges, on a random vocabulary whose tokens split many ways."""
+    import random
+
+    from transformers.convert_slow_tokenizer import generate_merges
+
+    rng = random.Random(7)
+    tokens = sorted({"".join(rng.choice("abcd") for _ in range(rng.randint(1, 5))) for _ in range(300)},
+                    key=lambda t: (len(t), rng.random()))
+    scores = {t: float(-(i // 3) if ties else -i) for i, t in enumerate(tokens)}
+    vocab = {t: i for i, t in enumerate(tokens)}
+    assert recovered_merges(tokens, scores) == [list(m) for m in generate_merges(vocab, scores)]
+
+
 def test_a_vocabulary_the_page_cannot_build_is_refused_by_name(tmp_path):
     path = tmp_path / "t5.gguf"
     write_vocab_gguf(path, "t5", ["<pad>", "a"], [3, 1], "t5")
