@@ -19,6 +19,7 @@ from runtime.formats.gguf_file import GGUFHeader
 from runtime.formats.step_abi import FORMAT
 from runtime.formats.step_plan import StepPlan, step_plan
 from runtime.text.gguf_vocab import tokenizer_json, tokenizer_meta
+from runtime.text.tokenizer import remember_made
 
 DEFAULT_MAX_CONTEXT = 32768  # the exporter's cap on a model's context (RoPE tables grow with it)
 KV_BLOCK_SIZE = 16
@@ -61,7 +62,9 @@ def page_package(header: GGUFHeader, name: str, source: str, max_context: int | 
     gen = {"bos_token_id": tok_meta["bos_token_id"], "eos_token_id": tok_meta["eos_token_id"],
            "pad_token_id": tok_meta["pad_token_id"], **generation_fields(header)}
     window = max(cfg["windows"]) or None
-    files: dict[str, bytes] = {"tokenizer.json": json.dumps(tok_json).encode(),
+    tok_text = json.dumps(tok_json)
+    remember_made(tok_text, tok_json)  # the engine that opens this package reads the spec, not its JSON
+    files: dict[str, bytes] = {"tokenizer.json": tok_text.encode(),
                                "generation_config.json": json.dumps(gen, indent=2).encode(),
                                "step.json": json.dumps(plan.index()).encode()}
     if isinstance(template, str) and template:

@@ -122,3 +122,22 @@ def test_a_vocabulary_the_page_cannot_build_is_refused_by_name(tmp_path):
     write_vocab_gguf(path, "t5", ["<pad>", "a"], [3, 1], "t5")
     with pytest.raises(PackageError, match="'t5'"):
         tokenizer_json(read_header_file(path))
+
+
+def test_the_engine_takes_the_tokenizer_the_page_made_without_parsing_it(tmp_path, smol_gguf, monkeypatch):
+    """page_package's tokenizer.json, opened next in the same process (the page's engine worker), is the spec it
+    was written from, not the JSON parsed again; the next file of that text is parsed as any other."""
+    import runtime.text.tokenizer as tokenizer_module
+    from runtime.formats.gguf_page import page_package
+
+    files, _ = page_package(read_header_file(smol_gguf), "m", str(smol_gguf))
+    path = tmp_path / "tokenizer.json"
+    path.write_bytes(files["tokenizer.json"])
+    parsed = []
+    real = tokenizer_module.json.loads
+    monkeypatch.setattr(tokenizer_module.json, "loads", lambda text: parsed.append(len(text)) or real(text))
+    made = Tokenizer.from_file(path, prefer_library=False)
+    assert parsed == []
+    again = Tokenizer.from_file(path, prefer_library=False)
+    assert parsed == [len(files["tokenizer.json"].decode())]
+    assert made.encode(TEXTS[1]) == again.encode(TEXTS[1])
