@@ -72,12 +72,15 @@ def dequantize_at_load(model: onnx.ModelProto, tied_embedding: str | None = None
                                       axis=1, block_size=block))
         outputs = list(node.output)
         if node.name in terms:  # + each block's minimum, expanded along the block: still folded at load
-            mins, outputs = terms[node.name][0].T, [terms[node.name][1]]  # [N, blocks]
+            # stored [blocks, N] as the WebGPU graph's minimum term reads them, so the file holds them once
+            mins, outputs = terms[node.name][0], [terms[node.name][1]]
             m_name = f"{w_name}/mins"
             inits[m_name] = numpy_helper.from_array(np.ascontiguousarray(mins, np.float16 if fp16_exact(mins) else np.float32), m_name)
             m32 = m_name if inits[m_name].data_type == TensorProto.FLOAT else f"{m_name}/fp32"
             if m32 != m_name:
                 nodes.append(helper.make_node("Cast", [m_name], [m32], name=f"{node.name}/mins_fp32", to=TensorProto.FLOAT))
+            nodes.append(helper.make_node("Transpose", [m32], [f"{m_name}/T"], name=f"{node.name}/mins_T", perm=[1, 0]))
+            m32 = f"{m_name}/T"  # [N, blocks]
             shape_name, full_name, axes = f"{m_name}/expand", f"{m_name}/shape", f"{m_name}/axes"
             inits[shape_name] = numpy_helper.from_array(np.array([n, blocks, block], np.int64), shape_name)
             inits[full_name] = numpy_helper.from_array(np.array([n, k], np.int64), full_name)

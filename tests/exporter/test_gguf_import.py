@@ -272,9 +272,18 @@ def test_tiny_gguf_page_format_computes_with_the_files_weights(smol_gguf, workdi
 
     path = workdir / "tiny-Q4_1-page.gguf"
     write_tiny_gguf(path, smol_gguf, "Q4_1")
-    pkg_dir = convert(str(path), workdir / "pkg-gguf-Q4_1-wasm", ConvertOptions(target="wasm", progress=False))
+    pkg_dir = convert(str(path), workdir / "pkg-gguf-Q4_1-wasm", ConvertOptions(quant="int4", target="wasm", progress=False))
     graph = onnx.load(str(pkg_dir / "model.onnx"), load_external_data=False).graph
+    assert [n for n in graph.node if n.op_type == "Add" and n.name.endswith("/add_mins")]  # folded at load
     assert not [n for n in graph.node if n.op_type in ("MatMulNBits", "Gemm") and n.name.endswith("/add_mins")]
+    # the WebGPU graph keeps the minimum term; it reads the minimums from the bytes the WASM graph folds
+    gpu = onnx.load(str(pkg_dir / "model_webgpu.onnx"), load_external_data=False).graph
+    assert [n for n in gpu.node if n.op_type == "Gemm" and n.name.endswith("/add_mins")]
+    def at(g: onnx.GraphProto) -> dict[str, tuple[str, str]]:
+        refs = ({e.key: e.value for e in t.external_data} | {"name": t.name} for t in g.initializer if t.data_location == 1)
+        return {(r["offset"], r["length"]): r["name"] for r in refs}
+    gpu_only = {name for key, name in at(gpu).items() if key not in at(graph)}
+    assert all(name.endswith("/block_ones") for name in gpu_only), gpu_only
     ids = list(range(100, 140))
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     with torch.no_grad():
