@@ -63,6 +63,15 @@ def test_a_short_or_foreign_header_is_asked_for_or_refused(smol_gguf, tmp_path):
     with pytest.raises(NeedBytes) as more:
         read_header(head)
     assert more.value.total > len(head)
+    data, size, reads = smol_gguf.read_bytes(), 1 << 20, 0  # the page's first read is 1 MB
+    while True:
+        reads += 1
+        try:
+            read_header(data[:size])
+            break
+        except NeedBytes as again:
+            size = again.total
+    assert reads == 2  # the vocabulary's rest is estimated from its tokens so far, not found by doubling
     with pytest.raises(PackageError, match="not a GGUF"):
         read_header(b"PK\x03\x04" + bytes(64))
     cut = tmp_path / "cut.gguf"
