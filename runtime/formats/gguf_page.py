@@ -2,7 +2,7 @@
 page's Pyodide): the manifest, tokenizer.json, the chat template, generation_config.json and step.json,
 and the plan by which the page fills step.bin from the file's byte ranges (runtime/formats/step_plan.py).
 No graphs: such a package runs on the WASM step only. What the exporter writes for the same file
-(`python -m exporter convert FILE --target wasm`) is the reference: tests/web/test_gguf_page.py holds
+(`python -m exporter convert FILE --target wasm`) is the reference: tests/web/test_wasm_step_types.py holds
 the two alike, field by field.
 """
 
@@ -47,6 +47,26 @@ def page_package(header: GGUFHeader, name: str, source: str, max_context: int | 
     """(the package's small files by name, the step's plan). manifest.json lists step.bin with its size only:
     the page adds its pieces' digests as it writes it (web/src/gguf_source.js). PackageError, by name, for a
     file the step cannot run, before any weight is read."""
+    files, plan = step_files(header, name, source, max_context)
+    return with_tokenizer(files, header), plan
+
+
+def with_tokenizer(files: dict[str, bytes], header: GGUFHeader) -> dict[str, bytes]:
+    """step_files' files with tokenizer.json, listed in their manifest. The slow part of a header (Gemma 3's
+    262,144 tokens: seconds in Pyodide), so the page makes it while step.bin streams in (web/src/worker.js)."""
+    tok_json = tokenizer_json(header)
+    tok_text = json.dumps(tok_json)
+    remember_made(tok_text, tok_json)  # the engine that opens this package reads the spec, not its JSON
+    out = {**files, "tokenizer.json": tok_text.encode()}
+    manifest = json.loads(files["manifest.json"])
+    manifest["files"] = {**{n: _entry(b) for n, b in sorted(out.items()) if n != "manifest.json"},
+                         "step.bin": manifest["files"]["step.bin"]}
+    out["manifest.json"] = json.dumps(manifest).encode()
+    return out
+
+
+def step_files(header: GGUFHeader, name: str, source: str, max_context: int | None = None) -> tuple[dict[str, bytes], StepPlan]:
+    """page_package's files but tokenizer.json (which its manifest does not list yet): all the step needs."""
     arch = header.architecture
     family = FAMILIES.get(arch)
     if family is None:
@@ -56,16 +76,12 @@ def page_package(header: GGUFHeader, name: str, source: str, max_context: int | 
     max_pos = min(context, max_context or DEFAULT_MAX_CONTEXT)
     plan = step_plan(header, max_pos, source)
     cfg = plan.config
-    tok_json = tokenizer_json(header)
     tok_meta = tokenizer_meta(header)
     template = header.field("tokenizer.chat_template")
     gen = {"bos_token_id": tok_meta["bos_token_id"], "eos_token_id": tok_meta["eos_token_id"],
            "pad_token_id": tok_meta["pad_token_id"], **generation_fields(header)}
     window = max(cfg["windows"]) or None
-    tok_text = json.dumps(tok_json)
-    remember_made(tok_text, tok_json)  # the engine that opens this package reads the spec, not its JSON
-    files: dict[str, bytes] = {"tokenizer.json": tok_text.encode(),
-                               "generation_config.json": json.dumps(gen, indent=2).encode(),
+    files: dict[str, bytes] = {"generation_config.json": json.dumps(gen, indent=2).encode(),
                                "step.json": json.dumps(plan.index()).encode()}
     if isinstance(template, str) and template:
         files["chat_template.jinja"] = template.encode()

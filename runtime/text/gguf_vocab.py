@@ -43,8 +43,11 @@ def recovered_merges(tokens: list[str], order: dict[str, float]) -> list[list[st
     if len(set(order.values())) == len(order):  # no two tokens tie (a GGUF's order is the token ids): the sort
         # below keys a split by its token's score, then by its left piece's length, longest first (a token's
         # pieces' lengths add up to its own), so no sort is needed: half the time on Gemma's 262k tokens
-        return [[token[:k], token[k:]] for token in sorted(order, key=order.__getitem__, reverse=True)
-                for k in range(len(token) - 1, 0, -1) if token[:k] in vocab and token[k:] in vocab]
+        pieces, merges = set(tokens), []
+        for token in sorted(order, key=order.__getitem__, reverse=True):
+            merges.extend([[token[:k], token[k:]] for k in range(len(token) - 1, 0, -1)
+                           if token[k:] in pieces and token[:k] in pieces])
+        return merges
     merges = []
     for token, score in order.items():
         local = [(token[:k], token[k:], score) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]

@@ -141,3 +141,29 @@ def test_the_engine_takes_the_tokenizer_the_page_made_without_parsing_it(tmp_pat
     again = Tokenizer.from_file(path, prefer_library=False)
     assert parsed == [len(files["tokenizer.json"].decode())]
     assert made.encode(TEXTS[1]) == again.encode(TEXTS[1])
+
+
+def test_the_pages_two_calls_make_the_whole_package(tmp_path, smol_gguf):
+    """The page opens a GGUF in two calls (runtime/serve/web_gguf.py): the step's files and plan, then, while
+    step.bin streams in, the tokenizer (written into the engine's folder) and the manifest listing it. Together
+    they are page_package's files."""
+    from runtime.formats.gguf_page import page_package
+    from runtime.serve.web_gguf import gguf_package, gguf_tokenizer
+
+    head, data, size = tmp_path / "head", smol_gguf.read_bytes(), 1 << 20
+    while True:
+        head.write_bytes(data[:size])
+        first = json.loads(gguf_package(str(head), "key", "m.gguf"))
+        if "need" not in first:
+            break
+        size = first["need"]
+    assert "tokenizer.json" not in first["files"]
+    assert "tokenizer.json" not in json.loads(first["files"]["manifest.json"])["files"]
+    late = json.loads(gguf_tokenizer("key", str(tmp_path / "pkg")))
+    files, plan = page_package(read_header_file(smol_gguf), "m", "key")
+    assert (tmp_path / "pkg" / "tokenizer.json").read_bytes() == files["tokenizer.json"]
+    assert late["manifest"] == json.loads(files["manifest.json"])
+    assert {n: t for n, t in first["files"].items() if n != "manifest.json"} \
+        == {n: b.decode() for n, b in files.items() if n not in ("manifest.json", "tokenizer.json")}
+    assert first["plan"] == json.loads(json.dumps(plan.to_json()))
+    assert "no GGUF header is open" in json.loads(gguf_tokenizer("key", str(tmp_path)))["error"]  # once per header

@@ -170,25 +170,45 @@ export function ropeTable(base, hd, positions, factors, out) {
 
 /** step.bin (`bytes(at, n)`: a copy of its bytes at `at`) and the small files kept in the model store, then the
  * manifest (its step.bin entry completed with the pieces' digests) in the Cache API under `packageURL`: the
- * commit point, so a reload finds a whole package or none. Returns the completed manifest. */
-export async function keepPackage(packageURL, manifest, files, size, bytes) {
+ * commit point, so a reload finds a whole package or none. `rest` resolves to { manifest, files }: the package's
+ * small files and the manifest listing them, which may come after `early` (the manifest step.bin was placed by:
+ * the tokenizer is made while step.bin is kept). Returns the completed manifest. */
+export async function keepPackage(packageURL, early, size, bytes, rest) {
   const dir = await openStore(), cache = await openCache();
   const digests = [];
-  for (let at = 0; at < size; at += CHUNK) digests.push(await sha256Hex(bytes(at, Math.min(CHUNK, size - at))));
-  const id = await sha256Hex(new TextEncoder().encode(digests.join(''))); // names the file (no streaming SHA-256 here)
-  const name = manifest.wasm_step.weights;
-  const done = { ...manifest, files: { ...manifest.files, [name]: { size, sha256: id, chunks: { bytes: CHUNK, sha256: digests } } } };
-  if (!dir || !cache) return done; // storage disabled: this load only
+  const name = early.wasm_step.weights;
+  // one pass: each piece copied once, hashed and written. The file is named by its pieces' digests, known only
+  // after, so it is written under a name of the model's step.json first: a write cut short is overwritten next
+  const tmp = `${early.files[early.wasm_step.index].sha256}.step.part`;
+  const part = dir && cache ? await dir.getFileHandle(tmp, { create: true }).catch(() => null) : null;
+  const access = await part?.createSyncAccessHandle().catch(() => null);
+  let kept = Boolean(access);
   try {
-    const part = await dir.getFileHandle(`${id}.part`, { create: true });
-    const access = await part.createSyncAccessHandle();
-    try {
-      access.truncate(0);
-      for (let at = 0; at < size; at += CHUNK) access.write(bytes(at, Math.min(CHUNK, size - at)), { at });
-      access.flush();
-    } finally {
-      access.close();
+    access?.truncate(0);
+    for (let at = 0; at < size; at += CHUNK) {
+      const piece = bytes(at, Math.min(CHUNK, size - at));
+      digests.push(await sha256Hex(piece));
+      if (kept) {
+        try {
+          access.write(piece, { at });
+        } catch (err) { // storage full, say: this load goes on, the next reads the GGUF again
+          kept = false;
+          console.warn(`ruvllm: the GGUF's package was not kept for the next load (${err?.message ?? err})`);
+        }
+      }
     }
+    if (kept) access.flush();
+  } finally {
+    access?.close();
+  }
+  const id = await sha256Hex(new TextEncoder().encode(digests.join('')));
+  const { manifest, files } = await rest;
+  const done = { ...manifest, files: { ...manifest.files, [name]: { size, sha256: id, chunks: { bytes: CHUNK, sha256: digests } } } };
+  if (!kept) { // storage disabled or full: this load only
+    if (part) await dir.removeEntry(tmp).catch(() => {});
+    return done;
+  }
+  try {
     await part.move(id);
     for (const [file, data] of Object.entries(files)) {
       if (file !== 'manifest.json') await store(dir, manifest.files[file].sha256, data);

@@ -17,6 +17,7 @@ let opening = null; // the 'open' in flight: allocate and run wait for it
 let allocationError = null; // the KV pool's allocation failed (no caller waits on it): every step throws it
 let learner = null; // the page's users' trainer (step_trainer.js), made at the first feedback
 let promptKV = null; // { name, saved: Promise<{keys, data} | null> }: the last prompt's blocks (prompt_kv.js)
+let ggufFiles = null; // deferred: a GGUF's tokenizer.json and final manifest (worker.js makes them as step.bin fills)
 const post = (msg, transfer = []) => self.postMessage(msg, transfer);
 
 function nested(config) {
@@ -151,6 +152,12 @@ async function openLoraGraph() {
   return createSession(ort, manifest, manifest.graphs[key].file, files, device);
 }
 
+function deferred() {
+  const out = {};
+  out.promise = new Promise((resolve, reject) => Object.assign(out, { resolve, reject }));
+  return out;
+}
+
 // backend 'wasm-step': the package's own WASM step (wasm_step.js) runs the steps, no onnxruntime-web;
 // only its weights are fetched (not the graphs'). With `threads` > 1 in a cross-origin isolated page, the
 // threaded build and its helper workers (step_helper.js); fp32 KV (kept across loads as onnxruntime's
@@ -212,14 +219,20 @@ async function openWasmStep({ model, device, kvDtype = 'fp32', threads, gguf }) 
     };
   }
   post({ type: 'progress', progress: { stage: 'session', message: 'preparing the model' } });
+  const placing = performance.now();
   runner = await WasmStepRunner.create(wasm ?? (() => bytes('step.wasm')), index, weights, manifest, {
     fallback: () => bytes('step-simd128.wasm'), threads: threaded ? threads : 1, threaded: threaded && (() => threadedWasm),
     spawnHelper: () => new Worker(new URL('./step_helper.js', import.meta.url), { type: 'module' }),
   });
-  if (gguf) { // kept for the next load (step.bin's pieces' digests complete its manifest entry)
+  const placed = performance.now();
+  stats.placedSeconds = (placed - placing) / 1000; // the weights in the step's memory (a GGUF's: read and repacked)
+  if (gguf) { // kept for the next load (step.bin's pieces' digests complete its manifest entry), with the
+    // tokenizer the engine worker makes meanwhile, and the manifest listing it
+    const rest = ggufFiles.promise.then((late) => ({ manifest: late.manifest, files: { ...encoded, ...late.files } }));
     const { base, size } = runner.weights;
-    manifest = await keepPackage(gguf.packageURL, manifest, encoded, size, (at, n) => runner.u8(base + at, n).slice());
+    manifest = await keepPackage(gguf.packageURL, manifest, size, (at, n) => runner.u8(base + at, n).slice(), rest);
     stats.downloaded = 1;
+    stats.keptSeconds = (performance.now() - placed) / 1000;
   }
   // the last prompt's K/V across loads: named by the weights and the build that computed them
   const kvName = sha256Hex(new Uint8Array(runner.moduleBytes))
@@ -314,6 +327,8 @@ self.onmessage = async ({ data }) => {
   const { type, id } = data;
   try {
     if (type === 'open') {
+      ggufFiles = deferred();
+      ggufFiles.promise.catch(() => {});
       opening = open(data.options);
       post({ type: 'opened', id, ...(await opening) });
     } else if (type === 'allocate') {
@@ -332,6 +347,10 @@ self.onmessage = async ({ data }) => {
       await opening;
       if (allocationError) throw allocationError;
       post({ type: 'result', id, result: await runner.run(data.step) });
+    }
+    else if (type === 'ggufFiles') { // the rest of a GGUF's package (worker.js), or why it could not be made
+      if (data.error) ggufFiles.reject(new Error(data.error));
+      else ggufFiles.resolve({ manifest: data.manifest, files: data.files });
     }
     else if (type === 'timings') post({ type: 'timings', id, timings: runner?.timings() ?? null });
     else if (type === 'learnOpen' || type === 'learnFeedback' || type === 'learnForget') { // per-user adaptation

@@ -51,7 +51,8 @@ async function bootPython(pyodideURL, pythonURL, mark = () => {}) {
   return { pyodide, python: 'booted' };
 }
 
-// A GGUF's package from its header (runtime/serve/web_gguf.py), read in growing pieces: { files, plan }
+// A GGUF's package from its header (runtime/serve/web_gguf.py), read in growing pieces: { files, plan }, all
+// but its tokenizer (web_gguf.gguf_tokenizer, in load), made while step.bin streams in
 async function ggufPackage(pyodide, source, first) {
   for (let n = HEADER_FIRST; ;) {
     const head = n === HEADER_FIRST ? await first : await source.read(0, n);
@@ -63,6 +64,12 @@ async function ggufPackage(pyodide, source, first) {
     if (head.length < n) throw new Error(`${source.name}: the GGUF header runs past the file's end (a truncated file)`);
     n = made.need;
   }
+}
+
+// Where the engine's Python reads a package: named by its decoder graph, or a GGUF's step.json (no graphs)
+function packageFolder(manifest) {
+  const named = manifest.graphs.decoder?.file ?? manifest.wasm_step.index;
+  return `/models/${manifest.files[named].sha256.slice(0, 16)}`;
 }
 
 // A GGUF `model` (URL, File, Blob, ArrayBuffer): the package kept from an earlier load ({ model }), or what
@@ -119,16 +126,28 @@ async function load(opts) {
     kvDtype: opts.kvDtype ?? 'fp32', backend: resolved.gguf ? 'wasm-step' : opts.backend ?? 'auto' } })
     .then((r) => { mark('session'); return r; });
   opened.catch(() => {});
+  let late = null; // a GGUF's manifest, listing the tokenizer made here while its weights stream in
+  if (gguf) {
+    const { pyodide } = await python;
+    const made = JSON.parse(pyodide.pyimport('runtime.serve.web_gguf').gguf_tokenizer(resolved.source.key,
+      packageFolder(JSON.parse(gguf.files['manifest.json']))));
+    const tokenizer = made.manifest && pyodide.FS.readFile(`${packageFolder(made.manifest)}/tokenizer.json`);
+    runner.worker.postMessage({ type: 'ggufFiles', manifest: made.manifest, files: { 'tokenizer.json': tokenizer },
+      error: made.error ?? null }, tokenizer ? [tokenizer.buffer] : []);
+    if (made.error) throw new Error(made.error);
+    late = made.manifest;
+    mark('gguf_tokenizer');
+  }
 
   // Python needs only the small files (manifest, tokenizer, template), which come before the session
   const openFailed = opened.then(() => new Promise(() => {})); // settles only if opening fails
   const [{ pyodide, python: pythonStart }] = await Promise.race([Promise.all([python, filesArrived]), openFailed]);
-  const { manifest, files, graphFiles, backend: stepper } = filesMessage;
-  const named = manifest.graphs.decoder?.file ?? manifest.wasm_step.index; // a GGUF the page opened has no graphs
-  const dir = `/models/${manifest.files[named].sha256.slice(0, 16)}`;
+  const { files, graphFiles, backend: stepper } = filesMessage;
+  const manifest = late ?? filesMessage.manifest;
+  const dir = packageFolder(manifest);
   pyodide.FS.mkdirTree(dir);
-  pyodide.FS.writeFile(`${dir}/manifest.json`, JSON.stringify(manifest));
   for (const [name, bytes] of Object.entries(files)) pyodide.FS.writeFile(`${dir}/${name}`, bytes);
+  pyodide.FS.writeFile(`${dir}/manifest.json`, JSON.stringify(manifest)); // a GGUF's: the one listing its tokenizer
   self.pyodideFS = pyodide.FS; // adapters' files are written there later
   const api = pyodide.pyimport('runtime.serve.web_api');
   const name = opts.modelName ?? manifest.name;
