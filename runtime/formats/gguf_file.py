@@ -10,7 +10,7 @@ offset from the data section, which starts at the header's end rounded up to `ge
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from runtime.errors import PackageError
 from runtime.formats.block_types import BLOCK_TYPES
@@ -174,6 +174,34 @@ def read_header(head: bytes | bytearray | memoryview) -> GGUFHeader:
         nbytes = tensor_bytes(type_name, shape) if t else 0
         tensors[name] = TensorInfo(name, shape, type_name, data_offset + offset, nbytes, kind)
     return GGUFHeader(version, metadata, tensors, data_offset)
+
+
+def joined_header(parts: list[tuple[GGUFHeader, int]]) -> GGUFHeader:
+    """A split GGUF (llama.cpp's gguf-split, `<name>-00001-of-0000N.gguf`: each part a GGUF with its share of
+    the tensors, the first holding the metadata) as one file: [(each part's header, where the part begins
+    when the parts are laid end to end)]. One whole file comes back as it is. PackageError for parts missing,
+    out of order or of another model."""
+    first = parts[0][0]
+    count = int(first.field("split.count", 1))
+    if count == 1 and len(parts) == 1:
+        return first
+    if count != len(parts):
+        raise PackageError(f"a split GGUF of {count} parts: {len(parts)} given (give every part, the first first)")
+    tensors: dict[str, TensorInfo] = {}
+    for k, (header, base) in enumerate(parts):
+        if int(header.field("split.no", -1)) != k:
+            raise PackageError(f"part {k + 1} of the split GGUF is not its part {k + 1} (split.no {header.field('split.no')})")
+        if int(header.field("split.count", -1)) != count:
+            raise PackageError(f"part {k + 1} of the split GGUF belongs to a split of {header.field('split.count')} parts")
+        for name, t in header.tensors.items():
+            if name in tensors:
+                raise PackageError(f"tensor {name} is in two parts of the split GGUF")
+            tensors[name] = replace(t, offset=t.offset + base)
+    want = first.field("split.tensors.count")
+    if want is not None and int(want) != len(tensors):
+        raise PackageError(f"the split GGUF's parts hold {len(tensors)} tensors; its first part says {want}")
+    metadata = {k: v for k, v in first.metadata.items() if not k.startswith("split.")}
+    return GGUFHeader(first.version, metadata, tensors, first.data_offset)
 
 
 def read_header_file(path, first: int = 1 << 20) -> GGUFHeader:

@@ -9,20 +9,28 @@ import json
 from pathlib import Path
 
 from runtime.errors import RuvLLMError
-from runtime.formats.gguf_file import GGUFHeader, NeedBytes, read_header
+from runtime.formats.gguf_file import GGUFHeader, NeedBytes, joined_header, read_header
 from runtime.formats.gguf_page import step_files, with_tokenizer
 
 _OPENING: dict[str, tuple[GGUFHeader, dict[str, bytes]]] = {}  # by source: the header gguf_tokenizer finishes
 
 
-def gguf_package(head_path: str, source: str, name: str) -> str:
-    """JSON: {"files": {name: text}, "plan": ...} without tokenizer.json (gguf_tokenizer's); {"need": bytes}
-    when the header runs past the bytes at `head_path`; {"error": why} for a file the page cannot open
-    (refused by name, before any weight is read)."""
+def gguf_package(heads: str, source: str, name: str) -> str:
+    """`heads`: JSON [{"path", "base"}], where the engine worker wrote each part's first bytes (one for a whole
+    file; a split GGUF's parts in order, each with where it begins when they are laid end to end). JSON:
+    {"files": {name: text}, "plan": ...} without tokenizer.json (gguf_tokenizer's); {"need": bytes, "part": k}
+    when part k's header runs past the bytes given; {"error": why} for a file the page cannot open (refused by
+    name, before any weight is read)."""
+    parts = []
+    for k, part in enumerate(json.loads(heads)):
+        try:
+            parts.append((read_header(Path(part["path"]).read_bytes()), int(part["base"])))
+        except NeedBytes as more:
+            return json.dumps({"need": more.total, "part": k})
+        except RuvLLMError as err:
+            return json.dumps({"error": f"{name}: {err}"})
     try:
-        header = read_header(Path(head_path).read_bytes())
-    except NeedBytes as more:
-        return json.dumps({"need": more.total})
+        header = joined_header(parts)
     except RuvLLMError as err:
         return json.dumps({"error": f"{name}: {err}"})
     try:

@@ -93,11 +93,12 @@ def test_fused_weights_keep_every_part_exact():
     assert np.array_equal(fused.dequantize(), want)
 
 
-def write_tiny_gguf(path, smol_gguf, type_name: str) -> None:
-    """A 2-layer llama with SmolLM2's tokenizer: projections in `type_name`, embedding Q8_0, norms F32."""
+def write_tiny_gguf(path, smol_gguf, type_name: str, split_max_tensors: int = 0) -> None:
+    """A 2-layer llama with SmolLM2's tokenizer: projections in `type_name`, embedding Q8_0, norms F32. With
+    split_max_tensors, gguf-split's parts (`<stem>-00001-of-0000N.gguf` beside `path`) instead of one file."""
     import gguf
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), "llama", split_max_tensors=split_max_tensors)
     hidden, inter, layers, heads, kv_heads = 256, 512, 2, 4, 2
     vocab = add_smollm2_tokenizer(w, smol_gguf)
     w.add_context_length(256)

@@ -153,7 +153,7 @@ def test_the_pages_two_calls_make_the_whole_package(tmp_path, smol_gguf):
     head, data, size = tmp_path / "head", smol_gguf.read_bytes(), 1 << 20
     while True:
         head.write_bytes(data[:size])
-        first = json.loads(gguf_package(str(head), "key", "m.gguf"))
+        first = json.loads(gguf_package(json.dumps([{"path": str(head), "base": 0}]), "key", "m.gguf"))
         if "need" not in first:
             break
         size = first["need"]

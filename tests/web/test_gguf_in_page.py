@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from tests.exporter.test_gguf_import import write_tiny_gguf
 from tests.exporter.test_streamed_export import MIX, write_mixed_gguf
 from tests.web.conftest import CHAT, LOAD_ENGINE
 
@@ -35,6 +36,9 @@ def ggufs(web_models, smol_gguf, workdir):
     folder.mkdir(exist_ok=True)
     if not (folder / "smol.gguf").exists():
         shutil.copy(smol_gguf, folder / "smol.gguf")
+    if not (folder / "whole.gguf").exists():  # a tiny llama, whole and as gguf-split's three parts
+        write_tiny_gguf(folder / "whole.gguf", smol_gguf, "Q4_K")
+        write_tiny_gguf(folder / "split.gguf", smol_gguf, "Q4_K", split_max_tensors=7)
     if not (folder / "q2k.gguf").exists():
         write_mixed_gguf(folder / "q2k.gguf", smol_gguf, {name: "Q2_K" for name in MIX}, embedding="Q8_0", head=None)
     return "/test-models/gguf/"
@@ -77,6 +81,33 @@ def test_a_picked_file_and_an_array_buffer_open_alike(offline_page, ggufs):
       window.engine = await window.createEngine({ model: bytes, ...opts });
     }""", [ggufs + "smol.gguf", {"threads": 1}])
     assert ids_of(p) == from_file
+
+
+def test_a_split_gguf_opens_as_its_one_file(offline_page, ggufs):
+    """gguf-split's parts, by the first part's URL or as Files in any order, answer as the whole file does; a
+    later part's URL, or parts missing, are refused by name."""
+    p = offline_page()
+    p.api()
+    p.evaluate(LOAD_ENGINE, [ggufs + "whole.gguf", {"threads": 1}])
+    want = ids_of(p)
+    p.evaluate("async () => { await window.engine.unload(); }")
+    info = p.evaluate(LOAD_ENGINE, [ggufs + "split-00001-of-00003.gguf", {"threads": 1}])
+    assert info["gguf"] == "split-00001-of-00003.gguf" and info["cache"]["downloaded"] == 1
+    assert ids_of(p) == want
+    assert {u.rsplit("/", 1)[1] for u, _ in p.ranges if "split-" in u} == {f"split-0000{k}-of-00003.gguf" for k in (1, 2, 3)}
+    p.evaluate("async () => { await window.engine.unload(); }")
+    p.evaluate("""async ([base, names, opts]) => {
+      const files = await Promise.all(names.map(async (n) => new File([await (await fetch(base + n)).blob()], n)));
+      window.engine = await window.createEngine({ model: files, ...opts });
+    }""", [ggufs, [f"split-0000{k}-of-00003.gguf" for k in (3, 1, 2)], {"threads": 2}])
+    assert ids_of(p) == want
+    err = p.evaluate(LOAD_ERROR, [ggufs + "split-00002-of-00003.gguf", {}])
+    assert err and "part 2 of a split GGUF" in err, err
+    err = p.evaluate("""async ([url]) => {
+      const file = new File([await (await fetch(url)).blob()], 'split-00001-of-00003.gguf');
+      try { await window.createEngine({ model: file }); return null; } catch (e) { return String(e.message ?? e); }
+    }""", [ggufs + "split-00001-of-00003.gguf"])
+    assert err and "3 parts: 1 given" in err, err
 
 
 def test_a_gguf_the_step_cannot_run_is_refused_by_name_before_its_weights(offline_page, ggufs):

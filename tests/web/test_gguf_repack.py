@@ -10,8 +10,8 @@ import pytest
 
 from runtime.errors import PackageError
 from runtime.formats.block_types import BY_NAME, STEP_TYPES
-from runtime.formats.gguf_file import NeedBytes, read_header, read_header_file
-from tests.exporter.test_gguf_import import random_blocks
+from runtime.formats.gguf_file import NeedBytes, joined_header, read_header, read_header_file
+from tests.exporter.test_gguf_import import random_blocks, write_tiny_gguf
 from tests.exporter.test_streamed_export import MIX, write_mixed_gguf
 
 
@@ -78,6 +78,32 @@ def test_a_short_or_foreign_header_is_asked_for_or_refused(smol_gguf, tmp_path):
     cut.write_bytes(head)
     with pytest.raises(PackageError, match="truncated"):
         read_header_file(cut)
+
+
+def test_a_split_ggufs_parts_read_as_the_one_file(smol_gguf, tmp_path):
+    """gguf-split's parts, laid end to end, are one file to the plan: the same metadata and tensors as the whole
+    file, each tensor's bytes where the joined header says; parts missing or out of order are refused by name."""
+    whole, split = tmp_path / "whole.gguf", tmp_path / "split.gguf"
+    write_tiny_gguf(whole, smol_gguf, "Q4_K")
+    write_tiny_gguf(split, smol_gguf, "Q4_K", split_max_tensors=7)
+    paths = sorted(tmp_path.glob("split-*-of-*.gguf"))
+    assert len(paths) == 3, paths
+    bases = np.cumsum([0] + [p.stat().st_size for p in paths])[:-1]
+    header = joined_header([(read_header_file(p), int(b)) for p, b in zip(paths, bases, strict=True)])
+    one = read_header_file(whole)
+    assert header.metadata == one.metadata
+    assert [(t.name, t.shape, t.type_name) for t in header.tensors.values()] \
+        == [(t.name, t.shape, t.type_name) for t in one.tensors.values()]
+    joined, data = b"".join(p.read_bytes() for p in paths), whole.read_bytes()
+    for t in header.tensors.values():
+        u = one.tensors[t.name]
+        assert joined[t.offset:t.offset + t.nbytes] == data[u.offset:u.offset + u.nbytes], t.name
+    parts = [(read_header_file(p), int(b)) for p, b in zip(paths, bases, strict=True)]
+    with pytest.raises(PackageError, match="3 parts: 2 given"):
+        joined_header(parts[:2])
+    with pytest.raises(PackageError, match="part 2 of the split GGUF is not its part 2"):
+        joined_header([parts[0], parts[2], parts[1]])
+    assert joined_header([(one, 0)]) is one
 
 
 def test_the_plan_is_the_exporters_step_bin(gemma_like, tmp_path):

@@ -178,8 +178,8 @@ async function loadModel(model) {
 
 
 $('gguf-file').addEventListener('change', (e) => {
-  const [file] = e.target.files;
-  if (file) loadModel(file).then(showKept);
+  const files = [...e.target.files]; // a split GGUF's parts, picked together
+  if (files.length) loadModel(files.length === 1 ? files[0] : files).then(showKept);
   e.target.value = '';
 });
 $('gguf-url-form').addEventListener('submit', (e) => {

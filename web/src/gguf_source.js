@@ -12,27 +12,96 @@ export const HEADER_FIRST = 1 << 20; // the header's first read; Python asks for
 const PIECE = 4 << 20; // at most this many bytes of a matrix's rows repacked at once
 export const CHUNK = 1 << 24; // step.bin's pieces, each with its sha256 (runtime/package.py's CHUNK_BYTES)
 
-/** Whether `model` names a GGUF rather than a package folder. */
+// llama.cpp's gguf-split names a model's parts `<name>-00001-of-00003.gguf`; each is a GGUF holding its share
+// of the tensors, the first all the metadata (runtime/formats/gguf_file.py, joined_header)
+const SPLIT = /-(\d{5})-of-(\d{5})\.gguf([?#].*)?$/i;
+
+/** Whether `model` names a GGUF rather than a package folder: a URL, bytes, a File or Blob, or a split GGUF's
+ * parts as Files or Blobs (in order, or named `-0000k-of-0000n.gguf`). */
 export function isGGUF(model) {
   if (typeof model === 'string') return /\.gguf([?#]|$)/i.test(model);
+  if (Array.isArray(model)) return model.length > 0 && model.every((m) => m instanceof Blob);
   return model instanceof Blob || model instanceof ArrayBuffer || ArrayBuffer.isView(model);
 }
 
 const fileName = (url) => decodeURIComponent(new URL(url).pathname.split('/').pop() || 'model.gguf');
 
+/** A split GGUF's parts (URLs or Blobs, in order), or null for one file. A URL names the first part. */
+function partsOf(model) {
+  if (Array.isArray(model)) {
+    if (model.length === 1) return null;
+    const numbered = model.map((m) => [Number(SPLIT.exec(m.name ?? '')?.[1] ?? NaN), m]);
+    return numbered.every(([k]) => k > 0) ? numbered.sort((a, b) => a[0] - b[0]).map(([, m]) => m) : model;
+  }
+  const m = typeof model === 'string' ? SPLIT.exec(new URL(model, self.location.href).pathname) : null;
+  if (!m || Number(m[2]) === 1) return null;
+  const url = new URL(model, self.location.href);
+  if (Number(m[1]) !== 1) throw new Error(`${fileName(url.href)} is part ${Number(m[1])} of a split GGUF: open it by its first part (-00001-of-${m[2]}.gguf)`);
+  return Array.from({ length: Number(m[2]) }, (_, k) => {
+    const part = new URL(url);
+    part.pathname = url.pathname.replace(SPLIT, `-${String(k + 1).padStart(5, '0')}-of-${m[2]}.gguf`);
+    return part.href;
+  });
+}
+
 /** The file's bytes: { name, key (what it is kept under), read(at, n), stream(from) (a reader of the bytes from
- * there on) } over a URL (HTTP ranges), a Blob or File (slices) or an ArrayBuffer. A read near the end may
- * return fewer bytes. */
-export async function byteSource(model) {
+ * there on), size (known once read, for a URL) } over a URL (HTTP ranges), a Blob or File (slices) or an
+ * ArrayBuffer; a split GGUF's parts laid end to end as one file (`parts`, `bases`: where each begins), its
+ * parts' sizes given where known. A read near the end may return fewer bytes. */
+export async function byteSource(model, sizes = null) {
+  const parts = partsOf(model);
+  if (!parts) return oneSource(Array.isArray(model) ? model[0] : model);
+  const sources = await Promise.all(parts.map((p) => oneSource(p)));
+  await Promise.all(sources.map(async (p, k) => { p.size ??= sizes?.[k] ?? (await p.read(0, 1), p.size); }));
+  return joined(sources);
+}
+
+/** Parts laid end to end: a tensor's offset in the joined file is its part's base plus its own. */
+function joined(parts) {
+  const bases = [];
+  let size = 0;
+  for (const p of parts) {
+    bases.push(size);
+    size += p.size;
+  }
+  const partAt = (at) => { let k = 0; while (k + 1 < parts.length && bases[k + 1] <= at) k++; return k; };
+  return { name: parts[0].name, key: parts[0].key, parts, bases, size,
+    async read(at, n) {
+      const out = new Uint8Array(Math.max(0, Math.min(n, size - at)));
+      for (let got = 0, k = partAt(at); got < out.length; k++) {
+        const from = at + got - bases[k], piece = await parts[k].read(from, Math.min(out.length - got, parts[k].size - from));
+        out.set(piece, got);
+        got += piece.length;
+      }
+      return out;
+    },
+    async stream(from) {
+      let k = partAt(from), reader = await parts[k].stream(from - bases[k]);
+      return {
+        async read() {
+          for (;;) {
+            const got = await reader.read();
+            if (!got.done || k + 1 >= parts.length) return got;
+            reader = await parts[++k].stream(0);
+          }
+        },
+        cancel: () => reader.cancel(),
+      };
+    } };
+}
+
+async function oneSource(model) {
   if (typeof model === 'string') {
     const url = new URL(model, self.location.href).href;
-    return { name: fileName(url), key: url, async read(at, n) {
+    return { name: fileName(url), key: url, size: undefined, async read(at, n) {
       const res = await fetch(url, { headers: { Range: `bytes=${at}-${at + n - 1}` }, cache: 'no-store' });
       if (res.status === 416) return new Uint8Array(0);
       if (res.status !== 206) {
         throw new Error(res.ok ? `${url}: the server sent the whole file for a byte range (HTTP ${res.status}); opening a GGUF `
           + 'in the page reads it in ranges, as every static host and the Hugging Face Hub serve them' : `${url}: HTTP ${res.status}`);
       }
+      const total = /\/(\d+)$/.exec(res.headers.get('Content-Range') ?? '');
+      if (total) this.size = Number(total[1]);
       return new Uint8Array(await res.arrayBuffer());
     }, async stream(from) {
       const res = await fetch(url, { headers: { Range: `bytes=${from}-` }, cache: 'no-store' });
@@ -42,13 +111,13 @@ export async function byteSource(model) {
   }
   if (model instanceof Blob) {
     const name = model.name || 'model.gguf';
-    return { name, key: `file:${name}:${model.size}:${model.lastModified ?? 0}`,
+    return { name, key: `file:${name}:${model.size}:${model.lastModified ?? 0}`, size: model.size,
       read: async (at, n) => new Uint8Array(await model.slice(at, at + n).arrayBuffer()),
       stream: async (from) => model.slice(from).stream().getReader() };
   }
   const bytes = model instanceof ArrayBuffer ? new Uint8Array(model) : new Uint8Array(model.buffer, model.byteOffset, model.byteLength);
   const head = await sha256Hex(bytes.slice(0, HEADER_FIRST));
-  return { name: 'model.gguf', key: `bytes:${head}:${bytes.length}`, read: async (at, n) => bytes.subarray(at, at + n),
+  return { name: 'model.gguf', key: `bytes:${head}:${bytes.length}`, size: bytes.length, read: async (at, n) => bytes.subarray(at, at + n),
     stream: async (from) => {
       let done = false;
       return { read: async () => (done ? { done } : (done = true, { done: false, value: bytes.subarray(from) })), cancel: async () => {} };

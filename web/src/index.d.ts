@@ -17,9 +17,11 @@ export interface LoadProgress {
 
 export interface CreateEngineOptions {
   /** URL of a model package folder (exported with `python -m exporter convert ... --target wasm`), or a GGUF:
-   *  a `.gguf` URL (read in byte ranges), a File (`<input type=file>`), a Blob or an ArrayBuffer. A GGUF runs
-   *  on the WASM step; the package the page makes of it is kept in OPFS for the next load. */
-  model: string | Blob | ArrayBuffer;
+   *  a `.gguf` URL (read in byte ranges), a File (`<input type=file>`), a Blob or an ArrayBuffer. A split GGUF
+   *  (llama.cpp's gguf-split, `<name>-00001-of-0000N.gguf`) by its first part's URL, or its parts as Files
+   *  (any order when they carry those names). A GGUF runs on the WASM step; the package the page makes of it
+   *  is kept in OPFS for the next load. */
+  model: string | Blob | ArrayBuffer | Blob[];
   device?: Device;
   /** WASM threads; needs a cross-origin isolated page (COOP/COEP). Default: min(4, cores). */
   threads?: number;

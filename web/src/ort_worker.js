@@ -203,7 +203,7 @@ async function openWasmStep({ model, device, kvDtype = 'fp32', threads, gguf }) 
   const name = manifest.wasm_step.weights, meta = manifest.files[name];
   let weights = files[name];
   if (gguf) {
-    const source = await byteSource(gguf.source);
+    const source = await byteSource(gguf.source, gguf.sizes);
     weights = (view, repack) => fillStep(source, gguf.plan, view, repack, (loaded, total) => progress({ stage: 'model', loaded, total,
       file: source.name, cached: false }));
   } else if (streamed(manifest)) {

@@ -53,16 +53,22 @@ async function bootPython(pyodideURL, pythonURL, mark = () => {}) {
 
 // A GGUF's package from its header (runtime/serve/web_gguf.py), read in growing pieces: { files, plan }, all
 // but its tokenizer (web_gguf.gguf_tokenizer, in load), made while step.bin streams in
+// (a split GGUF's parts: each one's header, the metadata in the first)
 async function ggufPackage(pyodide, source, first) {
-  for (let n = HEADER_FIRST; ;) {
-    const head = n === HEADER_FIRST ? await first : await source.read(0, n);
-    pyodide.FS.writeFile('/tmp/gguf-header', head);
-    const made = JSON.parse(pyodide.pyimport('runtime.serve.web_gguf').gguf_package('/tmp/gguf-header', source.key, source.name));
-    pyodide.FS.unlink('/tmp/gguf-header');
+  const parts = source.parts ?? [source], bases = source.bases ?? [0];
+  const heads = await Promise.all(parts.map((p, k) => (k === 0 ? first : p.read(0, HEADER_FIRST))));
+  const want = parts.map(() => HEADER_FIRST);
+  for (;;) {
+    heads.forEach((head, k) => pyodide.FS.writeFile(`/tmp/gguf-header-${k}`, head));
+    const given = JSON.stringify(heads.map((_, k) => ({ path: `/tmp/gguf-header-${k}`, base: bases[k] })));
+    const made = JSON.parse(pyodide.pyimport('runtime.serve.web_gguf').gguf_package(given, source.key, source.name));
+    heads.forEach((_, k) => pyodide.FS.unlink(`/tmp/gguf-header-${k}`));
     if (made.error) throw new Error(made.error);
     if (!made.need) return made;
-    if (head.length < n) throw new Error(`${source.name}: the GGUF header runs past the file's end (a truncated file)`);
-    n = made.need;
+    const k = made.part ?? 0;
+    if (heads[k].length < want[k]) throw new Error(`${parts[k].name}: the GGUF header runs past the file's end (a truncated file)`);
+    want[k] = made.need;
+    heads[k] = await parts[k].read(0, want[k]);
   }
 }
 
@@ -111,7 +117,7 @@ async function load(opts) {
     else if (msg.type === 'files') { filesMessage = msg; mark('fetched'); resolve(msg); }
   }));
   progress({ stage: 'runtime', message: 'starting Python' });
-  const first = resolved.source?.read(0, HEADER_FIRST); // the header's first bytes while Python starts
+  const first = (resolved.source?.parts?.[0] ?? resolved.source)?.read(0, HEADER_FIRST); // the header's first bytes while Python starts
   first?.catch(() => {});
   const python = bootPython(pyodideURL, pythonURL, mark).then((py) => { mark('python'); return py; });
   python.catch(() => {});
@@ -120,7 +126,8 @@ async function load(opts) {
     progress({ stage: 'model', message: `reading ${resolved.source.name}'s header` });
     const made = await ggufPackage((await python).pyodide, resolved.source, first);
     mark('gguf_header');
-    gguf = { source: resolved.given, files: made.files, plan: made.plan, packageURL: resolved.model };
+    gguf = { source: resolved.given, files: made.files, plan: made.plan, packageURL: resolved.model,
+      sizes: resolved.source.parts?.map((p) => p.size) ?? null };
   }
   const opened = runner.call('open', { options: { model: resolved.model, gguf, ortURL, device: opts.device ?? 'auto', threads,
     kvDtype: opts.kvDtype ?? 'fp32', backend: resolved.gguf ? 'wasm-step' : opts.backend ?? 'auto' } })
