@@ -82,6 +82,12 @@ def run_cli(*args: str, env: dict | None = None, module: str = "runtime", timeou
                           env=full_env, timeout=timeout, cwd=str(ROOT))
 
 
+def external_refs(graph) -> dict[str, tuple[str, str, str]]:
+    """An ONNX graph's initializers stored outside it: name -> (file, offset, length)."""
+    refs = {t.name: {e.key: e.value for e in t.external_data} for t in graph.initializer if t.data_location == 1}
+    return {name: (r["location"], r["offset"], r["length"]) for name, r in refs.items()}
+
+
 def readme_block(name: str) -> str:
     """The code block of README.md that follows `<!-- README test: name -->` (the tests run each one)."""
     import re

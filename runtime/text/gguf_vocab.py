@@ -43,10 +43,10 @@ def recovered_merges(tokens: list[str], order: dict[str, float]) -> list[list[st
     if len(set(order.values())) == len(order):  # no two tokens tie (a GGUF's order is the token ids): the sort
         # below keys a split by its token's score, then by its left piece's length, longest first (a token's
         # pieces' lengths add up to its own), so no sort is needed: half the time on Gemma's 262k tokens
-        pieces, merges = set(tokens), []
+        merges = []
         for token in sorted(order, key=order.__getitem__, reverse=True):
             merges.extend([[token[:k], token[k:]] for k in range(len(token) - 1, 0, -1)
-                           if token[k:] in pieces and token[:k] in pieces])
+                           if token[k:] in vocab and token[:k] in vocab])
         return merges
     merges = []
     for token, score in order.items():

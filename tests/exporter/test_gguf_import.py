@@ -269,6 +269,7 @@ def test_tiny_gguf_page_format_computes_with_the_files_weights(smol_gguf, workdi
     from transformers import AutoModelForCausalLM
 
     from exporter.convert import ConvertOptions, convert
+    from tests.conftest import external_refs
     from tests.exporter.test_quantization import teacher_forced_logits
 
     path = workdir / "tiny-Q4_1-page.gguf"
@@ -280,10 +281,8 @@ def test_tiny_gguf_page_format_computes_with_the_files_weights(smol_gguf, workdi
     # the WebGPU graph keeps the minimum term; it reads the minimums from the bytes the WASM graph folds
     gpu = onnx.load(str(pkg_dir / "model_webgpu.onnx"), load_external_data=False).graph
     assert [n for n in gpu.node if n.op_type == "Gemm" and n.name.endswith("/add_mins")]
-    def at(g: onnx.GraphProto) -> dict[str, tuple[str, str]]:
-        refs = ({e.key: e.value for e in t.external_data} | {"name": t.name} for t in g.initializer if t.data_location == 1)
-        return {(r["offset"], r["length"]): r["name"] for r in refs}
-    gpu_only = {name for key, name in at(gpu).items() if key not in at(graph)}
+    cpu_refs = set(external_refs(graph).values())
+    gpu_only = {name for name, ref in external_refs(gpu).items() if ref not in cpu_refs}
     assert all(name.endswith("/block_ones") for name in gpu_only), gpu_only
     ids = list(range(100, 140))
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()

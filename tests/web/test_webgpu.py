@@ -9,7 +9,7 @@ import json
 import onnx
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import external_refs, run_cli
 from tests.web.conftest import CHAT, LOAD_ENGINE, LOAD_TIMEOUT_MS, OfflinePage, launch, pages_on, publish
 
 pytestmark = pytest.mark.slow
@@ -82,11 +82,6 @@ def test_webgpu_greedy_tokens_equal_native(gpu_page, tiny_package, web_models):
     assert reply["choices"][0]["token_ids"] == json.loads(proc.stdout)["token_ids"]
 
 
-def external(graph: onnx.GraphProto) -> dict[str, tuple[str, str]]:
-    refs = {t.name: {e.key: e.value for e in t.external_data} for t in graph.initializer if t.data_location == 1}
-    return {name: (r["location"], r["offset"]) for name, r in refs.items()}
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2's tiny config ties the embeddings
 def test_webgpu_computes_on_the_int4_blocks(arch, gpu_page, tiny_package, web_models):
     """An int4 --target wasm package on WebGPU: its WebGPU graph runs MatMulNBits over the package's blocks
@@ -100,8 +95,8 @@ def test_webgpu_computes_on_the_int4_blocks(arch, gpu_page, tiny_package, web_mo
     ops = collections.Counter(n.op_type for n in gpu.node)
     assert ops["MatMulNBits"] == 4 * manifest["config"]["num_layers"] + 1 and "DequantizeLinear" not in ops, ops
     assert ops["GatherBlockQuantized"] == (1 if manifest["config"]["tie_word_embeddings"] else 0), ops
-    big = external(gpu)
-    assert big and all(external(cpu).get(name) == ref for name, ref in big.items())  # one copy in the file
+    big = external_refs(gpu)
+    assert big and all(external_refs(cpu).get(name) == ref for name, ref in big.items())  # one copy in the file
     assert manifest["quantization"]["webgpu"] == {"op": "MatMulNBits", "compute": "fp32",
                                                   "dequantized": "in the shader"}
     url = publish(web_models, package, f"tiny-{arch}-int4-wasm")

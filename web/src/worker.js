@@ -136,9 +136,9 @@ async function load(opts) {
   let late = null; // a GGUF's manifest, listing the tokenizer made here while its weights stream in
   if (gguf) {
     const { pyodide } = await python;
-    const made = JSON.parse(pyodide.pyimport('runtime.serve.web_gguf').gguf_tokenizer(resolved.source.key,
-      packageFolder(JSON.parse(gguf.files['manifest.json']))));
-    const tokenizer = made.manifest && pyodide.FS.readFile(`${packageFolder(made.manifest)}/tokenizer.json`);
+    const folder = packageFolder(JSON.parse(gguf.files['manifest.json'])); // the step.json the final manifest lists too
+    const made = JSON.parse(pyodide.pyimport('runtime.serve.web_gguf').gguf_tokenizer(resolved.source.key, folder));
+    const tokenizer = made.manifest && pyodide.FS.readFile(`${folder}/tokenizer.json`);
     runner.worker.postMessage({ type: 'ggufFiles', manifest: made.manifest, files: { 'tokenizer.json': tokenizer },
       error: made.error ?? null }, tokenizer ? [tokenizer.buffer] : []);
     if (made.error) throw new Error(made.error);
