@@ -167,8 +167,10 @@ def prefix_effect(engine, total: int, shared: int) -> dict:
 
 def run_bench(engine, args) -> dict:
     greedy = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
-    run_one(engine, SamplingParams(temperature=0.0, max_tokens=4), messages=SHORT_PROMPT)  # warm up
-    short = [run_one(engine, SamplingParams(**vars(greedy)), messages=SHORT_PROMPT) for _ in range(args.repeats)]
+    # a base model (no chat template: Gemma 3 270M's GGUF) is asked the same question as text
+    ask = {"messages": SHORT_PROMPT} if engine.chat_template else {"prompt": SHORT_PROMPT[0]["content"]}
+    run_one(engine, SamplingParams(temperature=0.0, max_tokens=4), **ask)  # warm up
+    short = [run_one(engine, SamplingParams(**vars(greedy)), **ask) for _ in range(args.repeats)]
     long = min(LONG_PROMPT, engine.pkg.config["max_positions"] - 1)  # a short-context model: its longest prompt
     long_runs = [run_one(engine, SamplingParams(temperature=0.0, max_tokens=1),
                           prompt=_text_tokens(engine, long, salt=f"Document {i}."))

@@ -57,3 +57,20 @@ def test_bench_on_an_int8_pool_over_long_contexts(tiny_package):
     kv = result["kv"]
     assert kv["dtype"] == "int8" and kv["bytes_per_token"] == 2 * 2 * 2 * (16 + 2)  # layers, K/V, kv heads, D + scale
     assert result["concurrency"][1]["kv_blocks_peak"] >= 2 * 96 // kv["block_size"]
+
+
+def test_bench_on_a_base_model_without_a_chat_template(tiny_package, tmp_path):
+    """A base model's package (Gemma 3 270M's GGUF has no template) is benchmarked on its question as text,
+    not refused for want of a template."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_package("llama"), base)
+    manifest = json.loads((base / "manifest.json").read_text())
+    assert manifest.pop("chat_template")
+    (base / "manifest.json").write_text(json.dumps(manifest))
+    proc = run_cli("bench", str(base), "--decode-tokens", "4", "--repeats", "1", "--speculative-tokens", "0",
+                   "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ttft_ms"] > 0 and result["prefill_tps_short"] > 0 and result["decode_tokens"] == 4
