@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from exporter.builders import FUSED_PROJECTIONS, LoraSlots, build_decoder, builder_for
+from exporter.builders import FUSED_PROJECTIONS, LoraSlots, build_decoder, family_for
 from exporter.builders.projections import OwnBits, ProjectionGrids
 from exporter.options import (
     BROWSER_TARGETS,
@@ -224,7 +224,7 @@ def convert_streamed(source, out: Path, opts: ConvertOptions, started: float) ->
     model, tok, gen_cfg = skeleton(source)
     spec = decoder_spec(model, opts.max_context)
     tensors = GgufTensors(source.path, model) if source.kind == "gguf" else SafetensorsTensors(source.path, model)
-    family = builder_for(model.config)
+    family = family_for(model.config)
     bar.close()
     calibrated, gptq_calibration = None, None
     if opts.method in CALIBRATED:

@@ -5,14 +5,16 @@ docs/ARCHITECTURE.md documents every name here with its shape and meaning; io_ro
 the manifest so that a step runner in another language reads names from there.
 """
 
+from runtime.formats.families import FAMILIES
+
 FORMAT_NAME = "ruvllm-package"
 FORMAT_VERSION = 2  # 2: the graph writes this step's K/V into its gathered context itself (TensorScatter),
 # and needs block tables as wide as every row's first new position + query_len (runtime.core.step_batch)
 READABLE_FORMAT_VERSIONS = (1, 2)  # a version-1 graph reads the same inputs; wider tables are harmless
 MANIFEST = "manifest.json"
 
-# Architectures whose decoder graph the exporter builds (Hugging Face `model_type` values).
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+# Architectures whose decoder graph the exporter builds (Hugging Face `model_type` values): the families' rows.
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 # --- graph inputs: the step's tokens, flattened over the batch ---
 INPUT_IDS = "input_ids"  # int64 [num_tokens]

@@ -3,9 +3,8 @@
 One step runs a batch of sequences whose new tokens are flattened to `num_tokens`; projections and
 MLPs work on the flat tokens (no padding waste), attention on a padded [batch, query_len] view.
 Past K/V is read only through block tables, so blocks can be shared between sequences; the graph
-returns this step's K/V and the runtime writes it into its blocks. A family (llama.py) subclasses
-DecoderBuilder and overrides the hooks where it differs: its config checks, its spec options, its
-MLP activation. See docs/ARCHITECTURE.md.
+returns this step's K/V and the runtime writes it into its blocks. What a family does differently is
+in its DecoderSpec (read off its row of traits: family_config.py). See docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from exporter.builders.onnx_builder import FLOAT, INT64, MS_DOMAIN, GraphBuilder
 from exporter.builders.spec import FUSED_PROJECTIONS, DecoderSpec, LoraSlots
 from exporter.builders.step_indices import StepIndices, step_indices
 from runtime import contract as C
-from runtime.errors import UnsupportedModelError
 
 
 @dataclass
@@ -61,38 +59,6 @@ class DecoderBuilder:
     may then be a lazy mapping, read one tensor at a time. store: see GraphBuilder.
     """
 
-    architectures: tuple[str, ...] = ()  # the Hugging Face model_type values this class builds
-
-    # ---- what a family says about its transformers config ----
-    @classmethod
-    def check_config(cls, config) -> None:
-        """Refuse, with UnsupportedModelError, a config this family's graph would compute wrongly."""
-        arch = config.model_type
-        if getattr(config, "mlp_bias", False):
-            raise UnsupportedModelError(f"{arch} with mlp_bias=True is not supported yet")
-        act = cls.activation_name(config)
-        if act not in cls.activations:
-            raise UnsupportedModelError(f"{arch} with activation {act!r} is not supported "
-                                        f"(only {', '.join(cls.activations)})")
-
-    activations: tuple[str, ...] = ("silu",)  # the transformers hidden_act values this family computes
-
-    @classmethod
-    def activation_name(cls, config) -> str:
-        """The config field naming the MLP's activation, as this family's transformers code reads it."""
-        return getattr(config, "hidden_act", "silu")
-
-    @classmethod
-    def float_weights(cls, weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The model's weights as this graph reads them (a family whose norms scale by 1 + w folds the 1 in)."""
-        return weights
-
-    @classmethod
-    def spec_options(cls, config) -> dict:
-        """DecoderSpec fields this family reads from its config beyond the shared ones."""
-        return {"attention_bias": bool(getattr(config, "attention_bias", False))}
-
-    # ---- the graph ----
     def __init__(self, spec: DecoderSpec, weights: dict[str, np.ndarray], options: BuildOptions | None = None) -> None:
         self.spec, self.weights = spec, weights
         self.opts = options or BuildOptions()

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from exporter.builders.family_config import float_weights
 from exporter.quantizers.grid import Grid
 from exporter.sources import gguf_blocks
 from exporter.sources.gguf_mapped import MappedGGUF
@@ -115,7 +116,7 @@ class GgufTensors:
 
 class LazyWeights(Mapping):
     """The float weights a graph builder reads (by Hugging Face name), each made when it is read and
-    not kept, with the family's own transform (builder.float_weights) applied; from a GgufTensors or a
+    not kept, with the family's own transform (family_config.float_weights) applied; from a GgufTensors or a
     safetensors_tensors.SafetensorsTensors."""
 
     def __init__(self, tensors, family, calibrated=None) -> None:
@@ -126,7 +127,7 @@ class LazyWeights(Mapping):
         if name not in self.tensors.tensors:
             raise KeyError(name)
         w = self.calibrated.weight(name) if self.calibrated is not None else None
-        return self.family.float_weights({name: self.tensors.float(name) if w is None else w})[name]
+        return float_weights(self.family, {name: self.tensors.float(name) if w is None else w})[name]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors.tensors)

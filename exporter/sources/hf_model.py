@@ -6,7 +6,9 @@ import sys
 
 import numpy as np
 
-from exporter.builders import DecoderSpec, builder_for
+from exporter.builders import DecoderSpec, family_for
+from exporter.builders.family_config import float_weights as family_weights
+from exporter.builders.family_config import spec_options
 from exporter.sources import phi3
 
 DEFAULT_MAX_CONTEXT = 32768
@@ -17,7 +19,7 @@ def check_architecture(config) -> str:
     if config.model_type == phi3.ARCHITECTURE:  # rebuilt as Mistral when loaded (as_supported)
         phi3.check_config(config)
         return config.model_type
-    builder_for(config)
+    family_for(config)
     return config.model_type
 
 
@@ -42,7 +44,7 @@ def rope_tables(model, max_positions: int, layer_type: str | None = None) -> tup
 
 def decoder_spec(model, max_context: int | None = None) -> DecoderSpec:
     cfg = model.config
-    family = builder_for(cfg)
+    family = family_for(cfg)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     max_pos = int(getattr(cfg, "max_position_embeddings", 2048))
@@ -78,7 +80,7 @@ def decoder_spec(model, max_context: int | None = None) -> DecoderSpec:
         tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
         source_architecture=getattr(cfg, "source_model_type", None),
         **local,
-        **family.spec_options(cfg),
+        **spec_options(family, cfg),
     )
 
 
@@ -90,6 +92,6 @@ def rope_per_layer_type(cfg) -> bool:
 
 
 def float_weights(model) -> dict[str, np.ndarray]:
-    """Every weight as float32, as the family's graph reads it (builder.float_weights)."""
+    """Every weight as float32, as the family's graph reads it (family_config.float_weights)."""
     weights = {name: t.detach().float().numpy() for name, t in model.state_dict().items()}
-    return builder_for(model.config).float_weights(weights)
+    return family_weights(family_for(model.config), weights)

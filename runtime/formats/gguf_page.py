@@ -14,7 +14,7 @@ import math
 
 from runtime import contract as C
 from runtime.errors import PackageError
-from runtime.formats.families import FAMILIES
+from runtime.formats.families import STEP_FAMILIES
 from runtime.formats.gguf_file import GGUFHeader
 from runtime.formats.step_abi import FORMAT
 from runtime.formats.step_plan import StepPlan, step_plan
@@ -68,9 +68,9 @@ def with_tokenizer(files: dict[str, bytes], header: GGUFHeader) -> dict[str, byt
 def step_files(header: GGUFHeader, name: str, source: str, max_context: int | None = None) -> tuple[dict[str, bytes], StepPlan]:
     """page_package's files but tokenizer.json (which its manifest does not list yet): all the step needs."""
     arch = header.architecture
-    family = FAMILIES.get(arch)
+    family = STEP_FAMILIES.get(arch)
     if family is None:
-        raise PackageError(f"{source}: architecture {arch!r}; the page opens {', '.join(FAMILIES)} GGUFs "
+        raise PackageError(f"{source}: architecture {arch!r}; the page opens {', '.join(STEP_FAMILIES)} GGUFs "
                            "(`python -m exporter convert` exports the others)")
     context = int(header.arch_field("context_length", 2048))
     max_pos = min(context, max_context or DEFAULT_MAX_CONTEXT)

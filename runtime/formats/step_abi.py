@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from runtime.contract import LORA_TARGETS
 from runtime.formats.block_types import STEP_TYPES
-from runtime.formats.families import ACTIVATIONS, FAMILIES  # noqa: F401 (the step's, re-exported)
+from runtime.formats.families import ACTIVATIONS, STEP_FAMILIES  # noqa: F401 (the step's, re-exported)
 
 WORD = 4  # wasm32: every field here is 4 bytes
 
@@ -134,7 +134,7 @@ PARTS = tuple(f.name for f in STRUCTS["QMat"][1][1:])  # a matrix's arrays in st
 MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a Layer's QMats
 TARGETS = LORA_TARGETS  # Lora's and Learn's tables: [layers * 7], target t of layer l at 7 * l + t
 KV_DTYPES = ("fp32", "int8", "int4")  # Pool.dtype's values, in order (KV_FP32, KV_INT8, KV_INT4)
-ARCHS = FAMILIES  # the step's architectures and their traits (runtime/formats/families.py)
+ARCHS = STEP_FAMILIES  # the step's architectures (GGUF names) and their traits (runtime/formats/families.py)
 KINDS = STEP_TYPES  # QMat.kind's values: the block types the step reads (block_types.OWN's kinds)
 REFUSALS = {1: "too many tokens", 2: "a position, slot or logits row out of range",
             3: "a row reads or keeps exact rows its quantized pool's tails do not hold",

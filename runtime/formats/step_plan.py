@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from runtime.errors import PackageError
 from runtime.formats.block_types import OWN, STEP_TYPES, SUPER
-from runtime.formats.families import ACTIVATIONS, FAMILIES, sliding
+from runtime.formats.families import ACTIVATIONS, STEP_FAMILIES, sliding
 from runtime.formats.gguf_file import GGUFHeader, TensorInfo
 from runtime.formats.step_abi import FORMAT, MATRICES, PARTS
 
@@ -110,13 +110,13 @@ def step_plan(header: GGUFHeader, max_pos: int, where: str = "the GGUF") -> Step
     def meta(key: str, default=None):
         value = header.field(key, default)
         if value is None:
-            raise PackageError(f"{where}: no {key}: the WASM step runs {', '.join(FAMILIES)} GGUFs only")
+            raise PackageError(f"{where}: no {key}: the WASM step runs {', '.join(STEP_FAMILIES)} GGUFs only")
         return value
 
     arch = meta("general.architecture")
-    if arch not in FAMILIES:
-        raise PackageError(f"{where}: architecture {arch!r}; the WASM step runs {', '.join(FAMILIES)}")
-    family = FAMILIES[arch]
+    if arch not in STEP_FAMILIES:
+        raise PackageError(f"{where}: architecture {arch!r}; the WASM step runs {', '.join(STEP_FAMILIES)}")
+    family = STEP_FAMILIES[arch]
     dim, layers = int(meta(f"{arch}.embedding_length")), int(meta(f"{arch}.block_count"))
     hidden, heads = int(meta(f"{arch}.feed_forward_length")), int(meta(f"{arch}.attention.head_count"))
     kv_heads, theta = int(meta(f"{arch}.attention.head_count_kv")), float(meta(f"{arch}.rope.freq_base", 10000.0))
