@@ -74,13 +74,10 @@ def step_matrix(type_name: str, raw: np.ndarray, rows: int, cols: int) -> dict[s
     return out
 
 
-def rope_table(base: float, head_dim: int, max_pos: int, factors: np.ndarray | None = None) -> np.ndarray:
-    """[max_pos, head_dim / 2, 2] cos and sin, in float64 then rounded (the page's gguf_source.js alike)."""
-    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if factors is not None:  # llama 3's frequency factors: llama.cpp divides each frequency by its own
-        inv = inv / factors.astype(np.float64)
-    angle = np.arange(max_pos, dtype=np.float64)[:, None] * inv[None, :]
-    return np.stack([np.cos(angle), np.sin(angle)], -1).astype(np.float32)
+def rope_frequencies(base: float, head_dim: int) -> np.ndarray:
+    """float64 [head_dim / 2]: base ** (-2i / head_dim), as the page's gguf_source.js computes them; step.c divides
+    each by its llama 3 factor (rope_factors), if any, and turns a position's angles from them."""
+    return base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
 
 
 def _tensor(blob: np.ndarray, t) -> np.ndarray:
@@ -104,13 +101,12 @@ def step_arrays(gguf_path: str | Path, max_pos: int) -> tuple[StepPlan, Iterator
     blob = np.memmap(gguf_path, dtype=np.uint8, mode="r")
     if plan.size and max((t.offset + t.nbytes for t in plan.sources.values()), default=0) > blob.size:
         raise PackageError(f"{gguf_path}: its tensors run past the file's end (a truncated file)")
-    factors = _floats(blob, plan.rope_factors) if plan.rope_factors is not None else None
 
     def arrays() -> Iterator[tuple[str, np.ndarray]]:
         made: dict[str, dict[str, np.ndarray]] = {}
         for a in plan.arrays:
             if a.rope is not None:
-                arr = rope_table(a.rope, plan.config["head_dim"], max_pos, factors)
+                arr = rope_frequencies(a.rope, plan.config["head_dim"])
             elif a.part is not None:
                 if a.tensor not in made:
                     made.clear()  # one matrix at a time

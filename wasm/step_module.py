@@ -224,7 +224,8 @@ class WasmStep:
                                          "act": cfg.get("act", 0), "embed_scale": cfg.get("embed_scale", 1.0),
                                          "attn_scale": cfg.get("attn_scale", cfg["head_dim"] ** -0.5),
                                          "embd": qmat("embd"), "head": qmat("head" if "head" in index["matrices"] else "embd"),
-                                         "out_norm": at["out_norm"], "rope": at["rope"], "layer": layers}))
+                                         "out_norm": at["out_norm"], "rope": at["rope"],
+                                         "rope_factors": at.get("rope_factors", 0), "layer": layers}))
         self.matrices = {"embd": model + offset("Model", "embd"), "head": model + offset("Model", "head")}  # name -> its QMat
         for i in range(cfg["layers"]):
             for j, p in enumerate(MATRICES):

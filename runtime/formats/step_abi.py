@@ -62,7 +62,7 @@ STRUCTS: dict[str, tuple[str, list[Field]]] = {
         *_f("post_attn_norm, post_ffn_norm", "const float*",
             "[dim]: the block outputs' norms before the residual adds (Family.sandwich_norms), or null"),
         *_f("window", "int32_t", "a sliding layer's window (positions attended: p - window + 1 .. p); 0: all"),
-        *_f("rope", "const float*", "[max_pos, head_dim / 2, 2]: this layer's cos, sin (its RoPE base)"),
+        *_f("rope", "const double*", "[head_dim / 2]: this layer's RoPE inverse frequencies (its base), or null: the model's"),
     ]),
     "Model": ("the model: its widths and the arrays step_init and step_run read", [
         *_f("dim, hidden, layers, heads, kv_heads, head_dim, vocab, max_pos", "int32_t"),
@@ -73,7 +73,8 @@ STRUCTS: dict[str, tuple[str, list[Field]]] = {
         *_f("attn_scale", "float", "the attention scores times this (1 / sqrt(head_dim) for most)"),
         *_f("embd, head", "QMat", "the embedding and the head [vocab, dim] (the same arrays where they are tied)"),
         *_f("out_norm", "const float*"),
-        *_f("rope", "const float*", "[max_pos, head_dim / 2, 2]: cos, sin (Layer.rope: each layer's own)"),
+        *_f("rope", "const double*", "[head_dim / 2]: base ** (-2i / head_dim); a position's angles are p times them"),
+        *_f("rope_factors", "const float*", "[head_dim / 2]: llama 3's divisor of each frequency, or null"),
         *_f("layer", "const Layer*", "[layers]"),
     ]),
     "Pool": ("the paged KV pool", [
@@ -147,7 +148,7 @@ LEARN_REFUSALS = {1: "a text of fewer than 2 tokens, more than the trainer's roo
                   3: "a model whose forward the trainer does not follow (it runs llama's and Qwen2's: SiLU, no head or "
                      "sandwich norms, no sliding window)"}  # step_learn's statuses
 LEARN_REFUSAL_NAMES = {1: "LEARN_BAD_LENGTH", 2: "LEARN_OUT_OF_RANGE", 3: "LEARN_FAMILY"}  # their C names
-FORMAT = 2  # step.bin's layout (1: Q4_1 only, fp32 scales)
+FORMAT = 3  # step.bin's layout (1: Q4_1 only, fp32 scales; 2: RoPE tables of every position's cos and sin)
 
 
 def layout(name: str, structs: dict | None = None) -> tuple[int, dict[str, tuple[int, Field]]]:

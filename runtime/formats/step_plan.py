@@ -22,7 +22,7 @@ from runtime.formats.step_abi import FORMAT, MATRICES, PARTS
 
 PROJECTIONS = dict(zip(MATRICES, ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")))
 ALIGN = 64
-ITEM = {"uint8": 1, "int8": 1, "float16": 2, "uint32": 4, "float32": 4}
+ITEM = {"uint8": 1, "int8": 1, "float16": 2, "uint32": 4, "float32": 4, "float64": 8}
 FLOAT_TENSORS = ("F32", "F16", "BF16")  # a norm's or bias's types the plan widens to fp32
 
 
@@ -59,7 +59,8 @@ def step_parts(type_name: str, rows: int, cols: int) -> list[tuple[str, str, tup
 @dataclass(frozen=True)
 class Array:
     """One array of step.bin and its source: `tensor` (a matrix's part `part`, or a float vector widened to
-    fp32) or `rope` (a RoPE table of that base: [max_pos, head_dim / 2, 2] cos, sin)."""
+    fp32) or `rope` (a RoPE base's inverse frequencies, float64 [head_dim / 2]: base ** (-2i / head_dim); step.c
+    turns each position's angles from them, so no table of every position's cos and sin is stored)."""
 
     name: str
     dtype: str
@@ -83,7 +84,6 @@ class StepPlan:
     matrices: dict[str, str]  # step name -> GGUF type
     sources: dict[str, TensorInfo]  # step matrix or vector name -> the file's tensor
     arrays: list[Array] = field(default_factory=list)
-    rope_factors: TensorInfo | None = None  # llama 3's per-frequency divisors (rope_freqs.weight)
 
     @property
     def size(self) -> int:
@@ -99,7 +99,6 @@ class StepPlan:
                          "shape": list(t.shape)}
         return {"index": self.index(), "format": FORMAT, "size": self.size,
                 "sources": {name: src(t) for name, t in self.sources.items()},
-                "rope_factors": src(self.rope_factors) if self.rope_factors else None,
                 "fill": [{"name": a.name, "source": a.tensor, "part": a.part, "rope": a.rope} for a in self.arrays]}
 
 
@@ -162,7 +161,7 @@ def step_plan(header: GGUFHeader, max_pos: int, where: str = "the GGUF") -> Step
               "layer_rope": ["rope_local" if family.local_rope_base and sliding(family, i) else "rope"
                              for i in range(layers)],
               "kinds": {name: OWN[name].kind for name in STEP_TYPES}}
-    plan = StepPlan(config, {}, {}, rope_factors=tensors.get("rope_freqs.weight"))
+    plan = StepPlan(config, {}, {})
     at = 0
 
     def add(name: str, dtype: str, shape: tuple[int, ...], **source) -> None:
@@ -192,9 +191,11 @@ def step_plan(header: GGUFHeader, max_pos: int, where: str = "the GGUF") -> Step
     if "head" in wanted:
         matrix("head")
     vector("out_norm", "output_norm.weight", dim)
-    add("rope", "float32", (max_pos, hd // 2, 2), rope=theta)
+    add("rope", "float64", (hd // 2,), rope=theta)
     if family.local_rope_base:  # the sliding layers' own base
-        add("rope_local", "float32", (max_pos, hd // 2, 2), rope=family.local_rope_base)
+        add("rope_local", "float64", (hd // 2,), rope=family.local_rope_base)
+    if "rope_freqs.weight" in tensors:  # llama 3's per-frequency divisors
+        vector("rope_factors", "rope_freqs.weight", hd // 2)
     out_of = {"q": heads * hd, "k": kv_heads * hd, "v": kv_heads * hd}
     for i in range(layers):
         for name, as_name in norms:
@@ -204,8 +205,6 @@ def step_plan(header: GGUFHeader, max_pos: int, where: str = "the GGUF") -> Step
             bias = f"blk.{i}.{PROJECTIONS[key]}.bias"
             if bias in tensors:
                 vector(f"{i}.{key}.bias", bias, out_of[key])
-    if plan.rope_factors is not None and math.prod(plan.rope_factors.shape) != hd // 2:
-        raise PackageError(f"{where}: rope_freqs.weight holds {list(plan.rope_factors.shape)}, not {hd // 2} factors")
     return plan
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from runtime.formats import block_types, generate, step_abi
@@ -124,7 +125,7 @@ def test_the_pages_structs_are_packed_as_python_packs_them():
     model = {"dim": 64, "hidden": 128, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16, "vocab": 999,
              "max_pos": 256, "eps": 1e-5, "rope_neox": 1, "act": 1, "embed_scale": 8.0, "attn_scale": 0.25, "embd": qmat,
              "head": {**qmat, "kind": 8}, "out_norm": 7,
-             "rope": 3_000_000_000, "layer": 12}
+             "rope": 3_000_000_000, "rope_factors": 0, "layer": 12}
     script = (f"import {{ sizeOf, writeStruct }} from '{src}/structs.js';"
               f"const b = new ArrayBuffer(sizeOf('Model')); writeStruct(b, 0, 'Model', {json.dumps(model)});"
               "console.log(Buffer.from(b).toString('hex'));")
@@ -164,3 +165,46 @@ def test_a_new_block_type_and_struct_field_reach_every_generated_file_and_nothin
     (js / "formats.js").write_text(after[generate.FORMATS_JS])
     out = _node(f"import {{ offsetOf }} from '{js.as_posix()}/structs.js'; console.log(offsetOf('Batch', 'slots'));", js)
     assert out.strip() == "28"
+
+
+def test_the_steps_rope_angles_equal_numpys_float64_tables(tmp_path):
+    """step.c turns each position's cos and sin from float64 inverse frequencies (step.bin holds no table): they
+    round to the same fp32 numbers as numpy's float64 cos and sin of the same angles, over Gemma 3's 32,768
+    positions of both its bases and a llama 3 model's factored frequencies."""
+    import wasmtime
+
+    from exporter.step_weights import rope_frequencies
+    from wasm.step_module import FLAGS
+
+    chunk, hd = 4096, 256
+    (tmp_path / "probe.c").write_text(f'#include "{ROOT / "wasm" / "step" / "step.c"}"\n' + f"""
+static double probe_inv[{hd // 2}];
+static float probe_factors[{hd // 2}], probe_out[{chunk} * {hd}];
+EXPORT double* probe_inv_at(void) {{ return probe_inv; }}
+EXPORT float* probe_factors_at(void) {{ return probe_factors; }}
+EXPORT float* probe_out_at(void) {{ return probe_out; }}
+EXPORT void probe_rows(int first, int hd, int factored) {{
+  for (int p = 0; p < {chunk}; p++) rope_row(probe_inv, factored ? probe_factors : 0, hd, first + p, probe_out + p * hd);
+}}
+""")
+    out = tmp_path / "probe.wasm"
+    proc = subprocess.run([sys.executable, "-m", "ziglang", "cc", *FLAGS, "-o", str(out), str(tmp_path / "probe.c")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = wasmtime.Store()
+    ex = wasmtime.Instance(store, wasmtime.Module.from_file(store.engine, str(out)), []).exports(store)
+    mem = ex["memory"]
+    rng = np.random.default_rng(0)
+    for base, dim, factors in ((1e6, 256, None), (1e4, 256, None), (5e5, 64, rng.uniform(1, 8, 32).astype(np.float32))):
+        inv = rope_frequencies(base, dim)
+        mem.write(store, inv.tobytes(), ex["probe_inv_at"](store))
+        if factors is not None:
+            mem.write(store, factors.tobytes(), ex["probe_factors_at"](store))
+        full = inv / factors.astype(np.float64) if factors is not None else inv
+        for first in range(0, 32768, chunk):
+            ex["probe_rows"](store, first, dim, int(factors is not None))
+            got = np.frombuffer(mem.read(store, ex["probe_out_at"](store), ex["probe_out_at"](store) + chunk * dim * 4),
+                                np.float32).reshape(chunk, dim // 2, 2)
+            angle = np.arange(first, first + chunk, dtype=np.float64)[:, None] * full[None, :]
+            want = np.stack([np.cos(angle), np.sin(angle)], -1).astype(np.float32)
+            assert np.array_equal(got, want), (base, first, int((got != want).sum()), float(np.abs(got - want).max()))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.formats.step_abi import FORMAT
 from tests.conftest import run_cli
 from tests.web.conftest import CHAT, LOAD_ENGINE, publish
 from tests.web.test_wasm_step import WasmtimeBackend
@@ -238,7 +239,7 @@ def test_wasm_step_refusals_are_clear(offline_page, tiny_package, web_models, we
     p = offline_page()
     assert load(p, "/test-models/smol-old-step/", device="wasm")["backend"] == "onnxruntime"
     for model, opts, want in ((url, {}, "has no WASM step weights"),
-                              ("/test-models/smol-old-step/", {}, "an older layout (format 1; this page reads 2)"),
+                              ("/test-models/smol-old-step/", {}, f"an older layout (format 1; this page reads {FORMAT})"),
                               (SMOL, {"kvDtype": "fp16"}, "fp16"),
                               (SMOL, {"device": "webgpu"}, 'use device "wasm"')):
         p = offline_page()

@@ -65,7 +65,7 @@ typedef struct Layer {
   const float* post_attn_norm;  // [dim]: the block outputs' norms before the residual adds (Family.sandwich_norms), or null
   const float* post_ffn_norm;  // [dim]: the block outputs' norms before the residual adds (Family.sandwich_norms), or null
   int32_t window;  // a sliding layer's window (positions attended: p - window + 1 .. p); 0: all
-  const float* rope;  // [max_pos, head_dim / 2, 2]: this layer's cos, sin (its RoPE base)
+  const double* rope;  // [head_dim / 2]: this layer's RoPE inverse frequencies (its base), or null: the model's
 } Layer;
 
 // the model: its widths and the arrays step_init and step_run read
@@ -86,7 +86,8 @@ typedef struct Model {
   QMat embd;  // the embedding and the head [vocab, dim] (the same arrays where they are tied)
   QMat head;  // the embedding and the head [vocab, dim] (the same arrays where they are tied)
   const float* out_norm;
-  const float* rope;  // [max_pos, head_dim / 2, 2]: cos, sin (Layer.rope: each layer's own)
+  const double* rope;  // [head_dim / 2]: base ** (-2i / head_dim); a position's angles are p times them
+  const float* rope_factors;  // [head_dim / 2]: llama 3's divisor of each frequency, or null
   const Layer* layer;  // [layers]
 } Model;
 

@@ -35,7 +35,7 @@ static double log_d(double x) {
 
 static float *l_saved, *l_a, *l_q, *l_k, *l_v, *l_p, *l_o, *l_x1, *l_m, *l_gate, *l_up, *l_act, *l_r1, *l_r2;
 static float *l_dx, *l_dx1, *l_dm, *l_dact, *l_dgate, *l_dup, *l_do, *l_dq, *l_dk, *l_dv, *l_dkh, *l_dvh;
-static float *l_tt, *l_dt, *l_tiles, *l_rows, *l_chunk, *l_stats;
+static float *l_tt, *l_dt, *l_tiles, *l_rows, *l_chunk, *l_stats, *l_rope;  // l_rope: [T, hd] positions 0 .. T - 1
 static int32_t l_capacity = 0, l_width = 0;
 
 // Scratch for texts of up to max_tokens tokens (step_init's scratch must hold them too); returns
@@ -54,7 +54,8 @@ EXPORT int learn_init(const Model* m, int32_t max_tokens) {
   l_dk = arena(4 * T * kvw), l_dv = arena(4 * T * kvw), l_dkh = arena(4u * H * T * hd), l_dvh = arena(4u * H * T * hd);
   l_tt = arena(4 * T * 16), l_dt = arena(4 * T * 16), l_tiles = arena(4u * MAX_THREADS * LEARN_TILE * K);
   l_rows = arena(4u * MAX_THREADS * T), l_chunk = arena(4u * T * LEARN_VOCAB), l_stats = arena(4 * 4 * T);
-  l_capacity = l_stats ? T : 0;
+  l_rope = arena(4u * T * hd);
+  l_capacity = l_stats && l_rope ? T : 0;
   l_width = K;
   return l_capacity;
 }
@@ -319,7 +320,7 @@ static void layer_forward(const Model* m, const Learn* J, int l, const float* x0
       if (bias)
         for (int c = 0; c < n; c++) y[c] += bias[c];
     }
-    const float* cs = m->rope + (size_t)t * hd;
+    const float* cs = l_rope + (size_t)t * hd;
     rope(l_q + (size_t)t * H * hd, H, hd, cs, m->rope_neox);
     rope(l_k + (size_t)t * kvw, m->kv_heads, hd, cs, m->rope_neox);
   }
@@ -380,7 +381,7 @@ static void layer_backward(const Model* m, const Learn* J, int l, float* dx) {
         }
     }
   for (int t = 0; t < T; t++) {
-    const float* cs = m->rope + (size_t)t * hd;
+    const float* cs = l_rope + (size_t)t * hd;
     rope_turn(l_dq + (size_t)t * H * hd, H, hd, cs, m->rope_neox, -1.f);  // rope's transpose
     rope_turn(l_dk + (size_t)t * kvw, Hkv, hd, cs, m->rope_neox, -1.f);
   }
@@ -474,6 +475,7 @@ EXPORT int step_learn(const Model* m, const Learn* J) {
   if (m->act != ACT_SILU || m->embed_scale != 1.f) return LEARN_FAMILY;  // the forward here is a llama's or a Qwen2's
   for (int l = 0; l < m->layers; l++)
     if (m->layer[l].q_norm || m->layer[l].post_attn_norm || m->layer[l].window) return LEARN_FAMILY;
+  for (int t = 0; t < T; t++) rope_row(m->rope, m->rope_factors, m->head_dim, t, l_rope + (size_t)t * m->head_dim);
   for (int t = 0; t < T; t++) qmat_row(&m->embd, J->ids[t], D, l_saved + (size_t)t * D);
   for (int l = 0; l < m->layers; l++)
     layer_forward(m, J, l, l_saved + (size_t)l * T * D, l_saved + (size_t)(l + 1) * T * D);

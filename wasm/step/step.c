@@ -25,6 +25,8 @@ static const uint8_t** kv_rows;  // per part: a segment's stored rows' and scale
 static float* kv_partials;       // [KV_SPLIT_ITEMS, max_pos / KV_SEGMENT + 1, G * (hd + 2)]: a split step's segments
 #define KV_SPLIT_ITEMS 16          // (token, kv head) items a step splits by segments at most
 static int32_t* row_of;       // a step's token -> its batch row
+static float* rope_rows;      // [2, capacity, head_dim]: a step's tokens' cos, sin for up to two RoPE bases
+static const double* rope_of[2];  // the inverse frequencies each half of rope_rows holds this step, or null
 static int32_t capacity = 0;  // tokens a step may hold (step_init)
 static int32_t width = 0;     // the widest activation row it holds
 
@@ -40,8 +42,8 @@ EXPORT int step_init(const Model* m, int32_t max_tokens) {
   kvq = arena(4 * MAX_THREADS * KV_WORK(G, m->head_dim));  // per part: attend_quantized's work
   kv_rows = arena(4 * MAX_THREADS * KV_ROWS(m->head_dim) * KV_SEGMENT);
   kv_partials = arena(4 * KV_SPLIT_ITEMS * (m->max_pos / KV_SEGMENT + 1) * G * (m->head_dim + 2));
-  row_of = arena(4 * n), xq = arena(n * big);
-  capacity = xq && kvq && kv_rows && kv_partials ? max_tokens : 0;
+  row_of = arena(4 * n), xq = arena(n * big), rope_rows = arena(4u * 2 * n * m->head_dim);
+  capacity = xq && kvq && kv_rows && kv_partials && rope_rows ? max_tokens : 0;
   width = big;
   return capacity;
 }
@@ -187,6 +189,52 @@ static void rope_turn(float* v, int heads, int hd, const float* cs, int neox, fl
 }
 
 static void rope(float* v, int heads, int hd, const float* cs, int neox) { rope_turn(v, heads, hd, cs, neox, 1.f); }
+
+// cos and sin of a (radians, |a| below ~1e9) in double, with no libm (freestanding): reduced by pi/2 in three
+// parts (each k * part exact for k under 2^20), then Taylor series on [-pi/4, pi/4] (remainders below 1e-21)
+static void sincos_d(double a, double* s, double* c) {
+  const double k = __builtin_rint(a * 0.63661977236758134308);
+  const double r = ((a - k * 1.57079632673412561417e+00) - k * 6.07710050630396597660e-11) - k * 2.02226624879595063154e-21;
+  const double r2 = r * r;
+  // Horner: sin r = r (1 - r2/(2*3) (1 - r2/(4*5) (1 - ...))), cos r = 1 - r2/(1*2) (1 - r2/(3*4) (1 - ...)),
+  // the divisors' reciprocals folded by the compiler (no division at run time)
+#define RECIP(a, b) (1.0 / ((double)(a) * (b)))
+  static const double rs[9] = {RECIP(2, 3), RECIP(4, 5), RECIP(6, 7), RECIP(8, 9), RECIP(10, 11), RECIP(12, 13),
+                               RECIP(14, 15), RECIP(16, 17), RECIP(18, 19)};
+  static const double rc[9] = {RECIP(1, 2), RECIP(3, 4), RECIP(5, 6), RECIP(7, 8), RECIP(9, 10), RECIP(11, 12),
+                               RECIP(13, 14), RECIP(15, 16), RECIP(17, 18)};
+#undef RECIP
+  double sn = 1.0, cn = 1.0;
+  for (int i = 8; i >= 0; i--) sn = 1.0 - r2 * rs[i] * sn, cn = 1.0 - r2 * rc[i] * cn;
+  sn *= r;
+  const double sq[4] = {sn, cn, -sn, -cn}, cq[4] = {cn, -sn, -cn, sn};
+  const int quadrant = (int)((long long)k & 3);
+  *s = sq[quadrant], *c = cq[quadrant];
+}
+
+// a position's cos and sin per frequency pair, rounded to fp32 from double (as the exporter's tables were)
+static void rope_row(const double* inv, const float* factors, int hd, int pos, float* out) {
+  for (int i = 0; i < hd / 2; i++) {
+    double s, c;
+    sincos_d((double)pos * (factors ? inv[i] / (double)factors[i] : inv[i]), &s, &c);
+    out[2 * i] = (float)c, out[2 * i + 1] = (float)s;
+  }
+}
+
+// the step's tokens' cos, sin rows [N, head_dim] for these inverse frequencies, made at the first ask a step
+static const float* rope_rows_for(const Model* m, const Batch* B, const double* inv) {
+  const int hd = m->head_dim;
+  for (int i = 0; i < 2; i++) {
+    float* rows = rope_rows + (size_t)i * capacity * hd;
+    if (rope_of[i] == inv) return rows;
+    if (!rope_of[i]) {
+      for (int n = 0; n < B->num_tokens; n++) rope_row(inv, m->rope_factors, hd, B->pos[n], rows + (size_t)n * hd);
+      rope_of[i] = inv;
+      return rows;
+    }
+  }
+  return 0;  // a third base: step_run refuses it first
+}
 
 // head h of token n (row b, position p) over its row's positions 0 .. p in layer l's pool: out [hd];
 // sc: room for p + 1 scores
@@ -484,6 +532,14 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
   for (int b = 0; b < B->num_rows; b++)
     for (int n = B->row_first[b]; n < B->row_first[b] + B->row_count[b]; n++) row_of[n] = b;
   if (P->dtype != KV_FP32 && !tails_hold(P, B)) return STEP_TAILS_MISSING;
+  const double* other_rope = 0;  // rope_rows holds two bases: no family has more
+  for (int l = 0; l < m->layers; l++) {
+    const double* inv = m->layer[l].rope;
+    if (!inv || inv == m->rope) continue;
+    if (other_rope && inv != other_rope) return STEP_OUT_OF_RANGE;
+    other_rope = inv;
+  }
+  rope_of[0] = rope_of[1] = 0;
   if (P->dtype != KV_FP32)
     for (int l = 0; l < m->layers; l++)
       if (m->layer[l].window) return STEP_WINDOWED_QUANTIZED;
@@ -503,7 +559,7 @@ EXPORT int step_run(const Model* m, const Pool* P, const Batch* B) {
         for (int h = 0; h < H; h++) rmsnorm(q + ((size_t)n * H + h) * hd, L->q_norm, hd, m->eps, q + ((size_t)n * H + h) * hd);
         for (int h = 0; h < Hkv; h++) rmsnorm(kk + (size_t)n * kvw + h * hd, L->k_norm, hd, m->eps, kk + (size_t)n * kvw + h * hd);
       }
-      const float* cs = (L->rope ? L->rope : m->rope) + (size_t)B->pos[n] * hd;
+      const float* cs = rope_rows_for(m, B, L->rope ? L->rope : m->rope) + (size_t)n * hd;
       rope(q + (size_t)n * H * hd, H, hd, cs, m->rope_neox);
       rope(kk + (size_t)n * kvw, Hkv, hd, cs, m->rope_neox);
       if (P->dtype == KV_FP32) {

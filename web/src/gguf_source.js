@@ -191,9 +191,6 @@ export async function fillStep(source, plan, view, repack, onBytes = () => {}) {
   pieces.sort((x, y) => x[0] - y[0]);
   const stream = new Sequential(await source.stream(pieces[0][0]), pieces[0][0], source.name);
   const read = (at, n) => stream.take(at, n);
-  let factors = null;
-  if (plan.rope_factors) factors = await widen(plan.rope_factors.type, await source.read(plan.rope_factors.at, plan.rope_factors.bytes),
-    new Float32Array(plan.rope_factors.bytes / (plan.rope_factors.type === 'F32' ? 4 : 2)));
   let done = 0;
   const total = pieces.reduce((n, p) => n + p[2], 0);
   for (const [, run, bytes] of pieces) {
@@ -201,11 +198,9 @@ export async function fillStep(source, plan, view, repack, onBytes = () => {}) {
     onBytes(done += bytes, total);
   }
   await stream.reader.cancel?.().catch(() => {});
-  const { head_dim: hd, max_pos: positions } = plan.index.config;
   for (const f of plan.fill.filter((x) => x.rope !== null)) {
-    const a = arrays[f.name], table = new Float32Array(a.bytes / 4);
-    ropeTable(f.rope, hd, positions, factors, table);
-    view(a.offset, a.bytes).set(new Uint8Array(table.buffer));
+    const a = arrays[f.name];
+    view(a.offset, a.bytes).set(new Uint8Array(ropeFrequencies(f.rope, plan.index.config.head_dim).buffer));
   }
 }
 
@@ -223,18 +218,12 @@ async function widen(type, bytes, out) {
   return out;
 }
 
-/** [positions, head_dim / 2, 2] cos and sin: in float64 then rounded, as exporter/step_weights.py's rope_table. */
-export function ropeTable(base, hd, positions, factors, out) {
-  const half = hd / 2, inv = new Float64Array(half);
-  for (let i = 0; i < half; i++) inv[i] = base ** (-(2 * i) / hd) / (factors ? factors[i] : 1);
-  for (let p = 0, at = 0; p < positions; p++) {
-    for (let i = 0; i < half; i++, at += 2) {
-      const angle = p * inv[i];
-      out[at] = Math.cos(angle);
-      out[at + 1] = Math.sin(angle);
-    }
-  }
-  return out;
+/** float64 [head_dim / 2]: base ** (-2i / head_dim), as exporter/step_weights.py's rope_frequencies; step.c turns a
+ * position's angles from them (and divides each by its llama 3 factor, rope_factors, where the file has them). */
+export function ropeFrequencies(base, hd) {
+  const inv = new Float64Array(hd / 2);
+  for (let i = 0; i < hd / 2; i++) inv[i] = base ** (-(2 * i) / hd);
+  return inv;
 }
 
 /** step.bin (`bytes(at, n)`: a copy of its bytes at `at`) and the small files kept in the model store, then the

@@ -251,7 +251,8 @@ export class WasmStepRunner {
       dim: cfg.dim, hidden: cfg.hidden, layers: cfg.layers, heads: cfg.heads, kv_heads: cfg.kv_heads, head_dim: cfg.head_dim,
       vocab: cfg.vocab, max_pos: cfg.max_pos, eps: cfg.eps, rope_neox: cfg.rope_neox ? 1 : 0, act: cfg.act ?? 0,
       embed_scale: cfg.embed_scale ?? 1, attn_scale: cfg.attn_scale ?? 1 / Math.sqrt(cfg.head_dim), embd: qmat('embd'),
-      head: qmat(index.matrices.head ? 'head' : 'embd'), out_norm: at.out_norm, rope: at.rope, layer,
+      head: qmat(index.matrices.head ? 'head' : 'embd'), out_norm: at.out_norm, rope: at.rope,
+      rope_factors: at.rope_factors ?? 0, layer,
     });
     return model;
   }
