@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from runtime import contract as C
+from runtime.core.backend import BackendInfo
 from runtime.core.kv_blocks import kv_bytes_per_token
 from runtime.core.step_batch import StepBatch, StepResult
 from runtime.errors import DeviceError, PackageError, RequestError
@@ -80,6 +81,8 @@ class NativeBackend:
         self.matmul_kernel = "onnxruntime's own"  # what runs the 4-bit projections; _kernel_session may say more
         self.attention_kernel = "the graph's own"  # the exported gather + attention, or ruvllm.PagedAttention
         self.lora_kernel: str | None = None  # what computes the LoRA graph's adapter deltas, when it is ours
+        self.paged_attention_layers = 0  # layers whose attention is ruvllm.PagedAttention (_kernel_session)
+        self.block_matmuls = 0  # 4-bit projections ruvllm.MatMulQ4 computes (_kernel_session)
         self._lora_mlps_unfused = False  # an adapter graph's MLPs on onnxruntime's operators (_kernel_session)
         self._lora_all_fused = False  # every target's delta on ruvllm's LoRA kernels (idle (layer, target) pairs bind no columns)
         self._guide = None  # structured output's llguidance tables, made on the first constrained request
@@ -102,9 +105,9 @@ class NativeBackend:
         RuvLLM's kernels compute a row alike in any batch (tests/runtime/test_batch_invariance.py); onnxruntime's
         own attention and projections make no such promise."""
         why = []
-        if not self.attention_kernel.startswith("ruvllm.PagedAttention"):
+        if not self.paged_attention_layers:
             why.append("attention on onnxruntime's kernels")
-        if not self.matmul_kernel.startswith("ruvllm.MatMulQ4"):
+        if not self.block_matmuls:
             why.append("projections on onnxruntime's kernels")
         if self._lora_mlps_unfused:
             why.append("adapters' MLPs on onnxruntime's elementwise operators (e.g. an AWQ package's scaled up "
@@ -119,7 +122,13 @@ class NativeBackend:
     def pads_rows(self) -> bool:
         """The graph's own attention computes every row over the step's longest chunk (ruvllm.PagedAttention
         reads each row's own tokens)."""
-        return not self.attention_kernel.startswith("ruvllm.PagedAttention")
+        return not self.paged_attention_layers
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(self.name, ",".join(self.providers), self.kv_dtype, self.kv_exact_blocks, self.pads_rows,
+                           self.batch_invariance, self.matmul_kernel, self.attention_kernel, self.lora_kernel,
+                           self.pool.committed_bytes if self.pool is not None else None, self.mask_seconds,
+                           self.mask_steps)
 
     def _options(self):
         """Fresh session options per session (a custom-op library registers its domain once per options)."""
@@ -204,6 +213,7 @@ class NativeBackend:
         from runtime.backends import graph_fusion, kernel_library
 
         self.matmul_kernel = "onnxruntime MatMulNBits"
+        self.paged_attention_layers = self.block_matmuls = 0
         lib, why = kernel_library.library()
         if lib is None:
             self.matmul_kernel += f" ({why})"
@@ -258,6 +268,7 @@ class NativeBackend:
             if counts.get("MatMulQ8"):
                 self.matmul_kernel += f" + ruvllm.MatMulQ8 ({counts['MatMulQ8']} 8-bit)"
         self.attention_kernel = f"ruvllm.PagedAttention ({layers} layers)" if layers else "the graph's own"
+        self.paged_attention_layers, self.block_matmuls = layers, count
         return session
 
     @property

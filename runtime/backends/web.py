@@ -11,6 +11,7 @@ graph (web/src/lora_store.js holds the adapters' columns and X-LoRA classifiers)
 from __future__ import annotations
 
 from runtime import contract as C
+from runtime.core.backend import BackendInfo
 from runtime.core.kv_blocks import kv_bytes_per_token, kv_group, kv_row_bytes, kv_scale_widths
 from runtime.core.kv_tails import TAIL_BLOCKS, TailSlots
 from runtime.core.step_batch import StepBatch, StepResult
@@ -32,7 +33,6 @@ class WebBackend:
         if kv_dtype not in C.KV_DTYPES:
             raise DeviceError(f"kvDtype {kv_dtype!r}: choose one of {', '.join(C.KV_DTYPES)}")
         self.on_step = stepper == "wasm-step"
-        self.pads_rows = not self.on_step  # onnxruntime-web runs the graph's own attention; the step's is ragged
         if kv_dtype == "int4" and not self.on_step:
             raise DeviceError("kvDtype 'int4' runs on the page's WASM step only (backend 'wasm-step' or 'auto', a "
                               "package exported from a GGUF with --target wasm); use 'int8' or 'fp32' on onnxruntime-web")
@@ -47,6 +47,14 @@ class WebBackend:
         self.vocab_size = package.config["vocab_size"]
         self.lora: dict | None = None  # once an adapter is added: slots, columns per slot, what each holds
         self._guide = None  # structured output's guide, made on the first constrained request
+
+    def info(self) -> BackendInfo:
+        """The WASM step computes each token alone (ragged, batch-invariant); onnxruntime-web the graph's own way."""
+        if self.on_step:
+            return BackendInfo("wasm-step", "wasm", self.kv_dtype, self.kv_exact_blocks, False, "",
+                               "the WASM step's block dots", "the WASM step's paged attention")
+        return BackendInfo(self.name, "onnxruntime-web", self.kv_dtype, self.kv_exact_blocks, True,
+                           "attention and projections on onnxruntime-web's kernels")
 
     def kv_bytes_per_token(self, cfg: dict) -> int:
         return kv_bytes_per_token(cfg, self.kv_dtype)

@@ -33,6 +33,10 @@ class AsyncEngine:
         self._closed = False
         self.step_error: BaseException | None = None
 
+    def backend_info(self):
+        """The engine's backend's runtime.core.backend.BackendInfo (the server's model cards read it)."""
+        return self.engine.backend.info()
+
     # ---- lifecycle ----
     def start(self) -> None:
         if self._task is None:

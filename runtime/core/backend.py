@@ -7,19 +7,45 @@ its new tokens go to. Natively `run` is called on the step thread; in the page t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from runtime.core.step_batch import StepBatch, StepResult
 
 
-class Backend(Protocol):
+@dataclass(frozen=True)
+class BackendInfo:
+    """What a backend runs and how, now: facts the engine, the server and `ruvllm bench` read (a backend's
+    display strings are made from its facts, never parsed back into them)."""
+
     name: str
-    # blocks up to a query's own that the pool reads exact, set by allocate (a two-tier int8 pool's
-    # kv_tails.TAIL_BLOCKS; 1 otherwise): above one the scheduler gives each row a floor (StepBatch.exact_from)
-    kv_exact_blocks: int
+    device: str  # where steps run: onnxruntime's execution providers, or the page's runner
+    kv_dtype: str = "fp32"
+    # blocks up to a query's own that the pool reads exact (a two-tier quantized pool's kv_tails.TAIL_BLOCKS
+    # once allocated; 1 otherwise): above one the scheduler gives each row a floor (StepBatch.exact_from)
+    kv_exact_blocks: int = 1
     # whether a step's attention pads every row to the step's longest chunk (the exported graph's own
     # attention; a ragged kernel does not): the scheduler then caps each row's chunk (Scheduler.pads_rows)
-    pads_rows: bool
+    pads_rows: bool = True
+    batch_invariance: str = ""  # what lets a row's numbers depend on its batch; "": nothing does
+    matmul_kernel: str = "the graph's own"  # what computes the projections
+    attention_kernel: str = "the graph's own"
+    lora_kernel: str | None = None  # what computes adapters' deltas, when it is not the graph's own operators
+    kv_committed_bytes: int | None = None  # the pool's memory committed so far, where it grows with use
+    mask_seconds: float = 0.0  # structured output's masks: time spent, steps masked
+    mask_steps: int = 0
+
+    @property
+    def batch_invariant(self) -> bool:
+        return not self.batch_invariance
+
+
+class Backend(Protocol):
+    name: str
+
+    def info(self) -> BackendInfo:
+        """What runs and how, now (an adapter graph or the pool's allocation may change it)."""
+        ...
 
     def kv_bytes_per_token(self, config: dict) -> int:
         """Bytes of K and V one token takes in the pool, over all layers."""

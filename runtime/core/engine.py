@@ -63,9 +63,9 @@ class Engine:
         num_blocks = config.pool_blocks(self.block_size, backend.kv_bytes_per_token(package.config), self.max_context)
         backend.allocate(num_blocks, self.block_size)
         self.stats = EngineStats()
+        info = backend.info()
         self.scheduler = Scheduler(config, num_blocks, self.block_size, self.max_context, self.vocab_size, self.stats,
-                                   exact_blocks=getattr(backend, "kv_exact_blocks", 1),
-                                   pads_rows=getattr(backend, "pads_rows", False))
+                                   exact_blocks=info.kv_exact_blocks, pads_rows=info.pads_rows)
         self.prompts = PromptEncoder.from_package(package, self.vocab_size, self.max_context, tokenizer)
         self.tokenizer, self.chat_template = self.prompts.tokenizer, self.prompts.chat_template
         self.processor = OutputProcessor(self.tokenizer, self.model, self.stats)
@@ -77,9 +77,8 @@ class Engine:
 
     @property
     def batch_invariance(self) -> str:
-        """What breaks batch invariance on this backend now ("": nothing; a backend that does not say is taken
-        at its word); an adapter added later may change it."""
-        return getattr(self.backend, "batch_invariance", "")
+        """What breaks batch invariance on this backend now ("": nothing); an adapter added later may change it."""
+        return self.backend.info().batch_invariance
 
     @classmethod
     def from_package(cls, path, device: str = "cpu", threads: int | None = None, verify: bool = True,

@@ -101,7 +101,7 @@ def adapter_levels(engine, args, levels: list[int], prefix: list[int] | None) ->
     names = []
     for i, folder in enumerate(a for a in args.adapters.split(",") if a.strip()):
         names.append(engine.adapters.add(f"bench-{i}", folder.strip()).name)
-    out = {"names": names, "lora_kernel": getattr(engine.backend, "lora_kernel", None) or "the graph's own",
+    out = {"names": names, "lora_kernel": engine.backend.info().lora_kernel or "the graph's own",
            "levels": []}
     for c in levels:
         runs = [(concurrent(engine, c, args.decode_tokens, prefix), concurrent(engine, c, args.decode_tokens, prefix,
@@ -133,10 +133,11 @@ def structured_levels(engine, args, levels: list[int], prefix: list[int] | None)
         runs = []
         for _ in range(2):
             free = concurrent(engine, c, args.decode_tokens, prefix)
-            before = (getattr(backend, "mask_seconds", 0.0), getattr(backend, "mask_steps", 0))
+            before = backend.info()
             constrained = concurrent(engine, c, args.decode_tokens, prefix, constraint=constraint)
-            steps = getattr(backend, "mask_steps", 0) - before[1]
-            constrained["mask_ms_per_step"] = (round(1000 * (backend.mask_seconds - before[0]) / steps, 3)
+            after = backend.info()
+            steps = after.mask_steps - before.mask_steps
+            constrained["mask_ms_per_step"] = (round(1000 * (after.mask_seconds - before.mask_seconds) / steps, 3)
                                                if steps else None)
             runs.append((free, constrained))
         base = statistics.median(r[0]["aggregate_decode_tps"] or r[0]["aggregate_tps"] for r in runs)
@@ -176,12 +177,11 @@ def run_bench(engine, args) -> dict:
                           prompt=_text_tokens(engine, long, salt=f"Document {i}."))
                  for i in range(args.repeats)]
     med = statistics.median
+    info = engine.backend.info()
     result = {
         "model": engine.pkg.name, "quantization": engine.pkg.manifest["quantization"]["weights"],
-        "backend": engine.backend.name, "device": ",".join(getattr(engine.backend, "providers", [])),
-        "matmul_kernel": getattr(engine.backend, "matmul_kernel", None),
-        "attention_kernel": getattr(engine.backend, "attention_kernel", None),
-        "batch_invariant": getattr(engine.backend, "batch_invariant", None),
+        "backend": info.name, "device": info.device, "matmul_kernel": info.matmul_kernel,
+        "attention_kernel": info.attention_kernel, "batch_invariant": info.batch_invariant,
         "kv_blocks": engine.scheduler.allocator.num_blocks, "kv_block_size": engine.block_size,
         "speculative_tokens": engine.config.speculative_tokens, "speculative_max_batch": engine.config.speculative_max_batch,
         "ttft_ms": round(1000 * med(r["ttft"] for r in short), 1),
@@ -206,12 +206,12 @@ def run_bench(engine, args) -> dict:
     if args.shared_prefix:
         result["prefix_cache"] = prefix_effect(engine, long, min(args.shared_prefix, long - 32))
     result["engine_stats"] = engine.stats_snapshot()
-    pool = getattr(engine.backend, "pool", None)
-    result["kv"] = {"dtype": getattr(engine.backend, "kv_dtype", "fp32"),
+    info = engine.backend.info()
+    result["kv"] = {"dtype": info.kv_dtype,
                     "bytes_per_token": engine.backend.kv_bytes_per_token(engine.pkg.config),
                     "blocks": engine.scheduler.allocator.num_blocks, "block_size": engine.block_size,
                     # the pool's memory is committed as blocks are used (the native CPU pool)
-                    "committed_mb": round(pool.committed_bytes / 2**20, 1) if hasattr(pool, "committed_bytes") else None}
+                    "committed_mb": round(info.kv_committed_bytes / 2**20, 1) if info.kv_committed_bytes is not None else None}
     result["peak_rss_mb"] = round(_peak_rss_mb(), 1)
     if getattr(args, "plot", None) and "concurrency" in result:
         plot(result, args.plot)

@@ -484,9 +484,10 @@ def host_info(pkg, device: str, kv_dtype: str) -> dict:
     per_token = backend.kv_bytes_per_token(pkg.config)
     two_tier = backend.two_tier  # tails only where ruvllm.PagedAttention reads the pool
     tails = kv_tail_bytes(pkg.config, kv_dtype, int(pkg.manifest["kv_cache"]["block_size"]), TAIL_BLOCKS) if two_tier else 0
-    return {"device": device, "kv_dtype": kv_dtype, "matmul_kernel": backend.matmul_kernel,
-            "attention_kernel": backend.attention_kernel, "batch_invariant": backend.batch_invariant,
-            "batch_invariance": backend.batch_invariance, "kv_bytes_per_token": per_token,
+    info = backend.info()
+    return {"device": device, "kv_dtype": kv_dtype, "matmul_kernel": info.matmul_kernel,
+            "attention_kernel": info.attention_kernel, "batch_invariant": info.batch_invariant,
+            "batch_invariance": info.batch_invariance, "kv_bytes_per_token": per_token,
             "kv_tokens_per_gb": int(2**30 // per_token), "kv_vs_fp32": round(fp32 / per_token, 2),
             "kv_tail_bytes_a_sequence": tails,
             "kv_vs_fp32_at_512": round(512 * fp32 / (512 * per_token + tails), 2)}

@@ -214,8 +214,8 @@ def model_cards(models: dict[str, ServedModel]) -> list[dict]:
     """GET /v1/models: each package, then its adapters with their `parent` (as vLLM lists them)."""
     cards = []
     for m in models.values():
-        backend = getattr(getattr(m.engine, "engine", None), "backend", None)  # a local engine's; Ray's: unknown
-        why = getattr(backend, "batch_invariance", None)  # None: a backend that does not say
+        info = m.engine.backend_info()  # a local engine's backend; Ray's replicas': unknown (None)
+        why = info.batch_invariance if info is not None else None
         cards.append({"id": m.name, "object": "model", "created": m.created, "owned_by": "ruvllm", "root": m.name,
                       "parent": None, "batch_invariant": None if why is None else not why,
                       **({"batch_invariance": why} if why else {}),

@@ -28,6 +28,11 @@ class WasmtimeBackend:
         self.kv_exact_blocks = 1 if kv_dtype == "fp32" else TAIL_BLOCKS
         self.step = self.tails = None
 
+    def info(self):
+        from runtime.core.backend import BackendInfo
+
+        return BackendInfo(self.name, "wasmtime", self.kv_dtype, self.kv_exact_blocks, pads_rows=False)
+
     def kv_bytes_per_token(self, cfg: dict) -> int:
         from runtime.core.kv_blocks import kv_bytes_per_token
 

@@ -67,6 +67,10 @@ class RemoteEngine:
         self._task_error = (RayTaskError, RequestError)
         self.retries = 0  # requests moved to another replica after theirs failed
 
+    def backend_info(self) -> None:
+        """None: the replicas' backends are theirs (each may differ); the model cards say so by omission."""
+        return None
+
     # ---- lifecycle (the server's lifespan calls these) ----
     def start(self) -> None:
         pass
