@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=None, help="the engine's step budget (chunked prefill)")
     args = ap.parse_args()
     from runtime.core.engine import Engine
-    from runtime.serve.cli import resolve_package
+    from runtime.resolve import resolve_package
 
     package = resolve_package(args.package)
     budget = {"max_batch_tokens": args.max_batch_tokens} if args.max_batch_tokens else {}

@@ -57,7 +57,7 @@ def main() -> None:
     package = args.package
     if package is None:
         sys.path.insert(0, str(ROOT))
-        from runtime.serve.cli import resolve_package
+        from runtime.resolve import resolve_package
 
         package = str(resolve_package(str(args.gguf)))
     rows = []

@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3, help="seeds per prompt for the sampled settings")
     args = ap.parse_args()
     from runtime.core.engine import Engine
-    from runtime.serve.cli import resolve_package
+    from runtime.resolve import resolve_package
 
     engine = Engine.from_package(resolve_package(args.package), speculative_tokens=0)
     seeds = list(range(args.seeds))

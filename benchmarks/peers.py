@@ -228,7 +228,7 @@ def load_ruvllm(pkg: str | None, tokens: int, threads: int, lookup: bool = True)
     together compute it once. lookup=False is like for like with the peers: neither."""
     from runtime.core.engine import Engine
     from runtime.core.sampling import SamplingParams
-    from runtime.serve.cli import resolve_package
+    from runtime.resolve import resolve_package
 
     engine = Engine.from_package(resolve_package(pkg), threads=threads, max_num_seqs=64, enable_prefix_cache=lookup,
                                  **({} if lookup else {"speculative_tokens": 0}))

@@ -8,6 +8,6 @@ def load(model: str | None = None, device: str = "cpu", threads: int | None = No
     Hugging Face folder (the last three exported once into the cache); None: the embedded SmolLM2-135M.
     options: EngineConfig fields (kv_memory, max_num_seqs, ...)."""
     from runtime.core.engine import Engine
-    from runtime.serve.cli import resolve_package
+    from runtime.resolve import resolve_package
 
     return Engine.from_package(resolve_package(model), device=device, threads=threads, **options)

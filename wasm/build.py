@@ -94,7 +94,7 @@ def _project_version() -> str:
 def export_model(source: str, quant: str) -> Path:
     """The source's package for the page, exported once into the cache (runtime.aliases.source_cache_key)."""
     from runtime.formats.step_abi import FORMAT
-    from runtime.serve.cli import export_into_cache
+    from runtime.resolve import export_into_cache
 
     cache_key, source = source_cache_key(source)
     dest = cached_package_dir(cache_key, quant, "wasm")

@@ -47,3 +47,19 @@ def test_native_backend_reports_missing_onnxruntime(tiny_package):
     assert proc.returncode == 1
     assert proc.stderr.startswith("error: the native backend needs numpy and onnxruntime")
     assert "Traceback" not in proc.stderr
+
+
+def test_runtime_load_imports_no_cli(tiny_package):
+    """Model resolution is the runtime's (runtime/resolve.py): a library user's `runtime.load` never imports the CLI
+    (every command's code) nor the server."""
+    code = textwrap.dedent(f"""
+        import sys, runtime
+        engine = runtime.load({str(tiny_package("llama"))!r})
+        from runtime.core.sampling import SamplingParams
+        assert list(engine.generate("hi", SamplingParams(max_tokens=2)))
+        clis = sorted(m for m in sys.modules if m.startswith("runtime.serve"))
+        print(clis)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout

@@ -20,8 +20,8 @@ def graph_bytes(package) -> dict[str, bytes]:
 # in a full-suite run (2026-11-29), never when this test ran by itself; not yet explained
 @pytest.mark.parametrize("spec, flags", [("int4:rtn", ["--method", "rtn"]), ("int8:rtn", ["--method", "rtn"])])
 def test_isq_equals_the_exported_package_and_leaves_nothing(spec, flags, tiny_model_dir, tmp_path, monkeypatch):
+    from runtime.resolve import resolve_package
     from runtime.serve import isq
-    from runtime.serve.cli import resolve_package
 
     src = tiny_model_dir("llama")
     quant = spec.split(":")[0]
