@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from runtime.core.async_engine import AsyncEngine
 from runtime.core.sequence import RequestOutput
 from runtime.serve import openai_protocol as P
+from runtime.serve import openai_responses as R
 from runtime.text.reasoning import ReasoningSplitter
 
 
@@ -71,7 +72,7 @@ class ChunkStream:
     def __init__(self, aengine: AsyncEngine, rids: list[str], parsed: P.ParsedRequest, model: str,
                  chat: bool) -> None:
         self.aengine, self.rids, self.parsed, self.model, self.chat = aengine, rids, parsed, model, chat
-        self.oid = P.new_id("chatcmpl" if chat else "cmpl")
+        self.oid = R.new_id("chatcmpl" if chat else "cmpl")
         self.first: float | None = None  # time.monotonic() of the first output
         self.lasts: list[RequestOutput | None] = [None] * len(rids)  # each choice's latest output
         self.split = splitters(parsed, len(rids)) if chat else None  # a reasoning model's: thinking apart
@@ -82,7 +83,7 @@ class ChunkStream:
         oid, model, chat, want_lp = self.oid, self.model, self.chat, self.parsed.logprobs is not None
         if chat:
             for i in range(len(self.rids)):
-                yield P.chat_chunk(oid, model, created, {"role": "assistant", "content": ""}, index=i)
+                yield R.chat_chunk(oid, model, created, {"role": "assistant", "content": ""}, index=i)
         held = [ToolCallStream(self, i, created) for i in range(len(self.rids))] if self.parsed.tools else []
         async with contextlib.aclosing(merged(self.aengine, self.rids)) as outs:
             async for i, out in outs:
@@ -99,27 +100,27 @@ class ChunkStream:
                     thought, answer = self.split[i].feed(out.delta, out.token_ids)
                     out = dataclasses.replace(out, delta=answer)
                     if thought:
-                        lp = P.chat_logprobs([out], decode) if want_lp else None
-                        yield P.chat_chunk(oid, model, created, {"reasoning": thought, "reasoning_content": thought},
+                        lp = R.chat_logprobs([out], decode) if want_lp else None
+                        yield R.chat_chunk(oid, model, created, {"reasoning": thought, "reasoning_content": thought},
                                            None, lp, index=i)
                 if chat and self.parsed.tools is not None:
                     for chunk in held[i].feed(out):
                         yield chunk
                     continue
                 if chat:
-                    lp = P.chat_logprobs([out], decode) if want_lp and not thought else None
+                    lp = R.chat_logprobs([out], decode) if want_lp and not thought else None
                     delta = {"content": out.delta} if out.delta or not (out.finished or thought) else {}
                     if thought and not delta and not out.finished:
                         continue
-                    chunk = P.chat_chunk(oid, model, created, delta, reason, lp, index=i)
+                    chunk = R.chat_chunk(oid, model, created, delta, reason, lp, index=i)
                 else:
-                    lp = P.completion_logprobs([out], decode) if want_lp else None
-                    chunk = P.completion_chunk(oid, model, created, out.delta, reason, lp, index=i)
-                P.with_token_ids(chunk["choices"][0], ids)
+                    lp = R.completion_logprobs([out], decode) if want_lp else None
+                    chunk = R.completion_chunk(oid, model, created, out.delta, reason, lp, index=i)
+                R.with_token_ids(chunk["choices"][0], ids)
                 yield chunk
         if self.complete and self.parsed.include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
-            yield P.usage_chunk(oid, model, created, obj, self.lasts, self.reasoning_tokens)
+            yield R.usage_chunk(oid, model, created, obj, self.lasts, self.reasoning_tokens)
 
     @property
     def reasoning_tokens(self) -> int | None:
@@ -143,7 +144,7 @@ class ToolCallStream:
 
     def _chunk(self, delta: dict, reason: str | None = None) -> dict:
         s = self.s
-        return P.chat_chunk(s.oid, s.model, self.created, delta, reason, index=self.index)
+        return R.chat_chunk(s.oid, s.model, self.created, delta, reason, index=self.index)
 
     def feed(self, out: RequestOutput) -> list[dict]:
         from runtime.serve.tools import CALL_OPEN, parse_calls
@@ -167,7 +168,7 @@ class ToolCallStream:
                                                        "function": {"name": fn["name"], "arguments": ""}}]}))
             chunks.append(self._chunk({"tool_calls": [{"index": k, "function": {"arguments": fn["arguments"]}}]}))
         last = self._chunk({}, "tool_calls" if calls else out.finish_reason)
-        P.with_token_ids(last["choices"][0], self.ids if self.s.parsed.return_token_ids else None)
+        R.with_token_ids(last["choices"][0], self.ids if self.s.parsed.return_token_ids else None)
         return chunks + [last]
 
 
@@ -208,18 +209,18 @@ async def collect(aengine: AsyncEngine, rids: list[str], parsed: P.ParsedRequest
         text = "".join(o.delta for o in choice)
         ids = [t for o in choice for t in o.token_ids] if parsed.return_token_ids else None
         if chat:
-            lp = P.chat_logprobs(choice, decode) if parsed.logprobs is not None else None
+            lp = R.chat_logprobs(choice, decode) if parsed.logprobs is not None else None
             thought: str | bool = False
             if split is not None:
                 parts = [split[i].feed(o.delta, o.token_ids) for o in choice]
                 thought, text = "".join(r for r, _ in parts), "".join(c for _, c in parts)
-            choices.append(P.with_token_ids(P.chat_choice(i, text, choice[-1], lp, parsed.tools, thought), ids))
+            choices.append(R.with_token_ids(R.chat_choice(i, text, choice[-1], lp, parsed.tools, thought), ids))
         else:
-            lp = P.completion_logprobs(choice, decode) if parsed.logprobs is not None else None
-            choices.append(P.with_token_ids(P.completion_choice(i, text, choice[-1], lp), ids))
+            lp = R.completion_logprobs(choice, decode) if parsed.logprobs is not None else None
+            choices.append(R.with_token_ids(R.completion_choice(i, text, choice[-1], lp), ids))
     lasts = [choice[-1] for choice in outs]
     reasoning_tokens = None if split is None else sum(s.reasoning_tokens for s in split)
-    return P.response(P.new_id("chatcmpl" if chat else "cmpl"), model, chat, choices, lasts, reasoning_tokens), lasts, first
+    return R.response(R.new_id("chatcmpl" if chat else "cmpl"), model, chat, choices, lasts, reasoning_tokens), lasts, first
 
 
 def encode_request(prompts, parsed: P.ParsedRequest) -> list[int]:
