@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass, field
 
 from runtime.core.dry import DEFAULT_BREAKERS
+from runtime.core.request_fields import SAMPLING_FIELDS
 from runtime.errors import RequestError
 
 DEFAULT_CANDIDATES = 256
@@ -20,23 +21,15 @@ GREEDY_BELOW = 1e-5
 
 # The one range of each sampling parameter: (lowest, highest, lowest excluded), None for no bound. The
 # Python API, the CLI, the HTTP server (and its published request schema) and the page all check these.
+# the scalar sampling fields' ranges (runtime/core/request_fields.py), and the other fields'
 RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "max_tokens": (1, None, False),
-    "temperature": (0.0, 2.0, False),
-    "top_k": (-1, None, False),  # -1 and 0: no top-k limit
-    "top_p": (0.0, 1.0, True),
-    "min_p": (0.0, 1.0, False),
-    "repetition_penalty": (0.01, 10.0, False),  # the graph divides float32 logits by it: 1e-300 would be 0
-    "presence_penalty": (-2.0, 2.0, False),
-    "frequency_penalty": (-2.0, 2.0, False),
+    **{f.name: f.range for f in SAMPLING_FIELDS if f.range is not None},
     "logprobs": (0, 20, False),
     "logit_bias": (-100.0, 100.0, False),  # each bias value
-    "dry_multiplier": (0.0, 100.0, False),  # 0: DRY off (runtime/core/dry.py)
-    "dry_base": (1.0, 10.0, True),
-    "dry_allowed_length": (1, 1000, False),
-    "dry_penalty_last_n": (-1, None, False),  # -1: the whole context; 0: off
     "thinking_budget": (0, None, False),  # a reasoning model's tokens inside its thinking block, at most
 }
+_D = {f.name: f.default for f in SAMPLING_FIELDS}
 DRY_CANDIDATES = 64  # candidates asked for when DRY may demote the likeliest (even a greedy request's)
 
 
@@ -59,35 +52,34 @@ def check_range(name: str, value) -> None:
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 1.0
-    top_k: int = 0  # 0 (or -1): no top-k limit
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    temperature: float = _D["temperature"]
+    top_k: int = _D["top_k"]  # 0 (or -1): no top-k limit
+    top_p: float = _D["top_p"]
+    min_p: float = _D["min_p"]
+    repetition_penalty: float = _D["repetition_penalty"]
+    presence_penalty: float = _D["presence_penalty"]
+    frequency_penalty: float = _D["frequency_penalty"]
     logit_bias: dict[int, float] = field(default_factory=dict)
-    seed: int | None = None
+    seed: int | None = _D["seed"]
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # return this many alternatives per token
     include_stop_str_in_output: bool = False
-    dry_multiplier: float = 0.0  # DRY (runtime/core/dry.py): off at 0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1
+    dry_multiplier: float = _D["dry_multiplier"]  # DRY (runtime/core/dry.py): off at 0
+    dry_base: float = _D["dry_base"]
+    dry_allowed_length: int = _D["dry_allowed_length"]
+    dry_penalty_last_n: int = _D["dry_penalty_last_n"]
     dry_sequence_breakers: list[str] = field(default_factory=lambda: list(DEFAULT_BREAKERS))
     constraint: object = None  # structured output: a runtime.core.constraints.Constraint the text must match
     thinking_budget: int | None = None  # a reasoning model closes its thinking block after this many tokens in it
 
     def validate(self, vocab_size: int | None = None) -> None:
-        for name in ("max_tokens", "top_k", "dry_allowed_length", "dry_penalty_last_n"):
+        integers = ("max_tokens", *(f.name for f in SAMPLING_FIELDS if f.kind == "integer" and f.range))
+        for name in integers:
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
                 raise RequestError(f"invalid {name}: must be an integer", name)
-        for name in ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length",
-                     "dry_penalty_last_n"):
+        for name in ("max_tokens", *(f.name for f in SAMPLING_FIELDS if f.range)):
             check_range(name, getattr(self, name))
         if (not isinstance(self.dry_sequence_breakers, list)
                 or any(not isinstance(s, str) or not s for s in self.dry_sequence_breakers)):

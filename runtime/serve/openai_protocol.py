@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from runtime.core.constraints import Constraint
 from runtime.core.dry import DEFAULT_BREAKERS
+from runtime.core.request_fields import SAMPLING_FIELDS
 from runtime.core.sampling import RANGES, SamplingParams, check_range, range_text
 from runtime.errors import RequestError
 
@@ -31,7 +32,6 @@ UNSUPPORTED = ("functions", "function_call",
 # Structured output: OpenAI's response_format; vLLM's structured_outputs and its older guided_* fields
 STRUCTURED = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 INFORMATIONAL = ("user", "metadata", "store", "service_tier")  # accepted; they change nothing generated
-DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
 
 
 class ProtocolError(Exception):
@@ -85,10 +85,18 @@ def _type_names(types: tuple) -> str:
     return " or ".join(names.get(t, t.__name__) for t in types if not (t is int and float in types))
 
 
+def sampling_values(body: dict, defaults: dict | None = None, fields=SAMPLING_FIELDS) -> dict:
+    """The request's declared scalar sampling fields (runtime/core/request_fields.py), each checked for its JSON
+    type; one it leaves out is the server's default (`ruvllm serve --temperature ...`), else the field's."""
+    d = defaults or {}
+    return {f.name: _get(body, f.name, (int,) if f.kind == "integer" else (int, float), d.get(f.name, f.default))
+            for f in fields}
+
+
 def _sampling(body: dict, logprobs: int | None, defaults: dict | None = None) -> tuple[SamplingParams, bool, int]:
     """The request's sampling parameters (their ranges are sampling.RANGES'); defaults: the server's
     own defaults for fields the request leaves out (`ruvllm serve --temperature ...`)."""
-    num, d = (int, float), defaults or {}
+    d = defaults or {}
     max_tokens = _get(body, "max_completion_tokens", (int,))
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", (int,))
@@ -111,22 +119,12 @@ def _sampling(body: dict, logprobs: int | None, defaults: dict | None = None) ->
     if not 1 <= n <= MAX_CHOICES:
         raise ProtocolError(f"'n' must be between 1 and {MAX_CHOICES}, got {n}", "n")
     params = SamplingParams(
-        max_tokens=max_tokens if given else d.get("max_tokens", 1),
-        temperature=_get(body, "temperature", num, d.get("temperature", 1.0)),
-        top_k=_get(body, "top_k", (int,), d.get("top_k", 0)), top_p=_get(body, "top_p", num, d.get("top_p", 1.0)),
-        min_p=_get(body, "min_p", num, d.get("min_p", 0.0)),
-        presence_penalty=_get(body, "presence_penalty", num, d.get("presence_penalty", 0.0)),
-        frequency_penalty=_get(body, "frequency_penalty", num, d.get("frequency_penalty", 0.0)),
-        repetition_penalty=_get(body, "repetition_penalty", num, d.get("repetition_penalty", 1.0)),
-        seed=_get(body, "seed", (int,), d.get("seed")), stop=list(stop), logit_bias=bias, logprobs=logprobs,
+        **sampling_values(body, d),
+        max_tokens=max_tokens if given else d.get("max_tokens", 1), stop=list(stop), logit_bias=bias, logprobs=logprobs,
         ignore_eos=_get(body, "ignore_eos", (bool,), False),
         include_stop_str_in_output=_get(body, "include_stop_str_in_output", (bool,), False),
         stop_token_ids=_get(body, "stop_token_ids", (list,), []),
         constraint=constraint(body),
-        dry_multiplier=_get(body, "dry_multiplier", num, d.get("dry_multiplier", 0.0)),
-        dry_base=_get(body, "dry_base", num, d.get("dry_base", 1.75)),
-        dry_allowed_length=_get(body, "dry_allowed_length", (int,), d.get("dry_allowed_length", 2)),
-        dry_penalty_last_n=_get(body, "dry_penalty_last_n", (int,), d.get("dry_penalty_last_n", -1)),
         dry_sequence_breakers=list(_get(body, "dry_sequence_breakers", (list,),
                                         d.get("dry_sequence_breakers", list(DEFAULT_BREAKERS)))),
     )
@@ -233,10 +231,9 @@ def parse_body(text: str):
     return body
 
 
-_COMMON = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature", "top_p",
-           "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "stop",
-           "logit_bias", "n", "return_token_ids", "ignore_eos", "stop_token_ids", "include_stop_str_in_output"
-           ) + DRY_FIELDS + INFORMATIONAL + STRUCTURED
+_COMMON = ("model", "stream", "stream_options", "max_tokens", "max_completion_tokens", *(f.name for f in SAMPLING_FIELDS),
+           "stop", "logit_bias", "n", "return_token_ids", "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+           "dry_sequence_breakers") + INFORMATIONAL + STRUCTURED
 # chat_template_kwargs (vLLM's, Qwen3's enable_thinking) and thinking_budget_tokens (llama.cpp's)
 REASONING_FIELDS = ("chat_template_kwargs", "thinking_budget_tokens")
 # the template's own variables that a request may not set: the renderer's
@@ -381,15 +378,21 @@ def parse_completion(body, defaults: dict | None = None) -> ParsedRequest:
 
 
 # ---- the published request schema (OpenAPI), from the same fields and ranges ----
-def _ranged(name: str, kind: str = "number") -> dict:
-    lo, hi, open_lo = RANGES[name]
+def _ranged(name: str, kind: str = "number", bounds=None) -> dict:
+    lo, hi, open_lo = bounds or RANGES[name]
     out: dict = {"type": kind, ("exclusiveMinimum" if open_lo else "minimum"): lo}
     if hi is not None:
         out["maximum"] = hi
     return out
 
 
-def request_schema(chat: bool, models: list[str] | None = None) -> dict:
+def field_schema(f) -> dict:
+    """A declared sampling field's schema (runtime/core/request_fields.py)."""
+    out = _ranged(f.name, f.kind, f.range) if f.range else {"type": f.kind}
+    return {**out, "description": f"{f.help} ({f.origin}'s field)"} if f.help else out
+
+
+def request_schema(chat: bool, models: list[str] | None = None, fields=SAMPLING_FIELDS) -> dict:
     """JSON schema of a chat or completions request body: every field the parser accepts, no other;
     models: the names a server serves (any non-empty string when not given)."""
     text = {"type": "string", "minLength": 1}
@@ -398,10 +401,7 @@ def request_schema(chat: bool, models: list[str] | None = None) -> dict:
         "stream": {"type": "boolean"},
         "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
         "max_tokens": _ranged("max_tokens", "integer"), "max_completion_tokens": _ranged("max_tokens", "integer"),
-        "temperature": _ranged("temperature"), "top_p": _ranged("top_p"), "top_k": _ranged("top_k", "integer"),
-        "min_p": _ranged("min_p"), "presence_penalty": _ranged("presence_penalty"),
-        "frequency_penalty": _ranged("frequency_penalty"), "repetition_penalty": _ranged("repetition_penalty"),
-        "seed": {"type": "integer"},
+        **{f.name: field_schema(f) for f in fields},
         "stop": {"anyOf": [text, {"type": "array", "items": text}]},
         "logit_bias": {"type": "object", "additionalProperties": _ranged("logit_bias")},
         "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
@@ -410,9 +410,6 @@ def request_schema(chat: bool, models: list[str] | None = None) -> dict:
         "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0},
                            "description": "as vLLM: token ids that end the choice"},
         "include_stop_str_in_output": {"type": "boolean", "description": "as vLLM: keep the matched stop string"},
-        "dry_multiplier": {**_ranged("dry_multiplier"), "description": "as llama.cpp's server: DRY's strength (0: off)"},
-        "dry_base": _ranged("dry_base"), "dry_allowed_length": _ranged("dry_allowed_length", "integer"),
-        "dry_penalty_last_n": _ranged("dry_penalty_last_n", "integer"),
         "dry_sequence_breakers": {"type": "array", "items": text},
         "user": {"type": "string"}, "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
         "store": {"type": "boolean"}, "service_tier": {"type": "string"},

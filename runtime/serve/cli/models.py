@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 
-from runtime.aliases import (
-    cache_dir,
-    cached_package_dir,
-)
+from runtime.aliases import cache_dir, cached_package_dir
 from runtime.errors import RuvLLMError
 from runtime.resolve import export_into_cache, resolve_package
 

@@ -6,14 +6,13 @@ import json
 import os
 from pathlib import Path
 
+from runtime.core.request_fields import SAMPLING_FIELDS
 from runtime.core.sampling import SamplingParams
 from runtime.errors import RuvLLMError
 from runtime.resolve import resolve_package
 
-SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                  "frequency_penalty", "seed", "stop", "logprobs", "dry_multiplier", "dry_base", "dry_allowed_length",
-                  "dry_penalty_last_n", "dry_sequence_breakers")
-
+# the flags that are sampling settings: the declared fields (runtime/core/request_fields.py) and the others
+SAMPLING_FLAGS = ("max_tokens", *(f.name for f in SAMPLING_FIELDS), "stop", "logprobs", "dry_sequence_breakers")
 
 
 def parse_size(text: str) -> int:

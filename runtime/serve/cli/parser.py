@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.aliases import (
-    ALIASES,
-)
+from runtime.aliases import ALIASES
 from runtime.contract import KV_DTYPES
+from runtime.core.request_fields import SAMPLING_FIELDS
 from runtime.serve.api_keys import KEY_FILE_HELP
 from runtime.serve.cli.chat import cmd_chat
 from runtime.serve.cli.generate import cmd_generate
@@ -27,8 +26,8 @@ def version() -> str:
         return "0.1.0+source"
 
 
-
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(fields=SAMPLING_FIELDS) -> argparse.ArgumentParser:
+    """fields: the declared sampling fields each run command takes as a flag (runtime/core/request_fields.py)."""
     ap = argparse.ArgumentParser(prog="ruvllm", description="Run language models on ONNX Runtime")
     ap.add_argument("--version", action="version", version=f"ruvllm {version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -37,22 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
         """Every sampling parameter; one not given is the model's (generation_defaults), or for serve the
         request's."""
         p.add_argument("--max-tokens", type=int, default=max_tokens)
-        p.add_argument("--temperature", type=float, default=None,
-                       help="0: greedy (default: the model's own setting, else 0.8 with top-k 40, top-p 0.95, min-p 0.05)")
-        p.add_argument("--top-k", type=int, default=None, help="keep the K likeliest tokens (0 or -1: off)")
-        p.add_argument("--top-p", type=float, default=None)
-        p.add_argument("--min-p", type=float, default=None)
-        p.add_argument("--repetition-penalty", type=float, default=None)
-        p.add_argument("--presence-penalty", type=float, default=None)
-        p.add_argument("--frequency-penalty", type=float, default=None)
-        p.add_argument("--seed", type=int, default=None)
+        for f in fields:  # runtime/core/request_fields.py
+            p.add_argument(f.flag, type=f.python_type, default=None, help=f.help or None)
         p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
         p.add_argument("--logprobs", type=int, default=None, help="alternatives per token to report (0-20)")
-        p.add_argument("--dry-multiplier", type=float, default=None,
-                       help="DRY, llama.cpp's repetition sampler: its strength (0: off, the default; 0.8 is usual)")
-        p.add_argument("--dry-base", type=float, default=None, help="DRY: penalty growth per repeated token (1.75)")
-        p.add_argument("--dry-allowed-length", type=int, default=None, help="DRY: repeats this long go free (2)")
-        p.add_argument("--dry-penalty-last-n", type=int, default=None, help="DRY: tokens looked back (-1: all)")
         p.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action="append", default=None,
                        metavar="TEXT", help="DRY: text that ends a repeat (repeatable; default newline, colon, "
                                             "quote, asterisk)")
