@@ -84,19 +84,24 @@ def _probe_source(spec: generate.Spec, step_c: Path) -> tuple[str, list[tuple[st
 
 def _probe(spec: generate.Spec, step_dir: Path, tmp_path: Path) -> list[tuple[str, str | None, int, int]]:
     """(struct, field or None for sizeof, the spec's number, the compiled step's) for every struct and field."""
+    source, want = _probe_source(spec, step_dir / "step.c")
+    store, exports = _compiled_probe(source, tmp_path)
+    return [(s, f, n, exports[f"probe_{i}"](store)) for i, (s, f, n) in enumerate(want)]
+
+
+def _compiled_probe(source: str, tmp_path: Path):
+    """C built with the step's flags into a wasmtime instance: (store, exports)."""
     import wasmtime
 
     from wasm.step_module import FLAGS
 
-    source, want = _probe_source(spec, step_dir / "step.c")
     (tmp_path / "probe.c").write_text(source)
     out = tmp_path / "probe.wasm"
     proc = subprocess.run([sys.executable, "-m", "ziglang", "cc", *FLAGS, "-o", str(out), str(tmp_path / "probe.c")],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     store = wasmtime.Store()
-    exports = wasmtime.Instance(store, wasmtime.Module.from_file(store.engine, str(out)), []).exports(store)
-    return [(s, f, n, exports[f"probe_{i}"](store)) for i, (s, f, n) in enumerate(want)]
+    return store, wasmtime.Instance(store, wasmtime.Module.from_file(store.engine, str(out)), []).exports(store)
 
 
 def test_the_compiled_step_lays_out_its_structs_as_the_spec_says(tmp_path):
@@ -171,13 +176,11 @@ def test_the_steps_rope_angles_equal_numpys_float64_tables(tmp_path):
     """step.c turns each position's cos and sin from float64 inverse frequencies (step.bin holds no table): they
     round to the same fp32 numbers as numpy's float64 cos and sin of the same angles, over Gemma 3's 32,768
     positions of both its bases and a llama 3 model's factored frequencies."""
-    import wasmtime
 
     from exporter.step_weights import rope_frequencies
-    from wasm.step_module import FLAGS
 
     chunk, hd = 4096, 256
-    (tmp_path / "probe.c").write_text(f'#include "{ROOT / "wasm" / "step" / "step.c"}"\n' + f"""
+    store, ex = _compiled_probe(f'#include "{ROOT / "wasm" / "step" / "step.c"}"\n' + f"""
 static double probe_inv[{hd // 2}];
 static float probe_factors[{hd // 2}], probe_out[{chunk} * {hd}];
 EXPORT double* probe_inv_at(void) {{ return probe_inv; }}
@@ -186,13 +189,7 @@ EXPORT float* probe_out_at(void) {{ return probe_out; }}
 EXPORT void probe_rows(int first, int hd, int factored) {{
   for (int p = 0; p < {chunk}; p++) rope_row(probe_inv, factored ? probe_factors : 0, hd, first + p, probe_out + p * hd);
 }}
-""")
-    out = tmp_path / "probe.wasm"
-    proc = subprocess.run([sys.executable, "-m", "ziglang", "cc", *FLAGS, "-o", str(out), str(tmp_path / "probe.c")],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    store = wasmtime.Store()
-    ex = wasmtime.Instance(store, wasmtime.Module.from_file(store.engine, str(out)), []).exports(store)
+""", tmp_path)
     mem = ex["memory"]
     rng = np.random.default_rng(0)
     for base, dim, factors in ((1e6, 256, None), (1e4, 256, None), (5e5, 64, rng.uniform(1, 8, 32).astype(np.float32))):
