@@ -27,18 +27,24 @@ def preload_modules() -> list[str]:
 
     Modules the page never uses are left out, and `__main__` modules, because importing one runs it.
     """
-    skipped = []
+    skipped: list[str] = []
     for name in EXTRA_MODULES:
         importlib.import_module(name)
-    for top in PACKAGES:
-        package = importlib.import_module(top)
-        for info in pkgutil.walk_packages(package.__path__, f"{top}."):
+
+    def walk(package) -> None:  # not pkgutil.walk_packages: it imports every package it descends into, skipped or not
+        for info in pkgutil.iter_modules(package.__path__, f"{package.__name__}."):
             if info.name.rsplit(".", 1)[-1] == "__main__" or info.name.startswith(NOT_IN_THE_PAGE):
                 continue
             try:
-                importlib.import_module(info.name)
+                module = importlib.import_module(info.name)
             except ImportError:
                 skipped.append(info.name)
+                continue
+            if info.ispkg:
+                walk(module)
+
+    for top in PACKAGES:
+        walk(importlib.import_module(top))
     from runtime.text.pretokenize import _category_tables
 
     _category_tables()
