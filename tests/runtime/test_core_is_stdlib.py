@@ -63,3 +63,19 @@ def test_runtime_load_imports_no_cli(tiny_package):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_the_pages_preload_leaves_the_skipped_packages_unimported():
+    """The page's snapshot imports what the page reaches and nothing it skips (the CLI is a package: walking into it
+    would import it whole, and a heap past 32 MB is a snapshot Pyodide cannot restore)."""
+    code = textwrap.dedent("""
+        import sys, types
+        sys.modules["pyodide"] = types.ModuleType("pyodide")
+        sys.modules["pyodide.ffi"] = types.ModuleType("pyodide.ffi")
+        from runtime.serve.web_preload import preload_modules
+        preload_modules()
+        print(sorted(m for m in sys.modules if m.startswith(("runtime.serve.cli", "runtime.resolve"))))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
