@@ -12,15 +12,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from runtime.core.request_fields import SAMPLING_FIELDS
 from runtime.core.sampling import check_range
 from runtime.errors import RequestError
 
-CHAT_DEFAULTS: dict[str, float | int] = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
-
+# both from the fields' one declaration (runtime/core/request_fields.py)
+CHAT_DEFAULTS: dict[str, float | int] = {f.name: f.chat for f in SAMPLING_FIELDS if f.chat is not None}
 # generation_config.json's sampling fields and transformers' own default for each: a field equal to that
-# default says nothing about the model (older transformers wrote every field out), as vLLM reads it
-MODEL_FIELDS: dict[str, float | int | None] = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": None,
-                                               "repetition_penalty": 1.0}
+# default says nothing about the model
+MODEL_FIELDS: dict[str, float | int | None] = {f.name: f.hf_default for f in SAMPLING_FIELDS if f.model}
 
 
 def model_sampling(generation_config: dict | None) -> dict:

@@ -13,6 +13,7 @@ import json
 import math
 
 from runtime import contract as C
+from runtime.core.request_fields import SAMPLING_FIELDS
 from runtime.errors import PackageError
 from runtime.formats.families import STEP_FAMILIES
 from runtime.formats.gguf_file import GGUFHeader
@@ -23,10 +24,8 @@ from runtime.text.tokenizer import remember_made
 
 DEFAULT_MAX_CONTEXT = 32768  # the exporter's cap on a model's context (RoPE tables grow with it)
 KV_BLOCK_SIZE = 16
-# llama.cpp's converter writes the model's generation config here
-GGUF_SAMPLING = {"general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
-                 "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
-                 "general.sampling.penalty_repeat": "repetition_penalty"}
+# llama.cpp's converter writes the model's generation config here (runtime/core/request_fields.py's keys)
+GGUF_SAMPLING = {f.gguf: f.name for f in SAMPLING_FIELDS if f.gguf}
 
 
 def generation_fields(header: GGUFHeader) -> dict:

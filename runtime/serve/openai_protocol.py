@@ -389,7 +389,7 @@ def _ranged(name: str, kind: str = "number", bounds=None) -> dict:
 def field_schema(f) -> dict:
     """A declared sampling field's schema (runtime/core/request_fields.py)."""
     out = _ranged(f.name, f.kind, f.range) if f.range else {"type": f.kind}
-    return {**out, "description": f"{f.help} ({f.origin}'s field)"} if f.help else out
+    return {**out, "description": f"{f.description} ({f.origin}'s field)"} if f.help else out
 
 
 def request_schema(chat: bool, models: list[str] | None = None, fields=SAMPLING_FIELDS) -> dict:

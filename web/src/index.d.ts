@@ -1,5 +1,8 @@
 // Types for ruvllm-web. Requests and chunks follow OpenAI's chat/completions shapes.
 
+import type { SamplingFields } from './request_fields';
+export type { SamplingFields };
+
 /** 'auto' (default): WebGPU where the browser has a hardware adapter (a software one, such as SwiftShader,
  *  is passed over), else WASM; 'webgpu' takes any adapter. */
 export type Device = 'auto' | 'wasm' | 'webgpu';
@@ -97,21 +100,15 @@ export interface StructuredOutputs {
   json_object?: boolean;
 }
 
-export interface ChatCompletionRequest {
+/** The sampling fields (temperature, top_p, ..., DRY's) are declared once, in Python, and generated into
+ * request_fields.d.ts. */
+export interface ChatCompletionRequest extends SamplingFields {
   messages: ChatMessage[];
   model?: string;
   stream?: boolean;
   stream_options?: { include_usage?: boolean };
   max_tokens?: number;
   max_completion_tokens?: number;
-  temperature?: number;
-  top_p?: number;
-  top_k?: number;
-  min_p?: number;
-  presence_penalty?: number;
-  frequency_penalty?: number;
-  repetition_penalty?: number;
-  seed?: number;
   /** Choices to generate (1-128); streamed chunks carry their choice's `index`. With a seed, choice i uses seed + i. */
   n?: number;
   stop?: string | string[];
@@ -124,11 +121,7 @@ export interface ChatCompletionRequest {
   ignore_eos?: boolean;
   stop_token_ids?: number[];
   include_stop_str_in_output?: boolean;
-  /** DRY, llama.cpp's repetition sampler (as its server takes it): off unless dry_multiplier > 0 (0.8 is usual). */
-  dry_multiplier?: number;
-  dry_base?: number;
-  dry_allowed_length?: number;
-  dry_penalty_last_n?: number;
+  /** DRY (llama.cpp's repetition sampler): the texts that end a repeat (default newline, colon, quote, asterisk). */
   dry_sequence_breakers?: string[];
   /** Structured output, enforced token by token (a keyword the page cannot enforce is an error naming it). */
   response_format?: ResponseFormat;

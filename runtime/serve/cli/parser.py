@@ -37,7 +37,7 @@ def build_parser(fields=SAMPLING_FIELDS) -> argparse.ArgumentParser:
         request's."""
         p.add_argument("--max-tokens", type=int, default=max_tokens)
         for f in fields:  # runtime/core/request_fields.py
-            p.add_argument(f.flag, type=f.python_type, default=None, help=f.help or None)
+            p.add_argument(f.flag, type=f.python_type, default=None, help=f.description or None)
         p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
         p.add_argument("--logprobs", type=int, default=None, help="alternatives per token to report (0-20)")
         p.add_argument("--dry-sequence-breaker", dest="dry_sequence_breakers", action="append", default=None,
