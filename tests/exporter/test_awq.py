@@ -69,22 +69,22 @@ def test_folded_scales_keep_the_model_and_its_lora(arch, outlier_dirs, workdir, 
     ratios = [s.max() / s.min() for s in found["scales"].inputs.values()]
     assert max(ratios) > 3, ratios  # the scales are far from 1, so a missing undo would show
 
-    assert_keeps_model_and_lora(pkg, outlier_model_dir, seed=3)
+    assert_keeps_model_and_lora(pkg, outlier_model_dir, seed=3, folder=workdir / f"peft-awq-{arch}")
 
 
-def assert_keeps_model_and_lora(pkg, model_dir, seed: int) -> None:
+def assert_keeps_model_and_lora(pkg, model_dir, seed: int, folder) -> None:
     """A package whose float weights absorbed folded scales equals transformers on the original model,
     and, with a peft adapter on one row of the batch, peft: its LoRA graph undoes the scales."""
-    from exporter.lora import adapter_weights
     from runtime import contract as C
 
     base = load_hf(model_dir)
-    peft_model, lora_inputs = peft_adapter(model_dir)
+    peft_model, tensors = peft_adapter(model_dir, pkg.config, folder)
+    lora_inputs = tensors.views(4)
     stepper = Stepper(NativeBackend(pkg, lora=True), block_size=4)
     rng = np.random.default_rng(seed)
     a = [int(t) for t in rng.integers(3, base.config.vocab_size, 9)]
     b = [int(t) for t in rng.integers(3, base.config.vocab_size, 6)]
-    weights = adapter_weights([0] * len(a) + [None] * len(b), 1, 4)  # row a on the adapter (rank 4), b off
+    weights = tensors.mixing([1] * len(a) + [0] * len(b), 4)  # row a on the adapter (rank 4), b off
     res = stepper.step({0: a, 1: b}, extra_inputs={**lora_inputs, C.LORA_WEIGHTS: weights})
     scale = np.abs(hf_last_logits(base, b)).max()  # the outliers make logits large: compare relatively
     assert np.abs(res.logits[1] - hf_last_logits(base, b)).max() < TOL * scale

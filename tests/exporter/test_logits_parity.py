@@ -94,40 +94,39 @@ def test_shared_prefix_blocks_are_read_through_block_tables(tiny_model_dir, tiny
     assert np.abs(res.logits[1] - hf_last_logits(model, prefix + tail_b)).max() < TOL
 
 
-def peft_adapter(model_dir) -> tuple:
-    """A random rank-4 peft LoRA on every target of the model in model_dir: (peft model, the LoRA
-    graph's stacked adapter inputs for it)."""
+def peft_adapter(model_dir, config: dict, folder) -> tuple:
+    """A random rank-4 peft LoRA on every target of the model in model_dir, saved by PEFT into `folder`: (peft
+    model, the runtime's stacked adapter inputs for it, read by its one PEFT reader, in slot 1)."""
     from peft import LoraConfig, get_peft_model
-    from peft.utils import get_peft_model_state_dict
 
-    from exporter.builders import proj_features as _proj_features
-    from exporter.lora import adapter_from_peft, stack_adapters
-    from exporter.sources.hf_model import decoder_spec
     from runtime import contract as C
+    from runtime.backends.adapter_weights import AdapterTensors
+    from runtime.core.adapters import read_adapter
 
     torch.manual_seed(7)
     cfg = LoraConfig(r=4, lora_alpha=8, target_modules=list(C.LORA_TARGETS), init_lora_weights=False)
     peft_model = get_peft_model(load_hf(model_dir), cfg).eval()
-    adapter = adapter_from_peft(get_peft_model_state_dict(peft_model), alpha=8, rank=4)
-    spec = decoder_spec(peft_model.get_base_model())
-    return peft_model, stack_adapters([adapter], spec.num_layers, _proj_features(spec))
+    peft_model.save_pretrained(str(folder))
+    tensors = AdapterTensors(config, max_loras=1, max_rank=4)
+    tensors.put(1, read_adapter("peft", folder, config, config.get("architecture", "")))
+    return peft_model, tensors
 
 
-def test_lora_inputs_match_peft(tiny_model_dir, tiny_package):
+def test_lora_inputs_match_peft(tiny_model_dir, tiny_package, tmp_path):
     """The LoRA graph with a peft adapter active equals peft in transformers; a row with weight 0 equals base."""
     from runtime import contract as C
 
     base = load_hf(tiny_model_dir("llama"))
-    peft_model, lora_inputs = peft_adapter(tiny_model_dir("llama"))
+    package = load_package(tiny_package("llama"))
+    peft_model, tensors = peft_adapter(tiny_model_dir("llama"), package.config, tmp_path / "peft")
 
-    backend = NativeBackend(load_package(tiny_package("llama")), lora=True)
+    backend = NativeBackend(package, lora=True)
     stepper = Stepper(backend, block_size=4)
     rng = np.random.default_rng(3)
     a = [int(t) for t in rng.integers(3, base.config.vocab_size, 9)]
     b = [int(t) for t in rng.integers(3, base.config.vocab_size, 6)]
-    from exporter.lora import adapter_weights
-
-    weights = adapter_weights([0] * len(a) + [None] * len(b), 1, 4)  # row a on the adapter, b off
+    lora_inputs = tensors.views(4)
+    weights = tensors.mixing([1] * len(a) + [0] * len(b), 4)  # row a on the adapter, b off
     res = stepper.step({0: a, 1: b}, extra_inputs={**lora_inputs, C.LORA_WEIGHTS: weights})
     with_lora, without = hf_last_logits(peft_model, a), hf_last_logits(base, b)
     assert np.abs(res.logits[0] - with_lora).max() < TOL
@@ -135,7 +134,7 @@ def test_lora_inputs_match_peft(tiny_model_dir, tiny_package):
     assert np.abs(with_lora - hf_last_logits(base, a)).max() > 10 * TOL  # the adapter really changes a
     for _ in range(3):  # decode steps keep using the adapter's K/V
         a.append(int(np.argmax(res.logits[0])))
-        res = stepper.step({0: [a[-1]]}, extra_inputs={**lora_inputs, C.LORA_WEIGHTS: adapter_weights([0], 1, 4)})
+        res = stepper.step({0: [a[-1]]}, extra_inputs={**lora_inputs, C.LORA_WEIGHTS: tensors.mixing([1], 4)})
         assert np.abs(res.logits[0] - hf_last_logits(peft_model, a)).max() < TOL
 
 

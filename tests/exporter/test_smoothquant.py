@@ -28,7 +28,7 @@ def test_smoothquant_scales_keep_the_model_and_its_lora(outliers, workdir, monke
     pkg = load_package(conv.convert(str(outliers), workdir / "pkg-sq-float",
                                     conv.ConvertOptions(quant="w8a8", method="smoothquant", progress=False)))
     assert pkg.manifest["quantization"]["method"] == "smoothquant"
-    assert_keeps_model_and_lora(pkg, outliers, seed=4)
+    assert_keeps_model_and_lora(pkg, outliers, seed=4, folder=workdir / "peft-sq")
 
 
 def test_smoothquant_w8a8_is_closer_to_fp32(outliers, workdir):
