@@ -49,7 +49,7 @@ from exporter.writers.manifest import carried_summary
 from exporter.writers.manifest import manifest as write_manifest
 from exporter.writers.tokenizer_files import write_tokenizer
 from runtime import contract as C
-from runtime.backends.graph_fusion import declared_fusions
+from runtime.backends.graph_rewrite import declared_fusions
 from runtime.errors import RuvLLMError
 from runtime.package import file_entry, load_package, record_verified
 
@@ -242,13 +242,13 @@ def hqq_projection_grids(graph, bits: int, block: int, mlp_block: int | None, pr
 
 
 def kv_int8_graph(graph: Path, out: Path, num_layers: int):
-    """The saved graph on an int8 KV pool (graph_fusion.kv_in_int8_graph: the gathered blocks times their
+    """The saved graph on an int8 KV pool (graph_rewrite.kv_in_int8_graph: the gathered blocks times their
     group scales, this step's rows rounded as the pool stores them), written beside it with the same
     weights file: onnxruntime-web cannot rewrite a graph, so the page's kvDtype "int8" opens this one.
     None where the rewrite does not know every layer's attention (it leaves no file then)."""
     import onnx
 
-    from runtime.backends.graph_fusion import kv_in_int8_graph
+    from runtime.backends.graph_rewrite import kv_in_int8_graph
 
     model = onnx.load(str(graph), load_external_data=False)
     if kv_in_int8_graph(model) != num_layers:

@@ -84,7 +84,7 @@ def past_value(layer: int) -> str:
 
 def past_key_scale(layer: int) -> str:
     # float16 [kv_heads, num_blocks, block_size, groups]: the scales of each int8 key row's groups of numbers.
-    # Not an exported input: the native backend's rewrite adds it for --kv-dtype int8 (graph_fusion.kv_quantized)
+    # Not an exported input: the native backend's rewrite adds it for --kv-dtype int8 (graph_rewrite.kv_quantized)
     return f"past.{layer}.key_scale"
 
 
@@ -95,7 +95,7 @@ def past_value_scale(layer: int) -> str:
 # float [num_blocks, num_layers, kv_heads, block_size, head_dim], one per kind: full-precision copies of the
 # rows of the blocks sequences are still writing, beside an int8 pool (ruvllm.PagedAttention reads a query's
 # own block from them), every layer's block by block. Not exported inputs either: added with the scales
-# where the kernel runs (graph_fusion.kv_quantized)
+# where the kernel runs (graph_rewrite.kv_quantized)
 KV_TAIL_KEY, KV_TAIL_VALUE = "kv_tail.key", "kv_tail.value"
 # int64 [batch]: each row's floor, the first position before a query's own block that it may read from the
 # tails (the scheduler's kv_blocks.exact_floor); added with the tails

@@ -282,7 +282,7 @@ class DecoderBuilder:
         return lora.apply(i, "down_proj", act, down)
 
     def activation(self, gate: str) -> str:
-        """The gate's activation. SiLU is Sigmoid and Mul (the pattern runtime/backends/graph_fusion.py folds
+        """The gate's activation. SiLU is Sigmoid and Mul (the pattern runtime/backends/graph_rewrite/ folds
         into the kernel); GELU is spelled out in standard operators (onnxruntime fuses it where it can)."""
         b, act = self.b, self.spec.activation
         if act == "silu":

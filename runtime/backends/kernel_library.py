@@ -7,7 +7,7 @@ streams and prefill chunks stop being bound by the unpacking; its variants MatMu
 MatMulQ4Split also do what follows a projection; `ruvllm.MatMulQ8` is its 8-bit twin for grids with
 zero points of 128 (a GGUF's Q8_0 LM head), one pass over the bytes. `ruvllm.PagedAttention` reads each row's KV blocks
 in place instead of the graph gathering every context into a copy, and `ruvllm.SkipRMSNorm` replaces
-onnxruntime's residual add + RMS norm, ~10x slower per row. graph_fusion.py rewrites a graph onto
+onnxruntime's residual add + RMS norm, ~10x slower per row. graph_rewrite/ rewrites a graph onto
 them. All need a C++ compiler and AVX-512 VNNI, or AVX2 with FMA and F16C (`isa()` says which build: the
 AVX2 build's attention gives the AVX-512 build's numbers bit for bit; its matmuls the same integer sums),
 where onnxruntime's own AVX2 int8 kernel quantizes activations ~2.5x less exactly than rounding each block

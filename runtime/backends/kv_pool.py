@@ -13,7 +13,7 @@ graph took ~0.3 ms a step); `device_writes=True` runs the device path on
 CPU, which is how it is tested here (CUDA itself is not, on these machines).
 
 With kv_dtype "int8" (CPU only; read by ruvllm.PagedAttention or the graph's attention rewritten for it,
-graph_fusion.kv_in_int8 / kv_in_int8_graph) each kind is int8 rows whose groups of 32 numbers
+graph_rewrite.kv_in_int8 / kv_in_int8_graph) each kind is int8 rows whose groups of 32 numbers
 (kv_group) have one fp16 scale each (their absolute maximum / 127): a quarter of the bytes plus 2 per
 group; per group rather than per row because a key row's few large channels would otherwise coarsen all
 the others (SmolLM2, decode-like steps: KL 0.0047 vs 0.0052 per row; docs/PERFORMANCE.md). Each token is
@@ -88,7 +88,7 @@ def quantize_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x [..., D] as int8 rows and their groups' fp16 scales [..., D / kv_group(D)]: each group in steps of
     its absolute maximum / 127 (rounded to fp16), rounded to nearest (ties to even) and kept in
     [-127, 127]; |x - q * s| <= s / 2 but where fp16 rounded a scale down (then at most 0.1% of it more).
-    ruvllm.PagedAttention and graph_fusion.kv_in_int8_graph round this step's rows with the same ops."""
+    ruvllm.PagedAttention and graph_rewrite.kv_in_int8_graph round this step's rows with the same ops."""
     d = x.shape[-1]
     groups = x.reshape(*x.shape[:-1], d // kv_group(d), kv_group(d))
     scale = (np.abs(groups).max(axis=-1) / np.float32(127)).astype(np.float16)
@@ -211,7 +211,7 @@ class DeviceKVPool:
         self.int8, self.int4 = kv_dtype == "int8", kv_dtype == "int4"
         self.quantized = self.int8 or self.int4
         self.tails = tails and self.quantized
-        self.tail_blocks = TAIL_BLOCKS  # what the graph's kernel was given (graph_fusion.kv_quantized)
+        self.tail_blocks = TAIL_BLOCKS  # what the graph's kernel was given (graph_rewrite.kv_quantized)
         self.dtype = np.int8 if self.int8 else np.uint8 if self.int4 else np.float32
         if self.quantized and (self.device != "cpu" or self.device_writes):
             raise ValueError(f"an {kv_dtype} KV pool lives in host memory: it runs on the CPU only")

@@ -89,7 +89,7 @@ class NativeBackend:
         self._no_mask = None  # the [1, vocab] zeros bound as logits_mask while no row is constrained
         self.mask_seconds, self.mask_steps = 0.0, 0  # structured output's mask time (ruvllm bench reports it)
         self._classifiers: dict[str, object] = {}  # X-LoRA id -> its classifier, weights read once
-        self._portable: dict = {}  # no kernels: the weights graph_fusion.rewrite_graph made, shared by both graphs
+        self._portable: dict = {}  # no kernels: the weights graph_rewrite.rewrite_graph made, shared by both graphs
         self._in_memory: list = []  # the OrtValues each session was handed (add_external_initializers)
         self.session = self._open(lora)
         self.runner = GraphRunner(self, self.session)
@@ -152,13 +152,13 @@ class NativeBackend:
         cpu = self.providers == DEVICE_PROVIDERS["cpu"]
         session = self._kernel_session(graph, opts, entry.get("fusions")) if cpu else None
         if session is None:
-            from runtime.backends import graph_fusion
+            from runtime.backends import graph_rewrite
 
-            # no kernels: layouts only they read become standard operators (graph_fusion.fuse with no ops), and
-            # an int8 pool is read by the graph's own attention (graph_fusion.kv_in_int8_graph)
+            # no kernels: layouts only they read become standard operators (graph_rewrite.fuse with no ops), and
+            # an int8 pool is read by the graph's own attention (graph_rewrite.kv_in_int8_graph)
             opts, rewrite_failed = self._options(), ""
             try:
-                model, _ = graph_fusion.rewrite_graph(graph, self.pkg.config, frozenset(), kv_dtype=self.kv_dtype,
+                model, _ = graph_rewrite.rewrite_graph(graph, self.pkg.config, frozenset(), kv_dtype=self.kv_dtype,
                                                       weights=self._portable)
             except Exception as err:  # a graph onnx cannot parse: onnxruntime's load below names the problem
                 model = str(graph)
@@ -182,7 +182,7 @@ class NativeBackend:
 
         contract = expected_inputs(self.num_layers, lora=lora)
         scales = C.kv_scale_inputs(self.num_layers)
-        names = [n for n in names if n not in scales]  # a quantized pool's scales (graph_fusion.kv_quantized)
+        names = [n for n in names if n not in scales]  # a quantized pool's scales (graph_rewrite.kv_quantized)
         if names and names[-1] == C.LOGITS_MASK:  # a graph with structured output's mask input
             names = names[:-1]
         if names[:len(contract)] != contract or (not lora and len(names) != len(contract)):
@@ -204,13 +204,13 @@ class NativeBackend:
                               f"({where}); run it with --kv-dtype fp32 or int8")
 
     def _kernel_session(self, graph, opts, declared: dict[str, int] | None):
-        """The graph on RuvLLM's CPU kernels (kernel_library, graph_fusion), or None to run it as it is;
+        """The graph on RuvLLM's CPU kernels (kernel_library, graph_rewrite), or None to run it as it is;
         `self.matmul_kernel` and `self.attention_kernel` say which and why.
 
         `declared`: what the exporter found fusable in this graph (the manifest's graph entry). A fusion
         this host's kernels could run but that does not apply to the graph is an error, not a silent
         fallback to the slower path: the graph and this runtime disagree about its shape."""
-        from runtime.backends import graph_fusion, kernel_library
+        from runtime.backends import graph_rewrite, kernel_library
 
         self.matmul_kernel = "onnxruntime MatMulNBits"
         self.paged_attention_layers = self.block_matmuls = 0
@@ -224,7 +224,7 @@ class NativeBackend:
             ops -= {"PagedAttention"}
         try:
             # a quantized package's adapters in fp16: half the bytes each step's deltas read
-            model, counts = graph_fusion.rewrite_graph(graph, self.pkg.config, ops,
+            model, counts = graph_rewrite.rewrite_graph(graph, self.pkg.config, ops,
                                                        half_adapters=self.pkg.weights_quantized,
                                                        kv_dtype=self.kv_dtype,
                                                        kv_tails=os.environ.get("RUVLLM_KV_TAILS", "1") != "0")
@@ -305,7 +305,7 @@ class NativeBackend:
                 self.lora_runner.bind_pool(self.pool)
         adapter_inputs = C.adapter_inputs(self.num_layers)
         kinds = {i.type for i in self.lora_runner.session.get_inputs() if i.name in adapter_inputs}
-        if len(kinds) != 1:  # graph_fusion.adapters_in_half turns all of them or none
+        if len(kinds) != 1:  # graph_rewrite.adapters_in_half turns all of them or none
             raise PackageError(f"{self.pkg.path}: the LoRA graph's adapter inputs mix types {sorted(kinds)}")
         dtype = np.float16 if kinds == {"tensor(float16)"} else np.float32
         self.adapters = AdapterTensors(self.pkg.config, max_loras, max_rank, dtype=dtype)
@@ -474,7 +474,7 @@ class GraphRunner:
             self.io.bind_cpu_input(C.LOGITS_MASK, backend.no_mask())
         self.masked = False  # logits_mask is bound to a constrained step's rows
         self._outputs: dict[str, object] = {}
-        # inputs the rewrite declared fp16 (a quantized package's adapters, graph_fusion.adapters_in_half)
+        # inputs the rewrite declared fp16 (a quantized package's adapters, graph_rewrite.adapters_in_half)
         self._half = {i.name for i in session.get_inputs() if i.type == "tensor(float16)"}
 
     def bind_pool(self, pool) -> None:

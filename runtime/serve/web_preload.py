@@ -18,7 +18,7 @@ EXTRA_MODULES = ("pyodide.ffi", "json", "asyncio")
 # never used in the page: the CLI (argparse alone costs ~0.1 s here), and what needs native libraries
 NOT_IN_THE_PAGE = ("runtime.serve.cli", "runtime.resolve", "runtime.serve.server", "runtime.serve.bench", "runtime.backends.native",
                    "runtime.backends.kv_pool", "runtime.backends.adapter_weights", "runtime.backends.guidance",
-                   "runtime.backends.block_layouts", "runtime.backends.lora_gradients", "runtime.backends.micro_lora",
+                   "runtime.backends.block_layouts", "runtime.backends.graph_rewrite", "runtime.backends.lora_gradients", "runtime.backends.micro_lora",
                    "runtime.backends.dense_weights", "runtime.serve.feedback_api", "runtime.serve.personalization")
 
 

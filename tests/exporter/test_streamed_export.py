@@ -210,7 +210,7 @@ def test_k_quants_at_their_own_bits_run_with_and_without_the_kernels(mix, smol_g
     from transformers import AutoModelForCausalLM
 
     from exporter.convert import ConvertOptions, convert
-    from runtime.backends import graph_fusion, kernel_library
+    from runtime.backends import graph_rewrite, kernel_library
     from runtime.backends.native import NativeBackend
     from runtime.package import load_package
     from tests.exporter.test_quantization import teacher_forced_logits
@@ -243,8 +243,8 @@ def test_k_quants_at_their_own_bits_run_with_and_without_the_kernels(mix, smol_g
     assert NativeBackend(load_package(pkg_dir)).matmul_kernel.startswith("onnxruntime MatMulNBits")
     runs["onnxruntime"] = teacher_forced_logits(pkg_dir, ids)
     # a model too large for its portable weights in the graph (protobuf's 2 GB) hands them to the session in memory
-    monkeypatch.setattr(graph_fusion, "CACHED_REWRITE_BYTES", 0)
-    monkeypatch.setattr(graph_fusion, "_rewrite_cache", lambda: workdir / f"graphs-{mix}-in-memory")
+    monkeypatch.setattr(graph_rewrite.cache, "CACHED_REWRITE_BYTES", 0)
+    monkeypatch.setattr(graph_rewrite.cache, "_rewrite_cache", lambda: workdir / f"graphs-{mix}-in-memory")
     backend = NativeBackend(load_package(pkg_dir))
     backend.enable_lora(2, 4)  # the LoRA graph takes the same arrays, not a second conversion
     assert backend._portable and len(backend._in_memory) == 2

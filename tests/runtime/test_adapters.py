@@ -407,7 +407,7 @@ def test_a_one_set_lora_graph_still_fuses_and_gives_the_same_logits(tiny_package
     import onnx
 
     from runtime import contract as C
-    from runtime.backends import graph_fusion, kernel_library
+    from runtime.backends import graph_rewrite, kernel_library
     from runtime.backends.native import NativeBackend
     from runtime.core.adapters import read_adapter
     from runtime.package import load_package
@@ -418,11 +418,11 @@ def test_a_one_set_lora_graph_still_fuses_and_gives_the_same_logits(tiny_package
     old = tmp_path / "one-set"
     shutil.copytree(new, old)
     graph = onnx.load(str(old / "model_lora.onnx"), load_external_data=False)
-    sets = graph_fusion._weight_sets(graph, list(graph.graph.node))
+    sets = graph_rewrite.lora._weight_sets(graph, list(graph.graph.node))
     assert len(sets) == 14  # two layers' seven targets
     for node in graph.graph.node:
         node.input[:] = [C.LORA_WEIGHTS if name in sets else name for name in node.input]
-    graph_fusion._drop_dead(graph)
+    graph_rewrite.nodes._drop_dead(graph)
     onnx.save(graph, str(old / "model_lora.onnx"))
     manifest = json.loads((old / "manifest.json").read_text())
     data = (old / "model_lora.onnx").read_bytes()

@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from runtime.backends import graph_fusion, kernel_library
+from runtime.backends import graph_rewrite, kernel_library
 
 LIB, WHY = kernel_library.library()
 needs_kernel = pytest.mark.skipif(LIB is None, reason=f"RuvLLM's kernels are not built here: {WHY}")
@@ -50,7 +50,7 @@ def matmul_model(K: int, N: int, block: int, *, accuracy_level: int = 4, seed: i
 def sessions(tmp_path, K: int, N: int, block: int) -> tuple[ort.InferenceSession, ort.InferenceSession]:
     path = tmp_path / f"mm-{K}-{N}-{block}.onnx"
     path.write_bytes(matmul_model(K, N, block))
-    rewritten, counts = graph_fusion.rewrite_graph(path)
+    rewritten, counts = graph_rewrite.rewrite_graph(path)
     assert (counts["MatMulQ4"], counts["PagedAttention"]) == (1, 0)
     plain, ours = ort.SessionOptions(), ort.SessionOptions()
     plain.intra_op_num_threads = ours.intra_op_num_threads = 2
@@ -102,7 +102,8 @@ def test_an_int4_grid_in_the_kernels_layout_computes_what_it_packs_at_load(tmp_p
     the same numbers, bit for bit, as the kernel packing MatMulNBits' grid; without the kernel the graph turns
     back into that MatMulNBits exactly (portable_graph)."""
     from exporter.quantizers.block_matmul import kernel_layouts
-    from runtime.backends.block_layouts import GRID_KIND, grid_parts, portable_graph
+    from runtime.backends.block_layouts import GRID_KIND, grid_parts
+    from runtime.backends.graph_rewrite.portable import portable_graph
 
     mlas, packed = sessions(tmp_path, K, N, block)
     original = onnx.load_from_string(matmul_model(K, N, block))
@@ -120,7 +121,7 @@ def test_an_int4_grid_in_the_kernels_layout_computes_what_it_packs_at_load(tmp_p
 
     path = tmp_path / "grid.onnx"
     onnx.save(model, path)
-    rewritten, counts = graph_fusion.rewrite_graph(path)
+    rewritten, counts = graph_rewrite.rewrite_graph(path)
     assert counts["MatMulQ4"] == 1
     opts = ort.SessionOptions()
     opts.register_custom_ops_library(str(LIB))
@@ -142,7 +143,7 @@ def test_rewrite_leaves_what_the_kernel_does_not_compute(tmp_path):
     for name, (model, want) in cases.items():
         path = tmp_path / f"{name}.onnx"
         path.write_bytes(model)
-        rewritten, counts = graph_fusion.rewrite_graph(path, {"head_dim": 64, "num_layers": 1, "num_heads": 2,
+        rewritten, counts = graph_rewrite.rewrite_graph(path, {"head_dim": 64, "num_layers": 1, "num_heads": 2,
                                                                    "num_kv_heads": 1})
         assert (counts["MatMulQ4"], counts["PagedAttention"]) == (want, 0), name  # no attention path here to fuse
         ops = [(n.domain, n.op_type) for n in onnx.load_from_string(rewritten).graph.node]
@@ -176,7 +177,7 @@ def test_q8_kernel_computes_the_int8_product_of_a_q8_0_grid(tmp_path, K, N, bloc
     model, w = q8_model(K, N, block)
     path = tmp_path / "q8.onnx"
     path.write_bytes(model)
-    rewritten, counts = graph_fusion.rewrite_graph(path, ops=OPS)
+    rewritten, counts = graph_rewrite.rewrite_graph(path, ops=OPS)
     assert (counts["MatMulQ8"], counts["MatMulQ4"]) == (1, 0)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = 2
@@ -200,9 +201,9 @@ def test_q8_rewrite_needs_zero_points_of_128(tmp_path):
     for name, model in (("q8_0", q8_model(256, 64, 32)[0]), ("other", q8_model(256, 64, 32, zero)[0])):
         path = tmp_path / f"{name}.onnx"
         path.write_bytes(model)
-        _, counts = graph_fusion.rewrite_graph(path, ops=frozenset({"MatMulQ4", "MatMulQ8"}))
+        _, counts = graph_rewrite.rewrite_graph(path, ops=frozenset({"MatMulQ4", "MatMulQ8"}))
         assert counts["MatMulQ8"] == (name == "q8_0"), name
-    _, counts = graph_fusion.rewrite_graph(tmp_path / "q8_0.onnx", ops=frozenset({"MatMulQ4"}))
+    _, counts = graph_rewrite.rewrite_graph(tmp_path / "q8_0.onnx", ops=frozenset({"MatMulQ4"}))
     assert counts["MatMulQ8"] == 0
 
 
@@ -239,7 +240,7 @@ def test_what_follows_a_projection_is_computed_in_its_kernel(tmp_path, tail, fus
     K, N = 576, 960
     path = tmp_path / f"{tail}.onnx"
     path.write_bytes(projection_then(K, N, 64, tail))
-    rewritten, counts = graph_fusion.rewrite_graph(path)
+    rewritten, counts = graph_rewrite.rewrite_graph(path)
     assert counts["MatMulQ4"] == 1
     ops = [n.op_type for n in onnx.load_from_string(rewritten).graph.node]
     assert ops == ([fused] if tail == "swiglu" else [fused, "Unsqueeze", "Reshape"])
@@ -278,7 +279,7 @@ def test_residual_add_and_rms_norm_computed_as_onnxruntime_does(tmp_path, H):
     epsilon matters."""
     path = tmp_path / "norm.onnx"
     path.write_bytes(residual_norm_model(H, read_inverse=False))
-    rewritten, _ = graph_fusion.rewrite_graph(path)
+    rewritten, _ = graph_rewrite.rewrite_graph(path)
     assert [(n.domain, n.op_type) for n in onnx.load_from_string(rewritten).graph.node] == [("ruvllm", "SkipRMSNorm")]
     opts = ort.SessionOptions()
     opts.register_custom_ops_library(str(LIB))
@@ -295,7 +296,7 @@ def test_a_norm_whose_statistics_are_read_is_left_alone(tmp_path):
     path = tmp_path / "norm.onnx"
     path.write_bytes(residual_norm_model(64, read_inverse=True))
     model = onnx.load(str(path))
-    assert graph_fusion.fuse_norms(model) == 0
+    assert graph_rewrite.fuse_norms(model) == 0
     assert model.graph.node[0].op_type == "SkipSimplifiedLayerNormalization"
 
 
@@ -344,7 +345,7 @@ def test_the_native_backend_says_which_kernel_it_runs(tiny_package, monkeypatch)
 def test_a_failed_rewrite_without_the_kernels_is_named_in_the_load_error(tiny_package, monkeypatch):
     """A --target cpu package's int4 grids are in the kernel's layout: without the kernels they must be rewritten,
     and when that fails the error says so, rather than only onnxruntime's "not a registered op"."""
-    from runtime.backends import graph_fusion
+    from runtime.backends import graph_rewrite
     from runtime.backends.native import NativeBackend
     from runtime.errors import PackageError
     from runtime.package import load_package
@@ -355,7 +356,7 @@ def test_a_failed_rewrite_without_the_kernels_is_named_in_the_load_error(tiny_pa
     def fail(*args, **kwargs):
         raise MemoryError("no room for the portable weights")
 
-    monkeypatch.setattr(graph_fusion, "rewrite_graph", fail)
+    monkeypatch.setattr(graph_rewrite, "rewrite_graph", fail)
     with pytest.raises(PackageError) as err:
         NativeBackend(pkg)
     assert "onnxruntime cannot load model.onnx" in str(err.value)
@@ -724,7 +725,7 @@ def test_block_minimums_fold_into_the_kernel_where_fp16_holds_them(tmp_path):
         model, _ = minimums_model(64, 32, fp16)
         path = tmp_path / f"mins-{fp16}.onnx"
         onnx.save(model, path)
-        rewritten, counts = graph_fusion.rewrite_graph(path)
+        rewritten, counts = graph_rewrite.rewrite_graph(path)
         nodes = onnx.load_from_string(rewritten).graph.node
         assert counts["MatMulQ4"] == 1 and sorted((n.domain, n.op_type, len(n.input)) for n in nodes if n.op_type != "Cast") == sorted(want)
         assert [a.i for n in nodes if n.op_type == "MatMulQ4" for a in n.attribute if a.name == "mins"] == [int(fp16)]
@@ -760,7 +761,7 @@ def test_minimums_kernel_computes_the_int8_product_with_the_files_weights(tmp_pa
     model, w = minimums_model(576, 960)
     path = tmp_path / "mins.onnx"
     onnx.save(model, path)
-    rewritten, counts = graph_fusion.rewrite_graph(path, ops=OPS)
+    rewritten, counts = graph_rewrite.rewrite_graph(path, ops=OPS)
     assert counts["MatMulQ4"] == 1
     opts = ort.SessionOptions()
     opts.register_custom_ops_library(str(LIB))
@@ -1014,7 +1015,7 @@ def test_own_bit_kernel_computes_the_int8_product_with_the_files_weights(name, K
 @pytest.mark.parametrize("name", OWN_TYPES)
 def test_own_bit_layouts_run_without_the_kernels_as_matmulnbits(name, tmp_path):
     """portable_graph: the same weights as MatMulNBits (and a minimum term), exact with fp32 compute."""
-    from runtime.backends.block_layouts import portable_graph
+    from runtime.backends.graph_rewrite.portable import portable_graph
 
     model, w, _ = own_model(name, 512, 64)
     assert portable_graph(model, tmp_path) == 1
@@ -1043,7 +1044,7 @@ def gather_model(name: str, N: int = 64, K: int = 512):
 @pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
 def test_gathered_rows_are_the_tables_dequantization_bit_for_bit(name, tmp_path):
     """With the kernels and without them (portable_graph): the rows gguf's dequantization gives, exactly."""
-    from runtime.backends.block_layouts import portable_graph
+    from runtime.backends.graph_rewrite.portable import portable_graph
 
     model, w = gather_model(name)
     ids = np.array([[3, 63, 0], [17, 17, 40]], np.int64)
@@ -1086,7 +1087,7 @@ def test_sampling_tail_computes_what_its_five_operators_compute(mask_rows):
     are scattered as ScatterElements does; a row's result does not depend on the other rows."""
     model = sampling_tail(mask_rows)
     plain = ort.InferenceSession(model.SerializeToString())
-    assert graph_fusion.fuse_sampling(model) == 1
+    assert graph_rewrite.fuse_sampling(model) == 1
     assert [n.op_type for n in model.graph.node] == ["SampleTopK"]
     opts = ort.SessionOptions()
     opts.register_custom_ops_library(str(LIB))
@@ -1134,14 +1135,14 @@ def test_the_packages_sampling_tail_is_rewritten_and_gives_the_same_tokens(tiny_
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
               SamplingParams(temperature=0.9, top_k=20, seed=3, max_tokens=12, ignore_eos=True, repetition_penalty=1.3,
                              presence_penalty=0.4, logit_bias={7: 5.0})]
-    fused_tails, rewrite = [], graph_fusion.rewrite_graph
+    fused_tails, rewrite = [], graph_rewrite.rewrite_graph
 
     def spy(*args, **kwargs):
         model, counts = rewrite(*args, **kwargs)
         fused_tails.append(counts["SampleTopK"])
         return model, counts
 
-    monkeypatch.setattr(graph_fusion, "rewrite_graph", spy)
+    monkeypatch.setattr(graph_rewrite, "rewrite_graph", spy)
 
     def tokens() -> list[list[int]]:
         fused_tails.clear()

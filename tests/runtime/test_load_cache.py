@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from runtime.backends import graph_fusion, kernel_library
+from runtime.backends import graph_rewrite, kernel_library
 from runtime.errors import PackageError
 
 LIB, WHY = kernel_library.library()
@@ -50,13 +50,13 @@ def test_the_rewritten_graph_is_reused_until_its_package_changes(cache, tmp_path
     assert first.matmul_kernel.startswith("ruvllm.MatMulQ4"), first.matmul_kernel
     assert len(list((cache / "graphs").glob("*.onnx"))) == 1
 
-    fuse, calls = graph_fusion.fuse, []
+    fuse, calls = graph_rewrite.fuse, []
 
     def counted(*args, **kwargs):
         calls.append(args)
         return fuse(*args, **kwargs)
 
-    monkeypatch.setattr(graph_fusion, "fuse", counted)
+    monkeypatch.setattr(graph_rewrite, "fuse", counted)
     again = NativeBackend(load_package(pkg))  # from the cache: fuse is not called
     assert (again.matmul_kernel, again.attention_kernel) == (first.matmul_kernel, first.attention_kernel)
     assert not calls
@@ -71,17 +71,17 @@ def test_the_rewritten_graph_is_reused_until_its_package_changes(cache, tmp_path
 def test_the_cache_keeps_the_most_recently_used(cache, tmp_path, monkeypatch):
     from tests.runtime.test_cpu_kernels import matmul_model
 
-    monkeypatch.setattr(graph_fusion, "CACHED_REWRITES", 2)
+    monkeypatch.setattr(graph_rewrite.cache, "CACHED_REWRITES", 2)
     graphs = []
     for seed in range(3):
         path = tmp_path / f"g{seed}.onnx"
         path.write_bytes(matmul_model(64, 32, 32, seed=seed))
         graphs.append(path)
-    graph_fusion.rewrite_graph(graphs[0])
-    graph_fusion.rewrite_graph(graphs[1])
+    graph_rewrite.rewrite_graph(graphs[0])
+    graph_rewrite.rewrite_graph(graphs[1])
     os.utime(next((cache / "graphs").glob("*.json")), ns=(0, 0))  # whichever it is, the oldest now
     kept = {f.name for f in (cache / "graphs").glob("*.json")}
-    graph_fusion.rewrite_graph(graphs[2])
+    graph_rewrite.rewrite_graph(graphs[2])
     left = {f.name for f in (cache / "graphs").glob("*.json")}
     assert len(left) == 2 and len(left & kept) == 1
     assert len(list((cache / "graphs").glob("*.onnx"))) == 2
