@@ -1,7 +1,7 @@
 """The exporter -> runtime contract: package format version and graph I/O names.
 
 The runtime owns this module; the exporter imports it, so both sides agree by construction.
-docs/ARCHITECTURE.md documents every name here with its shape and meaning; io_roles() goes into
+docs/design/package.md documents every name here with its shape and meaning; io_roles() goes into
 the manifest so that a step runner in another language reads names from there.
 """
 

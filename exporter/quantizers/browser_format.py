@@ -24,7 +24,7 @@ from exporter.quantizers.grid import fp16_exact
 from exporter.quantizers.quantize import LM_HEAD_NODE
 from runtime.backends.block_layouts import unpack_4bit
 
-# The session option a runtime must set for this format (documented in docs/ARCHITECTURE.md).
+# The session option a runtime must set for this format (documented in docs/design/package.md).
 SESSION_CONFIG = {"session.disable_quant_qdq": "1"}
 
 
