@@ -50,6 +50,20 @@ def providers_for(device: str) -> list[str]:
     return DEVICE_PROVIDERS[device]
 
 
+def row_logprobs(logits, token_ids: list[int]) -> list[float]:
+    """Each row's log-softmax at its token (-1: 0.0, a row that scores nothing), in float64: the model's own
+    log-probability of a prompt's next token (prompt_logprobs)."""
+    ids = np.asarray(token_ids, np.int64)
+    rows = np.nonzero(ids >= 0)[0]
+    out = [0.0] * len(token_ids)
+    if rows.size:
+        x = np.asarray(logits[rows], np.float64)
+        top = x.max(axis=1)
+        lse = top + np.log(np.exp(x - top[:, None]).sum(axis=1))
+        for r, v in zip(rows.tolist(), (x[np.arange(rows.size), ids[rows]] - lse).tolist()):
+            out[r] = v
+    return out
+
 class NativeBackend:
     name = "onnxruntime"
     kv_exact_blocks = 1  # allocate: kv_tails.TAIL_BLOCKS on a two-tier pool
@@ -375,7 +389,8 @@ class NativeBackend:
         if not batch.logits_index:
             return StepResult([], [])
         logits = outs[C.LOGITS].copy() if batch.want_full_logits else None
-        return StepResult(outs[C.TOPK_IDS].tolist(), outs[C.TOPK_LOGPROBS].tolist(), logits)
+        scores = None if batch.score_ids is None else row_logprobs(outs[C.LOGITS], batch.score_ids)
+        return StepResult(outs[C.TOPK_IDS].tolist(), outs[C.TOPK_LOGPROBS].tolist(), logits, scores)
 
     async def run_async(self, batch: StepBatch) -> StepResult:
         return self.run(batch)
@@ -536,6 +551,7 @@ class GraphRunner:
                 arr = arr.astype(np.float16)
             self.io.bind_cpu_input(name, arr)
             self._bound_inputs[name] = (object(), arr)  # never equal: rebound whenever given
-        outs = self._bind_outputs(len(batch.input_ids), rows, top_k, batch.want_full_logits, want_hidden)
+        outs = self._bind_outputs(len(batch.input_ids), rows, top_k, batch.want_full_logits or batch.score_ids is not None,
+                                  want_hidden)
         self.session.run_with_iobinding(self.io)
         return outs

@@ -177,13 +177,23 @@ class Engine:
         """Choose tokens from the step's candidates, then let the scheduler account what was computed."""
         self.stats.steps += 1
         outputs: list[RequestOutput] = []
+        scores = iter(result.scores or [])
         rows = iter(zip(result.topk_ids, result.topk_logprobs))  # per chunk that wanted logits, in order
         for (seq, n), chunk in zip(prepared.scheduled.scheduled, prepared.scheduled.chunks):
+            scored = [(next(rows), next(scores)) for _ in range(chunk.scored)]
             candidates = [next(rows) for _ in range(chunk.logits_rows)] if chunk.want_logits else []
             if seq.finished:  # aborted while the step ran: its blocks are gone already
                 continue
+            if scored:
+                self.processor.score_prompt(seq, chunk, scored)
             drafted = len(seq.draft)
-            emitted = self.processor.process(seq, candidates, seq.draft)
+            if chunk.want_logits and seq.params.max_tokens == 0 and not seq.num_generated:
+                emitted = [self.processor.prompt_only(seq)]  # the prompt computed (and scored), nothing generated
+            else:
+                emitted = self.processor.process(seq, candidates, seq.draft)
+            if emitted and seq.scores_prompt:
+                emitted[0].prompt_logprobs = seq.prompt_scores
+                seq.prompt_scores_sent = True
             accepted = max(0, len(emitted) - 1)  # every emitted token but the last confirmed its draft
             self.scheduler.update(seq, n - drafted + accepted, accepted, bool(emitted) and emitted[-1].finished)
             outputs.extend(emitted)

@@ -53,6 +53,20 @@ class OutputProcessor:
                 break
         return outputs
 
+    def score_prompt(self, seq: Sequence, chunk, scored: list) -> None:
+        """prompt_logprobs: the chunk's scored rows, each the prompt's next token's log-probability (the backend's
+        StepResult.scores) and the likeliest alternatives there (the row's candidates, unprocessed)."""
+        top = seq.params.prompt_logprobs
+        for j, ((ids, lps), logprob) in enumerate(scored):
+            at = chunk.start + j  # the row at position `at` scores prompt token at + 1, kept at index `at`
+            while len(seq.prompt_scores) <= at:
+                seq.prompt_scores.append(None)
+            seq.prompt_scores[at] = TokenLogprob(chunk.score_ids[j], logprob, list(zip(ids, lps))[:top])
+
+    def prompt_only(self, seq: Sequence) -> RequestOutput:
+        """max_tokens 0: the request ends once its prompt is computed."""
+        return RequestOutput(seq.id, "", [], True, "length", len(seq.prompt_ids), 0, cached_tokens=seq.cached_tokens)
+
     def _accept(self, seq: Sequence, ids: list[int], lps: list[float]) -> RequestOutput:
         p = seq.params
         if p.dry:

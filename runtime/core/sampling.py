@@ -23,9 +23,10 @@ GREEDY_BELOW = 1e-5
 # Python API, the CLI, the HTTP server (and its published request schema) and the page all check these.
 # the scalar sampling fields' ranges (runtime/core/request_fields.py), and the other fields'
 RANGES: dict[str, tuple[float | None, float | None, bool]] = {
-    "max_tokens": (1, None, False),
+    "max_tokens": (0, None, False),  # 0: the prompt is computed (and scored, with prompt_logprobs), nothing generated
     **{f.name: f.range for f in SAMPLING_FIELDS if f.range is not None},
     "logprobs": (0, 20, False),
+    "prompt_logprobs": (0, 20, False),
     "logit_bias": (-100.0, 100.0, False),  # each bias value
     "thinking_budget": (0, None, False),  # a reasoning model's tokens inside its thinking block, at most
 }
@@ -65,6 +66,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # return this many alternatives per token
+    # score the prompt: each prompt token's logprob given those before it, with this many alternatives (vLLM's);
+    # its rows are computed in the prompt's own prefill (no prefix-cache hit), at temperature 1, unprocessed
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     dry_multiplier: float = _D["dry_multiplier"]  # DRY (runtime/core/dry.py): off at 0
     dry_base: float = _D["dry_base"]
@@ -85,8 +89,12 @@ class SamplingParams:
                 or any(not isinstance(s, str) or not s for s in self.dry_sequence_breakers)):
             raise RequestError("invalid dry_sequence_breakers: must be a list of non-empty strings",
                                "dry_sequence_breakers")
-        if self.logprobs is not None:
-            check_range("logprobs", self.logprobs)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise RequestError(f"invalid {name}: must be an integer", name)
+                check_range(name, value)
         if self.thinking_budget is not None:
             if not isinstance(self.thinking_budget, int) or isinstance(self.thinking_budget, bool):
                 raise RequestError("invalid thinking_budget: must be an integer", "thinking_budget")

@@ -26,6 +26,8 @@ from runtime.core.speculative import PromptLookup
 from runtime.core.stats import EngineStats
 from runtime.core.step_batch import Chunk
 
+# prompt rows scored in one step (prompt_logprobs): each fetches [vocab] logits (262,144 floats for Gemma 3)
+SCORED_ROWS = 128
 # A waiting prompt whose next full blocks this step computes for another (the same system prompt, n
 # copies of one prompt) waits a step for them when they are all its uncached blocks or at least this many
 IN_BATCH_SHARE_BLOCKS = 2
@@ -44,6 +46,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int, max_context: int, vocab_size: int,
                  stats: EngineStats | None = None, exact_blocks: int = 1, pads_rows: bool = False) -> None:
+        self._scored_left = SCORED_ROWS  # this step's (schedule() resets it)
         self.config = config
         self.pads_rows = pads_rows  # Backend.pads_rows: a step's attention costs rows x its longest chunk
         # blocks up to a query's own that the backend's pool reads exact (Backend.kv_exact_blocks): above
@@ -95,13 +98,14 @@ class Scheduler:
         """The next step, or None when nothing can run."""
         budget = self.config.max_batch_tokens
         cap = self._row_cap()
+        self._scored_left = SCORED_ROWS
         plan: list[tuple[Sequence, int]] = []
         for seq in list(self.running):
             if budget <= 0:
                 break
             if seq not in self.running:  # preempted below to make room
                 continue
-            n = min(len(seq.tokens) - seq.num_computed, budget, cap)
+            n = self._scored(seq, min(len(seq.tokens) - seq.num_computed, budget, cap))
             while not self._grow(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -121,6 +125,15 @@ class Scheduler:
                 self.stats.prompt_tokens += n
         self.stats.peak_running = max(self.stats.peak_running, len(plan))
         return SchedulerOutput(plan, [self._chunk(seq, n) for seq, n in plan], self.allocator.take_dropped())
+
+    def _scored(self, seq: Sequence, n: int) -> int:
+        """n, or for a prompt being scored (prompt_logprobs) what is left of the step's SCORED_ROWS (at least one):
+        each of its rows fetches the whole vocabulary's logits."""
+        if not seq.scores_prompt:
+            return n
+        n = max(1, min(n, self._scored_left))
+        self._scored_left -= n
+        return n
 
     def _row_cap(self) -> int:
         """The most tokens one row may compute this step: the budget, or on a backend that pads rows, the
@@ -149,7 +162,7 @@ class Scheduler:
             slots = self._acquire_slots(seq)
             if slots is None:  # every adapter slot is taken by running sequences of other adapters
                 continue
-            cached = self.allocator.lookup(keys)
+            cached = [] if seq.scores_prompt else self.allocator.lookup(keys)  # a scored prompt computes every row
             shadow = []
             if seq.xlora:  # a prefix serves only with both passes' K/V: the shorter run of hits decides
                 shadow = self.allocator.lookup(shadow_keys[:len(cached)])
@@ -159,7 +172,7 @@ class Scheduler:
             seq.block_keys = keys[:len(cached)]  # copies: update() appends to them
             seq.shadow_keys = shadow_keys[:len(shadow)]
             start = len(cached) * self.block_size
-            n = min(len(seq.tokens) - start, budget, cap)
+            n = self._scored(seq, min(len(seq.tokens) - start, budget, cap))
             if seq.kv_passes * (self.allocator.blocks_for(start + n) - len(cached)) > self.allocator.num_free:
                 for block in cached + shadow:  # not admitted after all: give the hits back
                     self.allocator.release(block)
@@ -214,6 +227,11 @@ class Scheduler:
             adapter_slot=seq.adapter_slot)
         if chunk.want_logits:
             chunk.matcher = seq.matcher
+        if seq.scores_prompt:  # the chunk's positions before the prompt's last score the prompt's next token
+            upto = min(start + n, len(seq.prompt_ids) - 1)
+            if upto > start:
+                chunk.scored, chunk.score_ids = upto - start, seq.tokens[start + 1:upto + 1]
+                chunk.top_k = max(chunk.top_k, p.prompt_logprobs)
         if seq.xlora:
             chunk.xlora, chunk.expert_slots, chunk.shadow_table = seq.xlora, seq.expert_slots, seq.shadow_blocks
             chunk.shadow_kv_slots = [seq.shadow_blocks[t // bs] * bs + t % bs for t in range(start, start + n)]

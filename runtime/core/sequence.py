@@ -31,6 +31,9 @@ class RequestOutput:
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error_param: str | None = None  # with error: the request's own field at fault (a 400), not the engine
+    # with prompt_logprobs, on the request's first output: per prompt token after the first, its logprob given
+    # the tokens before it and the likeliest alternatives there (the first token has none: nothing precedes it)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(eq=False)  # identity: the scheduler's list lookups compare sequences, not their token lists
@@ -59,6 +62,8 @@ class Sequence:
     shadow_keys: list[bytes] = field(default_factory=list)  # X-LoRA: prefix keys of its computed shadow blocks
     matcher: object = None  # structured output: its grammar's matcher (runtime.core.constraints.Matcher)
     thinking: object = None  # a thinking budget (runtime.text.reasoning.ThinkingBudget): closes the block in time
+    prompt_scores: list[TokenLogprob | None] = field(default_factory=list)  # prompt_logprobs: by position - 1
+    prompt_scores_sent: bool = False
     # the output processor's: sampling, detokenizing, stop strings
     rng: object = None
     decoder: IncrementalDecoder | None = None
@@ -68,6 +73,11 @@ class Sequence:
     def kv_passes(self) -> int:
         """KV blocks per block of tokens: 2 for an X-LoRA sequence (its scaling pass keeps its own)."""
         return 2 if self.xlora else 1
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prompt rows are still to be scored (prompt_logprobs, not all computed yet)."""
+        return self.params.prompt_logprobs is not None and not self.prompt_scores_sent
 
     @property
     def num_generated(self) -> int:

@@ -78,6 +78,10 @@ class Chunk:
     matcher: object = None  # structured output (runtime.core.constraints.Matcher): masks its logits row
     exact_from: int = 0  # two-tier pools: the sequence's floor (kv_blocks.exact_floor)
     own_from: int = 0  # the first position the sequence computed itself: blocks before it are prefix-cache hits
+    # prompt_logprobs: how many leading tokens are scored, each row's logits at temperature 1 and unprocessed, and
+    # the token each row scores (the prompt's next); these rows come before the chunk's own logits rows
+    scored: int = 0
+    score_ids: list[int] | None = None
 
 
 @dataclass
@@ -126,6 +130,9 @@ class StepBatch:
     dropped_blocks: list[int] = field(default_factory=list)  # blocks no sequence holds since the last step
     exact_from: list[int] = field(default_factory=list)  # per row: its floor (Chunk.exact_from; build_step fills it)
     own_from: list[int] = field(default_factory=list)  # per row: Chunk.own_from (build_step fills it)
+    # per logits row, the token whose log-probability the backend reports in StepResult.scores (-1: none);
+    # None when no row scores a prompt
+    score_ids: list[int] | None = None
 
     def lora_slots(self) -> list[int]:
         """Every adapter slot the step reads: the tokens' own and the X-LoRA experts'."""
@@ -172,6 +179,7 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
     kv: list[int] = []
     logits_index: list[int] = []
     rows: list[tuple[Chunk, PenaltyState | None]] = []
+    scores: list[int] = []  # per logits row, the prompt token it scores (-1: a sampled row)
     for b, c in enumerate(chunks):
         base = len(ids)
         n = len(c.tokens)
@@ -181,11 +189,16 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
         last = base + n - 1
         qidx.append(list(range(base, base + n)) + [last] * (query_len - n))
         kv.extend(c.kv_slots)
+        for j in range(c.scored):  # prompt rows: scored as the model sees them, nothing applied
+            logits_index.append(base + j)
+            rows.append((c, None))
+            scores.append(c.score_ids[j])
         if c.want_logits:
             drafts = c.tokens[n - c.logits_rows + 1:]
             for j in range(c.logits_rows):  # row j follows j drafted tokens: they count as generated there
                 logits_index.append(last - c.logits_rows + 1 + j)
                 rows.append((c, c.penalties.after(drafts[:j]) if c.penalties and j else c.penalties))
+                scores.append(-1)
     width = max([len(p.ids) for _, p in rows if p] + [1])
     sp_ids, sp_seen, sp_counts, sp_bias = [], [], [], []
     for _, p in rows:
@@ -208,17 +221,19 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
         block_tables=[c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks],
         kv_slots=kv, max_blocks=max_blocks,
         logits_index=logits_index,
-        temperature=[c.temperature for c, _ in rows],
-        repetition_penalty=[c.repetition_penalty for c, _ in rows],
-        presence_penalty=[c.presence_penalty for c, _ in rows],
-        frequency_penalty=[c.frequency_penalty for c, _ in rows],
+        temperature=[1.0 if t >= 0 else c.temperature for (c, _), t in zip(rows, scores)],
+        repetition_penalty=[1.0 if t >= 0 else c.repetition_penalty for (c, _), t in zip(rows, scores)],
+        presence_penalty=[0.0 if t >= 0 else c.presence_penalty for (c, _), t in zip(rows, scores)],
+        frequency_penalty=[0.0 if t >= 0 else c.frequency_penalty for (c, _), t in zip(rows, scores)],
         sparse_ids=sp_ids, sparse_seen=sp_seen, sparse_counts=sp_counts, sparse_bias=sp_bias,
         top_k=max([c.top_k for c, _ in rows] + [1]),
         want_full_logits=want_full_logits,
+        score_ids=scores if any(t >= 0 for t in scores) else None,
         adapter_slots=([c.adapter_slot for c in chunks for _ in c.tokens]
                        if any(c.adapter_slot or c.xlora for c in chunks) else None),
         xlora=_xlora_pass(chunks, block_size),
-        matchers=[c.matcher for c, _ in rows] if any(c.matcher for c, _ in rows) else None,
+        matchers=([None if t >= 0 else c.matcher for (c, _), t in zip(rows, scores)]
+                  if any(c.matcher for c, _ in rows) else None),
         exact_from=[c.exact_from for c in chunks],
         own_from=[c.own_from for c in chunks],
     )
@@ -243,3 +258,4 @@ class StepResult:
     topk_ids: list[list[int]]
     topk_logprobs: list[list[float]]
     logits: object | None = None  # [num_logits, vocab] when asked for (numpy natively, lists in the page)
+    scores: list[float] | None = None  # per logits row, the log-probability of StepBatch.score_ids' token
