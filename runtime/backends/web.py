@@ -204,7 +204,7 @@ class WebBackend:
         reply = await self._run(batch, self._lora_feed(batch, mix))
         if not batch.logits_index:
             return StepResult([], [])
-        return StepResult(reply["topk_ids"], reply["topk_logprobs"], reply.get("logits"))
+        return StepResult(reply["topk_ids"], reply["topk_logprobs"], reply.get("logits"), reply.get("scores"))
 
     async def _run(self, batch: StepBatch, lora: dict | None, classify: list | None = None) -> dict:
         from js import Object
@@ -222,7 +222,7 @@ class WebBackend:
         step = {
             "feeds": feeds, "rows": len(batch.logits_index),
             "kv_slots": batch.kv_slots, "blocks_needed": 1 + max(max(t) for t in batch.block_tables),
-            "want_logits": batch.want_full_logits, "lora": lora,
+            "want_logits": batch.want_full_logits, "score_ids": batch.score_ids, "lora": lora,
             "classify": classify and {"hidden": C.HIDDEN_STATES, "groups": classify},
             # structured output: per logits row its allowed tokens as a bitmask (None: unconstrained)
             "mask": batch.matchers and [m and m.allowed_bits() for m in batch.matchers],

@@ -177,11 +177,12 @@ class Engine:
         """Choose tokens from the step's candidates, then let the scheduler account what was computed."""
         self.stats.steps += 1
         outputs: list[RequestOutput] = []
-        scores = iter(result.scores or [])
-        rows = iter(zip(result.topk_ids, result.topk_logprobs))  # per chunk that wanted logits, in order
+        # per logits row in order: a chunk's scored prompt rows first (with their scores), then its sampled rows
+        scores = result.scores or [0.0] * len(result.topk_ids)
+        rows = iter(zip(zip(result.topk_ids, result.topk_logprobs), scores))
         for (seq, n), chunk in zip(prepared.scheduled.scheduled, prepared.scheduled.chunks):
-            scored = [(next(rows), next(scores)) for _ in range(chunk.scored)]
-            candidates = [next(rows) for _ in range(chunk.logits_rows)] if chunk.want_logits else []
+            scored = [next(rows) for _ in range(chunk.scored)]
+            candidates = [next(rows)[0] for _ in range(chunk.logits_rows)] if chunk.want_logits else []
             if seq.finished:  # aborted while the step ran: its blocks are gone already
                 continue
             if scored:

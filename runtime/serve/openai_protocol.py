@@ -65,6 +65,11 @@ class ParsedRequest:
     user: str | None = None  # OpenAI's end-user id: their adapter, when the server personalizes
     template_kwargs: dict | None = None  # chat: chat_template_kwargs, the template's own variables (enable_thinking)
     reasoning: tuple | None = None  # chat with a reasoning model: (ThinkTokens, prompt_state), once queued
+    # completions: every prompt (a list of them is one request: prompt k's choices are k * n .. k * n + n - 1)
+    prompts: list | None = None
+    echo: bool = False  # completions: each choice's text (and logprobs) starts with its prompt's
+    prompt_logprobs: int | None = None  # vLLM's: each choice also carries its prompt's log-probabilities
+    prompt_ids: list[list[int]] | None = None  # each prompt's ids, once queued
 
 
 def _get(body: dict, name: str, types: tuple, default=None, allow_none: bool = True):
@@ -240,7 +245,7 @@ REASONING_FIELDS = ("chat_template_kwargs", "thinking_budget_tokens")
 RENDERER_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 CHAT_FIELDS = (_COMMON + ("messages", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls")
                + REASONING_FIELDS)
-COMPLETION_FIELDS = _COMMON + ("prompt", "logprobs", "echo")
+COMPLETION_FIELDS = _COMMON + ("prompt", "logprobs", "echo", "prompt_logprobs")
 
 
 def _common(body, known: tuple[str, ...]) -> tuple[str, bool, bool, str | None]:
@@ -359,22 +364,44 @@ def _tool_calls(calls, i: int) -> list[dict]:
 
 def parse_completion(body, defaults: dict | None = None) -> ParsedRequest:
     model, stream, include_usage, user = _common(body, COMPLETION_FIELDS)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ProtocolError("'prompt' must be a string or an array of token ids (one prompt per request)",
-                                "prompt")
-    elif not isinstance(prompt, str) or not prompt:
-        raise ProtocolError("'prompt' must be a non-empty string", "prompt")
+    prompts = _prompts(body.get("prompt"))
     logprobs = _logprobs(body, "logprobs")
-    if _get(body, "echo", (bool,), False):
-        raise ProtocolError("'echo' is not supported", "echo")
+    echo = _get(body, "echo", (bool,), False)
+    prompt_logprobs = _get(body, "prompt_logprobs", (int,))
+    if prompt_logprobs is not None:
+        _check(prompt_logprobs, "prompt_logprobs")
     params, given, n = _sampling(body, logprobs, defaults)
-    return ParsedRequest(model, params, stream, include_usage, prompt=prompt, logprobs=logprobs,
+    if len(prompts) * n > MAX_CHOICES:
+        raise ProtocolError(f"{len(prompts)} prompts of {n} choices each: at most {MAX_CHOICES} choices a request",
+                            "prompt")
+    # the prompt's rows are scored for echo's logprobs and for vLLM's prompt_logprobs alike
+    scored = [v for v in (logprobs if echo else None, prompt_logprobs) if v is not None]
+    params.prompt_logprobs = max(scored) if scored else None
+    return ParsedRequest(model, params, stream, include_usage, prompt=prompts[0], logprobs=logprobs,
                          max_tokens_given=given, return_token_ids=_get(body, "return_token_ids", (bool,), False), n=n,
-                         user=user)
+                         user=user, prompts=prompts, echo=echo, prompt_logprobs=prompt_logprobs)
+
+
+def _prompts(raw) -> list:
+    """A completion's prompts: a string, an array of token ids, or an array of either (a prompt each)."""
+    def ids(p) -> bool:
+        return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+    if isinstance(raw, str) and raw:
+        return [raw]
+    if ids(raw):
+        return [raw]
+    if isinstance(raw, list) and raw and all((isinstance(p, str) and p) or ids(p) for p in raw):
+        return list(raw)
+    raise ProtocolError("'prompt' must be a non-empty string, an array of token ids, or an array of those (one "
+                        "prompt each)", "prompt")
+
+
+def _check(value, name: str) -> None:
+    try:
+        check_range(name, value)
+    except RequestError as err:
+        raise ProtocolError(str(err), name) from None
 
 
 # ---- the published request schema (OpenAPI), from the same fields and ranges ----
@@ -455,9 +482,13 @@ def request_schema(chat: bool, models: list[str] | None = None, fields=SAMPLING_
                                              "description": "as llama.cpp's server: a reasoning model's thinking "
                                                             "block is closed after this many tokens"})
     else:
-        props.update(prompt={"anyOf": [text, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
-                                       {"type": "array", "minItems": 1, "maxItems": 1, "items": text}]},
-                     logprobs=top, echo={"type": "boolean", "const": False})
+        ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+        props.update(prompt={"anyOf": [text, ids, {"type": "array", "minItems": 1, "items": text},
+                                       {"type": "array", "minItems": 1, "items": ids}]},
+                     logprobs=top, echo={"type": "boolean"},
+                     prompt_logprobs={**_ranged("prompt_logprobs", "integer"),
+                                      "description": "as vLLM: each prompt token's log-probability given the tokens "
+                                                     "before it, with this many alternatives"})
     return {"type": "object", "required": ["model", "messages" if chat else "prompt"], "properties": props,
             "additionalProperties": False}
 

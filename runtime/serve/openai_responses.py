@@ -14,11 +14,13 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(lasts: list[RequestOutput], reasoning_tokens: int | None = None) -> dict:
-    """One usage for the choices' final outputs: the prompt counted once (as OpenAI does), their
-    completions summed; cached_tokens is the most any choice read from the prefix cache; reasoning_tokens
-    (a reasoning model's): the choices' tokens inside their thinking blocks."""
-    prompt, completion = lasts[0].prompt_tokens, sum(o.completion_tokens for o in lasts)
+def usage(lasts: list[RequestOutput], reasoning_tokens: int | None = None, per_prompt: int | None = None) -> dict:
+    """One usage for the choices' final outputs: each prompt counted once (as OpenAI does; `per_prompt`
+    choices share one, by default all of them), their completions summed; cached_tokens is the most any
+    choice read from the prefix cache; reasoning_tokens (a reasoning model's): the choices' tokens inside
+    their thinking blocks."""
+    prompt = sum(o.prompt_tokens for o in lasts[::per_prompt or len(lasts)])
+    completion = sum(o.completion_tokens for o in lasts)
     out = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
            "prompt_tokens_details": {"cached_tokens": max(o.cached_tokens for o in lasts)}}
     if reasoning_tokens is not None:
@@ -58,6 +60,36 @@ def completion_logprobs(outs: list[RequestOutput], decode) -> dict | None:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []} if tokens else None
 
 
+def echo_logprobs(prompt_ids: list[int], scores: list | None, generated: dict | None, decode) -> dict:
+    """The legacy logprobs of an echoed choice: the prompt's tokens first (the first with null, as OpenAI's
+    legacy API gives it: nothing precedes it), then the generated ones'; text_offset each token's start."""
+    scores = scores or []
+    tokens = [decode(t) for t in prompt_ids]
+    lps = [None] + [_lp(s.logprob) for s in scores]
+    tops = [None] + [{decode(t): _lp(v) for t, v in s.top} for s in scores]
+    if generated:
+        tokens, lps, tops = tokens + generated["tokens"], lps + generated["token_logprobs"], tops + generated["top_logprobs"]
+    offsets, at = [], 0
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(prompt_ids: list[int], scores: list, decode) -> list:
+    """vLLM's prompt_logprobs: None for the first token, then per token {token id: {logprob, rank where known,
+    decoded_token}} for the token itself and its likeliest alternatives."""
+    out: list = [None]
+    for s in scores:
+        entry = {}
+        for rank, (t, v) in enumerate(s.top, start=1):
+            entry[str(t)] = {"logprob": _lp(v), "rank": rank, "decoded_token": decode(t)}
+        if str(s.token_id) not in entry:
+            entry[str(s.token_id)] = {"logprob": _lp(s.logprob), "decoded_token": decode(s.token_id)}
+        out.append(entry)
+    return out[:len(prompt_ids)]
+
+
 def with_token_ids(choice: dict, token_ids: list[int] | None) -> dict:
     if token_ids is not None:
         choice["token_ids"] = token_ids
@@ -88,9 +120,10 @@ def completion_choice(index: int, text: str, last: RequestOutput, logprobs: dict
 
 
 def response(rid: str, model: str, chat: bool, choices: list[dict], lasts: list[RequestOutput],
-             reasoning_tokens: int | None = None) -> dict:
+             reasoning_tokens: int | None = None, per_prompt: int | None = None) -> dict:
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(lasts, reasoning_tokens), "system_fingerprint": None}
+            "model": model, "choices": choices, "usage": usage(lasts, reasoning_tokens, per_prompt),
+            "system_fingerprint": None}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, reason: str | None = None,
@@ -107,6 +140,6 @@ def completion_chunk(rid: str, model: str, created: int, text: str, reason: str 
 
 
 def usage_chunk(rid: str, model: str, created: int, obj: str, lasts: list[RequestOutput],
-                reasoning_tokens: int | None = None) -> dict:
+                reasoning_tokens: int | None = None, per_prompt: int | None = None) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": model, "system_fingerprint": None,
-            "choices": [], "usage": usage(lasts, reasoning_tokens)}
+            "choices": [], "usage": usage(lasts, reasoning_tokens, per_prompt)}

@@ -85,6 +85,7 @@ class ChunkStream:
             for i in range(len(self.rids)):
                 yield R.chat_chunk(oid, model, created, {"role": "assistant", "content": ""}, index=i)
         held = [ToolCallStream(self, i, created) for i in range(len(self.rids))] if self.parsed.tools else []
+        echoed_already = [False] * len(self.rids)
         async with contextlib.aclosing(merged(self.aengine, self.rids)) as outs:
             async for i, out in outs:
                 if self.first is None:
@@ -115,12 +116,20 @@ class ChunkStream:
                     chunk = R.chat_chunk(oid, model, created, delta, reason, lp, index=i)
                 else:
                     lp = R.completion_logprobs([out], decode) if want_lp else None
-                    chunk = R.completion_chunk(oid, model, created, out.delta, reason, lp, index=i)
+                    text = out.delta
+                    if self.parsed.echo and not echoed_already[i]:  # the prompt first, in the choice's first chunk
+                        echoed_already[i] = True
+                        head, head_lp = echoed(self.parsed, i, out, decode, self.aengine.prompts.tokenizer)
+                        text, lp = head + text, joined_logprobs(head_lp, lp)
+                    chunk = R.completion_chunk(oid, model, created, text, reason, lp, index=i)
+                    if self.parsed.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                        chunk["choices"][0]["prompt_logprobs"] = R.prompt_logprobs(
+                            self.parsed.prompt_ids[i // self.parsed.n], out.prompt_logprobs, decode)
                 R.with_token_ids(chunk["choices"][0], ids)
                 yield chunk
         if self.complete and self.parsed.include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
-            yield R.usage_chunk(oid, model, created, obj, self.lasts, self.reasoning_tokens)
+            yield R.usage_chunk(oid, model, created, obj, self.lasts, self.reasoning_tokens, self.parsed.n)
 
     @property
     def reasoning_tokens(self) -> int | None:
@@ -217,14 +226,22 @@ async def collect(aengine: AsyncEngine, rids: list[str], parsed: P.ParsedRequest
             choices.append(R.with_token_ids(R.chat_choice(i, text, choice[-1], lp, parsed.tools, thought), ids))
         else:
             lp = R.completion_logprobs(choice, decode) if parsed.logprobs is not None else None
-            choices.append(R.with_token_ids(R.completion_choice(i, text, choice[-1], lp), ids))
+            if parsed.echo:
+                head, head_lp = echoed(parsed, i, choice[0], decode, aengine.prompts.tokenizer)
+                text, lp = head + text, joined_logprobs(head_lp, lp)
+            body = R.with_token_ids(R.completion_choice(i, text, choice[-1], lp), ids)
+            if parsed.prompt_logprobs is not None:
+                body["prompt_logprobs"] = R.prompt_logprobs(parsed.prompt_ids[i // parsed.n],
+                                                            choice[0].prompt_logprobs, decode)
+            choices.append(body)
     lasts = [choice[-1] for choice in outs]
     reasoning_tokens = None if split is None else sum(s.reasoning_tokens for s in split)
-    return R.response(R.new_id("chatcmpl" if chat else "cmpl"), model, chat, choices, lasts, reasoning_tokens), lasts, first
+    return R.response(R.new_id("chatcmpl" if chat else "cmpl"), model, chat, choices, lasts, reasoning_tokens,
+                      parsed.n), lasts, first
 
 
-def encode_request(prompts, parsed: P.ParsedRequest) -> list[int]:
-    """The request's prompt ids: messages rendered through the chat template (with tools), or the prompt.
+def encode_request(prompts, parsed: P.ParsedRequest) -> list[list[int]]:
+    """The request's prompts' ids: messages rendered through the chat template (with tools), or each prompt.
     The slow part of a request (template and tokenizer; a prompt past the context is refused by the
     tokenizer's floor before it is tokenized), with no engine state: the server runs it off its loop."""
     messages, tools = parsed.messages, None
@@ -235,31 +252,63 @@ def encode_request(prompts, parsed: P.ParsedRequest) -> list[int]:
         messages = render_messages(messages, parsed.tools, takes)
         if takes and parsed.tools is not None:
             tools = [{"type": "function", "function": f} for f in parsed.tools.functions]
-    return prompts.encode(parsed.prompt, messages, tools, parsed.template_kwargs)
+    if messages is not None:
+        return [prompts.encode(None, messages, tools, parsed.template_kwargs)]
+    return [prompts.encode(p) for p in (parsed.prompts or [parsed.prompt])]
 
 
 def queue_request(aengine: AsyncEngine, parsed: P.ParsedRequest, adapter: str | None = None,
-                  ids: list[int] | None = None) -> list[str]:
-    """Fit max_tokens into the context and queue one engine request per choice on the prompt's ids
-    (encode_request's, made here when not given); returns their ids. Raises ProtocolError/ContextLengthError.
-    With a seed, choice i samples with seed + i: the choices differ and each is reproducible."""
+                  ids: list[list[int]] | None = None) -> list[str]:
+    """Fit max_tokens into the context and queue one engine request per choice of each prompt
+    (encode_request's ids, made here when not given); returns their ids, prompt after prompt. Raises
+    ProtocolError/ContextLengthError. With a seed, choice i samples with seed + i: the choices differ and each
+    is reproducible."""
     prompts = aengine.prompts
     if ids is None:
         ids = encode_request(prompts, parsed)
+    parsed.prompt_ids = ids
     if parsed.messages is not None and prompts.think is not None:  # where each reply starts: in a block or not
         from runtime.text.reasoning import prompt_state
 
-        parsed.reasoning = (prompts.think, prompt_state(ids, prompts.think, prompts.tokenizer.decode))
-    room = max(1, prompts.max_context - len(ids))  # the engine refuses a prompt that leaves no room
+        parsed.reasoning = (prompts.think, prompt_state(ids[0], prompts.think, prompts.tokenizer.decode))
     params = parsed.params
-    params.max_tokens = min(params.max_tokens, room) if parsed.max_tokens_given else room
     rids: list[str] = []
     try:
-        for i in range(parsed.n):
-            choice = dataclasses.replace(params, seed=None if params.seed is None else params.seed + i)
-            rids.append(aengine.add_request(ids, choice, adapter=adapter))
+        for k, prompt_ids in enumerate(ids):
+            room = max(1, prompts.max_context - len(prompt_ids))  # the engine refuses a prompt that leaves no room
+            max_tokens = min(params.max_tokens, room) if parsed.max_tokens_given else room
+            if k == 0:
+                params.max_tokens = max_tokens
+            for i in range(parsed.n):
+                choice = dataclasses.replace(params, max_tokens=max_tokens,
+                                             seed=None if params.seed is None else params.seed + i)
+                rids.append(aengine.add_request(prompt_ids, choice, adapter=adapter))
     except BaseException:
         for rid in rids:  # all or nothing
             aengine.release(rid)
         raise
     return rids
+
+
+def echoed(parsed: P.ParsedRequest, index: int, first: RequestOutput, decode, tokenizer) -> tuple[str, dict | None]:
+    """An echoed completion choice's start: its prompt's text, and with logprobs its prompt's legacy logprobs."""
+    k = index // parsed.n
+    prompt, ids = parsed.prompts[k], parsed.prompt_ids[k]
+    text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
+    lp = R.echo_logprobs(ids, first.prompt_logprobs, None, decode) if parsed.logprobs is not None else None
+    return text, lp
+
+
+def joined_logprobs(head: dict | None, tail: dict | None) -> dict | None:
+    """Legacy logprobs of the prompt followed by those of the generated tokens (text_offset running on)."""
+    if head is None:
+        return tail
+    if tail is None:
+        return head
+    at = head["text_offset"][-1] + len(head["tokens"][-1]) if head["tokens"] else 0
+    offsets = list(head["text_offset"])
+    for text in tail["tokens"]:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": head["tokens"] + tail["tokens"], "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+            "top_logprobs": head["top_logprobs"] + tail["top_logprobs"], "text_offset": offsets}

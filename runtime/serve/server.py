@@ -27,6 +27,7 @@ from runtime.core.adapters import AdapterError, UnknownAdapterError
 from runtime.core.async_engine import AsyncEngine
 from runtime.errors import ContextLengthError, RequestError
 from runtime.serve import openai_protocol as P
+from runtime.serve import openai_responses as R
 from runtime.serve.adapter_roots import AdapterNotFound, AdapterRoots
 from runtime.serve.api_keys import ANONYMOUS, ApiKeys
 from runtime.serve.feedback_api import FeedbackRoutes, key_name
@@ -34,6 +35,7 @@ from runtime.serve.feedback_protocol import check_user
 from runtime.serve.openai_stream import ChunkStream, collect, encode_request, queue_request
 from runtime.serve.personalization import ADAPTER_PREFIX, personalization_for
 from runtime.serve.request_limits import BodyLimit, default_max_request_bytes
+from runtime.serve.tokenizer_api import TokenizerRoutes
 
 
 @dataclass
@@ -177,7 +179,7 @@ class Completions:
             watcher.cancel()
         if lasts is None:  # the request's own fault (400), or the engine's (503)
             return JSONResponse(body, status_code=400 if body["error"]["type"] == "invalid_request_error" else 503)
-        self._observe(served.name, lasts, started, first)
+        self._observe(served.name, lasts, started, first, parsed.n)
         return body
 
     async def _events(self, served: ServedModel, rids: list[str], parsed, chat: bool, started: float):
@@ -185,12 +187,12 @@ class Completions:
         async for payload in chunks:  # leaving this loop early (disconnect) aborts the request
             yield f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
         if chunks.complete:
-            self._observe(served.name, chunks.lasts, started, chunks.first)
+            self._observe(served.name, chunks.lasts, started, chunks.first, parsed.n)
         yield "data: [DONE]\n\n"
 
-    def _observe(self, model: str, lasts, started: float, first: float | None) -> None:
+    def _observe(self, model: str, lasts, started: float, first: float | None, n: int = 1) -> None:
         m = self.metrics
-        m.prompt_tokens.labels(model).inc(lasts[0].prompt_tokens)
+        m.prompt_tokens.labels(model).inc(R.usage(lasts, per_prompt=n)["prompt_tokens"])
         m.generation_tokens.labels(model).inc(sum(o.completion_tokens for o in lasts))
         if first is not None:
             m.ttft.labels(model).observe(first - started)
@@ -341,6 +343,11 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
         app.post("/v1/feedback")(feedback.feedback)
         app.get("/v1/users/{user}")(feedback.get_user)
         app.delete("/v1/users/{user}")(feedback.delete_user)
+
+    tokens = TokenizerRoutes(models, read_json)  # vLLM's: lm-eval scores by the server's own tokens with them
+    app.get("/tokenizer_info")(tokens.info)
+    app.post("/tokenize")(tokens.tokenize)
+    app.post("/detokenize")(tokens.detokenize)
 
     if roots is not None:
         adapters = AdapterRoutes(models, roots)

@@ -19,6 +19,7 @@ class ChatTemplate:
         env.globals["raise_exception"] = raise_exception
         env.filters.setdefault("tojson", _tojson)
         self.template = env.from_string(source)
+        self.source = source  # as the package has it (GET /tokenizer_info gives it to clients)
         # a template that reads `tools` renders them (and tool calls and results) in its model's own format
         self.takes_tools = "tools" in source
         self.bos_token = bos_token or ""

@@ -61,7 +61,7 @@ def test_validation_names_the_field():
 
     from runtime.errors import RequestError
 
-    for kwargs, field in (({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+    for kwargs, field in (({"max_tokens": -1}, "max_tokens"), ({"temperature": -1}, "temperature"),
                           ({"top_p": 0}, "top_p"), ({"logprobs": 50}, "logprobs")):
         with pytest.raises(RequestError, match=field):
             SamplingParams(**kwargs).validate()

@@ -86,6 +86,18 @@ def test_a_text_prompt_is_continued_as_natively(offline_page, tiny_package, tiny
     bad = p.evaluate("""async () => { try { await window.engine.completions.create({ messages: [] }); }
       catch (e) { return e.error?.param ?? String(e); } }""")
     assert bad == "messages"  # a chat body sent to completions: refused naming the field, as the server does
+    # lm-eval's scoring request: the prompt's own log-probabilities, computed in the page's prefill as natively
+    from runtime.core.engine import Engine
+    from runtime.core.sampling import SamplingParams
+
+    ids = whole["choices"][0]["token_ids"]
+    scored = p.evaluate("async (r) => await window.engine.completions.create(r)",
+                        {"prompt": [ids], "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0})
+    lp = scored["choices"][0]["logprobs"]
+    engine = Engine.from_package(tiny_package("llama", "fp32"))
+    native = next(engine.generate(ids, SamplingParams(max_tokens=0, prompt_logprobs=1))).prompt_logprobs
+    assert lp["token_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids)
+    assert max(abs(a - b.logprob) for a, b in zip(lp["token_logprobs"][1:], native)) < 1e-3
 
 
 def test_stream_chunks_arrive_one_by_one(offline_page, tiny_url):

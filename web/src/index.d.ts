@@ -190,17 +190,33 @@ export interface ChunkStream extends AsyncIterable<ChatCompletionChunk> {
 }
 
 /** A text prompt (OpenAI's completions): a base model's request, one without a chat template. */
-export type CompletionRequest = Omit<ChatCompletionRequest, 'messages' | 'tools' | 'tool_choice'> & {
-  prompt: string | number[];
+export type CompletionRequest = Omit<ChatCompletionRequest, 'messages' | 'tools' | 'tool_choice' | 'logprobs' | 'top_logprobs'> & {
+  /** A prompt (text or token ids), or several: prompt k's choices are k * n .. k * n + n - 1. */
+  prompt: string | number[] | string[] | number[][];
+  /** Alternatives per token in the legacy logprobs (0-20). */
+  logprobs?: number;
+  /** Each choice starts with its prompt's text, and with logprobs its prompt tokens' (the first null). */
+  echo?: boolean;
+  /** As vLLM: each choice also carries its prompt's log-probabilities, with this many alternatives (0-20). */
+  prompt_logprobs?: number;
 };
+
+/** Legacy (completions) log-probabilities; with echo the prompt's tokens come first, the first null. */
+export interface CompletionLogprobs {
+  tokens: string[];
+  token_logprobs: (number | null)[];
+  top_logprobs: (Record<string, number> | null)[];
+  text_offset: number[];
+}
 
 export interface Completion {
   id: string;
   object: 'text_completion';
   created: number;
   model: string;
-  choices: { index: number; text: string; logprobs: unknown | null; finish_reason: 'stop' | 'length' | null;
-    token_ids?: number[] }[];
+  choices: { index: number; text: string; logprobs: CompletionLogprobs | null; finish_reason: 'stop' | 'length' | null;
+    token_ids?: number[];
+    prompt_logprobs?: (Record<string, { logprob: number; rank?: number; decoded_token: string }> | null)[] }[];
   usage: Usage;
 }
 

@@ -4,6 +4,7 @@
 // KV pool never leaves JS. The reply holds only the top-K candidates (and full logits on request).
 
 import { KvPool } from './kv_pool.js';
+import { rowLogprobs } from './prompt_scores.js';
 import { LoraStore } from './lora_store.js';
 
 // ONNX TensorProto element types of the graph inputs a step builds (the manifest's io.inputs say which)
@@ -111,7 +112,7 @@ export class StepRunner {
     const fetches = [io.present_key, io.present_value];
     if (step.classify) fetches.push(step.classify.hidden); // X-LoRA's scaling pass
     if (rows) fetches.push(io.topk_ids, io.topk_logprobs);
-    if (rows && step.want_logits) fetches.push(io.logits);
+    if (rows && (step.want_logits || step.score_ids)) fetches.push(io.logits);
     const t0 = performance.now();
     const out = await this.session.run(feeds, fetches);
     this.sessionMs += performance.now() - t0;
@@ -132,6 +133,10 @@ export class StepRunner {
       if (step.want_logits) {
         const v = this.vocabSize, data = out[io.logits].data;
         result.logits = Array.from({ length: rows }, (_, r) => Array.from(data.subarray(r * v, (r + 1) * v)));
+      }
+      if (step.score_ids) {
+        const v = this.vocabSize, data = out[io.logits].data;
+        result.scores = rowLogprobs((r) => data.subarray(r * v, (r + 1) * v), step.score_ids);
       }
     }
     for (const t of Object.values(out)) t.dispose?.();

@@ -9,6 +9,7 @@
 // runtime/formats/step_abi.py as step.c's own abi.h is).
 
 import { STEP } from './formats.js';
+import { rowLogprobs } from './prompt_scores.js';
 import { LoraStore } from './lora_store.js';
 import { offsetOf, sizeOf, writeStruct, writeStructs } from './structs.js';
 
@@ -410,6 +411,7 @@ export class WasmStepRunner {
       if (step.want_logits) {
         result.logits = Array.from({ length: rows }, (_, i) => Array.from(this.f32(logits + 4 * i * vocab, vocab)));
       }
+      if (step.score_ids) result.scores = rowLogprobs((i) => this.f32(logits + 4 * i * vocab, vocab), step.score_ids);
       const k = Math.min(f[r.top_k][0][0], vocab), sparse = f[r.sparse_ids][0], width = sparse[0].length;
       let mask = 0;
       if (step.mask) { // per row a bitmask (bit i = token i allowed) or null: every token

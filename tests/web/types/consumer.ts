@@ -42,6 +42,11 @@ export async function main(): Promise<void> {
   const textRequest = { prompt: 'Once upon a time', max_tokens: 8, temperature: 0 } satisfies CompletionRequest;
   const continued: Completion = await engine.completions.create(textRequest);
   const more: string = continued.choices[0].text;
+  const scored = await engine.completions.create({ prompt: [[1, 2, 3], [4, 5]], echo: true, logprobs: 1, max_tokens: 0,
+    prompt_logprobs: 2 });
+  const first: number | null = scored.choices[0].logprobs?.token_logprobs[0] ?? null;
+  const alternatives = scored.choices[1].prompt_logprobs?.[1];
+  if (first === null && alternatives) await engine.abort(Object.keys(alternatives).length);
   const textStream: CompletionStream = await engine.completions.create({ ...textRequest, stream: true });
   for await (const chunk of textStream) {
     const c: CompletionChunk = chunk;

@@ -1,0 +1,78 @@
+"""The clients people point at a local server, run against `ruvllm serve` (docs/CLIENTS.md): each installed
+into a venv of its own, never a RuvLLM dependency."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import made_once
+
+pytestmark = pytest.mark.slow
+HERE = Path(__file__).parent / "clients"
+LM_EVAL = "lm-eval[api]==0.4.13"
+TASK = """task: ruvllm_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+
+
+def client_venv(shared: Path, name: str, *packages: str) -> Path:
+    """A venv of this run's (with the test environment's own packages visible: torch, transformers)."""
+    def make(path: Path) -> None:
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(path)], check=True)
+        subprocess.run([str(path / "bin" / "pip"), "install", "-q", *packages], check=True, timeout=900)
+
+    return made_once(shared, shared / f"venv-{name}", make)
+
+
+def lm_eval(venv: Path, out: Path, task_dir: Path, model: str, args: str) -> list[dict]:
+    """lm_eval on the local task; its logged samples."""
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([str(venv / "bin" / "lm_eval"), "--model", model, "--model_args", args, "--tasks", "ruvllm_mc",
+                           "--include_path", str(task_dir), "--output_path", str(out), "--log_samples",
+                           "--device", "cpu"], capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in open(glob.glob(f"{out}/*/samples_ruvllm_mc_*.jsonl")[0])]
+
+
+def test_lm_eval_local_completions_scores_as_its_own_hf_model(shared, tiny_model_dir, tiny_package, tmp_path):
+    """lm-evaluation-harness's `local-completions` against `ruvllm serve` (loglikelihoods through
+    /v1/completions with echo, logprobs and max_tokens; tokens through /tokenize, which it finds by itself): the
+    same accuracy and per-choice log-likelihoods as lm-eval's `hf` model on the same fp32 weights."""
+    from runtime.serve.server import create_app, load_models
+    from tests.runtime.test_server import LiveServer
+
+    venv = client_venv(shared, "lm-eval", LM_EVAL)
+    (tmp_path / "task").mkdir()
+    (tmp_path / "task" / "ruvllm_mc.yaml").write_text(TASK.format(data=HERE / "ruvllm_mc.jsonl"))
+    models = load_models([str(tiny_package("llama"))], "cpu", 32, {})
+    live = LiveServer(create_app(models))
+    try:
+        served = lm_eval(venv, tmp_path / "served", tmp_path / "task", "local-completions",
+                         f"model={next(iter(models))},base_url={live.url}/v1/completions,num_concurrent=2,max_retries=1")
+    finally:
+        live.stop()
+    hf = lm_eval(venv, tmp_path / "hf", tmp_path / "task", "hf", f"pretrained={tiny_model_dir('llama')},dtype=float32")
+    by_doc = {s["doc_id"]: s for s in hf}
+    assert len(served) == len(hf) == 8
+    for s in served:
+        ours = [float(r[0][0]) for r in s["resps"]]
+        theirs = [float(r[0][0]) for r in by_doc[s["doc_id"]]["resps"]]
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-3, (s["doc_id"], ours, theirs)
+        assert s["acc"] == by_doc[s["doc_id"]]["acc"]
