@@ -178,6 +178,11 @@ class AsyncEngine:
         return self.engine.prompts
 
     @property
+    def manifest(self) -> dict:
+        """The package's manifest (what /v1/models and Ollama's /api/tags and /api/show describe)."""
+        return self.engine.pkg.manifest
+
+    @property
     def sampling_defaults(self) -> dict:
         """What requests that leave a sampling field out get (Engine.sampling_defaults)."""
         return self.engine.sampling_defaults

@@ -103,3 +103,14 @@ def read_key_file(path: str) -> list[ApiKey]:
         keys.append(ApiKey(name, secret_digest, limit))
     return keys
 
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def access_warnings(host: str, keys: ApiKeys | None, lora_roots: list[str] | None) -> list[str]:
+    """What the operator should hear at start-up: a server others can reach that asks for no key."""
+    if host in LOOPBACK or host.startswith("127.") or keys:
+        return []
+    also = ", and load adapters from the --lora-root folders" if lora_roots is not None else ""
+    return [f"serving on {host} with no API key: anyone who can reach this port can use it{also} "
+            "(--api-key or --api-key-file)"]

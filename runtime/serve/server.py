@@ -29,9 +29,10 @@ from runtime.errors import ContextLengthError, RequestError
 from runtime.serve import openai_protocol as P
 from runtime.serve import openai_responses as R
 from runtime.serve.adapter_roots import AdapterNotFound, AdapterRoots
-from runtime.serve.api_keys import ANONYMOUS, ApiKeys
+from runtime.serve.api_keys import ANONYMOUS, ApiKeys, access_warnings
 from runtime.serve.feedback_api import FeedbackRoutes, key_name
 from runtime.serve.feedback_protocol import check_user
+from runtime.serve.ollama_api import OllamaRoutes
 from runtime.serve.openai_stream import ChunkStream, collect, encode_request, queue_request
 from runtime.serve.personalization import ADAPTER_PREFIX, personalization_for
 from runtime.serve.request_limits import BodyLimit, default_max_request_bytes
@@ -146,18 +147,23 @@ class Completions:
                                   kind="rate_limit_exceeded", code="queue_full")
         return served, parsed, adapter
 
+    async def start(self, request: Request, body, chat: bool) -> tuple[ServedModel, object, list[str]]:
+        """Parse a body, pick the user's adapter, tokenize off the loop and queue: (served, parsed, engine ids).
+        Raises ProtocolError, ContextLengthError, RequestError (Ollama's API starts its requests here too)."""
+        served, parsed, adapter = self._parse(body, chat)
+        if adapter is None and parsed.user and served.personal is not None:  # the user's own adapter
+            check_user(parsed.user)
+            adapter = await asyncio.to_thread(served.personal.adapter_for, key_name(request), parsed.user)
+        # the template and the tokenizer run off the loop: a long prompt never delays the others' steps
+        ids = await asyncio.to_thread(encode_request, served.engine.prompts, parsed)
+        try:
+            return served, parsed, queue_request(served.engine, parsed, adapter, ids)
+        except UnknownAdapterError:  # unloaded since resolve_model looked
+            raise P.model_not_found(parsed.model) from None
+
     async def handle(self, request: Request, chat: bool):
         try:
-            served, parsed, adapter = self._parse(await read_json(request), chat)
-            if adapter is None and parsed.user and served.personal is not None:  # the user's own adapter
-                check_user(parsed.user)
-                adapter = await asyncio.to_thread(served.personal.adapter_for, key_name(request), parsed.user)
-            # the template and the tokenizer run off the loop: a long prompt never delays the others' steps
-            ids = await asyncio.to_thread(encode_request, served.engine.prompts, parsed)
-            try:
-                rids = queue_request(served.engine, parsed, adapter, ids)
-            except UnknownAdapterError:  # unloaded since resolve_model looked
-                raise P.model_not_found(parsed.model) from None
+            served, parsed, rids = await self.start(request, await read_json(request), chat)
         except P.ProtocolError as err:
             return JSONResponse(err.body(), status_code=err.status)
         except ContextLengthError as err:
@@ -282,8 +288,8 @@ class AdapterRoutes:
 
 def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_queue: int | None = None,
                shutdown_timeout: float = 30.0, defaults: dict | None = None, *, keys: ApiKeys | None = None,
-               max_request_bytes: int | None = None, lora_roots: list[str] | None = None):
-    """defaults: sampling values for requests that leave a field out (`ruvllm serve --temperature ...`).
+               max_request_bytes: int | None = None, lora_roots: list[str] | None = None, ollama_api: bool = True):
+    """ollama_api: Ollama's API beside OpenAI's (runtime/serve/ollama_api.py). defaults: sampling values for requests that leave a field out (`ruvllm serve --temperature ...`).
     keys: named API keys (api_key: one key named "default"); max_request_bytes: the body limit (default
     from the longest context served); lora_roots: runtime adapter loading from these folders (None: off)."""
     metrics = Metrics(models)
@@ -305,7 +311,9 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
     app.state.metrics = metrics
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request, exc):
+    async def http_error(request, exc):
+        if request.url.path.startswith("/api/"):  # Ollama's API answers in Ollama's shape
+            return JSONResponse({"error": str(exc.detail)}, status_code=exc.status_code)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return error_response(exc.status_code, str(exc.detail), kind)
 
@@ -344,10 +352,9 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
         app.get("/v1/users/{user}")(feedback.get_user)
         app.delete("/v1/users/{user}")(feedback.delete_user)
 
-    tokens = TokenizerRoutes(models, read_json)  # vLLM's: lm-eval scores by the server's own tokens with them
-    app.get("/tokenizer_info")(tokens.info)
-    app.post("/tokenize")(tokens.tokenize)
-    app.post("/detokenize")(tokens.detokenize)
+    TokenizerRoutes(models, read_json).mount(app)  # vLLM's: lm-eval scores by the server's own tokens with them
+    if ollama_api:
+        OllamaRoutes(models, handler, read_json).mount(app)
 
     if roots is not None:
         adapters = AdapterRoutes(models, roots)
@@ -366,6 +373,9 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
         return await handler.handle(request, chat=False)
 
     return app
+
+
+KEYED = ("/v1/", "/api/", "/tokenize", "/detokenize", "/tokenizer_info")  # what needs a key when keys are set
 
 
 class AuthAndCount:
@@ -396,7 +406,7 @@ class AuthAndCount:
             return await self.app(scope, receive, send)
         path = self.endpoint(scope)
         key = None
-        if self.keys and scope["path"].startswith("/v1/"):
+        if self.keys and scope["path"].startswith(KEYED):
             key = self.keys.identify(dict(scope.get("headers") or []).get(b"authorization"))
             if key is None:
                 return await self._refuse(scope, receive, send, path, 401, P.error_body(
@@ -431,6 +441,8 @@ class AuthAndCount:
 
     async def _refuse(self, scope, receive, send, path: str, status: int, body: dict, key=None) -> None:
         self._count(path, status, key)
+        if scope["path"].startswith("/api/"):  # Ollama's API answers in Ollama's shape
+            body = {"error": body["error"]["message"]}
         await JSONResponse(body, status_code=status)(scope, receive, send)
 
     def _count(self, path: str, status: int, key) -> None:
@@ -473,27 +485,13 @@ def load_models(packages: list[str], device: str, max_concurrent: int, engine_kw
     return models
 
 
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
-
-
-def access_warnings(host: str, keys: ApiKeys, lora_roots: list[str] | None) -> list[str]:
-    """What the operator should hear at start-up: a server others can reach that asks for no key."""
-    if host in LOOPBACK or host.startswith("127.") or keys:
-        return []
-    also = ", and load adapters from the --lora-root folders" if lora_roots is not None else ""
-    return [f"serving on {host} with no API key: anyone who can reach this port can use it{also} "
-            "(--api-key or --api-key-file)"]
-
-
-def serve(models: dict[str, ServedModel], host: str, port: int, keys: ApiKeys, max_queue: int | None,
-          log_level: str = "info", defaults: dict | None = None, max_request_bytes: int | None = None,
-          lora_roots: list[str] | None = None) -> None:
+def serve(models: dict[str, ServedModel], host: str, port: int, log_level: str = "info", **app_options) -> None:
+    """uvicorn on create_app(models, **app_options), warning first where others can reach it with no key."""
     import sys
 
     import uvicorn
 
-    app = create_app(models, max_queue=max_queue, defaults=defaults, keys=keys, max_request_bytes=max_request_bytes,
-                     lora_roots=lora_roots)
-    for line in access_warnings(host, keys, lora_roots):
+    for line in access_warnings(host, app_options.get("keys"), app_options.get("lora_roots")):
         print(f"warning: {line}", file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30)
+    uvicorn.run(create_app(models, **app_options), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=30)

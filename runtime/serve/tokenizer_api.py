@@ -18,6 +18,11 @@ class TokenizerRoutes:
     def __init__(self, models: dict, read_json) -> None:
         self.models, self.read_json = models, read_json
 
+    def mount(self, app) -> None:
+        app.get("/tokenizer_info")(self.info)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
+
     def _model(self, name) -> object:
         """The served model a body names (the first one when it names none)."""
         if name is None:

@@ -76,3 +76,39 @@ def test_lm_eval_local_completions_scores_as_its_own_hf_model(shared, tiny_model
         theirs = [float(r[0][0]) for r in by_doc[s["doc_id"]]["resps"]]
         assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-3, (s["doc_id"], ours, theirs)
         assert s["acc"] == by_doc[s["doc_id"]]["acc"]
+
+
+def test_the_ollama_client_chats_streams_lists_and_formats(shared, tiny_package):
+    """The official `ollama` Python client against `ruvllm serve`'s Ollama API: the model listed and shown, a
+    chat whole and streamed (the same greedy text as OpenAI's endpoint), a raw generate, `format` with a schema,
+    `options` through the sampling fields' declaration, counts and durations; errors as Ollama gives them."""
+    import httpx
+
+    from runtime.serve.server import create_app, load_models
+    from tests.runtime.test_server import LiveServer
+
+    venv = client_venv(shared, "ollama", "ollama==0.6.3")
+    models = load_models([str(tiny_package("llama"))], "cpu", 32, {})
+    name = next(iter(models))
+    live = LiveServer(create_app(models))
+    try:
+        proc = subprocess.run([str(venv / "bin" / "python"), str(HERE / "ollama_client.py"), live.url, name],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = json.loads(proc.stdout)
+        openai = httpx.post(live.url + "/v1/chat/completions", json={
+            "model": name, "messages": [{"role": "user", "content": "Tell me about the sea."}], "temperature": 0,
+            "max_tokens": 12, "seed": 7}, timeout=120).json()
+    finally:
+        live.stop()
+    assert got["listed"] == got["running"] == [f"{name}:latest"] and got["family"] == "llama"
+    assert "completion" in got["capabilities"]
+    assert got["chat"] == got["streamed"] == openai["choices"][0]["message"]["content"] and got["chat"]
+    prompt_tokens, eval_count, reason = got["chat_counts"]
+    assert eval_count == openai["usage"]["completion_tokens"] and prompt_tokens == openai["usage"]["prompt_tokens"]
+    assert reason in ("stop", "length") and got["chat_durations"][0] >= got["chat_durations"][1] > 0
+    assert got["streamed_last"][0] is True and got["streamed_last"][1] == eval_count and got["streamed_last"][2] > 2
+    assert got["generate"][0] and got["generate"][1] > 0
+    assert len(json.loads(got["formatted"])["name"]) <= 8  # the schema enforced
+    assert got["missing"][0] == 404 and "not found" in got["missing"][1]
+    assert got["mirostat"][0] == 400 and "mirostat" in got["mirostat"][1]

@@ -333,6 +333,18 @@ def test_api_key_and_full_queue(tiny_package):
         r = httpx.post(live.url + "/v1/completions", json=body, headers={"Authorization": "Bearer sekret"})
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
         assert httpx.get(live.url + "/health").status_code == 200  # health needs no key
+        for path in ("/api/tags", "/tokenizer_info"):  # Ollama's API and the tokenizer's need the key too
+            assert httpx.get(live.url + path).status_code == 401
+            assert httpx.get(live.url + path, headers={"Authorization": "Bearer sekret"}).status_code == 200
+        r = httpx.post(live.url + "/api/chat", headers={"Authorization": "Bearer sekret"}, json={
+            "model": name, "messages": [{"role": "user", "content": "hi"}], "stream": False})
+        assert r.status_code == 429 and "queue" in r.json()["error"]  # the same queue limit, in Ollama's shape
+    finally:
+        live.stop()
+    live = LiveServer(create_app(models, ollama_api=False))  # serve --no-ollama-api
+    try:
+        assert httpx.get(live.url + "/api/tags").status_code == 404
+        assert httpx.get(live.url + "/v1/models").status_code == 200
     finally:
         live.stop()
 

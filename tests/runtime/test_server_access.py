@@ -14,8 +14,8 @@ import pytest
 
 from runtime.errors import RuvLLMError
 from runtime.serve import api_keys
-from runtime.serve.api_keys import ApiKeys, digest
-from runtime.serve.server import access_warnings, create_app, load_models
+from runtime.serve.api_keys import ApiKeys, access_warnings, digest
+from runtime.serve.server import create_app, load_models
 from tests.conftest import ROOT
 from tests.runtime.test_server import LiveServer
 

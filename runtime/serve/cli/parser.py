@@ -164,6 +164,8 @@ def build_parser(fields=SAMPLING_FIELDS) -> argparse.ArgumentParser:
                          "--allow-runtime-lora-updating)")
     sv.add_argument("--max-concurrent", type=int, default=64, help="sequences generated at once")
     sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before answering 429")
+    sv.add_argument("--no-ollama-api", action="store_true",
+                    help="do not serve Ollama's API (/api/chat, /api/generate, /api/tags, ...) beside OpenAI's")
     sv.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
     sv.add_argument("--log-level", default="info")
     sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",

@@ -50,8 +50,9 @@ def cmd_serve(args) -> int:
     models = load_models(packages, args.device, args.max_concurrent, engine_options(args), lora_modules(args),
                          threads=args.threads, personalize=personalize, state_dir=args.state_dir)
     print(f"serving {', '.join(models)} on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    serve(models, args.host, args.port, keys, args.max_queue, log_level=args.log_level, defaults=defaults,
-          max_request_bytes=args.max_request_bytes, lora_roots=roots)
+    serve(models, args.host, args.port, log_level=args.log_level, keys=keys, max_queue=args.max_queue,
+          defaults=defaults, max_request_bytes=args.max_request_bytes, lora_roots=roots,
+          ollama_api=not args.no_ollama_api)
     return 0
 
 
@@ -75,7 +76,7 @@ def serve_on_ray(args, packages: list[str], defaults: dict | None, keys, roots: 
                            max_request_bytes=args.max_request_bytes, lora_roots=roots)
     print(f"serving {packages[0]} on Ray ({args.replicas} replicas) at http://{args.host}:{args.port}/v1",
           file=sys.stderr)
-    from runtime.serve.server import access_warnings
+    from runtime.serve.api_keys import access_warnings
 
     for line in access_warnings(args.host, keys, roots):
         print(f"warning: {line}", file=sys.stderr)

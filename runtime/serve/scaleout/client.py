@@ -55,6 +55,7 @@ class RemoteEngine:
         self.block_size = self.config.block_size or model.block_size
         self.prompts = PromptEncoder.from_package(pkg, model.vocab_size, model.max_context)
         self.model_name = pkg.name
+        self.manifest = pkg.manifest
         self.sampling_defaults = package_defaults(pkg)  # as the replicas'
         self.registry = AdapterRegistry(pkg, None, self.config)  # validation only: read(), never add()
         self.handle, self.max_attempts, self.route_blocks = handle, max_attempts, route_blocks
