@@ -44,13 +44,17 @@ class TokenizerRoutes:
                 "pad_token": tok.meta.get("pad_token"), "add_bos_token": tok.add_bos,
                 "chat_template": prompts.chat_template.source if prompts.chat_template else None}
 
+    async def _request(self, request: Request) -> tuple[dict, object]:
+        """(the JSON object body, the PromptEncoder of the model it names)."""
+        body = await self.read_json(request)
+        if not isinstance(body, dict):
+            raise P.ProtocolError("the request body must be a JSON object")
+        return body, self._model(body.get("model")).engine.prompts
+
     async def tokenize(self, request: Request):
         """{prompt, add_special_tokens} or {messages, add_generation_prompt}: {tokens, count, max_model_len}."""
         try:
-            body = await self.read_json(request)
-            if not isinstance(body, dict):
-                raise P.ProtocolError("the request body must be a JSON object")
-            prompts = self._model(body.get("model")).engine.prompts
+            body, prompts = await self._request(request)
             special = P._get(body, "add_special_tokens", (bool,), True)
             if "messages" in body:
                 if prompts.chat_template is None:
@@ -72,10 +76,7 @@ class TokenizerRoutes:
     async def detokenize(self, request: Request):
         """{tokens}: {prompt}, the text of those token ids."""
         try:
-            body = await self.read_json(request)
-            if not isinstance(body, dict):
-                raise P.ProtocolError("the request body must be a JSON object")
-            prompts = self._model(body.get("model")).engine.prompts
+            body, prompts = await self._request(request)
             ids = P._get(body, "tokens", (list,))
             if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < prompts.vocab_size
                                       for t in ids):

@@ -17,19 +17,6 @@ from tests.conftest import made_once
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent / "clients"
 LM_EVAL = "lm-eval[api]==0.4.13"
-TASK = """task: ruvllm_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-"""
 
 
 def client_venv(shared: Path, name: str, *packages: str) -> Path:
@@ -60,7 +47,8 @@ def test_lm_eval_local_completions_scores_as_its_own_hf_model(shared, tiny_model
 
     venv = client_venv(shared, "lm-eval", LM_EVAL)
     (tmp_path / "task").mkdir()
-    (tmp_path / "task" / "ruvllm_mc.yaml").write_text(TASK.format(data=HERE / "ruvllm_mc.jsonl"))
+    (tmp_path / "task" / "ruvllm_mc.yaml").write_text(
+        (HERE / "local_task.yaml").read_text().format(task="ruvllm_mc", data=HERE / "ruvllm_mc.jsonl"))
     models = load_models([str(tiny_package("llama"))], "cpu", 32, {})
     live = LiveServer(create_app(models))
     try:
