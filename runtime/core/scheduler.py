@@ -26,8 +26,9 @@ from runtime.core.speculative import PromptLookup
 from runtime.core.stats import EngineStats
 from runtime.core.step_batch import Chunk
 
-# prompt rows scored in one step (prompt_logprobs): each fetches [vocab] logits (262,144 floats for Gemma 3)
-SCORED_ROWS = 128
+# prompt rows scored in one step (prompt_logprobs): each fetches [vocab] logits (262,144 floats for Gemma 3);
+# onnxruntime grows its buffers slowly for many such rows (Gemma 3: 6.7 s at 89 rows the first time, 2.3 at 32)
+SCORED_ROWS = 32
 # A waiting prompt whose next full blocks this step computes for another (the same system prompt, n
 # copies of one prompt) waits a step for them when they are all its uncached blocks or at least this many
 IN_BATCH_SHARE_BLOCKS = 2
