@@ -8,7 +8,9 @@ descriptions of installed packages (sona.py's users), cut before one of its word
 and three other words of the same text (seeded). lm-eval (in a venv of its own: --lm-eval-python, default
 ~/.cache/ruvllm/bench/lm-eval-venv, made with `lm-eval[api]==0.4.13` when missing) scores it with
 `local-completions` against `ruvllm serve PKG` (the GGUF exported at its own bits, as `ruvllm` serves it) and with
-`hf` on the GGUF itself (`gguf_file`: transformers dequantizes it to fp32). Prints JSON: each engine's accuracy
+`hf` on the GGUF itself (`gguf_file`: transformers dequantizes it to fp32). lm-eval's remote tokenizer (the
+server's /tokenize) never adds a BOS token, so for a model whose tokenizer adds one (Gemma 3) local-completions
+tokenizes with the GGUF's tokenizer as transformers reads it, BOS added, as its hf model does. Prints JSON: each engine's accuracy
 (acc, acc_norm), how often both pick the same choice, and how the per-choice log-likelihoods differ (mean and
 largest absolute difference; a choice is a word of one to a few tokens).
 """
@@ -58,6 +60,15 @@ def cloze_docs(n: int, seed: int = 0) -> list[dict]:
                          "answer": choices.index(answer)})
     rng.shuffle(docs)
     return docs[:n]
+
+
+def hf_tokenizer(gguf: Path, out: Path) -> Path:
+    """The GGUF's tokenizer as transformers reads it (what lm-eval's hf model uses), saved as a folder."""
+    if not (out / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+    return out
 
 
 def lm_eval_python(given: str | None) -> str:
@@ -114,9 +125,15 @@ def main() -> None:
                     break
                 except (ValueError, KeyError, IndexError):
                     time.sleep(0.5)
+            info = json.loads(subprocess.run(["curl", "-s", f"http://127.0.0.1:{port}/tokenizer_info"],
+                                             capture_output=True, text=True).stdout)
+            tokens = ""
+            if info.get("add_bos_token"):  # lm-eval's remote tokenizer never adds BOS: its HF tokenizer then, as hf's
+                tokens = f",tokenizer_backend=huggingface,tokenizer={hf_tokenizer(gguf, work / f'{name}-tokenizer')}," \
+                         "add_bos_token=True"
             ours = run_lm_eval(python, work / f"out-{name}-ruvllm", work / "task", "local-completions",
                                f"model={served},base_url=http://127.0.0.1:{port}/v1/completions,num_concurrent=4,"
-                               "max_retries=1")
+                               f"max_retries=1{tokens}")
         finally:
             server.terminate()
             server.wait(timeout=60)
