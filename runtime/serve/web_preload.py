@@ -19,7 +19,8 @@ EXTRA_MODULES = ("pyodide.ffi", "json", "asyncio")
 NOT_IN_THE_PAGE = ("runtime.serve.cli", "runtime.resolve", "runtime.serve.server", "runtime.serve.bench", "runtime.backends.native",
                    "runtime.backends.kv_pool", "runtime.backends.adapter_weights", "runtime.backends.guidance",
                    "runtime.backends.block_layouts", "runtime.backends.graph_rewrite", "runtime.backends.lora_gradients", "runtime.backends.micro_lora",
-                   "runtime.backends.dense_weights", "runtime.serve.feedback_api", "runtime.serve.personalization")
+                   "runtime.backends.dense_weights", "runtime.serve.feedback_api", "runtime.serve.personalization",
+                   "runtime.serve.ollama_api", "runtime.serve.ollama_protocol", "runtime.serve.tokenizer_api")
 
 
 def preload_modules() -> list[str]:
