@@ -167,6 +167,10 @@ class StepBatch:
         return feeds
 
 
+# a scored prompt row's (temperature, repetition, presence, frequency): the model's own distribution
+UNPROCESSED = (1.0, 1.0, 0.0, 0.0)
+
+
 def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = False) -> StepBatch:
     """The step's inputs. max_blocks covers every row's first new position + query_len: the graph
     writes each row's padded [query_len] K/V there, in its gathered context (padding past the row's
@@ -178,7 +182,8 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
     qidx: list[list[int]] = []
     kv: list[int] = []
     logits_index: list[int] = []
-    rows: list[tuple[Chunk, PenaltyState | None]] = []
+    # per logits row: its (temperature, repetition, presence, frequency), penalty state and matcher
+    rows: list[tuple[tuple[float, float, float, float], PenaltyState | None, object]] = []
     scores: list[int] = []  # per logits row, the prompt token it scores (-1: a sampled row)
     for b, c in enumerate(chunks):
         base = len(ids)
@@ -191,17 +196,18 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
         kv.extend(c.kv_slots)
         for j in range(c.scored):  # prompt rows: scored as the model sees them, nothing applied
             logits_index.append(base + j)
-            rows.append((c, None))
+            rows.append((UNPROCESSED, None, None))
             scores.append(c.score_ids[j])
         if c.want_logits:
             drafts = c.tokens[n - c.logits_rows + 1:]
+            settings = (c.temperature, c.repetition_penalty, c.presence_penalty, c.frequency_penalty)
             for j in range(c.logits_rows):  # row j follows j drafted tokens: they count as generated there
                 logits_index.append(last - c.logits_rows + 1 + j)
-                rows.append((c, c.penalties.after(drafts[:j]) if c.penalties and j else c.penalties))
+                rows.append((settings, c.penalties.after(drafts[:j]) if c.penalties and j else c.penalties, c.matcher))
                 scores.append(-1)
-    width = max([len(p.ids) for _, p in rows if p] + [1])
+    width = max([len(p.ids) for _, p, _ in rows if p] + [1])
     sp_ids, sp_seen, sp_counts, sp_bias = [], [], [], []
-    for _, p in rows:
+    for _, p, _ in rows:
         if p is None or not p.ids:
             sp_ids.append([0] * width)
             zeros = [0.0] * width
@@ -221,19 +227,16 @@ def build_step(chunks: list[Chunk], block_size: int, want_full_logits: bool = Fa
         block_tables=[c.block_table + [0] * (max_blocks - len(c.block_table)) for c in chunks],
         kv_slots=kv, max_blocks=max_blocks,
         logits_index=logits_index,
-        temperature=[1.0 if t >= 0 else c.temperature for (c, _), t in zip(rows, scores)],
-        repetition_penalty=[1.0 if t >= 0 else c.repetition_penalty for (c, _), t in zip(rows, scores)],
-        presence_penalty=[0.0 if t >= 0 else c.presence_penalty for (c, _), t in zip(rows, scores)],
-        frequency_penalty=[0.0 if t >= 0 else c.frequency_penalty for (c, _), t in zip(rows, scores)],
+        temperature=[r[0][0] for r in rows], repetition_penalty=[r[0][1] for r in rows],
+        presence_penalty=[r[0][2] for r in rows], frequency_penalty=[r[0][3] for r in rows],
         sparse_ids=sp_ids, sparse_seen=sp_seen, sparse_counts=sp_counts, sparse_bias=sp_bias,
-        top_k=max([c.top_k for c, _ in rows] + [1]),
+        top_k=max([c.top_k for c in chunks if c.want_logits or c.scored] + [1]),
         want_full_logits=want_full_logits,
         score_ids=scores if any(t >= 0 for t in scores) else None,
         adapter_slots=([c.adapter_slot for c in chunks for _ in c.tokens]
                        if any(c.adapter_slot or c.xlora for c in chunks) else None),
         xlora=_xlora_pass(chunks, block_size),
-        matchers=([None if t >= 0 else c.matcher for (c, _), t in zip(rows, scores)]
-                  if any(c.matcher for c, _ in rows) else None),
+        matchers=[m for _, _, m in rows] if any(m for _, _, m in rows) else None,
         exact_from=[c.exact_from for c in chunks],
         own_from=[c.own_from for c in chunks],
     )

@@ -96,7 +96,7 @@ class OllamaRoutes:
             resp, lasts, first = await collect(served.engine, rids, parsed, served.name, chat)
             if lasts is None:
                 return _error(resp["error"]["message"], 400 if resp["error"]["type"] == "invalid_request_error" else 503)
-            self.completions._observe(served.name, lasts, started, first, parsed.n)
+            self.completions.observe(served.name, lasts, started, first, parsed.n)
             return O.whole(resp, model, chat, as_chat, started, first)
 
         async def lines():
@@ -106,7 +106,7 @@ class OllamaRoutes:
                 for obj in out.feed(payload):
                     yield json.dumps(obj, ensure_ascii=False) + "\n"
             if chunks.complete:
-                self.completions._observe(served.name, chunks.lasts, started, chunks.first, parsed.n)
+                self.completions.observe(served.name, chunks.lasts, started, chunks.first, parsed.n)
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 

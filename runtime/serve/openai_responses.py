@@ -60,20 +60,33 @@ def completion_logprobs(outs: list[RequestOutput], decode) -> dict | None:
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": []} if tokens else None
 
 
-def echo_logprobs(prompt_ids: list[int], scores: list | None, generated: dict | None, decode) -> dict:
-    """The legacy logprobs of an echoed choice: the prompt's tokens first (the first with null, as OpenAI's
-    legacy API gives it: nothing precedes it), then the generated ones'; text_offset each token's start."""
+def text_offsets(tokens: list[str], at: int = 0) -> list[int]:
+    """Where each token's text starts, the first at `at` (legacy logprobs' text_offset)."""
+    out = []
+    for text in tokens:
+        out.append(at)
+        at += len(text)
+    return out
+
+
+def echo_logprobs(prompt_ids: list[int], scores: list | None, decode) -> dict:
+    """The legacy logprobs of an echoed choice's prompt: its tokens, the first with null (as OpenAI's legacy
+    API gives it: nothing precedes it), and each token's start in the text."""
     scores = scores or []
     tokens = [decode(t) for t in prompt_ids]
-    lps = [None] + [_lp(s.logprob) for s in scores]
-    tops = [None] + [{decode(t): _lp(v) for t, v in s.top} for s in scores]
-    if generated:
-        tokens, lps, tops = tokens + generated["tokens"], lps + generated["token_logprobs"], tops + generated["top_logprobs"]
-    offsets, at = [], 0
-    for text in tokens:
-        offsets.append(at)
-        at += len(text)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [None] + [_lp(s.logprob) for s in scores],
+            "top_logprobs": [None] + [{decode(t): _lp(v) for t, v in s.top} for s in scores],
+            "text_offset": text_offsets(tokens)}
+
+
+def joined_logprobs(head: dict | None, tail: dict | None) -> dict | None:
+    """Legacy logprobs of the prompt followed by those of the generated tokens (text_offset running on)."""
+    if head is None or tail is None:
+        return head or tail
+    at = head["text_offset"][-1] + len(head["tokens"][-1]) if head["tokens"] else 0
+    return {"tokens": head["tokens"] + tail["tokens"], "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+            "top_logprobs": head["top_logprobs"] + tail["top_logprobs"],
+            "text_offset": head["text_offset"] + text_offsets(tail["tokens"], at)}
 
 
 def prompt_logprobs(prompt_ids: list[int], scores: list, decode) -> list:

@@ -120,7 +120,7 @@ class ChunkStream:
                     if self.parsed.echo and not echoed_already[i]:  # the prompt first, in the choice's first chunk
                         echoed_already[i] = True
                         head, head_lp = echoed(self.parsed, i, out, decode, self.aengine.prompts.tokenizer)
-                        text, lp = head + text, joined_logprobs(head_lp, lp)
+                        text, lp = head + text, R.joined_logprobs(head_lp, lp)
                     chunk = R.completion_chunk(oid, model, created, text, reason, lp, index=i)
                     if self.parsed.prompt_logprobs is not None and out.prompt_logprobs is not None:
                         chunk["choices"][0]["prompt_logprobs"] = R.prompt_logprobs(
@@ -228,7 +228,7 @@ async def collect(aengine: AsyncEngine, rids: list[str], parsed: P.ParsedRequest
             lp = R.completion_logprobs(choice, decode) if parsed.logprobs is not None else None
             if parsed.echo:
                 head, head_lp = echoed(parsed, i, choice[0], decode, aengine.prompts.tokenizer)
-                text, lp = head + text, joined_logprobs(head_lp, lp)
+                text, lp = head + text, R.joined_logprobs(head_lp, lp)
             body = R.with_token_ids(R.completion_choice(i, text, choice[-1], lp), ids)
             if parsed.prompt_logprobs is not None:
                 body["prompt_logprobs"] = R.prompt_logprobs(parsed.prompt_ids[i // parsed.n],
@@ -295,20 +295,5 @@ def echoed(parsed: P.ParsedRequest, index: int, first: RequestOutput, decode, to
     k = index // parsed.n
     prompt, ids = parsed.prompts[k], parsed.prompt_ids[k]
     text = prompt if isinstance(prompt, str) else tokenizer.decode(ids)
-    lp = R.echo_logprobs(ids, first.prompt_logprobs, None, decode) if parsed.logprobs is not None else None
+    lp = R.echo_logprobs(ids, first.prompt_logprobs, decode) if parsed.logprobs is not None else None
     return text, lp
-
-
-def joined_logprobs(head: dict | None, tail: dict | None) -> dict | None:
-    """Legacy logprobs of the prompt followed by those of the generated tokens (text_offset running on)."""
-    if head is None:
-        return tail
-    if tail is None:
-        return head
-    at = head["text_offset"][-1] + len(head["tokens"][-1]) if head["tokens"] else 0
-    offsets = list(head["text_offset"])
-    for text in tail["tokens"]:
-        offsets.append(at)
-        at += len(text)
-    return {"tokens": head["tokens"] + tail["tokens"], "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
-            "top_logprobs": head["top_logprobs"] + tail["top_logprobs"], "text_offset": offsets}

@@ -185,7 +185,7 @@ class Completions:
             watcher.cancel()
         if lasts is None:  # the request's own fault (400), or the engine's (503)
             return JSONResponse(body, status_code=400 if body["error"]["type"] == "invalid_request_error" else 503)
-        self._observe(served.name, lasts, started, first, parsed.n)
+        self.observe(served.name, lasts, started, first, parsed.n)
         return body
 
     async def _events(self, served: ServedModel, rids: list[str], parsed, chat: bool, started: float):
@@ -193,10 +193,10 @@ class Completions:
         async for payload in chunks:  # leaving this loop early (disconnect) aborts the request
             yield f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
         if chunks.complete:
-            self._observe(served.name, chunks.lasts, started, chunks.first, parsed.n)
+            self.observe(served.name, chunks.lasts, started, chunks.first, parsed.n)
         yield "data: [DONE]\n\n"
 
-    def _observe(self, model: str, lasts, started: float, first: float | None, n: int = 1) -> None:
+    def observe(self, model: str, lasts, started: float, first: float | None, n: int = 1) -> None:
         m = self.metrics
         m.prompt_tokens.labels(model).inc(R.usage(lasts, per_prompt=n)["prompt_tokens"])
         m.generation_tokens.labels(model).inc(sum(o.completion_tokens for o in lasts))
