@@ -378,6 +378,39 @@ class DeviceKVPool:
         for tail in self._tails:
             _release_pages(tail, [(lo * size, (hi - lo) * size) for lo, hi in ranges])
 
+    # whole blocks in and out, as the pool stores them (a saved session: runtime/formats/kv_session.py)
+    @property
+    def block_arrays(self) -> list[str]:
+        """The arrays a block's bytes hold, in order: its K and V rows (and their scales, quantized)."""
+        return ["keys", "values", *(["key_scales", "value_scales"] if self.quantized else [])]
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every layer and kv head, its rows' scales included."""
+        return self.num_layers * (2 * self.layer_bytes + sum(self.scale_bytes)) // self.num_blocks
+
+    def _block_views(self, block: int) -> list[np.ndarray]:
+        if self.device != "cpu":
+            raise RuntimeError(f"the KV pool lives on the {self.device} device: its blocks cannot be saved or restored")
+        at = slice(block * self.block_size, (block + 1) * self.block_size)
+        return [arr[:, :, at] for arr in (*self._host, *self._scales)]
+
+    def read_blocks(self, blocks: list[int]) -> list[bytes]:
+        """Each block's bytes: its arrays (block_arrays) one after another, each C-ordered."""
+        return [b"".join(np.ascontiguousarray(v).tobytes() for v in self._block_views(b)) for b in blocks]
+
+    def write_blocks(self, blocks: list[int], data: list[bytes]) -> None:
+        """Put read_blocks' bytes back, into these blocks (of a pool of the same layout)."""
+        if any(len(raw) != self.block_bytes for raw in data):
+            raise ValueError(f"a block of this pool takes {self.block_bytes} bytes")
+        if blocks:
+            self.ensure(max(blocks) + 1)
+        for block, raw in zip(blocks, data):
+            at = 0
+            for view in self._block_views(block):
+                view[...] = np.frombuffer(raw, view.dtype, view.size, at).reshape(view.shape)
+                at += view.nbytes
+
     def host_view(self) -> tuple[np.ndarray, np.ndarray]:
         """The pools as numpy arrays [layers, kv_heads, blocks, block_size, head_dim] sharing their memory
         (CPU only: for tests and for restoring saved blocks); commits the whole pool."""

@@ -305,6 +305,16 @@ class NativeBackend:
         """Bytes one token takes in the pool, over all layers: fp32 rows, or quantized rows and their scales."""
         return kv_bytes_per_token(cfg, self.kv_dtype)
 
+    def kv_block_layout(self) -> dict:
+        """What a block's saved bytes hold (read_kv_blocks): the pool's arrays in order and their size."""
+        return {"arrays": self.pool.block_arrays, "block_bytes": self.pool.block_bytes}
+
+    def read_kv_blocks(self, blocks: list[int]) -> list[bytes]:
+        return self.pool.read_blocks(blocks)
+
+    def write_kv_blocks(self, blocks: list[int], data: list[bytes]) -> None:
+        self.pool.write_blocks(blocks, data)
+
     # ---- adapters ----
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
         """Open the LoRA graph beside the base one (steps with no adapter stay on the base graph) and

@@ -59,6 +59,12 @@ class WebBackend:
     def kv_bytes_per_token(self, cfg: dict) -> int:
         return kv_bytes_per_token(cfg, self.kv_dtype)
 
+    def kv_block_layout(self, *_) -> dict:
+        raise RuntimeError("the page's KV pool lives in its model worker: there the last prompt's blocks are kept in "
+                           "OPFS across reloads (web/src/prompt_kv.js), not saved as sessions")
+
+    read_kv_blocks = write_kv_blocks = kv_block_layout
+
     def allocate(self, num_blocks: int, block_size: int) -> None:
         from js import Object
         from pyodide.ffi import to_js

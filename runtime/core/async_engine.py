@@ -167,6 +167,27 @@ class AsyncEngine:
         with self._lock:
             return self.engine.adapters.remove(name)
 
+    def save_session(self, path, tokens: list[int] | None = None) -> dict:
+        """Engine.save_session between steps (blocking: call it off the event loop)."""
+        with self._lock:
+            return self.engine.save_session(path, tokens)
+
+    def restore_session(self, path) -> dict:
+        """Engine.restore_session between steps (blocking: call it off the event loop)."""
+        with self._lock:
+            return self.engine.restore_session(path)
+
+    def slot_tokens(self) -> list[int]:
+        """The tokens a save_session without tokens saves: the last finished request's (or restored session's)."""
+        return list(self.engine.scheduler.recent_tokens[0])
+
+    def erase_slot(self) -> int:
+        """Forget slot_tokens (their blocks stay in the prefix cache, shared); returns how many there were."""
+        with self._lock:
+            n = len(self.engine.scheduler.recent_tokens[0])
+            self.engine.scheduler.recent_tokens = ([], None)
+            return n
+
     def stats(self) -> dict:
         with self._lock:
             return self.engine.stats_snapshot()

@@ -55,6 +55,19 @@ class Backend(Protocol):
         """Create the KV pool: num_blocks blocks of block_size tokens."""
         ...
 
+    def kv_block_layout(self) -> dict:
+        """What a pool block's bytes hold: {"arrays": names in order, "block_bytes": n}; RuntimeError where the
+        pool's blocks cannot be read (a GPU's; the page's, whose model worker keeps them)."""
+        ...
+
+    def read_kv_blocks(self, blocks: list[int]) -> list[bytes]:
+        """Whole pool blocks as the pool stores them (a saved session: runtime/core/kv_sessions.py)."""
+        ...
+
+    def write_kv_blocks(self, blocks: list[int], data: list[bytes]) -> None:
+        """read_kv_blocks' bytes back into these blocks, before any step reads them."""
+        ...
+
     def enable_lora(self, max_loras: int, max_rank: int) -> None:
         """Get ready to run steps whose batch names adapter slots (the LoRA graph); AdapterError if it cannot."""
         ...

@@ -154,6 +154,23 @@ class Engine:
     def reset_prefix_cache(self) -> int:
         return self.scheduler.reset_prefix_cache()
 
+    def save_session(self, path, tokens: list[int] | None = None) -> dict:
+        """Save the cached K/V that begin `tokens` (default: the last finished request's prompt and answer) to a
+        file (runtime/core/kv_sessions.py); call between steps."""
+        from runtime.core import kv_sessions
+
+        recent, adapter = self.scheduler.recent_tokens
+        return kv_sessions.save(self, path, recent if tokens is None else tokens, adapter if tokens is None else None)
+
+    def restore_session(self, path) -> dict:
+        """Read a saved session into the prefix cache: later prompts that begin with its tokens skip their prefill.
+        Its tokens become what save_session saves by default."""
+        from runtime.core import kv_sessions
+
+        done = kv_sessions.restore(self, path)
+        self.scheduler.recent_tokens = (done["token_ids"], None)
+        return done
+
     # ---- the step: schedule -> run -> process ----
     def step(self) -> list[RequestOutput]:
         prepared = self.prepare_step()

@@ -186,10 +186,11 @@ class BlockAllocator:
         """The block holding this prefix key, if cached (without retaining it)."""
         return self._block_of.get(key)
 
-    def restore(self, key: bytes) -> int | None:
-        """Park a free block in the cache under `key`, for K/V restored from elsewhere (a page reload);
-        the caller fills it before any step runs. Only truly free blocks: a restore never evicts."""
-        if not self.enable_prefix_cache or not self._free or key in self._block_of:
+    def restore(self, key: bytes, evict: bool = False) -> int | None:
+        """Park a free block in the cache under `key`, for K/V restored from elsewhere (a page reload, a saved
+        session); the caller fills it before any step runs. Only truly free blocks, unless evict: then a
+        cached block nobody holds may go (the least recently used first)."""
+        if not self.enable_prefix_cache or key in self._block_of or not (self._free or evict and self._evictable):
             return None
         block = self.allocate()
         self.register(block, key)

@@ -63,6 +63,7 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}
         self.slots = AdapterSlots(config.max_loras)  # which adapter each of the LoRA graph's slots holds
         self._recent_prompt: list[bytes] = []  # prefix keys of the last finished prompt's full blocks
+        self.recent_tokens: tuple[list[int], str | None] = ([], None)  # the last finished one's computed tokens, adapter
 
     # ---- requests ----
     def add(self, seq: Sequence) -> None:
@@ -90,6 +91,8 @@ class Scheduler:
         full = len(seq.prompt_ids) // self.block_size
         if full and len(seq.block_keys) >= full and not seq.xlora:  # (its real pass alone would not serve)
             self._recent_prompt = seq.block_keys[:full]
+        if not seq.xlora:
+            self.recent_tokens = (list(seq.tokens[:seq.num_computed]), seq.adapter)
         self._release(seq)
         seq.finished = True
         self.seqs.pop(seq.id, None)
@@ -395,6 +398,43 @@ class Scheduler:
                 break
             blocks.append(block)
         return blocks
+
+    def cached_run(self, tokens: list[int], adapter: str | None = None) -> list[tuple[bytes, int]]:
+        """(key, block) of the cached full blocks that begin `tokens`, in order, to the first one not cached
+        (a saved session's blocks: runtime/core/kv_sessions.py)."""
+        out, parent, bs = [], None, self.block_size
+        for j in range(len(tokens) // bs):
+            parent = block_key(parent, tokens[j * bs:(j + 1) * bs], adapter)
+            block = self.allocator.cached_block(parent)
+            if block is None:
+                break
+            out.append((parent, block))
+        return out
+
+    def park_blocks(self, tokens: list[int], adapter: str | None = None) -> list[tuple[int, int]]:
+        """Cache blocks under the prefix keys of `tokens`' full blocks, for K/V the backend is about to write:
+        (index of the block in `tokens`, pool block) of those not cached already. Blocks nobody holds may be
+        evicted for them, never those of running sequences or of this prefix; fewer when the pool runs out."""
+        keys, parent, bs = [], None, self.block_size
+        for j in range(len(tokens) // bs):
+            parent = block_key(parent, tokens[j * bs:(j + 1) * bs], adapter)
+            keys.append(parent)
+        held = [b for b in map(self.allocator.cached_block, keys) if b is not None]
+        for block in held:  # kept while the others are parked: an eviction would break the chain
+            self.allocator.retain(block)
+        out, room = [], self.allocator.num_free  # parked blocks stay free to take: count them off
+        for j, key in enumerate(keys):
+            if self.allocator.cached_block(key) is not None:
+                continue
+            if len(out) == room:
+                break
+            block = self.allocator.restore(key, evict=True)
+            if block is None:
+                break
+            out.append((j, block))
+        for block in held:
+            self.allocator.release(block)
+        return out
 
     def forget_prompt_blocks(self, blocks: list[int]) -> None:
         """Undo restore_prompt_blocks when the backend could not write their K/V."""

@@ -23,12 +23,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.core.adapters import AdapterError, UnknownAdapterError
+from runtime.core.adapters import UnknownAdapterError
 from runtime.core.async_engine import AsyncEngine
 from runtime.errors import ContextLengthError, RequestError
 from runtime.serve import openai_protocol as P
 from runtime.serve import openai_responses as R
-from runtime.serve.adapter_roots import AdapterNotFound, AdapterRoots
+from runtime.serve.adapter_api import AdapterRoutes
+from runtime.serve.adapter_roots import AdapterRoots
 from runtime.serve.api_keys import ANONYMOUS, ApiKeys, access_warnings
 from runtime.serve.feedback_api import FeedbackRoutes, key_name
 from runtime.serve.feedback_protocol import check_user
@@ -36,6 +37,7 @@ from runtime.serve.ollama_api import OllamaRoutes
 from runtime.serve.openai_stream import ChunkStream, collect, encode_request, queue_request
 from runtime.serve.personalization import ADAPTER_PREFIX, personalization_for
 from runtime.serve.request_limits import BodyLimit, default_max_request_bytes
+from runtime.serve.slots_api import SlotRoutes
 from runtime.serve.tokenizer_api import TokenizerRoutes
 
 
@@ -236,60 +238,12 @@ def model_cards(models: dict[str, ServedModel]) -> list[dict]:
     return cards
 
 
-class AdapterRoutes:
-    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's), while requests stream; served only
-    when loading at run time is allowed, from adapters under the roots."""
-
-    def __init__(self, models: dict[str, ServedModel], roots: AdapterRoots) -> None:
-        self.models, self.roots = models, roots
-
-    async def _body(self, request: Request, *fields: str) -> dict:
-        body = await read_json(request)
-        if not isinstance(body, dict):
-            raise P.ProtocolError("the request body must be a JSON object")
-        for f in fields:
-            if not isinstance(body.get(f), str) or not body[f]:
-                raise P.ProtocolError(f"{f!r} is required (a non-empty string)", f)
-        return body
-
-    async def load(self, request: Request):
-        try:
-            body = await self._body(request, "lora_name", "lora_path")
-            name, base = body["lora_name"], body.get("base_model_name")
-            try:
-                resolve_model(self.models, name)
-                raise P.ProtocolError(f"the adapter '{name}' is already loaded", "lora_name")
-            except P.ProtocolError as err:
-                if err.status != 404:
-                    raise
-            served = self.models.get(base) if base else next(iter(self.models.values()))
-            if served is None:
-                raise P.model_not_found(base)
-            path = self.roots.confine(body["lora_path"])
-            await asyncio.to_thread(served.engine.add_adapter, name, path)
-        except P.ProtocolError as err:
-            return JSONResponse(err.body(), status_code=err.status)
-        except AdapterNotFound as err:
-            return error_response(400, str(err), param="lora_path", code="adapter_not_found")
-        except AdapterError as err:
-            return error_response(400, str(err), param="lora_path")
-        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
-
-    async def unload(self, request: Request):
-        try:
-            name = (await self._body(request, "lora_name"))["lora_name"]
-            if not any(m.engine.remove_adapter(name) for m in self.models.values()):
-                raise P.ProtocolError(f"no LoRA adapter named '{name}' is loaded", "lora_name", status=404,
-                                      code="model_not_found")
-        except P.ProtocolError as err:
-            return JSONResponse(err.body(), status_code=err.status)
-        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
-
-
 def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_queue: int | None = None,
                shutdown_timeout: float = 30.0, defaults: dict | None = None, *, keys: ApiKeys | None = None,
-               max_request_bytes: int | None = None, lora_roots: list[str] | None = None, ollama_api: bool = True):
-    """ollama_api: Ollama's API beside OpenAI's (runtime/serve/ollama_api.py). defaults: sampling values for requests that leave a field out (`ruvllm serve --temperature ...`).
+               max_request_bytes: int | None = None, lora_roots: list[str] | None = None, ollama_api: bool = True,
+               slot_save_path: str | None = None):
+    """ollama_api: Ollama's API beside OpenAI's (runtime/serve/ollama_api.py); slot_save_path: llama.cpp's slot
+    save and restore into this folder (slots_api.py). defaults: sampling values for requests that leave a field out.
     keys: named API keys (api_key: one key named "default"); max_request_bytes: the body limit (default
     from the longest context served); lora_roots: runtime adapter loading from these folders (None: off)."""
     metrics = Metrics(models)
@@ -355,9 +309,11 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
     TokenizerRoutes(models, read_json).mount(app)  # vLLM's: lm-eval scores by the server's own tokens with them
     if ollama_api:
         OllamaRoutes(models, handler, read_json).mount(app)
+    if slot_save_path is not None:
+        SlotRoutes(models, slot_save_path, read_json).mount(app)
 
     if roots is not None:
-        adapters = AdapterRoutes(models, roots)
+        adapters = AdapterRoutes(models, roots, read_json, resolve_model)
         app.post("/v1/load_lora_adapter")(adapters.load)
         app.post("/v1/unload_lora_adapter")(adapters.unload)
 
@@ -375,7 +331,7 @@ def create_app(models: dict[str, ServedModel], api_key: str | None = None, max_q
     return app
 
 
-KEYED = ("/v1/", "/api/", "/tokenize", "/detokenize", "/tokenizer_info")  # what needs a key when keys are set
+KEYED = ("/v1/", "/api/", "/slots", "/tokenize", "/detokenize", "/tokenizer_info")  # what needs a key when keys are set
 
 
 class AuthAndCount:

@@ -20,7 +20,9 @@ NOT_IN_THE_PAGE = ("runtime.serve.cli", "runtime.resolve", "runtime.serve.server
                    "runtime.backends.kv_pool", "runtime.backends.adapter_weights", "runtime.backends.guidance",
                    "runtime.backends.block_layouts", "runtime.backends.graph_rewrite", "runtime.backends.lora_gradients", "runtime.backends.micro_lora",
                    "runtime.backends.dense_weights", "runtime.serve.feedback_api", "runtime.serve.personalization",
-                   "runtime.serve.ollama_api", "runtime.serve.ollama_protocol", "runtime.serve.tokenizer_api")
+                   "runtime.serve.ollama_api", "runtime.serve.ollama_protocol", "runtime.serve.tokenizer_api",
+                   "runtime.serve.slots_api", "runtime.serve.adapter_api", "runtime.core.kv_sessions",
+                   "runtime.formats.kv_session")
 
 
 def preload_modules() -> list[str]:

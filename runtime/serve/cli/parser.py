@@ -166,6 +166,9 @@ def build_parser(fields=SAMPLING_FIELDS) -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=None, help="waiting requests before answering 429")
     sv.add_argument("--no-ollama-api", action="store_true",
                     help="do not serve Ollama's API (/api/chat, /api/generate, /api/tags, ...) beside OpenAI's")
+    sv.add_argument("--slot-save-path", default=None, metavar="DIR",
+                    help="serve llama.cpp's POST /slots/0?action=save|restore|erase: a conversation's KV blocks "
+                         "saved to files in DIR and read back, so its prompt is not prefilled again after a restart")
     sv.add_argument("--device", default="cpu", choices=["cpu", "cuda", "coreml", "auto"])
     sv.add_argument("--log-level", default="info")
     sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",

@@ -46,13 +46,15 @@ def cmd_serve(args) -> int:
     if args.ray is not None:
         if personalize is not None:
             raise RuvLLMError("--personalize is not served on Ray yet (users' adapters live beside one engine)")
+        if args.slot_save_path is not None:
+            raise RuvLLMError("--slot-save-path is not served on Ray (each replica has a KV pool of its own)")
         return serve_on_ray(args, packages, defaults, keys, roots)
     models = load_models(packages, args.device, args.max_concurrent, engine_options(args), lora_modules(args),
                          threads=args.threads, personalize=personalize, state_dir=args.state_dir)
     print(f"serving {', '.join(models)} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     serve(models, args.host, args.port, log_level=args.log_level, keys=keys, max_queue=args.max_queue,
           defaults=defaults, max_request_bytes=args.max_request_bytes, lora_roots=roots,
-          ollama_api=not args.no_ollama_api)
+          ollama_api=not args.no_ollama_api, slot_save_path=args.slot_save_path)
     return 0
 
 
