@@ -126,29 +126,34 @@ def _search_scale(x, weights: list, mean_abs, block: int, bits: int):
     return best
 
 
-CLIP_ROWS = 1024  # output rows searched at a time: the search's products are [rows, outputs, blocks] floats
+CLIP_ROWS = 1024  # output rows searched at a time (a 7B MLP's candidates at once would be GBs)
 
 
-def _search_clip(x, w, block: int, bits: int):
+def _search_clip(x, w, block: int, bits: int, gram=None):
     """w with each block clipped to the range (shrunk symmetrically) that minimizes its output error; a
-    block's search sees only its own row, so the rows go CLIP_ROWS at a time (a 7B MLP's all at once would
-    hold 4 GB of products)."""
+    block's search sees only its own row, so the rows go CLIP_ROWS at a time.
+
+    A block's error over the calibration rows, mean_n (x_n . (q - w))^2, is d^T G d with d = q - w and G the
+    block's input Gram matrix (mean of x x^T over the rows): computed from G, each candidate costs a block's
+    width per weight rather than a calibration row's product per weight and row (16x fewer at 1,024 rows and
+    blocks of 64; SmolLM2's AWQ export 240 -> ~130 s here)."""
     import torch
 
-    if w.shape[0] > CLIP_ROWS:
-        return torch.cat([_search_clip(x, w[r:r + CLIP_ROWS], block, bits) for r in range(0, w.shape[0], CLIP_ROWS)])
     out_f, in_f = w.shape
     pad = -in_f % block
-    xb = torch.nn.functional.pad(x, (0, pad)).reshape(x.shape[0], -1, block)  # [n, blocks, block]
+    if gram is None:
+        xb = torch.nn.functional.pad(x, (0, pad)).reshape(x.shape[0], -1, block)  # [n, blocks, block]
+        gram = torch.einsum("ngb,ngc->gbc", xb, xb) / x.shape[0]  # [blocks, block, block]
+    if out_f > CLIP_ROWS:
+        return torch.cat([_search_clip(x, w[r:r + CLIP_ROWS], block, bits, gram) for r in range(0, out_f, CLIP_ROWS)])
     wb = torch.nn.functional.pad(w, (0, pad)).reshape(out_f, -1, block)  # [out, blocks, block]
-    ref = torch.einsum("ngb,ogb->nog", xb, wb)
     full = wb.abs().amax(-1, keepdim=True)
     best_err = torch.full(wb.shape[:2], float("inf"))
     best_max = full.clone()
     for k in range(int(CLIP_MAX_SHRINK * CLIP_GRID)):
         limit = full * (1 - k / CLIP_GRID)
-        q = fake_quantize(torch.clamp(wb, -limit, limit).reshape(out_f, -1), block, bits)
-        err = ((torch.einsum("ngb,ogb->nog", xb, q.reshape(wb.shape)) - ref) ** 2).mean(0)
+        d = fake_quantize(torch.clamp(wb, -limit, limit).reshape(out_f, -1), block, bits).reshape(wb.shape) - wb
+        err = (torch.einsum("ogb,gbc->ogc", d, gram) * d).sum(-1)  # [out, blocks]
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_max = torch.where(better[..., None], limit, best_max)
