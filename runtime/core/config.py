@@ -23,6 +23,10 @@ DEFAULT_KV_MEMORY = 512 * 1024 * 1024
 SPECULATIVE_TOKENS = 3
 SPECULATIVE_MAX_BATCH = 2
 SPECULATIVE_MAX_TEMPERATURE = 0.5
+# SmolLM2 Q4_1, 2 threads, 16 streams decoding while 8 prompts of 1,080 tokens arrive (benchmarks/mixed_load.py,
+# docs/performance-log/2026-12.md): the streams' inter-token p99 93 ms alone; with the long prompts 1,198 ms
+# uncapped, 462 at 128, 230 at 64, 132 at 32, while the prompts' prefill fell from 531 to 346 tokens a second
+LONG_PREFILL_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,9 @@ class EngineConfig:
     block_size: int | None = None  # None: the package's
     max_num_seqs: int = 64
     max_batch_tokens: int = 512
+    # while some sequence decodes, the prompt tokens a step computes at most (vLLM's long_prefill_token_threshold,
+    # for the step as a whole): a long prompt's prefill no longer stalls the streams running beside it; 0: off
+    long_prefill_tokens: int = LONG_PREFILL_TOKENS
     enable_prefix_cache: bool = True
     speculative_tokens: int = SPECULATIVE_TOKENS
     speculative_max_batch: int = SPECULATIVE_MAX_BATCH
@@ -69,6 +76,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative_tokens < 0 or self.speculative_max_batch < 0:
             raise ValueError("speculative_tokens and speculative_max_batch must be >= 0")
+        if self.long_prefill_tokens < 0:
+            raise ValueError("long_prefill_tokens must be >= 0")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_loras < 1 or self.max_lora_rank < 1:

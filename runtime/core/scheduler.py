@@ -104,12 +104,18 @@ class Scheduler:
         cap = self._row_cap()
         self._scored_left = SCORED_ROWS
         plan: list[tuple[Sequence, int]] = []
+        prefill = self._prefill_budget(budget)
         for seq in list(self.running):
             if budget <= 0:
                 break
             if seq not in self.running:  # preempted below to make room
                 continue
-            n = self._scored(seq, min(len(seq.tokens) - seq.num_computed, budget, cap))
+            left = len(seq.tokens) - seq.num_computed
+            if left > 1 and prefill <= 0:  # a prompt (or a preempted one's recompute) past the step's prefill budget
+                continue
+            n = self._scored(seq, min(left, budget, cap, prefill if left > 1 else 1))
+            if left > 1:
+                prefill -= n
             while not self._grow(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -121,7 +127,7 @@ class Scheduler:
             n += len(seq.draft)
             plan.append((seq, n))
             budget -= n
-        self._admit(plan, budget, cap)
+        self._admit(plan, min(budget, prefill), cap)
         if not plan:
             return None
         for seq, n in plan:
@@ -129,6 +135,14 @@ class Scheduler:
                 self.stats.prompt_tokens += n
         self.stats.peak_running = max(self.stats.peak_running, len(plan))
         return SchedulerOutput(plan, [self._chunk(seq, n) for seq, n in plan], self.allocator.take_dropped())
+
+    def _prefill_budget(self, budget: int) -> int:
+        """Prompt tokens this step may compute: the budget, or while a sequence decodes, long_prefill_tokens of it
+        (a decoding sequence's step then stays short; the prompts still advance every step)."""
+        cap = self.config.long_prefill_tokens
+        if cap and any(len(s.tokens) - s.num_computed <= 1 for s in self.running):
+            return min(budget, cap)
+        return budget
 
     def _scored(self, seq: Sequence, n: int) -> int:
         """n, or for a prompt being scored (prompt_logprobs) what is left of the step's SCORED_ROWS (at least one):

@@ -90,7 +90,8 @@ def test_sixty_four_requests_at_once_answer_as_they_do_alone(smol_int4, smol_cas
     the prefix cache and a step budget that takes many prompts in one step, cutting them otherwise than their
     solo runs."""
     tokens, chats, want = smol_cases
-    engine = Engine.from_package(smol_int4, max_num_seqs=64, max_batch_tokens=4096, num_blocks=64 * 20)
+    engine = Engine.from_package(smol_int4, max_num_seqs=64, max_batch_tokens=4096, num_blocks=64 * 20,
+                                 long_prefill_tokens=0)  # every prompt admitted while others decode
     batch = [(c, "greedy") for c in chats] + [(c, "seeded") for c in chats]
     got = run(engine, batch, tokens, per_step=64)
     assert differing(got, want["greedy"] + want["seeded"]) == []

@@ -288,3 +288,28 @@ def test_xlora_sequences_get_expert_slots_and_shadow_blocks_and_give_them_back()
         s.finish(seq)
     assert s.slots.users == [0, 0, 0] and s.allocator.num_used == 0
     assert all(not seq.shadow_blocks and not seq.expert_slots for seq in (x, other))
+
+
+def test_prompts_arriving_while_others_decode_take_at_most_long_prefill_tokens_a_step():
+    """Streams that decode run every step, beside at most long_prefill_tokens prompt tokens (over all the
+    prompts of the step); alone, a prompt takes the whole budget; 0 turns the cap off."""
+    s = make(max_batch_tokens=64, long_prefill_tokens=8)
+    add(s, "first", list(range(40)), max_tokens=100)
+    assert run_step(s).scheduled[0][1] == 40  # nobody decodes yet: the whole budget
+    for i in range(2):
+        add(s, f"long{i}", [50 + i] * 30, max_tokens=2)
+    steps = 0
+    while any(q.num_computed < 30 for q in s.running if q.id != "first") or s.waiting:
+        prompting = {q.id for q in [*s.running, *s.waiting] if len(q.tokens) - q.num_computed > 1}
+        out = run_step(s)
+        plan = dict((q.id, n) for q, n in out.scheduled)
+        assert plan["first"] == 1  # the stream steps every time
+        assert 0 < sum(n for rid, n in plan.items() if rid in prompting) <= 8
+        steps += 1
+        check_blocks(s)
+    assert steps >= 2 * 30 // 8
+    off = make(max_batch_tokens=64, long_prefill_tokens=0)
+    add(off, "first", list(range(40)), max_tokens=100)
+    run_step(off)
+    add(off, "long", [50] * 30, max_tokens=2)
+    assert dict((q.id, n) for q, n in run_step(off).scheduled) == {"first": 1, "long": 30}

@@ -1,5 +1,5 @@
 """Schemathesis over the server's published OpenAPI document: every endpoint, valid and invalid bodies,
-a bounded number of examples each (Ollama's API among them). No 5xx, and the server is healthy after."""
+a bounded number of examples each (Ollama's API and llama.cpp's slots among them). No 5xx, and the server is healthy after."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ EXAMPLES = 30  # per endpoint and mode
 
 
 @pytest.fixture(scope="module")
-def live(tiny_package):
+def live(tiny_package, tmp_path_factory):
     models = load_models([str(tiny_package("llama"))], "cpu", 16, {})
-    server = LiveServer(create_app(models))
+    server = LiveServer(create_app(models, slot_save_path=str(tmp_path_factory.mktemp("slots"))))
     server.model = next(iter(models))
     yield server
     r = httpx.get(server.url + "/health")

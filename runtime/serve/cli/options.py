@@ -44,7 +44,8 @@ def engine_options(args) -> dict:
         opts["block_size"] = args.block_size
     if getattr(args, "kv_dtype", None):
         opts["kv_dtype"] = args.kv_dtype
-    for name in ("speculative_tokens", "speculative_max_batch", "max_loras", "max_lora_rank", "max_cpu_loras"):
+    for name in ("speculative_tokens", "speculative_max_batch", "max_loras", "max_lora_rank", "max_cpu_loras",
+                 "long_prefill_tokens"):
         if getattr(args, name, None) is not None:
             opts[name] = getattr(args, name)
     if getattr(args, "batch_invariant", False):

@@ -6,6 +6,7 @@ import argparse
 
 from runtime.aliases import ALIASES
 from runtime.contract import KV_DTYPES
+from runtime.core.config import LONG_PREFILL_TOKENS
 from runtime.core.request_fields import SAMPLING_FIELDS
 from runtime.serve.api_keys import KEY_FILE_HELP
 from runtime.serve.cli.chat import cmd_chat
@@ -68,6 +69,9 @@ def build_parser(fields=SAMPLING_FIELDS) -> argparse.ArgumentParser:
                        help="prompt-lookup drafts verified per decode step, for requests at temperature <= 0.5 (default 3; 0: off)")
         p.add_argument("--speculative-max-batch", type=int, default=None,
                        help="draft only while at most this many sequences run (default 2)")
+        p.add_argument("--long-prefill-tokens", type=int, default=None,
+                       help="while some request decodes, the prompt tokens one step computes at most, so long "
+                            f"prompts do not stall running streams (default {LONG_PREFILL_TOKENS}; 0: the whole step budget)")
         p.add_argument("--batch-invariant", action="store_true",
                        help="a request's tokens never depend on what runs beside it: where this host's kernels do not "
                             "promise it (see GET /v1/models), serve one request at a time, without prefix cache "
