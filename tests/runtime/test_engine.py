@@ -116,7 +116,8 @@ def test_prompts_arriving_together_compute_their_shared_blocks_once(tiny_package
     plain = Engine.from_package(pkg, enable_prefix_cache=False, speculative_tokens=0)
     expected = [[t for o in plain.generate(messages=m, params=greedy()) for t in o.token_ids] for m in chats]
     expected_other = [t for o in plain.generate(other, greedy()) for t in o.token_ids]
-    engine = Engine.from_package(pkg, speculative_tokens=0, max_batch_tokens=4096)
+    # the whole budget for prompts while others decode: the steps below are those of an uncapped step
+    engine = Engine.from_package(pkg, speculative_tokens=0, max_batch_tokens=4096, long_prefill_tokens=0)
     rids = [engine.add_request(messages=m, params=greedy()) for m in chats[:3]]
     rid_other = engine.add_request(other, greedy())
     rids += [engine.add_request(messages=m, params=greedy()) for m in chats[3:]]
