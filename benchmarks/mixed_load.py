@@ -20,16 +20,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from load import pct  # noqa: E402  (milliseconds, as load.py reports them)
+
 from runtime.core.engine import Engine  # noqa: E402
 from runtime.core.sampling import SamplingParams  # noqa: E402
 from runtime.resolve import resolve_package  # noqa: E402
 
 TEXT = Path(__file__).parent / "data" / "real_models_text.md"
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
 
 
 def run(engine: Engine, streams: int, stream_tokens: int, long_prompts: list[list[int]], every: float,
@@ -63,7 +60,7 @@ def run(engine: Engine, streams: int, stream_tokens: int, long_prompts: list[lis
     ttfts = [first_token[r] - long_ids[r] for r in first_token]
     for rid in list(engine.seqs):
         engine.abort(rid)
-    return {"gap_p50_ms": round(1000 * pct(gaps, 0.5), 1), "gap_p99_ms": round(1000 * pct(gaps, 0.99), 1),
+    return {"gap_p50_ms": pct(gaps, 0.5), "gap_p99_ms": pct(gaps, 0.99),
             "gap_max_ms": round(1000 * max(gaps, default=0), 1), "long_done": len(first_token),
             "long_ttft_p50_s": round(statistics.median(ttfts), 2) if ttfts else None,
             "prefill_tok_s": round(prompt_tokens / spent, 1) if spent else None}

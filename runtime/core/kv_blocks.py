@@ -23,6 +23,17 @@ def block_key(parent: bytes | None, tokens: list[int] | tuple[int, ...], adapter
     return h.digest()
 
 
+def prefix_keys(tokens, block_size: int, adapter: str | None = None, known: list[bytes] | tuple = (),
+                upto: int | None = None) -> list[bytes]:
+    """Chained keys of the full blocks within tokens[:upto], after the `known` first ones (continuing their chain)."""
+    parent = known[-1] if known else None
+    keys = []
+    for j in range(len(known), (len(tokens) if upto is None else upto) // block_size):
+        parent = block_key(parent, tokens[j * block_size:(j + 1) * block_size], adapter)
+        keys.append(parent)
+    return keys
+
+
 def kv_group(head_dim: int) -> int:
     """Numbers per int8 scale in a KV row: 32, or the whole row where 32 does not divide it."""
     return 32 if head_dim % 32 == 0 else head_dim

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from runtime.core.adapters import AdapterSlots
 from runtime.core.config import SPECULATIVE_MAX_TEMPERATURE, EngineConfig
-from runtime.core.kv_blocks import BlockAllocator, block_key, exact_floor
+from runtime.core.kv_blocks import BlockAllocator, exact_floor, prefix_keys
 from runtime.core.sequence import Sequence
 from runtime.core.speculative import PromptLookup
 from runtime.core.stats import EngineStats
@@ -92,7 +92,7 @@ class Scheduler:
         if full and len(seq.block_keys) >= full and not seq.xlora:  # (its real pass alone would not serve)
             self._recent_prompt = seq.block_keys[:full]
         if not seq.xlora:
-            self.recent_tokens = (list(seq.tokens[:seq.num_computed]), seq.adapter)
+            self.recent_tokens = (seq.tokens[:seq.num_computed], seq.adapter)  # a copy
         self._release(seq)
         seq.finished = True
         self.seqs.pop(seq.id, None)
@@ -376,13 +376,8 @@ class Scheduler:
         """Keys of the full blocks within the first upto_tokens tokens, after the `known` ones. An X-LoRA's
         real pass is keyed by its id (its experts, classifier and settings), its scaling pass by that id
         and pass_tag: each pass's K/V is a function of the tokens before it and the X-LoRA alone."""
-        bs, keys = self.block_size, []
-        parent = known[-1] if known else None
         adapter = seq.adapter + pass_tag if pass_tag and seq.adapter else seq.adapter
-        for j in range(len(known), upto_tokens // bs):
-            parent = block_key(parent, seq.tokens[j * bs:(j + 1) * bs], adapter)
-            keys.append(parent)
-        return keys
+        return prefix_keys(seq.tokens, self.block_size, adapter, known, upto_tokens)
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached prefix (as vLLM's reset_prefix_cache): later prompts compute from scratch.
@@ -416,23 +411,19 @@ class Scheduler:
     def cached_run(self, tokens: list[int], adapter: str | None = None) -> list[tuple[bytes, int]]:
         """(key, block) of the cached full blocks that begin `tokens`, in order, to the first one not cached
         (a saved session's blocks: runtime/core/kv_sessions.py)."""
-        out, parent, bs = [], None, self.block_size
-        for j in range(len(tokens) // bs):
-            parent = block_key(parent, tokens[j * bs:(j + 1) * bs], adapter)
-            block = self.allocator.cached_block(parent)
+        out = []
+        for key in prefix_keys(tokens, self.block_size, adapter):
+            block = self.allocator.cached_block(key)
             if block is None:
                 break
-            out.append((parent, block))
+            out.append((key, block))
         return out
 
     def park_blocks(self, tokens: list[int], adapter: str | None = None) -> list[tuple[int, int]]:
         """Cache blocks under the prefix keys of `tokens`' full blocks, for K/V the backend is about to write:
         (index of the block in `tokens`, pool block) of those not cached already. Blocks nobody holds may be
         evicted for them, never those of running sequences or of this prefix; fewer when the pool runs out."""
-        keys, parent, bs = [], None, self.block_size
-        for j in range(len(tokens) // bs):
-            parent = block_key(parent, tokens[j * bs:(j + 1) * bs], adapter)
-            keys.append(parent)
+        keys = prefix_keys(tokens, self.block_size, adapter)
         held = [b for b in map(self.allocator.cached_block, keys) if b is not None]
         for block in held:  # kept while the others are parked: an eviction would break the chain
             self.allocator.retain(block)

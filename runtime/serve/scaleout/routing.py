@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 
-from runtime.core.kv_blocks import block_key
+from runtime.core.kv_blocks import prefix_keys
 
 LIVE_ROUTERS: dict[str, object] = {}  # this process's Ray Serve routers by deployment name (router.py registers)
 
@@ -22,12 +22,7 @@ def prompt_block_keys(ids: Sequence[int], block_size: int, adapter_id: str | Non
                       max_blocks: int = 32) -> list[bytes]:
     """The prefix-cache keys of the prompt's first full blocks (at most max_blocks: enough to tell
     shared system prompts apart, cheap to hash)."""
-    keys: list[bytes] = []
-    parent = None
-    for i in range(min(len(ids) // block_size, max_blocks)):
-        parent = block_key(parent, ids[i * block_size:(i + 1) * block_size], adapter_id)
-        keys.append(parent)
-    return keys
+    return prefix_keys(ids, block_size, adapter_id, upto=min(len(ids), max_blocks * block_size))
 
 
 class PrefixAffinity:
