@@ -53,8 +53,9 @@ class EngineConfig:
     block_size: int | None = None  # None: the package's
     max_num_seqs: int = 64
     max_batch_tokens: int = 512
-    # while some sequence decodes, the prompt tokens a step computes at most (vLLM's long_prefill_token_threshold,
-    # for the step as a whole): a long prompt's prefill no longer stalls the streams running beside it; 0: off
+    # while some sequence decodes, a longer prompt computes this many tokens a step, one such prompt a step, and
+    # a shorter one whole (vLLM's long_prefill_token_threshold, max_long_partial_prefills 1): a long prompt's
+    # prefill does not stall the streams running beside it, nor a chat's prompt queue behind it; 0: off
     long_prefill_tokens: int = LONG_PREFILL_TOKENS
     enable_prefix_cache: bool = True
     speculative_tokens: int = SPECULATIVE_TOKENS

@@ -48,6 +48,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int, max_context: int, vocab_size: int,
                  stats: EngineStats | None = None, exact_blocks: int = 1, pads_rows: bool = False) -> None:
         self._scored_left = SCORED_ROWS  # this step's (schedule() resets it)
+        self._long_left = 1  # this step's long prompts still to advance (_prompt_limit)
         self.config = config
         self.pads_rows = pads_rows  # Backend.pads_rows: a step's attention costs rows x its longest chunk
         # blocks up to a query's own that the backend's pool reads exact (Backend.kv_exact_blocks): above
@@ -104,18 +105,17 @@ class Scheduler:
         cap = self._row_cap()
         self._scored_left = SCORED_ROWS
         plan: list[tuple[Sequence, int]] = []
-        prefill = self._prefill_budget(budget)
+        self._long_left = 1
         for seq in list(self.running):
             if budget <= 0:
                 break
             if seq not in self.running:  # preempted below to make room
                 continue
             left = len(seq.tokens) - seq.num_computed
-            if left > 1 and prefill <= 0:  # a prompt (or a preempted one's recompute) past the step's prefill budget
+            limit = self._prompt_limit(left) if left > 1 else 1  # a prompt, or a preempted one's recompute
+            if limit <= 0:
                 continue
-            n = self._scored(seq, min(left, budget, cap, prefill if left > 1 else 1))
-            if left > 1:
-                prefill -= n
+            n = self._scored(seq, min(left, budget, cap, limit))
             while not self._grow(seq, seq.num_computed + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -127,7 +127,7 @@ class Scheduler:
             n += len(seq.draft)
             plan.append((seq, n))
             budget -= n
-        self._admit(plan, min(budget, prefill), cap)
+        self._admit(plan, budget, cap)
         if not plan:
             return None
         for seq, n in plan:
@@ -136,13 +136,21 @@ class Scheduler:
         self.stats.peak_running = max(self.stats.peak_running, len(plan))
         return SchedulerOutput(plan, [self._chunk(seq, n) for seq, n in plan], self.allocator.take_dropped())
 
-    def _prefill_budget(self, budget: int) -> int:
-        """Prompt tokens this step may compute: the budget, or while a sequence decodes, long_prefill_tokens of it
-        (a decoding sequence's step then stays short; the prompts still advance every step)."""
+    def _prompt_limit(self, left: int) -> int:
+        """The most tokens of a prompt with `left` to compute this step. While some sequence decodes, a prompt
+        longer than long_prefill_tokens computes that many, and only one such prompt a step (vLLM's
+        long_prefill_token_threshold with max_long_partial_prefills 1); a shorter one computes whole. So a
+        document's prefill adds at most long_prefill_tokens to the streams' steps, and a chat's prompt does not
+        queue behind it. Call in the step's order: the long prompt's turn is taken by the first that asks."""
         cap = self.config.long_prefill_tokens
-        if cap and any(len(s.tokens) - s.num_computed <= 1 for s in self.running):
-            return min(budget, cap)
-        return budget
+        if not cap or not any(len(s.tokens) - s.num_computed <= 1 for s in self.running):
+            return left
+        if left <= cap:
+            return left
+        if self._long_left <= 0:
+            return 0
+        self._long_left -= 1
+        return cap
 
     def _scored(self, seq: Sequence, n: int) -> int:
         """n, or for a prompt being scored (prompt_logprobs) what is left of the step's SCORED_ROWS (at least one):
@@ -190,7 +198,14 @@ class Scheduler:
             seq.block_keys = keys[:len(cached)]  # copies: update() appends to them
             seq.shadow_keys = shadow_keys[:len(shadow)]
             start = len(cached) * self.block_size
-            n = self._scored(seq, min(len(seq.tokens) - start, budget, cap))
+            limit = self._prompt_limit(len(seq.tokens) - start)
+            if limit <= 0:  # a second long prompt: it waits, the short ones behind it go on
+                for block in cached + shadow:
+                    self.allocator.release(block)
+                for slot in slots:
+                    self.slots.release(slot)
+                continue
+            n = self._scored(seq, min(len(seq.tokens) - start, budget, cap, limit))
             if seq.kv_passes * (self.allocator.blocks_for(start + n) - len(cached)) > self.allocator.num_free:
                 for block in cached + shadow:  # not admitted after all: give the hits back
                     self.allocator.release(block)

@@ -291,20 +291,27 @@ def test_xlora_sequences_get_expert_slots_and_shadow_blocks_and_give_them_back()
 
 
 def test_prompts_arriving_while_others_decode_take_at_most_long_prefill_tokens_a_step():
-    """Streams that decode run every step, beside at most long_prefill_tokens prompt tokens (over all the
-    prompts of the step); alone, a prompt takes the whole budget; 0 turns the cap off."""
+    """Streams that decode run every step; beside them a prompt longer than long_prefill_tokens computes that
+    many a step, one such prompt a step, and a short prompt arriving meanwhile computes whole at once instead
+    of queueing behind it; alone, a prompt takes the whole budget; 0 turns the cap off."""
     s = make(max_batch_tokens=64, long_prefill_tokens=8)
     add(s, "first", list(range(40)), max_tokens=100)
     assert run_step(s).scheduled[0][1] == 40  # nobody decodes yet: the whole budget
     for i in range(2):
         add(s, f"long{i}", [50 + i] * 30, max_tokens=2)
     steps = 0
-    while any(q.num_computed < 30 for q in s.running if q.id != "first") or s.waiting:
-        prompting = {q.id for q in [*s.running, *s.waiting] if len(q.tokens) - q.num_computed > 1}
+    while any(q.num_computed < 30 for q in s.running if q.id.startswith("long")) or s.waiting:
+        left = {q.id: len(q.tokens) - q.num_computed for q in [*s.running, *s.waiting]}
         out = run_step(s)
         plan = dict((q.id, n) for q, n in out.scheduled)
         assert plan["first"] == 1  # the stream steps every time
-        assert 0 < sum(n for rid, n in plan.items() if rid in prompting) <= 8
+        prompts = {rid: n for rid, n in plan.items() if left[rid] > 1}
+        assert prompts and all(n <= 8 for n in prompts.values())
+        assert sum(1 for rid in prompts if left[rid] > 8) <= 1, (left, plan)  # one long prompt a step
+        if steps == 1:
+            add(s, "short", [60] * 6, max_tokens=2)  # arrives while long0 prefills: computed whole next step
+        if "short" in left and left["short"] > 1:
+            assert plan["short"] == 6 and any(rid.startswith("long") for rid in prompts), plan
         steps += 1
         check_blocks(s)
     assert steps >= 2 * 30 // 8

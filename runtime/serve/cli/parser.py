@@ -70,8 +70,9 @@ def build_parser(fields=SAMPLING_FIELDS) -> argparse.ArgumentParser:
         p.add_argument("--speculative-max-batch", type=int, default=None,
                        help="draft only while at most this many sequences run (default 2)")
         p.add_argument("--long-prefill-tokens", type=int, default=None,
-                       help="while some request decodes, the prompt tokens one step computes at most, so long "
-                            f"prompts do not stall running streams (default {LONG_PREFILL_TOKENS}; 0: the whole step budget)")
+                       help="while some request decodes, a longer prompt computes this many tokens a step (one such "
+                            "prompt a step; shorter ones whole), so long prompts do not stall running streams "
+                            f"(default {LONG_PREFILL_TOKENS}; 0: the whole step budget)")
         p.add_argument("--batch-invariant", action="store_true",
                        help="a request's tokens never depend on what runs beside it: where this host's kernels do not "
                             "promise it (see GET /v1/models), serve one request at a time, without prefix cache "
