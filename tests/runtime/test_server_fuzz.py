@@ -19,7 +19,10 @@ EXAMPLES = 30  # per endpoint and mode
 @pytest.fixture(scope="module")
 def live(tiny_package, tmp_path_factory):
     models = load_models([str(tiny_package("llama"))], "cpu", 16, {})
-    server = LiveServer(create_app(models, slot_save_path=str(tmp_path_factory.mktemp("slots"))))
+    # a request that names no max_tokens gets 8 (`serve --max-tokens 8`), not the context's room: each of the
+    # hundreds of cases is then quick, and every field is still read and checked as without the default
+    server = LiveServer(create_app(models, slot_save_path=str(tmp_path_factory.mktemp("slots")),
+                                   defaults={"max_tokens": 8}))
     server.model = next(iter(models))
     yield server
     r = httpx.get(server.url + "/health")
