@@ -802,10 +802,13 @@ def test_a_declared_fusion_that_does_not_apply_is_refused(tiny_package, tmp_path
 def test_the_avx2_build_passes_these_tests_too():
     """An AVX-512 host builds the AVX2 set as well (RUVLLM_KERNEL_ISA=avx2) and runs this file, the
     adapter tests (ruvllm.LoraDelta) and the int8 KV writer's on it, so both instruction sets' paths of
-    every operator (PagedAttention on every pool), the LoRA delta and the writer are run on every such host."""
+    every operator (PagedAttention on every pool), the LoRA delta and the writer are run on every such host.
+    Not the slow ones: they would export SmolLM2 again in the child process, and the
+    whole model on the AVX2 build is test_a_request_gives_the_same_tokens_and_log_probabilities_on_either_build's."""
     adapters = str(Path(__file__).with_name("test_adapters.py"))
     writer = str(Path(__file__).with_name("test_kv_int8.py")) + "::test_the_kernel_librarys_writer_stores_what_numpy_does_bit_for_bit"
-    proc = in_avx2_build(["-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, adapters, writer], timeout=900)
+    proc = in_avx2_build(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", __file__, adapters, writer],
+                         timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout.splitlines()[-1], proc.stdout[-500:]
 
