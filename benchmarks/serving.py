@@ -16,7 +16,8 @@ requests in flight at the end complete and count), greedy, `ignore_eos`:
   chat1/chat16/chat64  1/16/64 clients, a ~150-token shared system prompt and a short question, 128 tokens out
   long                 16 clients, each prompt ~1,080 tokens of its own text, 32 tokens out
   mixed                16 chat clients while 2 clients send long prompts back to back
-Per load: output tokens a second, prompt tokens a second (long), TTFT and inter-token p50/p99 (a gap is between
+--api completions sends the same text as plain prompts to /v1/completions (the default for gemma3, a base model
+whose GGUF has no chat template). Per load: output tokens a second, prompt tokens a second (long), TTFT and inter-token p50/p99 (a gap is between
 two chunks that carry text), completed, errors, distinct greedy answers per question (1 = repeatable), and the
 server's peak RSS (its process tree, sampled every 0.2 s). Prints JSON; --out also writes it.
 """
@@ -61,6 +62,7 @@ CHAT_TOKENS, LONG_TOKENS, LONG_CHARS = 128, 32, 3300
 KV_GB = 1  # RuvLLM's and vLLM's KV-cache budget
 SLOT_CONTEXT = 2048  # llama-server's context a slot: a long prompt and its answer
 RUVLLM_ARGS: list[str] = []  # --ruvllm-args: more `ruvllm serve` flags, to compare its settings
+API = ["chat"]  # --api: chat, or completions for a base model (Gemma 3 270M's GGUF has no chat template)
 
 
 class Unavailable(Exception):
@@ -244,16 +246,21 @@ def long_text(i: int) -> str:
 
 
 async def request(client: httpx.AsyncClient, model: str, messages: list, max_tokens: int) -> dict:
-    body = {"model": model, "messages": messages, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    """One streamed request; with API == "completions" (a base model: no chat template) the messages' text as a
+    plain prompt to /v1/completions."""
+    body = {"model": model, "stream": True, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    if API[0] == "chat":
+        body["messages"], path = messages, "/v1/chat/completions"
+    else:
+        body["prompt"], path = "\n\n".join(m["content"] for m in messages) + "\nAnswer:", "/v1/completions"
     t0 = time.perf_counter()
     out = {"gaps": [], "text": "", "ttft": None, "error": None, "tokens": 0, "prompt_tokens": 0, "chunks": 0}
     last = None
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        async with client.stream("POST", path, json=body) as resp:
             if resp.status_code != 200:
-                await resp.aread()
-                out["error"] = f"HTTP {resp.status_code}"
+                out["error"] = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
                 return out
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line.strip() == "data: [DONE]":
@@ -265,7 +272,8 @@ async def request(client: httpx.AsyncClient, model: str, messages: list, max_tok
                 if chunk.get("usage"):
                     out["tokens"] = chunk["usage"].get("completion_tokens", 0)
                     out["prompt_tokens"] = chunk["usage"].get("prompt_tokens", 0)
-                text = chunk["choices"][0]["delta"].get("content") if chunk.get("choices") else None
+                choice = chunk["choices"][0] if chunk.get("choices") else {}
+                text = choice.get("delta", {}).get("content") if API[0] == "chat" else choice.get("text")
                 if text:
                     now = time.perf_counter()
                     if last is None:
@@ -297,6 +305,8 @@ async def drive(url: str, model: str, chat: int, long: int, duration: float) -> 
             else:
                 r = await request(client, model, [{"role": "user", "content": long_text(next(counter))}], LONG_TOKENS)
             results[kind].append(r)
+            if (r["error"] or "").startswith("HTTP 4"):  # the request itself is refused: sending more tells nothing
+                break
             n += 1
 
     # a connection a request: llama-server drops idle keep-alive connections, which httpx does not retry
@@ -314,7 +324,9 @@ def summarise(rs: list[dict], wall: float) -> dict:
     errors: dict[str, int] = {}
     for r in rs:
         if r["error"]:
-            errors[r["error"]] = errors.get(r["error"], 0) + 1
+            kind = r["error"].split(":")[0]
+            errors[kind] = errors.get(kind, 0) + 1
+            errors.setdefault("first", r["error"])
     answers: dict[str, set] = {}
     for r in ok:
         if "question" in r and r["tokens"]:
@@ -399,6 +411,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=None)
     ap.add_argument("--ruvllm-args", default="", help="more `ruvllm serve` flags, e.g. '--long-prefill-tokens 16'")
+    ap.add_argument("--api", choices=("chat", "completions"), default=None,
+                    help="default: completions for gemma3 (a base model with no chat template), else chat")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="no run: join earlier --out files (engines run one "
                     "at a time, same machine, same session) and compute the gates over them")
     args = ap.parse_args()
@@ -410,13 +424,15 @@ def main() -> None:
         print(json.dumps(res, indent=1))
         return
     RUVLLM_ARGS.extend(shlex.split(args.ruvllm_args))
+    API[0] = args.api or ("completions" if args.model == "gemma3" else "chat")
     loads = args.loads.split(",")
     if unknown := set(loads) - set(LOADS):
         ap.error(f"unknown loads {sorted(unknown)}; choose from {sorted(LOADS)}")
     WORK.mkdir(parents=True, exist_ok=True)
     gguf, hf = model_files(args.model)
     res: dict = {"date": time.strftime("%Y-%m-%d"), "model": str(gguf), "threads": args.threads,
-                 "duration_s": args.duration, "cpu": cpu_name(), "kv_budget_gb": KV_GB, "ruvllm_args": RUVLLM_ARGS}
+                 "duration_s": args.duration, "cpu": cpu_name(), "kv_budget_gb": KV_GB, "ruvllm_args": RUVLLM_ARGS,
+                 "api": API[0]}
     for name in args.engines.split(","):
         res[name] = bench_engine(name, gguf, hf, loads, args.duration, args.threads)
     res["gates"] = gates({k: v for k, v in res.items() if k in ENGINES})
