@@ -23,9 +23,10 @@ DEFAULT_KV_MEMORY = 512 * 1024 * 1024
 SPECULATIVE_TOKENS = 3
 SPECULATIVE_MAX_BATCH = 2
 SPECULATIVE_MAX_TEMPERATURE = 0.5
-# SmolLM2 Q4_1, 2 threads, 16 streams decoding while 8 prompts of 1,080 tokens arrive (benchmarks/mixed_load.py,
-# docs/performance-log/2026-12.md): the streams' inter-token p99 93 ms alone; with the long prompts 1,198 ms
-# uncapped, 462 at 128, 230 at 64, 132 at 32, while the prompts' prefill fell from 531 to 346 tokens a second
+# SmolLM2 Q4_1, 2 threads, 16 chat streams while long prompts of ~1,090 tokens arrive (benchmarks/serving.py's
+# mixed load, docs/performance-log/2026-12.md): the streams' inter-token p99 48 ms alone, 122 ms beside the long
+# prompts at 32 (their prefill 552 tokens a second), 104 ms at 16 (326 a second); uncapped, a step's whole budget
+# of prompt tokens stalled them for about a second (benchmarks/mixed_load.py: p99 1,198 ms)
 LONG_PREFILL_TOKENS = 32
 
 

@@ -48,7 +48,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int, max_context: int, vocab_size: int,
                  stats: EngineStats | None = None, exact_blocks: int = 1, pads_rows: bool = False) -> None:
         self._scored_left = SCORED_ROWS  # this step's (schedule() resets it)
-        self._long_left = 1  # this step's long prompts still to advance (_prompt_limit)
+        self._long_cap, self._long_left = 0, 1  # this step's long-prompt limit and turns left (_prompt_limit)
         self.config = config
         self.pads_rows = pads_rows  # Backend.pads_rows: a step's attention costs rows x its longest chunk
         # blocks up to a query's own that the backend's pool reads exact (Backend.kv_exact_blocks): above
@@ -105,7 +105,8 @@ class Scheduler:
         cap = self._row_cap()
         self._scored_left = SCORED_ROWS
         plan: list[tuple[Sequence, int]] = []
-        self._long_left = 1
+        decoding = any(len(s.tokens) - s.num_computed <= 1 for s in self.running)
+        self._long_cap, self._long_left = self.config.long_prefill_tokens if decoding else 0, 1
         for seq in list(self.running):
             if budget <= 0:
                 break
@@ -142,15 +143,12 @@ class Scheduler:
         long_prefill_token_threshold with max_long_partial_prefills 1); a shorter one computes whole. So a
         document's prefill adds at most long_prefill_tokens to the streams' steps, and a chat's prompt does not
         queue behind it. Call in the step's order: the long prompt's turn is taken by the first that asks."""
-        cap = self.config.long_prefill_tokens
-        if not cap or not any(len(s.tokens) - s.num_computed <= 1 for s in self.running):
-            return left
-        if left <= cap:
+        if not self._long_cap or left <= self._long_cap:
             return left
         if self._long_left <= 0:
             return 0
         self._long_left -= 1
-        return cap
+        return self._long_cap
 
     def _scored(self, seq: Sequence, n: int) -> int:
         """n, or for a prompt being scored (prompt_logprobs) what is left of the step's SCORED_ROWS (at least one):
@@ -200,17 +198,11 @@ class Scheduler:
             start = len(cached) * self.block_size
             limit = self._prompt_limit(len(seq.tokens) - start)
             if limit <= 0:  # a second long prompt: it waits, the short ones behind it go on
-                for block in cached + shadow:
-                    self.allocator.release(block)
-                for slot in slots:
-                    self.slots.release(slot)
+                self._give_back(cached + shadow, slots)
                 continue
             n = self._scored(seq, min(len(seq.tokens) - start, budget, cap, limit))
             if seq.kv_passes * (self.allocator.blocks_for(start + n) - len(cached)) > self.allocator.num_free:
-                for block in cached + shadow:  # not admitted after all: give the hits back
-                    self.allocator.release(block)
-                for slot in slots:
-                    self.slots.release(slot)
+                self._give_back(cached + shadow, slots)  # not admitted after all
                 break
             if seq.xlora:
                 seq.adapter_slot, seq.expert_slots = 0, slots
@@ -231,6 +223,13 @@ class Scheduler:
             budget -= n
             if sharing and not seq.xlora:
                 pending.update(keys[len(cached):(start + n) // self.block_size])
+
+    def _give_back(self, blocks: list[int], slots: list[int]) -> None:
+        """A waiting sequence's cache hits and adapter slots, taken for an admission that did not happen."""
+        for block in blocks:
+            self.allocator.release(block)
+        for slot in slots:
+            self.slots.release(slot)
 
     def _acquire_slots(self, seq: Sequence) -> list[int] | None:
         """The adapter slot of the sequence's adapter, or its X-LoRA experts' slots; None when one is busy."""
