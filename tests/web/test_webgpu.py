@@ -126,11 +126,11 @@ def test_smollm2_on_webgpu_gives_the_steps_tokens(gpu_page, web_bundle):
     info = p.evaluate("window.ruvllm.engine.info")
     assert (info["device"], info["graph"], info["backend"]) == ("webgpu", "model_webgpu.onnx", "onnxruntime"), info
     assert p.page.inner_text("#i-device") == "WebGPU"
-    # 4 tokens: a decode step of SmolLM2 takes SwiftShader ~10 s
+    # 4 tokens, all equal (a decode step of SmolLM2 takes SwiftShader ~10 s)
     reply = p.evaluate("(r) => window.ruvllm.engine.chat.completions.create(r)",
                        {"messages": SEA, "max_tokens": 4, "temperature": 0, "return_token_ids": True})
     steps = native_steps(web_bundle / "models" / "smollm2-135m", SEA, 4)
-    assert_equal_up_to_a_near_tie(reply["choices"][0]["token_ids"], steps, 3)
+    assert_equal_up_to_a_near_tie(reply["choices"][0]["token_ids"], steps, 4)
 
 
 def test_adapters_on_webgpu_give_the_native_tokens(gpu_page, tiny_package, peft_adapters, web_models):
