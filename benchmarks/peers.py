@@ -37,11 +37,14 @@ def gguf_path() -> Path:
 
 def hf_folder() -> Path:
     """SmolLM2 dequantized from the GGUF into a plain HF folder (what the genai builder reads)."""
-    out = WORK / "smollm2-hf"
+    return dequantized_hf(gguf_path(), WORK / "smollm2-hf")
+
+
+def dequantized_hf(g: Path, out: Path) -> Path:
+    """A GGUF's weights as transformers dequantizes them, in a plain Hugging Face folder (made once)."""
     if not (out / "config.json").exists():
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        g = gguf_path()
         loaded = AutoModelForCausalLM.from_pretrained(g.parent, gguf_file=g.name)
         cfg = loaded.config
         if hasattr(cfg, "quantization_config"):  # a GGUF-loaded model refuses to save; copy its weights out

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import shlex
@@ -41,6 +42,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load import free_port, pct  # noqa: E402
+from peers import dequantized_hf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = Path(os.environ.get("RUVLLM_BENCH_DIR", Path.home() / ".cache" / "ruvllm" / "bench")) / "serving"
@@ -108,28 +110,7 @@ def model_files(spec: str) -> tuple[Path, callable]:
         if not gguf.is_file():
             sys.exit(f"no such model: {spec} (smollm2, gemma3, llama1b, qwen0.5b or a .gguf file)")
 
-    def dequantized() -> Path:
-        out = WORK / f"{gguf.stem}-hf"
-        if not (out / "config.json").exists():
-            run([sys.executable, "-c", DEQUANTIZE, str(gguf), str(out)], timeout=3600)
-        return out
-    return gguf, dequantized
-
-
-DEQUANTIZE = """
-import sys
-from pathlib import Path
-from transformers import AutoModelForCausalLM, AutoTokenizer
-g, out = Path(sys.argv[1]), sys.argv[2]
-loaded = AutoModelForCausalLM.from_pretrained(g.parent, gguf_file=g.name)
-cfg = loaded.config
-if hasattr(cfg, "quantization_config"):  # a GGUF-loaded model refuses to save: copy its weights out
-    del cfg.quantization_config
-plain = AutoModelForCausalLM.from_config(cfg)
-plain.load_state_dict(loaded.state_dict())
-plain.save_pretrained(out)
-AutoTokenizer.from_pretrained(g.parent, gguf_file=g.name).save_pretrained(out)
-"""
+    return gguf, lambda: dequantized_hf(gguf, WORK / f"{gguf.stem}-hf")
 
 
 # ---- the engines: each returns the command that serves the model on a port
@@ -292,7 +273,7 @@ async def request(client: httpx.AsyncClient, model: str, messages: list, max_tok
 async def drive(url: str, model: str, chat: int, long: int, duration: float) -> dict:
     results = {"chat": [], "long": []}
     t0 = time.perf_counter()
-    counter = iter(range(10**9))
+    counter = itertools.count()
 
     async def client_loop(kind: str, slot: int) -> None:
         n = 0
@@ -374,15 +355,16 @@ def gates(res: dict) -> dict:
     ours = res.get("ruvllm", {})
     peers = {k: v for k, v in res.items() if k != "ruvllm" and "error" not in v}
 
-    def best(load: str, kind: str, key: str, low: bool = False):
-        vals = [v[load][kind][key] if "." not in key else v[load][kind][key.split(".")[0]][key.split(".")[1]]
-                for v in peers.values() if load in v and kind in v[load]]
-        vals = [x for x in vals if x]
-        return (min(vals) if low else max(vals)) if vals else None
+    def get(load: str, kind: str, key: str, run: dict = ours):
+        """run[load][kind][key], a dotted key reading deeper (ttft_ms.p50); None where missing."""
+        d = run.get(load, {}).get(kind, {})
+        for part in key.split("."):
+            d = d.get(part) if isinstance(d, dict) else None
+        return d
 
-    def get(load: str, kind: str, key: str):
-        d = ours.get(load, {}).get(kind, {})
-        return d.get(key) if "." not in key else d.get(key.split(".")[0], {}).get(key.split(".")[1])
+    def best(load: str, kind: str, key: str, low: bool = False):
+        vals = [x for v in peers.values() if (x := get(load, kind, key, v))]
+        return (min(vals) if low else max(vals)) if vals else None
 
     def ratio(a, b):
         return round(a / b, 2) if a and b else None
@@ -396,9 +378,8 @@ def gates(res: dict) -> dict:
     g["chat1_ttft_vs_best_peer (<= 0.5)"] = ratio(get("chat1", "chat", "ttft_ms.p50"),
                                                   best("chat1", "chat", "ttft_ms.p50", low=True))
     g["mixed_itl_p99_vs_chat16 (<= 2)"] = ratio(get("mixed", "chat", "itl_ms.p99"), get("chat16", "chat", "itl_ms.p99"))
-    v = res.get("vllm", {})
     g["long_prompt_tok_s_vs_vllm (>= 1.5)"] = ratio(get("long", "long", "prompt_tok_s"),
-                                                    v.get("long", {}).get("long", {}).get("prompt_tok_s"))
+                                                    get("long", "long", "prompt_tok_s", res.get("vllm", {})))
     return g
 
 
